@@ -1,0 +1,22 @@
+"""dsc: an ahead-of-time compiler for transformer inference.
+
+    import dsc
+    dsc.compile("path/to/hf-checkpoint", "build/model", dtype="bf16")   # compiler (needs transformers)
+    engine = dsc.load("build/model")                                   # runtime (torch + safetensors)
+    engine.generate([[1, 2, 3]], max_new_tokens=16)
+"""
+__version__ = "0.1.0"
+
+
+def load(path, rank=None, device=None, verify=True):
+    """Load a compiled artifact; see dsc.runtime.load."""
+    from dsc.runtime import load as _load
+
+    return _load(path, rank=rank, device=device, verify=verify)
+
+
+def compile(model, out, **options):  # noqa: A001  (mirrors torch.compile / deepspeed naming)
+    """Compile a checkpoint folder, hub id or loaded transformers model; see dsc.compiler.compile."""
+    from dsc.compiler import compile as _compile
+
+    return _compile(model, out, **options)

@@ -1,0 +1,176 @@
+"""The `dsc` command line: compile, generate, inspect (and the commands later layers add).
+
+User errors print one line (`error: ...`) and exit 2, with no traceback."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from dsc.errors import PassError, UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="dsc: an ahead-of-time compiler for transformer inference.")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+class _RichProgress:
+    """Renders compile progress: one line per stage, a bytes bar while weights are written."""
+
+    def __init__(self):
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = Console(stderr=True)
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                            TimeElapsedColumn(), console=self.console, transient=False)
+        self.task = None
+
+    def stage(self, name: str) -> None:
+        self.console.print(f"[bold]{name}[/bold]", highlight=False)
+
+    def start_bytes(self, total: int) -> None:
+        self.bar.start()
+        self.task = self.bar.add_task("writing rank files", total=total)
+
+    def advance_bytes(self, n: int) -> None:
+        self.bar.update(self.task, advance=n)
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.bar.stop()
+
+
+@app.command("compile")
+def compile_cmd(
+    model: str = typer.Argument(..., help="checkpoint folder, or a hub id in the local HF cache"),
+    out: Path = typer.Option(..., "-o", "--out", help="artifact folder to write"),
+    dtype: Optional[str] = typer.Option(None, help="fp16 | bf16 | fp32 (default: the checkpoint's)"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel ranks"),
+    max_batch: Optional[int] = typer.Option(None, help="largest batch (KV-cache rows); default 8"),
+    max_seq: Optional[int] = typer.Option(None, help="longest sequence, prompt + generated; default 512"),
+    config: Optional[Path] = typer.Option(None, "--config", help="dsc or DeepSpeed inference config (JSON)"),
+    dump_passes: Optional[Path] = typer.Option(None, help="write the graph after every pass here"),
+    verify: bool = typer.Option(False, "--verify", help="compare with transformers on sample prompts"),
+) -> None:
+    """Compile a Hugging Face causal LM into a dsc artifact."""
+    from dsc.compiler import compile as dsc_compile
+
+    progress = _RichProgress()
+    try:
+        path = dsc_compile(model, out, config_file=config, dump_passes=dump_passes, verify=verify,
+                           command=["dsc"] + sys.argv[1:], progress=progress,
+                           dtype=dtype, tp=tp, max_batch=max_batch, max_seq=max_seq)
+    except UserError as e:
+        progress.close()
+        _fail(str(e))
+    except PassError as e:
+        progress.close()
+        _fail(str(e), 3)
+    progress.close()
+    typer.echo(f"wrote {path}")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise UserError(f"--token-ids: expected integers separated by commas or spaces, got {text!r}")
+
+
+def _tokenizer(artifact: Path):
+    f = artifact / "tokenizer" / "tokenizer.json"
+    if not f.exists():
+        raise UserError(f"{artifact}: the artifact has no tokenizer; pass --token-ids")
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(f))
+
+
+@app.command("generate")
+def generate_cmd(
+    artifact: Path = typer.Argument(..., help="artifact folder"),
+    prompt: List[str] = typer.Option([], "--prompt", help="prompt text (repeat for a batch)"),
+    token_ids: List[str] = typer.Option([], "--token-ids", help="prompt as token ids '1,2,3' (repeatable)"),
+    max_new_tokens: int = typer.Option(32, help="tokens to generate per prompt"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_k: int = typer.Option(0), top_p: float = typer.Option(1.0), seed: Optional[int] = typer.Option(None),
+    stop_token: List[int] = typer.Option([], "--stop-token", help="token id that ends a sequence (repeatable)"),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda if available)"),
+    stream: bool = typer.Option(False, "--stream", help="print tokens as they are generated"),
+    no_verify: bool = typer.Option(False, "--no-verify", help="skip checksum verification at load"),
+) -> None:
+    """Generate from an artifact. For tp > 1, run under torchrun, or let dsc start the ranks."""
+    try:
+        if not prompt and not token_ids:
+            raise UserError("generate: give --prompt TEXT or --token-ids IDS")
+        from dsc.runtime.artifact import open_artifact
+
+        art = open_artifact(artifact, ranks=[], verify=False)
+        if art.tp > 1 and "WORLD_SIZE" not in os.environ:
+            _relaunch_under_torchrun(art.tp)
+            return
+        tok = _tokenizer(artifact) if prompt else None
+        prompts = [tok.encode(p).ids for p in prompt] + [_parse_ids(t) for t in token_ids]
+        import dsc
+
+        engine = dsc.load(artifact, device=device, verify=not no_verify)
+        leader = engine.rank == 0
+
+        def on_step(step, toks):
+            if stream and leader:
+                typer.echo(" ".join("-" if t is None else str(t) for t in toks))
+
+        res = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=seed, stop_tokens=stop_token or None, callback=on_step)
+        if leader:
+            for i, (p, ids) in enumerate(zip(prompts, res.tokens)):
+                text = tok.decode(ids) if tok and i < len(prompt) else None
+                typer.echo(json.dumps({"prompt": i, "tokens": ids, "finish": res.finish_reasons[i],
+                                       **({"text": text} if text is not None else {})}))
+    except UserError as e:
+        _fail(str(e))
+
+
+def _relaunch_under_torchrun(n: int) -> None:
+    """Start n local ranks of this same command with torch.distributed.run."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "-m", "dsc"] + sys.argv[1:]
+    rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    if rc:
+        raise typer.Exit(rc)
+
+
+@app.command("inspect")
+def inspect_cmd(artifact: Path = typer.Argument(...),
+                as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Show an artifact: options, programs and their op counts, kernels, weights and bytes per rank."""
+    try:
+        from dsc.runtime.inspect import describe, render
+
+        info = describe(artifact)
+    except UserError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(info, indent=1, sort_keys=True))
+    else:
+        render(info)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""dsc compiler: checkpoint -> traced programs -> passes -> artifact."""
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from dsc.compiler.options import CompileOptions, make_options, options_from_config_file
+from dsc.errors import UserError
+
+
+class Progress:
+    """What compile reports while it works; the CLI renders it with rich."""
+
+    def stage(self, name: str) -> None: ...
+    def start_bytes(self, total: int) -> None: ...
+    def advance_bytes(self, n: int) -> None: ...
+
+
+def compile(model: Any, out: str | Path, *, options: CompileOptions | None = None,
+            config_file: str | Path | None = None, dump_passes: str | Path | None = None,
+            verify: bool = False, command: list[str] | None = None, progress: Progress | None = None,
+            **fields: Any) -> Path:
+    """Compile `model` (a checkpoint folder, a hub id in the local cache, or a loaded
+    transformers model) into an artifact at `out`. Option fields (dtype, tp, max_batch,
+    max_seq, ...) may be given as keywords, as a CompileOptions, or through a dsc/DeepSpeed
+    JSON config file (keywords win)."""
+    from dsc.compiler.architectures import architecture_for
+    from dsc.compiler.emit import emit
+    from dsc.compiler.pipeline import run_passes
+    from dsc.compiler.source import open_checkpoint
+    from dsc.compiler.trace import target_dtype, trace
+    from dsc.compiler.weights import local_dtype, local_shape
+    from dsc.compiler.validate import validate_options
+
+    progress = progress or Progress()
+    if options is None:
+        base = options_from_config_file(Path(config_file)) if config_file else {}
+        base.update({k: v for k, v in fields.items() if v is not None})
+        options = make_options(str(config_file) if config_file else "options", **base)
+    elif fields:
+        options = options.model_copy(update=fields)
+    with _as_checkpoint(model) as src:
+        ckpt = open_checkpoint(src)
+        arch = architecture_for(ckpt.config, str(ckpt.root / "config.json"))
+        validate_options(ckpt, arch, options)
+        progress.stage("trace")
+        m = trace(ckpt, arch, options)
+        m = run_passes(m, Path(dump_passes) if dump_passes else None, on_pass=progress.stage)
+        progress.stage("emit")
+        dtype = target_dtype(ckpt, options)
+        total = 0
+        for spec in m.weights.values():
+            n = local_dtype(spec).itemsize
+            for d in local_shape(spec, options.tp):
+                n *= d
+            total += n * options.tp
+        progress.start_bytes(total)
+        out = emit(m, ckpt, Path(out), dtype, command or ["dsc.compile", str(model if isinstance(model, (str, Path)) else type(model).__name__)],
+                   on_bytes=progress.advance_bytes)
+        if verify:
+            progress.stage("verify")
+            from dsc.compiler.verify import verify_artifact
+
+            report = verify_artifact(out, ckpt.root)
+            print(report.summary())
+    return out
+
+
+@contextlib.contextmanager
+def _as_checkpoint(model: Any):
+    """A path is used as is; a loaded transformers model is saved to a temporary folder."""
+    if isinstance(model, (str, Path)):
+        yield str(model)
+        return
+    if not hasattr(model, "save_pretrained"):
+        raise UserError(f"compile: expected a checkpoint path or a transformers model, got {type(model).__name__}")
+    with tempfile.TemporaryDirectory(prefix="dsc-model-") as d:
+        model.save_pretrained(d, safe_serialization=True)
+        yield d
+
+
+__all__ = ["compile", "CompileOptions", "Progress"]

@@ -1,0 +1,64 @@
+"""The architectures dsc compiles, and what it needs to know of each.
+
+Tracing goes through transformers' own model code, and sharding is derived from the graph's
+dataflow, so an architecture entry is small: the model_type, and the config facts the
+passes cannot read off the graph. Adding one is a new entry here plus its test config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsc.errors import UserError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    family: str  # "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)
+
+    def heads(self, cfg: dict) -> int:
+        return cfg.get("num_attention_heads", cfg.get("n_head"))
+
+    def kv_heads(self, cfg: dict) -> int:
+        return cfg.get("num_key_value_heads") or self.heads(cfg)
+
+    def hidden(self, cfg: dict) -> int:
+        return cfg.get("hidden_size", cfg.get("n_embd"))
+
+    def head_dim(self, cfg: dict) -> int:
+        return cfg.get("head_dim") or self.hidden(cfg) // self.heads(cfg)
+
+    def layers(self, cfg: dict) -> int:
+        return cfg.get("num_hidden_layers", cfg.get("n_layer"))
+
+    def intermediate(self, cfg: dict) -> int:
+        return cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * self.hidden(cfg)
+
+    def max_positions(self, cfg: dict) -> int | None:
+        return cfg.get("max_position_embeddings", cfg.get("n_positions"))
+
+
+ARCHITECTURES = {
+    a.model_type: a
+    for a in [
+        Architecture("llama", "llama"),
+        Architecture("mistral", "llama"),
+        Architecture("qwen2", "llama"),
+        Architecture("gpt2", "gpt2"),
+    ]
+}
+
+
+def architecture_for(config: dict, where: str) -> Architecture:
+    mt = config.get("model_type")
+    if mt not in ARCHITECTURES:
+        raise UserError(f"{where}: unsupported model_type {mt!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    arch = ARCHITECTURES[mt]
+    for field in ("vocab_size",):
+        if not isinstance(config.get(field), int):
+            raise UserError(f"{where}: missing or invalid field '{field}'")
+    if not isinstance(arch.heads(config), int) or not isinstance(arch.hidden(config), int):
+        raise UserError(f"{where}: missing or invalid field 'num_attention_heads'/'hidden_size'")
+    if not isinstance(arch.layers(config), int):
+        raise UserError(f"{where}: missing or invalid field 'num_hidden_layers'")
+    return arch

@@ -1,0 +1,156 @@
+"""Write the artifact: plan.json, rank{i}.safetensors, tokenizer/, manifest.json.
+
+Everything goes to a temporary folder beside the destination, renamed into place at the end:
+an interrupted or failed compile leaves nothing at the destination. Output is deterministic:
+sorted keys, no timestamps or addresses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dsc.compiler.ir import Model, WeightSpec
+from dsc.compiler.serialize import program_nodes
+from dsc.compiler.source import Checkpoint, sha256_file, tokenizer_files
+from dsc.compiler.weights import SourceReader, float_tensor, local_dtype, local_shape, write_safetensors
+from dsc.errors import UserError
+from dsc.runtime.artifact import FORMAT, FORMAT_VERSION
+
+PROGRAM_INPUTS = ["input_ids", "position_ids", "cache_pos", "last_idx"]
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, indent=1, sort_keys=True) + "\n"
+
+
+def _eos_ids(ckpt: Checkpoint) -> list[int]:
+    ids = ckpt.config.get("eos_token_id")
+    gen = ckpt.root / "generation_config.json"
+    if gen.exists():
+        try:
+            ids = json.loads(gen.read_text()).get("eos_token_id", ids)
+        except json.JSONDecodeError:
+            pass
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def build_plan(model: Model, ckpt: Checkpoint, dtype: str) -> dict:
+    opts = model.options
+    programs = {}
+    for name, graph in model.graphs():
+        programs[name] = {"inputs": PROGRAM_INPUTS, "nodes": program_nodes(graph, model.sym_names)}
+    cfg = ckpt.config
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model": {"model_type": cfg["model_type"], "vocab_size": cfg["vocab_size"],
+                  "eos_token_ids": _eos_ids(ckpt), "bos_token_id": cfg.get("bos_token_id"),
+                  "dtype": dtype, "layers": model.arch.layers(cfg)},
+        "limits": {"max_batch": opts.max_batch, "max_seq": opts.max_seq},
+        "tp": opts.tp,
+        "kv_cache": model.kv_cache,
+        "programs": programs,
+        "notes": model.notes,
+        "passes": {k: v for k, v in sorted(model.counters.items())},
+    }
+
+
+class RankTensors:
+    """Produces the tensors of one rank, quantizing each weight once for all its parts."""
+
+    def __init__(self, model: Model, reader: SourceReader, rank: int, world: int):
+        self.model, self.reader, self.rank, self.world = model, reader, rank, world
+        self._qkey: Any = None
+        self._qparts: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        spec = self.model.weights[name]
+        if spec.quant is None:
+            return float_tensor(spec, self.rank, self.world, self.reader)
+        base = dataclasses.replace(spec, quant=dataclasses.replace(spec.quant, part="qweight"))
+        if self._qkey != base:
+            from dsc.kernels.int8 import quantize_weight
+
+            w = float_tensor(dataclasses.replace(spec, quant=None), self.rank, self.world, self.reader)
+            self._qparts = quantize_weight(w.float(), spec.quant.group_size, spec.quant.symmetric)
+            self._qkey = base
+        return self._qparts[spec.quant.part]
+
+
+def rank_entries(model: Model, world: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(n, local_shape(s, world), local_dtype(s)) for n, s in model.weights.items()]
+
+
+def _prepare_destination(out: Path) -> Path:
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and ((out / "manifest.json").exists() or not any(out.iterdir()))):
+        raise UserError(f"{out}: exists and is not a dsc artifact; choose another -o")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[str],
+         on_bytes: Callable[[int], None] | None = None, extra_manifest: dict | None = None) -> Path:
+    out = Path(out)
+    tmp = _prepare_destination(out)
+    try:
+        world = model.options.tp
+        (tmp / "plan.json").write_text(_json(build_plan(model, ckpt, dtype)))
+        entries = rank_entries(model, world)
+        with SourceReader(ckpt) as reader:
+            for rank in range(world):
+                write_safetensors(tmp / f"rank{rank}.safetensors", entries,
+                                  RankTensors(model, reader, rank, world), on_bytes)
+        toks = tokenizer_files(ckpt.root)
+        if toks:
+            (tmp / "tokenizer").mkdir()
+            for f in toks:
+                shutil.copyfile(f, tmp / "tokenizer" / f.name)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "versions": _versions(),
+            "source": {"model": ckpt.name, "model_type": ckpt.config["model_type"],
+                       "files": ckpt.file_hashes()},
+            "options": model.options.model_dump(mode="json"),
+            "dtype": dtype,
+            "tp": world,
+            "command": command,
+            "files": {str(p.relative_to(tmp)): sha256_file(p) for p in files},
+            "passes": {k: v for k, v in sorted(model.counters.items())},
+        }
+        if extra_manifest:
+            manifest.update(extra_manifest)
+        (tmp / "manifest.json").write_text(_json(manifest))
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    import dsc
+
+    return {"dsc": dsc.__version__, "torch": torch.__version__.split("+")[0],
+            "transformers": transformers.__version__}

@@ -1,0 +1,127 @@
+"""The compiler's in-memory program: FX graphs (one per program) over a table of weight specs.
+
+A weight is never held in memory during compilation. A `WeightSpec` is a recipe that says
+how to produce one tensor of one rank file from the source checkpoint: which source tensors,
+transposed or not, which slice for tensor parallelism, cast to which dtype, quantized how.
+Passes edit recipes and graphs; `emit` streams the recipes into rank files.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Split `dim` across ranks. `blocks` lists the sizes of the independent blocks along
+    `dim` (one block for a plain split; [q, k, v] rows for a fused projection): each block
+    is split evenly and rank r keeps the r-th piece of every block, concatenated.
+    `replicate_blocks` names blocks that every rank keeps whole (kv heads when tp > kv heads
+    are instead handled by `groups`): block i is split into `groups[i]` pieces and rank r
+    takes piece r * groups[i] // world."""
+
+    dim: int
+    blocks: tuple[int, ...]
+    groups: tuple[int, ...] | None = None  # pieces per block; default: world
+
+    def pieces(self, world: int) -> tuple[int, ...]:
+        return self.groups or tuple(world for _ in self.blocks)
+
+    def ranges(self, rank: int, world: int) -> list[tuple[int, int]]:
+        """[start, stop) ranges along dim that rank keeps, in order."""
+        out, base = [], 0
+        for size, n in zip(self.blocks, self.pieces(world)):
+            piece = size // n
+            i = rank * n // world
+            out.append((base + i * piece, base + (i + 1) * piece))
+            base += size
+        return out
+
+    def local_size(self, world: int) -> int:
+        return sum(size // n for size, n in zip(self.blocks, self.pieces(world)))
+
+
+@dataclass(frozen=True)
+class Quant:
+    """Int8 quantization of a 2-D weight [out, in] after sharding. `part` picks the tensor
+    this spec produces: the int8 values, the scales or the zero points."""
+
+    part: str  # "qweight" | "scale" | "zero"
+    group_size: int | None = None  # None: one scale per output row
+    symmetric: bool = True
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    sources: tuple[str, ...]  # checkpoint tensors, concatenated along dim 0 (after transpose)
+    shape: tuple[int, ...]  # full (unsharded, unquantized) shape after transpose/concat
+    dtype: str  # storage dtype name, e.g. "bfloat16"
+    transpose: bool = False
+    shard: Shard | None = None
+    quant: Quant | None = None
+    const: torch.Tensor | None = field(default=None, compare=False, hash=False)  # value not in the checkpoint
+
+    def describe(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"sources": list(self.sources), "shape": list(self.shape), "dtype": self.dtype}
+        if self.transpose:
+            d["transpose"] = True
+        if self.shard:
+            d["shard"] = {"dim": self.shard.dim, "blocks": list(self.shard.blocks)}
+            if self.shard.groups:
+                d["shard"]["groups"] = list(self.shard.groups)
+        if self.quant:
+            d["quant"] = {"part": self.quant.part, "group_size": self.quant.group_size,
+                          "symmetric": self.quant.symmetric}
+        if self.const is not None:
+            d["const"] = True
+        return d
+
+
+@dataclass
+class Model:
+    """Everything the passes see."""
+
+    programs: dict[str, fx.Graph]  # "prefill", "decode"
+    weights: dict[str, WeightSpec]
+    config: dict  # the checkpoint's config.json
+    arch: Any  # compiler.architectures.Architecture
+    options: Any  # CompileOptions
+    fake_mode: Any  # the FakeTensorMode the programs were traced under
+    sym_names: dict[str, str] = field(default_factory=dict)  # "s32" -> "batch"
+    kv_cache: dict[str, Any] | None = None
+    notes: dict[str, Any] = field(default_factory=dict)  # plan-level facts passes record
+    counters: Counter = field(default_factory=Counter)  # "pass.rewrite" -> count
+
+    def graphs(self):
+        return self.programs.items()
+
+
+def weight_nodes(graph: fx.Graph) -> dict[str, fx.Node]:
+    return {n.target: n for n in graph.nodes if n.op == "get_attr"}
+
+
+def meta_val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
+    for k in ("nn_module_stack", "val"):
+        if k in old.meta:
+            new.meta[k] = old.meta[k]
+    return new
+
+
+def infer_val(node: fx.Node, model: Model | None = None) -> None:
+    """Fill node.meta['val'] by running the node's op on its inputs' fake values."""
+    def val(a):
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+
+    args = fx.node.map_aggregate(node.args, val)
+    kwargs = fx.node.map_aggregate(node.kwargs, val)
+    mode = torch._guards.detect_fake_mode(list(torch.utils._pytree.tree_leaves((args, kwargs)))) or (model.fake_mode if model else None)
+    with mode:
+        node.meta["val"] = node.target(*args, **kwargs)

@@ -1,0 +1,122 @@
+"""Random-weight Hugging Face checkpoints for demos, tests and benchmarks.
+
+Real checkpoints cannot be downloaded here, so dsc makes its own: a config.json of a named
+shape, weights written tensor by tensor (an 8B shape never sits in memory), and a real
+byte-level BPE tokenizer trained on a small embedded corpus.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # name: (model_type, config fields)
+    "llama-tiny": ("llama", dict(hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                                 num_key_value_heads=2, num_hidden_layers=2, vocab_size=512)),
+    "llama-odd": ("llama", dict(hidden_size=72, intermediate_size=200, num_attention_heads=6,
+                                num_key_value_heads=2, num_hidden_layers=3, vocab_size=509)),
+    "llama-demo": ("llama", dict(hidden_size=256, intermediate_size=688, num_attention_heads=8,
+                                 num_key_value_heads=4, num_hidden_layers=4, vocab_size=1024)),
+    "gpt2-tiny": ("gpt2", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=512, n_positions=1024)),
+    "gpt2-odd": ("gpt2", dict(n_embd=72, n_head=6, n_layer=3, vocab_size=509, n_positions=1024)),
+    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                               num_key_value_heads=8, num_hidden_layers=16, vocab_size=128256,
+                               rope_theta=500000.0, tie_word_embeddings=True, head_dim=64)),
+    "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                               num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256,
+                               rope_theta=500000.0)),
+    "gpt2-xl": ("gpt2", dict(n_embd=1600, n_head=25, n_layer=48, vocab_size=50257, n_positions=1024)),
+}
+
+_CORPUS = """\
+dsc is an ahead-of-time compiler for transformer inference. It traces a Hugging Face
+checkpoint to a graph, runs fusion, tensor-parallel sharding and int8 quantization passes,
+and writes an artifact that a thin runtime loads in production. The quick brown fox jumps
+over the lazy dog. Once upon a time there was a small model that learned to count: one two
+three four five six seven eight nine ten. Hello world! The weather today is sunny and warm.
+"""
+
+
+def make_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
+    """Train a byte-level BPE on the embedded corpus; save tokenizer.json and its config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 1000), special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {"bos_token_id": tok.token_to_id("<s>"), "eos_token_id": tok.token_to_id("</s>")}
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "model_max_length": 4096}, indent=1, sort_keys=True) + "\n")
+    return ids
+
+
+def make_random_checkpoint(out: str | Path, shape: str = "llama-tiny", dtype: str = "float32",
+                           seed: int = 0, tokenizer: bool = True, outlier_channels: int = 0,
+                           shard_bytes: int | None = None, **overrides) -> Path:
+    """Write config.json, safetensors weights (sharded with an index when shard_bytes is set)
+    and a tokenizer. `outlier_channels` > 0 scales that many input channels of every linear
+    weight by 20x, the outliers that make int8 hard."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dsc.compiler.trace import _parameters_on_meta
+    from dsc.compiler.weights import write_safetensors
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_type, fields = SHAPES[shape]
+    fields = {**fields, **overrides}
+    ids = make_tokenizer(out, fields["vocab_size"]) if tokenizer else {"bos_token_id": 0, "eos_token_id": 1}
+    cfg = AutoConfig.for_model(model_type, **fields, **ids, torch_dtype=dtype)
+    cfg.save_pretrained(out)
+    with _parameters_on_meta():
+        lm = AutoModelForCausalLM.from_config(cfg)
+    tied = set()
+    if getattr(cfg, "tie_word_embeddings", False):
+        tied = {n for n, _ in lm.named_parameters(remove_duplicate=False)} - {n for n, _ in lm.named_parameters()}
+    params = {n: (tuple(p.shape), getattr(torch, dtype)) for n, p in lm.named_parameters() if n not in tied}
+    gen = torch.Generator().manual_seed(seed)
+
+    def produce(name: str) -> torch.Tensor:
+        shape_, dt = params[name]
+        if name.endswith(("norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
+            return (1.0 + 0.1 * torch.randn(shape_, generator=gen)).to(dt)
+        if name.endswith("bias") or len(shape_) == 1:
+            return (0.02 * torch.randn(shape_, generator=gen)).to(dt)
+        fan_in = shape_[0] if model_type == "gpt2" and "wte" not in name and "wpe" not in name else shape_[-1]
+        t = torch.randn(shape_, generator=gen) / math.sqrt(fan_in)
+        if outlier_channels and t.dim() == 2 and "wte" not in name and "embed" not in name:
+            in_dim = 0 if model_type == "gpt2" else 1
+            idx = torch.randperm(t.shape[in_dim], generator=gen)[:outlier_channels]
+            t.index_fill_(in_dim, idx, 0).index_add_(in_dim, idx, 20 * t.index_select(in_dim, idx))
+        return t.to(dt)
+
+    entries = sorted((n, s, d) for n, (s, d) in params.items())
+    if not shard_bytes:
+        write_safetensors(out / "model.safetensors", entries, produce)
+        return out
+    shards, cur, size = [], [], 0
+    for e in entries:
+        n = math.prod(e[1]) * torch.empty((), dtype=e[2]).element_size()
+        if cur and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        size += n
+    shards.append(cur)
+    weight_map = {}
+    for i, group in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(out / fname, group, produce)
+        weight_map.update({n: fname for n, _, _ in group})
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1, sort_keys=True) + "\n")
+    return out

@@ -1,0 +1,217 @@
+"""Trace a Hugging Face causal LM into dsc programs with torch.export.
+
+The model is built with its parameters on the meta device and then swapped for fake CPU
+tensors, so tracing an 8B model holds no weights. Attention enters the graph as
+`dsc::causal_attention` through transformers' AttentionInterface (registered as "dsc"); the
+mask interface returns no mask, because the dsc op is causal by construction.
+
+Both programs take
+    input_ids    [batch, seq] int64   (right-padded prompts in prefill; seq == 1 in decode)
+    position_ids [batch, seq] int64   cache_pos[:, None] + arange(seq)
+    cache_pos    [batch]      int64   tokens already in each sequence's KV cache
+    last_idx     [batch]      int64   the position whose logits are returned
+and return logits [batch, vocab] for the token at last_idx.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import dsc.kernels  # noqa: F401  (registers dsc ops)
+from dsc.compiler.architectures import Architecture
+from dsc.compiler.ir import Model, WeightSpec
+from dsc.compiler.source import Checkpoint
+from dsc.errors import UserError
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dsc_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: q [B,H,S,D], k/v [B,Hkv,S,D] -> ([B,S,H,D], None)."""
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    return torch.ops.dsc.causal_attention(query, key, value, kwargs["dsc_cache_pos"], scale), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def register_dsc_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("dsc", dsc_attention)
+    AttentionMaskInterface.register("dsc", _no_mask)
+
+
+class CausalLMProgram(nn.Module):
+    """What dsc traces: the base model, a gather of one position per sequence, the LM head."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, position_ids, cache_pos, last_idx):
+        h = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                               dsc_cache_pos=cache_pos).last_hidden_state  # [B, S, E]
+        h = h[torch.arange(h.shape[0], device=h.device), last_idx]  # [B, E]
+        return self.lm.get_output_embeddings()(h)  # [B, V]
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Create parameters on the meta device while buffers (rotary tables) stay real."""
+    orig = nn.Module.register_parameter
+
+    def register(self, name, param):
+        orig(self, name, param)
+        if param is not None and param.device.type != "meta":  # keep tied parameters tied
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = orig
+
+
+def target_dtype(ckpt: Checkpoint, options) -> str:
+    if options.dtype:
+        return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[options.dtype]
+    d = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "float32"
+    return d if d in _TORCH_DTYPES else "float32"
+
+
+def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    register_dsc_attention()
+    try:
+        hf_config = AutoConfig.from_pretrained(ckpt.root)
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise UserError(f"{ckpt.root / 'config.json'}: invalid config ({str(e).splitlines()[0]})")
+    with _parameters_on_meta(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = AutoModelForCausalLM.from_config(hf_config, attn_implementation="dsc",
+                                              dtype=_TORCH_DTYPES[dtype])
+    return lm.eval()
+
+
+def _checkpoint_key(ckpt: Checkpoint, names: list[str], prefix: str) -> str | None:
+    for n in names:
+        for cand in (n, n.removeprefix(prefix + ".") if prefix else n):
+            if cand in ckpt.tensors:
+                return cand
+    return None
+
+
+def weight_specs(lm: nn.Module, ckpt: Checkpoint, dtype: str) -> dict[str, WeightSpec]:
+    """Map every parameter of the model to the checkpoint tensor it is loaded from."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    specs: dict[str, WeightSpec] = {}
+    prefix = getattr(lm, "base_model_prefix", "")
+    where = ckpt.files[0] if len(ckpt.files) == 1 else ckpt.root / "model.safetensors.index.json"
+    for names in aliases.values():
+        key = _checkpoint_key(ckpt, names, prefix)
+        if key is None:
+            raise UserError(f"{where}: missing weight tensor '{names[0]}'")
+        info = ckpt.tensors[key]
+        shape = tuple(lm.get_parameter(names[0]).shape)
+        if tuple(info.shape) != shape:
+            raise UserError(f"{info.file}: tensor '{key}' has shape {list(info.shape)}, "
+                            f"config.json implies {list(shape)}")
+        for n in names:
+            specs[n] = WeightSpec(sources=(key,), shape=shape, dtype=dtype)
+    return specs
+
+
+def _fake_parameters(lm: nn.Module, fake_mode: FakeTensorMode) -> None:
+    for mod in lm.modules():
+        for n, p in list(mod._parameters.items()):
+            if p is not None:
+                with fake_mode:
+                    mod._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+
+
+def _export(program: nn.Module, fake_mode: FakeTensorMode, batch: int, seq: int, options,
+            dynamic_seq: bool) -> torch.export.ExportedProgram:
+    with fake_mode:
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+        pos = torch.zeros(batch, seq, dtype=torch.long)
+        cp = torch.zeros(batch, dtype=torch.long)
+        li = torch.zeros(batch, dtype=torch.long)
+    B = torch.export.Dim("batch", min=1, max=max(options.max_batch, 2))
+    S = torch.export.Dim("seq", min=2, max=max(options.max_seq, 3)) if dynamic_seq else None
+    bs = {0: B, 1: S} if dynamic_seq else {0: B}
+    logging.getLogger("torch._export").setLevel(logging.ERROR)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.export.export(program, (ids, pos, cp, li),
+                                   dynamic_shapes=(bs, bs, {0: B}, {0: B}), strict=False)
+
+
+def _to_graph(ep: torch.export.ExportedProgram, const_specs: dict[str, WeightSpec]) -> fx.Graph:
+    """Copy an exported graph, turning lifted parameters/buffers/constants into get_attr."""
+    from torch.export.graph_signature import InputKind
+
+    lifted = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind != InputKind.USER_INPUT:
+            lifted[spec.arg.name] = spec.target.removeprefix("lm.")
+            if spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                val = ep.constants.get(spec.target)
+                if val is None:
+                    val = ep.state_dict.get(spec.target)
+                if val is not None and not isinstance(val, torch._subclasses.FakeTensor):
+                    name = spec.target.removeprefix("lm.")
+                    const_specs.setdefault(name, WeightSpec(
+                        sources=(), shape=tuple(val.shape), dtype=str(val.dtype).removeprefix("torch."),
+                        const=val.detach().clone()))
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in ep.graph.nodes:
+        if n.op == "placeholder" and n.name in lifted:
+            new = g.get_attr(lifted[n.name])
+            new.meta.update(n.meta)
+        elif n.op == "output":
+            outs = n.args[0]
+            new = g.output(env[outs[0]] if len(outs) == 1 else tuple(env[o] for o in outs))
+        else:
+            new = g.node_copy(n, lambda x: env[x])
+        env[n] = new
+    return g
+
+
+def trace(ckpt: Checkpoint, arch: Architecture, options) -> Model:
+    dtype = target_dtype(ckpt, options)
+    lm = build_meta_model(ckpt, dtype)
+    weights = weight_specs(lm, ckpt, dtype)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _fake_parameters(lm, fake_mode)
+    program = CausalLMProgram(lm)
+    programs = {}
+    sym_names: dict[str, str] = {}
+    for name, seq, dynamic in (("prefill", 4, True), ("decode", 1, False)):
+        try:
+            ep = _export(program, fake_mode, 2, seq, options, dynamic)
+        except Exception as e:  # export failures are compiler bugs or unsupported models
+            raise RuntimeError(f"torch.export failed for the {name} program of "
+                               f"{arch.model_type}: {type(e).__name__}: {e}") from e
+        graph = _to_graph(ep, weights)
+        programs[name] = graph
+        for n in graph.nodes:
+            if n.op == "placeholder" and n.name == "input_ids":
+                b, s = n.meta["val"].shape
+                sym_names[str(b)] = "batch"
+                if isinstance(s, torch.SymInt):
+                    sym_names[str(s)] = "seq"
+    return Model(programs=programs, weights=weights, config=ckpt.config, arch=arch,
+                 options=options, fake_mode=fake_mode, sym_names=sym_names)

@@ -1,0 +1,138 @@
+"""Turn weight recipes (`WeightSpec`) into tensors, one rank at a time, reading only the
+slices a rank needs from the source safetensors (zero-copy views until the cast), and write
+them with a streaming safetensors writer so that no more than one tensor is in memory."""
+from __future__ import annotations
+
+import json
+import struct
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from dsc.compiler.ir import WeightSpec
+from dsc.compiler.source import Checkpoint
+
+ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
+             torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def local_shape(spec: WeightSpec, world: int) -> tuple[int, ...]:
+    """Shape of the tensor a rank stores for this spec."""
+    shape = list(spec.shape)
+    if spec.shard:
+        shape[spec.shard.dim] = spec.shard.local_size(world)
+    if spec.quant and spec.quant.part != "qweight":
+        out, inp = shape
+        groups = inp // spec.quant.group_size if spec.quant.group_size else 1
+        shape = [out, groups]
+    return tuple(shape)
+
+
+def local_dtype(spec: WeightSpec) -> torch.dtype:
+    if spec.quant:
+        return torch.int8 if spec.quant.part in ("qweight", "zero") else torch.float32
+    return torch_dtype(spec.dtype)
+
+
+class SourceReader:
+    """Opens each source file once; hands out lazy slices."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def slice(self, key: str):
+        f = self.ckpt.tensors[key].file
+        if f not in self._handles:
+            self._handles[f] = self._stack.enter_context(safe_open(f, framework="pt"))
+        return self._handles[f].get_slice(key)
+
+
+def _read(reader: SourceReader, key: str, transpose: bool, dim: int | None, lo: int, hi: int) -> torch.Tensor:
+    """Rows/cols [lo, hi) along `dim` of source `key` (in post-transpose coordinates)."""
+    sl = reader.slice(key)
+    if dim is None:
+        t = sl[:]
+    else:
+        stored = (1 - dim) if transpose else dim
+        idx = [slice(None)] * len(sl.get_shape())
+        idx[stored] = slice(lo, hi)
+        t = sl[tuple(idx)]
+    return t.t() if transpose else t
+
+
+def float_tensor(spec: WeightSpec, rank: int, world: int, reader: SourceReader) -> torch.Tensor:
+    """The unquantized tensor rank `rank` holds, in the spec's dtype."""
+    if spec.const is not None:
+        t = spec.const
+        if spec.shard:
+            t = torch.cat([t.narrow(spec.shard.dim, a, b - a) for a, b in spec.shard.ranges(rank, world)], spec.shard.dim)
+        return t.to(torch_dtype(spec.dtype)).contiguous()
+    # extents of the concatenated sources along dim 0
+    sizes = []
+    for key in spec.sources:
+        shp = reader.slice(key).get_shape()
+        sizes.append(shp[1] if spec.transpose else shp[0])
+    pieces: list[torch.Tensor] = []
+    if spec.shard is None or spec.shard.dim != 0:
+        for key in spec.sources:
+            if spec.shard is None:
+                t = _read(reader, key, spec.transpose, None, 0, 0)
+            else:
+                t = torch.cat([_read(reader, key, spec.transpose, spec.shard.dim, a, b)
+                               for a, b in spec.shard.ranges(rank, world)], spec.shard.dim)
+            pieces.append(t.to(torch_dtype(spec.dtype)))
+        out = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
+        return out.contiguous()
+    # sharded along the concatenation dim: map each global range onto the sources
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    for a, b in spec.shard.ranges(rank, world):
+        for key, s0, n in zip(spec.sources, starts, sizes):
+            lo, hi = max(a, s0), min(b, s0 + n)
+            if lo < hi:
+                pieces.append(_read(reader, key, spec.transpose, 0, lo - s0, hi - s0).to(torch_dtype(spec.dtype)))
+    out = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
+    return out.contiguous()
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+                      produce: Callable[[str], torch.Tensor], on_tensor: Callable[[int], None] | None = None) -> None:
+    """Stream tensors into a safetensors file. The header is computed from the declared
+    shapes first; `produce(name)` is then called once per tensor, in header order."""
+    entries = sorted(entries)
+    header: dict = {}
+    offset = 0
+    for name, shape, dtype in entries:
+        n = torch.empty((), dtype=dtype).element_size()
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dtype in entries:
+            t = produce(name)
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise RuntimeError(f"weight {name}: produced {t.dtype}{list(t.shape)}, declared {dtype}{list(shape)}")
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            f.write(memoryview(data))
+            if on_tensor:
+                on_tensor(data.nbytes)
+            del t, data

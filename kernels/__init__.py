@@ -1,0 +1,7 @@
+"""dsc kernels: one file per op. Importing this package registers every `dsc::` custom op.
+
+Each op has a plain-torch reference (used on CPU and as the test oracle) and, where one
+exists, a Triton kernel used on CUDA devices.
+"""
+from dsc.kernels import attention  # noqa: F401  (registers dsc::attention, dsc::causal_attention)
+from dsc.kernels import collectives  # noqa: F401  (registers dsc::all_reduce)

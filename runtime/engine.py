@@ -1,0 +1,209 @@
+"""The dsc runtime: load an artifact, run its programs, generate.
+
+No model code: programs are rebuilt from plan.json as FX GraphModules over the rank's
+weights (memory-mapped on CPU) and a preallocated KV cache. Imports torch, safetensors and
+dsc.kernels only; never transformers, dsc.compiler or dsc.passes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from safetensors import safe_open
+
+import dsc.kernels  # noqa: F401  (registers the dsc ops the plan calls)
+from dsc.errors import UserError
+from dsc.runtime.artifact import Artifact, open_artifact
+from dsc.runtime.plan import build_graph
+from dsc.runtime.sampling import sample
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # generated tokens per prompt (stop token included when hit)
+    finish_reasons: list[str]  # "stop" | "length"
+
+
+class Engine:
+    def __init__(self, artifact: Artifact, rank: int, world: int, device: torch.device):
+        self.artifact = artifact
+        self.plan = artifact.plan
+        self.rank, self.world, self.device = rank, world, device
+        self.dtype = getattr(torch, self.plan["model"]["dtype"])
+        self.max_batch = self.plan["limits"]["max_batch"]
+        self.max_seq = self.plan["limits"]["max_seq"]
+        self.vocab_size = self.plan["model"]["vocab_size"]
+        self.eos_token_ids = list(self.plan["model"].get("eos_token_ids") or [])
+        self.weights = self._load_weights()
+        self.kv_cache = self._allocate_kv_cache()
+        self.programs = {name: self._build(p) for name, p in self.plan["programs"].items()}
+
+    # -- loading -------------------------------------------------------------------------
+    def _load_weights(self) -> dict[str, torch.Tensor]:
+        path = self.artifact.rank_file(self.rank)
+        out = {}
+        with safe_open(path, framework="pt", device=str(self.device)) as f:
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+        return out
+
+    def _allocate_kv_cache(self) -> dict[str, torch.Tensor]:
+        kv = self.plan.get("kv_cache")
+        if not kv:
+            return {}
+        dtype = getattr(torch, kv["dtype"])
+        return {f"kv_cache.{i}.{t}": torch.zeros(kv["shape"], dtype=dtype, device=self.device)
+                for i in range(kv["layers"]) for t in ("k", "v")}
+
+    def _build(self, program: dict) -> fx.GraphModule:
+        graph, targets = build_graph(program["nodes"], self.device)
+        attrs = {}
+        for t in targets:
+            if t in self.weights:
+                attrs[t] = self.weights[t]
+            elif t in self.kv_cache:
+                attrs[t] = self.kv_cache[t]
+            else:
+                raise UserError(f"{self.artifact.rank_file(self.rank)}: missing tensor '{t}' the plan reads")
+        return fx.GraphModule(attrs, graph)
+
+    # -- running -------------------------------------------------------------------------
+    def reset(self) -> None:
+        for t in self.kv_cache.values():
+            t.zero_()
+
+    @torch.inference_mode()
+    def run(self, program: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
+            cache_pos: torch.Tensor, last_idx: torch.Tensor) -> torch.Tensor:
+        """One forward step. Shapes: input_ids/position_ids [B, S], cache_pos/last_idx [B].
+        Returns logits [B, vocab] (fp32) for the token at last_idx of each sequence."""
+        return self.programs[program](input_ids, position_ids, cache_pos, last_idx).float()
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Write the prompts into KV-cache rows 0..B-1; return the last prompt token's logits."""
+        lens = [len(p) for p in prompts]
+        L = max(max(lens), 2)  # the prefill program is traced for seq >= 2
+        ids = torch.zeros(len(prompts), L, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+        ids = ids.to(self.device)
+        pos = torch.arange(L, device=self.device).expand(len(prompts), L).contiguous()
+        zeros = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        last = torch.tensor(lens, device=self.device) - 1
+        return self.run("prefill", ids, pos, zeros, last)
+
+    def decode(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
+        """tokens [B], cache_pos [B] (the position each token is written at) -> logits [B, V]."""
+        return self.run("decode", tokens[:, None], cache_pos[:, None], cache_pos, torch.zeros_like(cache_pos))
+
+    def check_batch(self, prompts: Sequence[Sequence[int]]) -> None:
+        if not prompts:
+            raise UserError("generate: no prompts given")
+        if len(prompts) > self.max_batch:
+            raise UserError(f"generate: batch of {len(prompts)} prompts exceeds the artifact's "
+                            f"max_batch={self.max_batch} (recompile with --max-batch)")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise UserError(f"generate: prompt {i} is empty")
+            if len(p) >= self.max_seq:
+                raise UserError(f"generate: prompt {i} has {len(p)} tokens; the artifact's max_seq is "
+                                f"{self.max_seq} (recompile with --max-seq)")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise UserError(f"generate: prompt {i} has token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop_tokens: Sequence[int] | None = None,
+                 callback: Callable[[int, list[int | None]], None] | None = None) -> GenerateResult:
+        """Generate for a batch of token-id prompts of different lengths.
+
+        Greedy when temperature == 0, else sampled (top-k, top-p, seeded). Stops a sequence at
+        any of `stop_tokens` (default: the model's eos ids), at max_new_tokens or at max_seq.
+        `callback(step, tokens)` is called after every step with each sequence's new token
+        (None for sequences already finished)."""
+        prompts = [list(p) for p in prompts]
+        self.check_batch(prompts)
+        stops = set(self.eos_token_ids if stop_tokens is None else stop_tokens)
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(0 if seed is None else seed)
+        B = len(prompts)
+        self.reset()
+        out: list[list[int]] = [[] for _ in range(B)]
+        reasons = ["length"] * B
+        done = [False] * B
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        logits = self.prefill(prompts)
+        for step in range(max_new_tokens):
+            tok = sample(logits, temperature, top_k, top_p, gen)
+            if self.world > 1:  # keep ranks in lockstep even when sampling
+                import torch.distributed as dist
+                dist.broadcast(tok, src=0)
+            host = tok.tolist()
+            emitted: list[int | None] = []
+            for i, t in enumerate(host):
+                if done[i]:
+                    emitted.append(None)
+                    continue
+                out[i].append(t)
+                emitted.append(t)
+                if t in stops:
+                    done[i], reasons[i] = True, "stop"
+                elif len(prompts[i]) + len(out[i]) >= self.max_seq:
+                    done[i] = True
+            if callback:
+                callback(step, emitted)
+            if all(done) or step == max_new_tokens - 1:
+                break
+            # finished rows keep decoding (static batch) at a clamped position; results ignored
+            pos = torch.clamp(lens + step, max=self.max_seq - 1)
+            logits = self.decode(tok, pos)
+        return GenerateResult(out, reasons)
+
+
+def _dist_rank_world(artifact: Artifact, rank: int | None) -> tuple[int, int]:
+    tp = artifact.tp
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world != tp:
+            raise UserError(f"{artifact.path}: compiled for tp={tp}, but the process group has {world} ranks")
+        return dist.get_rank(), world
+    if "WORLD_SIZE" in os.environ and tp > 1:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tp:
+            raise UserError(f"{artifact.path}: compiled for tp={tp}, but WORLD_SIZE={world} (run with --nproc-per-node {tp})")
+        return int(os.environ["RANK"]), world
+    if tp > 1 and rank is None:
+        raise UserError(f"{artifact.path}: compiled for tp={tp}; run under torchrun --nproc-per-node {tp} "
+                        "(or `dsc generate`, which starts the ranks itself)")
+    return (rank or 0), tp
+
+
+def load(path: str | Path, rank: int | None = None, device: str | torch.device | None = None,
+         verify: bool = True) -> Engine:
+    """Load an artifact for one rank. Checks format version and the sha256 of every file this
+    rank reads (skip with verify=False). For tp > 1, call under torchrun: the process group is
+    initialised here (NCCL on GPU, gloo on CPU) if it is not already."""
+    from dsc.runtime.artifact import open_artifact as _open
+
+    probe = _open(path, ranks=[], verify=False)
+    r, world = _dist_rank_world(probe, rank)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else torch.cuda.current_device())
+    if world > 1:
+        from dsc.runtime.distributed import ensure_process_group
+
+        ensure_process_group(device, world, r)
+    artifact = open_artifact(path, ranks=[r], verify=verify)
+    return Engine(artifact, r, world, device)

@@ -1,0 +1,104 @@
+"""`dsc inspect`: what an artifact holds, read from its manifest, plan and rank headers."""
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+from pathlib import Path
+
+from dsc.runtime.artifact import open_artifact
+
+
+def _rank_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        h = json.loads(f.read(n))
+    h.pop("__metadata__", None)
+    return h
+
+
+def describe(path: str | Path) -> dict:
+    art = open_artifact(path, ranks=[], verify=False)
+    plan, man = art.plan, art.manifest
+    programs = {}
+    for name, p in plan["programs"].items():
+        calls = [n for n in p["nodes"] if n["kind"] == "call"]
+        ops = Counter(n["op"] for n in calls)
+        kernels = Counter(n["kernel"]["name"] for n in calls if "kernel" in n)
+        programs[name] = {"nodes": len(p["nodes"]), "calls": len(calls), "ops": dict(sorted(ops.items())),
+                          "kernels": dict(sorted(kernels.items())),
+                          "launches": sum(1 for n in calls if n.get("kernel", {}).get("launches", 1) and "kernel" in n)}
+    ranks = {}
+    for r in range(art.tp):
+        f = art.rank_file(r)
+        if not f.exists():
+            ranks[r] = {"missing": True}
+            continue
+        h = _rank_header(f)
+        by_dtype: Counter = Counter()
+        for info in h.values():
+            lo, hi = info["data_offsets"]
+            by_dtype[info["dtype"]] += hi - lo
+        ranks[r] = {"tensors": len(h), "bytes": f.stat().st_size, "bytes_by_dtype": dict(sorted(by_dtype.items()))}
+    return {"path": str(path), "format_version": man["format_version"], "versions": man.get("versions"),
+            "source": man.get("source", {}).get("model"), "model_type": plan["model"]["model_type"],
+            "dtype": plan["model"]["dtype"], "tp": plan["tp"], "options": man.get("options"),
+            "limits": plan["limits"], "kv_cache": plan.get("kv_cache"), "programs": programs,
+            "ranks": ranks, "passes": plan.get("passes", {}), "notes": plan.get("notes", {}),
+            "extra": {k: man[k] for k in ("int8_report",) if k in man}}
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def render(info: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    c.print(f"[bold]{info['path']}[/bold]  {info['model_type']}  {info['dtype']}  tp={info['tp']}  "
+            f"(source {info['source']}, format v{info['format_version']})")
+    c.print(f"options: {json.dumps(info['options'], sort_keys=True)}")
+    kv = info["kv_cache"]
+    if kv:
+        c.print(f"kv cache: {kv['layers']} layers x 2 x {kv['shape']} {kv['dtype']}")
+    for name, p in info["programs"].items():
+        t = Table(title=f"program {name}: {p['calls']} ops", show_lines=False)
+        t.add_column("op")
+        t.add_column("count", justify="right")
+        for op, n in sorted(p["ops"].items(), key=lambda x: -x[1]):
+            t.add_row(op, str(n))
+        c.print(t)
+        if p["kernels"]:
+            k = Table(title=f"program {name}: kernels")
+            k.add_column("kernel")
+            k.add_column("count", justify="right")
+            for kn, n in sorted(p["kernels"].items(), key=lambda x: -x[1]):
+                k.add_row(kn, str(n))
+            c.print(k)
+    r = Table(title="rank files")
+    r.add_column("rank")
+    r.add_column("tensors", justify="right")
+    r.add_column("bytes", justify="right")
+    r.add_column("by dtype")
+    for rank, d in info["ranks"].items():
+        if d.get("missing"):
+            r.add_row(str(rank), "-", "missing", "")
+        else:
+            r.add_row(str(rank), str(d["tensors"]), _fmt_bytes(d["bytes"]),
+                      ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in d["bytes_by_dtype"].items()))
+    c.print(r)
+    if info["passes"]:
+        p = Table(title="pass rewrites")
+        p.add_column("pass.rule")
+        p.add_column("count", justify="right")
+        for k, v in info["passes"].items():
+            p.add_row(k, str(v))
+        c.print(p)
+    for k, v in info.get("notes", {}).items():
+        c.print(f"note {k}: {v}")
