@@ -61,6 +61,16 @@ def compile_cmd(
     config: Optional[Path] = typer.Option(None, "--config", help="dsc or DeepSpeed inference config (JSON)"),
     dump_passes: Optional[Path] = typer.Option(None, help="write the graph after every pass here"),
     verify: bool = typer.Option(False, "--verify", help="compare with transformers on sample prompts"),
+    fuse: Optional[bool] = typer.Option(None, "--fuse/--no-fuse", help="run the fusion passes (default on)"),
+    int8: Optional[bool] = typer.Option(None, "--int8", help="int8 weights (weight-only, per-channel, symmetric)"),
+    int8_mode: Optional[str] = typer.Option(None, "--int8-mode", help="w8a16 (default) | w8a8"),
+    int8_group_size: Optional[int] = typer.Option(None, "--int8-group-size", help="scale per N input channels"),
+    int8_asymmetric: Optional[bool] = typer.Option(None, "--int8-asymmetric", help="zero points"),
+    int8_lm_head: Optional[bool] = typer.Option(None, "--int8-lm-head", help="also quantize lm_head"),
+    int8_skip: List[str] = typer.Option([], "--int8-skip", help="module path pattern kept in 16-bit (repeatable)"),
+    int8_min_sqnr: Optional[float] = typer.Option(None, "--int8-min-sqnr", help="fail below this logits SQNR (dB)"),
+    calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="calibration prompts, one per line (SmoothQuant)"),
+    decode_buckets: Optional[str] = typer.Option(None, "--decode-buckets", help="CUDA-graph batch buckets, e.g. 1,2,4,8"),
 ) -> None:
     """Compile a Hugging Face causal LM into a dsc artifact."""
     from dsc.compiler import compile as dsc_compile
@@ -69,7 +79,12 @@ def compile_cmd(
     try:
         path = dsc_compile(model, out, config_file=config, dump_passes=dump_passes, verify=verify,
                            command=["dsc"] + sys.argv[1:], progress=progress,
-                           dtype=dtype, tp=tp, max_batch=max_batch, max_seq=max_seq)
+                           dtype=dtype, tp=tp, max_batch=max_batch, max_seq=max_seq, fuse=fuse,
+                           int8=int8, int8_mode=int8_mode, int8_group_size=int8_group_size,
+                           int8_asymmetric=int8_asymmetric, int8_lm_head=int8_lm_head,
+                           int8_skip=tuple(int8_skip) or None, int8_min_sqnr=int8_min_sqnr,
+                           calibrate=str(calibrate) if calibrate else None,
+                           decode_buckets=_parse_buckets(decode_buckets))
     except UserError as e:
         progress.close()
         _fail(str(e))
@@ -78,6 +93,15 @@ def compile_cmd(
         _fail(str(e), 3)
     progress.close()
     typer.echo(f"wrote {path}")
+
+
+def _parse_buckets(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise UserError(f"--decode-buckets: expected integers like 1,2,4,8, got {text!r}")
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -28,6 +28,21 @@ class CompileOptions(BaseModel):
     tp: int = Field(1, ge=1, description="tensor-parallel ranks")
     max_batch: int = Field(8, ge=1, description="largest batch the KV cache holds")
     max_seq: int = Field(512, ge=2, description="longest sequence (prompt + generated)")
+    # fusion (kernel injection)
+    fuse: bool = Field(True, description="run the fusion passes")
+    # int8 quantization
+    int8: bool = Field(False, description="quantize linear weights to int8")
+    int8_mode: Literal["w8a16", "w8a8"] = Field("w8a16", description="weight-only, or weights and activations")
+    int8_group_size: int | None = Field(None, ge=1, description="one scale per this many input channels")
+    int8_q_groups: int | None = Field(None, ge=1, description="DeepSpeed q_groups: scale groups per weight matrix")
+    int8_asymmetric: bool = Field(False, description="asymmetric quantization with zero points")
+    int8_lm_head: bool = Field(False, description="also quantize lm_head")
+    int8_skip: tuple[str, ...] = Field((), description="module-path patterns (fnmatch) kept unquantized")
+    int8_min_sqnr: float | None = Field(None, description="fail the compile if logits SQNR (dB) is lower")
+    calibrate: str | None = Field(None, description="calibration prompts file (SmoothQuant), one per line")
+    # runtime
+    decode_buckets: tuple[int, ...] | None = Field(
+        None, description="CUDA-graph batch buckets for decode; default powers of two up to max_batch")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -41,18 +56,63 @@ class CompileOptions(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "CompileOptions":
+        if not self.int8 and (self.int8_group_size or self.int8_q_groups or self.int8_asymmetric or self.int8_lm_head
+                              or self.int8_mode != "w8a16" or self.int8_skip or self.calibrate
+                              or self.int8_min_sqnr is not None):
+            raise ValueError("int8 options need --int8")
+        if self.calibrate and self.int8_mode != "w8a8":
+            raise ValueError("--calibrate (SmoothQuant) applies to --int8-mode w8a8")
+        if self.decode_buckets is not None:
+            b = self.decode_buckets
+            if not b or any(x < 1 for x in b) or list(b) != sorted(set(b)):
+                raise ValueError("decode_buckets must be increasing positive batch sizes")
+            if b[-1] > self.max_batch:
+                raise ValueError(f"decode bucket {b[-1]} exceeds max_batch {self.max_batch}")
         return self
+
+    def buckets(self) -> tuple[int, ...]:
+        """The decode batch buckets: given, or 1, 2, 4, ... up to max_batch (always included)."""
+        if self.decode_buckets:
+            return tuple(self.decode_buckets)
+        out, b = [], 1
+        while b < self.max_batch:
+            out.append(b)
+            b *= 2
+        return tuple(out + [self.max_batch])
 
 
 # DeepSpeed inference config keys -> what dsc does with them.
 _DS_ALIASES = {"dtype": "dtype", "max_out_tokens": "max_seq", "max_tokens": "max_seq"}
-_DS_NOT_BUILT = {
-    "replace_with_kernel_inject": "kernel injection is dsc's fusion passes (not built yet)",
-    "enable_cuda_graph": "CUDA-graph capture is done by the runtime (not built yet)",
-    "quant": "int8 quantization (`--int8`) is not built yet",
-    "quantization_setting": "int8 quantization (`--int8`) is not built yet",
-}
-_DS_IGNORED_IF_DEFAULT = {"replace_with_kernel_inject": (False,), "enable_cuda_graph": (False,)}
+_DS_NOT_BUILT: dict[str, str] = {}
+_DS_IGNORED_IF_DEFAULT: dict[str, tuple] = {}
+
+
+def _ds_quant(path: Path, key: str, val: Any) -> dict[str, Any]:
+    """DeepSpeed's `quant: {enabled, weight: {num_bits, q_groups}}` or
+    `quantization_setting: q_groups | [mlp_extra_grouping, q_groups]` -> int8 options."""
+    if val in (None, False, {}):
+        return {}
+    if key == "quantization_setting":
+        groups = val[-1] if isinstance(val, (list, tuple)) else val
+        if not isinstance(groups, int) or groups < 1:
+            raise UserError(f"{path}: field 'quantization_setting': expected q_groups (int) or [extra_grouping, q_groups]")
+        return {"int8": True, "int8_group_size": None} if groups == 1 else {"int8": True, "int8_q_groups": groups}
+    if not isinstance(val, dict):
+        raise UserError(f"{path}: field 'quant' must be an object")
+    extra = set(val) - {"enabled", "weight", "activation", "qkv"}
+    if extra:
+        raise UserError(f"{path}: unknown keys in 'quant': {', '.join(sorted(extra))}")
+    if not val.get("enabled", True):
+        return {}
+    out: dict[str, Any] = {"int8": True}
+    w = val.get("weight", {}) or {}
+    if w.get("num_bits", 8) != 8:
+        raise UserError(f"{path}: field 'quant.weight.num_bits': only 8 is supported")
+    if w.get("q_groups", 1) > 1:
+        out["int8_q_groups"] = w["q_groups"]
+    if (val.get("activation") or {}).get("enabled"):
+        out["int8_mode"] = "w8a8"
+    return out
 
 
 def options_from_config_file(path: Path) -> dict[str, Any]:
@@ -83,6 +143,14 @@ def options_from_config_file(path: Path) -> dict[str, Any]:
                 out["tp"] = val["tp_size"]
         elif key == "mp_size":
             out["tp"] = val
+        elif key == "replace_with_kernel_inject":
+            out["fuse"] = val
+        elif key == "enable_cuda_graph":
+            if val is False:
+                raise UserError(f"{path}: 'enable_cuda_graph': false is not supported; the dsc runtime "
+                                "always replays CUDA graphs on GPU")
+        elif key in ("quant", "quantization_setting"):
+            out.update(_ds_quant(path, key, val))
         elif key in _DS_NOT_BUILT:
             if val in _DS_IGNORED_IF_DEFAULT.get(key, ()) or val in (None, {}, False):
                 continue
@@ -100,5 +168,6 @@ def make_options(path_for_errors: str = "options", **fields: Any) -> CompileOpti
         return CompileOptions(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "options"
-        raise UserError(f"{path_for_errors}: field '{loc}': {err['msg']}")
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        raise UserError(f"{path_for_errors}: field '{loc}': {msg}" if loc else f"{path_for_errors}: {msg}")
