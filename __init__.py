@@ -8,11 +8,11 @@
 __version__ = "0.1.0"
 
 
-def load(path, rank=None, device=None, verify=True):
+def load(path, rank=None, device=None, **kwargs):
     """Load a compiled artifact; see dsc.runtime.load."""
     from dsc.runtime import load as _load
 
-    return _load(path, rank=rank, device=device, verify=verify)
+    return _load(path, rank=rank, device=device, **kwargs)
 
 
 def compile(model, out, **options):  # noqa: A001  (mirrors torch.compile / deepspeed naming)

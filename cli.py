@@ -192,6 +192,30 @@ def inspect_cmd(artifact: Path = typer.Argument(...),
         render(info)
 
 
+@app.command("bench")
+def bench_cmd(
+    artifact: Path = typer.Argument(...),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda"),
+    batch: List[int] = typer.Option([1, 8, 32, 64], "--batch", help="decode batch sizes (repeatable)"),
+    prefill: List[int] = typer.Option([128, 2048], "--prefill", help="prefill lengths (repeatable)"),
+    context: int = typer.Option(128, help="tokens already in the cache when decode is timed"),
+    iters: int = typer.Option(50, help="timed decode steps per batch size"),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="eager decode steps"),
+    as_json: Optional[Path] = typer.Option(None, "--json", help="also write results here"),
+) -> None:
+    """Time an artifact: load + capture, decode per batch, prefill, bandwidth, memory."""
+    from dsc.runtime.bench import bench, render
+
+    try:
+        res = bench(artifact, device=device, batches=batch, prefill_lens=prefill, context=context,
+                    iters=iters, cuda_graphs=not no_cuda_graphs)
+    except UserError as e:
+        _fail(str(e))
+    typer.echo(render(res))
+    if as_json:
+        as_json.write_text(json.dumps(res, indent=1, sort_keys=True, default=str) + "\n")
+
+
 def main() -> None:
     app()
 

@@ -61,7 +61,7 @@ def make_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
 
 def make_random_checkpoint(out: str | Path, shape: str = "llama-tiny", dtype: str = "float32",
                            seed: int = 0, tokenizer: bool = True, outlier_channels: int = 0,
-                           shard_bytes: int | None = None, **overrides) -> Path:
+                           shard_bytes: int | None = None, device: str = "cpu", **overrides) -> Path:
     """Write config.json, safetensors weights (sharded with an index when shard_bytes is set)
     and a tokenizer. `outlier_channels` > 0 scales that many input channels of every linear
     weight by 20x, the outliers that make int8 hard."""
@@ -83,21 +83,22 @@ def make_random_checkpoint(out: str | Path, shape: str = "llama-tiny", dtype: st
     if getattr(cfg, "tie_word_embeddings", False):
         tied = {n for n, _ in lm.named_parameters(remove_duplicate=False)} - {n for n, _ in lm.named_parameters()}
     params = {n: (tuple(p.shape), getattr(torch, dtype)) for n, p in lm.named_parameters() if n not in tied}
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    randn = lambda shape_: torch.randn(shape_, generator=gen, device=device)  # noqa: E731
 
     def produce(name: str) -> torch.Tensor:
         shape_, dt = params[name]
         if name.endswith(("norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
-            return (1.0 + 0.1 * torch.randn(shape_, generator=gen)).to(dt)
+            return (1.0 + 0.1 * randn(shape_)).to(dt).cpu()
         if name.endswith("bias") or len(shape_) == 1:
-            return (0.02 * torch.randn(shape_, generator=gen)).to(dt)
+            return (0.02 * randn(shape_)).to(dt).cpu()
         fan_in = shape_[0] if model_type == "gpt2" and "wte" not in name and "wpe" not in name else shape_[-1]
-        t = torch.randn(shape_, generator=gen) / math.sqrt(fan_in)
+        t = randn(shape_) / math.sqrt(fan_in)
         if outlier_channels and t.dim() == 2 and "wte" not in name and "embed" not in name:
             in_dim = 0 if model_type == "gpt2" else 1
-            idx = torch.randperm(t.shape[in_dim], generator=gen)[:outlier_channels]
+            idx = torch.randperm(t.shape[in_dim], generator=gen, device=device)[:outlier_channels]
             t.index_fill_(in_dim, idx, 0).index_add_(in_dim, idx, 20 * t.index_select(in_dim, idx))
-        return t.to(dt)
+        return t.to(dt).cpu()
 
     entries = sorted((n, s, d) for n, (s, d) in params.items())
     if not shard_bytes:

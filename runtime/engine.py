@@ -18,6 +18,7 @@ from safetensors import safe_open
 import dsc.kernels  # noqa: F401  (registers the dsc ops the plan calls)
 from dsc.errors import UserError
 from dsc.runtime.artifact import Artifact, open_artifact
+from dsc.runtime.decode import DecodeRunner
 from dsc.runtime.plan import build_graph
 from dsc.runtime.sampling import sample
 
@@ -29,7 +30,8 @@ class GenerateResult:
 
 
 class Engine:
-    def __init__(self, artifact: Artifact, rank: int, world: int, device: torch.device):
+    def __init__(self, artifact: Artifact, rank: int, world: int, device: torch.device,
+                 cuda_graphs: bool = True):
         self.artifact = artifact
         self.plan = artifact.plan
         self.rank, self.world, self.device = rank, world, device
@@ -41,6 +43,11 @@ class Engine:
         self.weights = self._load_weights()
         self.kv_cache = self._allocate_kv_cache()
         self.programs = {name: self._build(p) for name, p in self.plan["programs"].items()}
+        self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
+        self._decode = DecodeRunner(self._decode_program, self.buckets, device, cuda_graphs)
+
+    def _decode_program(self, input_ids, position_ids, cache_pos, last_idx):
+        return self.programs["decode"](input_ids, position_ids, cache_pos, last_idx)
 
     # -- loading -------------------------------------------------------------------------
     def _load_weights(self) -> dict[str, torch.Tensor]:
@@ -96,9 +103,11 @@ class Engine:
         last = torch.tensor(lens, device=self.device) - 1
         return self.run("prefill", ids, pos, zeros, last)
 
+    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
-        """tokens [B], cache_pos [B] (the position each token is written at) -> logits [B, V]."""
-        return self.run("decode", tokens[:, None], cache_pos[:, None], cache_pos, torch.zeros_like(cache_pos))
+        """tokens [B], cache_pos [B] (the position each token is written at) -> logits [B, V].
+        Runs in the smallest decode bucket >= B (a CUDA-graph replay on GPU)."""
+        return self._decode(tokens, cache_pos).float()
 
     def check_batch(self, prompts: Sequence[Sequence[int]]) -> None:
         if not prompts:
@@ -188,9 +197,10 @@ def _dist_rank_world(artifact: Artifact, rank: int | None) -> tuple[int, int]:
 
 
 def load(path: str | Path, rank: int | None = None, device: str | torch.device | None = None,
-         verify: bool = True) -> Engine:
+         verify: bool = True, cuda_graphs: bool = True) -> Engine:
     """Load an artifact for one rank. Checks format version and the sha256 of every file this
-    rank reads (skip with verify=False). For tp > 1, call under torchrun: the process group is
+    rank reads (skip with verify=False). On CUDA, decode steps are captured as CUDA graphs at
+    load, one per batch bucket (cuda_graphs=False runs them eagerly). For tp > 1, call under torchrun: the process group is
     initialised here (NCCL on GPU, gloo on CPU) if it is not already."""
     from dsc.runtime.artifact import open_artifact as _open
 
@@ -206,4 +216,4 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
 
         ensure_process_group(device, world, r)
     artifact = open_artifact(path, ranks=[r], verify=verify)
-    return Engine(artifact, r, world, device)
+    return Engine(artifact, r, world, device, cuda_graphs=cuda_graphs)

@@ -1,0 +1,132 @@
+"""`dsc bench`: time an artifact with the runtime alone.
+
+Measures load + CUDA-graph capture, decode step time per batch bucket (ms/token at batch 1,
+tokens/s at larger batches), prefill time per prompt length, the bytes a decode step must
+read (matmul weights + the KV cache up to the current context) and the achieved bandwidth,
+and the GPU memory split into weights, KV cache and workspace.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+from pathlib import Path
+
+import torch
+
+READ_BW_H200 = 4.33e12  # bytes/s, measured device read bandwidth (DESIGN.md)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device, iters: int, warmup: int = 3) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    if device.type == "cuda":
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    else:
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def decode_bytes(engine, batch: int, context: int) -> dict[str, int]:
+    """Bytes one decode step must read: every weight once, except embedding tables that no
+    matmul reads (a gather of `batch` rows), plus K and V of `context` positions per sequence
+    per layer."""
+    nodes = engine.plan["programs"]["decode"]["nodes"]
+    targets = {n["name"]: n["target"] for n in nodes if n["kind"] == "weight"}
+    gathered = {targets[n["args"][0]["node"]] for n in nodes
+                if n["kind"] == "call" and n["op"] == "aten.embedding.default"}
+    matmul = {targets[a["node"]] for n in nodes if n["kind"] == "call" and "embedding" not in n["op"]
+              for a in n["args"] if isinstance(a, dict) and a.get("node") in targets}
+    weights = 0
+    for name, t in engine.weights.items():
+        if name in gathered and name not in matmul:
+            weights += batch * t[0].numel() * t.element_size()
+        else:
+            weights += t.numel() * t.element_size()
+    kv = engine.plan.get("kv_cache") or {}
+    kvb = 0
+    if kv:
+        _, hkv, _, d = kv["shape"]
+        kvb = 2 * kv["layers"] * batch * hkv * context * d * torch.empty((), dtype=getattr(torch, kv["dtype"])).element_size()
+    return {"weights": weights, "kv_cache": kvb, "total": weights + kvb}
+
+
+def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), prefill_lens=(128, 2048),
+          context: int = 128, iters: int = 50, cuda_graphs: bool = True) -> dict:
+    import dsc
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        base_mem = torch.cuda.memory_allocated(dev)
+    t0 = time.perf_counter()
+    engine = dsc.load(path, device=dev, verify=False, cuda_graphs=cuda_graphs)
+    _sync(dev)
+    load_s = time.perf_counter() - t0
+    res: dict = {"artifact": str(path), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                 "dtype": engine.plan["model"]["dtype"], "tp": engine.world, "load_and_capture_s": load_s,
+                 "cuda_graphs": engine._decode.captured, "decode": {}, "prefill": {}}
+    if dev.type == "cuda":
+        w = sum(t.numel() * t.element_size() for t in engine.weights.values())
+        kv = sum(t.numel() * t.element_size() for t in engine.kv_cache.values())
+        res["memory"] = {"weights": w, "kv_cache": kv,
+                         "workspace": torch.cuda.max_memory_allocated(dev) - base_mem - w - kv}
+    V = engine.vocab_size
+    g = torch.Generator().manual_seed(0)
+    for b in batches:
+        if b > engine.max_batch or context + 1 >= engine.max_seq:
+            continue
+        prompts = [torch.randint(0, V, (context,), generator=g).tolist() for _ in range(b)]
+        engine.reset()
+        engine.prefill(prompts)
+        tok = torch.randint(0, V, (b,), generator=g, device=dev)
+        pos = torch.full((b,), context, dtype=torch.long, device=dev)
+        step = lambda: engine._decode(tok, pos)  # noqa: E731
+        s = _time(step, dev, iters)
+        nbytes = decode_bytes(engine, b, context + 1)
+        res["decode"][b] = {"ms_per_step": s * 1e3, "tokens_per_s": b / s, "bytes": nbytes["total"],
+                            "weight_bytes": nbytes["weights"], "kv_bytes": nbytes["kv_cache"],
+                            "achieved_bw": nbytes["total"] / s, "fraction_of_read_bw": nbytes["total"] / s / READ_BW_H200}
+    for n in prefill_lens:
+        if n >= engine.max_seq:
+            continue
+        prompt = [torch.randint(0, V, (n,), generator=g).tolist()]
+        s = _time(lambda: engine.prefill(prompt), dev, max(3, iters // 10), warmup=1)
+        res["prefill"][n] = {"ms": s * 1e3, "tokens_per_s": n / s}
+    return res
+
+
+def render(res: dict) -> str:
+    lines = [f"{res['artifact']}  on {res['device']}  {res['dtype']}  tp={res['tp']}  "
+             f"cuda_graphs={res['cuda_graphs']}",
+             f"load + capture: {res['load_and_capture_s']:.2f} s"]
+    if "memory" in res:
+        m = res["memory"]
+        lines.append(f"GPU memory: weights {m['weights'] / 2**30:.2f} GiB, KV cache {m['kv_cache'] / 2**30:.2f} GiB, "
+                     f"workspace {m['workspace'] / 2**20:.1f} MiB")
+    lines.append(f"{'batch':>6} {'ms/step':>9} {'tok/s':>10} {'MB read':>9} {'GB/s':>8} {'% of 4.33 TB/s':>15}")
+    for b, d in res["decode"].items():
+        lines.append(f"{b:>6} {d['ms_per_step']:>9.3f} {d['tokens_per_s']:>10.1f} {d['bytes'] / 1e6:>9.1f} "
+                     f"{d['achieved_bw'] / 1e9:>8.1f} {100 * d['fraction_of_read_bw']:>14.1f}%")
+    for n, d in res["prefill"].items():
+        lines.append(f"prefill {n:>5} tokens: {d['ms']:.2f} ms ({d['tokens_per_s']:.0f} tok/s)")
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""Decode steps over static buffers, one per batch bucket; replayed from CUDA graphs on GPU.
+
+A batch of B sequences runs in the smallest bucket >= B. Rows B..bucket-1 are padding: they
+decode token 0 at position 0 into KV-cache rows that no live sequence uses (the cache has
+max_batch rows and every bucket is <= max_batch), and their logits are dropped.
+
+On CUDA each bucket's step is captured once (at load) into a CUDA graph; all graphs share one
+memory pool, so the intermediates of a step are allocated once and reused by every replay
+(the step's workspace is bounded by the largest bucket's). On CPU the same static-buffer path
+runs eagerly, so bucket choice and padding are exercised everywhere.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Callable
+
+import torch
+
+
+def choose_bucket(buckets: tuple[int, ...] | list[int], batch: int) -> int:
+    """Smallest bucket that holds `batch` sequences."""
+    i = bisect.bisect_left(list(buckets), batch)
+    if i == len(buckets):
+        raise ValueError(f"batch {batch} exceeds the largest decode bucket {buckets[-1]}")
+    return buckets[i]
+
+
+class DecodeStep:
+    """Static input/output buffers for one bucket, and the step that fills the output."""
+
+    def __init__(self, program: Callable, bucket: int, device: torch.device):
+        self.program, self.bucket, self.device = program, bucket, device
+        self.tokens = torch.zeros(bucket, 1, dtype=torch.long, device=device)  # [b, 1]
+        self.pos = torch.zeros(bucket, dtype=torch.long, device=device)  # [b]
+        self.zeros = torch.zeros(bucket, dtype=torch.long, device=device)  # last_idx: [b]
+        self.logits: torch.Tensor | None = None  # [b, V], written by the step
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _forward(self) -> torch.Tensor:
+        return self.program(self.tokens, self.pos[:, None], self.pos, self.zeros)
+
+    def capture(self, pool) -> None:
+        """Warm up on a side stream (Triton JIT, cuBLAS handles), then capture."""
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = self._forward()
+
+    def __call__(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
+        """tokens, cache_pos: [B] with B <= bucket -> logits [B, V]."""
+        B = tokens.shape[0]
+        self.tokens[:B, 0].copy_(tokens)
+        self.pos[:B].copy_(cache_pos)
+        if B < self.bucket:
+            self.tokens[B:].zero_()
+            self.pos[B:].zero_()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits = self._forward()
+        return self.logits[:B]
+
+
+class DecodeRunner:
+    """All buckets of one program; capture on CUDA at construction."""
+
+    def __init__(self, program: Callable, buckets: tuple[int, ...], device: torch.device, cuda_graphs: bool):
+        self.buckets = tuple(buckets)
+        self.steps = {b: DecodeStep(program, b, device) for b in self.buckets}
+        self.captured = False
+        if cuda_graphs and device.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()
+            for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its pool
+                self.steps[b].capture(pool)
+            torch.cuda.synchronize(device)
+            self.captured = True
+
+    def __call__(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
+        return self.steps[choose_bucket(self.buckets, tokens.shape[0])](tokens, cache_pos)
