@@ -88,8 +88,11 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
     if dev.type == "cuda":
         w = sum(t.numel() * t.element_size() for t in engine.weights.values())
         kv = sum(t.numel() * t.element_size() for t in engine.kv_cache.values())
+        from dsc.runtime.memory_plan import workspace_bytes
+
         res["memory"] = {"weights": w, "kv_cache": kv,
-                         "workspace": torch.cuda.max_memory_allocated(dev) - base_mem - w - kv}
+                         "workspace": torch.cuda.max_memory_allocated(dev) - base_mem - w - kv,
+                         "planned_decode_workspace": workspace_bytes(engine.plan, "decode", max(engine.buckets))}
     V = engine.vocab_size
     g = torch.Generator().manual_seed(0)
     for b in batches:
@@ -122,7 +125,8 @@ def render(res: dict) -> str:
     if "memory" in res:
         m = res["memory"]
         lines.append(f"GPU memory: weights {m['weights'] / 2**30:.2f} GiB, KV cache {m['kv_cache'] / 2**30:.2f} GiB, "
-                     f"workspace {m['workspace'] / 2**20:.1f} MiB")
+                     f"workspace {m['workspace'] / 2**20:.1f} MiB (memory plan for the largest decode bucket: "
+                     f"{m['planned_decode_workspace'] / 2**20:.1f} MiB)")
     lines.append(f"{'batch':>6} {'ms/step':>9} {'tok/s':>10} {'MB read':>9} {'GB/s':>8} {'% of 4.33 TB/s':>15}")
     for b, d in res["decode"].items():
         lines.append(f"{b:>6} {d['ms_per_step']:>9.3f} {d['tokens_per_s']:>10.1f} {d['bytes'] / 1e6:>9.1f} "

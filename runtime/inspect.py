@@ -40,7 +40,11 @@ def describe(path: str | Path) -> dict:
             lo, hi = info["data_offsets"]
             by_dtype[info["dtype"]] += hi - lo
         ranks[r] = {"tensors": len(h), "bytes": f.stat().st_size, "bytes_by_dtype": dict(sorted(by_dtype.items()))}
-    return {"path": str(path), "format_version": man["format_version"], "versions": man.get("versions"),
+    from dsc.runtime.memory_plan import workspace_bytes
+
+    buckets = plan["limits"].get("decode_buckets") or [plan["limits"]["max_batch"]]
+    workspace = {b: workspace_bytes(plan, "decode", b) for b in buckets}
+    return {"path": str(path), "decode_buckets": buckets, "decode_workspace": workspace, "format_version": man["format_version"], "versions": man.get("versions"),
             "source": man.get("source", {}).get("model"), "model_type": plan["model"]["model_type"],
             "dtype": plan["model"]["dtype"], "tp": plan["tp"], "options": man.get("options"),
             "limits": plan["limits"], "kv_cache": plan.get("kv_cache"), "programs": programs,
@@ -67,6 +71,8 @@ def render(info: dict) -> None:
     kv = info["kv_cache"]
     if kv:
         c.print(f"kv cache: {kv['layers']} layers x 2 x {kv['shape']} {kv['dtype']}")
+    c.print("decode buckets (CUDA graphs): " + ", ".join(
+        f"{b} (workspace {_fmt_bytes(w)})" for b, w in info["decode_workspace"].items()))
     for name, p in info["programs"].items():
         t = Table(title=f"program {name}: {p['calls']} ops", show_lines=False)
         t.add_column("op")

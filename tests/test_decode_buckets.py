@@ -1,0 +1,89 @@
+"""Decode buckets, padding and the static memory plan (runtime/decode.py, runtime/memory_plan.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dsc.runtime.decode import choose_bucket
+from dsc.runtime.memory_plan import plan_memory
+
+
+@pytest.mark.parametrize("batch,bucket", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 6), (6, 6)])
+def test_choose_bucket_smallest_that_fits(batch, bucket):
+    assert choose_bucket((1, 2, 4, 6), batch) == bucket
+
+
+def test_choose_bucket_rejects_oversize():
+    with pytest.raises(ValueError, match="exceeds the largest decode bucket 6"):
+        choose_bucket((1, 2, 4, 6), 7)
+
+
+def test_default_buckets_are_powers_of_two_up_to_max_batch():
+    from dsc.compiler.options import make_options
+
+    assert make_options(max_batch=64).buckets() == (1, 2, 4, 8, 16, 32, 64)
+    assert make_options(max_batch=6).buckets() == (1, 2, 4, 6)
+    assert make_options(max_batch=8, decode_buckets=(2, 8)).buckets() == (2, 8)
+
+
+@pytest.mark.parametrize("shape", ["llama-odd", "gpt2-odd"])
+def test_padded_bucket_step_equals_exact_batch(compile_artifact, shape):
+    """A batch of 3 runs in bucket 4: its logits equal the program run at batch 3, and the
+    padding row does not disturb the live sequences' KV-cache rows."""
+    import dsc
+
+    art = compile_artifact(shape, dtype="fp32", max_batch=6, decode_buckets=(1, 4, 6))
+    e = dsc.load(art, device="cpu")
+    assert e.buckets == (1, 4, 6)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, e.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 5)]
+    e.prefill(prompts)
+    tok = torch.tensor([5, 6, 7])
+    pos = torch.tensor([7, 3, 5])
+    before = {k: v[:3].clone() for k, v in e.kv_cache.items()}
+    padded = e.decode(tok, pos)  # bucket 4
+    # the same step, run directly at batch 3 on a cache restored to the pre-step state
+    for k, v in e.kv_cache.items():
+        v[:3].copy_(before[k])
+    exact = e.run("decode", tok[:, None], pos[:, None], pos, torch.zeros(3, dtype=torch.long))
+    assert e._decode.steps[4].logits.shape[0] == 4
+    # equal up to the matmul's batch-dependent summation order (fp32)
+    torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-5)
+    assert torch.equal(padded.argmax(-1), exact.argmax(-1))
+
+
+def test_generate_uses_buckets_and_matches_without_padding(compile_artifact):
+    import dsc
+
+    art = compile_artifact("llama-tiny", dtype="fp32", max_batch=4, decode_buckets=(4,))
+    e = dsc.load(art, device="cpu")
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    together = e.generate(prompts, max_new_tokens=6, stop_tokens=[]).tokens
+    alone = [e.generate([p], max_new_tokens=6, stop_tokens=[]).tokens[0] for p in prompts]
+    assert together == alone
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_memory_plan_never_overlaps_live_buffers(compile_artifact, batch):
+    art = compile_artifact("llama-odd", dtype="fp32", max_batch=8)
+    plan = json.loads((art / "plan.json").read_text())
+    for program, sizes in (("decode", {"batch": batch}), ("prefill", {"batch": batch, "seq": 9})):
+        arena, bufs = plan_memory(plan["programs"][program]["nodes"], sizes)
+        total = sum(b.nbytes for b in bufs)
+        assert 0 < max(b.nbytes for b in bufs) <= arena < total  # reuse happened
+        for i, a in enumerate(bufs):
+            assert a.offset >= 0 and a.offset + a.nbytes <= arena
+            for b in bufs[i + 1:]:
+                live_together = a.start <= b.end and b.start <= a.end
+                disjoint = a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset
+                assert not live_together or disjoint or 0 in (a.nbytes, b.nbytes), (a, b)
+
+
+def test_memory_plan_grows_with_batch(compile_artifact):
+    art = compile_artifact("llama-odd", dtype="fp32", max_batch=8)
+    plan = json.loads((art / "plan.json").read_text())
+    a1, _ = plan_memory(plan["programs"]["decode"]["nodes"], {"batch": 1})
+    a8, _ = plan_memory(plan["programs"]["decode"]["nodes"], {"batch": 8})
+    assert a8 > a1
