@@ -24,26 +24,33 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 class _RichProgress:
-    """Renders compile progress: one line per stage, a bytes bar while weights are written."""
+    """Renders compile progress: one line per stage, a bytes bar while weights are written.
+    Only on an interactive terminal: when stderr is a file or pipe it stays silent, so that a
+    failed compile leaves exactly one line there (the error)."""
 
     def __init__(self):
         from rich.console import Console
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.console = Console(stderr=True)
+        self.quiet = not self.console.is_terminal
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                             TimeElapsedColumn(), console=self.console, transient=False)
         self.task = None
 
     def stage(self, name: str) -> None:
-        self.console.print(f"[bold]{name}[/bold]", highlight=False)
+        if not self.quiet:
+            self.console.print(f"[bold]{name}[/bold]", highlight=False)
 
     def start_bytes(self, total: int) -> None:
+        if self.quiet:
+            return
         self.bar.start()
         self.task = self.bar.add_task("writing rank files", total=total)
 
     def advance_bytes(self, n: int) -> None:
-        self.bar.update(self.task, advance=n)
+        if self.task is not None:
+            self.bar.update(self.task, advance=n)
 
     def close(self) -> None:
         if self.task is not None:
@@ -65,6 +72,7 @@ def compile_cmd(
     int8: Optional[bool] = typer.Option(None, "--int8", help="int8 weights (weight-only, per-channel, symmetric)"),
     int8_mode: Optional[str] = typer.Option(None, "--int8-mode", help="w8a16 (default) | w8a8"),
     int8_group_size: Optional[int] = typer.Option(None, "--int8-group-size", help="scale per N input channels"),
+    int8_q_groups: Optional[int] = typer.Option(None, "--int8-q-groups", help="DeepSpeed q_groups: scale groups per weight matrix"),
     int8_asymmetric: Optional[bool] = typer.Option(None, "--int8-asymmetric", help="zero points"),
     int8_lm_head: Optional[bool] = typer.Option(None, "--int8-lm-head", help="also quantize lm_head"),
     int8_skip: List[str] = typer.Option([], "--int8-skip", help="module path pattern kept in 16-bit (repeatable)"),
@@ -80,7 +88,7 @@ def compile_cmd(
         path = dsc_compile(model, out, config_file=config, dump_passes=dump_passes, verify=verify,
                            command=["dsc"] + sys.argv[1:], progress=progress,
                            dtype=dtype, tp=tp, max_batch=max_batch, max_seq=max_seq, fuse=fuse,
-                           int8=int8, int8_mode=int8_mode, int8_group_size=int8_group_size,
+                           int8=int8, int8_mode=int8_mode, int8_group_size=int8_group_size, int8_q_groups=int8_q_groups,
                            int8_asymmetric=int8_asymmetric, int8_lm_head=int8_lm_head,
                            int8_skip=tuple(int8_skip) or None, int8_min_sqnr=int8_min_sqnr,
                            calibrate=str(calibrate) if calibrate else None,
@@ -139,7 +147,7 @@ def generate_cmd(
             raise UserError("generate: give --prompt TEXT or --token-ids IDS")
         from dsc.runtime.artifact import open_artifact
 
-        art = open_artifact(artifact, ranks=[], verify=False)
+        art = open_artifact(artifact, ranks=None, verify=False)  # every rank file present
         if art.tp > 1 and "WORLD_SIZE" not in os.environ:
             _relaunch_under_torchrun(art.tp)
             return
@@ -207,13 +215,81 @@ def bench_cmd(
     from dsc.runtime.bench import bench, render
 
     try:
+        from dsc.runtime.artifact import open_artifact
+
+        if open_artifact(artifact, ranks=[], verify=False).tp > 1 and "WORLD_SIZE" not in os.environ:
+            _relaunch_under_torchrun(open_artifact(artifact, ranks=[], verify=False).tp)
+            return
         res = bench(artifact, device=device, batches=batch, prefill_lens=prefill, context=context,
                     iters=iters, cuda_graphs=not no_cuda_graphs)
     except UserError as e:
         _fail(str(e))
+    if res.get("rank", 0) != 0:
+        return
     typer.echo(render(res))
     if as_json:
         as_json.write_text(json.dumps(res, indent=1, sort_keys=True, default=str) + "\n")
+
+
+@app.command("diff")
+def diff_cmd(
+    a: Path = typer.Argument(..., help="artifact or pass-dump folder (DIR/NN_pass); the reference"),
+    b: Path = typer.Argument(..., help="artifact or pass-dump folder to compare with A"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    numeric: bool = typer.Option(False, "--numeric", help="run both artifacts and compare every shared node's output"),
+    token_ids: List[str] = typer.Option([], "--token-ids", help="(--numeric) prompt as token ids '1,2,3' (repeatable)"),
+    seed: int = typer.Option(0, help="(--numeric) seed of the random prompt used without --token-ids"),
+    length: int = typer.Option(8, help="(--numeric) tokens in the random prompt"),
+    program: str = typer.Option("prefill", help="(--numeric) prefill | decode (one step after a prefill)"),
+    sqnr_threshold: float = typer.Option(30.0, "--sqnr-threshold", help="(--numeric) divergence below this SQNR (dB)"),
+    top: Optional[int] = typer.Option(None, "--top", help="(--numeric) show only the N nodes of lowest SQNR"),
+) -> None:
+    """What changed between two artifacts or pass dumps. Exit 0: identical (--numeric: no node
+    below the threshold), 1: different, 2: error."""
+    try:
+        if numeric:
+            from dsc.compiler.numerics import numeric_diff, render
+
+            prompts = [_parse_ids(t) for t in token_ids] or None
+            res = numeric_diff(a, b, prompts, program=program, threshold=sqnr_threshold, seed=seed, length=length)
+            same = res["first_divergent"] is None
+        else:
+            from dsc.compiler.diff import diff, render
+
+            res = diff(a, b)
+            same = res["identical"]
+    except UserError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(res, indent=1, sort_keys=True))
+    elif numeric:
+        render(res, top=top)
+    else:
+        render(res)
+    raise typer.Exit(0 if same else 1)
+
+
+@app.command("export-onnx")
+def export_onnx_cmd(
+    artifact: Path = typer.Argument(..., help="artifact folder"),
+    out: Path = typer.Option(..., "-o", "--out", help="folder for rank{i}.onnx"),
+    fp32: bool = typer.Option(False, "--fp32", help="compute in float32 (onnxruntime's CPU kernels lack bf16)"),
+    check: bool = typer.Option(True, "--check/--no-check", help="run onnx.checker and compare with the dsc runtime"),
+    rank: List[int] = typer.Option([], "--rank", help="export only this rank (repeatable; default: every rank)"),
+) -> None:
+    """Export each rank's prefill program as an ONNX model (standard ops, int8 weights as QDQ).
+    The KV cache is an explicit input and output; see docs/diff-and-onnx.md. Exit 1 when
+    onnxruntime's logits miss the stated tolerance against the dsc runtime."""
+    try:
+        from dsc.compiler.onnx_export import export_onnx, report_lines
+
+        reports = export_onnx(artifact, out, fp32=fp32, check=check, ranks=list(rank) or None)
+    except UserError as e:
+        _fail(str(e))
+    for line in report_lines(reports):
+        typer.echo(line)
+    if not all(r.get("ok", True) for r in reports):
+        _fail("onnxruntime's logits differ from the dsc runtime's beyond the tolerance", 1)
 
 
 def main() -> None:

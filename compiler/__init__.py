@@ -27,13 +27,10 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
     transformers model) into an artifact at `out`. Option fields (dtype, tp, max_batch,
     max_seq, ...) may be given as keywords, as a CompileOptions, or through a dsc/DeepSpeed
     JSON config file (keywords win)."""
+    # torch-free checks first: bad input fails in a fraction of a second, before any tracing
     from dsc.compiler.architectures import architecture_for
-    from dsc.compiler.emit import emit
-    from dsc.compiler.pipeline import run_passes
     from dsc.compiler.source import open_checkpoint
-    from dsc.compiler.trace import target_dtype, trace
-    from dsc.compiler.weights import local_dtype, local_shape
-    from dsc.compiler.validate import validate_options
+    from dsc.compiler.validate import check_destination, validate_options
 
     progress = progress or Progress()
     if options is None:
@@ -42,13 +39,30 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
         options = make_options(str(config_file) if config_file else "options", **base)
     elif fields:
         options = options.model_copy(update=fields)
+    check_destination(Path(out))
     with _as_checkpoint(model) as src:
         ckpt = open_checkpoint(src)
+        if not isinstance(model, (str, Path)):  # a loaded model: record its name, not the temp folder
+            ckpt.name = getattr(model, "name_or_path", "") or type(model).__name__
         arch = architecture_for(ckpt.config, str(ckpt.root / "config.json"))
         validate_options(ckpt, arch, options)
+        from dsc.compiler.emit import emit
+        from dsc.compiler.pipeline import run_passes
+        from dsc.compiler.trace import target_dtype, trace
+        from dsc.compiler.weights import local_dtype, local_shape
+
         progress.stage("trace")
         m = trace(ckpt, arch, options)
         m = run_passes(m, Path(dump_passes) if dump_passes else None, on_pass=progress.stage)
+        extra = None
+        if options.int8:  # measured before emit: a compile below --int8-min-sqnr writes nothing
+            progress.stage("int8 report")
+            from dsc.compiler.int8_report import check_min_sqnr, int8_report, summary
+
+            report = int8_report(m)
+            print(summary(report))
+            check_min_sqnr(report, options.int8_min_sqnr)
+            extra = {"int8_report": report}
         progress.stage("emit")
         dtype = target_dtype(ckpt, options)
         total = 0
@@ -59,7 +73,7 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
             total += n * options.tp
         progress.start_bytes(total)
         out = emit(m, ckpt, Path(out), dtype, command or ["dsc.compile", str(model if isinstance(model, (str, Path)) else type(model).__name__)],
-                   on_bytes=progress.advance_bytes)
+                   on_bytes=progress.advance_bytes, extra_manifest=extra)
         if verify:
             progress.stage("verify")
             from dsc.compiler.verify import verify_artifact

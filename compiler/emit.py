@@ -18,8 +18,8 @@ import torch
 from dsc.compiler.ir import Model, WeightSpec
 from dsc.compiler.serialize import program_nodes
 from dsc.compiler.source import Checkpoint, sha256_file, tokenizer_files
+from dsc.compiler.validate import check_destination
 from dsc.compiler.weights import SourceReader, float_tensor, local_dtype, local_shape, write_safetensors
-from dsc.errors import UserError
 from dsc.runtime.artifact import FORMAT, FORMAT_VERSION
 
 PROGRAM_INPUTS = ["input_ids", "position_ids", "cache_pos", "last_idx"]
@@ -80,8 +80,8 @@ class RankTensors:
         if self._qkey != base:
             from dsc.kernels.int8 import quantize_weight
 
-            w = float_tensor(dataclasses.replace(spec, quant=None), self.rank, self.world, self.reader)
-            self._qparts = quantize_weight(w.float(), spec.quant.group_size, spec.quant.symmetric)
+            w = float_tensor(dataclasses.replace(spec, quant=None, dtype="float32"), self.rank, self.world, self.reader)
+            self._qparts = quantize_weight(w, spec.quant.group_size, spec.quant.symmetric)
             self._qkey = base
         return self._qparts[spec.quant.part]
 
@@ -92,8 +92,7 @@ def rank_entries(model: Model, world: int) -> list[tuple[str, tuple[int, ...], t
 
 def _prepare_destination(out: Path) -> Path:
     out = Path(out)
-    if out.exists() and not (out.is_dir() and ((out / "manifest.json").exists() or not any(out.iterdir()))):
-        raise UserError(f"{out}: exists and is not a dsc artifact; choose another -o")
+    check_destination(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -64,6 +64,9 @@ class WeightSpec:
     shard: Shard | None = None
     quant: Quant | None = None
     const: torch.Tensor | None = field(default=None, compare=False, hash=False)  # value not in the checkpoint
+    # [in] fp32, multiplies the columns of the full [out, in] weight before sharding and
+    # quantization (SmoothQuant's migration of activation outliers into the weight)
+    col_scale: torch.Tensor | None = field(default=None, compare=False, hash=False)
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {"sources": list(self.sources), "shape": list(self.shape), "dtype": self.dtype}
@@ -78,6 +81,8 @@ class WeightSpec:
                           "symmetric": self.quant.symmetric}
         if self.const is not None:
             d["const"] = True
+        if self.col_scale is not None:
+            d["col_scale"] = True
         return d
 
 
@@ -95,6 +100,7 @@ class Model:
     kv_cache: dict[str, Any] | None = None
     notes: dict[str, Any] = field(default_factory=dict)  # plan-level facts passes record
     counters: Counter = field(default_factory=Counter)  # "pass.rewrite" -> count
+    checkpoint: Any = None  # compiler.source.Checkpoint, for passes that run the model (calibration)
 
     def graphs(self):
         return self.programs.items()

@@ -3,7 +3,12 @@ in its docstring (passes/<name>.py).
 
 Why this order:
   canonicalize first, so every later pattern sees one spelling (linear, no casts/dropout);
-  bind_kv_cache before anything that rewrites attention shapes, so sharding sees the cache.
+  bind_kv_cache before anything that rewrites attention shapes, so sharding sees the cache;
+  shard_tensor_parallel before the fusions, so a fused q/k/v concatenation combines the
+  per-projection shards (blocks per source) instead of splitting the fused matrix as one block;
+  fusions (options.fuse): projections first, so swiglu reads the fused gate_up output; the
+  int8 pass after them, so it quantizes the fused weights;
+  plan_kernels last, so it plans the ops every other pass left.
 """
 from __future__ import annotations
 
@@ -16,6 +21,13 @@ from dsc.compiler.serialize import model_to_text, program_nodes
 from dsc.errors import PassError, UserError
 from dsc.passes.bind_kv_cache import bind_kv_cache
 from dsc.passes.canonicalize import canonicalize
+from dsc.passes.fuse_activation import fuse_activation
+from dsc.passes.fuse_add_norm import fuse_add_norm
+from dsc.passes.fuse_projections import fuse_projections
+from dsc.passes.fuse_rotary import fuse_rotary
+from dsc.passes.plan_kernels import plan_kernels
+from dsc.passes.quantize_int8 import quantize_int8
+from dsc.passes.shard_tensor_parallel import shard_tensor_parallel
 
 Pass = Callable[[Model], Model]
 
@@ -25,7 +37,19 @@ def pipeline(options) -> list[tuple[str, Pass]]:
     return [
         ("canonicalize", canonicalize),
         ("bind_kv_cache", bind_kv_cache),
+        ("shard_tensor_parallel", shard_tensor_parallel),  # no-op for tp == 1
+    ] + (FUSIONS if options.fuse else []) + [
+        *([("quantize_int8", quantize_int8)] if options.int8 else []),
+        ("plan_kernels", plan_kernels),
     ]
+
+
+FUSIONS: list[tuple[str, Pass]] = [
+    ("fuse_projections", fuse_projections),
+    ("fuse_add_norm", fuse_add_norm),
+    ("fuse_rotary", fuse_rotary),
+    ("fuse_activation", fuse_activation),
+]
 
 
 def dump(model: Model, dump_dir: Path, index: int, name: str) -> None:

@@ -26,7 +26,8 @@ def _module_path(node: fx.Node) -> str | None:
     if not isinstance(path, str) or path.startswith("_"):
         return None
     path = re.sub(r"\[(\d+)\]", r".\1", path)
-    return path.removeprefix("L['self'].").removeprefix("lm.").removeprefix("lm") or None
+    path = path.removeprefix("L['self'].")
+    return None if path == "lm" else path.removeprefix("lm.") or None  # not "lm_head" -> "_head"
 
 
 def _dim(d: Any, sym_names: dict[str, str]) -> Any:

@@ -213,5 +213,5 @@ def trace(ckpt: Checkpoint, arch: Architecture, options) -> Model:
                 sym_names[str(b)] = "batch"
                 if isinstance(s, torch.SymInt):
                     sym_names[str(s)] = "seq"
-    return Model(programs=programs, weights=weights, config=ckpt.config, arch=arch,
+    return Model(programs=programs, weights=weights, config=ckpt.config, arch=arch, checkpoint=ckpt,
                  options=options, fake_mode=fake_mode, sym_names=sym_names)

@@ -1,12 +1,72 @@
 """Checks of the options against the model, before any tracing."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from dsc.compiler.architectures import Architecture
 from dsc.compiler.source import Checkpoint
 from dsc.errors import UserError
 
 
+# option -> (the pass that implements it, whether the options ask for it). An option whose pass
+# is not in the pipeline yet is rejected, never silently ignored.
+_OPTION_PASSES = {
+    "--tp": ("shard_tensor_parallel", lambda o: o.tp > 1),
+    "--int8": ("quantize_int8", lambda o: o.int8),
+}
+
+
+def reject_unbuilt_options(options) -> None:
+    from dsc.compiler.pipeline import pipeline
+
+    have = {name for name, _ in pipeline(options)}
+    for flag, (pass_name, wanted) in _OPTION_PASSES.items():
+        if wanted(options) and pass_name not in have:
+            raise UserError(f"{flag}: not supported yet (this dsc has no '{pass_name}' pass)")
+
+
+def tp_sizes(cfg: dict, arch: Architecture) -> dict[str, int]:
+    """The config sizes a tensor-parallel split must divide."""
+    return {"num_attention_heads": arch.heads(cfg), "num_key_value_heads": arch.kv_heads(cfg),
+            "intermediate_size": arch.intermediate(cfg)}
+
+
+def tp_problem(sizes: dict[str, int], tp: int) -> str | None:
+    """Why `tp` cannot shard a model of these sizes (None: it can). kv heads split when tp
+    divides them and are replicated when tp is a multiple of them. The vocabulary never blocks
+    a tp: shard_tensor_parallel replicates it when tp does not divide it."""
+    heads, kv, inter = sizes["num_attention_heads"], sizes["num_key_value_heads"], sizes["intermediate_size"]
+    if heads % tp:
+        return f"does not divide num_attention_heads={heads}"
+    if inter % tp:
+        return f"does not divide intermediate_size={inter}"
+    if tp <= kv and kv % tp:
+        return f"does not divide num_key_value_heads={kv}"
+    if tp > kv and tp % kv:
+        return f"is larger than num_key_value_heads={kv} but not a multiple of it (kv heads are replicated whole)"
+    return None
+
+
+def validate_tp(ckpt: Checkpoint, arch: Architecture, tp: int) -> None:
+    if tp == 1:
+        return
+    sizes = tp_sizes(ckpt.config, arch)
+    problem = tp_problem(sizes, tp)
+    if problem:
+        ok = [t for t in range(1, sizes["num_attention_heads"] + 1) if tp_problem(sizes, t) is None]
+        raise UserError(f"--tp {tp} {problem} in {ckpt.root / 'config.json'}; "
+                        f"tp values that work: {', '.join(map(str, ok))}")
+
+
+def check_destination(out: Path) -> None:
+    """-o may name a new path, an empty folder or an artifact (replaced), nothing else."""
+    if out.exists() and not (out.is_dir() and ((out / "manifest.json").exists() or not any(out.iterdir()))):
+        raise UserError(f"{out}: exists and is not a dsc artifact; choose another -o")
+
+
 def validate_options(ckpt: Checkpoint, arch: Architecture, options) -> None:
+    reject_unbuilt_options(options)
+    validate_tp(ckpt, arch, options.tp)
     cfg = ckpt.config
     max_pos = arch.max_positions(cfg)
     if max_pos and options.max_seq > max_pos:

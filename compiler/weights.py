@@ -1,22 +1,25 @@
 """Turn weight recipes (`WeightSpec`) into tensors, one rank at a time, reading only the
-slices a rank needs from the source safetensors (zero-copy views until the cast), and write
+slices a rank needs from the source safetensors (plain file reads, no mmap), and write
 them with a streaming safetensors writer so that no more than one tensor is in memory."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import struct
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 
 from dsc.compiler.ir import WeightSpec
 from dsc.compiler.source import Checkpoint
+from dsc.errors import UserError
 
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
              torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL"}
+_ST_TO_TORCH = {v: k for k, v in ST_DTYPES.items()} | {"F64": torch.float64, "I16": torch.int16}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -35,19 +38,55 @@ def local_shape(spec: WeightSpec, world: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def local_columns(spec: WeightSpec, v: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The entries of a per-input-column vector v [in] that rank's slice of the weight keeps."""
+    if spec.shard is None or spec.shard.dim != 1:
+        return v
+    return torch.cat([v[a:b] for a, b in spec.shard.ranges(rank, world)])
+
+
 def local_dtype(spec: WeightSpec) -> torch.dtype:
     if spec.quant:
         return torch.int8 if spec.quant.part in ("qweight", "zero") else torch.float32
     return torch_dtype(spec.dtype)
 
 
+class FileSlice:
+    """One tensor of a safetensors file, read with plain file reads on indexing (the interface
+    of safetensors' `get_slice`: `get_shape()`, `[a:b, c:d]`). Not mmap: every page of a
+    mapped file that a compile touches counts in its RSS until the file is closed, which made
+    peak RSS grow with the checkpoint (an 8B model's 16 GB). Reads only rows [a, b) of dim 0;
+    a slice of a later dim reads the rows, then copies the columns out."""
+
+    def __init__(self, file, data_start: int, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.file, self.start, self.dtype, self.shape = file, data_start, dtype, tuple(shape)
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        idx = (idx if isinstance(idx, tuple) else (idx,)) + (slice(None),) * len(self.shape)
+        lo, hi, step = idx[0].indices(self.shape[0]) if self.shape else (0, 1, 1)
+        assert step == 1, "FileSlice reads contiguous row ranges only"
+        row = self.dtype.itemsize * math.prod(self.shape[1:])
+        buf = torch.empty(max(hi - lo, 0) * row, dtype=torch.uint8)  # rows lo..hi: [hi - lo, *shape[1:]]
+        self.file.seek(self.start + lo * row)
+        if self.file.readinto(buf.numpy()) != buf.numel():
+            raise UserError(f"{self.file.name}: truncated safetensors file")
+        t = buf.view(self.dtype).reshape((max(hi - lo, 0),) + self.shape[1:] if self.shape else ())
+        rest = idx[1:len(self.shape)]
+        if any(s != slice(None) for s in rest):
+            t = t[(slice(None),) + rest].contiguous()  # drop the rest of the rows' columns now
+        return t
+
+
 class SourceReader:
-    """Opens each source file once; hands out lazy slices."""
+    """Opens each source file once (header parsed, no mmap); hands out lazy slices."""
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
         self._stack = ExitStack()
-        self._handles: dict[Path, object] = {}
+        self._files: dict[Path, tuple] = {}  # path -> (file object, data start, header)
 
     def __enter__(self):
         return self
@@ -55,11 +94,15 @@ class SourceReader:
     def __exit__(self, *exc):
         self._stack.close()
 
-    def slice(self, key: str):
-        f = self.ckpt.tensors[key].file
-        if f not in self._handles:
-            self._handles[f] = self._stack.enter_context(safe_open(f, framework="pt"))
-        return self._handles[f].get_slice(key)
+    def slice(self, key: str) -> FileSlice:
+        path = self.ckpt.tensors[key].file
+        if path not in self._files:
+            f = self._stack.enter_context(open(path, "rb"))
+            (n,) = struct.unpack("<Q", f.read(8))
+            self._files[path] = (f, 8 + n, json.loads(f.read(n)))
+        f, start, header = self._files[path]
+        info = header[key]
+        return FileSlice(f, start + info["data_offsets"][0], _ST_TO_TORCH[info["dtype"]], tuple(info["shape"]))
 
 
 def _read(reader: SourceReader, key: str, transpose: bool, dim: int | None, lo: int, hi: int) -> torch.Tensor:
@@ -77,6 +120,9 @@ def _read(reader: SourceReader, key: str, transpose: bool, dim: int | None, lo: 
 
 def float_tensor(spec: WeightSpec, rank: int, world: int, reader: SourceReader) -> torch.Tensor:
     """The unquantized tensor rank `rank` holds, in the spec's dtype."""
+    if spec.col_scale is not None:  # columns scaled in fp32, then cast
+        t = float_tensor(dataclasses.replace(spec, col_scale=None, dtype="float32"), rank, world, reader)
+        return (t * local_columns(spec, spec.col_scale, rank, world)).to(torch_dtype(spec.dtype)).contiguous()
     if spec.const is not None:
         t = spec.const
         if spec.shard:

@@ -5,3 +5,7 @@ exists, a Triton kernel used on CUDA devices.
 """
 from dsc.kernels import attention  # noqa: F401  (registers dsc::attention, dsc::causal_attention)
 from dsc.kernels import collectives  # noqa: F401  (registers dsc::all_reduce)
+from dsc.kernels import norm  # noqa: F401  (dsc::rmsnorm, dsc::add_rmsnorm, dsc::add_layernorm)
+from dsc.kernels import activation  # noqa: F401  (dsc::swiglu, dsc::gelu)
+from dsc.kernels import rotary  # noqa: F401  (dsc::rotary)
+from dsc.kernels import int8  # noqa: F401  (dsc::linear_w8a16, dsc::linear_w8a8)

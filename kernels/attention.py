@@ -10,15 +10,42 @@ Layouts
 Token i of sequence b sits at position cache_pos[b] + i; it attends to every cached key at a
 position <= its own.  Sequences in one prefill batch are right-padded: padded queries
 compute garbage that nothing reads, and their cache slots are overwritten by later decode
-steps before any valid query can see them.
+steps before any valid query can see them.  Keys/values of tokens at positions >= Smax are
+not written (they do not fit); such a token attends to the whole cache.
 
 `causal_attention` is what tracing records (no cache: the model is traced functionally); the
 `bind_kv_cache` pass turns every such node into `attention` with the layer's cache tensors.
+
+On CUDA, `attention` runs Triton kernels that also write the cache (no separate write kernel):
+- prefill (S > 1), `_prefill_kernel`: flash attention (online softmax over BLOCK_N-key tiles).
+  One program owns BLOCK_M rows of one (sequence, kv head); the rows are the G = H / Hkv query
+  heads of the group packed together, row r = (token r // G, head r % G), so each K/V tile is
+  loaded once for the whole group.  Keys come in two phases: the cached prefix (positions
+  < cache_pos, visible to every row, read from the cache) and the new tokens (causal, read from
+  k/v directly).  Each program also writes its own tokens' k/v into the cache; no program
+  reads cache slots >= cache_pos, so there is no race.
+- decode (S == 1), `_decode_kernel` (+ `_decode_reduce_kernel`): flash-decoding.  One program
+  per (sequence, kv head, split of the cache); the group's query heads are the rows of one tile
+  (padded to 16 for tl.dot).  The number of splits comes from shapes only (B, Hkv, Smax, SM
+  count), never from cache_pos, so a decode step can be captured in a CUDA graph; each program
+  reads its sequence's position on the device and divides that sequence's keys evenly among
+  the splits (at least MIN_SPLIT keys each; splits past the end return at once).  The split
+  that holds position cache_pos writes the new k/v to the cache and attends to it from
+  registers.  With one split the kernel writes `out` itself; otherwise per-split (output,
+  log-sum-exp) pairs are combined by the reduce kernel (1 or 2 launches per decode step).
+Launch configurations: PREFILL_CONFIGS / DECODE_CONFIGS below, shared with the plan_kernels
+pass through `attention_config` and the registered planner (scripts/bench_attention.py --sweep
+measures the candidates on a GPU).  The CPU implementation is the plain-torch reference.
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.nn.functional as F
+
+from dsc.kernels.launch import arch_of, next_power_of_2, planner, tuned
 
 
 def causal_attention_reference(q, k, v, cache_pos, scale):
@@ -28,12 +55,12 @@ def causal_attention_reference(q, k, v, cache_pos, scale):
 
 
 def write_kv_cache_reference(k, v, k_cache, v_cache, cache_pos):
-    """Scatter the new keys/values of each sequence to positions cache_pos[b] + i."""
+    """Write the new keys/values of each sequence at positions cache_pos[b] + i (those < Smax)."""
     B, Hkv, S, D = k.shape
-    idx = cache_pos[:, None] + torch.arange(S, device=k.device)  # idx: [B, S]
-    idx = idx.clamp_(max=k_cache.shape[2] - 1)[:, None, :, None].expand(B, Hkv, S, D)
-    k_cache[:B].scatter_(2, idx, k.to(k_cache.dtype))
-    v_cache[:B].scatter_(2, idx, v.to(v_cache.dtype))
+    pos = cache_pos[:, None] + torch.arange(S, device=k.device)  # pos: [B, S]
+    b, i = (pos < k_cache.shape[2]).nonzero(as_tuple=True)  # the tokens that fit: [N], [N]
+    k_cache[b, :, pos[b, i]] = k[b, :, i].to(k_cache.dtype)  # [N, Hkv, D]
+    v_cache[b, :, pos[b, i]] = v[b, :, i].to(v_cache.dtype)
 
 
 def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale):
@@ -49,6 +76,415 @@ def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale):
     return out.transpose(1, 2).contiguous()
 
 
+# ---------------------------------------------------------------------------------------------
+# Launch configurations, by (arch as kernels/launch.py names it, head_dim).  `attention_config`
+# takes the row with the smallest head_dim >= the model's, this arch's before "default" (which
+# interpreter runs on CPU use); kernels/tuning.json entries ("attention_prefill" /
+# "attention_decode", shape class "D<head_dim>") override it.  sm_90 rows (H100/H200): starting
+# points from the Triton fused-attention tutorial's Hopper configs, to be refreshed from
+# `scripts/bench_attention.py --sweep`; sm_80 rows: untested guesses.
+#   prefill: BLOCK_M packed (token, head) rows x BLOCK_N keys per tile.
+#   decode:  BLOCK_N keys per tile; enough splits per (sequence, kv head) for about
+#            PROGRAMS_PER_SM programs per SM, each split at least MIN_SPLIT keys long.
+PREFILL_CONFIGS = {
+    ("sm_90", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("sm_90", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("sm_90", 256): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    ("sm_80", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("sm_80", 128): dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
+    ("default", 16): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    ("default", 128): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    ("default", 256): dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
+}
+DECODE_CONFIGS = {
+    ("sm_90", 128): dict(BLOCK_N=64, num_warps=4, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
+    ("sm_90", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
+    ("default", 128): dict(BLOCK_N=64, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
+    ("default", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
+}
+MAX_SPLITS = 64  # the reduce kernel holds every split of one head in registers
+SM_COUNT = {"sm_90": 132, "default": 4}  # for planning; at run time the device says (H100/H200: 132)
+
+
+def attention_config(kind: str, head_dim: int, arch: str) -> dict:
+    """Launch config of the `kind` ("prefill" | "decode") kernel at this head_dim on `arch`."""
+    table = PREFILL_CONFIGS if kind == "prefill" else DECODE_CONFIGS
+    keys = [key for key in table if key[0] in (arch, "default")]
+    fits = [key for key in keys if key[1] >= head_dim] or [max(keys, key=lambda key: key[1])]
+    row = table[min(fits, key=lambda key: (key[1], key[0] == "default"))]
+    return tuned(f"attention_{kind}", f"D{next_power_of_2(head_dim)}", arch, dict(row))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return SM_COUNT["default"]  # interpreter runs: a few programs' worth, as on a tiny GPU
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_num_splits(batch: int, kv_heads: int, max_seq: int, cfg: dict, n_sm: int) -> int:
+    """Splits per (sequence, kv head) of a decode step: from shapes only (CUDA-graph safe)."""
+    want = _cdiv(cfg["PROGRAMS_PER_SM"] * n_sm, batch * kv_heads)
+    return max(1, min(want, MAX_SPLITS, _cdiv(max_seq, cfg["MIN_SPLIT"])))
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels.  Triton is imported on first use (`_triton()`), so CPU-only machines never
+# need it: the functions below are plain Python until `_triton()` applies `triton.jit` to them
+# in this module's namespace (where kernels find each other and `tl`).
+_JIT_FUNCTIONS: list[str] = []
+tl = None  # triton.language, bound by _triton()
+
+
+def _jit_on_first_use(fn):
+    _JIT_FUNCTIONS.append(fn.__name__)
+    return fn
+
+
+@functools.cache
+def _triton():
+    import triton
+    import triton.language as tl
+
+    module = globals()
+    module["tl"] = tl
+    for name in _JIT_FUNCTIONS:
+        module[name] = triton.jit(module[name])
+    return triton
+
+
+@_jit_on_first_use
+def _load_rows(ptrs, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # ptrs: [R, BLOCK_D] -> [R, BLOCK_D]; rows with row_ok false and padded columns read 0
+    if BLOCK_D == HEAD_DIM:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@_jit_on_first_use
+def _store_rows(ptrs, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    if BLOCK_D == HEAD_DIM:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@_jit_on_first_use
+def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
+    """One online-softmax step. q: [M, D]; k, v: [N, D]; visible: [M, N] (used if MASKED);
+    acc: [M, D] fp32 (unnormalized output); m_i, l_i: [M] running max / sum, base 2."""
+    qk = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 units
+    if MASKED:
+        qk = tl.where(visible, qk, -1.0e30)  # finite: a row with nothing visible yet stays NaN-free
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@_jit_on_first_use
+def _prefill_kernel(
+    Q, K, V, KC, VC, POS, OUT, qk_scale,
+    sq_b, sq_h, sq_s,  # q [B, H, S, D]; the last stride of every tensor is 1
+    sk_b, sk_h, sk_s,  # k [B, Hkv, S, D]
+    sv_b, sv_h, sv_s,
+    skc_b, skc_h, skc_s,  # k_cache [Bmax, Hkv, Smax, D]
+    svc_b, svc_h, svc_s,
+    so_b, so_s, so_h,  # out [B, S, H, D]
+    Hkv, S, Smax,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows start first
+    bh = tl.program_id(1)
+    b = (bh // Hkv).to(tl.int64)
+    kvh = bh % Hkv
+    start = tl.load(POS + b).to(tl.int32)  # cache_pos[b]: position of token 0
+    offs_d = tl.arange(0, BLOCK_D)
+
+    # rows of this tile: (token qi, query head qh) packed, G heads of kv head kvh per token
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // G
+    qh = kvh * G + rows % G
+    row_ok = qi < S
+    q = _load_rows(Q + b * sq_b + qh[:, None] * sq_h + qi[:, None] * sq_s + offs_d[None, :],
+                   row_ok, offs_d, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    k_new = K + b * sk_b + kvh * sk_h
+    v_new = V + b * sv_b + kvh * sv_h
+    k_cache = KC + b * skc_b + kvh * skc_h
+    v_cache = VC + b * svc_b + kvh * svc_h
+    cache_ty = KC.dtype.element_ty
+    n_fit = Smax - start  # new tokens j < n_fit have a cache slot
+
+    # write the new tokens this tile owns (j with j * G in its rows) into the cache
+    j_lo = tl.cdiv(pid_m * BLOCK_M, G)
+    j_hi = tl.minimum(tl.minimum(tl.cdiv((pid_m + 1) * BLOCK_M, G), S), n_fit)
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        ok = offs_j < j_hi
+        dst = (start + offs_j)[:, None]
+        kt = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        _store_rows(k_cache + dst * skc_s + offs_d[None, :], kt.to(cache_ty), ok, offs_d, HEAD_DIM, BLOCK_D)
+        vt = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        _store_rows(v_cache + dst * svc_s + offs_d[None, :], vt.to(cache_ty), ok, offs_d, HEAD_DIM, BLOCK_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # phase 1: the cached prefix, positions [0, n_old), visible to every row
+    n_old = tl.minimum(start, Smax)
+    n_old_full = (n_old // BLOCK_N) * BLOCK_N
+    for j0 in range(0, n_old_full, BLOCK_N):
+        offs_j = j0 + offs_n
+        ok = offs_j < n_old
+        k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, False)
+    for j0 in range(n_old_full, n_old, BLOCK_N):  # the partial last tile, if any
+        offs_j = j0 + offs_n
+        ok = offs_j < n_old
+        k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
+
+    # phase 2: the new tokens, causal (j <= qi) and only those with a cache slot (j < n_fit)
+    i_min = (pid_m * BLOCK_M) // G
+    i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
+    hi = tl.minimum(i_max + 1, n_fit)  # no row of this tile sees a new key >= hi
+    free = (tl.minimum(i_min + 1, hi) // BLOCK_N) * BLOCK_N  # keys < free: visible to all rows
+    for j0 in range(0, free, BLOCK_N):
+        offs_j = j0 + offs_n
+        ok = offs_j < hi
+        k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        k = k.to(cache_ty).to(q.dtype)  # as if read back from the cache
+        v = v.to(cache_ty).to(q.dtype)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, ok[None, :], qk_scale, False)
+    for j0 in range(free, hi, BLOCK_N):
+        offs_j = j0 + offs_n
+        ok = offs_j < hi
+        k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        k = k.to(cache_ty).to(q.dtype)
+        v = v.to(cache_ty).to(q.dtype)
+        visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True)
+
+    out = acc / l_i[:, None]
+    _store_rows(OUT + b * so_b + qi[:, None] * so_s + qh[:, None] * so_h + offs_d[None, :],
+                out.to(OUT.dtype.element_ty), row_ok, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@_jit_on_first_use
+def _split_len(n_keys, num_splits, min_split, BLOCK_N: tl.constexpr):
+    # keys per split for a sequence with n_keys keys: an even share, whole tiles, >= min_split
+    return tl.maximum(tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N, min_split)
+
+
+@_jit_on_first_use
+def _decode_kernel(
+    Q, K, V, KC, VC, POS, OUT, PART_O, PART_LSE, qk_scale,
+    sq_b, sq_h,  # q [B, H, 1, D]
+    sk_b, sk_h,  # k [B, Hkv, 1, D]
+    sv_b, sv_h,
+    skc_b, skc_h, skc_s,  # k_cache [Bmax, Hkv, Smax, D]
+    svc_b, svc_h, svc_s,
+    so_b, so_h,  # out [B, 1, H, D]
+    sp_b, sp_h, sp_s,  # part_o [B, H, splits, D] fp32
+    sl_b, sl_h,  # part_lse [B, H, splits] fp32
+    Hkv, Smax, min_split,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (bh // Hkv).to(tl.int64)
+    kvh = bh % Hkv
+    pos = tl.load(POS + b).to(tl.int32)  # the new token's position
+    n_keys = tl.minimum(pos + 1, Smax)  # keys it sees: cache slots [0, n_keys)
+    split_len = _split_len(n_keys, tl.num_programs(1), min_split, BLOCK_N)
+    lo = split * split_len
+    if lo >= n_keys:  # this split is past the sequence's end
+        return
+    hi = tl.minimum(tl.minimum(lo + split_len, pos), Smax)  # cached keys of this split: [lo, hi)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + tl.arange(0, BLOCK_H)  # the group's query heads, padded to BLOCK_H rows
+    head_ok = tl.arange(0, BLOCK_H) < G
+    q = _load_rows(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
+    k_cache = KC + b * skc_b + kvh * skc_h
+    v_cache = VC + b * svc_b + kvh * svc_h
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for j0 in range(lo, hi, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        ok = offs_j < hi
+        k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
+
+    if (pos < Smax) & (pos < lo + split_len):  # the new token's slot is in this split
+        cache_ty = KC.dtype.element_ty
+        kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=offs_d < HEAD_DIM).to(cache_ty)  # [BLOCK_D]
+        vn = tl.load(V + b * sv_b + kvh * sv_h + offs_d, mask=offs_d < HEAD_DIM).to(cache_ty)
+        tl.store(k_cache + pos * skc_s + offs_d, kn, mask=offs_d < HEAD_DIM)
+        tl.store(v_cache + pos * svc_s + offs_d, vn, mask=offs_d < HEAD_DIM)
+        s = tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_H]
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * vn.to(q.dtype).to(tl.float32)[None, :]
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    if SPLIT:
+        _store_rows(PART_O + b * sp_b + heads[:, None] * sp_h + split * sp_s + offs_d[None, :],
+                    out, head_ok, offs_d, HEAD_DIM, BLOCK_D)
+        tl.store(PART_LSE + b * sl_b + heads * sl_h + split, m_i + tl.log2(l_i), mask=head_ok)
+    else:
+        _store_rows(OUT + b * so_b + heads[:, None] * so_h + offs_d[None, :],
+                    out.to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@_jit_on_first_use
+def _decode_reduce_kernel(
+    PART_O, PART_LSE, POS, OUT,
+    sp_b, sp_h, sp_s, sl_b, sl_h, so_b, so_h,
+    H, Smax, num_splits, min_split,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    pos = tl.load(POS + b).to(tl.int32)
+    n_keys = tl.minimum(pos + 1, Smax)
+    n_splits = tl.cdiv(n_keys, _split_len(n_keys, num_splits, min_split, BLOCK_N))  # splits written
+    splits = tl.arange(0, BLOCK_SPLITS)
+    ok = splits < n_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(PART_LSE + b * sl_b + h * sl_h + splits, mask=ok, other=float("-inf"))  # [BLOCK_SPLITS]
+    w = tl.exp2(lse - tl.max(lse, 0))  # 0 for unwritten splits
+    o = _load_rows(PART_O + b * sp_b + h * sp_h + splits[:, None] * sp_s + offs_d[None, :],
+                   ok, offs_d, HEAD_DIM, BLOCK_D)  # [BLOCK_SPLITS, BLOCK_D]
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(OUT + b * so_b + h * so_h + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers: check shapes, allocate, launch.
+def _check(q, k, v, k_cache, v_cache, cache_pos):
+    B, H, S, D = q.shape
+    Hkv = k.shape[1]
+    if k.shape != (B, Hkv, S, D) or v.shape != k.shape:
+        raise ValueError(f"attention: k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if H % Hkv:
+        raise ValueError(f"attention: {H} query heads are not a multiple of {Hkv} kv heads")
+    if k_cache.shape != v_cache.shape or k_cache.shape[1] != Hkv or k_cache.shape[3] != D or k_cache.shape[0] < B:
+        raise ValueError(f"attention: cache {tuple(k_cache.shape)} does not fit q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("attention: the KV cache must be contiguous in head_dim")
+    if cache_pos.shape != (B,) or cache_pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"attention: cache_pos must be an int tensor of shape ({B},), got {tuple(cache_pos.shape)} {cache_pos.dtype}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"attention: k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    if not 16 <= D <= 256:
+        raise ValueError(f"attention: head_dim {D} is outside the Triton kernels' range 16..256")
+
+
+def _last_contiguous(*ts):
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
+def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, out=None, config=None):
+    """`attention` for any S (the prefill kernel); out [B, S, H, D] may be given (tests poison it)."""
+    _check(q, k, v, k_cache, v_cache, cache_pos)
+    _triton()
+    q, k, v = _last_contiguous(q, k, v)
+    B, H, S, D = q.shape
+    Hkv, Smax = k.shape[1], k_cache.shape[2]
+    G = H // Hkv
+    cfg = config or attention_config("prefill", D, arch_of(q.device))
+    out = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device) if out is None else out
+    grid = (_cdiv(S * G, cfg["BLOCK_M"]), B * Hkv)
+    _prefill_kernel[grid](
+        q, k, v, k_cache, v_cache, cache_pos, out, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        Hkv, S, Smax,
+        G=G, HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, out=None, config=None, num_splits=None):
+    """`attention` for S == 1 (flash-decoding). The grid depends on shapes only."""
+    _check(q, k, v, k_cache, v_cache, cache_pos)
+    if q.shape[2] != 1:
+        raise ValueError(f"decode_attention: one query per sequence, got S={q.shape[2]}")
+    _triton()
+    q, k, v = _last_contiguous(q, k, v)
+    B, H, _, D = q.shape
+    Hkv, Smax = k.shape[1], k_cache.shape[2]
+    G = H // Hkv
+    cfg = config or attention_config("decode", D, arch_of(q.device))
+    splits = num_splits or decode_num_splits(B, Hkv, Smax, cfg, sm_count(q.device))
+    if splits > MAX_SPLITS:
+        raise ValueError(f"decode_attention: {splits} splits exceed MAX_SPLITS={MAX_SPLITS}")
+    out = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device) if out is None else out
+    part_o = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
+    part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
+    BLOCK_D = max(16, next_power_of_2(D))
+    _decode_kernel[(B * Hkv, splits)](
+        q, k, v, k_cache, v_cache, cache_pos, out, part_o, part_lse, scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(2),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        Hkv, Smax, cfg["MIN_SPLIT"],
+        G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
+        BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _decode_reduce_kernel[(B * H,)](
+            part_o, part_lse, cache_pos, out,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(2),
+            H, Smax, splits, cfg["MIN_SPLIT"],
+            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], BLOCK_SPLITS=max(2, next_power_of_2(splits)),
+            num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops
 @torch.library.custom_op("dsc::causal_attention", mutates_args=())
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_pos: torch.Tensor, scale: float
@@ -75,7 +511,30 @@ def attention(
     return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale)
 
 
+@attention.register_kernel("cuda")
+def _(q, k, v, k_cache, v_cache, cache_pos, scale):
+    if q.shape[2] == 1:
+        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale)
+    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale)
+
+
 @attention.register_fake
 def _(q, k, v, k_cache, v_cache, cache_pos, scale):
     B, H, S, D = q.shape
     return q.new_empty(B, S, H, D)
+
+
+@planner("dsc.attention.default")
+def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, arch):
+    """The kernels and configs the CUDA implementation will launch. The decode batch is
+    symbolic at compile time: splits are counted at batch 1 (the most splits, 2 launches)."""
+    B, H, S, D = q.shape
+    Hkv, Smax = k.shape[1], k_cache.shape[2]
+    if isinstance(S, int) and S == 1:
+        cfg = attention_config("decode", D, arch)
+        batch = B if isinstance(B, int) else 1
+        splits = decode_num_splits(batch, Hkv, Smax, cfg, SM_COUNT.get(arch, SM_COUNT["sm_90"]))
+        return {"name": "triton.attention_decode", "config": {**cfg, "splits": splits, "splits_at_batch": batch},
+                "launches": 1 if splits == 1 else 2}
+    cfg = attention_config("prefill", D, arch)
+    return {"name": "triton.attention_prefill", "config": {**cfg, "group": H // Hkv}, "launches": 1}

@@ -81,7 +81,12 @@ def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool
                 raise UserError(f"{p}: missing")
             if _sha256(p) != files[rel]:
                 raise UserError(f"{p}: checksum mismatch (file changed or corrupt since compile)")
-    plan = _read_json(path / "plan.json")
+    try:
+        plan = _read_json(path / "plan.json")
+    except UserError:  # unreadable even unverified: say why, when the checksum knows
+        if path.joinpath("plan.json").exists() and _sha256(path / "plan.json") != files["plan.json"]:
+            raise UserError(f"{path / 'plan.json'}: checksum mismatch (file changed or corrupt since compile)")
+        raise
     if plan.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{path / 'plan.json'}: plan format version {plan.get('format_version')!r}, expected {FORMAT_VERSION}")
     return Artifact(path=path, manifest=manifest, plan=plan)

@@ -93,6 +93,13 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
         res["memory"] = {"weights": w, "kv_cache": kv,
                          "workspace": torch.cuda.max_memory_allocated(dev) - base_mem - w - kv,
                          "planned_decode_workspace": workspace_bytes(engine.plan, "decode", max(engine.buckets))}
+    res["rank"] = engine.rank
+    if engine.world > 1:  # every rank's memory, gathered to all
+        import torch.distributed as dist
+
+        per_rank = [None] * engine.world
+        dist.all_gather_object(per_rank, res.get("memory"))
+        res["memory_per_rank"] = per_rank
     V = engine.vocab_size
     g = torch.Generator().manual_seed(0)
     for b in batches:
@@ -127,6 +134,10 @@ def render(res: dict) -> str:
         lines.append(f"GPU memory: weights {m['weights'] / 2**30:.2f} GiB, KV cache {m['kv_cache'] / 2**30:.2f} GiB, "
                      f"workspace {m['workspace'] / 2**20:.1f} MiB (memory plan for the largest decode bucket: "
                      f"{m['planned_decode_workspace'] / 2**20:.1f} MiB)")
+    for r, m in enumerate(res.get("memory_per_rank") or []):
+        if m:
+            lines.append(f"  rank {r}: weights {m['weights'] / 2**30:.2f} GiB, KV cache {m['kv_cache'] / 2**30:.2f} GiB, "
+                         f"workspace {m['workspace'] / 2**20:.1f} MiB")
     lines.append(f"{'batch':>6} {'ms/step':>9} {'tok/s':>10} {'MB read':>9} {'GB/s':>8} {'% of 4.33 TB/s':>15}")
     for b, d in res["decode"].items():
         lines.append(f"{b:>6} {d['ms_per_step']:>9.3f} {d['tokens_per_s']:>10.1f} {d['bytes'] / 1e6:>9.1f} "

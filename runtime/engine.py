@@ -185,7 +185,7 @@ def _dist_rank_world(artifact: Artifact, rank: int | None) -> tuple[int, int]:
         if world != tp:
             raise UserError(f"{artifact.path}: compiled for tp={tp}, but the process group has {world} ranks")
         return dist.get_rank(), world
-    if "WORLD_SIZE" in os.environ and tp > 1:
+    if "WORLD_SIZE" in os.environ and (tp > 1 or int(os.environ["WORLD_SIZE"]) > 1):
         world = int(os.environ["WORLD_SIZE"])
         if world != tp:
             raise UserError(f"{artifact.path}: compiled for tp={tp}, but WORLD_SIZE={world} (run with --nproc-per-node {tp})")
@@ -193,6 +193,11 @@ def _dist_rank_world(artifact: Artifact, rank: int | None) -> tuple[int, int]:
     if tp > 1 and rank is None:
         raise UserError(f"{artifact.path}: compiled for tp={tp}; run under torchrun --nproc-per-node {tp} "
                         "(or `dsc generate`, which starts the ranks itself)")
+    if tp > 1 and not 0 <= rank < tp:
+        raise UserError(f"{artifact.path}: rank {rank} is out of range for tp={tp}")
+    if tp > 1 and "MASTER_ADDR" not in os.environ:
+        raise UserError(f"{artifact.path}: compiled for tp={tp}; loading rank {rank} needs a process group: call "
+                        "torch.distributed.init_process_group first, or run under torchrun")
     return (rank or 0), tp
 
 
@@ -204,7 +209,7 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     initialised here (NCCL on GPU, gloo on CPU) if it is not already."""
     from dsc.runtime.artifact import open_artifact as _open
 
-    probe = _open(path, ranks=[], verify=False)
+    probe = _open(path, ranks=None, verify=False)  # every rank file present, before any rank loads
     r, world = _dist_rank_world(probe, rank)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -17,6 +18,37 @@ def _rank_header(path: Path) -> dict:
     return h
 
 
+_LAYER = re.compile(r"^(.*?\.\d+)\.")
+
+
+def layer_of(node_name: str) -> str | None:
+    """model.layers.3.self_attn.qkv_proj.linear -> model.layers.3 (None outside the layers)."""
+    m = _LAYER.match(node_name)
+    return m.group(1) if m else None
+
+
+def launches(calls: list[dict]) -> dict:
+    """Kernel launches of one run of a program (its plan's call nodes), in all and per layer."""
+    planned = [n for n in calls if "kernel" in n]
+    per_layer: dict[str, int] = {}
+    seq: dict[str, list[str]] = {}
+    by_kernel: Counter = Counter()
+    for n in planned:
+        k = n["kernel"]
+        by_kernel[k["name"]] += k["launches"]
+        layer = layer_of(n["name"])
+        if layer is not None:
+            per_layer[layer] = per_layer.get(layer, 0) + k["launches"]
+            if k["launches"]:
+                seq.setdefault(layer, []).append(k["name"] + (f" x{k['launches']}" if k["launches"] > 1 else ""))
+    total = sum(k["launches"] for k in (n["kernel"] for n in planned))
+    last = list(per_layer)[-1] if per_layer else None
+    return {"launches": total, "launches_by_kernel": dict(sorted(by_kernel.items())),
+            "layers": len(per_layer), "launches_per_layer": max(per_layer.values(), default=0),
+            "launches_outside_layers": total - sum(per_layer.values()),
+            "layer_kernels": {"layer": last, "kernels": seq.get(last, [])} if last else None}
+
+
 def describe(path: str | Path) -> dict:
     art = open_artifact(path, ranks=[], verify=False)
     plan, man = art.plan, art.manifest
@@ -26,8 +58,7 @@ def describe(path: str | Path) -> dict:
         ops = Counter(n["op"] for n in calls)
         kernels = Counter(n["kernel"]["name"] for n in calls if "kernel" in n)
         programs[name] = {"nodes": len(p["nodes"]), "calls": len(calls), "ops": dict(sorted(ops.items())),
-                          "kernels": dict(sorted(kernels.items())),
-                          "launches": sum(1 for n in calls if n.get("kernel", {}).get("launches", 1) and "kernel" in n)}
+                          "kernels": dict(sorted(kernels.items())), **launches(calls)}
     ranks = {}
     for r in range(art.tp):
         f = art.rank_file(r)
@@ -84,9 +115,16 @@ def render(info: dict) -> None:
             k = Table(title=f"program {name}: kernels")
             k.add_column("kernel")
             k.add_column("count", justify="right")
+            k.add_column("launches", justify="right")
             for kn, n in sorted(p["kernels"].items(), key=lambda x: -x[1]):
-                k.add_row(kn, str(n))
+                k.add_row(kn, str(n), str(p["launches_by_kernel"].get(kn, "")))
             c.print(k)
+            c.print(f"program {name}: {p['launches']} kernel launches per step"
+                    + (" (decode: at the smallest batch bucket)" if name == "decode" else "")
+                    + (f"; {p['launches_per_layer']} per layer x {p['layers']} layers"
+                       f" + {p['launches_outside_layers']} outside the layers" if p["layers"] else ""))
+            if p.get("layer_kernels"):
+                c.print(f"  one layer ({p['layer_kernels']['layer']}): " + ", ".join(p["layer_kernels"]["kernels"]))
     r = Table(title="rank files")
     r.add_column("rank")
     r.add_column("tensors", justify="right")
@@ -108,3 +146,22 @@ def render(info: dict) -> None:
         c.print(p)
     for k, v in info.get("notes", {}).items():
         c.print(f"note {k}: {v}")
+    rep = info.get("extra", {}).get("int8_report")
+    if rep:
+        for line in int8_summary(rep):
+            c.print(line, highlight=False)
+
+
+def int8_summary(rep: dict) -> list[str]:
+    """The manifest's int8 report in a few lines (compiler/int8_report.py writes it)."""
+    lg, mem, ws = rep["logits"], rep["memory"], rep["weight_sqnr_db"]
+    scheme = rep["mode"] + (f", group {rep['group_size']}" if rep.get("group_size") else ", per-channel")
+    scheme += (", symmetric" if rep["symmetric"] else ", asymmetric") + (", SmoothQuant" if rep.get("smoothquant") else "")
+    out = [f"int8 ({scheme}): logits SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, "
+           f"top-1 agreement {lg['top1_agreement']:.1%} over {lg['positions']} positions"]
+    if ws.get("worst"):
+        out.append("  worst weight SQNR: " + ", ".join(f"{k} {v:.1f} dB" for k, v in ws["worst"][:3]))
+    out.append(f"  quantized linear weights: {_fmt_bytes(mem['int8_bytes'])} int8 + {_fmt_bytes(mem['scale_bytes'])} "
+               f"scales/zeros, {_fmt_bytes(mem['bytes_16bit'])} at 16 bits "
+               f"({(mem['int8_bytes'] + mem['scale_bytes']) / max(mem['bytes_16bit'], 1):.0%})")
+    return out

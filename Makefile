@@ -1,0 +1,34 @@
+# dsc: two commands do all the set-up on a fresh machine.
+#   make demo   venv + CPU torch + dsc, then compile and run a small random Llama (scripts/demo.py)
+#   make test   venv + CPU torch + dsc[test], then the whole test suite
+# torch is installed first and pinned: on a machine without a GPU, `pip install torch==2.13.0`
+# takes the CPU wheel, where a bare `torch` requirement would pull multi-GB CUDA builds.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.dsc-installed
+PYTEST_ARGS ?= -q
+
+.PHONY: demo test setup clean
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+# pytest exits 5 when it collects no tests: that is a failure too
+test: $(STAMP)
+	@$(PY) -m pytest tests/ $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+clean:
+	rm -rf build/demo

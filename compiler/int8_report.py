@@ -1,0 +1,256 @@
+"""The int8 accuracy report, measured at compile time before anything is written.
+
+    weight SQNR per layer   10 log10(|W|^2 / |W - dequant(Q)|^2) over all ranks' shards, in the
+                            original weight space (SmoothQuant's column scales divided out)
+    logits                  SQNR (dB), mean KL(P_fp || P_int8) and top-1 agreement between the
+                            quantized program and its unquantized twin, teacher-forced: both
+                            see the same tokens (the prompt, then the twin's greedy tokens)
+    memory                  bytes of the quantized linears: int8 values, scales/zero points,
+                            and the same weights at 16 bits
+Both programs are the ones the artifact will hold (sharded and fused), run for every rank in
+the compiler's process (compiler/simulate.py); the twin is the quantized program with each dsc
+int8 linear turned back into aten.linear on its float weight. Inputs: the calibration prompts
+when given (the first REPORT_PROMPTS), else random token prompts.
+
+`compile` prints the summary, writes the report into manifest.json ("int8_report"), and with
+--int8-min-sqnr fails (before the artifact is written) when the logits SQNR is lower.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from dsc.compiler.ir import Model
+from dsc.errors import UserError
+
+REPORT_PROMPTS = 16
+NEW_TOKENS = 8
+_INT8_OPS = ("linear_w8a16", "linear_w8a8")
+_CAP_DB = 999.0  # SQNR of an exact match (infinite) is written as this
+
+
+def calibration_prompts(path: str | Path, ckpt, max_seq: int) -> list[list[int]]:
+    """One prompt per non-empty line: text (with the checkpoint's tokenizer.json) or, for a
+    checkpoint without a tokenizer, token ids separated by spaces or commas. Prompts are cut
+    to max_seq - 1 tokens."""
+    path = Path(path)
+    try:
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    except FileNotFoundError:
+        raise UserError(f"{path}: calibration file not found")
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise UserError(f"{path}: not a UTF-8 text file of prompts ({type(e).__name__})")
+    lines = [(i, ln) for i, ln in enumerate(lines, 1) if ln]
+    if not lines:
+        raise UserError(f"{path}: no calibration prompts (one per line)")
+    tok_file = ckpt.root / "tokenizer.json"
+    tok = None
+    if tok_file.exists():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_file))
+    vocab = ckpt.config["vocab_size"]
+    out = []
+    for i, ln in lines:
+        if tok is not None:
+            ids = tok.encode(ln).ids
+        else:
+            try:
+                ids = [int(t) for t in ln.replace(",", " ").split()]
+            except ValueError:
+                raise UserError(f"{path}:{i}: {ckpt.root} has no tokenizer.json; write calibration "
+                                "prompts as token ids")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"{path}:{i}: token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
+        if ids:
+            out.append(ids[: max_seq - 1])
+    if not out:
+        raise UserError(f"{path}: every calibration prompt is empty after tokenization")
+    return out
+
+
+def unquantized(model: Model) -> Model:
+    """The model with every dsc int8 linear turned back into aten.linear on its float weight
+    (the spec without `quant` and SmoothQuant's `col_scale`)."""
+    programs, weights = {}, {}
+    for pname, graph in model.graphs():
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        g.output(g.graph_copy(graph, env))
+        attrs: dict[str, fx.Node] = {}
+        for old, new in env.items():
+            if new.op != "call_function" or new.target not in _int8_targets():
+                continue
+            x, qw, bias = new.args[0], new.args[1], new.args[4]
+            base = qw.target.removesuffix(".qweight")
+            weights[base] = dataclasses.replace(model.weights[qw.target], quant=None, col_scale=None)
+            if base not in attrs:
+                with g.inserting_before(qw):
+                    attrs[base] = g.get_attr(base)
+                qval = old.args[1].meta["val"]
+                with torch._guards.detect_fake_mode([qval]) or model.fake_mode:
+                    attrs[base].meta["val"] = torch.empty(qval.shape, dtype=new.meta["val"].dtype)
+            with g.inserting_before(new):
+                lin = g.call_function(torch.ops.aten.linear.default, (x, attrs[base], bias))
+            lin.meta.update(new.meta)
+            new.replace_all_uses_with(lin)
+            g.erase_node(new)
+        g.eliminate_dead_code()
+        for n in list(g.nodes):
+            if n.op == "get_attr" and not n.users:
+                g.erase_node(n)
+        programs[pname] = g
+    used = {n.target for g in programs.values() for n in g.nodes if n.op == "get_attr"}
+    weights.update({k: v for k, v in model.weights.items() if k in used and v.quant is None})
+    return dataclasses.replace(model, programs=programs, weights={k: weights[k] for k in sorted(used) if k in weights})
+
+
+def _int8_targets():
+    return {getattr(torch.ops.dsc, op).default for op in _INT8_OPS}
+
+
+def _sqnr(signal: float, noise: float) -> float:
+    return _CAP_DB if noise == 0 else min(_CAP_DB, 10 * math.log10(signal / noise)) if signal > 0 else -_CAP_DB
+
+
+def _logits_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
+    # ref, q: [positions, V]
+    ref, q = ref.double(), q.double()
+    lp, lq = ref.log_softmax(-1), q.log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).mean()
+    return {"sqnr_db": round(_sqnr(float(ref.pow(2).sum()), float((ref - q).pow(2).sum())), 3),
+            "kl_div": round(float(kl), 6),
+            "top1_agreement": round(float((ref.argmax(-1) == q.argmax(-1)).double().mean()), 4),
+            "positions": int(ref.shape[0])}
+
+
+def _batches(prompts: list[list[int]], size: int):
+    for i in range(0, len(prompts), size):
+        yield prompts[i:i + size]
+
+
+def _run(model: Model, weights, prompts: list[list[int]], steps: int, fed: list | None):
+    from dsc.compiler.simulate import Simulator
+
+    sim = Simulator(model, weights)
+    logits, tokens = [], []
+    for i, batch in enumerate(_batches(prompts, model.options.max_batch)):
+        lg, tk = sim.teacher_forced(batch, None if fed is None else fed[i], steps)
+        logits.append(lg.reshape(-1, lg.shape[-1]))
+        tokens.append(tk)
+    return torch.cat(logits), tokens
+
+
+def _weight_sqnr(model: Model, qweights, reader) -> dict[str, float]:
+    """Per quantized weight (name minus .weight): SQNR of dequant(Q) against W, all ranks."""
+    from dsc.compiler.weights import float_tensor, local_columns
+    from dsc.kernels.int8 import dequantize_weight
+
+    world = model.options.tp
+    out = {}
+    for name in sorted(n for n, s in model.weights.items() if s.quant and s.quant.part == "qweight"):
+        base, spec = name.removesuffix(".qweight"), model.weights[name]
+        signal = noise = 0.0
+        for r in range(world):
+            w = float_tensor(dataclasses.replace(spec, quant=None, col_scale=None, dtype="float32"), r, world, reader)
+            zero = qweights[r].get(f"{base}.zero")
+            dq = dequantize_weight(qweights[r][name], qweights[r][f"{base}.scale"], zero)
+            if spec.col_scale is not None:
+                dq = dq / local_columns(spec, spec.col_scale, r, world)
+            signal += float(w.double().pow(2).sum())
+            noise += float((w.double() - dq.double()).pow(2).sum())
+        out[base.removesuffix(".weight")] = round(_sqnr(signal, noise), 3)
+    return out
+
+
+def _memory(model: Model) -> dict:
+    from dsc.compiler.weights import local_dtype, local_shape
+
+    world = model.options.tp
+    out = {"int8_bytes": 0, "scale_bytes": 0, "bytes_16bit": 0}
+    for spec in model.weights.values():
+        if not spec.quant:
+            continue
+        n = math.prod(local_shape(spec, world)) * world
+        if spec.quant.part == "qweight":
+            out["int8_bytes"] += n
+            out["bytes_16bit"] += 2 * n
+        else:
+            out["scale_bytes"] += n * local_dtype(spec).itemsize
+    return out
+
+
+def int8_report(model: Model, prompts: list[list[int]] | None = None, new_tokens: int = NEW_TOKENS) -> dict:
+    """Measure the quantized model against its unquantized twin (module docstring)."""
+    from dsc.compiler.emit import RankTensors
+    from dsc.compiler.simulate import materialize
+    from dsc.compiler.verify import sample_prompts
+    from dsc.compiler.weights import SourceReader, float_tensor
+
+    opts, world = model.options, model.options.tp
+    if prompts is None and opts.calibrate:
+        prompts, source = calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)[:REPORT_PROMPTS], "calibration"
+    elif prompts is None:
+        prompts, source = sample_prompts(model.config["vocab_size"], batch=min(3, opts.max_batch)), "random tokens"
+    else:
+        source = "given"
+    steps = max(1, min(new_tokens, opts.max_seq - max(len(p) for p in prompts)))
+    prompts = [p[: opts.max_seq - steps] for p in prompts]
+    twin = unquantized(model)
+    with SourceReader(model.checkpoint) as reader:
+        w = materialize(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader))
+        ref, fed = _run(twin, w, prompts, steps, None)
+        del w
+        makers = [RankTensors(model, reader, r, world) for r in range(world)]
+        qw = materialize(model, lambda n, r: makers[r](n))
+        q, _ = _run(model, qw, prompts, steps, fed)
+        layers = _weight_sqnr(model, qw, reader)
+        del qw
+    worst = sorted(layers, key=layers.get)[:5]
+    vals = sorted(layers.values())
+    return {
+        "mode": opts.int8_mode, "symmetric": not opts.int8_asymmetric,
+        "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
+        "smoothquant": any(s.col_scale is not None for s in model.weights.values()),
+        "inputs": {"source": source, "prompts": len(prompts), "steps": steps},
+        "logits": _logits_metrics(ref, q),
+        "weight_sqnr_db": {"min": vals[0] if vals else None, "median": vals[len(vals) // 2] if vals else None,
+                           "worst": [[k, layers[k]] for k in worst]},  # a list: JSON keys get sorted
+        "layers": layers,
+        "memory": _memory(model),
+    }
+
+
+def summary(report: dict) -> str:
+    """A few lines for the terminal."""
+    lg, ws, mem = report["logits"], report["weight_sqnr_db"], report["memory"]
+    scheme = f"{report['mode']}, " + (f"group {report['group_size']}" if report["group_size"] else
+                                      f"q_groups {report['q_groups']}" if report["q_groups"] else "per-channel")
+    scheme += ", symmetric" if report["symmetric"] else ", asymmetric"
+    scheme += ", SmoothQuant" if report["smoothquant"] else ""
+    inp = report["inputs"]
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    lines = [f"int8 report ({scheme}; {inp['prompts']} {inp['source']} prompts x {inp['steps']} steps):",
+             f"  logits: SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, top-1 agreement {lg['top1_agreement']:.1%}"]
+    if ws["min"] is not None:
+        worst = ", ".join(f"{k} {v:.1f}" for k, v in ws["worst"][:3])
+        lines.append(f"  weight SQNR over {len(report['layers'])} weights: median {ws['median']:.1f} dB, "
+                     f"worst {worst} dB")
+    lines.append(f"  quantized linears: {mib(mem['int8_bytes'])} int8 + {mib(mem['scale_bytes'])} scales "
+                 f"(at 16 bits: {mib(mem['bytes_16bit'])})")
+    return "\n".join(lines)
+
+
+def check_min_sqnr(report: dict, min_sqnr: float | None) -> None:
+    """UserError when the logits SQNR is below --int8-min-sqnr, naming the worst layers."""
+    if min_sqnr is None or report["logits"]["sqnr_db"] >= min_sqnr:
+        return
+    worst = ", ".join(f"{k} ({v:.1f} dB)" for k, v in report["weight_sqnr_db"]["worst"])
+    raise UserError(f"--int8-min-sqnr {min_sqnr:g}: logits SQNR is {report['logits']['sqnr_db']:.1f} dB; "
+                    f"worst layers by weight SQNR: {worst}. Keep them in 16-bit with --int8-skip, "
+                    "or use --int8-group-size / --int8-asymmetric")

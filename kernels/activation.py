@@ -1,0 +1,127 @@
+"""Activation epilogues as one elementwise kernel each: `dsc::swiglu`, `dsc::gelu`.
+
+    swiglu(gate, up)         -> silu(gate) * up      gate, up: [..., N] (strided views of one
+                                                      fused gate_up output are read in place)
+    gelu(x, approximate)     -> GELU, "none" (erf) or "tanh"      x: [..., N]
+Outputs are contiguous. A program covers BLOCK columns of one row; every input byte is read
+once and every output byte written once. Numerics: fp32 inside; swiglu rounds silu(gate) to
+the input dtype before the multiply, as the unfused `act_fn(gate) * up` does in 16-bit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, planner, rows_of, tuned
+
+tl = None  # triton.language, bound by launch.jit on first launch
+
+
+# -- Triton kernels -------------------------------------------------------------------------
+def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    a = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
+
+
+def _gelu_kernel(X, Y, stride_x, stride_y, N, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if APPROX_TANH:  # tanh(z) = 2 sigmoid(2z) - 1
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        y = 0.5 * x * (2.0 * tl.sigmoid(2.0 * z))
+    else:
+        y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+# -- configs ----------------------------------------------------------------------------------
+def elementwise_config(kernel: str, n: int, arch: str) -> dict:
+    """{"BLOCK", "num_warps"}: programs of BLOCK columns over a [rows, n] grid."""
+    width = next_power_of_2(n)
+    default = {"BLOCK": min(1024, width), "num_warps": 4}
+    return tuned(kernel, f"N{width}", arch, default)
+
+
+def _launch(kernel, kname: str, ins: list[torch.Tensor], n: int, config: dict | None, **const):
+    rows_ins = [rows_of(t) for t in ins]
+    rows = rows_ins[0][1]
+    y = torch.empty(ins[0].shape, dtype=ins[0].dtype, device=ins[0].device)
+    cfg = dict(config or elementwise_config(kname, n, arch_of(y.device)))
+    if rows and n:
+        num_warps = cfg.pop("num_warps")
+        grid = (rows, cdiv(n, cfg["BLOCK"]))
+        jit(kernel)[grid](*(t for t, _, _ in rows_ins), y, *(st for _, _, st in rows_ins), n, n,
+                          num_warps=num_warps, **cfg, **const)
+    return y
+
+
+# -- wrappers ---------------------------------------------------------------------------------
+def swiglu_triton(gate, up, config: dict | None = None):
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate {gate.dtype}{list(gate.shape)} != up {up.dtype}{list(up.shape)}")
+    return _launch(_swiglu_kernel, "swiglu", [gate, up], gate.shape[-1], config)
+
+
+def gelu_triton(x, approximate: str = "none", config: dict | None = None):
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return _launch(_gelu_kernel, "gelu", [x], x.shape[-1], config, APPROX_TANH=approximate == "tanh")
+
+
+# -- references -------------------------------------------------------------------------------
+def swiglu_reference(gate, up):
+    return F.silu(gate) * up
+
+
+def gelu_reference(x, approximate="none"):
+    return F.gelu(x, approximate=approximate)
+
+
+# -- custom ops -------------------------------------------------------------------------------
+@torch.library.custom_op("dsc::swiglu", mutates_args=())
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return swiglu_reference(gate, up)
+
+
+@swiglu.register_kernel("cuda")
+def _(gate, up):
+    return swiglu_triton(gate, up)
+
+
+@swiglu.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("dsc::gelu", mutates_args=())
+def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    return gelu_reference(x, approximate)
+
+
+@gelu.register_kernel("cuda")
+def _(x, approximate):
+    return gelu_triton(x, approximate)
+
+
+@gelu.register_fake
+def _(x, approximate):
+    return x.new_empty(x.shape)
+
+
+# -- planners ---------------------------------------------------------------------------------
+@planner("dsc.swiglu.default")
+def _plan_swiglu(gate, up, *, arch):
+    return {"name": "triton.swiglu", "config": elementwise_config("swiglu", gate.shape[-1], arch), "launches": 1}
+
+
+@planner("dsc.gelu.default")
+def _plan_gelu(x, approximate, *, arch):
+    cfg = elementwise_config("gelu", x.shape[-1], arch)
+    return {"name": "triton.gelu", "config": {**cfg, "approximate": approximate}, "launches": 1}

@@ -1,0 +1,491 @@
+"""Int8 linears: `dsc::linear_w8a16` (int8 weights, 16-bit activations) and `dsc::linear_w8a8`
+(int8 weights and per-token int8 activations, int8 x int8 -> int32 matmuls).
+
+Storage (one weight [N, K] = [out, in] of one rank; `G = K // group_size` groups per row)
+    qweight: [N, K] int8     symmetric: round(w / scale) in [-127, 127]
+                             asymmetric: round(w / scale) + zero in [-128, 127]
+    scale:   [N, G] fp32     w ~= (qweight - zero) * scale, per row and group of `group_size`
+    zero:    [N, G] int8     zero points (asymmetric only; the ops take None when symmetric)
+Per-channel quantization is one group per row: group_size == K, G == 1.
+
+Activations (W8A8) are quantized per token (ZeroQuant-style, symmetric, dynamic): each row of
+x [M, K] gets scale max|x| / 127. SmoothQuant migrates activation outliers into the weights
+offline: the compiler multiplies weight column k by s_k and the op multiplies x[:, k] by
+`inv_smooth[k]` = 1 / s_k before quantizing it, inside the activation-quantization kernel
+(no separate multiply, and every linear may have its own s).
+
+Kernels (CUDA, Triton via kernels/launch.py: triton is imported on the first launch)
+    _w8a16_gemv_kernel  M == 1 decode: each program streams BLOCK_N rows of qweight with
+                        16-byte loads, multiplies and accumulates in fp32 registers; one
+                        reduction at the end. No tensor cores: at M == 1 the matmul is a pure
+                        read of the weight, and the grid of N / BLOCK_N programs (N >= 4096 in
+                        practice) is enough to keep every SM's loads in flight.
+    _w8a16_mma_kernel   M > 1: tiles of x [BLOCK_M, BLOCK_K] times dequantized int8 tiles
+                        [BLOCK_K, BLOCK_N] on tensor cores. Small BLOCK_M (16) for decode
+                        batches, so the weight (the bytes that matter) is read once per
+                        N-tile; larger tiles for prefill. Scales are applied once per row
+                        (per-channel) or once per K-block (grouped, BLOCK_K | group_size).
+    _quantize_rows_kernel  per-token activation quantization (x * inv_smooth, amax, round).
+    _w8a8_kernel        int8 tensor-core GEMM, int32 accumulation; the epilogue applies
+                        weight and token scales (per K-block for grouped scales).
+Launch configurations (`int8_config`) come from kernels/tuning.json per (kernel, shape class
+M<bucket>_N<n>_K<k>[_G<group>]) over built-in defaults; scripts/bench_int8.py sweeps
+candidates on a GPU and prints the rows to add. `plan_kernels` records them in plan.json.
+
+The plain-torch references are the CPU implementation and the test oracle. Rounding is
+round-half-to-even everywhere (torch.round), also in the kernels.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, planner, tuned
+
+tl = None  # triton.language, bound by launch.jit on first launch
+
+# -- quantization (offline weights, dynamic activations) ----------------------------------
+
+
+def _groups(k: int, group_size: int | None) -> int:
+    if not group_size:
+        return 1
+    if k % group_size:
+        raise ValueError(f"group size {group_size} does not divide the {k} input features")
+    return k // group_size
+
+
+def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: bool = True) -> dict[str, torch.Tensor]:
+    """w [N, K] float -> {"qweight": int8 [N, K], "scale": fp32 [N, G], "zero": int8 [N, G]}.
+
+    Symmetric: scale = max|w| / 127 per row and group, zero = 0. Asymmetric: the group's range
+    [min(w, 0), max(w, 0)] maps onto [-128, 127] (0 stays exactly representable, so the zero
+    point fits int8). Round-trip error is at most scale / 2 per element."""
+    w = w.float()
+    n, k = w.shape
+    g = _groups(k, group_size)
+    wg = w.reshape(n, g, k // g)  # wg: [N, G, group]
+    if symmetric:
+        amax = wg.abs().amax(-1)  # [N, G]
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        zero = torch.zeros_like(scale)
+        lo, hi = -127, 127
+    else:
+        wmin = wg.amin(-1).clamp(max=0)
+        wmax = wg.amax(-1).clamp(min=0)
+        span = wmax - wmin
+        scale = torch.where(span > 0, span / 255, torch.ones_like(span))
+        zero = (-128 - torch.round(wmin / scale)).clamp(-128, 127)
+        lo, hi = -128, 127
+    q = (torch.round(wg / scale[..., None]) + zero[..., None]).clamp(lo, hi)
+    return {"qweight": q.reshape(n, k).to(torch.int8).contiguous(), "scale": scale.contiguous(),
+            "zero": zero.to(torch.int8).contiguous()}
+
+
+def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of quantize_weight: [N, K] fp32."""
+    n, k = qweight.shape
+    g = scale.shape[1]
+    q = qweight.float().reshape(n, g, k // g)  # q: [N, G, group]
+    if zero is not None:
+        q = q - zero.float()[..., None]
+    return (q * scale.float()[..., None]).reshape(n, k)
+
+
+def quantize_activation(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8: x [..., K] -> (xq int8 [..., K], xscale fp32 [..., 1]).
+    `inv_smooth` [K] (SmoothQuant) multiplies x before quantization."""
+    v = x.float()
+    if inv_smooth is not None:
+        v = v * inv_smooth.float()
+    amax = v.abs().amax(-1, keepdim=True)
+    xscale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(v / xscale).clamp(-127, 127).to(torch.int8), xscale
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 10 log10(|ref|^2 / |ref - approx|^2), in dB."""
+    ref, approx = ref.double(), approx.double()
+    noise = (ref - approx).pow(2).sum()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(ref.pow(2).sum() / noise))
+
+
+# -- references (CPU implementation, test oracle) ------------------------------------------
+
+
+def linear_w8a16_reference(x, qweight, scale, zero, bias, group_size):
+    # x: [..., K] -> [..., N]; the weight is dequantized to x's dtype, as the GPU kernel's
+    # grouped path does (its per-channel path applies the scale after the fp32 accumulation).
+    w = dequantize_weight(qweight, scale, zero).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def linear_w8a8_reference(x, qweight, scale, zero, bias, group_size, inv_smooth):
+    # x: [..., K] -> [..., N]; exact integer products (float64 holds them), fp32 scaling.
+    n, k = qweight.shape
+    g = scale.shape[1]
+    xq, xs = quantize_activation(x.reshape(-1, k), inv_smooth)  # xq: [M, K], xs: [M, 1]
+    xg = xq.double().reshape(-1, g, k // g)  # [M, G, group]
+    wg = qweight.double().reshape(n, g, k // g)  # [N, G, group]
+    acc = torch.einsum("mgk,ngk->mng", xg, wg)  # [M, N, G] int32-exact
+    if zero is not None:
+        acc = acc - zero.double()[None] * xg.sum(-1)[:, None, :]
+    y = (acc.float() * scale.float()[None]).sum(-1) * xs  # [M, N]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+# -- custom ops ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dsc::linear_w8a16", mutates_args=())
+def linear_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                 bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    return linear_w8a16_reference(x, qweight, scale, zero, bias, group_size)
+
+
+@linear_w8a16.register_fake
+def _(x, qweight, scale, zero, bias, group_size):
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
+
+@linear_w8a16.register_kernel("cuda")
+def _(x, qweight, scale, zero, bias, group_size):
+    k = x.shape[-1]
+    y = w8a16_matmul(x.reshape(-1, k), qweight, scale, zero, bias, group_size)
+    return y.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+@torch.library.custom_op("dsc::linear_w8a8", mutates_args=())
+def linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                bias: torch.Tensor | None, group_size: int, inv_smooth: torch.Tensor | None) -> torch.Tensor:
+    return linear_w8a8_reference(x, qweight, scale, zero, bias, group_size, inv_smooth)
+
+
+@linear_w8a8.register_fake
+def _(x, qweight, scale, zero, bias, group_size, inv_smooth):
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
+
+@linear_w8a8.register_kernel("cuda")
+def _(x, qweight, scale, zero, bias, group_size, inv_smooth):
+    k = x.shape[-1]
+    y = w8a8_matmul(x.reshape(-1, k), qweight, scale, zero, bias, group_size, inv_smooth)
+    return y.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+# -- Triton kernels --------------------------------------------------------------------------
+# Scale modes, chosen by the constexpr GROUP_K (0: per-channel, else the group size):
+#   per-channel          scale [N] applied to the fp32 accumulator once, at the end;
+#   GROUP_K % BLOCK_K == 0  one scale per row per K-block, loaded once per iteration;
+#   otherwise            scales gathered per element (odd group sizes, and the gemv's long
+#                        K-blocks that span several groups; the gathers hit L1).
+
+
+def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
+                       GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    # y[n] = sum_k x[k] * (w[n, k] - z[n, g(k)]) * s[n, g(k)]        x: [K], w: [N, K], y: [N]
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64) * K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per-lane partial sums, reduced once
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = mask_n[:, None] & (offs_k < K)[None, :]
+        w = tl.load(W + rows[:, None] + offs_k[None, :], mask=mask, other=0,
+                    eviction_policy="evict_first").to(tl.float32)  # w: [BLOCK_N, BLOCK_K], 16 B/lane
+        # x read as a [BLOCK_N, BLOCK_K] broadcast in w's layout: each thread loads only the x
+        # values its lanes need, and the loop has no layout conversion (no barrier)
+        x = tl.load(X + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0).to(tl.float32)
+        if GROUP_K == 0:
+            if HAS_ZERO:
+                w -= tl.load(Z + offs_n, mask=mask_n, other=0).to(tl.float32)[:, None]
+            acc += w * x
+        elif GROUP_K % BLOCK_K == 0:
+            g = k0 // GROUP_K
+            if HAS_ZERO:
+                w -= tl.load(Z + offs_n * G + g, mask=mask_n, other=0).to(tl.float32)[:, None]
+            acc += w * x * tl.load(S + offs_n * G + g, mask=mask_n, other=0.0)[:, None]
+        else:
+            sidx = offs_n[:, None] * G + (offs_k // GROUP_K)[None, :]
+            if HAS_ZERO:
+                w -= tl.load(Z + sidx, mask=mask, other=0).to(tl.float32)
+            acc += w * x * tl.load(S + sidx, mask=mask, other=0.0)
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if GROUP_K == 0:
+        y *= tl.load(S + offs_n, mask=mask_n, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
+
+
+def _w8a16_mma_kernel(X, W, S, Z, B, Y, M, N, K, G, stride_xm, stride_ym,
+                      GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # y [M, N] = x [M, K] @ dequant(w [N, K]).T ; tiles x [BLOCK_M, BLOCK_K], w^T [BLOCK_K, BLOCK_N]
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_cols = W + offs_n.to(tl.int64)[None, :] * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0,
+                    eviction_policy="evict_first")  # w: [BLOCK_K, BLOCK_N] int8
+        if GROUP_K == 0:  # integers (w - z) are exact in 16-bit; the scale comes at the end
+            if HAS_ZERO:
+                w = w.to(tl.float32) - tl.load(Z + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
+            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+        elif GROUP_K % BLOCK_K == 0:
+            g = k0 // GROUP_K
+            wf = w.to(tl.float32)
+            if HAS_ZERO:
+                wf -= tl.load(Z + offs_n * G + g, mask=mask_n, other=0).to(tl.float32)[None, :]
+            wf *= tl.load(S + offs_n * G + g, mask=mask_n, other=0.0)[None, :]
+            acc += tl.dot(x, wf.to(x.dtype), input_precision=PRECISION)
+        else:
+            sidx = offs_n[None, :] * G + (offs_k // GROUP_K)[:, None]
+            smask = mask_k[:, None] & mask_n[None, :]
+            wf = w.to(tl.float32)
+            if HAS_ZERO:
+                wf -= tl.load(Z + sidx, mask=smask, other=0).to(tl.float32)
+            wf *= tl.load(S + sidx, mask=smask, other=0.0)
+            acc += tl.dot(x, wf.to(x.dtype), input_precision=PRECISION)
+    if GROUP_K == 0:
+        acc *= tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _quantize_rows_kernel(X, INV, Q, XS, K, stride_xm, HAS_SMOOTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program per row: an amax pass, then a quantize pass (the row is in L2 the second time)
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(X + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        if HAS_SMOOTH:
+            v *= tl.load(INV + offs, mask=offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(v))
+    m = tl.max(amax, axis=0)
+    scale = tl.where(m > 0, m / 127.0, 1.0)
+    tl.store(XS + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(X + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        if HAS_SMOOTH:
+            v *= tl.load(INV + offs, mask=offs < K, other=0.0)
+        v = v / scale
+        r = tl.floor(v + 0.5)  # round half to even, as torch.round
+        r = tl.where((r - v == 0.5) & (r * 0.5 != tl.floor(r * 0.5)), r - 1.0, r)
+        tl.store(Q + row * K + offs, tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8), mask=offs < K)
+
+
+def _w8a8_kernel(XQ, XS, W, S, Z, B, Y, M, N, K, G, stride_ym,
+                 GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # y [M, N] = xs[m] * sum_g s[n, g] * (xq[m, g] . (w[n, g] - z[n, g]))   int8 tiles, int32 dots
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    x_rows = XQ + offs_m.to(tl.int64)[:, None] * K
+    w_rows = W + offs_n.to(tl.int64)[:, None] * K
+    acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)  # per-channel: one int32 sum over K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # grouped: fp32 sum of scaled groups
+    xsum = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0)  # [BM, BK]
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0,
+                    eviction_policy="evict_first")  # [BN, BK]: K-major, as int8 tensor cores want
+        d = tl.dot(x, tl.trans(w), out_dtype=tl.int32)
+        if GROUP_K == 0:
+            acc_i += d
+            if HAS_ZERO:
+                xsum += tl.sum(x.to(tl.int32), axis=1)
+        else:  # BLOCK_K divides GROUP_K (int8_config guarantees it)
+            g = k0 // GROUP_K
+            if HAS_ZERO:
+                z = tl.load(Z + offs_n * G + g, mask=mask_n, other=0).to(tl.int32)
+                d -= tl.sum(x.to(tl.int32), axis=1)[:, None] * z[None, :]
+            acc += d.to(tl.float32) * tl.load(S + offs_n * G + g, mask=mask_n, other=0.0)[None, :]
+    if GROUP_K == 0:
+        if HAS_ZERO:
+            acc_i -= xsum[:, None] * tl.load(Z + offs_n, mask=mask_n, other=0).to(tl.int32)[None, :]
+        acc = acc_i.to(tl.float32) * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
+    acc *= tl.load(XS + offs_m, mask=mask_m, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# -- configs ---------------------------------------------------------------------------------
+# Defaults for sm_90 by design (kernels/tuning.json overrides them per shape class):
+#  - gemv (M == 1): the weight is the only traffic. Every program is resident at once, so the
+#    bytes in flight per SM are about N * BLOCK_K / #SMs: BLOCK_K = 1024 keeps ~30 KB in flight
+#    per SM at N = 4096 (Little's law at ~4 TB/s), with 16-byte loads (4 per thread).
+#  - mma, M <= 16: BLOCK_M = 16 (the smallest MMA tile), narrow N tiles so that N = 4096 still
+#    gives >= 2 programs per SM, a 4-deep cp.async pipeline over 256-wide K-blocks.
+#  - prefill: 128 x 128 tiles on wgmma (HGMMA / IGMMA in SASS), 3 stages.
+_DEFAULTS = {
+    "w8a16_gemv": {"BLOCK_N": 8, "BLOCK_K": 1024, "STAGES": 1, "num_warps": 4, "num_stages": 1},
+    "w8a16_mma": {16: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+                  64: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+                  None: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}},
+    "w8a8": {16: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+             64: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+             None: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}},
+}
+
+
+def m_bucket(m: int) -> int:
+    """Shape-class bucket of the token count: powers of two up to 256, then 256."""
+    return min(256, next_power_of_2(max(m, 1)))
+
+
+def int8_kernel(mode: str, m: int) -> str:
+    """Which kernel serves `mode` ("w8a16" | "w8a8") at m tokens."""
+    return "w8a8" if mode == "w8a8" else "w8a16_gemv" if m == 1 else "w8a16_mma"
+
+
+def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str) -> dict:
+    """Launch config of an int8 kernel: built-in default for the M bucket, then the tuning
+    table's entry for (kernel, "M<bucket>_N<n>_K<k>[_G<group>]"). A GEMM's BLOCK_K is shrunk
+    to a power of two dividing the group size, so each K-block meets one scale per row."""
+    b = m_bucket(m)
+    d = _DEFAULTS[kernel]
+    if kernel != "w8a16_gemv":
+        d = d[16] if b <= 16 else d[64] if b <= 64 else d[None]
+    shape_class = f"M{b}_N{n}_K{k}" + (f"_G{group_k}" if group_k else "")
+    cfg = tuned(kernel, shape_class, arch, d)
+    if group_k and "BLOCK_M" in cfg and group_k % 16 == 0:
+        bk = cfg["BLOCK_K"]
+        while group_k % bk:
+            bk //= 2
+        cfg = {**cfg, "BLOCK_K": bk}
+    return cfg
+
+
+# -- launch wrappers -------------------------------------------------------------------------
+def _check(x, qweight, scale, zero, bias, group_size):
+    m, k = x.shape
+    n = qweight.shape[0]
+    if qweight.dtype != torch.int8 or qweight.shape[1] != k:
+        raise ValueError(f"qweight must be int8 [N, {k}], got {qweight.dtype} {list(qweight.shape)}")
+    g = scale.shape[1]
+    if scale.shape[0] != n or g * group_size != k:
+        raise ValueError(f"scale {list(scale.shape)} does not match qweight {list(qweight.shape)} "
+                         f"with group_size {group_size}")
+    if zero is not None and zero.shape != scale.shape:
+        raise ValueError(f"zero {list(zero.shape)} must match scale {list(scale.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias {list(bias.shape)} must be [{n}]")
+    return m, n, k, g
+
+
+def _split(cfg: dict) -> tuple[dict, dict]:
+    """(constexprs, launch options) of a config."""
+    opts = {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
+    return {k: v for k, v in cfg.items() if k not in opts}, opts
+
+
+def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                 bias: torch.Tensor | None, group_size: int, kernel: str | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """x [M, K] fp16/bf16/fp32 -> [M, N] in x's dtype. kernel: "w8a16_gemv" (M == 1) or
+    "w8a16_mma"; default by M. config: pin a launch config (tests, benchmarks)."""
+    m, n, k, g = _check(x, qweight, scale, zero, bias, group_size)
+    gk = 0 if g == 1 else group_size
+    kernel = kernel or int8_kernel("w8a16", m)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y
+    const, opts = _split(config or int8_config(kernel, m, n, k, gk, arch_of(x.device)))
+    flags = dict(GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None)
+    zero_ = zero if zero is not None else qweight  # any pointer: unused without HAS_ZERO
+    bias_ = bias if bias is not None else scale
+    if kernel == "w8a16_gemv":
+        if m != 1:
+            raise ValueError("the gemv kernel takes one row")
+        jit(_w8a16_gemv_kernel)[(cdiv(n, const["BLOCK_N"]),)](
+            x.contiguous(), qweight, scale, zero_, bias_, y, n, k, g, **flags, **const, **opts)
+    else:
+        grid = (cdiv(n, const["BLOCK_N"]), cdiv(m, const["BLOCK_M"]))
+        jit(_w8a16_mma_kernel)[grid](
+            x, qweight, scale, zero_, bias_, y, m, n, k, g, x.stride(0), y.stride(0), **flags,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **const, **opts)
+    return y
+
+
+def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of quantize_activation for x [M, K]: (xq int8 [M, K], xscale fp32 [M])."""
+    m, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    xq = torch.empty(m, k, device=x.device, dtype=torch.int8)
+    xs = torch.empty(m, device=x.device, dtype=torch.float32)
+    if m:
+        block = min(2048, next_power_of_2(k))
+        inv = inv_smooth if inv_smooth is not None else xs
+        jit(_quantize_rows_kernel)[(m,)](x, inv, xq, xs, k, x.stride(0), HAS_SMOOTH=inv_smooth is not None,
+                                          BLOCK_K=block, num_warps=4 if block <= 1024 else 8)
+    return xq, xs
+
+
+def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                bias: torch.Tensor | None, group_size: int, inv_smooth: torch.Tensor | None = None,
+                config: dict | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype: per-token int8 activations (one kernel), then the
+    int8 x int8 -> int32 GEMM (a second). Grouped scales need group_size % 32 == 0."""
+    m, n, k, g = _check(x, qweight, scale, zero, bias, group_size)
+    if g > 1 and group_size % 32:
+        raise ValueError(f"w8a8 kernel: group size {group_size} is not a multiple of 32")
+    gk = 0 if g == 1 else group_size
+    xq, xs = quantize_rows(x, inv_smooth)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y
+    const, opts = _split(config or int8_config("w8a8", m, n, k, gk, arch_of(x.device)))
+    if gk % const["BLOCK_K"]:
+        raise ValueError(f"w8a8 kernel: BLOCK_K {const['BLOCK_K']} must divide the group size {gk}")
+    zero_ = zero if zero is not None else qweight
+    bias_ = bias if bias is not None else scale
+    grid = (cdiv(n, const["BLOCK_N"]), cdiv(m, const["BLOCK_M"]))
+    jit(_w8a8_kernel)[grid](xq, xs, qweight, scale, zero_, bias_, y, m, n, k, g, y.stride(0),
+                            GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, **const, **opts)
+    return y
+
+
+# -- planners (plan_kernels) -----------------------------------------------------------------
+# M is the program's token count (symbolic at compile time): the plan records the config of
+# every M bucket the kernel may meet, as the runtime will choose it on this arch.
+_PLAN_BUCKETS = (1, 16, 64, 256)
+
+
+@planner("dsc.linear_w8a16.default")
+def _plan_w8a16(x, qweight, scale, zero, bias, group_size, *, arch):
+    n, k = qweight.shape
+    gk = 0 if scale.shape[1] == 1 else group_size
+    cfg = {f"M{b}": {"kernel": int8_kernel("w8a16", b), **int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch)}
+           for b in _PLAN_BUCKETS}
+    return {"name": "triton.w8a16", "config": cfg, "launches": 1}
+
+
+@planner("dsc.linear_w8a8.default")
+def _plan_w8a8(x, qweight, scale, zero, bias, group_size, inv_smooth, *, arch):
+    n, k = qweight.shape
+    gk = 0 if scale.shape[1] == 1 else group_size
+    cfg = {f"M{b}": int8_config("w8a8", b, n, k, gk, arch) for b in _PLAN_BUCKETS}
+    return {"name": "triton.w8a8", "config": cfg, "launches": 2}  # quantize_rows + GEMM

@@ -1,0 +1,57 @@
+"""fuse_activation: activation subgraphs -> one elementwise kernel each.
+
+Matches / rewrites (each counted under `fuse_activation.<rule>`):
+  swiglu     silu(gate) * up  (LlamaMLP; on the slices of the fused gate_up output)
+             -> dsc.swiglu(gate, up), reading both halves in place
+  gelu_tanh  0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))  (GPT-2's gelu_new)
+             -> dsc.gelu(x, "tanh")
+  gelu       aten.gelu(x, approximate=a)   -> dsc.gelu(x, a)
+Requires: canonicalize (fuse_projections first, so swiglu reads the fused output).
+Guarantees: one launch per activation; the kernel computes in fp32 (closer to exact than
+  the op-by-op 16-bit chain it replaces; equal in fp32 up to rounding).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dsc.compiler.ir import Model
+from dsc.passes._pattern import Pattern, insert_fused
+from dsc.passes._util import aten, is_call
+
+dsc = torch.ops.dsc
+
+
+def swiglu_pattern(gate, up):
+    return F.silu(gate) * up
+
+
+def gelu_tanh_pattern(x):
+    # transformers' NewGELUActivation (gelu_new)
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+SWIGLU = Pattern(swiglu_pattern, lambda dt: (torch.randn(2, 3, 8, dtype=dt), torch.randn(2, 3, 8, dtype=dt)))
+GELU_TANH = Pattern(gelu_tanh_pattern, lambda dt: (torch.randn(2, 3, 8, dtype=dt),))
+
+
+def fuse_activation(model: Model) -> Model:
+    for _, graph in model.graphs():
+        for m in SWIGLU.matches(graph):
+            g, u = m["gate"].meta["val"], m["up"].meta["val"]
+            if g.shape != u.shape or g.dtype != u.dtype:
+                continue
+            insert_fused(graph, dsc.swiglu.default, (m["gate"], m["up"]), [m.output])
+            model.counters["fuse_activation.swiglu"] += 1
+        for m in GELU_TANH.matches(graph):
+            insert_fused(graph, dsc.gelu.default, (m["x"], "tanh"), [m.output])
+            model.counters["fuse_activation.gelu_tanh"] += 1
+        for n in [n for n in graph.nodes if is_call(n, aten.gelu.default)]:
+            approximate = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
+            insert_fused(graph, dsc.gelu.default, (n.args[0], approximate), [n])
+            graph.erase_node(n)
+            model.counters["fuse_activation.gelu"] += 1
+        graph.eliminate_dead_code()
+    return model

@@ -1,0 +1,94 @@
+"""fuse_add_norm: the residual add and the normalization after it -> one kernel.
+
+Matches / rewrites (each counted under `fuse_add_norm.<rule>`):
+  add_rmsnorm    s = a + b; y = RMSNorm(s)             -> s, y = dsc.add_rmsnorm(a, b, weight, eps)
+  rmsnorm        y = RMSNorm(x), x not such an add     -> y = dsc.rmsnorm(x, weight, eps)
+  add_layernorm  s = a + b; y = aten.layer_norm(s, [N], weight, bias, eps)
+                                                       -> s, y = dsc.add_layernorm(a, b, weight, bias, eps)
+  RMSNorm is `rmsnorm_pattern` (LlamaRMSNorm; Mistral and Qwen2 write the same), with or without
+  its fp32 casts. A LayerNorm without an add before it stays aten.layer_norm (one launch already).
+Requires: canonicalize ran (one spelling of casts). a and b have the add's shape and dtype
+  (a residual add, not a broadcast); weight/bias are [N] of the same dtype.
+Guarantees: the sum takes over every other use of the add (the residual stream), so a
+  decoder layer's two adds disappear into its two norms; values equal the unfused ops'
+  (kernels/norm.py keeps Hugging Face's rounding points) up to fp32 reduction order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from dsc.compiler.ir import Model
+from dsc.passes._pattern import Pattern, insert_fused
+from dsc.passes._util import aten, is_call
+
+dsc = torch.ops.dsc
+_EPS = 1.2345e-7  # stands for any eps in the traced pattern
+
+
+def rmsnorm_pattern(x, weight):
+    # LlamaRMSNorm.forward
+    xf = x.to(torch.float32)
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(variance + _EPS)).to(x.dtype)
+
+
+RMSNORM = Pattern(rmsnorm_pattern, lambda dt: (torch.randn(2, 3, 8, dtype=dt), torch.ones(8, dtype=dt)),
+                  wildcards={"eps": _EPS, "dtype": torch.bfloat16})
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _residual_add(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(a, b) if x = a + b of two tensors with x's shape and dtype."""
+    if not is_call(x, aten.add.Tensor) or x.kwargs or len(x.args) != 2:
+        return None
+    a, b = x.args
+    va, vb, vx = _val(a), _val(b), _val(x)
+    if not all(isinstance(v, torch.Tensor) for v in (va, vb, vx)):
+        return None
+    if va.shape != vx.shape or vb.shape != vx.shape or va.dtype != vx.dtype or vb.dtype != vx.dtype:
+        return None
+    return a, b
+
+
+def _is_vector_of(w, x: fx.Node) -> bool:
+    vw, vx = _val(w), _val(x)
+    return isinstance(vw, torch.Tensor) and tuple(vw.shape) == (vx.shape[-1],) and vw.dtype == vx.dtype
+
+
+def _fuse_rmsnorms(model: Model, graph: fx.Graph) -> None:
+    for m in RMSNORM.matches(graph):
+        x, w, eps = m["x"], m["weight"], m["eps"]
+        if not _is_vector_of(w, x) or m.get("dtype", _val(x).dtype) != _val(x).dtype:
+            continue
+        add = _residual_add(x)
+        if add:
+            insert_fused(graph, dsc.add_rmsnorm.default, (*add, w, eps), [x, m.output])
+            model.counters["fuse_add_norm.add_rmsnorm"] += 1
+        else:
+            insert_fused(graph, dsc.rmsnorm.default, (x, w, eps), [m.output])
+            model.counters["fuse_add_norm.rmsnorm"] += 1
+
+
+def _fuse_layernorms(model: Model, graph: fx.Graph) -> None:
+    for ln in [n for n in graph.nodes if is_call(n, aten.layer_norm.default) and not n.kwargs]:
+        x, shape, w, b, eps = (list(ln.args) + [None, None, None])[:5]  # layer_norm(x, shape, w=None, b=None, eps=1e-5)
+        eps = 1e-5 if eps is None else eps
+        add = _residual_add(x)
+        if not add or list(shape) != [_val(x).shape[-1]] or not _is_vector_of(w, x) \
+                or (b is not None and not _is_vector_of(b, x)):
+            continue
+        insert_fused(graph, dsc.add_layernorm.default, (*add, w, b, float(eps)), [x, ln])
+        graph.erase_node(ln)
+        model.counters["fuse_add_norm.add_layernorm"] += 1
+
+
+def fuse_add_norm(model: Model) -> Model:
+    for _, graph in model.graphs():
+        _fuse_rmsnorms(model, graph)
+        _fuse_layernorms(model, graph)
+        graph.eliminate_dead_code()
+    return model

@@ -1,0 +1,116 @@
+"""plan_kernels: choose the kernel and launch configuration of every call node (the last pass).
+
+Rewrites nothing. Records node.meta["kernel"] = {"name", "config", "launches"} for every
+call_function node, which serialize writes into plan.json:
+  views        view/unsqueeze/transpose/slice/split/getitem/expand/...    -> "view", 0 launches
+  host         sym_size and Python scalar ops on sizes                    -> "host", 0 launches
+  maybe-copy   reshape/flatten: 0 launches when the input's strides allow a view, else a
+               copy kernel (1); clone/contiguous always copy
+  linear       aten.linear -> "cublas.gemm" {N, K, bias}, 1 launch (bias in the epilogue)
+  dsc ops      the planner the op's kernel file registers (kernels/launch.py: `planner`),
+               config from kernels/tuning.json for the target arch
+  other aten   one eager torch kernel: "aten.<op>", 1 launch
+Launch counts are what a CUDA-graph replay of the step issues, counted honestly (a copy is a
+launch). model.notes["kernels"] records the target arch and the launches per program and per
+decoder layer (decode at the smallest batch bucket).
+Requires: the passes that rewrite ops ran (it is last). Guarantees: every call node has a
+  "kernel" entry; no graph change.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+import dsc.kernels  # noqa: F401  (registers every dsc op and its planner)
+from dsc.compiler.ir import Model
+from dsc.compiler.serialize import program_nodes
+from dsc.kernels.launch import PLANNERS, TARGET_ARCH
+from dsc.passes._util import aten
+from dsc.runtime.inspect import launches
+from dsc.runtime.plan import op_name
+
+VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.transpose.int, aten.permute.default,
+    aten.expand.default, aten.slice.Tensor, aten.select.int, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.t.default, aten.alias.default, aten.detach.default,
+    aten.as_strided.default, aten.unflatten.int, aten.narrow.default, aten.unbind.int,
+    aten.chunk.default, aten.view_as.default, aten.expand_as.default, operator.getitem,
+}
+MAYBE_COPY = {aten.reshape.default, aten.flatten.using_ints}
+
+
+def _val(a):
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def _is_host(node: fx.Node) -> bool:
+    t = node.target
+    if t in (aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int):
+        return True
+    return getattr(t, "__module__", None) in ("_operator", "operator", "math") or t in (
+        torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not)
+
+
+def _reshape_is_view(node: fx.Node) -> bool:
+    src, out = _val(node.args[0]), _val(node)
+    mode = torch._guards.detect_fake_mode([src])
+    try:
+        with mode:
+            src.view(out.shape)
+        return True
+    except (RuntimeError, ValueError):  # eager: RuntimeError; fake tensors: ValueError ("Cannot view ...")
+        return False
+
+
+def _plan_all_reduce(x, *, arch):
+    # functional all_reduce clones its input, then reduces the clone in place
+    return {"name": "nccl.all_reduce", "config": {}, "launches": 2}
+
+
+def _plan_all_gather(x, dim, world, *, arch):
+    return {"name": "nccl.all_gather", "config": {"dim": dim}, "launches": 2}  # gather + cat
+
+
+# planners for ops whose kernel files do not register one (yet); a registered planner wins
+FALLBACK_PLANNERS = {
+    "dsc.all_reduce.default": _plan_all_reduce,
+    "dsc.all_gather.default": _plan_all_gather,
+}
+
+
+def plan_node(node: fx.Node, arch: str) -> dict:
+    t = node.target
+    name = op_name(t)
+    if t in VIEWS:
+        return {"name": "view", "config": {}, "launches": 0}
+    if _is_host(node):
+        return {"name": "host", "config": {}, "launches": 0}
+    if t in MAYBE_COPY:
+        view = _reshape_is_view(node)
+        return {"name": "view" if view else "aten.copy", "config": {}, "launches": 0 if view else 1}
+    if t is aten.linear.default:
+        w = _val(node.args[1])
+        bias = len(node.args) > 2 and node.args[2] is not None
+        return {"name": "cublas.gemm", "config": {"N": w.shape[0], "K": w.shape[1], "bias": bias}, "launches": 1}
+    plan = PLANNERS.get(name) or FALLBACK_PLANNERS.get(name)
+    if plan is not None:
+        args = [_val(a) if isinstance(a, fx.Node) else a for a in node.args]
+        return plan(*args, arch=arch)
+    return {"name": f"aten.{name.split('.')[1]}", "config": {}, "launches": 1}
+
+
+def plan_kernels(model: Model) -> Model:
+    arch = TARGET_ARCH
+    for _, graph in model.graphs():
+        for n in graph.nodes:
+            if n.op == "call_function":
+                n.meta["kernel"] = plan_node(n, arch)
+    summary = {}
+    for p, g in model.graphs():
+        counts = launches([n for n in program_nodes(g, model.sym_names) if n["kind"] == "call"])
+        summary[p] = {k: counts[k] for k in ("launches", "launches_per_layer", "layers", "launches_outside_layers")}
+    model.notes["kernels"] = {"arch": arch, "launches": summary}
+    return model

@@ -1,0 +1,251 @@
+"""quantize_int8: linears of the transformer blocks -> dsc int8 linears over int8 weight parts.
+
+Matches  aten.linear(x, W[, b]) with W a 2-D weight spec (whatever earlier passes made of it:
+         a fused q/k/v or gate/up weight, a tensor-parallel shard), in every program.
+Rewrites (each counted under `quantize_int8.<rule>`, per node)
+  w8a16       -> dsc.linear_w8a16(x, W.qweight, W.scale, W.zero | None, b, group_size)
+  w8a8        -> dsc.linear_w8a8(x, W.qweight, W.scale, W.zero | None, b, group_size, W.inv_smooth | None)
+  keep_head   a linear outside the blocks (lm_head, or any linear on a weight an embedding
+              also reads) stays in the compute dtype unless --int8-lm-head
+  skip        the module path (the weight name minus ".weight", any of its checkpoint sources,
+              or the node's HF module path) matches an --int8-skip fnmatch pattern; a fused
+              weight is kept whole when any member matches
+  smooth      (w8a8 with --calibrate) a weight whose columns carry SmoothQuant factors
+Weight specs: `<W>.qweight`, `<W>.scale` (and `<W>.zero` when asymmetric) are W's spec with
+  `quant=Quant(part, group_size, symmetric)`; emit quantizes each rank's shard after sharding
+  (compiler/emit.py RankTensors), so scale groups are groups of the rank's local input
+  features. W itself is dropped when nothing else reads it (a tied embedding keeps it).
+  A linear is "in the blocks" when its module path has a numbered component (layers.3, h.3).
+Group size per layer: --int8-group-size G, which must divide the layer's local input
+  features (after tensor-parallel sharding), or the compile stops naming the layer. DeepSpeed's
+  q_groups Q (--int8-q-groups, or a DeepSpeed config's `quant.weight.q_groups`) splits each (local) [out, in] matrix,
+  flattened, into Q chunks with one scale each. When Q <= out, a chunk spans out/Q whole rows
+  and dsc's one scale per row is strictly finer, so per-channel is used; when Q > out, a chunk
+  is out*in/Q consecutive elements of one row, and group_size is the largest divisor of the
+  row's (local) input features not above that: never coarser than DeepSpeed's.
+SmoothQuant (--calibrate FILE, w8a8): the program as it stands (sharded, fused, unquantized) runs
+  on the calibration prompts (compiler/simulate.py) to record max|x| per input channel of
+  every quantized linear; s = max|x|^0.5 / max|W[:, k]|^0.5 (clamped to [1e-5, 1e5]). The
+  weight spec gets col_scale = s (columns scaled before quantization) and the op gets
+  inv_smooth = 1/s, which the activation-quantization kernel applies as it reads x. Every
+  linear gets its own s (no norm weight is shared between q, k, v) and o_proj / down_proj
+  are smoothed too.
+Requires: canonicalize (weights are [out, in] linears); runs after shard_tensor_parallel and the
+  fusions, before plan_kernels. Guarantees: no aten.linear in the blocks reads a float weight
+  (unless skipped); every int8 get_attr has a spec with `quant`; node vals show local shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+
+import torch
+import torch.fx as fx
+
+from dsc.compiler.ir import Model, Quant, Shard, WeightSpec, weight_nodes
+from dsc.compiler.serialize import _module_path
+from dsc.compiler.weights import local_dtype, local_shape
+from dsc.errors import UserError
+from dsc.passes._util import aten, is_call, replace_with
+
+SMOOTH_ALPHA = 0.5
+_IN_BLOCK = re.compile(r"\.\d+(\.|$)")
+
+
+def _layer(name: str) -> str:
+    return name.removesuffix(".weight")
+
+
+def _linears(graph: fx.Graph, weights: dict[str, WeightSpec]) -> list[fx.Node]:
+    out = []
+    for n in graph.nodes:
+        if is_call(n, aten.linear.default) and not n.kwargs:
+            w = n.args[1]
+            if isinstance(w, fx.Node) and w.op == "get_attr" and w.target in weights \
+                    and len(weights[w.target].shape) == 2 and weights[w.target].quant is None:
+                out.append(n)
+    return out
+
+
+def _shared(graph: fx.Graph) -> set[str]:
+    """Weights something other than a linear's weight argument reads (the embedding of a tied
+    lm_head): they stay in the compute dtype for that reader."""
+    return {n.target for n in graph.nodes if n.op == "get_attr"
+            and any(not (is_call(u, aten.linear.default) and u.args[1] is n) for u in n.users)}
+
+
+def _keep_reason(model: Model, node: fx.Node, shared: set[str]) -> str | None:
+    """Why this linear stays unquantized ("keep_head" / "skip"), or None."""
+    opts = model.options
+    name = node.args[1].target
+    spec = model.weights[name]
+    paths = {_layer(name), *(_layer(s) for s in spec.sources), _module_path(node) or ""}
+    if any(fnmatch.fnmatchcase(p, pat) for p in paths if p for pat in opts.int8_skip):
+        return "skip"
+    in_block = _IN_BLOCK.search(_layer(name)) and name not in shared
+    if not in_block and not opts.int8_lm_head:
+        return "keep_head"
+    return None
+
+
+def group_size_for(model: Model, name: str) -> int | None:
+    """The layer's group size (None: per output channel); UserError when it does not fit."""
+    opts = model.options
+    out, inp = local_shape(model.weights[name], opts.tp)
+    where = f"{_layer(name)} ({'rank-local ' if opts.tp > 1 else ''}weight [{out}, {inp}]"
+    where += f", tp={opts.tp})" if opts.tp > 1 else ")"
+    if opts.int8_group_size and opts.int8_q_groups:
+        raise UserError("--int8-group-size and q_groups both set; give one")
+    gs = opts.int8_group_size
+    if opts.int8_q_groups:
+        q = opts.int8_q_groups
+        if q <= out:
+            return None
+        chunk = out * inp // q  # DeepSpeed's elements per scale
+        gs = max(d for d in range(1, chunk + 1) if inp % d == 0)
+    if gs is None:
+        return None
+    if inp % gs:
+        why = "scale groups must not cross shard boundaries: " if opts.tp > 1 else ""
+        raise UserError(f"--int8-group-size {gs} does not divide the {inp} input features of {where}; "
+                        f"{why}choose a divisor of {inp}")
+    if opts.int8_mode == "w8a8" and gs % 32:
+        raise UserError(f"--int8-group-size {gs}: w8a8 needs a multiple of 32 (the int8 MMA's K step), "
+                        f"at {where}")
+    return None if gs == inp else gs
+
+
+def _new_attr(model: Model, graph: fx.Graph, after: fx.Node, name: str, spec: WeightSpec) -> fx.Node:
+    """get_attr `name` (once per graph), its val a fake tensor of the rank-local part."""
+    node = weight_nodes(graph).get(name)
+    if node is None:
+        with graph.inserting_after(after):
+            node = graph.get_attr(name)
+        with torch._guards.detect_fake_mode([after.meta.get("val")]) or model.fake_mode:
+            node.meta["val"] = torch.empty(local_shape(spec, model.options.tp), dtype=local_dtype(spec))
+    return node
+
+
+def _parts(model: Model, name: str, gs: int | None, col_scale: torch.Tensor | None) -> dict[str, WeightSpec]:
+    """Specs of W's int8 parts (and of its inv_smooth vector), registered in model.weights."""
+    spec = dataclasses.replace(model.weights[name], col_scale=col_scale)
+    sym = not model.options.int8_asymmetric
+    names = {"qweight": f"{name}.qweight", "scale": f"{name}.scale"} | ({} if sym else {"zero": f"{name}.zero"})
+    out = {}
+    for part, pname in names.items():
+        out[pname] = dataclasses.replace(spec, quant=Quant(part, gs, sym))
+    if col_scale is not None:
+        shard = spec.shard
+        vec_shard = Shard(0, shard.blocks, shard.groups) if shard is not None and shard.dim == 1 else None
+        out[f"{name}.inv_smooth"] = WeightSpec(sources=(), shape=(spec.shape[1],), dtype="float32",
+                                              shard=vec_shard, const=(1.0 / col_scale).float())
+    model.weights.update(out)
+    return out
+
+
+def _rewrite(model: Model, graph: fx.Graph, node: fx.Node, gs: int | None, smoothed: bool) -> None:
+    opts = model.options
+    w = node.args[1]
+    name = w.target
+    x, bias = node.args[0], (node.args[2] if len(node.args) > 2 else None)
+    k = local_shape(model.weights[name], opts.tp)[1]
+    attr = lambda suffix: _new_attr(model, graph, w, f"{name}.{suffix}", model.weights[f"{name}.{suffix}"])  # noqa: E731
+    qw, sc = attr("qweight"), attr("scale")
+    zero = attr("zero") if opts.int8_asymmetric else None
+    if opts.int8_mode == "w8a8":
+        inv = attr("inv_smooth") if smoothed else None
+        replace_with(node, torch.ops.dsc.linear_w8a8.default, (x, qw, sc, zero, bias, gs or k, inv))
+    else:
+        replace_with(node, torch.ops.dsc.linear_w8a16.default, (x, qw, sc, zero, bias, gs or k))
+    model.counters[f"quantize_int8.{opts.int8_mode}"] += 1
+
+
+def quantize_int8(model: Model) -> Model:
+    opts = model.options
+    if not opts.int8:
+        return model
+    targets: dict[str, list[tuple[fx.Graph, fx.Node]]] = {}
+    for _, graph in model.graphs():
+        shared = _shared(graph)
+        for node in _linears(graph, model.weights):
+            reason = _keep_reason(model, node, shared)
+            if reason:
+                model.counters[f"quantize_int8.{reason}"] += 1
+            else:
+                targets.setdefault(node.args[1].target, []).append((graph, node))
+    groups = {name: group_size_for(model, name) for name in targets}  # all checks before any rewrite
+    smooth = smoothing_factors(model, targets) if opts.calibrate else {}
+    for name, uses in targets.items():
+        _parts(model, name, groups[name], smooth.get(name))
+        if name in smooth:
+            model.counters["quantize_int8.smooth"] += 1
+        for graph, node in uses:
+            _rewrite(model, graph, node, groups[name], name in smooth)
+    for _, graph in model.graphs():
+        for n in list(graph.nodes):
+            if n.op == "get_attr" and not n.users:
+                graph.erase_node(n)
+    used = {n.target for _, g in model.graphs() for n in g.nodes if n.op == "get_attr"}
+    for name in targets:
+        if name not in used:
+            del model.weights[name]
+    model.notes["int8"] = {"mode": opts.int8_mode, "symmetric": not opts.int8_asymmetric,
+                           "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
+                           "lm_head": opts.int8_lm_head, "skip": list(opts.int8_skip),
+                           "smoothquant": bool(smooth), "weights": len(targets)}
+    return model
+
+
+# -- SmoothQuant -----------------------------------------------------------------------------
+
+
+def activation_maxima(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]],
+                      prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """max|x| [in] per weight over the prompts' tokens, from the unquantized prefill program
+    (every rank; a row-parallel shard's columns are placed at their global indices)."""
+    from dsc.compiler.simulate import Simulator, materialize
+    from dsc.compiler.weights import SourceReader, float_tensor, local_columns
+
+    world = model.options.tp
+    prefill = model.programs["prefill"]
+    watch = {node: name for name, uses in targets.items() for g, node in uses if g is prefill}
+    index = {}
+    for name in targets:
+        full = torch.arange(model.weights[name].shape[1])
+        index[name] = [local_columns(model.weights[name], full, r, world) for r in range(world)]
+    amax = {name: torch.zeros(model.weights[name].shape[1]) for name in targets}
+
+    def observe(node, rank, args):
+        name = watch.get(node)
+        if name is not None:
+            x = args[0].float()
+            local = x.reshape(-1, x.shape[-1]).abs().amax(0)  # [in_local]
+            idx = index[name][rank]
+            amax[name][idx] = torch.maximum(amax[name][idx], local)
+
+    with SourceReader(model.checkpoint) as reader:
+        weights = materialize(model, lambda n, r: float_tensor(model.weights[n], r, world, reader))
+    sim = Simulator(model, weights)
+    for p in prompts:  # one at a time: no padding tokens in the statistics
+        sim.reset()
+        sim.prefill([p], observe=observe)
+    return amax
+
+
+def smoothing_factors(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]]) -> dict[str, torch.Tensor]:
+    """s [in] per weight: max|x|^a / max|W[:, k]|^(1-a), a = SMOOTH_ALPHA."""
+    from dsc.compiler.int8_report import calibration_prompts
+    from dsc.compiler.weights import SourceReader, float_tensor
+
+    prompts = calibration_prompts(model.options.calibrate, model.checkpoint, model.options.max_seq)
+    xmax = activation_maxima(model, targets, prompts)
+    out = {}
+    with SourceReader(model.checkpoint) as reader:
+        for name in targets:
+            spec = dataclasses.replace(model.weights[name], shard=None, dtype="float32")
+            wmax = float_tensor(spec, 0, 1, reader).abs().amax(0)  # [in]
+            s = xmax[name].pow(SMOOTH_ALPHA) / wmax.pow(1 - SMOOTH_ALPHA)
+            ok = (xmax[name] > 0) & (wmax > 0)
+            out[name] = torch.where(ok, s, torch.ones_like(s)).clamp(1e-5, 1e5)
+    return out

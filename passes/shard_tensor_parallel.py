@@ -1,0 +1,663 @@
+"""shard_tensor_parallel: Megatron-style tensor parallelism, derived from the graph's dataflow.
+
+Matches  a *region*: linears whose outputs flow only through per-head or elementwise work
+         (view/reshape/transpose/unsqueeze, rotary slice/neg/cat/mul/add, split + getitem of a
+         fused projection, activations, reductions over other dims, dsc.attention) into linears
+         that read them as their input. The first are column-parallel, the second row-parallel:
+             q, k, v -> rotary -> dsc.attention -> o        gate, up -> silu, mul -> down
+             GPT-2 c_attn -> split(q, k, v) -> dsc.attention -> c_proj;   c_fc -> gelu -> c_proj
+         No layer names are consulted: the sharded dim of every value is tracked op by op
+         (`Layout`), so a region is accepted only when each op in it is correct per rank.
+Rewrites (each counted under `shard_tensor_parallel.<rule>`, per program)
+  column    weight and bias get Shard(dim=0, blocks): rank r keeps piece r of every block. The
+            blocks come from the split that consumes a fused projection (GPT-2 c_attn:
+            (E, E, E)). kv projections with fewer kv heads than ranks get groups=(n_kv,):
+            rank r keeps kv head r * n_kv // tp, the kv head of its own q heads.
+  row       weight gets Shard(dim=1, blocks); linear(x, W, b) -> add(dsc.all_reduce(linear(x, W)), b):
+            the bias stays replicated and is added once, after the sum.
+  shape     view/reshape sizes and split sizes along a sharded dim -> the rank's local sizes.
+  kv_cache  the cache tensors hold the local kv heads (model.kv_cache["shape"][1]).
+  vocab     when tp divides the vocabulary, the token embedding and lm_head are vocab-parallel:
+            a masked lookup of the rank's rows + dsc.all_reduce, and the rank's logits +
+            dsc.all_gather; otherwise both are replicated. model.notes["tp"] says which and why.
+Requires canonicalize (every matmul against a weight is aten.linear) and bind_kv_cache
+         (attention is dsc.attention with its cache); sizes checked by compiler/validate.py.
+Guarantees (tp > 1) every dsc.attention is inside a region; node vals show per-rank shapes;
+         the program's logits [batch, vocab] are identical on every rank. tp == 1: no-op.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.fx as fx
+
+from dsc.compiler.ir import Model, Shard, WeightSpec, copy_meta, infer_val
+from dsc.passes._util import aten, is_call
+
+Key = tuple[str, int]  # (column linear's node name, block index): blocks split alike share a class
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_ELEMENTWISE = {
+    aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.mul.Scalar,
+    aten.add.Scalar, aten.neg.default, aten.silu.default, aten.gelu.default, aten.tanh.default,
+    aten.sigmoid.default, aten.relu.default, aten.pow.Tensor_Scalar, aten.rsqrt.default,
+    aten.exp.default, aten.erf.default, aten.to.dtype, aten.clone.default,
+}
+_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
+_ATTENTION = torch.ops.dsc.attention.default
+_PASS_THROUGH = _VIEWS | _ELEMENTWISE | _REDUCTIONS | _SPLITS | {
+    aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.slice.Tensor,
+    aten.cat.default, operator.getitem, _ATTENTION}
+
+
+class _Unsupported(Exception):
+    """This region cannot be sharded exactly; its linears stay replicated."""
+
+
+class _Refine(Exception):
+    """A split cuts a column's output block: split that block (in output features) and retry."""
+
+    def __init__(self, column: str, index: int, sizes: list[int]):
+        self.column, self.index, self.sizes = column, index, sizes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A value sharded along `dim` as `blocks` of (global size, key), in order. `scale` = units
+    of `dim` per output feature of the column linear the blocks come from (1/head_dim after a
+    view to heads)."""
+
+    dim: int
+    blocks: tuple[tuple[int, Key], ...]
+    scale: Fraction = Fraction(1)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(s for s, _ in self.blocks)
+
+
+class _Pieces:
+    """Union-find over block keys; every block of a class is split into the same number of
+    pieces (default: world)."""
+
+    def __init__(self, world: int):
+        self.world, self.parent, self.n = world, {}, {}
+
+    def find(self, k: Key) -> Key:
+        while self.parent.get(k, k) != k:
+            k = self.parent[k]
+        return k
+
+    def union(self, a: Key, b: Key) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            if rb in self.n:
+                self.set(ra, self.n[rb])
+            self.parent[rb] = ra
+
+    def set(self, k: Key, n: int) -> None:
+        r = self.find(k)
+        if self.n.get(r, n) != n:
+            raise _Unsupported(f"block {k} would be split into both {self.n[r]} and {n} pieces")
+        self.n[r] = n
+
+    def get(self, k: Key) -> int:
+        return self.n.get(self.find(k), self.world)
+
+
+@dataclass
+class _Region:
+    columns: list[fx.Node]
+    rows: list[fx.Node]
+    nodes: list[fx.Node]  # the per-head/elementwise work between them, in graph order
+
+
+# -- finding regions ------------------------------------------------------------------------
+
+def _is_linear(n) -> bool:
+    return is_call(n, aten.linear.default) and getattr(n.args[1], "op", None) == "get_attr"
+
+
+def _linears_upstream(node: fx.Node) -> set[fx.Node]:
+    """Weight linears that reach `node` through pass-through ops only."""
+    found, seen, work = set(), set(), [node]
+    while work:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _is_linear(n):
+            found.add(n)
+        elif n.op == "call_function" and n.target in _PASS_THROUGH:
+            work.extend(n.all_input_nodes)
+    return found
+
+
+def _grow(seed: fx.Node, order: dict[fx.Node, int]) -> _Region:
+    """The region of `seed`: taint its output forward; a linear reading a tainted value is a
+    row; a linear feeding the work by another path (k, v, up) joins as a column."""
+    columns, rows, inner, work = {seed}, set(), set(), [seed]
+    while work:
+        n = work.pop()
+        for u in n.users:
+            if _is_linear(u) and u.args[0] is n and n not in u.args[1:]:
+                rows.add(u)
+            elif u.op == "call_function" and u.target in _PASS_THROUGH:
+                if u in inner:
+                    continue
+                inner.add(u)
+                work.append(u)
+                for i in u.all_input_nodes:
+                    if i not in inner:
+                        new = _linears_upstream(i) - columns
+                        columns |= new
+                        work.extend(new)
+            else:
+                raise _Unsupported(f"{u.name} ({u.target}) reads the sharded value {n.name}")
+    if not rows:
+        raise _Unsupported(f"no linear reads the output of {seed.name}")
+    if columns & rows:
+        raise _Unsupported(f"{sorted(x.name for x in columns & rows)} would be both column and row")
+    return _Region(sorted(columns, key=order.get), sorted(rows, key=order.get), sorted(inner, key=order.get))
+
+
+# -- layouts ------------------------------------------------------------------------------
+
+def _val(a):
+    return a.meta["val"] if isinstance(a, fx.Node) else a
+
+
+def _fake_mode(model: Model, node: fx.Node):
+    """The fake mode of the program's values (torch.export's own, not the tracer's)."""
+    return torch._guards.detect_fake_mode([_val(node)]) or model.fake_mode
+
+
+def _static_prod(dims) -> int:
+    p = 1
+    for d in dims:
+        if not isinstance(d, int):
+            raise _Unsupported(f"symbolic size {d} next to a sharded dim")
+        p *= d
+    return p
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+class _Solver:
+    """Assigns a Layout to every value of a region, in graph order, checking each op."""
+
+    def __init__(self, region: _Region, world: int, column_blocks: dict[str, tuple[int, ...]]):
+        self.region, self.world, self.column_blocks = region, world, column_blocks
+        self.pieces = _Pieces(world)
+        self.lay: dict[fx.Node, object] = {}
+        self.kv: dict[fx.Node, int] = {}  # kv-cache get_attr -> local kv heads
+
+    def run(self) -> "_Solver":
+        for c in self.region.columns:
+            sizes = self.column_blocks.get(c.name, (_val(c).shape[-1],))
+            self.lay[c] = Layout(_val(c).dim() - 1, tuple((s, (c.name, i)) for i, s in enumerate(sizes)))
+        for n in self.region.nodes:
+            self.lay[n] = self._rule(n)
+        for r in self.region.rows:
+            self._row(r)
+        for n, lay in self.lay.items():
+            for l in (lay if isinstance(lay, list) else [lay]):
+                for size, key in l.blocks:
+                    if size % self.pieces.get(key):
+                        raise _Unsupported(f"{n.name}: size {size} along dim {l.dim} does not split "
+                                           f"into {self.pieces.get(key)} pieces")
+        return self
+
+    def local(self, lay: Layout) -> int:
+        return sum(s // self.pieces.get(k) for s, k in lay.blocks)
+
+    def shard(self, lay: Layout, dim: int) -> Shard:
+        groups = tuple(self.pieces.get(k) for _, k in lay.blocks)
+        return Shard(dim=dim, blocks=lay.sizes, groups=None if set(groups) == {self.world} else groups)
+
+    def _in(self, a) -> Layout:
+        if a not in self.lay:
+            raise _Unsupported(f"{getattr(a, 'name', a)} is not sharded where a sharded value is expected")
+        return self.lay[a]
+
+    def _unify(self, a: Layout, b: Layout) -> None:
+        if a.sizes != b.sizes:
+            raise _Unsupported(f"blocks {a.sizes} and {b.sizes} meet in one op")
+        for (_, ka), (_, kb) in zip(a.blocks, b.blocks):
+            self.pieces.union(ka, kb)
+
+    def _rule(self, n: fx.Node):
+        t = n.target
+        if t in _VIEWS:
+            return self._view(n)
+        if t in _ELEMENTWISE:
+            return self._elementwise(n)
+        if t in _REDUCTIONS:
+            return self._reduction(n)
+        if t in _SPLITS:
+            return self._split(n)
+        if t is _ATTENTION:
+            return self._attention(n)
+        if t is operator.getitem:
+            return self._in(n.args[0])[n.args[1]]
+        if t is aten.cat.default:
+            return self._cat(n)
+        lay, ndim = self._in(n.args[0]), _val(n).dim()
+        if t is aten.transpose.int:
+            a, b = (_norm(d, ndim) for d in n.args[1:3])
+            return dataclasses.replace(lay, dim={a: b, b: a}.get(lay.dim, lay.dim))
+        if t is aten.permute.default:
+            return dataclasses.replace(lay, dim=[_norm(d, ndim) for d in n.args[1]].index(lay.dim))
+        if t is aten.unsqueeze.default:
+            return dataclasses.replace(lay, dim=lay.dim + (_norm(n.args[1], ndim) <= lay.dim))
+        if t is aten.slice.Tensor:
+            if _norm(n.args[1] if len(n.args) > 1 else 0, ndim) == lay.dim:
+                raise _Unsupported(f"{n.name} slices the sharded dim")
+            return lay
+        raise _Unsupported(f"no layout rule for {t}")
+
+    def _view(self, n: fx.Node) -> Layout:
+        """The sharded dim must be the outermost of its group of merged or split dims."""
+        lay = self._in(n.args[0])
+        src, dst = _val(n.args[0]).shape, _val(n).shape
+        inner_src = _static_prod(src[lay.dim + 1:])
+        extent = inner_src * _static_prod([src[lay.dim]])
+        inner = 1
+        for j in reversed(range(len(dst))):
+            d = _static_prod([dst[j]])
+            if inner * d == extent:
+                break
+            inner *= d
+            if inner >= extent:
+                raise _Unsupported(f"{n.name} merges the sharded dim with an outer dim")
+        else:
+            raise _Unsupported(f"{n.name}: no output dim matches the sharded dim")
+        factor = Fraction(inner_src, inner)
+        sizes = [s * factor for s in lay.sizes]
+        if any(s.denominator != 1 for s in sizes):
+            raise _Unsupported(f"{n.name} splits a block across output dims")
+        return Layout(j, tuple((int(s), k) for s, (_, k) in zip(sizes, lay.blocks)), lay.scale * factor)
+
+    def _elementwise(self, n: fx.Node) -> Layout:
+        ndim, out = _val(n).dim(), None
+        for a in n.args:
+            if not isinstance(a, fx.Node) or not isinstance(_val(a), torch.Tensor):
+                continue
+            shift = ndim - _val(a).dim()
+            if a in self.lay:
+                lay = self.lay[a]
+                lay = dataclasses.replace(lay, dim=lay.dim + shift)
+                if out is None:
+                    out = lay
+                elif out.dim != lay.dim:
+                    raise _Unsupported(f"{n.name} combines values sharded along different dims")
+                else:
+                    self._unify(out, lay)
+        for a in n.args:  # replicated operands must broadcast along the sharded dim
+            if isinstance(a, fx.Node) and a not in self.lay and isinstance(_val(a), torch.Tensor):
+                i = out.dim - (ndim - _val(a).dim())
+                if i >= 0 and _val(a).shape[i] != 1:
+                    raise _Unsupported(f"{n.name} combines a sharded value with the full {a.name}")
+        return out
+
+    def _reduction(self, n: fx.Node) -> Layout:
+        lay, ndim = self._in(n.args[0]), _val(n.args[0]).dim()
+        dims = [_norm(d, ndim) for d in (n.args[1] if len(n.args) > 1 else range(ndim))]
+        keep = (n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
+        if lay.dim in dims:
+            raise _Unsupported(f"{n.name} reduces over the sharded dim")
+        return dataclasses.replace(lay, dim=lay.dim - (0 if keep else sum(d < lay.dim for d in dims)))
+
+    def _cat(self, n: fx.Node) -> Layout:
+        parts = [self._in(a) for a in n.args[0]]
+        if _norm(n.args[1] if len(n.args) > 1 else 0, _val(n).dim()) == parts[0].dim:
+            raise _Unsupported(f"{n.name} concatenates along the sharded dim")
+        for p in parts[1:]:
+            if p.dim != parts[0].dim:
+                raise _Unsupported(f"{n.name} concatenates values sharded along different dims")
+            self._unify(parts[0], p)
+        return parts[0]
+
+    def _split(self, n: fx.Node) -> list[Layout]:
+        lay, ndim = self._in(n.args[0]), _val(n.args[0]).dim()
+        dim = _norm(n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0), ndim)
+        sizes = [_val(o).shape[dim] for o in _val(n)]
+        if dim != lay.dim:
+            return [lay] * len(sizes)
+        cuts = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+        bounds = [sum(lay.sizes[: i + 1]) for i in range(len(lay.sizes))]
+        start = 0
+        for i, (size, (col, idx)) in enumerate(lay.blocks):
+            inside = [c - start for c in cuts if start < c < start + size]
+            if inside:  # the split cuts this column block: make its pieces blocks of their own
+                edges = [0] + inside + [size]
+                pieces = [Fraction(b - a) / lay.scale for a, b in zip(edges, edges[1:])]
+                if any(p.denominator != 1 for p in pieces):
+                    raise _Unsupported(f"{n.name} cuts a block inside a head")
+                raise _Refine(col, idx, [int(p) for p in pieces])
+            start += size
+        out, i = [], 0
+        for end in cuts + [bounds[-1]]:
+            blocks = []
+            while i < len(bounds) and bounds[i] <= end:
+                blocks.append(lay.blocks[i])
+                i += 1
+            out.append(Layout(lay.dim, tuple(blocks), lay.scale))
+        return out
+
+    def _attention(self, n: fx.Node) -> Layout:
+        q, k, v, kc, vc = n.args[:5]
+        lq, lk, lv = self._in(q), self._in(k), self._in(v)
+        if (lq.dim, lk.dim, lv.dim) != (1, 1, 1):
+            raise _Unsupported(f"{n.name}: q/k/v are not sharded along heads")
+        self._unify(lk, lv)
+        hq, hkv, w = _val(q).shape[1], _val(k).shape[1], self.world
+        if hq % w or (hkv % w if hkv >= w else w % hkv):
+            raise _Unsupported(f"{n.name}: {hq} heads / {hkv} kv heads do not split over {w} ranks")
+        kv_pieces = w if hkv >= w else hkv  # fewer kv heads than ranks: each is replicated
+        for _, key in lq.blocks:
+            self.pieces.set(key, w)
+        for _, key in lk.blocks:
+            self.pieces.set(key, kv_pieces)
+        self._check_gqa(n, lq, lk, hq // hkv)
+        for c in (kc, vc):
+            self.kv[c] = hkv // kv_pieces
+        return Layout(2, lq.blocks, lq.scale)
+
+    def _check_gqa(self, n: fx.Node, lq: Layout, lk: Layout, group: int) -> None:
+        """Every rank's local q head j must read the kv head of its global q head."""
+        qs, ks = self.shard(lq, 0), self.shard(lk, 0)
+        for r in range(self.world):
+            qh = [h for a, b in qs.ranges(r, self.world) for h in range(a, b)]
+            kh = [h for a, b in ks.ranges(r, self.world) for h in range(a, b)]
+            if len(qh) % len(kh) or any(kh[j // (len(qh) // len(kh))] != h // group for j, h in enumerate(qh)):
+                raise _Unsupported(f"{n.name}: rank {r}'s q heads {qh} do not map onto its kv heads {kh}")
+
+    def _row(self, r: fx.Node) -> None:
+        lay = self._in(r.args[0])
+        if lay.dim != _val(r.args[0]).dim() - 1:
+            raise _Unsupported(f"{r.name} reads a value sharded along a non-feature dim")
+        if any(self.pieces.get(k) != self.world for _, k in lay.blocks):
+            raise _Unsupported(f"{r.name} reads replicated pieces that the all-reduce would count twice")
+
+
+def _solve(region: _Region, world: int) -> _Solver:
+    blocks: dict[str, tuple[int, ...]] = {}
+    for _ in range(8):
+        try:
+            return _Solver(region, world, blocks).run()
+        except _Refine as e:
+            col = next(c for c in region.columns if c.name == e.column)
+            old = blocks.get(e.column, (_val(col).shape[-1],))
+            blocks[e.column] = old[: e.index] + tuple(e.sizes) + old[e.index + 1:]
+    raise _Unsupported("block refinement did not converge")
+
+
+def _find_regions(graph: fx.Graph, world: int) -> tuple[list[_Solver], dict[fx.Node, str]]:
+    """Grow a region from every linear not yet in one, in program order. Returns the solved
+    regions and, for each linear left replicated, why."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    taken: set[fx.Node] = set()
+    solved, reasons = [], {}
+    for seed in [n for n in graph.nodes if _is_linear(n)]:
+        if seed in taken:
+            continue
+        try:
+            region = _grow(seed, order)
+            if taken & set(region.columns + region.rows):
+                raise _Unsupported(f"{seed.name}'s region overlaps another region")
+            solved.append(_solve(region, world))
+        except _Unsupported as e:
+            reasons[seed] = str(e)
+            continue
+        taken |= set(region.columns + region.rows)
+    return solved, reasons
+
+
+# -- rewriting ----------------------------------------------------------------------------
+
+def _set_shard(shards: dict[str, Shard], name: str, shard: Shard) -> None:
+    if shards.setdefault(name, shard) != shard:
+        raise ValueError(f"weight {name}: programs disagree on its shard ({shards[name]} vs {shard})")
+
+
+def _rewrite_sizes(n: fx.Node, s: _Solver) -> None:
+    """View/reshape and split sizes along a sharded dim -> local sizes."""
+    lay = s.lay[n]
+    if n.target in _VIEWS:
+        sizes = list(n.args[1])
+        if isinstance(sizes[lay.dim], int) and sizes[lay.dim] != -1:
+            sizes[lay.dim] = s.local(lay)
+            n.args = (n.args[0], sizes, *n.args[2:])
+    elif n.target in _SPLITS:
+        src = s.lay[n.args[0]]
+        dim = _norm(n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0), _val(n.args[0]).dim())
+        if dim == src.dim:
+            local = [s.local(part) for part in lay]
+            uniform = len(set(local)) == 1 and n.target is aten.split.Tensor
+            n.target = aten.split.Tensor if uniform else aten.split_with_sizes.default
+            n.args = (n.args[0], local[0] if uniform else local, dim)
+            n.kwargs = {}
+
+
+def _insert_all_reduce(model: Model, row: fx.Node) -> list[fx.Node]:
+    """linear(x, W, b) -> add(all_reduce(linear(x, W)), b): the bias is added once. Returns
+    the new nodes."""
+    g = row.graph
+    bias = row.args[2] if len(row.args) > 2 else None
+    row.args = row.args[:2]
+    with g.inserting_after(row):
+        red = copy_meta(g.call_function(torch.ops.dsc.all_reduce.default, (row,)), row)
+    out = red
+    if bias is not None:
+        with g.inserting_after(red):
+            out = copy_meta(g.call_function(aten.add.Tensor, (red, bias)), row)
+    row.replace_all_uses_with(out, delete_user_cb=lambda u: u not in (red, out))
+    model.counters["shard_tensor_parallel.all_reduce"] += 1
+    return [red] if out is red else [red, out]
+
+
+def _apply_region(model: Model, s: _Solver, shards: dict[str, Shard]) -> list[fx.Node]:
+    """Record the region's weight shards and rewrite its graph; returns nodes to re-infer."""
+    touched = []
+    for c in s.region.columns:
+        shard = s.shard(s.lay[c], 0)
+        for w in c.args[1:]:
+            if isinstance(w, fx.Node):
+                _set_shard(shards, w.target, shard)
+        model.counters["shard_tensor_parallel.column"] += 1
+    for n in s.region.nodes:
+        _rewrite_sizes(n, s)
+    for r in s.region.rows:
+        lay = s.lay[r.args[0]]
+        _set_shard(shards, r.args[1].target, s.shard(lay, 1))
+        touched += [r, *_insert_all_reduce(model, r)]
+        model.counters["shard_tensor_parallel.row"] += 1
+    return s.region.columns + s.region.nodes + touched
+
+
+# -- vocabulary ---------------------------------------------------------------------------
+
+def _from_input_ids(n) -> bool:
+    while is_call(n, *_VIEWS):
+        n = n.args[0]
+    return getattr(n, "op", None) == "placeholder" and n.name == "input_ids"
+
+
+def _vocab_nodes(graph: fx.Graph) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The lm_head linear (it produces the program's output) and the token embeddings."""
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    head = out if _is_linear(out) else None
+    embs = [n for n in graph.nodes if is_call(n, aten.embedding.default) and _from_input_ids(n.args[1])
+            and getattr(n.args[0], "op", None) == "get_attr"]
+    return head, embs
+
+
+def _vocab_plan(model: Model, world: int) -> tuple[bool, str]:
+    """Split the vocabulary when every vocab weight divides by tp and nothing else reads it."""
+    names, uses = set(), set()
+    for _, g in model.graphs():
+        head, embs = _vocab_nodes(g)
+        names |= {e.args[0].target for e in embs} | ({head.args[1].target} if head else set())
+        uses |= set(embs) | ({head} if head else set())
+    if not names:
+        return False, "no token embedding or lm_head found"
+    rows = {model.weights[n].shape[0] for n in names}
+    if any(r % world for r in rows):
+        return False, (f"replicated: the vocabulary ({', '.join(map(str, sorted(rows)))} rows) does not "
+                       f"divide by tp={world}, so every rank holds the whole embedding and lm_head")
+    for _, g in model.graphs():
+        for n in g.nodes:
+            if n.op == "get_attr" and n.target in names and any(u not in uses for u in n.users):
+                return False, f"replicated: {n.target} is read by more than the embedding and lm_head"
+    rows_ = sorted(rows)[0]
+    return True, (f"vocab-parallel: each rank holds {rows_ // world} of {rows_} vocabulary rows of the "
+                  f"embedding and lm_head ({', '.join(sorted(names))}). The lookup is masked to the "
+                  f"rank's rows and summed with dsc.all_reduce (exact: the other ranks add zeros); "
+                  f"each rank computes its slice of the logits and dsc.all_gather assembles "
+                  f"[batch, vocab], identical on every rank. Why: the vocabulary matrix is the "
+                  f"largest weight, and replicating it would cost every rank its full size")
+
+
+def _vocab_start_weight(model: Model, weight: str, world: int) -> str:
+    """A per-rank constant: the first vocabulary row this rank holds, int64[1]."""
+    name = weight.removesuffix(".weight") + ".vocab_start"
+    rows = model.weights[weight].shape[0]
+    model.weights[name] = WeightSpec(sources=(), shape=(world,), dtype="int64", shard=Shard(0, (world,)),
+                                     const=torch.arange(world, dtype=torch.int64) * (rows // world))
+    return name
+
+
+def _call(g: fx.Graph, like: fx.Node, target, *args) -> fx.Node:
+    n = copy_meta(g.call_function(target, args), like)
+    infer_val(n)
+    return n
+
+
+def _split_embedding(model: Model, emb: fx.Node, world: int) -> None:
+    """embedding(W, ids) -> all_reduce(where(inside, embedding(W_r, clamp(ids - start)), 0))."""
+    g, w, ids = emb.graph, emb.args[0], emb.args[1]
+    rows = model.weights[w.target].shape[0] // world
+    with g.inserting_before(emb):
+        start = g.get_attr(_vocab_start_weight(model, w.target, world))
+        with _fake_mode(model, ids):
+            start.meta["val"] = torch.empty(1, dtype=torch.int64)
+        local = _call(g, emb, aten.sub.Tensor, ids, start)  # [B, S]
+        inside = _call(g, emb, aten.bitwise_and.Tensor, _call(g, emb, aten.ge.Scalar, local, 0),
+                       _call(g, emb, aten.lt.Scalar, local, rows))
+        idx = _call(g, emb, aten.clamp.default, local, 0, rows - 1)
+    emb.args = (w, idx, *emb.args[2:])
+    infer_val(emb)
+    with g.inserting_before(emb.next):
+        mask = _call(g, emb, aten.unsqueeze.default, inside, -1)  # [B, S, 1]
+        kept = _call(g, emb, aten.where.ScalarOther, mask, emb, 0.0)  # [B, S, E]
+        red = _call(g, emb, torch.ops.dsc.all_reduce.default, kept)
+    emb.replace_all_uses_with(red, delete_user_cb=lambda u: u is not kept)
+    model.counters["shard_tensor_parallel.vocab_embedding"] += 1
+
+
+def _split_lm_head(model: Model, head: fx.Node, world: int) -> None:
+    """logits = all_gather(linear(h, W_r), -1): [B, V / tp] per rank -> [B, V] on every rank."""
+    g = head.graph
+    infer_val(head)
+    with g.inserting_after(head):
+        full = _call(g, head, torch.ops.dsc.all_gather.default, head, _val(head).dim() - 1, world)
+    head.replace_all_uses_with(full, delete_user_cb=lambda u: u is not full)
+    model.counters["shard_tensor_parallel.vocab_lm_head"] += 1
+
+
+# -- the pass -----------------------------------------------------------------------------
+
+def _update_vals(model: Model, graph: fx.Graph, shards: dict[str, Shard], kv: dict[fx.Node, int],
+                 touched: list[fx.Node], world: int) -> None:
+    """Per-rank shapes: weights and kv-cache tensors first, then the rewritten nodes in order."""
+    for n in graph.nodes:
+        if n.op == "get_attr" and (n.target in shards or n in kv):
+            shape = list(_val(n).shape)
+            if n in kv:
+                shape[1] = kv[n]
+            else:
+                shape[shards[n.target].dim] = shards[n.target].local_size(world)
+            with _fake_mode(model, n):
+                n.meta["val"] = torch.empty(shape, dtype=_val(n).dtype)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in sorted(set(touched), key=order.get):
+        if n.op == "call_function":
+            infer_val(n)
+
+
+def _record_vocab_shards(model: Model, head: fx.Node | None, embs: list[fx.Node], shards: dict[str, Shard]) -> None:
+    """Vocabulary weights (and an lm_head bias) split by rows."""
+    nodes = [e.args[0] for e in embs] + ([a for a in head.args[1:] if isinstance(a, fx.Node)] if head else [])
+    for w in nodes:
+        _set_shard(shards, w.target, Shard(0, (model.weights[w.target].shape[0],)))
+
+
+def _shard_program(model: Model, name: str, graph: fx.Graph, world: int, shards: dict[str, Shard],
+                   split_vocab: bool) -> dict:
+    head, embs = _vocab_nodes(graph)
+    solved, reasons = _find_regions(graph, world)
+    inside = {n for s in solved for n in s.region.nodes}
+    for n in graph.nodes:
+        if n.target is _ATTENTION and n not in inside:
+            why = "; ".join(f"{k.name}: {v}" for k, v in list(reasons.items())[:4])
+            raise ValueError(f"{name}: attention {n.name} is not between linears this pass can shard "
+                             f"for tp={world}: {why}")
+    touched, kv = [], {}
+    for s in solved:
+        touched += _apply_region(model, s, shards)
+        kv.update(s.kv)
+    if split_vocab:
+        _record_vocab_shards(model, head, embs, shards)
+    _update_vals(model, graph, shards, kv, touched, world)
+    if split_vocab:
+        for e in embs:
+            _split_embedding(model, e, world)
+        if head is not None:
+            _split_lm_head(model, head, world)
+    heads = set(kv.values())
+    if len(heads) > 1:
+        raise ValueError(f"{name}: layers disagree on local kv heads {sorted(heads)}")
+    return {"kv_heads": heads.pop() if heads else None,
+            "replicated": [n.args[1].target for n in reasons if n is not head]}
+
+
+def shard_tensor_parallel(model: Model) -> Model:
+    world = model.options.tp
+    if world == 1:
+        return model
+    split_vocab, vocab_note = _vocab_plan(model, world)
+    shards: dict[str, Shard] = {}
+    facts = {}
+    for name, graph in model.graphs():
+        facts[name] = _shard_program(model, name, graph, world, shards, split_vocab)
+    for w, shard in shards.items():
+        model.weights[w] = dataclasses.replace(model.weights[w], shard=shard)
+    kv_local = facts["decode"]["kv_heads"] if "decode" in facts else None
+    if model.kv_cache and kv_local:
+        kv_global = model.kv_cache["shape"][1]
+        model.kv_cache = {**model.kv_cache, "shape": [model.kv_cache["shape"][0], kv_local,
+                                                      *model.kv_cache["shape"][2:]]}
+        kv_note = (f"{kv_global} kv heads over {world} ranks: "
+                   + (f"{kv_local} per rank" if kv_global >= world else
+                      f"fewer kv heads than ranks, so each kv head is replicated on {world // kv_global} "
+                      f"ranks (rank r holds kv head r * {kv_global} // {world}, the one its q heads read)"))
+    else:
+        kv_note = "no kv cache"
+    replicated = sorted({r for f in facts.values() for r in f["replicated"]})
+    model.notes["tp"] = {
+        "size": world,
+        "vocab": vocab_note,
+        "kv_heads": kv_note,
+        "row_bias": "row-parallel biases stay replicated and are added once, after dsc.all_reduce",
+        "norms": "replicated (they act on the full hidden state between regions)",
+        **({"replicated_linears": replicated} if replicated else {}),
+    }
+    return model

@@ -1,0 +1,278 @@
+"""Benchmark the Triton attention kernels against torch SDPA on one GPU.
+
+    python scripts/bench_attention.py            # the tables (about a minute on an H200)
+    python scripts/bench_attention.py --sweep    # + sweep the launch configs (adds about 2-3 min)
+    TRITON_INTERPRET=1 python scripts/bench_attention.py --smoke   # the script's own test on CPU
+
+Shapes: Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), bf16.
+- prefill: 2048 new tokens per sequence (cache_pos 0), batch 1 and 8. FLOPs counted as
+  4·D per visible (query, key) pair: 4·B·H·D·S(S+1)/2. Against 803 TFLOP/s (the H200's measured
+  bf16 matmul rate); target >= 50%. Baselines: SDPA flash and cuDNN backends, causal, on k/v
+  expanded to 32 heads (they read k/v, not a cache, and write no cache).
+- decode: one token per sequence against contexts 1024..8192, batch 1..64, every sequence at
+  full length (Smax = context). Bytes counted: the K and V cache read, 2·B·Hkv·ctx·D·2. Against
+  4.33 TB/s (measured read bandwidth); target >= 80%. Baseline: SDPA (torch's choice of backend,
+  enable_gqa) over the same cache. "graph" times 32 layers' decode calls (32 distinct caches, or
+  fewer when they would not fit in 8 GB) captured in one CUDA graph, per call, as the runtime
+  replays them; "kernel" times one call alone. Rows with Smax 8192 but a shorter context show
+  what the shape-only (CUDA-graph-safe) grid costs when sequences are short.
+Times: triton.testing.do_bench medians (L2 flushed before every run). --sweep tries the
+candidate launch configs and prints the best, as rows for PREFILL_CONFIGS / DECODE_CONFIGS.
+Writes $OUT/bench_attention.json when OUT is set. Self-contained: loads kernels/attention.py
+by path.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import math
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+H, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+PEAK_TFLOPS, PEAK_TBS = 803.0, 4.33
+SMOKE = "--smoke" in sys.argv
+
+
+def load_attention():
+    """dsc.kernels.attention from this checkout, without installing dsc or importing the other
+    kernel files: `dsc` and `dsc.kernels` become bare packages over the checkout's folders."""
+    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(folder)]
+            sys.modules[name] = pkg
+    return importlib.import_module("dsc.kernels.attention")
+
+
+A = load_attention()
+
+
+def bench_ms(fn, rep=100):
+    """Median milliseconds of fn()."""
+    if SMOKE:  # CPU: one timed run after a warm-up
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def rand(*shape):
+    return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
+
+
+def try_ms(fn, rep=100):
+    """bench_ms, or None when this baseline/config cannot run here (reported as '-')."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return bench_ms(fn, rep)
+    except (RuntimeError, ValueError, OutOfResources, CompilationError) as e:  # no such SDPA backend; too much smem
+        print(f"    (skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        return None
+
+
+# ---- prefill --------------------------------------------------------------------------------
+def prefill_inputs(B, S):
+    q, k, v = rand(B, H, S, D), rand(B, HKV, S, D), rand(B, HKV, S, D)
+    k_cache, v_cache = rand(B, HKV, S, D), rand(B, HKV, S, D)
+    return q, k, v, k_cache, v_cache, torch.zeros(B, dtype=torch.int64, device=DEVICE)
+
+
+def prefill_flops(B, S):
+    return 4 * B * H * D * S * (S + 1) / 2
+
+
+def sdpa_backend(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, backend))
+
+
+def bench_prefill(B, S, config=None, baselines=True, rep=100):
+    q, k, v, kc, vc, pos = prefill_inputs(B, S)
+    row = dict(kind="prefill", B=B, S=S, config=config or A.attention_config("prefill", D, A.arch_of(q.device)))
+    row["dsc_ms"] = try_ms(lambda: A.prefill_attention(q, k, v, kc, vc, pos, D**-0.5, config=config), rep)
+    if baselines and not SMOKE:
+        kx, vx = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)  # [B, H, S, D]
+        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+            def run(name=name):
+                with sdpa_backend(name):
+                    return F.scaled_dot_product_attention(q, kx, vx, is_causal=True, scale=D**-0.5)
+            row[f"sdpa_{name.split('_')[0].lower()}_ms"] = try_ms(run, rep)
+    flops = prefill_flops(B, S)
+    for key in [k for k in row if k.endswith("_ms")]:
+        ms = row[key]
+        row[key.replace("_ms", "_tflops")] = None if ms is None else flops / ms / 1e9
+    return row
+
+
+# ---- decode ---------------------------------------------------------------------------------
+def decode_bytes(B, ctx):
+    return 2 * B * HKV * ctx * D * DTYPE.itemsize
+
+
+def bench_decode(B, ctx, Smax=None, config=None, baselines=True, graph=True, rep=100):
+    Smax = Smax or ctx
+    q, k, v = rand(B, H, 1, D), rand(B, HKV, 1, D), rand(B, HKV, 1, D)
+    kc, vc = rand(B, HKV, Smax, D), rand(B, HKV, Smax, D)
+    pos = torch.full((B,), ctx - 1, dtype=torch.int64, device=DEVICE)
+    row = dict(kind="decode", B=B, ctx=ctx, Smax=Smax, config=config or A.attention_config("decode", D, A.arch_of(q.device)))
+    row["splits"] = A.decode_num_splits(B, HKV, Smax, row["config"], A.sm_count(q.device))
+    row["dsc_ms"] = try_ms(lambda: A.decode_attention(q, k, v, kc, vc, pos, D**-0.5, config=config), rep)
+    if graph and not SMOKE and row["dsc_ms"] is not None:
+        row["dsc_graph_ms"] = bench_decode_graph(q, k, v, pos, B, Smax, config, rep)
+    if baselines and not SMOKE:
+        kv = kc[:, :, :ctx], vc[:, :, :ctx]
+        row["sdpa_ms"] = try_ms(lambda: F.scaled_dot_product_attention(q, *kv, scale=D**-0.5, enable_gqa=True), rep)
+    nbytes = decode_bytes(B, ctx)
+    for key in [k for k in row if k.endswith("_ms")]:
+        ms = row[key]
+        row[key.replace("_ms", "_tbs")] = None if ms is None else nbytes / ms / 1e9
+    return row
+
+
+def bench_decode_graph(q, k, v, pos, B, Smax, config, rep):
+    """Per-call ms of `layers` decode calls over distinct caches, replayed as one CUDA graph."""
+    per_layer = 2 * B * HKV * Smax * D * DTYPE.itemsize
+    layers = int(max(2, min(32, (8 << 30) // per_layer)))
+    caches = [(rand(B, HKV, Smax, D), rand(B, HKV, Smax, D)) for _ in range(layers)]
+    call = lambda kc, vc: A.decode_attention(q, k, v, kc, vc, pos, D**-0.5, config=config)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(*caches[0])
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for kc, vc in caches:
+            call(kc, vc)
+    ms = bench_ms(g.replay, rep) / layers
+    del g, caches
+    return ms
+
+
+# ---- tables ---------------------------------------------------------------------------------
+def fmt(x, spec):
+    return "-".rjust(int(spec.split(".")[0] or 0)) if x is None else format(x, spec)
+
+
+def print_prefill(rows):
+    print(f"\nprefill (cache_pos 0), {str(DTYPE)[6:]}, H={H} Hkv={HKV} D={D}; % of {PEAK_TFLOPS:.0f} TFLOP/s")
+    print(f"{'B':>3} {'S':>6} | {'dsc ms':>8} {'TFLOP/s':>8} {'%peak':>6} | {'flash ms':>8} {'TFLOP/s':>8} | {'cudnn ms':>8} {'TFLOP/s':>8}")
+    for r in rows:
+        pct = None if r["dsc_tflops"] is None else 100 * r["dsc_tflops"] / PEAK_TFLOPS
+        print(f"{r['B']:>3} {r['S']:>6} | {fmt(r['dsc_ms'], '8.4f')} {fmt(r['dsc_tflops'], '8.1f')} {fmt(pct, '5.1f')}% | "
+              f"{fmt(r.get('sdpa_flash_ms'), '8.4f')} {fmt(r.get('sdpa_flash_tflops'), '8.1f')} | "
+              f"{fmt(r.get('sdpa_cudnn_ms'), '8.4f')} {fmt(r.get('sdpa_cudnn_tflops'), '8.1f')}")
+
+
+def print_decode(rows):
+    print(f"\ndecode (S=1), {str(DTYPE)[6:]}, H={H} Hkv={HKV} D={D}; KV bytes read / time, % of {PEAK_TBS} TB/s")
+    print(f"{'B':>3} {'ctx':>5} {'Smax':>5} {'splits':>6} | {'kernel ms':>9} {'TB/s':>5} {'%peak':>6} | "
+          f"{'graph ms':>8} {'TB/s':>5} {'%peak':>6} | {'sdpa ms':>8} {'TB/s':>5}")
+    for r in rows:
+        pk = None if r["dsc_tbs"] is None else 100 * r["dsc_tbs"] / PEAK_TBS
+        pg = None if r.get("dsc_graph_tbs") is None else 100 * r["dsc_graph_tbs"] / PEAK_TBS
+        print(f"{r['B']:>3} {r['ctx']:>5} {r['Smax']:>5} {r['splits']:>6} | {fmt(r['dsc_ms'], '9.4f')} "
+              f"{fmt(r['dsc_tbs'], '5.2f')} {fmt(pk, '5.1f')}% | {fmt(r.get('dsc_graph_ms'), '8.4f')} "
+              f"{fmt(r.get('dsc_graph_tbs'), '5.2f')} {fmt(pg, '5.1f')}% | {fmt(r.get('sdpa_ms'), '8.4f')} "
+              f"{fmt(r.get('sdpa_tbs'), '5.2f')}")
+
+
+# ---- sweep ----------------------------------------------------------------------------------
+def sweep(deadline):
+    """Try candidate configs; return the best prefill and decode config with their rows."""
+    prefill_shapes = [(1, 2048), (8, 2048)] if not SMOKE else [(1, 40)]
+    candidates = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+                  for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+                  if not (m == 64 and w == 8) and not (n == 128 and s == 4)]
+    prefill_rows = []
+    for cfg in candidates:
+        if time.time() > deadline:
+            print("  (sweep time budget spent)")
+            break
+        rows = [bench_prefill(B, S, cfg, baselines=False, rep=40) for B, S in prefill_shapes]
+        if all(r["dsc_ms"] is not None for r in rows):
+            score = math.prod(r["dsc_tflops"] for r in rows) ** (1 / len(rows))
+            prefill_rows.append(dict(config=cfg, score_tflops=score, rows=rows))
+            print(f"  prefill {cfg}: geomean {score:.1f} TFLOP/s", flush=True)
+
+    decode_shapes = [(1, 8192), (8, 4096), (32, 8192), (64, 2048)] if not SMOKE else [(2, 40)]
+    tiles = [dict(BLOCK_N=n, num_warps=w, num_stages=s, PROGRAMS_PER_SM=2, MIN_SPLIT=256)
+             for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)) if not (n == 32 and w == 8)]
+    decode_rows = []
+
+    def try_decode(cfg):
+        rows = [bench_decode(B, ctx, config=cfg, baselines=False, graph=False, rep=40) for B, ctx in decode_shapes]
+        if all(r["dsc_ms"] is not None for r in rows):
+            score = math.prod(r["dsc_tbs"] for r in rows) ** (1 / len(rows))
+            decode_rows.append(dict(config=cfg, score_tbs=score, rows=rows))
+            print(f"  decode {cfg}: geomean {score:.2f} TB/s", flush=True)
+
+    for cfg in tiles:
+        if time.time() > deadline:
+            print("  (sweep time budget spent)")
+            break
+        try_decode(cfg)
+    if decode_rows:
+        best_tile = max(decode_rows, key=lambda r: r["score_tbs"])["config"]
+        for ppsm, min_split in itertools.product((1, 2, 4, 8), (128, 256, 512)):
+            if time.time() > deadline:
+                break
+            if (ppsm, min_split) != (2, 256):
+                try_decode(dict(best_tile, PROGRAMS_PER_SM=ppsm, MIN_SPLIT=min_split))
+    best_p = max(prefill_rows, key=lambda r: r["score_tflops"], default=None)
+    best_d = max(decode_rows, key=lambda r: r["score_tbs"], default=None)
+    return dict(prefill=prefill_rows, decode=decode_rows, best_prefill=best_p, best_decode=best_d)
+
+
+def main():
+    global H, HKV, D, DTYPE, DEVICE
+    t0 = time.time()
+    if SMOKE:
+        H, HKV, D, DTYPE, DEVICE = 6, 2, 16, torch.float16, "cpu"
+        prefill_shapes, decode_shapes = [(1, 40), (2, 33)], [(1, 64, None), (3, 40, None), (3, 16, 64)]
+    else:
+        print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {A._triton().__version__}  "
+              f"SMs {A.sm_count(torch.device('cuda'))}")
+        prefill_shapes = [(1, 2048), (8, 2048)]
+        decode_shapes = [(B, ctx, None) for ctx in (1024, 2048, 4096, 8192) for B in (1, 8, 32, 64)]
+        decode_shapes += [(B, ctx, 8192) for B in (8, 32) for ctx in (1024, 2048)]
+    prefill = [bench_prefill(B, S) for B, S in prefill_shapes]
+    print_prefill(prefill)
+    decode = [bench_decode(B, ctx, Smax) for B, ctx, Smax in decode_shapes]
+    print_decode(decode)
+    result = dict(device="cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=A._triton().__version__, shapes=dict(H=H, Hkv=HKV, D=D, dtype=str(DTYPE)),
+                  peaks=dict(tflops=PEAK_TFLOPS, tbs=PEAK_TBS), prefill=prefill, decode=decode)
+    if "--sweep" in sys.argv:
+        print("\nsweep:")
+        result["sweep"] = s = sweep(deadline=t0 + 240)
+        if s["best_prefill"]:
+            print(f"best prefill config (geomean over B=1,8 at S=2048: {s['best_prefill']['score_tflops']:.1f} TFLOP/s):"
+                  f"\n    ('sm_90', {D}): {s['best_prefill']['config']},")
+        if s["best_decode"]:
+            print(f"best decode config (geomean {s['best_decode']['score_tbs']:.2f} TB/s):"
+                  f"\n    ('sm_90', {D}): {s['best_decode']['config']},")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_attention.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"\n({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""Benchmark dsc's int8 kernels against torch's bf16 matmul (cuBLAS) on one GPU.
+
+    python scripts/bench_int8.py                # correctness + timings + config sweep (H100/H200)
+    python scripts/bench_int8.py --quick        # default configs only
+    python scripts/bench_int8.py --aot          # no GPU: build the sm_90 kernels, print registers,
+                                                # spills, shared memory and the SASS instruction mix
+    TRITON_INTERPRET=1 python scripts/bench_int8.py --smoke   # no GPU: the script itself, tiny shapes
+
+Shapes (issue 4): W8A16 at decode, batch 1 and 8, K x N = 4096 x 4096, 4096 x 14336, 14336 x 4096
+(target: >= 1.7x faster than bf16); W8A8 at prefill, 2048 tokens, same K x N (target: faster
+than bf16, activation quantization included). Every kernel/config is checked against the
+plain-torch reference before it is timed. Timing: triton.testing.do_bench, median, with the
+weights rotated over enough copies to exceed L2 (each call reads its weight from HBM, as a
+decode step does) on top of do_bench's own L2 flush.
+
+Writes $OUT/bench_int8.json (every measurement) and $OUT/tuning_int8.json (the fastest config
+per shape class, in kernels/tuning.json's format: merge it into the "sm_90" section).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_int8():
+    """dsc.kernels.int8 from this checkout, without installing dsc or importing the compiler:
+    `dsc` and `dsc.kernels` become bare packages over the checkout's folders."""
+    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(folder)]
+            sys.modules[name] = pkg
+    return importlib.import_module("dsc.kernels.int8")
+
+
+int8 = _load_int8()
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (K, N): x [M, K] @ W[N, K].T
+DECODE_M = (1, 8)
+PREFILL_M = 2048
+TARGET_DECODE = 1.7
+
+# candidate configs for the sweep (the defaults in kernels/int8.py are always measured too)
+GEMV = [dict(BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=w, num_stages=1)
+        for bn, bk, w, st in [(2, 2048, 2, 1), (4, 1024, 2, 1), (4, 2048, 4, 1), (8, 1024, 4, 1),
+                              (8, 2048, 8, 1), (16, 1024, 8, 1), (8, 512, 4, 1), (16, 512, 4, 1),
+                              (4, 1024, 2, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 4),
+                              (4, 512, 2, 4), (32, 256, 8, 3)]]
+MMA_DECODE = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+              for bn, bk, w, s in [(16, 256, 2, 4), (16, 512, 4, 3), (16, 512, 2, 4), (32, 256, 4, 4),
+                                   (32, 512, 4, 3), (32, 128, 2, 5), (64, 128, 4, 4), (64, 256, 4, 3),
+                                   (128, 128, 4, 3), (32, 256, 2, 6), (64, 256, 8, 4), (16, 1024, 4, 3)]]
+W8A8_PREFILL = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+                for bm, bn, bk, w, s in [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
+                                         (128, 256, 64, 8, 4), (256, 128, 128, 8, 3), (64, 256, 128, 4, 3),
+                                         (128, 128, 128, 4, 4), (128, 64, 128, 4, 4), (64, 128, 128, 4, 4),
+                                         (128, 256, 128, 8, 4)]]
+
+
+# -- benchmark ---------------------------------------------------------------------------------
+DEVICE = "cuda"
+DTYPE = torch.bfloat16  # --smoke: fp16 on CPU (the interpreter's bf16 dot is wrong)
+
+
+def _copies(nbytes: int, l2: int) -> int:
+    return max(2, math.ceil(3 * l2 / nbytes))
+
+
+def _bench(fn, n_copies: int) -> float:
+    """Median ms per call, rotating over n_copies inputs (fn(i) uses copy i)."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % n_copies
+        fn(state["i"])
+
+    if DEVICE != "cuda":  # --smoke: one timed call, the numbers mean nothing
+        import time
+
+        t = time.perf_counter()
+        call()
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+
+    return do_bench(call, warmup=25, rep=200, return_mode="median")
+
+
+def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    noise = (ref.double() - got.double()).pow(2).sum()
+    return float("inf") if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
+
+
+def _setup(m: int, k: int, n: int, l2: int):
+    """x [m, k]; the weight as bf16 copies and as int8 copies (enough of each to exceed L2)."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    w = torch.randn(n, k, generator=g, device=DEVICE) / math.sqrt(k)
+    p = int8.quantize_weight(w)
+    qws = [p["qweight"]] + [p["qweight"].clone() for _ in range(_copies(n * k, l2) - 1)]
+    wbf = [w.to(DTYPE) for _ in range(_copies(2 * n * k, l2))]
+    x = torch.randn(m, k, generator=g, device=DEVICE).to(DTYPE)
+    return x, wbf, qws, p["scale"]
+
+
+def _sweep(run_cfg, ref: torch.Tensor, cands: list[dict], n_copies: int) -> list[dict]:
+    """Check each config against the reference, then time it. run_cfg(cfg, i) -> output."""
+    rows = []
+    for cfg in cands:
+        cfg = dict(cfg)
+        row = {"kernel": cfg.pop("kernel", None), "config": cfg}
+        try:
+            q = _sqnr(ref, run_cfg(row, 0).float())
+            if q < 40:
+                row["error"] = f"SQNR {q:.1f} dB vs reference"
+            else:
+                row.update(ms=_bench(lambda i: run_cfg(row, i), n_copies), sqnr_vs_ref_db=round(q, 1))
+        except Exception as e:  # a config the compiler rejects (resources) is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    return rows
+
+
+def _result(op: str, m: int, k: int, n: int, t_bf16: float, rows: list[dict], **extra) -> dict:
+    ok = [r for r in rows if "ms" in r]
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    d = rows[0]
+    return {"op": op, "M": m, "K": k, "N": n, "bf16_ms": t_bf16, "default": d, "best": best,
+            "speedup_default": t_bf16 / d["ms"] if "ms" in d else None,
+            "speedup_best": t_bf16 / best["ms"] if best else None, **extra, "candidates": rows}
+
+
+def bench_w8a16(m: int, k: int, n: int, l2: int, sweep: list[dict] | None) -> dict:
+    x, wbf, qws, scale = _setup(m, k, n, l2)
+    ref = int8.linear_w8a16_reference(x.float(), qws[0], scale, None, None, k)
+    t_bf16 = _bench(lambda i: torch.nn.functional.linear(x, wbf[i % len(wbf)]), len(wbf))
+    kernel = int8.int8_kernel("w8a16", m)
+    cands = [dict(int8.int8_config(kernel, m, n, k, 0, "sm_90"), kernel=kernel)] + (sweep or [])
+
+    def run(row, i):
+        row["kernel"] = row["kernel"] or kernel
+        return int8.w8a16_matmul(x, qws[i % len(qws)], scale, None, None, k, kernel=row["kernel"], config=row["config"])
+
+    return _result("w8a16", m, k, n, t_bf16, _sweep(run, ref, cands, len(qws)))
+
+
+def bench_w8a8(m: int, k: int, n: int, l2: int, sweep: list[dict] | None) -> dict:
+    x, wbf, qws, scale = _setup(m, k, n, l2)
+    ref = int8.linear_w8a8_reference(x, qws[0], scale, None, None, k, None).float()
+    t_bf16 = _bench(lambda i: torch.nn.functional.linear(x, wbf[i % len(wbf)]), len(wbf))
+    t_quant = _bench(lambda i: int8.quantize_rows(x), 1)
+    cands = [dict(int8.int8_config("w8a8", m, n, k, 0, "sm_90"), kernel="w8a8")] + (sweep or [])
+
+    def run(row, i):
+        row["kernel"] = "w8a8"
+        return int8.w8a8_matmul(x, qws[i % len(qws)], scale, None, None, k, None, config=row["config"])
+
+    rows = _sweep(run, ref, cands, len(qws))
+    int_mm = None
+    if DEVICE == "cuda" and hasattr(torch, "_int_mm"):  # cuBLAS int8 GEMM for reference, no epilogue
+        xq, _ = int8.quantize_rows(x)
+        qT = [q.t() for q in qws]
+        try:
+            int_mm = _bench(lambda i: torch._int_mm(xq, qT[i % len(qT)]), len(qT))
+        except RuntimeError:
+            pass
+    return _result("w8a8", m, k, n, t_bf16, rows, quantize_rows_ms=t_quant, torch_int_mm_ms=int_mm)
+
+
+def check_odd_shapes() -> list[str]:
+    """Kernels vs references at odd shapes, every scale mode, 16-bit activations."""
+    errs = []
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    cases = [(1, 72, 47, None, True), (3, 72, 47, 24, False), (8, 200, 130, None, False),
+             (37, 256, 96, 64, True), (5, 96, 33, 32, False)]
+    if DEVICE == "cuda":
+        cases.append((1, 4096, 4096, 128, True))
+    for dt in ((torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float16,)):
+        for m, k, n, gs, sym in cases:
+            w = torch.randn(n, k, generator=g, device=DEVICE)
+            p = int8.quantize_weight(w, gs, sym)
+            z = None if sym else p["zero"]
+            b = torch.randn(n, generator=g, device=DEVICE).to(dt)
+            x = torch.randn(m, k, generator=g, device=DEVICE).to(dt)
+            ref = int8.linear_w8a16_reference(x.float(), p["qweight"], p["scale"], z, b.float(), gs or k)
+            got = int8.w8a16_matmul(x, p["qweight"], p["scale"], z, b, gs or k).float()
+            if _sqnr(ref, got) < 35:
+                errs.append(f"w8a16 {dt} M{m} K{k} N{n} g{gs} sym={sym}: SQNR {_sqnr(ref, got):.1f} dB")
+            if gs is None or gs % 32 == 0:
+                ref8 = int8.linear_w8a8_reference(x, p["qweight"], p["scale"], z, b, gs or k, None).float()
+                got8 = int8.w8a8_matmul(x, p["qweight"], p["scale"], z, b, gs or k).float()
+                if _sqnr(ref8, got8) < 35:
+                    errs.append(f"w8a8 {dt} M{m} K{k} N{n} g{gs} sym={sym}: SQNR {_sqnr(ref8, got8):.1f} dB")
+    if DEVICE == "cuda":  # through the custom op, as the runtime calls it
+        x = torch.randn(2, 3, 72, device=DEVICE, dtype=DTYPE)
+        p = int8.quantize_weight(torch.randn(47, 72, device=DEVICE))
+        y = torch.ops.dsc.linear_w8a16(x, p["qweight"], p["scale"], None, None, 72)
+        if y.shape != (2, 3, 47) or y.dtype != DTYPE:
+            errs.append(f"dsc.linear_w8a16 returned {y.dtype}{list(y.shape)}")
+    return errs
+
+
+def run(args) -> dict:
+    if DEVICE == "cuda":
+        import triton
+
+        props = torch.cuda.get_device_properties(0)
+        l2, name, tv = getattr(props, "L2_cache_size", 50 * 2**20), props.name, triton.__version__
+    else:
+        l2, name, tv = 2**16, "cpu (Triton interpreter, --smoke)", "interpreter"
+    shapes, decode_m, prefill_m = (SHAPES, DECODE_M, PREFILL_M) if DEVICE == "cuda" else ([(256, 96), (96, 200)], (1, 8), 64)
+    sweep = not args.quick
+    pick = (lambda c: c) if DEVICE == "cuda" else (lambda c: c[:2])
+    res = {"device": name, "torch": torch.__version__, "triton": tv, "l2_bytes": l2,
+           "correctness_errors": check_odd_shapes(), "results": []}
+    for err in res["correctness_errors"]:
+        print("CORRECTNESS:", err)
+    print(f"{name}; torch {torch.__version__}; triton {tv}; L2 {l2 / 2**20:.0f} MiB")
+    print(f"{'op':6} {'M':>5} {'K':>6} {'N':>6} {'bf16 us':>9} {'int8 us':>9} {'x bf16':>7} "
+          f"{'best us':>9} {'x bf16':>7} {'GB/s':>7}  best config")
+    for m in decode_m:
+        for k, n in shapes:
+            cands = None
+            if sweep:
+                cands = pick([dict(c, kernel="w8a16_gemv") for c in GEMV] if m == 1 else
+                             [dict(c, kernel="w8a16_mma") for c in MMA_DECODE])
+                if m == 1:  # the tensor-core kernel at M = 1, for comparison
+                    cands += pick([dict(c, kernel="w8a16_mma") for c in MMA_DECODE[:6]])
+            r = bench_w8a16(m, k, n, l2, cands)
+            res["results"].append(r)
+            _print_row(r, n * k)
+    for k, n in shapes:
+        r = bench_w8a8(prefill_m, k, n, l2, pick([dict(c) for c in W8A8_PREFILL]) if sweep else None)
+        res["results"].append(r)
+        _print_row(r, n * k)
+    dec = [r for r in res["results"] if r["op"] == "w8a16"]
+    pre = [r for r in res["results"] if r["op"] == "w8a8"]
+    worst = lambda rows, key: min((r[key] or 0.0 for r in rows), default=0.0)  # noqa: E731
+    res["targets"] = {"w8a16_decode_min_speedup_best": worst(dec, "speedup_best"),
+                      "w8a16_decode_min_speedup_default": worst(dec, "speedup_default"),
+                      "w8a8_prefill_min_speedup_best": worst(pre, "speedup_best"),
+                      "w8a8_prefill_min_speedup_default": worst(pre, "speedup_default")}
+    t = res["targets"]
+    print(f"W8A16 decode: min speedup over bf16 {t['w8a16_decode_min_speedup_best']:.2f}x with the best configs, "
+          f"{t['w8a16_decode_min_speedup_default']:.2f}x with the defaults (target {TARGET_DECODE}x)")
+    print(f"W8A8 prefill ({prefill_m} tokens, activation quantization included): min speedup "
+          f"{t['w8a8_prefill_min_speedup_best']:.2f}x best, {t['w8a8_prefill_min_speedup_default']:.2f}x defaults (target > 1x)")
+    return res
+
+
+def _print_row(r: dict, weight_elems: int) -> None:
+    d, b = r["default"], r["best"]
+    us = lambda row: f"{row['ms'] * 1e3:9.1f}" if row and "ms" in row else f"{'-':>9}"  # noqa: E731
+    x = lambda v: f"{v:7.2f}" if v else f"{'-':>7}"  # noqa: E731
+    gbs = f"{weight_elems / (b['ms'] * 1e-3) / 1e9:7.0f}" if b else f"{'-':>7}"
+    cfg = json.dumps({"kernel": b["kernel"], **b["config"]}) if b else ""
+    print(f"{r['op']:6} {r['M']:>5} {r['K']:>6} {r['N']:>6} {r['bf16_ms'] * 1e3:9.1f} {us(d)} "
+          f"{x(r['speedup_default'])} {us(b)} {x(r['speedup_best'])} {gbs}  {cfg}")
+    if "ms" not in d:
+        print(f"       default config failed: {d.get('error')}")
+
+
+def tuning_rows(res: dict) -> dict:
+    """The fastest config per (kernel, shape class), as kernels/tuning.json rows for sm_90.
+    The kernel is chosen by M (gemv at M == 1); a row whose winner is the other kernel is left
+    out (bench_int8.json has it)."""
+    out: dict = {}
+    for r in res["results"]:
+        b = r["best"]
+        want = "w8a8" if r["op"] == "w8a8" else int8.int8_kernel("w8a16", r["M"])
+        if b and b["kernel"] == want:
+            out.setdefault(want, {})[f"M{int8.m_bucket(r['M'])}_N{r['N']}_K{r['K']}"] = b["config"]
+    return {"sm_90": out}
+
+
+# -- ahead-of-time build for sm_90 (no GPU) ----------------------------------------------------
+SASS_COUNTS = {"LDG.128": r"\bLDG\.[A-Z.]*128", "LDGSTS": r"LDGSTS", "HGMMA": r"HGMMA", "IGMMA": r"IGMMA",
+               "HMMA": r"HMMA", "IMMA": r"IMMA", "LDL/STL": r"\b(?:LDL|STL)\b"}
+
+
+def run_aot() -> None:
+    """Build the default-config kernels at the benchmark shapes for sm_90 with the argument
+    attributes a real launch gets (16-byte aligned pointers, K/N/strides divisible by 16) and
+    print what ptxas made of them."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsc.kernels.launch import jit
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    div16 = {"N", "K", "stride_xm", "stride_ym"}
+
+    def build(fn, types, const, opts):
+        sig = {**types, **{k: "constexpr" for k in const}}
+        names = [a for a in jit(fn).arg_names]
+        sig = {a: sig[a] for a in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+                 if sig[a].startswith("*") or a in div16}
+        k = triton.compile(ASTSource(jit(fn), sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            res = subprocess.run([bindir / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([bindir / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+        regs = re.search(r"REG:(\d+)", res)
+        stack = re.search(r"STACK:(\d+)", res)
+        mix = {name: len(re.findall(pat, sass)) for name, pat in SASS_COUNTS.items()}
+        return (f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'} "
+                f"smem {k.metadata.shared} | " + " ".join(f"{k_} {v}" for k_, v in mix.items()))
+
+    ptr = lambda s, t: {n: t for n in s.split()}  # noqa: E731
+    i32 = lambda s: {n: "i32" for n in s.split()}  # noqa: E731
+    for m, (k, n) in [(1, SHAPES[0]), (8, SHAPES[0]), (PREFILL_M, SHAPES[0])]:
+        for kernel in ({1: ["w8a16_gemv"], 8: ["w8a16_mma"]}.get(m) or ["w8a8"]):
+            cfg = int8.int8_config(kernel, m, n, k, 0, "sm_90")
+            const = {kk: v for kk, v in cfg.items() if kk not in ("num_warps", "num_stages")}
+            opts = {kk: cfg[kk] for kk in ("num_warps", "num_stages") if kk in cfg}
+            flags = dict(GROUP_K=0, HAS_ZERO=False, HAS_BIAS=False)
+            if kernel == "w8a16_gemv":
+                fn, types = int8._w8a16_gemv_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", **i32("N K G")}
+            elif kernel == "w8a16_mma":
+                fn, types = int8._w8a16_mma_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32",
+                                                     **i32("M N K G stride_xm stride_ym")}
+                flags["PRECISION"] = "tf32"
+            else:
+                fn, types = int8._w8a8_kernel, {**ptr("B Y", "*bf16"), **ptr("XQ W Z", "*i8"), **ptr("XS S", "*fp32"),
+                                                **i32("M N K G stride_ym")}
+            print(f"{kernel:11} M{m} K{k} N{n} {cfg}: {build(fn, types, {**flags, **const}, opts)}")
+    types = {"X": "*bf16", "INV": "*fp32", "Q": "*i8", "XS": "*fp32", **i32("K stride_xm")}
+    print(f"{'quantize_rows':11} K4096: {build(int8._quantize_rows_kernel, types, dict(HAS_SMOOTH=True, BLOCK_K=2048), {'num_warps': 8})}")
+
+
+def main() -> None:
+    global DEVICE, DTYPE
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="default configs only, no sweep")
+    ap.add_argument("--aot", action="store_true", help="no GPU: build for sm_90 and print resource usage")
+    ap.add_argument("--smoke", action="store_true", help="no GPU: this script's logic on tiny shapes in the "
+                    "Triton interpreter (set TRITON_INTERPRET=1); timings are meaningless")
+    args = ap.parse_args()
+    if args.aot:
+        run_aot()
+        return
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("bench_int8 --smoke: run with TRITON_INTERPRET=1")
+        DEVICE, DTYPE = "cpu", torch.float16
+    elif not torch.cuda.is_available():
+        sys.exit("bench_int8: needs a CUDA GPU (or --aot / --smoke)")
+    res = run(args)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "bench_int8.json").write_text(json.dumps(res, indent=1, default=str))
+        (Path(out) / "tuning_int8.json").write_text(json.dumps(tuning_rows(res), indent=1, sort_keys=True))
+        print(f"wrote {out}/bench_int8.json, {out}/tuning_int8.json")
+    if res["correctness_errors"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

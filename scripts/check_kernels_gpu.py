@@ -1,0 +1,192 @@
+"""Check the fused Triton kernels (norm, activation, rotary) against their references on a GPU
+at real shapes: Llama-3-8B (hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate
+14336) and GPT-2-XL (hidden 1600) widths, bf16 and fp16, decode and prefill row counts,
+contexts up to 8192.
+
+    python scripts/check_kernels_gpu.py            # under a minute on an H100/H200; exit 1 on any failure
+    TRITON_INTERPRET=1 python scripts/check_kernels_gpu.py --smoke   # the same code, tiny shapes, CPU
+
+Each case runs the Triton wrapper and the plain-torch reference on the same inputs and
+requires torch.testing.assert_close at the dtype's default tolerance (the kernels keep the
+reference's rounding points, so they agree to about an ulp), no NaN/inf, and contiguous
+outputs. Also: each `dsc::` op dispatches to its Triton kernel on CUDA (bit-equal to the
+wrapper), and ops replay correctly from a captured CUDA graph with new inputs.
+Self-contained: loads the kernel files from this checkout by path (torch and triton only).
+Writes $OUT/check_kernels_gpu.json when OUT is set.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = "--smoke" in sys.argv
+DEVICE = "cpu" if SMOKE else "cuda"
+
+
+def load_kernels():
+    """dsc.kernels.{norm,activation,rotary} from this checkout without installing dsc: `dsc` and
+    `dsc.kernels` become bare packages over the checkout's folders."""
+    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(folder)]
+            sys.modules[name] = pkg
+    return [importlib.import_module(f"dsc.kernels.{m}") for m in ("norm", "activation", "rotary")]
+
+
+NORM, ACT, ROT = load_kernels()
+
+
+def s(n: int, small: int) -> int:
+    return small if SMOKE else n
+
+
+def rand(g, *shape, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dtype)
+
+
+def cases(dtype):
+    """name -> fn(g) -> (got tensors, want tensors)."""
+    H, HKV, D, E, I, E2 = s(32, 4), s(8, 2), s(128, 16), s(4096, 72), s(14336, 200), s(1600, 40)
+    out = {}
+    for rows in (1, 7, s(4096, 9), s(16384, 33)):
+        def add_rms(g, rows=rows):
+            x, r = rand(g, rows, E, dtype=dtype), rand(g, rows, E, dtype=dtype)
+            w = (1 + 0.1 * torch.randn(E, generator=g, device=DEVICE)).to(dtype)
+            return NORM.add_norm_triton("rms", x, r, w, None, 1e-5), NORM.add_rmsnorm_reference(x, r, w, 1e-5)
+        out[f"add_rmsnorm rows={rows} N={E}"] = add_rms
+    for rows in (1, s(4096, 9)):
+        def rms(g, rows=rows):
+            x = rand(g, rows, E, dtype=dtype, scale=3)
+            w = (1 + 0.1 * torch.randn(E, generator=g, device=DEVICE)).to(dtype)
+            return NORM.add_norm_triton("rms", x, None, w, None, 1e-6)[1:], (NORM.rmsnorm_reference(x, w, 1e-6),)
+        out[f"rmsnorm rows={rows} N={E}"] = rms
+        for n in (E2, E):
+            def add_ln(g, rows=rows, n=n):
+                x, r = rand(g, rows, n, dtype=dtype), rand(g, rows, n, dtype=dtype, scale=2)
+                w, b = rand(g, n, dtype=dtype), rand(g, n, dtype=dtype)
+                return NORM.add_norm_triton("layer", x, r, w, b, 1e-5), NORM.add_layernorm_reference(x, r, w, b, 1e-5)
+            out[f"add_layernorm rows={rows} N={n}"] = add_ln
+    for rows in (1, 7, s(4096, 9)):
+        def swiglu(g, rows=rows):
+            gu = rand(g, rows, 2 * I, dtype=dtype, scale=2)  # the fused gate_up output; slices read in place
+            gate, up = gu[:, :I], gu[:, I:]
+            return (ACT.swiglu_triton(gate, up),), (ACT.swiglu_reference(gate, up),)
+        out[f"swiglu rows={rows} N={I} (strided halves)"] = swiglu
+        for n, approx in ((4 * E2, "tanh"), (I, "none")):
+            def gelu(g, rows=rows, n=n, approx=approx):
+                x = rand(g, rows, n, dtype=dtype, scale=3)
+                return (ACT.gelu_triton(x, approx),), (ACT.gelu_reference(x, approx),)
+            out[f"gelu-{approx} rows={rows} N={n}"] = gelu
+    for B, S in ((1, 1), (32, 1), (2, s(2048, 5)), (1, s(8192, 11))):
+        def rotary(g, B=B, S=S):
+            qkv = rand(g, B, S, (H + 2 * HKV) * D, dtype=dtype)  # [B, S, (H+2Hkv)D], as the fused linear writes
+            q = qkv[..., : H * D].view(B, S, H, D).transpose(1, 2)
+            k = qkv[..., H * D: (H + HKV) * D].view(B, S, HKV, D).transpose(1, 2)
+            pos = torch.arange(S, device=DEVICE).float() + torch.randint(0, 8192 - S + 1, (B, 1), generator=g, device=DEVICE)
+            inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
+            ang = torch.cat([pos[..., None] * inv] * 2, -1)  # [B, S, D]
+            cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+            return ROT.rotary_triton(q, k, cos, sin), ROT.rotary_reference(q, k, cos, sin)
+        out[f"rotary B={B} S={S} H={H}/{HKV} D={D}"] = rotary
+    return out
+
+
+def check(got, want) -> dict:
+    errs = []
+    for a, b in zip(got, want, strict=True):
+        if not a.is_contiguous():
+            return {"ok": False, "error": "output not contiguous"}
+        if not torch.isfinite(a).all():
+            return {"ok": False, "error": "non-finite output"}
+        errs.append(float((a.float() - b.float()).abs().max()) if a.numel() else 0.0)
+        try:
+            torch.testing.assert_close(a, b)
+        except AssertionError as e:
+            # the kernels round once (fp32 math); the 16-bit reference rounds after every op, so
+            # on the GPU (FMA contraction) they may differ by an ulp of the result: accept an
+            # error within 2 ulps of the largest reference value, nothing more
+            tol = 2 * torch.finfo(b.dtype).eps * float(b.float().abs().max()) if b.dtype.is_floating_point else 0
+            if errs[-1] > tol:
+                return {"ok": False, "error": str(e).splitlines()[0], "max_abs_err": max(errs), "tol": tol}
+    return {"ok": True, "max_abs_err": max(errs)}
+
+
+def check_dispatch_and_graphs(dtype) -> dict:
+    """The dsc ops run the Triton kernels on CUDA, also from a replayed CUDA graph."""
+    if DEVICE != "cuda":
+        return {}
+    import dsc.kernels.norm  # noqa: F401  (ops registered on import)
+
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    E, I = 4096, 14336
+    x, r = rand(g, 8, E, dtype=dtype), rand(g, 8, E, dtype=dtype)
+    w = rand(g, E, dtype=dtype)
+    gu = rand(g, 8, 2 * I, dtype=dtype)
+    qkv = rand(g, 8, 1, 48 * 128, dtype=dtype)
+    q = qkv[..., :4096].view(8, 1, 32, 128).transpose(1, 2)
+    k = qkv[..., 4096:5120].view(8, 1, 8, 128).transpose(1, 2)
+    cs = rand(g, 8, 1, 128, dtype=dtype)
+    ops = {
+        "add_rmsnorm": (lambda: torch.ops.dsc.add_rmsnorm(x, r, w, 1e-5), lambda: NORM.add_norm_triton("rms", x, r, w, None, 1e-5)),
+        "rmsnorm": (lambda: (torch.ops.dsc.rmsnorm(x, w, 1e-5),), lambda: NORM.add_norm_triton("rms", x, None, w, None, 1e-5)[1:]),
+        "add_layernorm": (lambda: torch.ops.dsc.add_layernorm(x, r, w, w, 1e-5), lambda: NORM.add_norm_triton("layer", x, r, w, w, 1e-5)),
+        "swiglu": (lambda: (torch.ops.dsc.swiglu(gu[:, :I], gu[:, I:]),), lambda: (ACT.swiglu_triton(gu[:, :I], gu[:, I:]),)),
+        "gelu": (lambda: (torch.ops.dsc.gelu(x, "tanh"),), lambda: (ACT.gelu_triton(x, "tanh"),)),
+        "rotary": (lambda: torch.ops.dsc.rotary(q, k, cs, cs), lambda: ROT.rotary_triton(q, k, cs, cs)),
+    }
+    res = {}
+    for name, (op, wrapper) in ops.items():
+        dispatch_equal = all(torch.equal(a, b) for a, b in zip(op(), wrapper()))
+        for _ in range(2):
+            op()  # warm up (JIT) outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = op()
+        for t in (x, r, gu, qkv):  # new inputs, same buffers
+            t.copy_(torch.randn(t.shape, generator=g, device=DEVICE).to(dtype))
+        graph.replay()
+        replay_equal = all(torch.equal(a, b) for a, b in zip(outs, wrapper()))
+        res[f"dispatch+graph {name}"] = {"ok": dispatch_equal and replay_equal, "dispatch_equal": dispatch_equal,
+                                         "replay_equal": replay_equal}
+    return res
+
+
+def main() -> int:
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device (use --smoke with TRITON_INTERPRET=1 on CPU)")
+        return 2
+    results, t0 = {}, time.time()
+    dtypes = (torch.float16,) if SMOKE else (torch.bfloat16, torch.float16)  # interpreter bf16 is emulated
+    for dtype in dtypes:
+        dname = str(dtype).removeprefix("torch.")
+        for name, case in cases(dtype).items():
+            g = torch.Generator(device=DEVICE).manual_seed(0)
+            got, want = case(g)
+            results[f"{dname} {name}"] = r = check(got, want)
+            print(f"{'ok ' if r['ok'] else 'FAIL'} {dname:8s} {name:44s} max|err| {r.get('max_abs_err', float('nan')):.3g}"
+                  + ("" if r["ok"] else f"  {r['error']}"), flush=True)
+        for name, r in check_dispatch_and_graphs(dtype).items():
+            results[f"{dname} {name}"] = r
+            print(f"{'ok ' if r['ok'] else 'FAIL'} {dname:8s} {name}  {r}", flush=True)
+    bad = [k for k, v in results.items() if not v["ok"]]
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
+    print(f"{len(results) - len(bad)}/{len(results)} passed on {device} in {time.time() - t0:.1f}s")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        Path(os.environ["OUT"], "check_kernels_gpu.json").write_text(json.dumps(
+            {"device": device, "torch": torch.__version__, "results": results, "failed": bad}, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""`dsc diff`: structural diffs of artifacts and pass dumps, and `--numeric` per-node SQNR.
+
+Structural: two compiles diff empty; adjacent pass dumps name exactly what the pass rewrote;
+16-bit vs int8 names every quantized linear and nothing else. Numeric: every node the two
+artifacts share gets max abs error and SQNR; the first divergence is the first node that
+differs; tp=2 gathers its ranks' values back (gloo processes) and matches tp=1.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import dsc
+from dsc.cli import app
+from dsc.compiler.diff import diff, mentioned_names, rank_tensors
+from dsc.compiler.numerics import gather, numeric_diff, value_twins
+
+HAS_INT8 = importlib.util.find_spec("dsc.passes.quantize_int8") is not None
+needs_int8 = pytest.mark.skipif(not HAS_INT8, reason="dsc.passes.quantize_int8 not there yet")
+
+
+def nodes(art: Path, program: str = "prefill") -> list[dict]:
+    return json.loads((art / "plan.json").read_text())["programs"][program]["nodes"]
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory, make_checkpoint):
+    """llama-tiny fp16 compiled with --dump-passes: (artifact, dump folder)."""
+    d = tmp_path_factory.mktemp("dumps")
+    art = dsc.compile(str(make_checkpoint("llama-tiny")), d / "artifact", dtype="fp16", dump_passes=d / "passes")
+    return art, d / "passes"
+
+
+def test_two_compiles_diff_empty(dumped, compile_artifact):
+    other = compile_artifact("llama-tiny", dtype="fp16")  # another folder, no dumps
+    d = diff(dumped[0], other)
+    assert d["identical"] and not mentioned_names(d)
+    res = CliRunner().invoke(app, ["diff", str(dumped[0]), str(other)])
+    assert res.exit_code == 0 and "identical" in res.output
+
+
+def test_adjacent_pass_dumps_name_exactly_what_bind_kv_cache_rewrote(dumped):
+    by_pass = {p.name.split("_", 1)[1]: p for p in sorted(dumped[1].iterdir())}
+    before, after = by_pass["canonicalize"], by_pass["bind_kv_cache"]
+    assert int(after.name[:2]) == int(before.name[:2]) + 1  # adjacent
+    d = diff(before, after)
+    for prog, p in d["programs"].items():
+        old = [n["name"] for n in nodes(before, prog) if n.get("op") == "dsc.causal_attention.default"]
+        new = [n["name"] for n in nodes(after, prog) if n.get("op") == "dsc.attention.default"]
+        caches = [n["name"] for n in nodes(after, prog) if n.get("target", "").startswith("kv_cache.")]
+        assert len(old) == len(new) == 2 and len(caches) == 4
+        assert [(r["a"]["name"], r["b"]["name"]) for r in p["replaced"]] == list(zip(old, new))
+        assert [n["name"] for n in p["added"]] == caches
+        assert not p["removed"] and not p["changed"]  # the attention's readers are not "changed"
+        assert p["op_counts"] == {"dsc.attention.default": [0, 2], "dsc.causal_attention.default": [2, 0]}
+    assert mentioned_names(d) == set(old + new + caches)
+    assert d["plan"]["counters.bind_kv_cache.attention"] == [None, 4]
+
+
+def test_diff_reports_dtype_change_and_exit_code(compile_artifact):
+    a, b = compile_artifact("llama-tiny", dtype="fp32"), compile_artifact("llama-tiny", dtype="fp16")
+    res = CliRunner().invoke(app, ["diff", str(a), str(b), "--json"])
+    assert res.exit_code == 1
+    d = json.loads(res.output)
+    assert d["manifest"]["options.dtype"] == ["fp32", "fp16"]
+    w = d["weights"]["rank0"]["changed"]
+    assert {x["name"] for x in w} == {k for k, v in rank_tensors(b / "rank0.safetensors").items() if v["dtype"] == "F16"}
+    assert all(x["fields"]["dtype"] == ["F32", "F16"] and "sha256" in x["fields"] for x in w)
+    text = CliRunner().invoke(app, ["diff", str(a), str(b)]).output
+    assert "options.dtype: fp32 -> fp16" in text and "op counts that differ" in text
+
+
+def test_diff_errors_exit_2(tmp_path, dumped):
+    res = CliRunner().invoke(app, ["diff", str(dumped[1]), str(tmp_path)])
+    assert res.exit_code == 2 and "--dump-passes folder" in res.output
+
+
+@needs_int8
+@pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-tiny"])
+def test_int8_diff_names_every_quantized_linear_and_nothing_else(compile_artifact, shape):
+    a, b = compile_artifact(shape, dtype="fp16"), compile_artifact(shape, dtype="fp16", int8=True)
+    d = diff(a, b)
+    quantized = {n["name"].rsplit(".", 1)[0] for prog in ("prefill", "decode") for n in nodes(b, prog)
+                 if n.get("op", "").startswith("dsc.linear_w8a")}
+    assert quantized
+    owner = {name: [m for m in quantized if name.startswith(m + ".")] for name in mentioned_names(d)}
+    assert all(owner.values()), f"names outside the quantized linears: {[k for k, v in owner.items() if not v]}"
+    for p in d["programs"].values():  # every quantized linear shows as the op it replaced
+        assert {r["a"]["name"].rsplit(".", 1)[0] for r in p["replaced"] if r["a"].get("op") == "aten.linear.default"} \
+            == quantized
+
+
+# -- numeric -------------------------------------------------------------------------------
+def test_numeric_diff_of_an_artifact_with_itself_is_exact(compile_artifact):
+    a = compile_artifact("llama-tiny", dtype="fp16")
+    d = numeric_diff(a, a, program="decode", prompts=[[5, 7, 11, 13]])
+    assert d["nodes"] and all(r["exact"] for r in d["nodes"])
+    assert d["first_divergent"] is None and d["worst"] is None
+
+
+def test_numeric_diff_across_dtypes_names_the_first_divergence(compile_artifact):
+    a, b = compile_artifact("llama-tiny", dtype="fp32"), compile_artifact("llama-tiny", dtype="fp16")
+    d = numeric_diff(a, b, threshold=200.0)
+    tensors = [n["name"] for n in nodes(a) if n["kind"] == "call" and "dtype" in n]  # not ints, tuples
+    assert [r["a"] for r in d["nodes"]] == tensors + ["output"] and not d["skipped"]
+    first_lossy = next(r for r in d["nodes"] if not r["exact"])
+    assert d["first_divergent"] == first_lossy
+    assert d["worst"]["sqnr_db"] == min(r["sqnr_db"] for r in d["nodes"] if r["sqnr_db"] is not None)
+    assert 45 < d["output"]["sqnr_db"] < 90  # fp16 vs fp32 logits
+    res = CliRunner().invoke(app, ["diff", "--numeric", str(a), str(b), "--token-ids", "1,2,3", "--top", "3"])
+    assert res.exit_code == 0 and "worst node" in res.output and "no node below 30.0 dB" in res.output
+
+
+@needs_int8
+def test_numeric_diff_int8_reports_sqnr_per_quantized_linear(compile_artifact):
+    a, b = compile_artifact("llama-tiny", dtype="fp16"), compile_artifact("llama-tiny", dtype="fp16", int8=True)
+    d = numeric_diff(a, b, threshold=100.0)
+    q = [r for r in d["nodes"] if r["op"].startswith("dsc.linear_w8a")]
+    int8_nodes = [n["name"] for n in nodes(b) if n.get("op", "").startswith("dsc.linear_w8a")]
+    assert [r["b"] for r in q] == int8_nodes and all(r["a"].endswith(".linear") for r in q)
+    assert all(15 < r["sqnr_db"] < 70 for r in q)
+    # everything before the first int8 linear is computed identically
+    assert d["first_divergent"]["b"] == int8_nodes[0]
+    assert d["worst"]["sqnr_db"] <= min(r["sqnr_db"] for r in q)
+    assert d["output"]["sqnr_db"] > 15
+
+
+def test_value_twins_follow_the_readers():
+    a = [{"name": "x", "kind": "input"}, {"name": "lin", "kind": "call", "op": "aten.linear.default", "args": [{"node": "x"}]},
+         {"name": "add", "kind": "call", "op": "aten.add.Tensor", "args": [{"node": "lin"}, {"node": "x"}]}]
+    b = a[:2] + [{"name": "lin.all_reduce", "kind": "call", "op": "dsc.all_reduce.default", "args": [{"node": "lin"}]},
+                 {"name": "add", "kind": "call", "op": "aten.add.Tensor", "args": [{"node": "lin.all_reduce"}, {"node": "x"}]}]
+    assert value_twins(a, b) == {"x": "x", "lin": "lin.all_reduce", "add": "add"}
+
+
+def test_gather_rebuilds_tensor_parallel_values():
+    full = torch.arange(24.0).reshape(2, 3, 4)
+    assert torch.equal(gather(list(full.chunk(2, -1)), full.shape)[0], full)  # column-parallel
+    assert torch.equal(gather([full, full], full.shape)[0], full)  # replicated
+    parts = [full * 0.25, full * 0.75]  # partial sums before an all-reduce
+    assert torch.allclose(gather(parts, full.shape)[0], full)
+    assert gather(list(full.chunk(3, 1)), torch.Size([2, 3, 5]))[0] is None
+
+
+def test_numeric_diff_tp2_matches_tp1(compile_artifact):
+    a, b = compile_artifact("llama-tiny", dtype="fp32"), compile_artifact("llama-tiny", dtype="fp32", tp=2)
+    d = numeric_diff(a, b, prompts=[[3, 1, 4, 1, 5, 9]], threshold=80.0)
+    assert not d["skipped"] and d["first_divergent"] is None
+    assert any(r["op"] == "dsc.all_gather.default" for r in d["nodes"])  # lm_head vs its gathered logits
+    assert any(r.get("gathered", "").startswith("sharded") for r in d["nodes"])  # column-parallel outputs
+    assert all(r.get("gathered") != "partial sums, summed" for r in d["nodes"])  # row-parallel: after all_reduce

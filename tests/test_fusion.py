@@ -1,0 +1,328 @@
+"""Fusion passes (passes/fuse_*.py) and the kernel plan (passes/plan_kernels.py).
+
+Each fusion test checks three things: the pass fired (its counter > 0), the compiled model
+still matches transformers (greedy tokens equal; fp32 teacher-forced logits within 1e-4),
+and the fused dsc op is in the plan. Also: composition with --tp 2 (ranks run as gloo
+processes) and --int8 (judged by SQNR), the per-projection sharding of fused weights, the
+launch budget of a 16-bit Llama decode step, and golden plans.
+
+Golden plans: tests/golden/<shape>.plan.txt is the readable form of plan.json's programs
+(node, op, shape, kernel x launches, config). After an intended plan change, regenerate with
+    DSC_UPDATE_GOLDEN=1 pytest tests/test_fusion.py -k golden
+and review the diff like code.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import dsc
+from dsc.compiler.verify import reference_model, sample_prompts, verify_artifact
+
+FP32_ATOL = 1e-4
+BF16_REL_TOL = 0.03  # of the largest logit, as in test_compile.py
+GOLDEN = Path(__file__).parent / "golden"
+HAVE_TP = importlib.util.find_spec("dsc.passes.shard_tensor_parallel") is not None
+HAVE_INT8 = importlib.util.find_spec("dsc.passes.quantize_int8") is not None
+
+# what each family's graph offers the fusions: the rewrites that must fire, the ops they leave.
+# GPT-2 has no projections to fuse (c_attn is already one q|k|v matmul) and no rotary
+# (learned positions): those counters stay 0 there.
+FIRES = {
+    "llama": {"fuse_projections.linear", "fuse_add_norm.add_rmsnorm", "fuse_add_norm.rmsnorm",
+              "fuse_rotary.rotary_qk", "fuse_activation.swiglu"},
+    "gpt2": {"fuse_add_norm.add_layernorm", "fuse_activation.gelu_tanh"},
+}
+OPS = {
+    "llama": {"dsc.add_rmsnorm.default", "dsc.rmsnorm.default", "dsc.rotary.default", "dsc.swiglu.default"},
+    "gpt2": {"dsc.add_layernorm.default", "dsc.gelu.default"},
+}
+UNFUSED = {"aten.rsqrt.default", "aten.silu.default", "aten.tanh.default", "aten.neg.default",
+           "aten.layer_norm.default", "aten.gelu.default"}
+
+
+def plan_of(art: Path) -> dict:
+    return json.loads((art / "plan.json").read_text())
+
+
+def call_ops(plan: dict, program: str) -> list[str]:
+    return [n["op"] for n in plan["programs"][program]["nodes"] if n["kind"] == "call"]
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    noise = float(((x.float() - ref.float()) ** 2).sum())
+    return math.inf if noise == 0 else 10 * math.log10(float((ref.float() ** 2).sum()) / noise)
+
+
+@torch.no_grad()
+def hf_last_logits(ckpt: Path, prompts: list[list[int]], dtype=torch.float32) -> torch.Tensor:
+    model = reference_model(ckpt, dtype)
+    return torch.stack([model(torch.tensor([p])).logits[0, -1].float() for p in prompts])
+
+
+def family(shape: str) -> str:
+    return shape.split("-")[0]
+
+
+# -- every fusion fires, the model still matches transformers ---------------------------------------
+@pytest.mark.parametrize("shape,ckpt_kwargs", [
+    ("llama-tiny", {}), ("gpt2-tiny", {}), ("llama-odd", {}),
+    ("gpt2-odd", {"activation_function": "gelu"}),  # exact GELU: aten.gelu -> dsc.gelu
+], ids=["llama-tiny", "gpt2-tiny", "llama-odd", "gpt2-odd-gelu"])
+def test_fusions_fire_and_match_transformers(shape, ckpt_kwargs, compile_artifact, make_checkpoint):
+    art = compile_artifact(shape, ckpt_kwargs=ckpt_kwargs or None, dtype="fp32")
+    plan = plan_of(art)
+    fires = set(FIRES[family(shape)])
+    if ckpt_kwargs.get("activation_function") == "gelu":
+        fires = fires - {"fuse_activation.gelu_tanh"} | {"fuse_activation.gelu"}
+    for rule in fires:
+        assert plan["passes"].get(rule, 0) > 0, f"{rule} did not fire: {plan['passes']}"
+    for program in ("prefill", "decode"):
+        ops = set(call_ops(plan, program))
+        assert OPS[family(shape)] <= ops, OPS[family(shape)] - ops
+        assert not ops & UNFUSED, ops & UNFUSED
+        assert all("kernel" in n for n in plan["programs"][program]["nodes"] if n["kind"] == "call")
+    report = verify_artifact(art, make_checkpoint(shape, **ckpt_kwargs), new_tokens=8)
+    assert report.tokens_equal, report.summary()
+    assert report.max_abs_err <= FP32_ATOL, report.summary()
+
+
+def test_qwen2_biases_fuse_with_their_projections(compile_artifact, make_checkpoint, monkeypatch):
+    """Qwen2: q/k/v carry biases (fused into one bias); the same patterns as Llama fire."""
+    from dsc.compiler import random_checkpoint
+
+    monkeypatch.setitem(random_checkpoint.SHAPES, "qwen2-tiny", ("qwen2", dict(
+        hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=512)))
+    art = compile_artifact("qwen2-tiny", dtype="fp32")
+    plan = plan_of(art)
+    assert all(plan["passes"].get(rule, 0) > 0 for rule in FIRES["llama"]), plan["passes"]
+    weights = {n["target"]: n["shape"] for n in plan["programs"]["decode"]["nodes"] if n["kind"] == "weight"}
+    assert weights["model.layers.0.self_attn.qkv_proj.bias"] == [128]
+    report = verify_artifact(art, make_checkpoint("qwen2-tiny"), new_tokens=6)
+    assert report.tokens_equal and report.max_abs_err <= FP32_ATOL, report.summary()
+
+
+def test_fused_projection_weights_are_concatenated(compile_artifact):
+    art = compile_artifact("llama-tiny", dtype="fp32")
+    plan = plan_of(art)
+    names = {n.get("target") for n in plan["programs"]["decode"]["nodes"] if n["kind"] == "weight"}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert not any(n.endswith(("q_proj.weight", "up_proj.weight")) and "gate_up" not in n for n in names)
+
+
+# -- the launch budget -------------------------------------------------------------------------------
+@torch.no_grad()
+def test_bf16_llama_decode_is_at_most_10_launches_per_layer(compile_artifact, make_checkpoint):
+    from dsc.runtime.inspect import describe
+
+    art = compile_artifact("llama-tiny", dtype="bf16")
+    info = describe(art)
+    decode = info["programs"]["decode"]
+    assert decode["layers"] == 2
+    assert decode["launches_per_layer"] <= 10, decode["layer_kernels"]
+    assert plan_of(art)["passes"]["fuse_add_norm.add_rmsnorm"] > 0  # the 16-bit (casts) pattern
+    # numerics in bf16: the fused ops keep transformers' rounding points
+    ckpt = make_checkpoint("llama-tiny")
+    ps = sample_prompts(512)
+    want = hf_last_logits(ckpt, ps, torch.bfloat16)
+    got = dsc.load(art, device="cpu").prefill(ps)
+    assert float((got - want).abs().max()) <= BF16_REL_TOL * float(want.abs().max())
+
+
+def test_no_fuse_turns_the_fusions_off(compile_artifact):
+    fused, plain = plan_of(compile_artifact("llama-tiny", dtype="bf16")), plan_of(compile_artifact("llama-tiny", dtype="bf16", fuse=False))
+    assert not any(k.startswith("fuse_") for k in plain["passes"])
+    assert not any(op.startswith("dsc.") and op != "dsc.attention.default" for op in call_ops(plain, "decode"))
+    lf, lp = fused["notes"]["kernels"]["launches"]["decode"], plain["notes"]["kernels"]["launches"]["decode"]
+    assert lp["launches_per_layer"] > 2 * lf["launches_per_layer"], (lf, lp)
+
+
+# -- golden plans ------------------------------------------------------------------------------------
+def plan_text(plan: dict) -> str:
+    """plan.json's programs as text: one line per call node, then the launch summary."""
+    lines = []
+    for program in sorted(plan["programs"]):
+        lines.append(f"program {program}")
+        for n in plan["programs"][program]["nodes"]:
+            if n["kind"] != "call":
+                continue
+            shape = f"{n['dtype']}{n['shape']}" if "dtype" in n else str(n.get("shape", ""))
+            k = n["kernel"]
+            cfg = json.dumps(k["config"], sort_keys=True, separators=(",", ":")) if k["config"] else ""
+            lines.append(f"  {n['name']:<52} {n['op']:<28} {shape:<28} {k['name']} x{k['launches']} {cfg}".rstrip())
+        s = plan["notes"]["kernels"]["launches"][program]
+        lines.append(f"  launches: {s['launches']}; per layer {s['launches_per_layer']} x {s['layers']} layers "
+                     f"+ {s['launches_outside_layers']} outside")
+    lines.append("rewrites: " + ", ".join(f"{k}={v}" for k, v in sorted(plan["passes"].items()) if k.startswith("fuse_")))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-tiny"])
+def test_golden_plan(shape, compile_artifact):
+    text = plan_text(plan_of(compile_artifact(shape, dtype="fp32")))
+    path = GOLDEN / f"{shape}.plan.txt"
+    if os.environ.get("DSC_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run DSC_UPDATE_GOLDEN=1 pytest tests/test_fusion.py -k golden"
+    assert text == path.read_text(), f"plan of {shape} differs from {path} (DSC_UPDATE_GOLDEN=1 to accept)"
+
+
+# -- fused weights under tensor parallelism ----------------------------------------------------------
+def test_fused_spec_shards_per_projection(make_checkpoint):
+    """q|k|v fused over 4 ranks with 2 kv heads (groups): rank r holds [q_r; k_g; v_g]."""
+    from dsc.compiler.ir import Shard, WeightSpec
+    from dsc.compiler.source import open_checkpoint
+    from dsc.compiler.weights import SourceReader, float_tensor
+    from dsc.passes.fuse_projections import fused_name, fused_spec
+
+    ckpt = open_checkpoint(str(make_checkpoint("llama-tiny")))
+    keys = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
+    specs = [WeightSpec((keys[0],), (64, 64), "float32", shard=Shard(0, (64,))),
+             WeightSpec((keys[1],), (32, 64), "float32", shard=Shard(0, (32,), (2,))),
+             WeightSpec((keys[2],), (32, 64), "float32", shard=Shard(0, (32,), (2,)))]
+    spec = fused_spec(specs, world=4)
+    assert spec.shard == Shard(0, (64, 32, 32), (4, 2, 2)) and spec.shape == (128, 64)
+    assert fused_name(keys) == "model.layers.1.self_attn.qkv_proj.weight"
+    with SourceReader(ckpt) as reader, safe_open(ckpt.files[0], "pt") as f:
+        q, k, v = (f.get_tensor(key) for key in keys)
+        for r in range(4):
+            want = torch.cat([q.chunk(4)[r], k.chunk(2)[r // 2], v.chunk(2)[r // 2]])
+            assert torch.equal(float_tensor(spec, r, 4, reader), want)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_RANK_MAIN = """
+import json, sys, torch, dsc
+from dsc.compiler.verify import verify_artifact
+art, ckpt, out = sys.argv[1:4]
+engine = dsc.load(art, device="cpu")
+report = verify_artifact(art, ckpt, new_tokens=6, engine=engine)
+engine.reset()
+logits = engine.prefill(report.prompts)
+if engine.rank == 0:
+    torch.save({"tokens_equal": report.tokens_equal, "summary": report.summary(),
+                "max_abs_err": report.max_abs_err, "prompts": report.prompts, "logits": logits}, out)
+"""
+
+
+def run_ranks(art: Path, ckpt: Path, tmp_path: Path) -> dict:
+    """Run verify_artifact on every rank of a tp artifact (gloo processes); rank 0's results."""
+    tp = plan_of(art)["tp"]
+    out = tmp_path / "rank0.pt"
+    base = {**os.environ, "WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_MAIN, str(art), str(ckpt), str(out)],
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(tp)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return torch.load(out)
+
+
+def _rank_tensor(art: Path, rank: int, name: str) -> torch.Tensor:
+    with safe_open(art / f"rank{rank}.safetensors", "pt") as f:
+        return f.get_tensor(name)
+
+
+@pytest.mark.skipif(not HAVE_TP, reason="dsc.passes.shard_tensor_parallel not built yet")
+@pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-tiny"])
+def test_fusions_with_tp2(shape, compile_artifact, make_checkpoint, tmp_path):
+    art = compile_artifact(shape, dtype="fp32", tp=2)
+    plan = plan_of(art)
+    for rule in FIRES[family(shape)]:
+        assert plan["passes"].get(rule, 0) > 0, f"{rule} did not fire under tp=2"
+    assert OPS[family(shape)] <= set(call_ops(plan, "decode"))
+    ckpt = make_checkpoint(shape)
+    if family(shape) == "llama":  # each rank's fused weight is its own q, k, v (gate, up) rows
+        with safe_open(ckpt / "model.safetensors", "pt") as f:
+            for fused, parts in (("self_attn.qkv_proj", "qkv"), ("mlp.gate_up_proj", ("gate", "up"))):
+                srcs = [f.get_tensor(f"model.layers.0.{fused.split('.')[0]}.{p}_proj.weight") for p in parts]
+                for r in range(2):
+                    want = torch.cat([s.chunk(2)[r] for s in srcs])
+                    assert torch.equal(_rank_tensor(art, r, f"model.layers.0.{fused}.weight"), want), (fused, r)
+    res = run_ranks(art, ckpt, tmp_path)
+    assert res["tokens_equal"], res["summary"]
+    assert res["max_abs_err"] <= FP32_ATOL, res["summary"]
+
+
+# -- composition with int8 ---------------------------------------------------------------------------
+@pytest.mark.skipif(not HAVE_INT8, reason="dsc.passes.quantize_int8 not built yet")
+def test_fusions_with_int8(compile_artifact, make_checkpoint):
+    ckpt = make_checkpoint("llama-tiny")
+    fused = compile_artifact("llama-tiny", dtype="fp32", int8=True)
+    plain = compile_artifact("llama-tiny", dtype="fp32", int8=True, fuse=False)
+    plan = plan_of(fused)
+    for rule in FIRES["llama"]:
+        assert plan["passes"].get(rule, 0) > 0, f"{rule} did not fire with --int8"
+    ops = set(call_ops(plan, "decode"))
+    assert "dsc.linear_w8a16.default" in ops and OPS["llama"] <= ops
+    ps = sample_prompts(512)
+    want = hf_last_logits(ckpt, ps)
+    got = dsc.load(fused, device="cpu").prefill(ps)
+    # per-row int8 scales of a fused weight are those of its members: fusion adds no error
+    assert sqnr_db(dsc.load(plain, device="cpu").prefill(ps), got) >= 60
+    assert sqnr_db(want, got) >= 20
+
+
+@pytest.mark.skipif(not (HAVE_INT8 and HAVE_TP), reason="needs shard_tensor_parallel and quantize_int8")
+def test_fusions_with_tp2_and_int8(compile_artifact, make_checkpoint, tmp_path):
+    ckpt = make_checkpoint("llama-tiny")
+    art = compile_artifact("llama-tiny", dtype="fp32", tp=2, int8=True)
+    plan = plan_of(art)
+    assert all(plan["passes"].get(rule, 0) > 0 for rule in FIRES["llama"])
+    res = run_ranks(art, ckpt, tmp_path)
+    assert sqnr_db(hf_last_logits(ckpt, res["prompts"]), res["logits"]) >= 20
+
+
+def test_plan_counts_copies_honestly():
+    """A reshape that cannot be a view (its input is transposed) is a copy launch; views are free."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dsc.passes.plan_kernels import plan_node
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    t = g.call_function(aten.transpose.int, (x, 0, 1))
+    copy = g.call_function(aten.reshape.default, (t, [3, 8]))
+    view = g.call_function(aten.reshape.default, (x, [8, 3]))
+    with FakeTensorMode() as mode:
+        x.meta["val"] = torch.empty(2, 3, 4)
+        t.meta["val"] = x.meta["val"].transpose(0, 1)
+        copy.meta["val"] = t.meta["val"].reshape(3, 8)
+        view.meta["val"] = x.meta["val"].reshape(8, 3)
+    assert mode
+    assert plan_node(t, "sm_90")["launches"] == 0
+    assert plan_node(copy, "sm_90") == {"name": "aten.copy", "config": {}, "launches": 1}
+    assert plan_node(view, "sm_90")["launches"] == 0
+
+
+def test_patterns_cover_fp32_and_16bit():
+    """One eager pattern, traced per dtype: the 16-bit RMSNorm keeps its casts, fp32 has none."""
+    from dsc.passes.fuse_activation import GELU_TANH, SWIGLU
+    from dsc.passes.fuse_add_norm import RMSNORM
+    from dsc.passes.fuse_rotary import ROTARY
+
+    assert len(RMSNORM.graphs()) == 2
+    for p in (ROTARY, SWIGLU, GELU_TANH):
+        assert len(p.graphs()) == 1
+    ph = [n.name for n in RMSNORM.graphs()[1].nodes if n.op == "placeholder"]
+    assert ph == ["x", "weight", "eps", "dtype"]

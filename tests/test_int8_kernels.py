@@ -1,0 +1,301 @@
+"""Int8 numerics (kernels/int8.py): quantize/dequantize properties, the plain-torch references
+of dsc::linear_w8a16 / dsc::linear_w8a8, the custom-op registrations, and the Triton kernels
+against the references in the Triton interpreter at small odd shapes (fp32 and fp16; the
+interpreter's bf16 dot is wrong), plus an ahead-of-time build of every kernel for sm_90.
+
+TRITON_INTERPRET=1 must be set before the first kernel is jitted, and other tests may have
+imported triton already, so the kernel cases run in one subprocess: this file run as a script,
+`python tests/test_int8_kernels.py interpret OUT.json` (or `aot OUT.json`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from dsc.kernels import int8
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+# -- quantize / dequantize properties -----------------------------------------------------------
+@st.composite
+def weights(draw):
+    """[out, groups * group] fp32 with adversarial values: zeros, constants, huge ranges."""
+    out, groups, group = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.integers(1, 19))
+    scale = draw(st.sampled_from([1e-6, 1e-2, 1.0, 300.0]))
+    a = draw(arrays(np.float32, (out, groups * group),
+                    elements=st.floats(-1e3, 1e3, width=32, allow_subnormal=False)))
+    return torch.from_numpy(a) * scale, (group if groups > 1 else draw(st.sampled_from([None, group])))
+
+
+@settings(max_examples=150, deadline=None)
+@given(weights(), st.booleans())
+def test_quantize_weight_properties(wg, symmetric):
+    w, gs = wg
+    p = int8.quantize_weight(w, gs, symmetric)
+    q, s, z = p["qweight"], p["scale"], p["zero"]
+    n, k = w.shape
+    g = k // gs if gs else 1
+    assert q.dtype == torch.int8 and q.shape == (n, k)
+    assert s.dtype == torch.float32 and s.shape == (n, g) and z.dtype == torch.int8 and z.shape == (n, g)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    wg3 = w.reshape(n, g, -1)
+    if symmetric:
+        amax = wg3.abs().amax(-1)
+        assert (q >= -127).all() and (z == 0).all()
+        # scale bounds: exactly max|w| / 127 (1 for an all-zero group)
+        torch.testing.assert_close(s, torch.where(amax > 0, amax / 127, torch.ones_like(amax)), rtol=1e-6, atol=0)
+    else:
+        lo, hi = wg3.amin(-1).clamp(max=0), wg3.amax(-1).clamp(min=0)
+        span = hi - lo
+        torch.testing.assert_close(s, torch.where(span > 0, span / 255, torch.ones_like(span)), rtol=1e-6, atol=0)
+        # the zero point is the integer 0 maps to: 0.0 round-trips exactly
+        assert int8.dequantize_weight(z, s, z).abs().max() == 0
+    err = (int8.dequantize_weight(q, s, None if symmetric else z) - w).abs().reshape(n, g, -1)
+    bound = s[..., None] / 2 * (1 + 1e-5) + 1e-30
+    assert (err <= bound).all(), float((err / bound).max())
+
+
+@settings(max_examples=80, deadline=None)
+@given(arrays(np.float32, st.tuples(st.integers(1, 5), st.integers(1, 40)),
+              elements=st.floats(-1e4, 1e4, width=32, allow_subnormal=False)), st.booleans())
+def test_quantize_activation_properties(a, smooth):
+    x = torch.from_numpy(a)
+    inv = torch.linspace(0.25, 4.0, x.shape[1]) if smooth else None
+    xq, xs = int8.quantize_activation(x, inv)
+    v = x * inv if smooth else x
+    assert xq.dtype == torch.int8 and (xq >= -127).all() and xs.shape == (x.shape[0], 1)
+    assert (((xq.float() * xs) - v).abs() <= xs / 2 * (1 + 1e-5) + 1e-30).all()
+
+
+def test_asymmetric_beats_symmetric_on_skewed_weights():
+    g = torch.Generator().manual_seed(0)
+    w = 1.0 + 0.3 * torch.randn(96, 200, generator=g)  # every weight positive: half the int8 range idle
+    sq = {sym: int8.sqnr_db(w, int8.dequantize_weight(*_parts(w, None, sym))) for sym in (True, False)}
+    assert sq[False] > sq[True] + 5, sq
+
+
+def test_grouped_beats_per_channel_on_rows_with_outliers():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=g)
+    w[:, torch.randperm(256, generator=g)[:3]] *= 40  # a few outlier input channels per row
+    per_ch = int8.sqnr_db(w, int8.dequantize_weight(*_parts(w, None, True)))
+    grouped = int8.sqnr_db(w, int8.dequantize_weight(*_parts(w, 32, True)))
+    assert grouped > per_ch + 3, (grouped, per_ch)
+
+
+def _parts(w, gs, sym):
+    p = int8.quantize_weight(w, gs, sym)
+    return p["qweight"], p["scale"], None if sym else p["zero"]
+
+
+def test_group_size_must_divide_in_features():
+    with pytest.raises(ValueError, match="does not divide"):
+        int8.quantize_weight(torch.randn(4, 30), 8)
+
+
+# -- references and op registration --------------------------------------------------------------
+OP_CASES = [  # (M, K, N, group_size, symmetric, bias, smooth)
+    (3, 72, 47, None, True, False, False), (1, 72, 47, 24, False, True, False),
+    (5, 96, 33, 32, True, True, True), (4, 64, 17, None, False, False, True), (2, 40, 9, 8, True, True, False),
+]
+
+
+def _op_args(m, k, n, gs, sym, bias, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    p = int8.quantize_weight(w, gs, sym)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, p["qweight"], p["scale"], None if sym else p["zero"], b, gs or k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: "M{}K{}N{}-g{}-{}{}{}".format(
+    c[0], c[1], c[2], c[3], "sym" if c[4] else "asym", "-bias" if c[5] else "", "-smooth" if c[6] else ""))
+def test_references_are_the_dequantized_matmuls(case, dtype):
+    m, k, n, gs, sym, bias, smooth = case
+    x, q, s, z, b, group = _op_args(m, k, n, gs, sym, bias, dtype)
+    w = int8.dequantize_weight(q, s, z)
+    y = int8.linear_w8a16_reference(x, q, s, z, b, group)
+    assert y.dtype == dtype and y.shape == (m, n)
+    want = F.linear(x.float(), w.to(dtype).float(), None if b is None else b.float())
+    torch.testing.assert_close(y.float(), want, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-2 if dtype != torch.float32 else 1e-4)
+    inv = torch.linspace(0.5, 2.0, k) if smooth else None
+    xq, xs = int8.quantize_activation(x, inv)
+    want8 = F.linear((xq.float() * xs).double(), w.double(), None if b is None else b.double())
+    y8 = int8.linear_w8a8_reference(x, q, s, z, b, group, inv)
+    assert y8.dtype == dtype
+    torch.testing.assert_close(y8.double(), want8.to(dtype).double(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2 if dtype != torch.float32 else 1e-4)
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_custom_ops_pass_opcheck(mode):
+    x, q, s, z, b, group = _op_args(3, 64, 40, 32, False, True, torch.float32)
+    x = x.reshape(1, 3, 64)
+    if mode == "w8a16":
+        args = (x, q, s, z, b, group)
+        op = torch.ops.dsc.linear_w8a16.default
+    else:
+        args = (x, q, s, z, b, group, torch.linspace(0.5, 2.0, 64))
+        op = torch.ops.dsc.linear_w8a8.default
+    torch.library.opcheck(op, args)
+    assert op(*args).shape == (1, 3, 40)
+
+
+def test_int8_config_tuning_table_and_groups(monkeypatch):
+    from dsc.kernels import launch
+
+    table = {"sm_90": {"w8a16_gemv": {"M1_N4096_K4096": {"BLOCK_N": 4, "num_warps": 2}}}}
+    monkeypatch.setattr(launch, "tuning_table", lambda: table)
+    cfg = int8.int8_config("w8a16_gemv", 1, 4096, 4096, 0, "sm_90")
+    assert cfg["BLOCK_N"] == 4 and cfg["num_warps"] == 2 and cfg["BLOCK_K"] == 1024  # table over default
+    assert int8.int8_config("w8a16_gemv", 1, 4096, 4096, 0, "default")["BLOCK_N"] == 8
+    # GEMM K-blocks shrink to divide the group size; buckets pick the tile family
+    assert int8.int8_config("w8a8", 2048, 4096, 4096, 32, "sm_90")["BLOCK_K"] == 32
+    assert int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90")["BLOCK_M"] == 16
+    assert int8.int8_config("w8a16_mma", 2048, 4096, 4096, 0, "sm_90")["BLOCK_M"] == 128
+    assert [int8.int8_kernel("w8a16", m) for m in (1, 2)] == ["w8a16_gemv", "w8a16_mma"]
+
+
+# -- Triton kernels in the interpreter (subprocess) ---------------------------------------------
+KERNEL_CASES = {  # name: (kernel, M, K, N, group_size, symmetric, bias, smooth, config or None = default)
+    "gemv-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, True, False, False, {"BLOCK_N": 8, "BLOCK_K": 32, "STAGES": 1}),
+    "gemv-asym-bias-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, False, True, False, {"BLOCK_N": 4, "BLOCK_K": 64, "STAGES": 2}),
+    "gemv-g24-asym-M1K72N47": ("w8a16_gemv", 1, 72, 47, 24, False, True, False, {"BLOCK_N": 8, "BLOCK_K": 32, "STAGES": 1}),
+    "gemv-g32-aligned-M1K96N33": ("w8a16_gemv", 1, 96, 33, 32, True, False, False, {"BLOCK_N": 8, "BLOCK_K": 32, "STAGES": 1}),
+    "gemv-default-M1K200N130": ("w8a16_gemv", 1, 200, 130, None, True, True, False, None),
+    "mma-M3K72N47": ("w8a16_mma", 3, 72, 47, None, True, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
+    "mma-asym-bias-M3K72N47": ("w8a16_mma", 3, 72, 47, None, False, True, False, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}),
+    "mma-g24-M3K72N47": ("w8a16_mma", 3, 72, 47, 24, False, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
+    "mma-g32-aligned-M19K96N33": ("w8a16_mma", 19, 96, 33, 32, True, True, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
+    "mma-default-M37K72N47": ("w8a16_mma", 37, 72, 47, None, True, False, False, None),
+    "w8a8-M3K72N47": ("w8a8", 3, 72, 47, None, True, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
+    "w8a8-asym-smooth-bias-M3K72N47": ("w8a8", 3, 72, 47, None, False, True, True, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}),
+    "w8a8-g32-asym-M5K96N33": ("w8a8", 5, 96, 33, 32, False, True, True, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
+    "w8a8-default-M19K64N40": ("w8a8", 19, 64, 40, None, True, False, False, None),
+    "w8a8-M0": ("w8a8", 0, 64, 40, None, True, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
+}
+
+
+def _kernel_case(name, dtype):
+    kernel, m, k, n, gs, sym, bias, smooth, cfg = KERNEL_CASES[name]
+    x, q, s, z, b, group = _op_args(m, k, n, gs, sym, bias, dtype, seed=len(name))
+    if kernel == "w8a8":
+        inv = torch.linspace(0.5, 2.0, k) if smooth else None
+        got = int8.w8a8_matmul(x, q, s, z, b, group, inv, config=cfg)
+        want = int8.linear_w8a8_reference(x, q, s, z, b, group, inv)
+        xq, xs = int8.quantize_rows(x, inv)
+        wq, ws = int8.quantize_activation(x, inv)
+        if not (torch.equal(xq, wq) and torch.equal(xs, ws.reshape(-1))):
+            return {"ok": False, "error": "quantize_rows differs from quantize_activation"}
+    else:
+        cfg = dict(cfg or int8.int8_config(kernel, m, n, k, 0 if group == k else group, "default"))
+        cfg.setdefault("num_warps", 4)
+        got = int8.w8a16_matmul(x, q, s, z, b, group, kernel=kernel, config=cfg)
+        want = int8.linear_w8a16_reference(x.float(), q, s, z, None if b is None else b.float(), group)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    try:
+        assert got.dtype == dtype and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    except AssertionError as e:
+        return {"ok": False, "error": str(e)}
+    return {"ok": True}
+
+
+def run_interpreted(out: str) -> None:
+    res = {f"{name}-{d}": _kernel_case(name, dt) for name in KERNEL_CASES for d, dt in DTYPES.items()}
+    # round half to even in the activation kernel, as torch.round
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 127.0, 3.49]])
+    q, _ = int8.quantize_rows(x * (127 / 127.0))
+    res["quantize_rows-round-half-even"] = {"ok": bool(torch.equal(q, int8.quantize_activation(x)[0])),
+                                            "error": f"{q.tolist()}"}
+    Path(out).write_text(json.dumps(res, indent=1))
+
+
+def run_aot(out: str) -> None:
+    """Every kernel at its default sm_90 config, built for sm_90 without a GPU."""
+    from dsc.kernels.launch import compile_for_arch
+
+    ptr = lambda names, ty: {n: ty for n in names.split()}  # noqa: E731
+    i32 = lambda names: {n: "i32" for n in names.split()}  # noqa: E731
+    flags = dict(GROUP_K=0, HAS_ZERO=True, HAS_BIAS=True)
+    cases = {}
+    for name, m, gk in (("gemv", 1, 0), ("gemv-g128", 1, 128)):
+        cfg = int8.int8_config("w8a16_gemv", m, 4096, 4096, gk, "sm_90")
+        cases[name] = (int8._w8a16_gemv_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", **i32("N K G")},
+                       {**flags, "GROUP_K": gk, **cfg})
+    for name, m, gk in (("mma-decode", 8, 0), ("mma-prefill-g128", 2048, 128)):
+        cfg = int8.int8_config("w8a16_mma", m, 4096, 4096, gk, "sm_90")
+        cases[name] = (int8._w8a16_mma_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32",
+                                                **i32("M N K G stride_xm stride_ym")},
+                       {**flags, "GROUP_K": gk, "PRECISION": "tf32", **cfg})
+    for name, m, gk in (("w8a8-prefill", 2048, 0), ("w8a8-decode-g128", 8, 128)):
+        cfg = int8.int8_config("w8a8", m, 4096, 4096, gk, "sm_90")
+        cases[name] = (int8._w8a8_kernel, {**ptr("B Y", "*bf16"), **ptr("XQ W Z", "*i8"), **ptr("XS S", "*fp32"),
+                                           **i32("M N K G stride_ym")}, {**flags, "GROUP_K": gk, **cfg})
+    cases["quantize_rows"] = (int8._quantize_rows_kernel, {"X": "*bf16", "INV": "*fp32", "Q": "*i8", "XS": "*fp32",
+                                                           **i32("K stride_xm")}, dict(HAS_SMOOTH=True, BLOCK_K=2048))
+    res = {}
+    for name, (fn, types, const) in cases.items():
+        const = dict(const)
+        warps = const.pop("num_warps", 4)
+        const.pop("num_stages", None)
+        k = compile_for_arch(fn, types, const, num_warps=warps)
+        res[name] = {"ok": bool(k.asm.get("cubin")), "ptx_has_mma": "mma" in k.asm.get("ptx", "")}
+    Path(out).write_text(json.dumps(res, indent=1))
+
+
+def _subprocess(mode: str, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp(f"int8-{mode}") / "results.json"
+    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    if mode == "interpret":
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, __file__, mode, str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return _subprocess("interpret", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return _subprocess("aot", tmp_path_factory)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_kernel_matches_reference_in_interpreter(case, dtype, interpreted):
+    r = interpreted[f"{case}-{dtype}"]
+    assert r["ok"], r.get("error")
+
+
+def test_activation_kernel_rounds_half_to_even(interpreted):
+    r = interpreted["quantize_rows-round-half-even"]
+    assert r["ok"], r["error"]
+
+
+def test_kernels_compile_for_sm90(compiled):
+    bad = {k: v for k, v in compiled.items() if not v["ok"]}
+    assert compiled and not bad, bad
+    assert all(v["ptx_has_mma"] for k, v in compiled.items() if k.startswith(("mma", "w8a8"))), compiled
+
+
+if __name__ == "__main__":
+    {"interpret": run_interpreted, "aot": run_aot}[sys.argv[1]](sys.argv[2])
