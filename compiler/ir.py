@@ -129,5 +129,9 @@ def infer_val(node: fx.Node, model: Model | None = None) -> None:
     args = fx.node.map_aggregate(node.args, val)
     kwargs = fx.node.map_aggregate(node.kwargs, val)
     mode = torch._guards.detect_fake_mode(list(torch.utils._pytree.tree_leaves((args, kwargs)))) or (model.fake_mode if model else None)
-    with mode:
+    # the Python dispatcher lets composite ops (linear -> matmul) run on symbolic sizes, as
+    # torch.export itself does; without it older torch (2.11) calls numel() on a SymInt shape
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with mode, enable_python_dispatcher():
         node.meta["val"] = node.target(*args, **kwargs)

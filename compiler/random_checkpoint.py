@@ -24,10 +24,11 @@ SHAPES = {
     "gpt2-odd": ("gpt2", dict(n_embd=72, n_head=6, n_layer=3, vocab_size=509, n_positions=1024)),
     "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                                num_key_value_heads=8, num_hidden_layers=16, vocab_size=128256,
-                               rope_theta=500000.0, tie_word_embeddings=True, head_dim=64)),
+                               rope_theta=500000.0, tie_word_embeddings=True, head_dim=64,
+                               max_position_embeddings=131072)),
     "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256,
-                               rope_theta=500000.0)),
+                               rope_theta=500000.0, max_position_embeddings=131072)),
     "gpt2-xl": ("gpt2", dict(n_embd=1600, n_head=25, n_layer=48, vocab_size=50257, n_positions=1024)),
 }
 

@@ -108,7 +108,7 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
         prompts = [torch.randint(0, V, (context,), generator=g).tolist() for _ in range(b)]
         engine.reset()
         engine.prefill(prompts)
-        tok = torch.randint(0, V, (b,), generator=g, device=dev)
+        tok = torch.randint(0, V, (b,), generator=g).to(dev)
         pos = torch.full((b,), context, dtype=torch.long, device=dev)
         step = lambda: engine._decode(tok, pos)  # noqa: E731
         s = _time(step, dev, iters)
