@@ -21,17 +21,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def hf_decode_ms(model, batch: int, context: int, vocab: int, new_a: int = 8, new_b: int = 40) -> dict:
     """Per-token decode time of model.generate: (time(new_b) - time(new_a)) / (new_b - new_a)."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, context), generator=g).cuda()
+    ids = torch.randint(0, vocab, (batch, context), generator=g).to(model.device)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
     def run(n):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        torch.cuda.synchronize()
+        _sync()
         return time.perf_counter() - t
 
     t0 = time.perf_counter()
@@ -44,15 +49,15 @@ def hf_decode_ms(model, batch: int, context: int, vocab: int, new_a: int = 8, ne
 
 
 def hf_prefill_ms(model, n: int, vocab: int) -> float:
-    ids = torch.randint(0, vocab, (1, n)).cuda()
+    ids = torch.randint(0, vocab, (1, n)).to(model.device)
     with torch.no_grad():
         for _ in range(2):
             model(ids)
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         for _ in range(5):
             model(ids)
-        torch.cuda.synchronize()
+        _sync()
     return (time.perf_counter() - t) / 5 * 1e3
 
 
@@ -69,6 +74,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--max-seq", type=int, default=2304)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run of the script itself)")
     args = ap.parse_args()
     import dsc
     from dsc.compiler.random_checkpoint import make_random_checkpoint
@@ -80,7 +86,7 @@ def main() -> int:
     art = work / f"art-{tag}"
     t = time.perf_counter()
     if not (ckpt / "config.json").exists():
-        make_random_checkpoint(ckpt, args.shape, dtype=args.dtype, device="cuda", tokenizer=False)
+        make_random_checkpoint(ckpt, args.shape, dtype=args.dtype, device=args.device, tokenizer=False)
     print(f"[{tag}] checkpoint ready in {time.perf_counter() - t:.1f}s", flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     t = time.perf_counter()
@@ -88,24 +94,34 @@ def main() -> int:
         dsc.compile(str(ckpt), art, max_batch=max(batches), max_seq=args.max_seq, int8=args.int8 or None)
     print(f"[{tag}] compiled in {time.perf_counter() - t:.1f}s", flush=True)
     res = {"shape": args.shape, "dtype": args.dtype, "int8": args.int8, "context": args.context}
-    res["dsc"] = bench(art, device="cuda", batches=batches, context=args.context,
+    res["dsc"] = bench(art, device=args.device, batches=batches, context=args.context,
                        prefill_lens=[int(p) for p in args.prefill.split(",")])
     print(render(res["dsc"]), flush=True)
-    torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"bench_{tag}.json").write_text(json.dumps(res, indent=1, default=str))  # saved before baselines
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
     baselines = [b for b in args.hf.split(",") if b and b != "none"]
     if baselines and not args.int8:
         from transformers import AutoModelForCausalLM
 
         for base in baselines:
-            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype)).cuda().eval()
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype)).to(args.device).eval()
             V = model.config.vocab_size
             if base == "compile":
+                # transformers' own recipe: a static cache makes generate() torch.compile the
+                # forward (reduce-overhead, CUDA graphs) by itself
                 model.generation_config.cache_implementation = "static"
-                model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
             r = {"decode": {}, "prefill": {}}
             for b in [int(x) for x in args.hf_batches.split(",")]:
-                r["decode"][b] = hf_decode_ms(model, b, args.context, V)
+                try:
+                    r["decode"][b] = hf_decode_ms(model, b, args.context, V)
+                except Exception as e:  # record and go on: the dsc numbers are already saved
+                    r["decode"][b] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                    print(f"[{tag}] transformers {base} batch {b} failed: {r['decode'][b]['error']}", flush=True)
+                    continue
                 print(f"[{tag}] transformers {base} batch {b}: {r['decode'][b]['ms_per_step']:.3f} ms/step "
                       f"(first call {r['decode'][b]['first_call_s']:.1f}s)", flush=True)
             if base == "eager":
@@ -113,7 +129,8 @@ def main() -> int:
                     r["prefill"][n] = {"ms": hf_prefill_ms(model, n, V)}
             res[f"hf_{base}"] = r
             del model
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     # summary table
     lines = [f"\n== {tag} on {res['dsc']['device']} ==",
@@ -129,10 +146,11 @@ def main() -> int:
         e = res.get("hf_eager", {}).get("prefill", {}).get(n, {}).get("ms")
         lines.append(f"prefill {n}: dsc {d['ms']:.2f} ms" + (f", eager {e:.2f} ms ({e / d['ms']:.2f}x)" if e else ""))
     lines.append(f"load + capture: {res['dsc']['load_and_capture_s']:.2f} s")
+    for b, d in res.get("hf_compile", {}).get("decode", {}).items():
+        if "first_call_s" in d:
+            lines.append(f"transformers static cache + torch.compile, batch {b}: first generate (compile) {d['first_call_s']:.1f} s")
     text = "\n".join(lines)
     print(text, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"bench_{tag}.json").write_text(json.dumps(res, indent=1, default=str))
     try:
         sys.path.insert(0, str(Path(__file__).parent))

@@ -50,16 +50,19 @@ DECODE_M = (1, 8)
 PREFILL_M = 2048
 TARGET_DECODE = 1.7
 
-# candidate configs for the sweep (the defaults in kernels/int8.py are always measured too)
-GEMV = [dict(BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=w, num_stages=1)
-        for bn, bk, w, st in [(2, 2048, 2, 1), (4, 1024, 2, 1), (4, 2048, 4, 1), (8, 1024, 4, 1),
-                              (8, 2048, 8, 1), (16, 1024, 8, 1), (8, 512, 4, 1), (16, 512, 4, 1),
-                              (4, 1024, 2, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 4),
-                              (4, 512, 2, 4), (32, 256, 8, 3)]]
-MMA_DECODE = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-              for bn, bk, w, s in [(16, 256, 2, 4), (16, 512, 4, 3), (16, 512, 2, 4), (32, 256, 4, 4),
-                                   (32, 512, 4, 3), (32, 128, 2, 5), (64, 128, 4, 4), (64, 256, 4, 3),
-                                   (128, 128, 4, 3), (32, 256, 2, 6), (64, 256, 8, 4), (16, 1024, 4, 3)]]
+# candidate configs for the sweep (the defaults in kernels/int8.py are always measured too).
+# FAST_CVT: int8 -> fp32 on the ALU (inline PTX) instead of I2F; the False rows show its worth.
+GEMV = [dict(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf, FAST_CVT=fc, num_warps=w, num_stages=1)
+        for bn, bk, w, pf, fc in [(8, 1024, 4, False, False), (4, 1024, 2, False, False),
+                                  (4, 1024, 2, False, True), (4, 2048, 4, False, True), (2, 2048, 2, False, True),
+                                  (8, 2048, 8, False, True), (16, 1024, 8, False, True), (16, 512, 4, False, True),
+                                  (8, 512, 4, True, True), (4, 512, 2, True, True), (8, 1024, 4, True, True),
+                                  (4, 1024, 2, True, True), (16, 512, 8, True, True), (2, 1024, 2, True, True)]]
+MMA_DECODE = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, num_warps=w, num_stages=s)
+              for bn, bk, w, s, fc in [(32, 256, 4, 4, False), (16, 256, 2, 4, True), (16, 512, 4, 3, True),
+                                       (16, 512, 2, 4, True), (32, 512, 4, 3, True), (32, 128, 2, 5, True),
+                                       (64, 128, 4, 4, True), (64, 256, 4, 3, True), (64, 256, 8, 4, True),
+                                       (32, 256, 2, 6, True), (16, 1024, 4, 3, True), (32, 512, 8, 4, True)]]
 W8A8_PREFILL = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
                 for bm, bn, bk, w, s in [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
                                          (128, 256, 64, 8, 4), (256, 128, 128, 8, 3), (64, 256, 128, 4, 3),
@@ -76,23 +79,39 @@ def _copies(nbytes: int, l2: int) -> int:
     return max(2, math.ceil(3 * l2 / nbytes))
 
 
-def _bench(fn, n_copies: int) -> float:
-    """Median ms per call, rotating over n_copies inputs (fn(i) uses copy i)."""
-    state = {"i": 0}
+def _bench(fn, n_copies: int, eager: bool = False) -> float:
+    """Median ms per call of fn(i), i rotating over n_copies inputs.
 
-    def call():
-        state["i"] = (state["i"] + 1) % n_copies
-        fn(state["i"])
-
+    Default: the n_copies calls captured in one CUDA graph, as the runtime replays a decode step
+    (no Python or launch overhead: a few-microsecond kernel timed eagerly is mostly the CPU),
+    timed with do_bench (L2 flushed before each replay), divided by n_copies. eager: do_bench of
+    one Python call per iteration (what a plain PyTorch loop would see)."""
     if DEVICE != "cuda":  # --smoke: one timed call, the numbers mean nothing
         import time
 
         t = time.perf_counter()
-        call()
+        fn(0)
         return (time.perf_counter() - t) * 1e3
     from triton.testing import do_bench
 
-    return do_bench(call, warmup=25, rep=200, return_mode="median")
+    if eager:
+        state = {"i": 0}
+
+        def call():
+            state["i"] = (state["i"] + 1) % n_copies
+            fn(state["i"])
+
+        return do_bench(call, warmup=25, rep=200, return_mode="median")
+    for i in range(n_copies):  # compile and allocate outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_copies):
+            fn(i)
+    ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / n_copies
+    del graph
+    return ms
 
 
 def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -138,10 +157,20 @@ def _result(op: str, m: int, k: int, n: int, t_bf16: float, rows: list[dict], **
             "speedup_best": t_bf16 / best["ms"] if best else None, **extra, "candidates": rows}
 
 
+def _eager(res: dict, bf16, run, n_copies: int) -> None:
+    """Add eager (Python launch per call) timings of bf16, the default and the best config."""
+    res["bf16_eager_ms"] = _bench(bf16, n_copies[0], eager=True)
+    for key in ("default", "best"):
+        row = res[key]
+        if row and "ms" in row and "eager_ms" not in row:
+            row["eager_ms"] = _bench(lambda i: run(row, i), n_copies[1], eager=True)
+
+
 def bench_w8a16(m: int, k: int, n: int, l2: int, sweep: list[dict] | None) -> dict:
     x, wbf, qws, scale = _setup(m, k, n, l2)
     ref = int8.linear_w8a16_reference(x.float(), qws[0], scale, None, None, k)
-    t_bf16 = _bench(lambda i: torch.nn.functional.linear(x, wbf[i % len(wbf)]), len(wbf))
+    bf16 = lambda i: torch.nn.functional.linear(x, wbf[i % len(wbf)])  # noqa: E731
+    t_bf16 = _bench(bf16, len(wbf))
     kernel = int8.int8_kernel("w8a16", m)
     cands = [dict(int8.int8_config(kernel, m, n, k, 0, "sm_90"), kernel=kernel)] + (sweep or [])
 
@@ -149,13 +178,16 @@ def bench_w8a16(m: int, k: int, n: int, l2: int, sweep: list[dict] | None) -> di
         row["kernel"] = row["kernel"] or kernel
         return int8.w8a16_matmul(x, qws[i % len(qws)], scale, None, None, k, kernel=row["kernel"], config=row["config"])
 
-    return _result("w8a16", m, k, n, t_bf16, _sweep(run, ref, cands, len(qws)))
+    res = _result("w8a16", m, k, n, t_bf16, _sweep(run, ref, cands, len(qws)))
+    _eager(res, bf16, run, (len(wbf), len(qws)))
+    return res
 
 
 def bench_w8a8(m: int, k: int, n: int, l2: int, sweep: list[dict] | None) -> dict:
     x, wbf, qws, scale = _setup(m, k, n, l2)
     ref = int8.linear_w8a8_reference(x, qws[0], scale, None, None, k, None).float()
-    t_bf16 = _bench(lambda i: torch.nn.functional.linear(x, wbf[i % len(wbf)]), len(wbf))
+    bf16 = lambda i: torch.nn.functional.linear(x, wbf[i % len(wbf)])  # noqa: E731
+    t_bf16 = _bench(bf16, len(wbf))
     t_quant = _bench(lambda i: int8.quantize_rows(x), 1)
     cands = [dict(int8.int8_config("w8a8", m, n, k, 0, "sm_90"), kernel="w8a8")] + (sweep or [])
 
@@ -172,7 +204,9 @@ def bench_w8a8(m: int, k: int, n: int, l2: int, sweep: list[dict] | None) -> dic
             int_mm = _bench(lambda i: torch._int_mm(xq, qT[i % len(qT)]), len(qT))
         except RuntimeError:
             pass
-    return _result("w8a8", m, k, n, t_bf16, rows, quantize_rows_ms=t_quant, torch_int_mm_ms=int_mm)
+    res = _result("w8a8", m, k, n, t_bf16, rows, quantize_rows_ms=t_quant, torch_int_mm_ms=int_mm)
+    _eager(res, bf16, run, (len(wbf), len(qws)))
+    return res
 
 
 def check_odd_shapes() -> list[str]:
@@ -224,8 +258,9 @@ def run(args) -> dict:
     for err in res["correctness_errors"]:
         print("CORRECTNESS:", err)
     print(f"{name}; torch {torch.__version__}; triton {tv}; L2 {l2 / 2**20:.0f} MiB")
+    print("CUDA-graph replay (the runtime's decode path); 'eager' = one Python launch per call")
     print(f"{'op':6} {'M':>5} {'K':>6} {'N':>6} {'bf16 us':>9} {'int8 us':>9} {'x bf16':>7} "
-          f"{'best us':>9} {'x bf16':>7} {'GB/s':>7}  best config")
+          f"{'best us':>9} {'x bf16':>7} {'GB/s':>7} {'eager x':>8}  best config")
     for m in decode_m:
         for k, n in shapes:
             cands = None
@@ -261,9 +296,10 @@ def _print_row(r: dict, weight_elems: int) -> None:
     us = lambda row: f"{row['ms'] * 1e3:9.1f}" if row and "ms" in row else f"{'-':>9}"  # noqa: E731
     x = lambda v: f"{v:7.2f}" if v else f"{'-':>7}"  # noqa: E731
     gbs = f"{weight_elems / (b['ms'] * 1e-3) / 1e9:7.0f}" if b else f"{'-':>7}"
+    ex = f"{r['bf16_eager_ms'] / b['eager_ms']:8.2f}" if b and b.get("eager_ms") and r.get("bf16_eager_ms") else f"{'-':>8}"
     cfg = json.dumps({"kernel": b["kernel"], **b["config"]}) if b else ""
     print(f"{r['op']:6} {r['M']:>5} {r['K']:>6} {r['N']:>6} {r['bf16_ms'] * 1e3:9.1f} {us(d)} "
-          f"{x(r['speedup_default'])} {us(b)} {x(r['speedup_best'])} {gbs}  {cfg}")
+          f"{x(r['speedup_default'])} {us(b)} {x(r['speedup_best'])} {gbs} {ex}  {cfg}")
     if "ms" not in d:
         print(f"       default config failed: {d.get('error')}")
 
@@ -283,7 +319,7 @@ def tuning_rows(res: dict) -> dict:
 
 # -- ahead-of-time build for sm_90 (no GPU) ----------------------------------------------------
 SASS_COUNTS = {"LDG.128": r"\bLDG\.[A-Z.]*128", "LDGSTS": r"LDGSTS", "HGMMA": r"HGMMA", "IGMMA": r"IGMMA",
-               "HMMA": r"HMMA", "IMMA": r"IMMA", "LDL/STL": r"\b(?:LDL|STL)\b"}
+               "HMMA": r"HMMA", "IMMA": r"IMMA", "I2F": r"\bI2F", "LDL/STL": r"\b(?:LDL|STL)\b"}
 
 
 def run_aot() -> None:
@@ -326,8 +362,7 @@ def run_aot() -> None:
     for m, (k, n) in [(1, SHAPES[0]), (8, SHAPES[0]), (PREFILL_M, SHAPES[0])]:
         for kernel in ({1: ["w8a16_gemv"], 8: ["w8a16_mma"]}.get(m) or ["w8a8"]):
             cfg = int8.int8_config(kernel, m, n, k, 0, "sm_90")
-            const = {kk: v for kk, v in cfg.items() if kk not in ("num_warps", "num_stages")}
-            opts = {kk: cfg[kk] for kk in ("num_warps", "num_stages") if kk in cfg}
+            const, opts = int8._split(cfg, torch.device("cuda"))
             flags = dict(GROUP_K=0, HAS_ZERO=False, HAS_BIAS=False)
             if kernel == "w8a16_gemv":
                 fn, types = int8._w8a16_gemv_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", **i32("N K G")}
