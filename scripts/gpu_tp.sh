@@ -19,7 +19,7 @@ from pathlib import Path
 from dsc.compiler.random_checkpoint import make_random_checkpoint
 p = Path("$W/ckpt")
 if not (p / "config.json").exists():
-    make_random_checkpoint(p, "$SHAPE", dtype="$DTYPE", device="cuda", tokenizer=False)
+    make_random_checkpoint(p, "$SHAPE", dtype="$DTYPE", device="${DEV:-cuda}", tokenizer=False)
 PY
 ARTS="tp1 tp2 tp4 tp1-int8 tp4-int8"; [ "$NGPU" -lt 4 ] && ARTS="tp1 tp2 tp1-int8"
 for A in $ARTS; do
