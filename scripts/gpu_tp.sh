@@ -21,7 +21,7 @@ p = Path("$W/ckpt")
 if not (p / "config.json").exists():
     make_random_checkpoint(p, "$SHAPE", dtype="$DTYPE", device="${DEV:-cuda}", tokenizer=False)
 PY
-ARTS="tp1 tp2 tp4 tp1-int8 tp4-int8"; [ "$NGPU" -lt 4 ] && ARTS="tp1 tp2 tp1-int8"
+ARTS=${ARTS:-"tp1 tp2 tp4 tp1-int8 tp4-int8"}; [ "$NGPU" -lt 4 ] && ARTS="tp1 tp2 tp1-int8"
 for A in $ARTS; do
   TP=${A#tp}; TP=${TP%-int8}; INT8=""; [[ $A == *int8 ]] && INT8="--int8"
   [ -f "$W/$A/manifest.json" ] || (python3 -m dsc compile "$W/ckpt" -o "$W/$A" --tp "$TP" $INT8 \
