@@ -3,11 +3,13 @@
 #   make test   venv + CPU torch + dsc[test], then the whole test suite
 # torch is installed first and pinned: on a machine without a GPU, `pip install torch==2.13.0`
 # takes the CPU wheel, where a bare `torch` requirement would pull multi-GB CUDA builds.
+# Elsewhere, point pip at the CPU wheels: make test TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.dsc-installed
 PYTEST_ARGS ?= -q
 
@@ -25,8 +27,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 

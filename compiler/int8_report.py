@@ -3,14 +3,16 @@
     weight SQNR per layer   10 log10(|W|^2 / |W - dequant(Q)|^2) over all ranks' shards, in the
                             original weight space (SmoothQuant's column scales divided out)
     logits                  SQNR (dB), mean KL(P_fp || P_int8) and top-1 agreement between the
-                            quantized program and its unquantized twin, teacher-forced: both
-                            see the same tokens (the prompt, then the twin's greedy tokens)
+                            quantized program and its unquantized twin at the last POSITIONS
+                            positions of every prompt, teacher-forced on the prompt's own tokens
+                            (one prefill batch: a row per position)
     memory                  bytes of the quantized linears: int8 values, scales/zero points,
                             and the same weights at 16 bits
-Both programs are the ones the artifact will hold (sharded and fused), run for every rank in
-the compiler's process (compiler/simulate.py); the twin is the quantized program with each dsc
-int8 linear turned back into aten.linear on its float weight. Inputs: the calibration prompts
-when given (the first REPORT_PROMPTS), else random token prompts.
+Both are the prefill program the artifact will hold (sharded and fused), run for every rank in
+the compiler's process (compiler/simulate.py), each weight produced from the checkpoint once
+(memory stays bounded); the twin is the quantized program with each dsc int8 linear turned
+back into aten.linear on its float weight. Inputs: the calibration prompts when given (the
+first REPORT_PROMPTS, cut to REPORT_TOKENS), else three random-token prompts (lengths 11, 7, 3).
 
 `compile` prints the summary, writes the report into manifest.json ("int8_report"), and with
 --int8-min-sqnr fails (before the artifact is written) when the logits SQNR is lower.
@@ -27,8 +29,9 @@ import torch.fx as fx
 from dsc.compiler.ir import Model
 from dsc.errors import UserError
 
-REPORT_PROMPTS = 16
-NEW_TOKENS = 8
+REPORT_PROMPTS = 4  # calibration prompts the report evaluates (the first ones)
+REPORT_TOKENS = 64  # ... cut to this many tokens: rows x tokens bounds the KV cache and activations
+POSITIONS = 4  # evaluated positions per prompt (its last ones): rows x length is the cost
 _INT8_OPS = ("linear_w8a16", "linear_w8a8")
 _CAP_DB = 999.0  # SQNR of an exact match (infinite) is written as this
 
@@ -129,43 +132,47 @@ def _logits_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
             "positions": int(ref.shape[0])}
 
 
-def _batches(prompts: list[list[int]], size: int):
-    for i in range(0, len(prompts), size):
-        yield prompts[i:i + size]
+def eval_rows(prompts: list[list[int]], positions: int) -> tuple[list[list[int]], list[int]]:
+    """The evaluation batch: one row per (prompt, position) for the last `positions` positions
+    of each prompt, teacher-forced on the prompt's own tokens: (sequences, last_idx)."""
+    seqs, last = [], []
+    for p in prompts:
+        for j in range(max(0, len(p) - positions), len(p)):
+            seqs.append(p)
+            last.append(j)
+    return seqs, last
 
 
-def _run(model: Model, weights, prompts: list[list[int]], steps: int, fed: list | None):
-    from dsc.compiler.simulate import Simulator
+def _run(model: Model, produce, seqs: list[list[int]], last: list[int]) -> torch.Tensor:
+    from dsc.compiler.simulate import Simulator, weight_bytes
 
-    sim = Simulator(model, weights)
-    logits, tokens = [], []
-    for i, batch in enumerate(_batches(prompts, model.options.max_batch)):
-        lg, tk = sim.teacher_forced(batch, None if fed is None else fed[i], steps)
-        logits.append(lg.reshape(-1, lg.shape[-1]))
-        tokens.append(tk)
-    return torch.cat(logits), tokens
+    sim = Simulator(model, produce, model.options.tp, batch=len(seqs), seq=max(2, max(map(len, seqs))),
+                    weight_bytes=weight_bytes(model))
+    return sim.prefill(seqs, last)
 
 
-def _weight_sqnr(model: Model, qweights, reader) -> dict[str, float]:
-    """Per quantized weight (name minus .weight): SQNR of dequant(Q) against W, all ranks."""
-    from dsc.compiler.weights import float_tensor, local_columns
-    from dsc.kernels.int8 import dequantize_weight
+class _WeightSQNR:
+    """Per quantized weight, over all ranks: signal and noise of dequant(Q) against W, in the
+    original weight space (SmoothQuant's column scales divided out)."""
 
-    world = model.options.tp
-    out = {}
-    for name in sorted(n for n, s in model.weights.items() if s.quant and s.quant.part == "qweight"):
-        base, spec = name.removesuffix(".qweight"), model.weights[name]
-        signal = noise = 0.0
-        for r in range(world):
-            w = float_tensor(dataclasses.replace(spec, quant=None, col_scale=None, dtype="float32"), r, world, reader)
-            zero = qweights[r].get(f"{base}.zero")
-            dq = dequantize_weight(qweights[r][name], qweights[r][f"{base}.scale"], zero)
-            if spec.col_scale is not None:
-                dq = dq / local_columns(spec, spec.col_scale, r, world)
-            signal += float(w.double().pow(2).sum())
-            noise += float((w.double() - dq.double()).pow(2).sum())
-        out[base.removesuffix(".weight")] = round(_sqnr(signal, noise), 3)
-    return out
+    def __init__(self, model: Model, reader):
+        self.model, self.reader, self.acc = model, reader, {}
+
+    def add(self, name: str, rank: int, parts) -> None:
+        from dsc.compiler.weights import float_tensor, local_columns
+        from dsc.kernels.int8 import dequantize_weight
+
+        spec, world = self.model.weights[name], self.model.options.tp
+        base = name.removesuffix(".qweight")
+        w = float_tensor(dataclasses.replace(spec, quant=None, col_scale=None, dtype="float32"), rank, world, self.reader)
+        dq = dequantize_weight(parts("qweight"), parts("scale"), parts("zero") if f"{base}.zero" in self.model.weights else None)
+        if spec.col_scale is not None:
+            dq = dq / local_columns(spec, spec.col_scale, rank, world)
+        s, n = self.acc.get(base, (0.0, 0.0))
+        self.acc[base] = (s + float(w.double().pow(2).sum()), n + float((w.double() - dq.double()).pow(2).sum()))
+
+    def layers(self) -> dict[str, float]:
+        return {base.removesuffix(".weight"): round(_sqnr(*sn), 3) for base, sn in sorted(self.acc.items())}
 
 
 def _memory(model: Model) -> dict:
@@ -185,39 +192,43 @@ def _memory(model: Model) -> dict:
     return out
 
 
-def int8_report(model: Model, prompts: list[list[int]] | None = None, new_tokens: int = NEW_TOKENS) -> dict:
+def int8_report(model: Model, prompts: list[list[int]] | None = None, positions: int = POSITIONS) -> dict:
     """Measure the quantized model against its unquantized twin (module docstring)."""
     from dsc.compiler.emit import RankTensors
-    from dsc.compiler.simulate import materialize
     from dsc.compiler.verify import sample_prompts
     from dsc.compiler.weights import SourceReader, float_tensor
 
     opts, world = model.options, model.options.tp
     if prompts is None and opts.calibrate:
-        prompts, source = calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)[:REPORT_PROMPTS], "calibration"
+        prompts = [p[:REPORT_TOKENS] for p in calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)]
+        prompts, source = prompts[:REPORT_PROMPTS], "calibration"
     elif prompts is None:
-        prompts, source = sample_prompts(model.config["vocab_size"], batch=min(3, opts.max_batch)), "random tokens"
+        prompts, source = sample_prompts(model.config["vocab_size"], batch=3), "random tokens"
     else:
         source = "given"
-    steps = max(1, min(new_tokens, opts.max_seq - max(len(p) for p in prompts)))
-    prompts = [p[: opts.max_seq - steps] for p in prompts]
+    seqs, last = eval_rows(prompts, positions)
     twin = unquantized(model)
     with SourceReader(model.checkpoint) as reader:
-        w = materialize(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader))
-        ref, fed = _run(twin, w, prompts, steps, None)
-        del w
+        ref = _run(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader), seqs, last)
         makers = [RankTensors(model, reader, r, world) for r in range(world)]
-        qw = materialize(model, lambda n, r: makers[r](n))
-        q, _ = _run(model, qw, prompts, steps, fed)
-        layers = _weight_sqnr(model, qw, reader)
-        del qw
+        sq = _WeightSQNR(model, reader)
+
+        def produce(name: str, rank: int) -> torch.Tensor:
+            t = makers[rank](name)
+            if name.endswith(".qweight") and model.weights[name].quant:
+                base = name.removesuffix("qweight")
+                sq.add(name, rank, lambda part: t if part == "qweight" else makers[rank](base + part))
+            return t
+
+        q = _run(model, produce, seqs, last)
+    layers = sq.layers()
     worst = sorted(layers, key=layers.get)[:5]
     vals = sorted(layers.values())
     return {
         "mode": opts.int8_mode, "symmetric": not opts.int8_asymmetric,
         "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
         "smoothquant": any(s.col_scale is not None for s in model.weights.values()),
-        "inputs": {"source": source, "prompts": len(prompts), "steps": steps},
+        "inputs": {"source": source, "prompts": len(prompts), "positions_per_prompt": positions},
         "logits": _logits_metrics(ref, q),
         "weight_sqnr_db": {"min": vals[0] if vals else None, "median": vals[len(vals) // 2] if vals else None,
                            "worst": [[k, layers[k]] for k in worst]},  # a list: JSON keys get sorted
@@ -235,7 +246,7 @@ def summary(report: dict) -> str:
     scheme += ", SmoothQuant" if report["smoothquant"] else ""
     inp = report["inputs"]
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    lines = [f"int8 report ({scheme}; {inp['prompts']} {inp['source']} prompts x {inp['steps']} steps):",
+    lines = [f"int8 report ({scheme}; {lg['positions']} positions of {inp['prompts']} {inp['source']} prompts):",
              f"  logits: SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, top-1 agreement {lg['top1_agreement']:.1%}"]
     if ws["min"] is not None:
         worst = ", ".join(f"{k} {v:.1f}" for k, v in ws["worst"][:3])

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, planner, tuned
 
 tl = None  # triton.language, bound by launch.jit on first launch
+SCALE_MIN = torch.finfo(torch.float32).tiny  # scales stay normal floats: x / scale never divides by 0
 
 # -- quantization (offline weights, dynamic activations) ----------------------------------
 
@@ -67,14 +68,14 @@ def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: b
     wg = w.reshape(n, g, k // g)  # wg: [N, G, group]
     if symmetric:
         amax = wg.abs().amax(-1)  # [N, G]
-        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).clamp(min=SCALE_MIN)
         zero = torch.zeros_like(scale)
         lo, hi = -127, 127
     else:
         wmin = wg.amin(-1).clamp(max=0)
         wmax = wg.amax(-1).clamp(min=0)
         span = wmax - wmin
-        scale = torch.where(span > 0, span / 255, torch.ones_like(span))
+        scale = torch.where(span > 0, span / 255, torch.ones_like(span)).clamp(min=SCALE_MIN)
         zero = (-128 - torch.round(wmin / scale)).clamp(-128, 127)
         lo, hi = -128, 127
     q = (torch.round(wg / scale[..., None]) + zero[..., None]).clamp(lo, hi)
@@ -99,7 +100,7 @@ def quantize_activation(x: torch.Tensor, inv_smooth: torch.Tensor | None = None)
     if inv_smooth is not None:
         v = v * inv_smooth.float()
     amax = v.abs().amax(-1, keepdim=True)
-    xscale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    xscale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).clamp(min=SCALE_MIN)
     return torch.round(v / xscale).clamp(-127, 127).to(torch.int8), xscale
 
 
@@ -129,10 +130,13 @@ def linear_w8a8_reference(x, qweight, scale, zero, bias, group_size, inv_smooth)
     xq, xs = quantize_activation(x.reshape(-1, k), inv_smooth)  # xq: [M, K], xs: [M, 1]
     xg = xq.double().reshape(-1, g, k // g)  # [M, G, group]
     wg = qweight.double().reshape(n, g, k // g)  # [N, G, group]
-    acc = torch.einsum("mgk,ngk->mng", xg, wg)  # [M, N, G] int32-exact
-    if zero is not None:
-        acc = acc - zero.double()[None] * xg.sum(-1)[:, None, :]
-    y = (acc.float() * scale.float()[None]).sum(-1) * xs  # [M, N]
+    y = torch.zeros(xg.shape[0], n, device=x.device)
+    for i in range(g):  # one group at a time: [M, N] at most
+        acc = xg[:, i] @ wg[:, i].T  # [M, N], int32-exact
+        if zero is not None:
+            acc -= zero[:, i].double()[None] * xg[:, i].sum(-1)[:, None]
+        y += acc.float() * scale[:, i].float()[None]
+    y = y * xs  # [M, N]
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
@@ -183,21 +187,51 @@ def _(x, qweight, scale, zero, bias, group_size, inv_smooth):
 #   GROUP_K % BLOCK_K == 0  one scale per row per K-block, loaded once per iteration;
 #   otherwise            scales gathered per element (odd group sizes, and the gemv's long
 #                        K-blocks that span several groups; the gathers hit L1).
+#
+# int8 -> fp32 conversion. `w.to(tl.float32)` is I2F, which Hopper issues at 16 per clock per
+# SM: converting a 4096 x 4096 weight alone takes ~4 us on an H200, as long as reading it. The
+# CVT path does it on the ALU instead, four weights per 32-bit register: flip each byte's sign
+# bit (b ^ 0x80 = v + 128), place the byte in the mantissa of 2^23 (prmt), subtract 2^23 + 128.
+# PTX, so CUDA only; CVT is "" in the interpreter (config "FAST_CVT").
+I8X4_TO_F32 = ("{.reg .b32 t;\n"
+               "xor.b32 t, $4, 0x80808080;\n"
+               "prmt.b32 $0, t, 0x4B000000, 0x7440;\n"
+               "prmt.b32 $1, t, 0x4B000000, 0x7441;\n"
+               "prmt.b32 $2, t, 0x4B000000, 0x7442;\n"
+               "prmt.b32 $3, t, 0x4B000000, 0x7443;\n"
+               "sub.f32 $0, $0, 0f4B000080;\n"
+               "sub.f32 $1, $1, 0f4B000080;\n"
+               "sub.f32 $2, $2, 0f4B000080;\n"
+               "sub.f32 $3, $3, 0f4B000080;}")
 
 
 def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
-                       GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                       GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, CVT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     # y[n] = sum_k x[k] * (w[n, k] - z[n, g(k)]) * s[n, g(k)]        x: [K], w: [N, K], y: [N]
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64) * K
+    cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per-lane partial sums, reduced once
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    if PREFETCH:  # the next K-block's weights load while this one is multiplied (registers)
+        w_next = tl.load(W + rows[:, None] + cols[None, :], mask=mask_n[:, None] & (cols < K)[None, :], other=0,
+                         eviction_policy="evict_first")
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + cols
         mask = mask_n[:, None] & (offs_k < K)[None, :]
-        w = tl.load(W + rows[:, None] + offs_k[None, :], mask=mask, other=0,
-                    eviction_policy="evict_first").to(tl.float32)  # w: [BLOCK_N, BLOCK_K], 16 B/lane
+        if PREFETCH:
+            w8 = w_next
+            nk = offs_k + BLOCK_K
+            w_next = tl.load(W + rows[:, None] + nk[None, :], mask=mask_n[:, None] & (nk < K)[None, :], other=0,
+                             eviction_policy="evict_first")
+        else:
+            w8 = tl.load(W + rows[:, None] + offs_k[None, :], mask=mask, other=0,
+                         eviction_policy="evict_first")  # w8: [BLOCK_N, BLOCK_K] int8, 16 B per lane
+        if CVT != "":
+            w = tl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            w = w8.to(tl.float32)
         # x read as a [BLOCK_N, BLOCK_K] broadcast in w's layout: each thread loads only the x
         # values its lanes need, and the loop has no layout conversion (no barrier)
         x = tl.load(X + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0).to(tl.float32)
@@ -225,7 +259,7 @@ def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
 
 def _w8a16_mma_kernel(X, W, S, Z, B, Y, M, N, K, G, stride_xm, stride_ym,
                       GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      PRECISION: tl.constexpr,
+                      PRECISION: tl.constexpr, CVT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # y [M, N] = x [M, K] @ dequant(w [N, K]).T ; tiles x [BLOCK_M, BLOCK_K], w^T [BLOCK_K, BLOCK_N]
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -238,27 +272,27 @@ def _w8a16_mma_kernel(X, W, S, Z, B, Y, M, N, K, G, stride_xm, stride_ym,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0,
-                    eviction_policy="evict_first")  # w: [BLOCK_K, BLOCK_N] int8
+        w8 = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0,
+                     eviction_policy="evict_first")  # w8: [BLOCK_K, BLOCK_N] int8
+        if CVT != "":
+            w = tl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            w = w8.to(tl.float32)
         if GROUP_K == 0:  # integers (w - z) are exact in 16-bit; the scale comes at the end
             if HAS_ZERO:
-                w = w.to(tl.float32) - tl.load(Z + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
-            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+                w -= tl.load(Z + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
         elif GROUP_K % BLOCK_K == 0:
             g = k0 // GROUP_K
-            wf = w.to(tl.float32)
             if HAS_ZERO:
-                wf -= tl.load(Z + offs_n * G + g, mask=mask_n, other=0).to(tl.float32)[None, :]
-            wf *= tl.load(S + offs_n * G + g, mask=mask_n, other=0.0)[None, :]
-            acc += tl.dot(x, wf.to(x.dtype), input_precision=PRECISION)
+                w -= tl.load(Z + offs_n * G + g, mask=mask_n, other=0).to(tl.float32)[None, :]
+            w *= tl.load(S + offs_n * G + g, mask=mask_n, other=0.0)[None, :]
         else:
             sidx = offs_n[None, :] * G + (offs_k // GROUP_K)[:, None]
             smask = mask_k[:, None] & mask_n[None, :]
-            wf = w.to(tl.float32)
             if HAS_ZERO:
-                wf -= tl.load(Z + sidx, mask=smask, other=0).to(tl.float32)
-            wf *= tl.load(S + sidx, mask=smask, other=0.0)
-            acc += tl.dot(x, wf.to(x.dtype), input_precision=PRECISION)
+                w -= tl.load(Z + sidx, mask=smask, other=0).to(tl.float32)
+            w *= tl.load(S + sidx, mask=smask, other=0.0)
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
     if GROUP_K == 0:
         acc *= tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
@@ -278,17 +312,18 @@ def _quantize_rows_kernel(X, INV, Q, XS, K, stride_xm, HAS_SMOOTH: tl.constexpr,
             v *= tl.load(INV + offs, mask=offs < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(v))
     m = tl.max(amax, axis=0)
-    scale = tl.where(m > 0, m / 127.0, 1.0)
+    scale = tl.maximum(tl.where(m > 0, m / 127.0, 1.0), 1.1754943508222875e-38)  # SCALE_MIN
     tl.store(XS + row, scale)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(X + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
         if HAS_SMOOTH:
             v *= tl.load(INV + offs, mask=offs < K, other=0.0)
-        v = v / scale
-        r = tl.floor(v + 0.5)  # round half to even, as torch.round
-        r = tl.where((r - v == 0.5) & (r * 0.5 != tl.floor(r * 0.5)), r - 1.0, r)
-        tl.store(Q + row * K + offs, tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8), mask=offs < K)
+        v = tl.minimum(tl.maximum(v / scale, -127.0), 127.0)
+        # round half to even (as torch.round) without F2I: adding 1.5 * 2^23 rounds v to an
+        # integer in the fp32 add; its low byte is then the two's-complement int8
+        q = (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+        tl.store(Q + row * K + offs, q, mask=offs < K)
 
 
 def _w8a8_kernel(XQ, XS, W, S, Z, B, Y, M, N, K, G, stride_ym,
@@ -340,10 +375,12 @@ def _w8a8_kernel(XQ, XS, W, S, Z, B, Y, M, N, K, G, stride_ym,
 #    gives >= 2 programs per SM, a 4-deep cp.async pipeline over 256-wide K-blocks.
 #  - prefill: 128 x 128 tiles on wgmma (HGMMA / IGMMA in SASS), 3 stages.
 _DEFAULTS = {
-    "w8a16_gemv": {"BLOCK_N": 8, "BLOCK_K": 1024, "STAGES": 1, "num_warps": 4, "num_stages": 1},
-    "w8a16_mma": {16: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
-                  64: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-                  None: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}},
+    "w8a16_gemv": {"BLOCK_N": 8, "BLOCK_K": 1024, "PREFETCH": False, "FAST_CVT": True, "num_warps": 4,
+                   "num_stages": 1},
+    "w8a16_mma": {16: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "FAST_CVT": True, "num_warps": 4, "num_stages": 4},
+                  64: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "FAST_CVT": True, "num_warps": 4, "num_stages": 4},
+                  None: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "FAST_CVT": True, "num_warps": 8,
+                         "num_stages": 3}},
     "w8a8": {16: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
              64: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
              None: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}},
@@ -395,10 +432,14 @@ def _check(x, qweight, scale, zero, bias, group_size):
     return m, n, k, g
 
 
-def _split(cfg: dict) -> tuple[dict, dict]:
-    """(constexprs, launch options) of a config."""
+def _split(cfg: dict, device: torch.device) -> tuple[dict, dict]:
+    """(constexprs, launch options) of a config. FAST_CVT (inline PTX) becomes the CVT asm on
+    CUDA devices and "" elsewhere (the interpreter)."""
     opts = {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
-    return {k: v for k, v in cfg.items() if k not in opts}, opts
+    const = {k: v for k, v in cfg.items() if k not in opts and k != "FAST_CVT"}
+    if "FAST_CVT" in cfg:
+        const["CVT"] = I8X4_TO_F32 if cfg["FAST_CVT"] and device.type == "cuda" else ""
+    return const, opts
 
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
@@ -413,7 +454,9 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y
-    const, opts = _split(config or int8_config(kernel, m, n, k, gk, arch_of(x.device)))
+    cfg = {"FAST_CVT": False, **({"PREFETCH": False} if kernel == "w8a16_gemv" else {}),
+           **(config or int8_config(kernel, m, n, k, gk, arch_of(x.device)))}
+    const, opts = _split(cfg, x.device)
     flags = dict(GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None)
     zero_ = zero if zero is not None else qweight  # any pointer: unused without HAS_ZERO
     bias_ = bias if bias is not None else scale
@@ -457,7 +500,7 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zer
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y
-    const, opts = _split(config or int8_config("w8a8", m, n, k, gk, arch_of(x.device)))
+    const, opts = _split(config or int8_config("w8a8", m, n, k, gk, arch_of(x.device)), x.device)
     if gk % const["BLOCK_K"]:
         raise ValueError(f"w8a8 kernel: BLOCK_K {const['BLOCK_K']} must divide the group size {gk}")
     zero_ = zero if zero is not None else qweight

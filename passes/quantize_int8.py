@@ -97,22 +97,22 @@ def group_size_for(model: Model, name: str) -> int | None:
     where += f", tp={opts.tp})" if opts.tp > 1 else ")"
     if opts.int8_group_size and opts.int8_q_groups:
         raise UserError("--int8-group-size and q_groups both set; give one")
-    gs = opts.int8_group_size
+    gs, given = opts.int8_group_size, f"--int8-group-size {opts.int8_group_size}"
     if opts.int8_q_groups:
         q = opts.int8_q_groups
         if q <= out:
             return None
-        chunk = out * inp // q  # DeepSpeed's elements per scale
+        chunk = max(1, out * inp // q)  # DeepSpeed's elements per scale
         gs = max(d for d in range(1, chunk + 1) if inp % d == 0)
+        given = f"q_groups={q} (group size {gs})"
     if gs is None:
         return None
     if inp % gs:
         why = "scale groups must not cross shard boundaries: " if opts.tp > 1 else ""
-        raise UserError(f"--int8-group-size {gs} does not divide the {inp} input features of {where}; "
+        raise UserError(f"{given} does not divide the {inp} input features of {where}; "
                         f"{why}choose a divisor of {inp}")
     if opts.int8_mode == "w8a8" and gs % 32:
-        raise UserError(f"--int8-group-size {gs}: w8a8 needs a multiple of 32 (the int8 MMA's K step), "
-                        f"at {where}")
+        raise UserError(f"{given}: w8a8 needs a multiple of 32 (the int8 MMA's K step), at {where}")
     return None if gs == inp else gs
 
 
@@ -200,36 +200,41 @@ def quantize_int8(model: Model) -> Model:
 # -- SmoothQuant -----------------------------------------------------------------------------
 
 
+CALIBRATION_BATCH = 8  # prompts per prefill run (each run reads every weight once)
+
+
 def activation_maxima(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]],
                       prompts: list[list[int]]) -> dict[str, torch.Tensor]:
-    """max|x| [in] per weight over the prompts' tokens, from the unquantized prefill program
-    (every rank; a row-parallel shard's columns are placed at their global indices)."""
-    from dsc.compiler.simulate import Simulator, materialize
+    """max|x| [in] per weight over the prompts' tokens (padding excluded), from the unquantized
+    prefill program (every rank; a row-parallel shard's columns go to their global indices)."""
+    from dsc.compiler.simulate import Simulator, weight_bytes
     from dsc.compiler.weights import SourceReader, float_tensor, local_columns
 
     world = model.options.tp
     prefill = model.programs["prefill"]
     watch = {node: name for name, uses in targets.items() for g, node in uses if g is prefill}
-    index = {}
-    for name in targets:
-        full = torch.arange(model.weights[name].shape[1])
-        index[name] = [local_columns(model.weights[name], full, r, world) for r in range(world)]
+    index = {name: [local_columns(model.weights[name], torch.arange(model.weights[name].shape[1]), r, world)
+                    for r in range(world)] for name in targets}
     amax = {name: torch.zeros(model.weights[name].shape[1]) for name in targets}
+    valid = None  # [B * L] bool: real tokens of the current batch, row-major over [B, L]
 
     def observe(node, rank, args):
         name = watch.get(node)
         if name is not None:
             x = args[0].float()
-            local = x.reshape(-1, x.shape[-1]).abs().amax(0)  # [in_local]
+            x = x.reshape(-1, x.shape[-1])[valid] if x.numel() // x.shape[-1] == valid.numel() else x.reshape(-1, x.shape[-1])
             idx = index[name][rank]
-            amax[name][idx] = torch.maximum(amax[name][idx], local)
+            amax[name][idx] = torch.maximum(amax[name][idx], x.abs().amax(0))
 
     with SourceReader(model.checkpoint) as reader:
-        weights = materialize(model, lambda n, r: float_tensor(model.weights[n], r, world, reader))
-    sim = Simulator(model, weights)
-    for p in prompts:  # one at a time: no padding tokens in the statistics
-        sim.reset()
-        sim.prefill([p], observe=observe)
+        sim = Simulator(model, lambda n, r: float_tensor(model.weights[n], r, world, reader), world,
+                        batch=min(CALIBRATION_BATCH, len(prompts)), seq=max(2, max(map(len, prompts))),
+                        weight_bytes=weight_bytes(model))
+        for i in range(0, len(prompts), CALIBRATION_BATCH):
+            batch = prompts[i:i + CALIBRATION_BATCH]
+            L = max(2, max(map(len, batch)))
+            valid = (torch.arange(L)[None, :] < torch.tensor([len(p) for p in batch])[:, None]).reshape(-1)
+            sim.prefill(batch, observe=observe)
     return amax
 
 

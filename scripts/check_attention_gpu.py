@@ -188,9 +188,12 @@ def main():
     rows.append(check("prefill B8 S1000 right-padded batch", P, 8, n(1000), n(4096), [0] * 8, Bmax=9))
     rows.append(check("prefill B2 S777 chunked (cache_pos>0)", P, 2, n(777), n(8192), [n(3001), n(6000)]))
     rows.append(check("prefill B3 S512 past the cache end", P, 3, n(512), n(8192), [n(7900), 0, n(8100)]))
-    # the heavy-first schedule's (sequence, kv head) groups: 64 pairs as 4 x 16, 40 as 14 + 14 + 12
-    rows.append(check("prefill B8 S2048 fresh (4 schedule groups)", P, 8, n(2048), n(2048), [0] * 8))
-    rows.append(check("prefill B5 S2048 mixed (uneven schedule groups)", P, 5, n(2048), n(4096),
+    # the heavy-first schedule's (sequence, kv head) groups: 64 pairs as 16 x 4 (the default at
+    # S=2048), 40 pairs as 16 + 16 + 8
+    rows.append(check("prefill B8 S2048 fresh (schedule groups)", P, 8, n(2048), n(2048), [0] * 8))
+    uneven = lambda *a, **kw: A.prefill_attention(  # noqa: E731
+        *a, config=dict(A.attention_config("prefill", D, A.arch_of(dev)), CHUNK=16), **kw)
+    rows.append(check("prefill B5 S2048 mixed (uneven schedule groups)", uneven, 5, n(2048), n(4096),
                       [0, n(1000), 0, n(2048), n(77)]))
     # other head groupings and head dims (G and head_dim are compile-time constants)
     mqa, mha, g7 = ((H, 1), (H, H), (H, H // 3)) if smoke else ((32, 1), (32, 32), (28, 4))

@@ -36,6 +36,7 @@ for A in $ARTS; do
     if cmp -s "$OUT/tokens-$BASE.jsonl" "$OUT/tokens-$A.jsonl"; then echo "$A: greedy tokens == $BASE"
     else echo "$A: greedy tokens DIFFER from $BASE"; diff "$OUT/tokens-$BASE.jsonl" "$OUT/tokens-$A.jsonl" | head -6; tail -3 "$OUT/generate-$A.log"; fi
   fi
+  [ -n "${NO_BENCH:-}" ] && continue
   timeout 150 python3 -m dsc bench "$W/$A" --batch 1 --batch 64 --prefill 128 --iters 30 --json "$OUT/bench-$A.json" 2>&1 | grep -v -i warn | tail -9
 done
 python3 - <<PY

@@ -1,8 +1,8 @@
 """The quantize_int8 pass, the int8 artifact and the compile-time accuracy report.
 
 Numerics are judged by SQNR (dB) of the logits against the fp32 artifact of the same
-checkpoint, teacher-forced through the runtime (every step fed the fp32 model's greedy
-tokens). Checkpoints are random-weight Llama / GPT-2 with outliers: `outlier_channels` scales a
+checkpoint, teacher-forced through the runtime (prefill, then decode steps fed the fp32
+model's greedy tokens). Checkpoints are random-weight Llama / GPT-2 with outliers: `outlier_channels` scales a
 few input channels of every linear weight 20x (rows with outliers); `act_outliers` scales a
 few channels of every norm weight 30x (activation outlier channels, what SmoothQuant is for);
 `skewed` shifts every linear weight by +2.5 standard deviations.
@@ -118,6 +118,21 @@ def reference():
     return ref
 
 
+def position_logits(art, prompts, positions: int) -> torch.Tensor:
+    """Runtime prefill logits [rows, V] at the last `positions` positions of every prompt (the
+    report's evaluation rows), in batches of the artifact's max_batch."""
+    from dsc.compiler.int8_report import eval_rows
+    from dsc.compiler.simulate import pad
+
+    e = dsc.load(art, device="cpu")
+    seqs, last = eval_rows(prompts, positions)
+    out = []
+    for i in range(0, len(seqs), e.max_batch):
+        ids, pos = pad(seqs[i:i + e.max_batch])
+        out.append(e.run("prefill", ids, pos, torch.zeros(len(ids), dtype=torch.long), torch.tensor(last[i:i + e.max_batch])))
+    return torch.cat(out)
+
+
 def measured_sqnr(fp_art, q_art, prompts, reference) -> float:
     want, tokens = reference(fp_art, prompts)
     got, _ = teacher_forced(q_art, prompts, tokens)
@@ -163,7 +178,7 @@ def test_int8_artifact_plan_weights_and_report(shape, compile_artifact):
     fp = compile_artifact(shape, ckpt_kwargs=OUTLIERS, dtype="fp32")
     man = manifest(art)
     layers = 2
-    linears_per_layer = 4 if shape == "gpt2-tiny" else 4  # fused qkv, o, fused gate_up | c_fc, down
+    linears_per_layer = 4  # llama: fused qkv, o_proj, fused gate_up, down_proj; gpt2: c_attn, c_proj, c_fc, c_proj
     # the pass fired on every block linear of both programs, kept lm_head
     assert man["passes"]["quantize_int8.w8a16"] == 2 * layers * linears_per_layer
     assert man["passes"]["quantize_int8.keep_head"] == 2
@@ -191,9 +206,9 @@ def test_report_measures_what_the_runtime_runs(compile_artifact, reference):
     art = compile_artifact("llama-tiny", ckpt_kwargs=OUTLIERS, dtype="fp32", int8=True)
     prompts = sample_prompts(512, batch=3)  # what the report uses without calibration prompts
     rep = manifest(art)["int8_report"]
-    steps = rep["inputs"]["steps"]
-    want, tokens = teacher_forced(fp, prompts, steps=steps)
-    got, _ = teacher_forced(art, prompts, tokens, steps=steps)
+    n = rep["inputs"]["positions_per_prompt"]
+    want, got = position_logits(fp, prompts, n), position_logits(art, prompts, n)
+    assert got.shape[0] == rep["logits"]["positions"]
     assert abs(sqnr_db(want, got) - rep["logits"]["sqnr_db"]) < 0.05, (sqnr_db(want, got), rep["logits"])
     top1 = float((want.argmax(-1) == got.argmax(-1)).double().mean())
     assert abs(top1 - rep["logits"]["top1_agreement"]) < 1e-3
@@ -239,7 +254,7 @@ def test_asymmetric_beats_symmetric_on_skewed_weights(variant_checkpoint, tmp_pa
     assert reports["asym"]["logits"]["sqnr_db"] > reports["sym"]["logits"]["sqnr_db"] + 3.0
 
 
-@pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("shape", ["llama-tiny"])  # gpt2-tiny: 15.6 -> 35.3 dB when last measured
 def test_smoothquant_improves_w8a8_on_activation_outliers(shape, variant_checkpoint, tmp_path_factory, reference):
     ck = variant_checkpoint(shape, "act_outliers")
     cal = calibration_file(tmp_path_factory)
@@ -348,7 +363,8 @@ def _rank_main(rank: int, world: int, store: str, jobs: dict, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        queue.put((rank, {name: teacher_forced(art, prompts, tokens)[0].numpy()
+        queue.put((rank, {name: (teacher_forced(art, prompts, tokens)[0].numpy(),
+                                 position_logits(art, prompts, STEPS).numpy())
                           for name, (art, prompts, tokens) in jobs.items()}))
     except BaseException as e:
         queue.put((rank, f"{type(e).__name__}: {e}"))
@@ -381,43 +397,83 @@ def spawn_ranks(world: int, jobs: dict) -> dict:
     return results
 
 
-TP_CASES = [  # (shape, tp, options): a group size that divides every shard's input features
-    ("gpt2-tiny", 2, {"int8_group_size": 16}),
-    ("gpt2-tiny", 4, {"int8_group_size": 16}),
-    ("llama-tiny", 2, {}),  # per-channel (fused q/k/v and gate/up, GQA): row-parallel shards get their own scales
+TP_SPAWNED = [  # (shape, tp, options), run by the runtime in spawned gloo ranks
+    ("gpt2-tiny", 2, {"int8_group_size": 16}),  # a group size dividing every shard's input features
+    ("llama-tiny", 2, {}),  # per-channel (fused q/k/v and gate/up, GQA): row-parallel shards get own scales
 ]
+TP_SIMULATED = [("gpt2-tiny", 4, {"int8_group_size": 16})]  # every rank of the artifact in this process
+
+
+def simulate_artifact(art, prompts, positions: int = STEPS) -> torch.Tensor:
+    """position_logits of an artifact's plan and rank files with every rank in this process
+    (compiler/simulate.py: collectives combined in-process), in one batch."""
+    import types
+
+    from dsc.compiler.int8_report import eval_rows
+    from dsc.compiler.simulate import Simulator
+    from dsc.runtime.artifact import open_artifact
+    from dsc.runtime.plan import build_graph
+
+    a = open_artifact(art)
+    program = types.SimpleNamespace(
+        programs={"prefill": build_graph(a.plan["programs"]["prefill"]["nodes"], torch.device("cpu"))[0]},
+        kv_cache=a.plan["kv_cache"])
+    weights = [load_file(a.rank_file(r)) for r in range(a.tp)]
+    seqs, last = eval_rows(prompts, positions)
+    sim = Simulator(program, lambda n, r: weights[r][n], a.tp, batch=len(seqs), seq=max(map(len, seqs)))
+    return sim.prefill(seqs, last)
+
+
+def _case_id(c) -> str:
+    return "{}-tp{}-{}".format(c[0], c[1], "g{}".format(c[2]["int8_group_size"]) if c[2] else "per-channel")
 
 
 @pytest.fixture(scope="module")
 def tp_logits(compile_artifact, reference):
-    """{case index: (tp=1 int8 logits, tp=N rank-0 logits, all ranks equal)}, one spawn per tp."""
-    out = {}
-    for tp in sorted({c[1] for c in TP_CASES}):
-        jobs, refs = {}, {}
-        for i, (shape, t, opts) in enumerate(TP_CASES):
-            if t != tp:
-                continue
-            fp = compile_artifact(shape, ckpt_kwargs=OUTLIERS, dtype="fp32")
-            prompts = prompts_for(shape)
-            _, tokens = reference(fp, prompts)
-            one = compile_artifact(shape, ckpt_kwargs=OUTLIERS, dtype="fp32", int8=True, **opts)
-            refs[i] = teacher_forced(one, prompts, tokens)[0]
-            jobs[str(i)] = (str(compile_artifact(shape, ckpt_kwargs=OUTLIERS, dtype="fp32", tp=tp, int8=True, **opts)),
-                            prompts, tokens)
-        res = spawn_ranks(tp, jobs)
-        for i in refs:
-            per_rank = [torch.from_numpy(res[r][str(i)]) for r in range(tp)]
-            out[i] = (refs[i], per_rank[0], all(torch.equal(per_rank[0], x) for x in per_rank[1:]))
+    """{case id: (tp=1 int8 logits, tp=N logits, [every rank's logits])}: one spawn of 2 ranks."""
+    out, jobs = {}, {}
+    for shape, tp, opts in TP_SPAWNED + TP_SIMULATED:
+        fp = compile_artifact(shape, ckpt_kwargs=OUTLIERS, dtype="fp32")
+        prompts = prompts_for(shape)
+        _, tokens = reference(fp, prompts)
+        one_art = compile_artifact(shape, ckpt_kwargs=OUTLIERS, dtype="fp32", int8=True, **opts)
+        one = teacher_forced(one_art, prompts, tokens)[0]
+        art = str(compile_artifact(shape, ckpt_kwargs=OUTLIERS, dtype="fp32", tp=tp, int8=True, **opts))
+        key = _case_id((shape, tp, opts))
+        if (shape, tp, opts) in TP_SIMULATED:
+            out[key] = (position_logits(one_art, prompts, STEPS), simulate_artifact(art, prompts), None)
+        else:
+            jobs[key] = (art, prompts, tokens)
+            out[key] = (one, None, None)
+    res = spawn_ranks(2, jobs)
+    for key in jobs:
+        per_rank = [torch.from_numpy(res[r][key][0]) for r in range(2)]
+        out[key] = (out[key][0], per_rank[0], per_rank)
+        out[key + "-positions"] = torch.from_numpy(res[0][key][1])
     return out
 
 
 @pytest.mark.skipif(not _has_tp(), reason="needs the shard_tensor_parallel pass")
-@pytest.mark.parametrize("case", range(len(TP_CASES)), ids=lambda i: "{}-tp{}-{}".format(
-    TP_CASES[i][0], TP_CASES[i][1], "g{}".format(TP_CASES[i][2]["int8_group_size"]) if TP_CASES[i][2] else "per-channel"))
+@pytest.mark.parametrize("case", TP_SPAWNED + TP_SIMULATED, ids=_case_id)
 def test_tp_int8_equals_tp1_int8(case, tp_logits):
-    one, tpn, same_on_ranks = tp_logits[case]
-    assert same_on_ranks
-    if TP_CASES[case][2]:  # shards quantized exactly as tp=1 quantizes them: equal to fp32 rounding
+    one, tpn, per_rank = tp_logits[_case_id(case)]
+    if per_rank:  # the runtime under gloo: every rank returns the same logits
+        assert all(torch.equal(per_rank[0], x) for x in per_rank[1:])
+    if case[2]:  # shards quantized exactly as tp=1 quantizes them: equal to fp32 rounding
         assert (one - tpn).abs().max() <= 1e-4 * one.abs().max()
     else:  # row-parallel scales per shard: close, not equal
         assert sqnr_db(one, tpn) > 30
+
+
+@pytest.mark.skipif(not _has_tp(), reason="needs the shard_tensor_parallel pass")
+def test_in_process_simulation_matches_the_runtime_ranks(tp_logits, compile_artifact, reference):
+    """What the report and SmoothQuant calibration run (all ranks in one process) is what the
+    runtime's gloo ranks compute."""
+    shape, tp, opts = TP_SPAWNED[0]
+    fp = compile_artifact(shape, ckpt_kwargs=OUTLIERS, dtype="fp32")
+    prompts = prompts_for(shape)
+    _, tokens = reference(fp, prompts)
+    art = compile_artifact(shape, ckpt_kwargs=OUTLIERS, dtype="fp32", tp=tp, int8=True, **opts)
+    got = simulate_artifact(art, prompts)
+    want = tp_logits[_case_id(TP_SPAWNED[0]) + "-positions"]  # the runtime's rank 0, gloo
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max()

@@ -55,11 +55,13 @@ def test_quantize_weight_properties(wg, symmetric):
         amax = wg3.abs().amax(-1)
         assert (q >= -127).all() and (z == 0).all()
         # scale bounds: exactly max|w| / 127 (1 for an all-zero group)
-        torch.testing.assert_close(s, torch.where(amax > 0, amax / 127, torch.ones_like(amax)), rtol=1e-6, atol=0)
+        want = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).clamp(min=int8.SCALE_MIN)
+        torch.testing.assert_close(s, want, rtol=1e-6, atol=0)
     else:
         lo, hi = wg3.amin(-1).clamp(max=0), wg3.amax(-1).clamp(min=0)
         span = hi - lo
-        torch.testing.assert_close(s, torch.where(span > 0, span / 255, torch.ones_like(span)), rtol=1e-6, atol=0)
+        want = torch.where(span > 0, span / 255, torch.ones_like(span)).clamp(min=int8.SCALE_MIN)
+        torch.testing.assert_close(s, want, rtol=1e-6, atol=0)
         # the zero point is the integer 0 maps to: 0.0 round-trips exactly
         assert int8.dequantize_weight(z, s, z).abs().max() == 0
     err = (int8.dequantize_weight(q, s, None if symmetric else z) - w).abs().reshape(n, g, -1)
@@ -171,10 +173,10 @@ def test_int8_config_tuning_table_and_groups(monkeypatch):
 
 # -- Triton kernels in the interpreter (subprocess) ---------------------------------------------
 KERNEL_CASES = {  # name: (kernel, M, K, N, group_size, symmetric, bias, smooth, config or None = default)
-    "gemv-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, True, False, False, {"BLOCK_N": 8, "BLOCK_K": 32, "STAGES": 1}),
-    "gemv-asym-bias-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, False, True, False, {"BLOCK_N": 4, "BLOCK_K": 64, "STAGES": 2}),
-    "gemv-g24-asym-M1K72N47": ("w8a16_gemv", 1, 72, 47, 24, False, True, False, {"BLOCK_N": 8, "BLOCK_K": 32, "STAGES": 1}),
-    "gemv-g32-aligned-M1K96N33": ("w8a16_gemv", 1, 96, 33, 32, True, False, False, {"BLOCK_N": 8, "BLOCK_K": 32, "STAGES": 1}),
+    "gemv-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, True, False, False, {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False}),
+    "gemv-asym-bias-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, False, True, False, {"BLOCK_N": 4, "BLOCK_K": 64, "PREFETCH": True}),
+    "gemv-g24-asym-M1K72N47": ("w8a16_gemv", 1, 72, 47, 24, False, True, False, {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False}),
+    "gemv-g32-aligned-M1K96N33": ("w8a16_gemv", 1, 96, 33, 32, True, False, False, {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False}),
     "gemv-default-M1K200N130": ("w8a16_gemv", 1, 200, 130, None, True, True, False, None),
     "mma-M3K72N47": ("w8a16_mma", 3, 72, 47, None, True, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
     "mma-asym-bias-M3K72N47": ("w8a16_mma", 3, 72, 47, None, False, True, False, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}),
@@ -231,11 +233,14 @@ def run_aot(out: str) -> None:
     ptr = lambda names, ty: {n: ty for n in names.split()}  # noqa: E731
     i32 = lambda names: {n: "i32" for n in names.split()}  # noqa: E731
     flags = dict(GROUP_K=0, HAS_ZERO=True, HAS_BIAS=True)
+    cuda = torch.device("cuda")  # a device type only: FAST_CVT's inline PTX is built for CUDA
     cases = {}
     for name, m, gk in (("gemv", 1, 0), ("gemv-g128", 1, 128)):
         cfg = int8.int8_config("w8a16_gemv", m, 4096, 4096, gk, "sm_90")
         cases[name] = (int8._w8a16_gemv_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", **i32("N K G")},
                        {**flags, "GROUP_K": gk, **cfg})
+    cases["gemv-prefetch-slowcvt"] = (cases["gemv"][0], cases["gemv"][1], {**cases["gemv"][2], "PREFETCH": True,
+                                                                          "FAST_CVT": False})
     for name, m, gk in (("mma-decode", 8, 0), ("mma-prefill-g128", 2048, 128)):
         cfg = int8.int8_config("w8a16_mma", m, 4096, 4096, gk, "sm_90")
         cases[name] = (int8._w8a16_mma_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32",
@@ -248,12 +253,12 @@ def run_aot(out: str) -> None:
     cases["quantize_rows"] = (int8._quantize_rows_kernel, {"X": "*bf16", "INV": "*fp32", "Q": "*i8", "XS": "*fp32",
                                                            **i32("K stride_xm")}, dict(HAS_SMOOTH=True, BLOCK_K=2048))
     res = {}
-    for name, (fn, types, const) in cases.items():
-        const = dict(const)
-        warps = const.pop("num_warps", 4)
-        const.pop("num_stages", None)
-        k = compile_for_arch(fn, types, const, num_warps=warps)
-        res[name] = {"ok": bool(k.asm.get("cubin")), "ptx_has_mma": "mma" in k.asm.get("ptx", "")}
+    for name, (fn, types, cfg) in cases.items():
+        const, opts = int8._split(cfg, cuda)
+        k = compile_for_arch(fn, types, const, num_warps=opts.get("num_warps", 4))
+        ptx = k.asm.get("ptx", "")
+        res[name] = {"ok": bool(k.asm.get("cubin")), "ptx_has_mma": "mma" in ptx,
+                     "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx, "wants_fast_cvt": bool(const.get("CVT"))}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -295,6 +300,29 @@ def test_kernels_compile_for_sm90(compiled):
     bad = {k: v for k, v in compiled.items() if not v["ok"]}
     assert compiled and not bad, bad
     assert all(v["ptx_has_mma"] for k, v in compiled.items() if k.startswith(("mma", "w8a8"))), compiled
+    assert all(v["fast_cvt"] == v["wants_fast_cvt"] for v in compiled.values()), compiled
+    assert compiled["gemv"]["fast_cvt"] and compiled["mma-decode"]["fast_cvt"]  # the sm_90 defaults
+
+
+def test_fast_int8_conversion_arithmetic():
+    """I8X4_TO_F32, the PTX the CUDA kernels use for int8 -> fp32, emulated bit for bit over all
+    256 bytes in every byte position (PTX prmt: bytes 0-3 from a, 4-7 from b; selector nibbles)."""
+    import re
+
+    asm = int8.I8X4_TO_F32
+    sels = [int(s, 16) for s in re.findall(r"prmt\.b32 \$\d, t, 0x4B000000, 0x([0-9A-F]{4})", asm)]
+    flip = int(re.search(r"xor\.b32 t, \$4, 0x([0-9a-fA-F]{8})", asm).group(1), 16)
+    bias = np.array([int(re.search(r"0f([0-9A-F]{8})", asm).group(1), 16)], np.uint32).view(np.float32)[0]
+
+    def prmt(a: int, b: int, c: int) -> int:
+        src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+        return sum(src[(c >> 4 * i) & 0x7] << 8 * i for i in range(4))
+
+    v = np.arange(-128, 128, dtype=np.int8)
+    for pos, sel in enumerate(sels):
+        words = (v.astype(np.uint8).astype(np.uint32) << (8 * pos)) | 0x5A000000 * (pos != 3)  # other bytes: junk
+        got = [np.array([prmt(int(w) ^ flip, 0x4B000000, sel)], np.uint32).view(np.float32)[0] - bias for w in words]
+        assert np.array_equal(np.array(got, np.float32), v.astype(np.float32)), pos
 
 
 if __name__ == "__main__":
