@@ -20,15 +20,10 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
 - prefill (S > 1), `_prefill_kernel`: flash attention (online softmax over BLOCK_N-key tiles).
   One program owns BLOCK_M rows of one (sequence, kv head); the rows are the G = H / Hkv query
   heads of the group packed together, row r = (token r // G, head r % G), so each K/V tile is
-  loaded once for the whole group.  Keys come from the cached prefix (positions < cache_pos,
-  read from the cache) and the new tokens (read from k/v directly, causal); a key tile holds
-  keys of one source.  The bulk (the tiles every row of the program sees whole) runs with no
-  masks in a loop software-pipelined two tiles at a time, so the softmax of one tile overlaps
-  the QK^T wgmma of the other on the tensor cores; then the masked tiles (the prefix's partial
-  tile, the causal diagonal) run one at a time and also write the program's own tokens' k/v
-  into the cache (no program reads cache slots >= cache_pos, so there is no race).  Programs
-  run heaviest row tile first (a short tail), in groups of (sequence, kv head) pairs whose K/V
-  fit in L2 together.
+  loaded once for the whole group.  Keys come in two phases: the cached prefix (positions
+  < cache_pos, visible to every row, read from the cache) and the new tokens (causal, read from
+  k/v directly).  Each program also writes its own tokens' k/v into the cache; no program
+  reads cache slots >= cache_pos, so there is no race.
 - decode (S == 1), `_decode_kernel` (+ `_decode_reduce_kernel`): flash-decoding.  One program
   per (sequence, kv head, split of the cache); the group's query heads are the rows of one tile
   (padded to 16 for tl.dot).  The number of splits comes from shapes only (B, Hkv, Smax, SM
@@ -85,45 +80,28 @@ def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale):
 # Launch configurations, by (arch as kernels/launch.py names it, head_dim).  `attention_config`
 # takes the row with the smallest head_dim >= the model's, this arch's before "default" (which
 # interpreter runs on CPU use); kernels/tuning.json entries ("attention_prefill" /
-# "attention_decode", shape class "D<head_dim>") override it.
-#   prefill: BLOCK_M packed (token, head) rows x BLOCK_N keys per tile; optional CHUNK: the
-#            (sequence, kv head) pairs scheduled together (default: prefill_chunk).
+# "attention_decode", shape class "D<head_dim>") override it.  sm_90 rows (H100/H200): starting
+# points from the Triton fused-attention tutorial's Hopper configs, to be refreshed from
+# `scripts/bench_attention.py --sweep`; sm_80 rows: untested guesses.
+#   prefill: BLOCK_M packed (token, head) rows x BLOCK_N keys per tile.
 #   decode:  BLOCK_N keys per tile; enough splits per (sequence, kv head) for about
 #            PROGRAMS_PER_SM programs per SM, each split at least MIN_SPLIT keys long.
-# sm_90 (H100/H200): decode D128 from `scripts/bench_attention.py --sweep` on an H200; prefill
-# rows are sized for the two-tile software-pipelined kernel (no register spills in the key loop,
-# shared memory under 227 KB: the loop keeps 4 K/V tiles in flight per stage, checked by the
-# sm_90 compile test) and await a GPU sweep (`--quick` times the PREFILL_CANDIDATES below).
-# sm_80 rows: untested guesses.
 PREFILL_CONFIGS = {
-    ("sm_90", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-    ("sm_90", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-    ("sm_90", 256): dict(BLOCK_M=128, BLOCK_N=16, num_warps=8, num_stages=2),
-    ("sm_80", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
+    ("sm_90", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("sm_90", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("sm_90", 256): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    ("sm_80", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
     ("sm_80", 128): dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
     ("default", 16): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
     ("default", 128): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
     ("default", 256): dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
 }
 DECODE_CONFIGS = {
-    ("sm_90", 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, PROGRAMS_PER_SM=1, MIN_SPLIT=256),
+    ("sm_90", 128): dict(BLOCK_N=64, num_warps=4, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("sm_90", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("default", 128): dict(BLOCK_N=64, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("default", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
 }
-# Alternatives at sm_90 / head_dim 128 that `scripts/bench_attention.py --quick` times next to
-# the table's rows (and scripts/check_attention_gpu.py checks), so a GPU run can pick one.
-PREFILL_CANDIDATES = [
-    dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
-    dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),  # 100 KB: two programs per SM
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, CHUNK=2),  # schedule groups of 2 pairs
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, CHUNK=16),  # ... of 16 pairs
-]
-DECODE_CANDIDATES = [
-    dict(BLOCK_N=64, num_warps=4, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256),  # the previous default
-    dict(BLOCK_N=128, num_warps=8, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
-    dict(BLOCK_N=128, num_warps=8, num_stages=3, PROGRAMS_PER_SM=1, MIN_SPLIT=512),
-]
 MAX_SPLITS = 64  # the reduce kernel holds every split of one head in registers
 SM_COUNT = {"sm_90": 132, "default": 4}  # for planning; at run time the device says (H100/H200: 132)
 
@@ -156,14 +134,6 @@ def decode_num_splits(batch: int, kv_heads: int, max_seq: int, cfg: dict, n_sm: 
     """Splits per (sequence, kv head) of a decode step: from shapes only (CUDA-graph safe)."""
     want = _cdiv(cfg["PROGRAMS_PER_SM"] * n_sm, batch * kv_heads)
     return max(1, min(want, MAX_SPLITS, _cdiv(max_seq, cfg["MIN_SPLIT"])))
-
-
-def prefill_chunk(pairs: int, seq: int, head_dim: int, elem_bytes: int, l2_share: int = 4 << 20) -> int:
-    """(sequence, kv head) pairs the prefill kernel schedules together (heaviest row tiles first
-    within a group): as many as keep the group's new keys and values within `l2_share` bytes of
-    L2, evened out over the groups.  Shapes only (no device read)."""
-    want = max(1, l2_share // max(1, 2 * seq * head_dim * elem_bytes))
-    return max(1, _cdiv(pairs, _cdiv(pairs, want))) if pairs > 0 else 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,65 +194,6 @@ def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr
 
 
 @_jit_on_first_use
-def _load_tile(kc, k_new, skc_s, sk_s, in_cache, row0, n_rows, offs_n, offs_d, ROW_MASK: tl.constexpr,
-               SAME_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[N, BLOCK_D] keys (or values) in the cache's dtype: rows row0 + offs_n of the cache
-    (in_cache, a scalar: one source per tile) or of the new tokens' k/v (rounded to the cache
-    dtype, as if read back from it).  Rows >= n_rows read 0: with ROW_MASK, and always on the
-    slow path (k/v in another dtype than the cache: two loads, one of them masked off)."""
-    rows_i = row0 + offs_n
-    if SAME_DTYPE:
-        rows = tl.where(in_cache, kc, k_new) + rows_i * tl.where(in_cache, skc_s, sk_s)
-        if ALIGNED:  # every row starts on 16 bytes (16-byte loads need it; the select hides it)
-            rows = tl.multiple_of(rows, 16)
-        ptrs = rows[:, None] + offs_d[None, :]
-        if ROW_MASK:
-            return _load_rows(ptrs, offs_n < n_rows, offs_d, HEAD_DIM, BLOCK_D)
-        elif BLOCK_D == HEAD_DIM:
-            return tl.load(ptrs)
-        else:
-            return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-    else:
-        old = _load_rows(kc + rows_i[:, None] * skc_s + offs_d[None, :], offs_n < tl.where(in_cache, n_rows, 0),
-                         offs_d, HEAD_DIM, BLOCK_D)
-        new = _load_rows(k_new + rows_i[:, None] * sk_s + offs_d[None, :], offs_n < tl.where(in_cache, 0, n_rows),
-                         offs_d, HEAD_DIM, BLOCK_D)
-        return tl.where(in_cache, old, new.to(kc.dtype.element_ty))
-
-
-@_jit_on_first_use
-def _softmax_scores(qk, m_i, qk_scale):
-    """The first half of an online-softmax step for one [M, N] score tile (masked scores hold
-    -1e30): the new running max (base 2), P and the correction factor for what came before.
-    qk_scale > 0, so max(qk) * qk_scale = max(qk * qk_scale) and one FMA per score does."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.exp2(qk * qk_scale - m_new[:, None])
-    return p, m_new, tl.exp2(m_i - m_new)
-
-
-@_jit_on_first_use
-def _softmax_update(p, alpha, l_i, acc, dtype):
-    """The second half: P in `dtype` for the P @ V dot, the running sum, the accumulator
-    rescaled to the new max."""
-    return p.to(dtype), l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
-
-
-@_jit_on_first_use
-def _softmax_step(qk, m_i, l_i, acc, qk_scale, dtype):
-    """A whole online-softmax step: (P in `dtype`, running max, running sum, accumulator)."""
-    p, m_new, alpha = _softmax_scores(qk, m_i, qk_scale)
-    p, l_i, acc = _softmax_update(p, alpha, l_i, acc, dtype)
-    return p, m_new, l_i, acc
-
-
-@_jit_on_first_use
-def _bulk_tile(k, n_old_tiles, BLOCK_N: tl.constexpr):
-    # bulk tile k -> (in the cache?, first row): the prefix's full tiles, then the new tokens'
-    in_cache = k < n_old_tiles
-    return in_cache, tl.where(in_cache, k, k - n_old_tiles) * BLOCK_N
-
-
-@_jit_on_first_use
 def _prefill_kernel(
     Q, K, V, KC, VC, POS, OUT, qk_scale,
     sq_b, sq_h, sq_s,  # q [B, H, S, D]; the last stride of every tensor is 1
@@ -291,26 +202,16 @@ def _prefill_kernel(
     skc_b, skc_h, skc_s,  # k_cache [Bmax, Hkv, Smax, D]
     svc_b, svc_h, svc_s,
     so_b, so_s, so_h,  # out [B, S, H, D]
-    BHkv, Hkv, S, Smax, n_m, chunk,
+    Hkv, S, Smax,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SAME_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Schedule: the (sequence, kv head) pairs are taken `chunk` at a time (their K/V stay in
-    # L2); within a chunk, row tiles go heaviest (last, longest causal rows) first, all pairs'
-    # tile m before any pair's tile m - 1.  Greedy dispatch of heavy-first work keeps the tail
-    # short (the last wave holds the shortest tiles).
-    pid = tl.program_id(0)
-    per_chunk = chunk * n_m
-    c = pid // per_chunk
-    r = pid - c * per_chunk
-    width = tl.minimum(chunk, BHkv - c * chunk)  # pairs in this chunk (the last may be short)
-    pid_m = n_m - 1 - r // width
-    bh = c * chunk + r % width
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows start first
+    bh = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
     kvh = bh % Hkv
     start = tl.load(POS + b).to(tl.int32)  # cache_pos[b]: position of token 0
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
 
     # rows of this tile: (token qi, query head qh) packed, G heads of kv head kvh per token
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -319,106 +220,68 @@ def _prefill_kernel(
     row_ok = qi < S
     q = _load_rows(Q + b * sq_b + qh[:, None] * sq_h + qi[:, None] * sq_s + offs_d[None, :],
                    row_ok, offs_d, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
-    dtype = q.dtype
     k_new = K + b * sk_b + kvh * sk_h
     v_new = V + b * sv_b + kvh * sv_h
     k_cache = KC + b * skc_b + kvh * skc_h
     v_cache = VC + b * svc_b + kvh * svc_h
+    cache_ty = KC.dtype.element_ty
+    n_fit = Smax - start  # new tokens j < n_fit have a cache slot
 
-    # Keys: the cached prefix (cache slots < n_old) and the new tokens j < n_fit (those with a
-    # cache slot); token i sees the prefix and the new tokens j <= i.  Key tiles never mix the
-    # two sources.  The bulk: the prefix's full tiles and the new tokens' full tiles below i_min
-    # (the first token of this tile), which every row sees whole.  The masked tiles: the
-    # prefix's partial tile (if any), then the new tokens from the bulk's end up to hi_new (the
-    # causal diagonal, or the end of the cache); they hold this tile's own tokens.
-    n_old = tl.minimum(start, Smax)
-    n_fit = tl.maximum(Smax - start, 0)
-    i_min = (pid_m * BLOCK_M) // G
-    i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
-    hi_new = tl.minimum(i_max + 1, n_fit)  # no row sees a new token >= hi_new
-    limit = tl.minimum(qi + 1, n_fit)  # [BLOCK_M]: row r sees the new tokens < limit[r]
-    n_old_tiles = n_old // BLOCK_N
-    n_new_tiles = tl.minimum(i_min, n_fit) // BLOCK_N
-    n_bulk = n_old_tiles + n_new_tiles
-    has_part = (n_old % BLOCK_N) != 0
-    n_masked = has_part.to(tl.int32) + tl.cdiv(hi_new - n_new_tiles * BLOCK_N, BLOCK_N)
+    # write the new tokens this tile owns (j with j * G in its rows) into the cache
+    j_lo = tl.cdiv(pid_m * BLOCK_M, G)
+    j_hi = tl.minimum(tl.minimum(tl.cdiv((pid_m + 1) * BLOCK_M, G), S), n_fit)
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        ok = offs_j < j_hi
+        dst = (start + offs_j)[:, None]
+        kt = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        _store_rows(k_cache + dst * skc_s + offs_d[None, :], kt.to(cache_ty), ok, offs_d, HEAD_DIM, BLOCK_D)
+        vt = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        _store_rows(v_cache + dst * svc_s + offs_d[None, :], vt.to(cache_ty), ok, offs_d, HEAD_DIM, BLOCK_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
 
-    # 1. The bulk: no masks.  Software-pipelined two tiles at a time: the loop body holds two
-    # independent chains (the softmax of one tile next to the QK^T wgmma of the other), which
-    # the compiler interleaves, so exp2 and the other per-score work overlap the tensor cores
-    # instead of alternating with them.  Invariant at the top of the body: p = P_{j-1} (not yet
-    # multiplied by V), qk_a = S_j.  Tile indices past the end are clamped to the last tile
-    # (their scores are never used).  The pipeline always runs (n_first = max(n_bulk, 1) tiles;
-    # with no bulk its one tile reads nothing and leaves the state as it was, p = 0): a runtime
-    # `if` around it would make ptxas serialize every wgmma.
-    n_first = tl.maximum(n_bulk, 1)
-    last = n_first - 1
-    real = tl.where(n_bulk > 0, BLOCK_N, 0)  # rows the prologue / epilogue tiles read
-    in_c, row0 = _bulk_tile(0, n_old_tiles, BLOCK_N)
-    k = _load_tile(k_cache, k_new, skc_s, sk_s, in_c, row0, real, offs_n, offs_d, True, SAME_DTYPE, ALIGNED, HEAD_DIM, BLOCK_D)
-    p, m0, l0, acc0 = _softmax_step(tl.dot(q, tl.trans(k.to(dtype))), m_i, l_i, acc, qk_scale, dtype)
-    p = tl.where(n_bulk > 0, p, 0.0).to(dtype)
-    m_i = tl.where(n_bulk > 0, m0, m_i)
-    l_i = tl.where(n_bulk > 0, l0, l_i)
-    acc = tl.where(n_bulk > 0, acc0, acc)
-    in_c, row0 = _bulk_tile(tl.minimum(1, last), n_old_tiles, BLOCK_N)
-    k = _load_tile(k_cache, k_new, skc_s, sk_s, in_c, row0, real, offs_n, offs_d, True, SAME_DTYPE, ALIGNED, HEAD_DIM, BLOCK_D)
-    qk_a = tl.dot(q, tl.trans(k.to(dtype)))  # (n_first == 1: tile 0 again, unused)
-    for j in range(1, n_first - 1, 2):  # the softmax of bulk tiles j and j + 1
-        in_c, row0 = _bulk_tile(j - 1, n_old_tiles, BLOCK_N)
-        v = _load_tile(v_cache, v_new, svc_s, sv_s, in_c, row0, BLOCK_N, offs_n, offs_d, False, SAME_DTYPE, ALIGNED, HEAD_DIM, BLOCK_D)
-        acc = tl.dot(p, v.to(dtype), acc)
-        in_c, row0 = _bulk_tile(j + 1, n_old_tiles, BLOCK_N)
-        k = _load_tile(k_cache, k_new, skc_s, sk_s, in_c, row0, BLOCK_N, offs_n, offs_d, False, SAME_DTYPE, ALIGNED, HEAD_DIM, BLOCK_D)
-        qk_b = tl.dot(q, tl.trans(k.to(dtype)))
-        p, m_i, l_i, acc = _softmax_step(qk_a, m_i, l_i, acc, qk_scale, dtype)
-        in_c, row0 = _bulk_tile(j, n_old_tiles, BLOCK_N)
-        v = _load_tile(v_cache, v_new, svc_s, sv_s, in_c, row0, BLOCK_N, offs_n, offs_d, False, SAME_DTYPE, ALIGNED, HEAD_DIM, BLOCK_D)
-        acc = tl.dot(p, v.to(dtype), acc)
-        in_c, row0 = _bulk_tile(tl.minimum(j + 2, last), n_old_tiles, BLOCK_N)
-        k = _load_tile(k_cache, k_new, skc_s, sk_s, in_c, row0, BLOCK_N, offs_n, offs_d, False, SAME_DTYPE, ALIGNED, HEAD_DIM, BLOCK_D)
-        qk_a = tl.dot(q, tl.trans(k.to(dtype)))  # S_{j+2}, in flight across the back edge
-        p, m_i, l_i, acc = _softmax_step(qk_b, m_i, l_i, acc, qk_scale, dtype)
-    # the loop ran for j = 1, 3, .. < j_end: P_{j_end - 1} is pending; with an even tile count,
-    # tile j_end = n_first - 1 (its scores in qk_a) is left too
-    j_end = 1 + 2 * ((n_first - 1) // 2)
-    in_c, row0 = _bulk_tile(j_end - 1, n_old_tiles, BLOCK_N)
-    v = _load_tile(v_cache, v_new, svc_s, sv_s, in_c, row0, real, offs_n, offs_d, True, SAME_DTYPE, ALIGNED, HEAD_DIM, BLOCK_D)
-    acc = tl.dot(p, v.to(dtype), acc)
-    if j_end < n_first:
-        p, m_i, l_i, acc = _softmax_step(qk_a, m_i, l_i, acc, qk_scale, dtype)
-        in_c, row0 = _bulk_tile(j_end, n_old_tiles, BLOCK_N)
-        v = _load_tile(v_cache, v_new, svc_s, sv_s, in_c, row0, BLOCK_N, offs_n, offs_d, False, SAME_DTYPE, ALIGNED, HEAD_DIM, BLOCK_D)
-        acc = tl.dot(p, v.to(dtype), acc)
+    # phase 1: the cached prefix, positions [0, n_old), visible to every row
+    n_old = tl.minimum(start, Smax)
+    n_old_full = (n_old // BLOCK_N) * BLOCK_N
+    for j0 in range(0, n_old_full, BLOCK_N):
+        offs_j = j0 + offs_n
+        ok = offs_j < n_old
+        k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, False)
+    for j0 in range(n_old_full, n_old, BLOCK_N):  # the partial last tile, if any
+        offs_j = j0 + offs_n
+        ok = offs_j < n_old
+        k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
 
-    # 2. The masked tiles, one at a time (after the bulk: before it, ptxas serializes the
-    # bulk's wgmmas).  Without a bulk, their first tile gives every row a visible key (prefix
-    # slot 0.., or new token n_new_tiles * BLOCK_N <= i_min), so the running max is finite
-    # after it; a row that sees nothing of a later tile gets p = 0 there.  Each new-token tile
-    # also writes this program's own tokens (j with row j * G here) into the cache: no program
-    # reads cache slots >= cache_pos, so there is no race.
-    j_lo = tl.cdiv(pid_m * BLOCK_M, G)
-    j_hi = tl.minimum(tl.minimum(tl.cdiv((pid_m + 1) * BLOCK_M, G), S), n_fit)
-    dmask = (offs_d < HEAD_DIM)[None, :]
-    for t in range(0, n_masked):
-        in_c = has_part & (t == 0)
-        row0 = tl.where(in_c, n_old_tiles, n_new_tiles + t - has_part.to(tl.int32)) * BLOCK_N
-        n_rows = tl.where(in_c, n_old, hi_new) - row0
-        kt = _load_tile(k_cache, k_new, skc_s, sk_s, in_c, row0, n_rows, offs_n, offs_d, True, SAME_DTYPE, ALIGNED, HEAD_DIM, BLOCK_D)
-        vt = _load_tile(v_cache, v_new, svc_s, sv_s, in_c, row0, n_rows, offs_n, offs_d, True, SAME_DTYPE, ALIGNED, HEAD_DIM, BLOCK_D)
-        qk = tl.dot(q, tl.trans(kt.to(dtype)))
-        bound = tl.where(in_c, BLOCK_N, limit - row0)  # prefix: the rows read; new tokens: causal
-        qk = tl.where(offs_n[None, :] < tl.minimum(bound, n_rows)[:, None], qk, -1.0e30)
-        p, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, qk_scale, dtype)
-        acc = tl.dot(p, vt.to(dtype), acc)
-        own = (row0 + offs_n >= j_lo) & (row0 + offs_n < j_hi) & (not in_c)
-        dst = (start + row0 + offs_n)[:, None]
-        tl.store(k_cache + dst * skc_s + offs_d[None, :], kt, mask=own[:, None] & dmask)
-        tl.store(v_cache + dst * svc_s + offs_d[None, :], vt, mask=own[:, None] & dmask)
+    # phase 2: the new tokens, causal (j <= qi) and only those with a cache slot (j < n_fit)
+    i_min = (pid_m * BLOCK_M) // G
+    i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
+    hi = tl.minimum(i_max + 1, n_fit)  # no row of this tile sees a new key >= hi
+    free = (tl.minimum(i_min + 1, hi) // BLOCK_N) * BLOCK_N  # keys < free: visible to all rows
+    for j0 in range(0, free, BLOCK_N):
+        offs_j = j0 + offs_n
+        ok = offs_j < hi
+        k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        k = k.to(cache_ty).to(q.dtype)  # as if read back from the cache
+        v = v.to(cache_ty).to(q.dtype)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, ok[None, :], qk_scale, False)
+    for j0 in range(free, hi, BLOCK_N):
+        offs_j = j0 + offs_n
+        ok = offs_j < hi
+        k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+        k = k.to(cache_ty).to(q.dtype)
+        v = v.to(cache_ty).to(q.dtype)
+        visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True)
 
     out = acc / l_i[:, None]
     _store_rows(OUT + b * so_b + qi[:, None] * so_s + qh[:, None] * so_h + offs_d[None, :],
@@ -553,21 +416,13 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, out=None, 
     _check(q, k, v, k_cache, v_cache, cache_pos)
     _triton()
     q, k, v = _last_contiguous(q, k, v)
-    if scale <= 0:  # the kernel takes max(qk) * scale for max(qk * scale): fold the sign into q
-        q, scale = (-q, -scale) if scale < 0 else (torch.zeros_like(q), 1.0)
     B, H, S, D = q.shape
     Hkv, Smax = k.shape[1], k_cache.shape[2]
     G = H // Hkv
     cfg = config or attention_config("prefill", D, arch_of(q.device))
     out = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device) if out is None else out
-    n_m = _cdiv(S * G, cfg["BLOCK_M"])
-    if n_m * B * Hkv == 0:
-        return out
-    chunk = min(cfg.get("CHUNK") or prefill_chunk(B * Hkv, S, D, k.element_size()), B * Hkv)
-    # k/v in another dtype than the cache: two loads per K/V tile (cache and new tokens), whose
-    # multi-buffering would not fit in shared memory; that rare path runs unpipelined
-    same_dtype = k.dtype == k_cache.dtype and v.dtype == v_cache.dtype
-    _prefill_kernel[(n_m * B * Hkv,)](
+    grid = (_cdiv(S * G, cfg["BLOCK_M"]), B * Hkv)
+    _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, cache_pos, out, scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -575,13 +430,10 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, out=None, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        B * Hkv, Hkv, S, Smax, n_m, chunk,
+        Hkv, S, Smax,
         G=G, HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        SAME_DTYPE=same_dtype,
-        ALIGNED=all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:3])
-                    for t in (k, v, k_cache, v_cache)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if same_dtype else 1,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

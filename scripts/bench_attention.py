@@ -2,8 +2,7 @@
 
     python scripts/bench_attention.py            # the tables (about a minute on an H200)
     python scripts/bench_attention.py --sweep    # + sweep the launch configs (adds about 2-3 min)
-    python scripts/bench_attention.py --quick    # headline shapes only, table vs candidate configs (< 1 min)
-    TRITON_INTERPRET=1 python scripts/bench_attention.py --smoke [--quick]   # the script's own test on CPU
+    TRITON_INTERPRET=1 python scripts/bench_attention.py --smoke   # the script's own test on CPU
 
 Shapes: Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), bf16.
 - prefill: 2048 new tokens per sequence (cache_pos 0), batch 1 and 8. FLOPs counted as
@@ -19,11 +18,8 @@ Shapes: Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), bf16.
   what the shape-only (CUDA-graph-safe) grid costs when sequences are short.
 Times: triton.testing.do_bench medians (L2 flushed before every run). --sweep tries the
 candidate launch configs and prints the best, as rows for PREFILL_CONFIGS / DECODE_CONFIGS.
---quick times only the headline shapes (prefill B1/B8 at S=2048; decode B1/8/32/64 at context
-1024 and 4096, in a CUDA graph) for the table's config and each of PREFILL_CANDIDATES /
-DECODE_CANDIDATES (kernels/attention.py), one row per config, for cheap iteration.
-Writes $OUT/bench_attention.json (--quick: bench_attention_quick.json) when OUT is set.
-Self-contained: loads kernels/attention.py by path.
+Writes $OUT/bench_attention.json when OUT is set. Self-contained: loads kernels/attention.py
+by path.
 """
 from __future__ import annotations
 
@@ -202,11 +198,9 @@ def print_decode(rows):
 def sweep(deadline):
     """Try candidate configs; return the best prefill and decode config with their rows."""
     prefill_shapes = [(1, 2048), (8, 2048)] if not SMOKE else [(1, 40)]
-    # the two-tile pipelined kernel keeps 4 K/V tiles per stage in shared memory: BLOCK_N 128, or
-    # 64 with 3 stages, do not fit at head_dim 128 (they would only be skipped)
     candidates = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
-                  for m, n, w, s in itertools.product((64, 128), (16, 32, 64), (4, 8), (2, 3))
-                  if not (m == 64 and w == 8) and not (n == 64 and s == 3)]
+                  for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+                  if not (m == 64 and w == 8) and not (n == 128 and s == 4)]
     prefill_rows = []
     for cfg in candidates:
         if time.time() > deadline:
@@ -247,72 +241,9 @@ def sweep(deadline):
     return dict(prefill=prefill_rows, decode=decode_rows, best_prefill=best_p, best_decode=best_d)
 
 
-# ---- quick -----------------------------------------------------------------------------------
-def quick():
-    """The headline shapes for the table's config and the candidates: one row per config."""
-    dev = torch.device(DEVICE)
-    arch = A.arch_of(dev)
-    if SMOKE:
-        prefill_shapes, decode_shapes = [(1, 40), (2, 33)], [(1, 64), (3, 40)]
-    else:
-        prefill_shapes, decode_shapes = [(1, 2048), (8, 2048)], [(B, ctx) for ctx in (1024, 4096) for B in (1, 8, 32, 64)]
-    result = dict(prefill=[], decode=[], baselines=[])
-    rep = 40
-
-    print(f"\nprefill (cache_pos 0) TFLOP/s (% of {PEAK_TFLOPS:.0f}): " + "  ".join(f"B{B} S{S}" for B, S in prefill_shapes))
-    configs = [("table", A.attention_config("prefill", D, arch))] + [(f"cand{i}", c) for i, c in enumerate(A.PREFILL_CANDIDATES)]
-    for name, cfg in configs:
-        rows = [bench_prefill(B, S, cfg, baselines=False, rep=rep) for B, S in prefill_shapes]
-        ok = all(r["dsc_tflops"] is not None for r in rows)
-        score = math.prod(r["dsc_tflops"] for r in rows) ** (1 / len(rows)) if ok else None
-        result["prefill"].append(dict(name=name, config=cfg, rows=rows, geomean_tflops=score))
-        cells = "  ".join(f"{fmt(r['dsc_tflops'], '6.1f')} {fmt(None if r['dsc_tflops'] is None else 100 * r['dsc_tflops'] / PEAK_TFLOPS, '4.1f')}%"
-                          for r in rows)
-        print(f"  {name:6s} {cells}  geomean {fmt(score, '6.1f')}  {cfg}", flush=True)
-    if not SMOKE:
-        base = [bench_prefill(B, S, baselines=True, rep=rep) for B, S in prefill_shapes]
-        result["baselines"] = base
-        for key in ("sdpa_flash", "sdpa_cudnn"):
-            print(f"  {key:10s} " + "  ".join(fmt(r.get(f"{key}_tflops"), "6.1f") for r in base))
-
-    graph = not SMOKE
-    print(f"\ndecode ({'CUDA graph' if graph else 'kernel'}) TB/s (% of {PEAK_TBS}): "
-          + "  ".join(f"B{B}/{ctx}" for B, ctx in decode_shapes))
-    configs = [("table", A.attention_config("decode", D, arch))] + [(f"cand{i}", c) for i, c in enumerate(A.DECODE_CANDIDATES)]
-    for name, cfg in configs:
-        rows = [bench_decode(B, ctx, config=cfg, baselines=False, graph=graph, rep=rep) for B, ctx in decode_shapes]
-        key = "dsc_graph_tbs" if graph else "dsc_tbs"
-        vals = [r.get(key) for r in rows]
-        score = math.prod(vals) ** (1 / len(vals)) if all(v is not None for v in vals) else None
-        result["decode"].append(dict(name=name, config=cfg, rows=rows, geomean_tbs=score))
-        cells = " ".join(f"{fmt(v, '4.2f')}/{fmt(None if v is None else 100 * v / PEAK_TBS, '3.0f')}%" for v in vals)
-        print(f"  {name:6s} {cells}  geomean {fmt(score, '4.2f')}  {cfg}", flush=True)
-
-    best_p = max((r for r in result["prefill"] if r["geomean_tflops"]), key=lambda r: r["geomean_tflops"], default=None)
-    best_d = max((r for r in result["decode"] if r["geomean_tbs"]), key=lambda r: r["geomean_tbs"], default=None)
-    if best_p:
-        print(f"best prefill: {best_p['name']} {best_p['config']} ({best_p['geomean_tflops']:.1f} TFLOP/s geomean)")
-    if best_d:
-        print(f"best decode:  {best_d['name']} {best_d['config']} ({best_d['geomean_tbs']:.2f} TB/s geomean)")
-    return result
-
-
 def main():
     global H, HKV, D, DTYPE, DEVICE
     t0 = time.time()
-    if "--quick" in sys.argv:
-        if SMOKE:
-            H, HKV, D, DTYPE, DEVICE = 6, 2, 16, torch.float16, "cpu"
-        else:
-            print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {A._triton().__version__}  "
-                  f"SMs {A.sm_count(torch.device('cuda'))}")
-        result = quick()
-        result.update(device="cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), torch=torch.__version__,
-                      triton=A._triton().__version__, shapes=dict(H=H, Hkv=HKV, D=D, dtype=str(DTYPE)))
-        if os.environ.get("OUT"):
-            Path(os.environ["OUT"], "bench_attention_quick.json").write_text(json.dumps(result, indent=1, default=str))
-        print(f"\n({time.time() - t0:.0f} s)")
-        return
     if SMOKE:
         H, HKV, D, DTYPE, DEVICE = 6, 2, 16, torch.float16, "cpu"
         prefill_shapes, decode_shapes = [(1, 40), (2, 33)], [(1, 64, None), (3, 40, None), (3, 16, 64)]
