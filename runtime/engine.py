@@ -205,8 +205,9 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
          verify: bool = True, cuda_graphs: bool = True) -> Engine:
     """Load an artifact for one rank. Checks format version and the sha256 of every file this
     rank reads (skip with verify=False). On CUDA, decode steps are captured as CUDA graphs at
-    load, one per batch bucket (cuda_graphs=False runs them eagerly). For tp > 1, call under torchrun: the process group is
-    initialised here (NCCL on GPU, gloo on CPU) if it is not already."""
+    load, one per batch bucket (cuda_graphs=False runs them eagerly). For tp > 1, call under
+    torchrun: the process group is initialised here (NCCL on GPU, gloo on CPU) if it is not
+    already, and each rank takes the GPU of its LOCAL_RANK."""
     from dsc.runtime.artifact import open_artifact as _open
 
     probe = _open(path, ranks=None, verify=False)  # every rank file present, before any rank loads
