@@ -40,6 +40,9 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
     elif fields:
         options = options.model_copy(update=fields)
     check_destination(Path(out))
+    if verify and options.tp > 1:
+        raise UserError("--verify runs the artifact in one process, so it needs --tp 1; compare a tp "
+                        "artifact with its tp=1 twin with `dsc diff --numeric`")
     with _as_checkpoint(model) as src:
         ckpt = open_checkpoint(src)
         if not isinstance(model, (str, Path)):  # a loaded model: record its name, not the temp folder

@@ -416,3 +416,11 @@ def test_dsc_generate_relaunches_under_torchrun(compile_artifact, reference):
     for line, want in zip(lines, reference["gpt2-tiny"][0]):
         cut = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
         assert line["tokens"] == want[:cut]
+
+
+def test_verify_with_tp_is_rejected_before_anything_is_written(make_checkpoint, tmp_path):
+    import dsc
+
+    with pytest.raises(UserError, match="needs --tp 1"):
+        dsc.compile(str(make_checkpoint("llama-tiny")), tmp_path / "a", tp=2, verify=True)
+    assert not (tmp_path / "a").exists()
