@@ -7,7 +7,6 @@ differs; tp=2 gathers its ranks' values back (gloo processes) and matches tp=1.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,8 +19,6 @@ from dsc.cli import app
 from dsc.compiler.diff import diff, mentioned_names, rank_tensors
 from dsc.compiler.numerics import gather, numeric_diff, value_twins
 
-HAS_INT8 = importlib.util.find_spec("dsc.passes.quantize_int8") is not None
-needs_int8 = pytest.mark.skipif(not HAS_INT8, reason="dsc.passes.quantize_int8 not there yet")
 
 
 def nodes(art: Path, program: str = "prefill") -> list[dict]:
@@ -80,7 +77,6 @@ def test_diff_errors_exit_2(tmp_path, dumped):
     assert res.exit_code == 2 and "--dump-passes folder" in res.output
 
 
-@needs_int8
 @pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-tiny"])
 def test_int8_diff_names_every_quantized_linear_and_nothing_else(compile_artifact, shape):
     a, b = compile_artifact(shape, dtype="fp16"), compile_artifact(shape, dtype="fp16", int8=True)
@@ -116,7 +112,6 @@ def test_numeric_diff_across_dtypes_names_the_first_divergence(compile_artifact)
     assert res.exit_code == 0 and "worst node" in res.output and "no node below 30.0 dB" in res.output
 
 
-@needs_int8
 def test_numeric_diff_int8_reports_sqnr_per_quantized_linear(compile_artifact):
     a, b = compile_artifact("llama-tiny", dtype="fp16"), compile_artifact("llama-tiny", dtype="fp16", int8=True)
     d = numeric_diff(a, b, threshold=100.0)

@@ -13,7 +13,6 @@ and review the diff like code.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -32,8 +31,6 @@ from dsc.compiler.verify import reference_model, sample_prompts, verify_artifact
 FP32_ATOL = 1e-4
 BF16_REL_TOL = 0.03  # of the largest logit, as in test_compile.py
 GOLDEN = Path(__file__).parent / "golden"
-HAVE_TP = importlib.util.find_spec("dsc.passes.shard_tensor_parallel") is not None
-HAVE_INT8 = importlib.util.find_spec("dsc.passes.quantize_int8") is not None
 
 # what each family's graph offers the fusions: the rewrites that must fire, the ops they leave.
 # GPT-2 has no projections to fuse (c_attn is already one q|k|v matmul) and no rotary
@@ -241,7 +238,6 @@ def _rank_tensor(art: Path, rank: int, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-@pytest.mark.skipif(not HAVE_TP, reason="dsc.passes.shard_tensor_parallel not built yet")
 @pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-tiny"])
 def test_fusions_with_tp2(shape, compile_artifact, make_checkpoint, tmp_path):
     art = compile_artifact(shape, dtype="fp32", tp=2)
@@ -263,7 +259,6 @@ def test_fusions_with_tp2(shape, compile_artifact, make_checkpoint, tmp_path):
 
 
 # -- composition with int8 ---------------------------------------------------------------------------
-@pytest.mark.skipif(not HAVE_INT8, reason="dsc.passes.quantize_int8 not built yet")
 def test_fusions_with_int8(compile_artifact, make_checkpoint):
     ckpt = make_checkpoint("llama-tiny")
     fused = compile_artifact("llama-tiny", dtype="fp32", int8=True)
@@ -281,7 +276,6 @@ def test_fusions_with_int8(compile_artifact, make_checkpoint):
     assert sqnr_db(want, got) >= 20
 
 
-@pytest.mark.skipif(not (HAVE_INT8 and HAVE_TP), reason="needs shard_tensor_parallel and quantize_int8")
 def test_fusions_with_tp2_and_int8(compile_artifact, make_checkpoint, tmp_path):
     ckpt = make_checkpoint("llama-tiny")
     art = compile_artifact("llama-tiny", dtype="fp32", tp=2, int8=True)

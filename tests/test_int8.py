@@ -31,14 +31,6 @@ CALIBRATION = ("The quick brown fox jumps over the lazy dog.\n"
                "dsc is an ahead-of-time compiler for transformer inference.\n")
 
 
-def _has_tp() -> bool:
-    try:
-        import dsc.passes.shard_tensor_parallel  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # -- helpers -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def variant_checkpoint(make_checkpoint, tmp_path_factory):
@@ -307,7 +299,6 @@ def test_q_groups_map_to_group_sizes(make_checkpoint):
     assert sizes == {"qkv_proj": 8, "o_proj": 4, "gate_up_proj": 16, "down_proj": 11}
 
 
-@pytest.mark.skipif(not _has_tp(), reason="needs the shard_tensor_parallel pass")
 def test_group_size_must_align_with_shards(make_checkpoint, tmp_path):
     with pytest.raises(UserError, match=r"model\.layers\.0\.self_attn\.o_proj .*tp=2"):
         dsc.compile(str(make_checkpoint("llama-tiny")), tmp_path / "a", dtype="fp32", tp=2, int8=True,
@@ -453,7 +444,6 @@ def tp_logits(compile_artifact, reference):
     return out
 
 
-@pytest.mark.skipif(not _has_tp(), reason="needs the shard_tensor_parallel pass")
 @pytest.mark.parametrize("case", TP_SPAWNED + TP_SIMULATED, ids=_case_id)
 def test_tp_int8_equals_tp1_int8(case, tp_logits):
     one, tpn, per_rank = tp_logits[_case_id(case)]
@@ -465,7 +455,6 @@ def test_tp_int8_equals_tp1_int8(case, tp_logits):
         assert sqnr_db(one, tpn) > 30
 
 
-@pytest.mark.skipif(not _has_tp(), reason="needs the shard_tensor_parallel pass")
 def test_in_process_simulation_matches_the_runtime_ranks(tp_logits, compile_artifact, reference):
     """What the report and SmoothQuant calibration run (all ranks in one process) is what the
     runtime's gloo ranks compute."""

@@ -6,7 +6,6 @@ logits vs the dsc runtime (CPU) on the same tokens, SQNR >= 80 dB for fp32, >= 4
 """
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
 import pytest
@@ -20,16 +19,13 @@ from dsc.errors import UserError
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-HAS_INT8 = importlib.util.find_spec("dsc.passes.quantize_int8") is not None
-int8 = pytest.mark.skipif(not HAS_INT8, reason="dsc.passes.quantize_int8 not there yet")
 
 CASES = [
     pytest.param("llama-tiny", dict(dtype="fp16"), False, id="llama-fp16"),
     pytest.param("gpt2-tiny", dict(dtype="fp16"), False, id="gpt2-fp16"),
-    pytest.param("llama-tiny", dict(dtype="fp16", int8=True), False, id="llama-fp16-w8a16", marks=int8),
-    pytest.param("gpt2-tiny", dict(dtype="fp16", int8=True, int8_mode="w8a8"), False, id="gpt2-fp16-w8a8", marks=int8),
-    pytest.param("llama-tiny", dict(dtype="bf16", int8=True, int8_group_size=16), True, id="llama-bf16-grouped-fp32",
-                 marks=int8),
+    pytest.param("llama-tiny", dict(dtype="fp16", int8=True), False, id="llama-fp16-w8a16"),
+    pytest.param("gpt2-tiny", dict(dtype="fp16", int8=True, int8_mode="w8a8"), False, id="gpt2-fp16-w8a8"),
+    pytest.param("llama-tiny", dict(dtype="bf16", int8=True, int8_group_size=16), True, id="llama-bf16-grouped-fp32"),
 ]
 
 
