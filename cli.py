@@ -169,6 +169,11 @@ def generate_cmd(
                 text = tok.decode(ids) if tok and i < len(prompt) else None
                 typer.echo(json.dumps({"prompt": i, "tokens": ids, "finish": res.finish_reasons[i],
                                        **({"text": text} if text is not None else {})}))
+        if engine.world > 1:
+            sys.stdout.flush()
+            from dsc.runtime.distributed import shutdown_process_group
+
+            shutdown_process_group()
     except UserError as e:
         _fail(str(e))
 
@@ -224,6 +229,11 @@ def bench_cmd(
                     iters=iters, cuda_graphs=not no_cuda_graphs)
     except UserError as e:
         _fail(str(e))
+    if res.get("tp", 1) > 1:
+        sys.stdout.flush()
+        from dsc.runtime.distributed import shutdown_process_group
+
+        shutdown_process_group()
     if res.get("rank", 0) != 0:
         return
     typer.echo(render(res))

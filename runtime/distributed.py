@@ -14,6 +14,13 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def shutdown_process_group() -> None:
+    """End a tensor-parallel run: wait until every rank is done, then tear the group down."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def ensure_process_group(device: torch.device, world: int, rank: int) -> None:
     if dist.is_initialized():
         return
