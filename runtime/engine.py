@@ -208,9 +208,7 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     load, one per batch bucket (cuda_graphs=False runs them eagerly). For tp > 1, call under
     torchrun: the process group is initialised here (NCCL on GPU, gloo on CPU) if it is not
     already, and each rank takes the GPU of its LOCAL_RANK."""
-    from dsc.runtime.artifact import open_artifact as _open
-
-    probe = _open(path, ranks=None, verify=False)  # every rank file present, before any rank loads
+    probe = open_artifact(path, ranks=None, verify=False)  # every rank file present, before any rank loads
     r, world = _dist_rank_world(probe, rank)
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # index below
