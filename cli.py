@@ -64,7 +64,7 @@ def compile_cmd(
     dtype: Optional[str] = typer.Option(None, help="fp16 | bf16 | fp32 (default: the checkpoint's)"),
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel ranks"),
     max_batch: Optional[int] = typer.Option(None, help="largest batch (KV-cache rows); default 8"),
-    max_seq: Optional[int] = typer.Option(None, help="longest sequence, prompt + generated; default 512"),
+    max_seq: Optional[int] = typer.Option(None, help="longest sequence, prompt + generated; default 512 (or max_position_embeddings, if smaller)"),
     config: Optional[Path] = typer.Option(None, "--config", help="dsc or DeepSpeed inference config (JSON)"),
     dump_passes: Optional[Path] = typer.Option(None, help="write the graph after every pass here"),
     verify: bool = typer.Option(False, "--verify", help="compare with transformers on sample prompts"),

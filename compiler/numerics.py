@@ -89,14 +89,17 @@ def _rank_main(rank: int, world: int, init_file: str, path: str, prompts, progra
     import torch.distributed as dist
 
     import dsc
+    from dsc.runtime.distributed import shutdown_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         engine = dsc.load(path, device="cpu")
         torch.save(record(engine, prompts, program), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        shutdown_process_group(barrier=False)
+        raise
+    shutdown_process_group()
 
 
 def capture(path: str | Path, prompts: Sequence[Sequence[int]], program: str = "prefill",

@@ -20,6 +20,13 @@ SHAPES = {
                                 num_key_value_heads=2, num_hidden_layers=3, vocab_size=509)),
     "llama-demo": ("llama", dict(hidden_size=256, intermediate_size=688, num_attention_heads=8,
                                  num_key_value_heads=4, num_hidden_layers=4, vocab_size=1024)),
+    # sliding-window attention: windows shorter than the tests' prompts plus new tokens;
+    # Qwen2's first layer (< max_window_layers) keeps full attention
+    "mistral-tiny": ("mistral", dict(hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                                     num_key_value_heads=2, num_hidden_layers=2, vocab_size=512, sliding_window=8)),
+    "qwen2-tiny": ("qwen2", dict(hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                                 num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
+                                 use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "gpt2-tiny": ("gpt2", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=512, n_positions=1024)),
     "gpt2-odd": ("gpt2", dict(n_embd=72, n_head=6, n_layer=3, vocab_size=509, n_positions=1024)),
     "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,

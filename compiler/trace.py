@@ -35,7 +35,11 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 def dsc_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: q [B,H,S,D], k/v [B,Hkv,S,D] -> ([B,S,H,D], None)."""
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    return torch.ops.dsc.causal_attention(query, key, value, kwargs["dsc_cache_pos"], scale), None
+    # sliding-window layers (Mistral, Qwen2's use_sliding_window) pass their window; it is
+    # recorded only where set, so full-attention graphs keep the five-argument form
+    window = kwargs.get("sliding_window") or 0
+    extra = (int(window),) if window else ()
+    return torch.ops.dsc.causal_attention(query, key, value, kwargs["dsc_cache_pos"], scale, *extra), None
 
 
 def _no_mask(*args, **kwargs):
@@ -88,6 +92,18 @@ def target_dtype(ckpt: Checkpoint, options) -> str:
     return d if d in _TORCH_DTYPES else "float32"
 
 
+def _static_rope(hf_config) -> None:
+    """Dynamic-NTK rotary ("rope_type": "dynamic") rescales its frequencies only once a sequence
+    grows past max_position_embeddings, a data-dependent branch torch.export cannot trace.
+    dsc never compiles a --max-seq beyond max_position_embeddings (compiler/validate.py), and
+    below it dynamic NTK computes exactly the unscaled table, so it is traced as plain RoPE."""
+    for attr in ("rope_parameters", "rope_scaling"):
+        rp = getattr(hf_config, attr, None)
+        if isinstance(rp, dict) and rp.get("rope_type", rp.get("type")) == "dynamic":
+            setattr(hf_config, attr, {k: v for k, v in rp.items() if k in ("rope_theta", "partial_rotary_factor")}
+                    | {"rope_type": "default"})
+
+
 def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -96,6 +112,7 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
         hf_config = AutoConfig.from_pretrained(ckpt.root)
     except (ValueError, TypeError, KeyError, OSError) as e:
         raise UserError(f"{ckpt.root / 'config.json'}: invalid config ({str(e).splitlines()[0]})")
+    _static_rope(hf_config)
     with _parameters_on_meta(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = AutoModelForCausalLM.from_config(hf_config, attn_implementation="dsc",

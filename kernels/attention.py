@@ -8,7 +8,9 @@ Layouts
     out:      [B, S, H, D]     (the layout Hugging Face attention functions return)
 
 Token i of sequence b sits at position cache_pos[b] + i; it attends to every cached key at a
-position <= its own.  Sequences in one prefill batch are right-padded: padded queries
+position <= its own, and with a sliding window W > 0 (Mistral, Qwen2's sliding layers) only to
+the W latest of those: key position j is visible to query position p iff p - W < j <= p (the
+rule transformers' masks use). The cache keeps every position; the window only masks.  Sequences in one prefill batch are right-padded: padded queries
 compute garbage that nothing reads, and their cache slots are overwritten by later decode
 steps before any valid query can see them.  Keys/values of tokens at positions >= Smax are
 not written (they do not fit); such a token attends to the whole cache.
@@ -48,9 +50,14 @@ import torch.nn.functional as F
 from dsc.kernels.launch import arch_of, next_power_of_2, planner, tuned
 
 
-def causal_attention_reference(q, k, v, cache_pos, scale):
+def causal_attention_reference(q, k, v, cache_pos, scale, window=0):
     # q: [B, H, S, D]; k, v: [B, Hkv, S, D] -> [B, S, H, D]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    if window:
+        i = torch.arange(q.shape[2], device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [S, S]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
 
 
@@ -63,13 +70,15 @@ def write_kv_cache_reference(k, v, k_cache, v_cache, cache_pos):
     v_cache[b, :, pos[b, i]] = v[b, :, i].to(v_cache.dtype)
 
 
-def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale):
+def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
     B, H, S, D = q.shape
     write_kv_cache_reference(k, v, k_cache, v_cache, cache_pos)
     kc, vc = k_cache[:B], v_cache[:B]  # [B, Hkv, Smax, D]
     q_pos = cache_pos[:, None] + torch.arange(S, device=q.device)  # [B, S]
     k_pos = torch.arange(kc.shape[2], device=q.device)  # [Smax]
     mask = k_pos[None, None, None, :] <= q_pos[:, None, :, None]  # [B, 1, S, Smax]
+    if window:
+        mask &= k_pos[None, None, None, :] > q_pos[:, None, :, None] - window
     out = F.scaled_dot_product_attention(
         q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -202,9 +211,9 @@ def _prefill_kernel(
     skc_b, skc_h, skc_s,  # k_cache [Bmax, Hkv, Smax, D]
     svc_b, svc_h, svc_s,
     so_b, so_s, so_h,  # out [B, S, H, D]
-    Hkv, S, Smax,
+    Hkv, S, Smax, window,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows start first
     bh = tl.program_id(1)
@@ -244,44 +253,68 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
 
-    # phase 1: the cached prefix, positions [0, n_old), visible to every row
-    n_old = tl.minimum(start, Smax)
-    n_old_full = (n_old // BLOCK_N) * BLOCK_N
-    for j0 in range(0, n_old_full, BLOCK_N):
-        offs_j = j0 + offs_n
-        ok = offs_j < n_old
-        k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, False)
-    for j0 in range(n_old_full, n_old, BLOCK_N):  # the partial last tile, if any
-        offs_j = j0 + offs_n
-        ok = offs_j < n_old
-        k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
-
-    # phase 2: the new tokens, causal (j <= qi) and only those with a cache slot (j < n_fit)
     i_min = (pid_m * BLOCK_M) // G
     i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
+    n_old = tl.minimum(start, Smax)
     hi = tl.minimum(i_max + 1, n_fit)  # no row of this tile sees a new key >= hi
-    free = (tl.minimum(i_min + 1, hi) // BLOCK_N) * BLOCK_N  # keys < free: visible to all rows
-    for j0 in range(0, free, BLOCK_N):
-        offs_j = j0 + offs_n
-        ok = offs_j < hi
-        k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        k = k.to(cache_ty).to(q.dtype)  # as if read back from the cache
-        v = v.to(cache_ty).to(q.dtype)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, ok[None, :], qk_scale, False)
-    for j0 in range(free, hi, BLOCK_N):
-        offs_j = j0 + offs_n
-        ok = offs_j < hi
-        k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        k = k.to(cache_ty).to(q.dtype)
-        v = v.to(cache_ty).to(q.dtype)
-        visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True)
+    if WINDOWED:
+        # row qi (position start + qi) sees positions (start + qi - window, start + qi]: every
+        # tile is masked, and tiles below the first row's window are skipped
+        lo_pos = tl.maximum(start + i_min - window + 1, 0)
+        lo_old = (tl.minimum(lo_pos, n_old) // BLOCK_N) * BLOCK_N
+        for j0 in range(lo_old, n_old, BLOCK_N):
+            offs_j = j0 + offs_n
+            ok = (offs_j < n_old) & (offs_j >= lo_pos)  # no row reads below lo_pos: not loaded
+            k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            visible = ok[None, :] & (offs_j[None, :] > (start + qi - window)[:, None])
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, True)
+        lo_new = (tl.minimum(tl.maximum(lo_pos - start, 0), hi) // BLOCK_N) * BLOCK_N
+        for j0 in range(lo_new, hi, BLOCK_N):
+            offs_j = j0 + offs_n
+            ok = offs_j < hi
+            k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            k = k.to(cache_ty).to(q.dtype)
+            v = v.to(cache_ty).to(q.dtype)
+            visible = ((offs_j[None, :] <= qi[:, None]) & (offs_j[None, :] > qi[:, None] - window)
+                       & ok[None, :])
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True)
+    else:
+        # phase 1: the cached prefix, positions [0, n_old), visible to every row
+        n_old_full = (n_old // BLOCK_N) * BLOCK_N
+        for j0 in range(0, n_old_full, BLOCK_N):
+            offs_j = j0 + offs_n
+            ok = offs_j < n_old
+            k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, False)
+        for j0 in range(n_old_full, n_old, BLOCK_N):  # the partial last tile, if any
+            offs_j = j0 + offs_n
+            ok = offs_j < n_old
+            k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
+
+        # phase 2: the new tokens, causal (j <= qi) and only those with a cache slot (j < n_fit)
+        free = (tl.minimum(i_min + 1, hi) // BLOCK_N) * BLOCK_N  # keys < free: visible to all rows
+        for j0 in range(0, free, BLOCK_N):
+            offs_j = j0 + offs_n
+            ok = offs_j < hi
+            k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            k = k.to(cache_ty).to(q.dtype)  # as if read back from the cache
+            v = v.to(cache_ty).to(q.dtype)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, ok[None, :], qk_scale, False)
+        for j0 in range(free, hi, BLOCK_N):
+            offs_j = j0 + offs_n
+            ok = offs_j < hi
+            k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            k = k.to(cache_ty).to(q.dtype)
+            v = v.to(cache_ty).to(q.dtype)
+            visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True)
 
     out = acc / l_i[:, None]
     _store_rows(OUT + b * so_b + qi[:, None] * so_s + qh[:, None] * so_h + offs_d[None, :],
@@ -305,18 +338,22 @@ def _decode_kernel(
     so_b, so_h,  # out [B, 1, H, D]
     sp_b, sp_h, sp_s,  # part_o [B, H, splits, D] fp32
     sl_b, sl_h,  # part_lse [B, H, splits] fp32
-    Hkv, Smax, min_split,
+    Hkv, Smax, min_split, window,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
     kvh = bh % Hkv
     pos = tl.load(POS + b).to(tl.int32)  # the new token's position
-    n_keys = tl.minimum(pos + 1, Smax)  # keys it sees: cache slots [0, n_keys)
-    split_len = _split_len(n_keys, tl.num_programs(1), min_split, BLOCK_N)
-    lo = split * split_len
+    n_keys = tl.minimum(pos + 1, Smax)  # keys it sees: cache slots [first, n_keys)
+    if WINDOWED:
+        first = tl.maximum(pos + 1 - window, 0)
+    else:
+        first = 0
+    split_len = _split_len(n_keys - first, tl.num_programs(1), min_split, BLOCK_N)
+    lo = first + split * split_len
     if lo >= n_keys:  # this split is past the sequence's end
         return
     hi = tl.minimum(tl.minimum(lo + split_len, pos), Smax)  # cached keys of this split: [lo, hi)
@@ -366,14 +403,17 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     PART_O, PART_LSE, POS, OUT,
     sp_b, sp_h, sp_s, sl_b, sl_h, so_b, so_h,
-    H, Smax, num_splits, min_split,
+    H, Smax, num_splits, min_split, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = bh % H
     pos = tl.load(POS + b).to(tl.int32)
     n_keys = tl.minimum(pos + 1, Smax)
+    if WINDOWED:
+        n_keys -= tl.maximum(pos + 1 - window, 0)
     n_splits = tl.cdiv(n_keys, _split_len(n_keys, num_splits, min_split, BLOCK_N))  # splits written
     splits = tl.arange(0, BLOCK_SPLITS)
     ok = splits < n_splits
@@ -411,7 +451,7 @@ def _last_contiguous(*ts):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
 
-def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, out=None, config=None):
+def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, out=None, config=None):
     """`attention` for any S (the prefill kernel); out [B, S, H, D] may be given (tests poison it)."""
     _check(q, k, v, k_cache, v_cache, cache_pos)
     _triton()
@@ -430,15 +470,16 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, out=None, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        Hkv, S, Smax,
+        Hkv, S, Smax, window,
         G=G, HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], WINDOWED=window > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
 
-def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, out=None, config=None, num_splits=None):
+def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, out=None, config=None,
+                     num_splits=None):
     """`attention` for S == 1 (flash-decoding). The grid depends on shapes only."""
     _check(q, k, v, k_cache, v_cache, cache_pos)
     if q.shape[2] != 1:
@@ -466,9 +507,9 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, out=None, c
         out.stride(0), out.stride(2),
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        Hkv, Smax, cfg["MIN_SPLIT"],
+        Hkv, Smax, cfg["MIN_SPLIT"], window,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
-        BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1,
+        BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
@@ -476,8 +517,9 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, out=None, c
             part_o, part_lse, cache_pos, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(2),
-            H, Smax, splits, cfg["MIN_SPLIT"],
+            H, Smax, splits, cfg["MIN_SPLIT"], window,
             HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=cfg["BLOCK_N"], BLOCK_SPLITS=max(2, next_power_of_2(splits)),
+            WINDOWED=window > 0,
             num_warps=4,
         )
     return out
@@ -487,13 +529,13 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, out=None, c
 # Ops
 @torch.library.custom_op("dsc::causal_attention", mutates_args=())
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_pos: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_pos: torch.Tensor, scale: float, window: int = 0
 ) -> torch.Tensor:
-    return causal_attention_reference(q, k, v, cache_pos, scale)
+    return causal_attention_reference(q, k, v, cache_pos, scale, window)
 
 
 @causal_attention.register_fake
-def _(q, k, v, cache_pos, scale):
+def _(q, k, v, cache_pos, scale, window=0):
     B, H, S, D = q.shape
     return q.new_empty(B, S, H, D)
 
@@ -507,25 +549,26 @@ def attention(
     v_cache: torch.Tensor,
     cache_pos: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale)
+    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window)
 
 
 @attention.register_kernel("cuda")
-def _(q, k, v, k_cache, v_cache, cache_pos, scale):
+def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
     if q.shape[2] == 1:
-        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale)
-    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale)
+        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window)
 
 
 @attention.register_fake
-def _(q, k, v, k_cache, v_cache, cache_pos, scale):
+def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
     B, H, S, D = q.shape
     return q.new_empty(B, S, H, D)
 
 
 @planner("dsc.attention.default")
-def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, arch):
+def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, arch):
     """The kernels and configs the CUDA implementation will launch. The decode batch is
     symbolic at compile time: splits are counted at batch 1 (the most splits, 2 launches)."""
     B, H, S, D = q.shape
@@ -534,7 +577,7 @@ def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, *, arch):
         cfg = attention_config("decode", D, arch)
         batch = B if isinstance(B, int) else 1
         splits = decode_num_splits(batch, Hkv, Smax, cfg, SM_COUNT.get(arch, SM_COUNT["sm_90"]))
-        return {"name": "triton.attention_decode", "config": {**cfg, "splits": splits, "splits_at_batch": batch},
-                "launches": 1 if splits == 1 else 2}
-    cfg = attention_config("prefill", D, arch)
-    return {"name": "triton.attention_prefill", "config": {**cfg, "group": H // Hkv}, "launches": 1}
+        cfg = {**cfg, "splits": splits, "splits_at_batch": batch, **({"window": window} if window else {})}
+        return {"name": "triton.attention_decode", "config": cfg, "launches": 1 if splits == 1 else 2}
+    cfg = {**attention_config("prefill", D, arch), "group": H // Hkv, **({"window": window} if window else {})}
+    return {"name": "triton.attention_prefill", "config": cfg, "launches": 1}

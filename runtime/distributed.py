@@ -2,31 +2,60 @@
 from __future__ import annotations
 
 import atexit
+import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+# The rendezvous store of a group this module started. Under torchrun the agent hosts the store
+# and every rank is a client. Under any other launcher that sets MASTER_ADDR/MASTER_PORT, rank 0
+# hosts it: torch's env:// rendezvous would make that a process-wide multi-tenant daemon that
+# lives until C++ static destruction at exit, where its thread can abort the process after a
+# successful run ("terminate called without an active exception", exit -6). Creating the
+# store here instead lets shutdown_process_group stop it, after every rank has passed the
+# final barrier.
+_store: dist.Store | None = None
 
-def _destroy_process_group() -> None:
-    # a rank that exits with the group still alive can abort in gloo/NCCL's background threads
-    # ("terminate called without an active exception"): tear it down explicitly
+
+def shutdown_process_group(barrier: bool = True) -> None:
+    """End a tensor-parallel run: wait until every rank is done, then tear the group down.
+
+    A rank that exits with the group alive, or tears it down while a peer still talks to it, can
+    abort in gloo's or NCCL's background threads. Pass barrier=False on an error path, where
+    the other ranks may be inside a different collective and a barrier would pair with it."""
+    global _store
     if dist.is_initialized():
+        if barrier:
+            try:
+                dist.barrier()
+            except Exception:  # a peer already died: its error is the one to report, not ours
+                pass
         dist.destroy_process_group()
+    _store = None
 
 
-def shutdown_process_group() -> None:
-    """End a tensor-parallel run: wait until every rank is done, then tear the group down."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+def _rendezvous_store(world: int, rank: int) -> dist.Store | None:
+    """A TCPStore for MASTER_ADDR:MASTER_PORT that this module owns, or None to let torch's
+    env:// rendezvous decide (under torchrun's agent store, or without MASTER_* set)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    return dist.TCPStore(addr, int(port), world, is_master=rank == 0, timeout=timedelta(minutes=10))
 
 
 def ensure_process_group(device: torch.device, world: int, rank: int) -> None:
+    global _store
     if dist.is_initialized():
         return
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", world_size=world, rank=rank, device_id=device)
-    else:
-        dist.init_process_group("gloo", world_size=world, rank=rank)
-    atexit.register(_destroy_process_group)
+    _store = _rendezvous_store(world, rank)
+    kwargs = {"store": _store} if _store is not None else {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, world_size=world, rank=rank, **kwargs)
+    atexit.register(shutdown_process_group)

@@ -31,6 +31,7 @@ class Case:
     Bmax: int = 0  # cache rows (0: B + 1, so one row must stay untouched)
     config: dict | None = field(default=None, hash=False)  # None: attention_config's table
     num_splits: int | None = None  # decode only; None: decode_num_splits's heuristic
+    window: int = 0  # sliding window (0: none)
 
 
 SMALL_PREFILL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -63,6 +64,16 @@ CASES = {
     "decode-d48": Case("decode", 2, 4, 2, 1, 48, 37, (9, 36), config=SMALL_DECODE, num_splits=3),
     # more splits than a sequence has tiles: most exit at once, the reduce skips them
     "decode-many-splits": Case("decode", 2, 4, 2, 1, 16, 70, (36, 69), config=SMALL_DECODE, num_splits=7),
+    # sliding window: keys below each query's window are skipped (their slots are poisoned);
+    # windows shorter and longer than a tile, cached prefixes inside and beyond the window
+    "prefill-window-fresh": Case("prefill", 3, 6, 2, 23, 16, 61, (0, 0, 0), config=SMALL_PREFILL, window=5),
+    "prefill-window-chunked": Case("prefill", 3, 6, 2, 23, 32, 61, (0, 9, 33), config=SMALL_PREFILL, window=20),
+    "prefill-window-long": Case("prefill", 2, 4, 1, 9, 16, 61, (3, 40), config=SMALL_PREFILL, window=37),
+    "prefill-window-table-config": Case("prefill", 2, 6, 2, 13, 32, 37, (0, 4), window=7),
+    "decode-window": Case("decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), config=SMALL_DECODE, num_splits=3, window=20),
+    "decode-window-one-split": Case("decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), window=9),
+    "decode-window-many-splits": Case("decode", 2, 4, 2, 1, 16, 70, (36, 69), config=SMALL_DECODE,
+                                      num_splits=7, window=33),
 }
 DTYPES = ("float32", "float16")
 TOL = {"float32": 2e-5, "float16": 2e-3}  # max |kernel - fp32 reference| / max(1, |reference|)
@@ -84,6 +95,8 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     end = cache_pos[:, None] + S  # [B, 1]
     unread = torch.ones(Bmax, Smax, dtype=torch.bool)
     unread[:B] = torch.arange(Smax)[None, :] >= end
+    if case.window:  # below the first new token's window
+        unread[:B] |= torch.arange(Smax)[None, :] <= cache_pos[:, None] - case.window
     k_cache.masked_fill_(unread[:, None, :, None], float("nan"))
     v_cache.masked_fill_(unread[:, None, :, None], float("nan"))
     out = torch.full((B, S, H, D), float("nan"), dtype=dtype)
@@ -91,13 +104,14 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     want_k, want_v = k_cache.clone(), v_cache.clone()
     A.write_kv_cache_reference(k, v, want_k, want_v, cache_pos)
     ref = A.attention_reference(q.float(), k.float(), v.float(), k_cache.float().nan_to_num(),
-                                v_cache.float().nan_to_num(), cache_pos, D**-0.5)
+                                v_cache.float().nan_to_num(), cache_pos, D**-0.5, case.window)
 
     if case.kind == "prefill":
-        A.prefill_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, out=out, config=case.config)
+        A.prefill_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, out=out,
+                            config=case.config)
     else:
-        A.decode_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, out=out, config=case.config,
-                           num_splits=case.num_splits)
+        A.decode_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, out=out,
+                           config=case.config, num_splits=case.num_splits)
     problems = []
     for name, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
         if not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
@@ -146,15 +160,25 @@ def _compile_sm90() -> None:
         pre, dec = A.PREFILL_CONFIGS[("sm_90", 128)], A.DECODE_CONFIGS[("sm_90", 128)]
         jobs = {  # the sm_90 table entries at Llama-8B's shapes (G = 32 / 8), plus a padded head_dim
             "prefill": (A._prefill_kernel, t, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=pre["BLOCK_M"],
-                                                   BLOCK_N=pre["BLOCK_N"]),
+                                                   BLOCK_N=pre["BLOCK_N"], WINDOWED=False),
                         dict(num_warps=pre["num_warps"], num_stages=pre["num_stages"])),
             "decode": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
-                                                       BLOCK_N=dec["BLOCK_N"]),
+                                                       BLOCK_N=dec["BLOCK_N"], WINDOWED=False),
                        dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
             "decode-d80": (A._decode_kernel, t | f32, dict(G=1, HEAD_DIM=80, BLOCK_D=128, BLOCK_H=16, SPLIT=False,
-                                                           BLOCK_N=64), dict(num_warps=4, num_stages=2)),
-            "reduce": (A._decode_reduce_kernel, t | f32, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, BLOCK_SPLITS=32),
-                       dict(num_warps=4)),
+                                                           BLOCK_N=64, WINDOWED=False), dict(num_warps=4, num_stages=2)),
+            "reduce": (A._decode_reduce_kernel, t | f32, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, BLOCK_SPLITS=32,
+                                                               WINDOWED=False), dict(num_warps=4)),
+            # sliding window (Mistral's shapes: 32 heads, 8 kv heads, head_dim 128)
+            "prefill-window": (A._prefill_kernel, t, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=pre["BLOCK_M"],
+                                                          BLOCK_N=pre["BLOCK_N"], WINDOWED=True),
+                               dict(num_warps=pre["num_warps"], num_stages=pre["num_stages"])),
+            "decode-window": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
+                                                              BLOCK_N=dec["BLOCK_N"], WINDOWED=True),
+                              dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
+            "reduce-window": (A._decode_reduce_kernel, t | f32, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
+                                                                      BLOCK_SPLITS=32, WINDOWED=True),
+                              dict(num_warps=4)),
         }
         for name, (fn, ptrs, consts, options) in jobs.items():
             try:
@@ -195,7 +219,8 @@ def test_kernel_matches_reference(interpreter_report, case, dtype):
     assert interpreter_report[f"{case}/{dtype}"] == "ok"
 
 
-@pytest.mark.parametrize("kernel", ["prefill", "decode", "decode-d80", "reduce"])
+@pytest.mark.parametrize("kernel", ["prefill", "decode", "decode-d80", "reduce", "prefill-window", "decode-window",
+                                    "reduce-window"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_kernel_compiles_for_sm90(sm90_report, kernel, dtype):
     assert sm90_report[f"{kernel}/{dtype}"] == "ok"

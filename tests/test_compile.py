@@ -63,6 +63,48 @@ def test_fp32_generation_matches_transformers(shape, compile_artifact, make_chec
         assert plan_ops(art, program).count("dsc.attention.default") == layers
 
 
+# Rotary variants real Llama-family configs use (Llama 3.1+/3.2: "llama3"). Their frequency tables
+# are computed by transformers' own code at trace time; "dynamic" (NTK) is traced as plain RoPE,
+# which it equals up to max_position_embeddings (the default --max-seq is clamped to it: 64 here).
+ROPE = {
+    "llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                   rope_theta=500000.0),
+    "linear": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    "dynamic": dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=64),
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPE))
+def test_scaled_rope_matches_transformers(rope, compile_artifact, make_checkpoint):
+    art = compile_artifact("llama-tiny", ckpt_kwargs=ROPE[rope], dtype="fp32")
+    ps = prompts(vocab=512, lengths=(21, 9))  # past original_max_position_embeddings
+    report = verify_artifact(art, make_checkpoint("llama-tiny", **ROPE[rope]), prompts=ps, new_tokens=8)
+    assert report.tokens_equal, f"greedy tokens differ:\n{report.ref_tokens}\n{report.dsc_tokens}"
+    assert report.max_abs_err <= FP32_ATOL, report.summary()
+    if rope == "dynamic":
+        assert json.loads((art / "plan.json").read_text())["limits"]["max_seq"] == 64
+
+
+# Mistral: every layer has an 8-token sliding window; Qwen2 (use_sliding_window,
+# max_window_layers=1): layer 0 attends to everything, layer 1 to a window of 8. The prompts
+# (up to 13 tokens) plus 8 new tokens run past the window in prefill and in decode.
+WINDOWS = {"mistral-tiny": [8, 8], "qwen2-tiny": [0, 8]}
+
+
+@pytest.mark.parametrize("shape", list(WINDOWS))
+def test_sliding_window_generation_matches_transformers(shape, compile_artifact, make_checkpoint):
+    art = compile_artifact(shape, dtype="fp32")
+    plan = json.loads((art / "plan.json").read_text())
+    for program in ("prefill", "decode"):
+        attn = [n for n in plan["programs"][program]["nodes"] if n.get("op") == "dsc.attention.default"]
+        assert [n["kernel"]["config"].get("window", 0) for n in attn] == WINDOWS[shape]
+    report = verify_artifact(art, make_checkpoint(shape), prompts=prompts(vocab=512), new_tokens=8)
+    assert report.tokens_equal, f"greedy tokens differ:\n{report.ref_tokens}\n{report.dsc_tokens}"
+    assert report.max_abs_err <= FP32_ATOL, report.summary()
+
+
 @pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-odd"])
 @torch.no_grad()
 def test_bf16_logits_match_transformers_bf16(shape, compile_artifact, make_checkpoint):

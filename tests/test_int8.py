@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 import dsc
 from dsc.compiler.verify import sample_prompts
 from dsc.errors import UserError
+from dsc.runtime.distributed import shutdown_process_group
 from dsc.kernels.int8 import sqnr_db
 
 OUTLIERS = {"outlier_channels": 4}
@@ -359,9 +360,9 @@ def _rank_main(rank: int, world: int, store: str, jobs: dict, queue) -> None:
                           for name, (art, prompts, tokens) in jobs.items()}))
     except BaseException as e:
         queue.put((rank, f"{type(e).__name__}: {e}"))
+        shutdown_process_group(barrier=False)
         raise
-    finally:
-        dist.destroy_process_group()
+    shutdown_process_group()
 
 
 def spawn_ranks(world: int, jobs: dict) -> dict:

@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 import dsc
 from dsc.errors import UserError
+from dsc.runtime.distributed import shutdown_process_group
 
 PROMPTS = [[5, 17, 300, 42, 7, 99, 100, 3, 8, 250, 11], [11, 12], [400, 401, 402, 403, 9], [7]]
 NEW = 6
@@ -57,9 +58,9 @@ def _rank_main(rank: int, world: int, store: str, jobs: dict, queue) -> None:
         queue.put((rank, out))
     except BaseException as e:
         queue.put((rank, f"{type(e).__name__}: {e}"))
+        shutdown_process_group(barrier=False)
         raise
-    finally:
-        dist.destroy_process_group()
+    shutdown_process_group()
 
 
 def spawn_ranks(world: int, jobs: dict) -> dict[int, dict]:
