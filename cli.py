@@ -215,6 +215,8 @@ def bench_cmd(
     iters: int = typer.Option(50, help="timed decode steps per batch size"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="eager decode steps"),
     as_json: Optional[Path] = typer.Option(None, "--json", help="also write results here"),
+    profile: bool = typer.Option(False, "--profile", help="also profile decode steps at the smallest batch: "
+                                 "time per kernel, time between kernels, bandwidth per plan node"),
 ) -> None:
     """Time an artifact: load + capture, decode per batch, prefill, bandwidth, memory."""
     from dsc.runtime.bench import bench, render
@@ -226,7 +228,7 @@ def bench_cmd(
             _relaunch_under_torchrun(open_artifact(artifact, ranks=[], verify=False).tp)
             return
         res = bench(artifact, device=device, batches=batch, prefill_lens=prefill, context=context,
-                    iters=iters, cuda_graphs=not no_cuda_graphs)
+                    iters=iters, cuda_graphs=not no_cuda_graphs, profile=profile)
     except UserError as e:
         _fail(str(e))
     if res.get("tp", 1) > 1:

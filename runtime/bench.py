@@ -71,7 +71,7 @@ def decode_bytes(engine, batch: int, context: int) -> dict[str, int]:
 
 
 def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), prefill_lens=(128, 2048),
-          context: int = 128, iters: int = 50, cuda_graphs: bool = True) -> dict:
+          context: int = 128, iters: int = 50, cuda_graphs: bool = True, profile: bool = False) -> dict:
     import dsc
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -116,6 +116,10 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
         res["decode"][b] = {"ms_per_step": s * 1e3, "tokens_per_s": b / s, "bytes": nbytes["total"],
                             "weight_bytes": nbytes["weights"], "kv_bytes": nbytes["kv_cache"],
                             "achieved_bw": nbytes["total"] / s, "fraction_of_read_bw": nbytes["total"] / s / READ_BW_H200}
+    if profile and res["decode"]:
+        from dsc.runtime.profile import profile_decode
+
+        res["profile"] = profile_decode(engine, batch=min(res["decode"]), context=context)
     for n in prefill_lens:
         if n >= engine.max_seq:
             continue
@@ -144,4 +148,8 @@ def render(res: dict) -> str:
                      f"{d['achieved_bw'] / 1e9:>8.1f} {100 * d['fraction_of_read_bw']:>14.1f}%")
     for n, d in res["prefill"].items():
         lines.append(f"prefill {n:>5} tokens: {d['ms']:.2f} ms ({d['tokens_per_s']:.0f} tok/s)")
+    if res.get("profile"):
+        from dsc.runtime.profile import render_profile
+
+        lines.append(render_profile(res["profile"]))
     return "\n".join(lines)

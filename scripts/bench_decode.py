@@ -75,6 +75,8 @@ def main() -> int:
     ap.add_argument("--max-seq", type=int, default=2304)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run of the script itself)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile decode at the smallest batch: per-kernel and per-plan-node times")
     args = ap.parse_args()
     import dsc
     from dsc.compiler.random_checkpoint import make_random_checkpoint
@@ -95,7 +97,7 @@ def main() -> int:
     print(f"[{tag}] compiled in {time.perf_counter() - t:.1f}s", flush=True)
     res = {"shape": args.shape, "dtype": args.dtype, "int8": args.int8, "context": args.context}
     res["dsc"] = bench(art, device=args.device, batches=batches, context=args.context,
-                       prefill_lens=[int(p) for p in args.prefill.split(",")])
+                       prefill_lens=[int(p) for p in args.prefill.split(",")], profile=args.profile)
     print(render(res["dsc"]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,87 @@
+"""`dsc bench` and its profiler on CPU: the table, the JSON, the bytes a decode step reads, and
+the per-kernel profile's bookkeeping (the GPU timings themselves come from scripts/ on a GPU)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+import dsc
+from dsc.cli import app
+from dsc.runtime.bench import decode_bytes
+from dsc.runtime.profile import _plan_launches, attribute
+
+
+def _rank_bytes(art) -> dict[str, int]:
+    with safe_open(art / "rank0.safetensors", "pt") as f:
+        return {k: f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_bytes_counts_every_matmul_weight_once_and_gathered_rows(compile_artifact, batch):
+    art = compile_artifact("llama-tiny", dtype="fp32")  # untied: the embedding is only gathered
+    engine = dsc.load(art, device="cpu")
+    sizes = _rank_bytes(art)
+    emb = "model.embed_tokens.weight"
+    vocab, hidden = engine.weights[emb].shape
+    want_w = sum(sizes.values()) - sizes[emb] + batch * hidden * 4
+    kv = engine.plan["kv_cache"]
+    _, hkv, _, d = kv["shape"]
+    want_kv = 2 * kv["layers"] * batch * hkv * 10 * d * 4
+    got = decode_bytes(engine, batch, 10)
+    assert (got["weights"], got["kv_cache"], got["total"]) == (want_w, want_kv, want_w + want_kv)
+    assert sizes[emb] == vocab * hidden * 4
+
+
+def test_bench_cli_writes_table_json_and_profile(compile_artifact, tmp_path):
+    art = compile_artifact("llama-tiny", dtype="fp32")
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(app, ["bench", str(art), "--batch", "1", "--batch", "2", "--prefill", "8",
+                                 "--context", "8", "--iters", "3", "--json", str(out), "--profile"])
+    assert r.exit_code == 0, r.output
+    assert "ms/step" in r.output and "prefill     8 tokens" in r.output and "profile: decode batch 1" in r.output
+    res = json.loads(out.read_text())
+    assert set(res["decode"]) == {"1", "2"} and set(res["prefill"]) == {"8"}
+    for d in res["decode"].values():
+        assert d["ms_per_step"] > 0 and d["tokens_per_s"] > 0 and d["bytes"] == d["weight_bytes"] + d["kv_bytes"]
+    prof = res["profile"]
+    layers = json.loads((art / "plan.json").read_text())["model"]["layers"]
+    ops = {r["name"]: r for r in prof["by_name"]}
+    assert ops["dsc::attention"]["launches"] == layers  # one attention per layer per step
+    assert 0 < prof["busy_us"] <= prof["step_us"] * 1.05
+
+
+def test_profile_attributes_kernels_to_plan_nodes_only_when_they_line_up(compile_artifact):
+    art = compile_artifact("llama-tiny", dtype="fp32")
+    engine = dsc.load(art, device="cpu")
+    plan = _plan_launches(engine, batch=1, context=9)
+    nodes = engine.plan["programs"]["decode"]["nodes"]
+    assert len(plan) == sum(n["kernel"]["launches"] for n in nodes if n["kind"] == "call")
+    # two steps of fake kernels, each taking (launch index + 1) us
+    kernels = [(f"k{i}", float(i + 1)) for _ in range(2) for i in range(len(plan))]
+    rows = {r["node"]: r for r in attribute(kernels, plan, steps=2)}
+    assert sum(r["us"] for r in rows.values()) == pytest.approx(sum(i + 1 for i in range(len(plan))))
+    assert sum(r["bytes"] for r in rows.values()) == sum(p["bytes"] for p in plan)
+    attn = next(n for n in nodes if n.get("op") == "dsc.attention.default")
+    kv = engine.plan["kv_cache"]
+    assert rows[attn["name"]]["bytes"] == 2 * kv["shape"][1] * 9 * kv["shape"][3] * 4  # K and V of 9 positions
+    lm_head = [r for r in rows.values() if r["bytes"] == engine.weights["lm_head.weight"].numel() * 4]
+    assert lm_head and all(r["bw"] == pytest.approx(r["bytes"] / (r["us"] * 1e-6)) for r in lm_head)
+    assert attribute(kernels[:-1], plan, steps=2) is None  # a launch the plan does not know of: no guessing
+    assert attribute([], plan, steps=2) is None
+
+
+def test_bench_on_a_missing_artifact_is_one_clear_line(tmp_path):
+    r = CliRunner().invoke(app, ["bench", str(tmp_path / "nope")])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert str(tmp_path / "nope") in r.output
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
