@@ -203,6 +203,26 @@ def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr
 
 
 @_jit_on_first_use
+def _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d, visible, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """Attend to cache slots offs_j (rows with ok false read 0)."""
+    k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+    v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, MASKED)
+
+
+@_jit_on_first_use
+def _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d, visible, qk_scale, cache_ty,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """Attend to new tokens offs_j, rounded through the cache dtype as if read back from it."""
+    k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+    v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+    k = k.to(cache_ty).to(q.dtype)
+    v = v.to(cache_ty).to(q.dtype)
+    return _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED)
+
+
+@_jit_on_first_use
 def _prefill_kernel(
     Q, K, V, KC, VC, POS, OUT, qk_scale,
     sq_b, sq_h, sq_s,  # q [B, H, S, D]; the last stride of every tensor is 1
@@ -253,11 +273,11 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
 
-    i_min = (pid_m * BLOCK_M) // G
-    i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
     n_old = tl.minimum(start, Smax)
-    hi = tl.minimum(i_max + 1, n_fit)  # no row of this tile sees a new key >= hi
     if WINDOWED:
+        i_min = (pid_m * BLOCK_M) // G
+        i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
+        hi = tl.minimum(i_max + 1, n_fit)  # no row of this tile sees a new key >= hi
         # row qi (position start + qi) sees positions (start + qi - window, start + qi]: every
         # tile is masked, and tiles below the first row's window are skipped
         lo_pos = tl.maximum(start + i_min - window + 1, 0)
@@ -265,56 +285,48 @@ def _prefill_kernel(
         for j0 in range(lo_old, n_old, BLOCK_N):
             offs_j = j0 + offs_n
             ok = (offs_j < n_old) & (offs_j >= lo_pos)  # no row reads below lo_pos: not loaded
-            k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
             visible = ok[None, :] & (offs_j[None, :] > (start + qi - window)[:, None])
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, True)
+            acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
+                                           visible, qk_scale, HEAD_DIM, BLOCK_D, True)
         lo_new = (tl.minimum(tl.maximum(lo_pos - start, 0), hi) // BLOCK_N) * BLOCK_N
         for j0 in range(lo_new, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
-            k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            k = k.to(cache_ty).to(q.dtype)
-            v = v.to(cache_ty).to(q.dtype)
             visible = ((offs_j[None, :] <= qi[:, None]) & (offs_j[None, :] > qi[:, None] - window)
                        & ok[None, :])
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True)
+            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
+                                        visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True)
     else:
-        # phase 1: the cached prefix, positions [0, n_old), visible to every row
+        # phase 1: the cached prefix, positions [0, n_old), visible to every row; full tiles
+        # unmasked, then the partial last tile, if any
         n_old_full = (n_old // BLOCK_N) * BLOCK_N
         for j0 in range(0, n_old_full, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < n_old
-            k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, False)
-        for j0 in range(n_old_full, n_old, BLOCK_N):  # the partial last tile, if any
+            acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
+                                           ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, False)
+        for j0 in range(n_old_full, n_old, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < n_old
-            k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
+            acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
+                                           ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, True)
 
         # phase 2: the new tokens, causal (j <= qi) and only those with a cache slot (j < n_fit)
+        i_min = (pid_m * BLOCK_M) // G
+        i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
+        hi = tl.minimum(i_max + 1, n_fit)  # no row of this tile sees a new key >= hi
         free = (tl.minimum(i_min + 1, hi) // BLOCK_N) * BLOCK_N  # keys < free: visible to all rows
         for j0 in range(0, free, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
-            k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            k = k.to(cache_ty).to(q.dtype)  # as if read back from the cache
-            v = v.to(cache_ty).to(q.dtype)
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, ok[None, :], qk_scale, False)
+            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
+                                        ok[None, :], qk_scale, cache_ty, HEAD_DIM, BLOCK_D, False)
         for j0 in range(free, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
-            k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-            k = k.to(cache_ty).to(q.dtype)
-            v = v.to(cache_ty).to(q.dtype)
             visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True)
+            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
+                                        visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True)
 
     out = acc / l_i[:, None]
     _store_rows(OUT + b * so_b + qi[:, None] * so_s + qh[:, None] * so_h + offs_d[None, :],
