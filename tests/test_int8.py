@@ -10,8 +10,6 @@ few channels of every norm weight 30x (activation outlier channels, what SmoothQ
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from safetensors.torch import load_file, save_file
 import dsc
 from dsc.compiler.verify import sample_prompts
 from dsc.errors import UserError
-from dsc.runtime.distributed import shutdown_process_group
+from ranks import spawn_ranks
 from dsc.kernels.int8 import sqnr_db
 
 OUTLIERS = {"outlier_channels": 4}
@@ -349,44 +347,9 @@ def test_inspect_shows_the_report(compile_artifact, capsys):
 
 
 # -- tensor parallel ---------------------------------------------------------------------------
-def _rank_main(rank: int, world: int, store: str, jobs: dict, queue) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        queue.put((rank, {name: (teacher_forced(art, prompts, tokens)[0].numpy(),
-                                 position_logits(art, prompts, STEPS).numpy())
-                          for name, (art, prompts, tokens) in jobs.items()}))
-    except BaseException as e:
-        queue.put((rank, f"{type(e).__name__}: {e}"))
-        shutdown_process_group(barrier=False)
-        raise
-    shutdown_process_group()
-
-
-def spawn_ranks(world: int, jobs: dict) -> dict:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, f"{d}/store", jobs, queue)) for r in range(world)]
-        try:
-            for p in procs:
-                p.start()
-            results = dict(queue.get(timeout=300) for _ in range(world))
-        finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
-            os.environ.pop("OMP_NUM_THREADS") if old is None else os.environ.__setitem__("OMP_NUM_THREADS", old)
-    bad = {r: v for r, v in results.items() if isinstance(v, str)}
-    assert not bad, bad
-    return results
+def _rank_work(rank: int, jobs: dict) -> dict:
+    return {name: (teacher_forced(art, prompts, tokens)[0].numpy(), position_logits(art, prompts, STEPS).numpy())
+            for name, (art, prompts, tokens) in jobs.items()}
 
 
 TP_SPAWNED = [  # (shape, tp, options), run by the runtime in spawned gloo ranks
@@ -437,7 +400,7 @@ def tp_logits(compile_artifact, reference):
         else:
             jobs[key] = (art, prompts, tokens)
             out[key] = (one, None, None)
-    res = spawn_ranks(2, jobs)
+    res = spawn_ranks(2, _rank_work, jobs)
     for key in jobs:
         per_rank = [torch.from_numpy(res[r][key][0]) for r in range(2)]
         out[key] = (out[key][0], per_rank[0], per_rank)

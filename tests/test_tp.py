@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,11 @@ from safetensors import safe_open
 
 import dsc
 from dsc.errors import UserError
-from dsc.runtime.distributed import shutdown_process_group
+from ranks import ENV, spawn_ranks
 
 PROMPTS = [[5, 17, 300, 42, 7, 99, 100, 3, 8, 250, 11], [11, 12], [400, 401, 402, 403, 9], [7]]
 NEW = 6
 CASES = [("llama-tiny", 2), ("llama-tiny", 4), ("gpt2-tiny", 2), ("gpt2-tiny", 4), ("llama-odd", 2)]
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def teacher_forced(engine, ref_tokens: list[list[int]]) -> torch.Tensor:
@@ -39,53 +37,18 @@ def teacher_forced(engine, ref_tokens: list[list[int]]) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _rank_main(rank: int, world: int, store: str, jobs: dict, queue) -> None:
+def _rank_work(rank: int, jobs: dict) -> dict:
     """One rank: load each artifact through the Python API and run the same work as tp=1."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        out = {}
-        for name, (art, ref_tokens) in jobs.items():
-            e = dsc.load(art, device="cpu")
-            greedy = e.generate(PROMPTS, max_new_tokens=NEW, stop_tokens=[]).tokens
-            logits = teacher_forced(e, ref_tokens).numpy()
-            # a different seed on every rank: only the broadcast from rank 0 keeps them in step
-            sampled = e.generate(PROMPTS, max_new_tokens=NEW, temperature=0.9, top_k=50, top_p=0.95,
-                                 seed=100 + rank, stop_tokens=[]).tokens
-            out[name] = (greedy, logits, sampled, e.rank, e.world)
-        queue.put((rank, out))
-    except BaseException as e:
-        queue.put((rank, f"{type(e).__name__}: {e}"))
-        shutdown_process_group(barrier=False)
-        raise
-    shutdown_process_group()
-
-
-def spawn_ranks(world: int, jobs: dict) -> dict[int, dict]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    old = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, f"{d}/store", jobs, queue)) for r in range(world)]
-        try:
-            for p in procs:
-                p.start()
-            results = dict(queue.get(timeout=300) for _ in range(world))
-        finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
-            for k, v in old.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    bad = {r: v for r, v in results.items() if isinstance(v, str)}
-    assert not bad, bad
-    return results
+    out = {}
+    for name, (art, ref_tokens) in jobs.items():
+        e = dsc.load(art, device="cpu")
+        greedy = e.generate(PROMPTS, max_new_tokens=NEW, stop_tokens=[]).tokens
+        logits = teacher_forced(e, ref_tokens).numpy()
+        # a different seed on every rank: only the broadcast from rank 0 keeps them in step
+        sampled = e.generate(PROMPTS, max_new_tokens=NEW, temperature=0.9, top_k=50, top_p=0.95,
+                             seed=100 + rank, stop_tokens=[]).tokens
+        out[name] = (greedy, logits, sampled, e.rank, e.world)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +68,7 @@ def ranks(compile_artifact, reference):
     out = {}
     for tp in sorted({tp for _, tp in CASES}):
         jobs = {s: (str(compile_artifact(s, dtype="fp32", tp=tp)), reference[s][0]) for s, t in CASES if t == tp}
-        out[tp] = spawn_ranks(tp, jobs)
+        out[tp] = spawn_ranks(tp, _rank_work, jobs)
     return out
 
 
