@@ -52,7 +52,7 @@ def load_attention():
 A = load_attention()
 
 
-def make(B, S, Smax, cache_pos, Bmax=None, seed=0):
+def make(B, S, Smax, cache_pos, Bmax=None, seed=0, window=0):
     """Inputs with NaN in every cache slot this call must not read or write."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     Bmax = Bmax or B
@@ -62,15 +62,17 @@ def make(B, S, Smax, cache_pos, Bmax=None, seed=0):
     cache_pos = torch.tensor(cache_pos, device=DEVICE, dtype=torch.int64)
     unread = torch.ones(Bmax, Smax, dtype=torch.bool, device=DEVICE)
     unread[:B] = torch.arange(Smax, device=DEVICE)[None, :] >= (cache_pos[:, None] + S)
+    if window:  # below the first new token's window
+        unread[:B] |= torch.arange(Smax, device=DEVICE)[None, :] <= cache_pos[:, None] - window
     k_cache.masked_fill_(unread[:, None, :, None], float("nan"))
     v_cache.masked_fill_(unread[:, None, :, None], float("nan"))
     return q, k, v, k_cache, v_cache, cache_pos
 
 
-def reference(q, k, v, k_cache, v_cache, cache_pos, dtype):
+def reference(q, k, v, k_cache, v_cache, cache_pos, dtype, window=0):
     """(out, k_cache, v_cache) of attention_reference computed in `dtype` on clean copies."""
     kc, vc = k_cache.nan_to_num().to(dtype), v_cache.nan_to_num().to(dtype)
-    out = A.attention_reference(q.to(dtype), k.to(dtype), v.to(dtype), kc, vc, cache_pos, D**-0.5)
+    out = A.attention_reference(q.to(dtype), k.to(dtype), v.to(dtype), kc, vc, cache_pos, D**-0.5, window)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     A.write_kv_cache_reference(k, v, want_k, want_v, cache_pos)
     return out, want_k, want_v
@@ -80,13 +82,13 @@ def rel_err(x, ref):
     return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def check(name, run, B, S, Smax, cache_pos, Bmax=None):
+def check(name, run, B, S, Smax, cache_pos, Bmax=None, window=0):
     t0 = time.time()
-    q, k, v, k_cache, v_cache, pos = make(B, S, Smax, cache_pos, Bmax)
-    ref32, want_k, want_v = reference(q, k, v, k_cache, v_cache, pos, torch.float32)
-    ref16 = reference(q, k, v, k_cache, v_cache, pos, DTYPE)[0]
+    q, k, v, k_cache, v_cache, pos = make(B, S, Smax, cache_pos, Bmax, window=window)
+    ref32, want_k, want_v = reference(q, k, v, k_cache, v_cache, pos, torch.float32, window)
+    ref16 = reference(q, k, v, k_cache, v_cache, pos, DTYPE, window)[0]
     out = torch.full((B, S, H, D), float("nan"), device=DEVICE, dtype=DTYPE)
-    run(q, k, v, k_cache, v_cache, pos, D**-0.5, out=out)
+    run(q, k, v, k_cache, v_cache, pos, D**-0.5, window, out=out)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     err, err_bf16 = rel_err(out, ref32), rel_err(ref16, ref32)
@@ -180,6 +182,14 @@ def main():
     rows.append(check("decode B4 Smax8192 past the cache end", Dd, 4, 1, n(8192), [n(8192), n(9000), n(8192) - 1, n(100)]))
     rows.append(check("decode B8 Smax8192 one split", lambda *a, **kw: A.decode_attention(*a, num_splits=1, **kw),
                       8, 1, n(8192), lengths(8, n(8192), 5)))
+    # sliding window (Mistral-7B-v0.1: 4096): prompts and contexts longer than the window
+    W = n(4096)
+    rows.append(check("prefill B1 S8192 fresh, window 4096", P, 1, n(8192), n(8192), [0], window=W))
+    rows.append(check("prefill B2 S777 chunked, window 4096", P, 2, n(777), n(8192), [n(3001), n(6000)], window=W))
+    rows.append(check("decode B8 Smax8192 varied lengths, window 4096", Dd, 8, 1, n(8192), lengths(8, n(8192), 8),
+                      Bmax=9, window=W))
+    rows.append(check("decode B1 Smax8192 len 8000, window 4096, one split",
+                      lambda *a, **kw: A.decode_attention(*a, num_splits=1, **kw), 1, 1, n(8192), [n(8000)], window=W))
     if not smoke:
         rows += check_op_dispatch()
         rows += check_cuda_graph()
