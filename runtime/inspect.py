@@ -73,12 +73,15 @@ def describe(path: str | Path) -> dict:
         ranks[r] = {"tensors": len(h), "bytes": f.stat().st_size, "bytes_by_dtype": dict(sorted(by_dtype.items()))}
     from dsc.runtime.memory_plan import workspace_bytes
 
+    attn = [n for n in plan["programs"].get("decode", {"nodes": []})["nodes"] if n.get("op") == "dsc.attention.default"]
+    windows = Counter((n.get("kernel") or {}).get("config", {}).get("window", 0) for n in attn)
     buckets = plan["limits"].get("decode_buckets") or [plan["limits"]["max_batch"]]
     workspace = {b: workspace_bytes(plan, "decode", b) for b in buckets}
     return {"path": str(path), "decode_buckets": buckets, "decode_workspace": workspace, "format_version": man["format_version"], "versions": man.get("versions"),
             "source": man.get("source", {}).get("model"), "model_type": plan["model"]["model_type"],
             "dtype": plan["model"]["dtype"], "tp": plan["tp"], "options": man.get("options"),
             "limits": plan["limits"], "kv_cache": plan.get("kv_cache"), "programs": programs,
+            "attention_windows": {str(w): c for w, c in sorted(windows.items())},
             "ranks": ranks, "passes": plan.get("passes", {}), "notes": plan.get("notes", {}),
             "extra": {k: man[k] for k in ("int8_report",) if k in man}}
 
@@ -102,6 +105,10 @@ def render(info: dict) -> None:
     kv = info["kv_cache"]
     if kv:
         c.print(f"kv cache: {kv['layers']} layers x 2 x {kv['shape']} {kv['dtype']}")
+    windows = {int(w): n for w, n in info.get("attention_windows", {}).items()}
+    if any(windows):
+        c.print("attention: " + ", ".join(f"{n} layer{'s' * (n != 1)} " + (f"sliding window {w}" if w else "full")
+                                          for w, n in sorted(windows.items())))
     c.print("decode buckets (CUDA graphs): " + ", ".join(
         f"{b} (workspace {_fmt_bytes(w)})" for b, w in info["decode_workspace"].items()))
     for name, p in info["programs"].items():

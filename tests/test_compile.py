@@ -100,6 +100,9 @@ def test_sliding_window_generation_matches_transformers(shape, compile_artifact,
     for program in ("prefill", "decode"):
         attn = [n for n in plan["programs"][program]["nodes"] if n.get("op") == "dsc.attention.default"]
         assert [n["kernel"]["config"].get("window", 0) for n in attn] == WINDOWS[shape]
+    from dsc.runtime.inspect import describe
+
+    assert describe(art)["attention_windows"] == {str(w): WINDOWS[shape].count(w) for w in set(WINDOWS[shape])}
     report = verify_artifact(art, make_checkpoint(shape), prompts=prompts(vocab=512), new_tokens=8)
     assert report.tokens_equal, f"greedy tokens differ:\n{report.ref_tokens}\n{report.dsc_tokens}"
     assert report.max_abs_err <= FP32_ATOL, report.summary()
