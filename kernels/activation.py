@@ -2,10 +2,14 @@
 
     swiglu(gate, up)         -> silu(gate) * up      gate, up: [..., N] (strided views of one
                                                       fused gate_up output are read in place)
-    gelu(x, approximate)     -> GELU, "none" (erf) or "tanh"      x: [..., N]
+    gelu(x, approximate[, bias]) -> GELU(x + bias), "none" (erf) or "tanh"   x: [..., N], bias: [N]
+                                (the bias of the linear before it, which fuse_activation moves
+                                here: at batch 1 cuBLAS has no bias epilogue, so an unfused
+                                bias costs a launch)
 Outputs are contiguous. A program covers BLOCK columns of one row; every input byte is read
 once and every output byte written once. Numerics: fp32 inside; swiglu rounds silu(gate) to
-the input dtype before the multiply, as the unfused `act_fn(gate) * up` does in 16-bit.
+the input dtype before the multiply, as the unfused `act_fn(gate) * up` does in 16-bit; gelu
+rounds x + bias to the input dtype first, as the linear's output was.
 """
 from __future__ import annotations
 
@@ -28,11 +32,14 @@ def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr
     tl.store(Y + row * stride_y + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
 
 
-def _gelu_kernel(X, Y, stride_x, stride_y, N, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr):
+def _gelu_kernel(X, B, Y, stride_x, stride_y, N, APPROX_TANH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # x + bias, rounded as the linear's biased output
+        x = (x + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)).to(Y.dtype.element_ty).to(tl.float32)
     if APPROX_TANH:  # tanh(z) = 2 sigmoid(2z) - 1
         z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         y = 0.5 * x * (2.0 * tl.sigmoid(2.0 * z))
@@ -49,7 +56,9 @@ def elementwise_config(kernel: str, n: int, arch: str) -> dict:
     return tuned(kernel, f"N{width}", arch, default)
 
 
-def _launch(kernel, kname: str, ins: list[torch.Tensor], n: int, config: dict | None, **const):
+def _launch(kernel, kname: str, ins: list[torch.Tensor], n: int, config: dict | None,
+            vectors: tuple[torch.Tensor, ...] = (), **const):
+    """ins: [..., n] tensors (row-strided); vectors: [n] tensors passed after them."""
     rows_ins = [rows_of(t) for t in ins]
     rows = rows_ins[0][1]
     y = torch.empty(ins[0].shape, dtype=ins[0].dtype, device=ins[0].device)
@@ -57,7 +66,7 @@ def _launch(kernel, kname: str, ins: list[torch.Tensor], n: int, config: dict | 
     if rows and n:
         num_warps = cfg.pop("num_warps")
         grid = (rows, cdiv(n, cfg["BLOCK"]))
-        jit(kernel)[grid](*(t for t, _, _ in rows_ins), y, *(st for _, _, st in rows_ins), n, n,
+        jit(kernel)[grid](*(t for t, _, _ in rows_ins), *vectors, y, *(st for _, _, st in rows_ins), n, n,
                           num_warps=num_warps, **cfg, **const)
     return y
 
@@ -69,10 +78,14 @@ def swiglu_triton(gate, up, config: dict | None = None):
     return _launch(_swiglu_kernel, "swiglu", [gate, up], gate.shape[-1], config)
 
 
-def gelu_triton(x, approximate: str = "none", config: dict | None = None):
+def gelu_triton(x, approximate: str = "none", bias=None, config: dict | None = None):
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return _launch(_gelu_kernel, "gelu", [x], x.shape[-1], config, APPROX_TANH=approximate == "tanh")
+    if bias is not None and (bias.shape != (x.shape[-1],) or bias.dtype != x.dtype):
+        raise ValueError(f"gelu: bias must be {x.dtype}[{x.shape[-1]}], got {bias.dtype}{list(bias.shape)}")
+    vec = bias.contiguous() if bias is not None else x
+    return _launch(_gelu_kernel, "gelu", [x], x.shape[-1], config, vectors=(vec,),
+                   APPROX_TANH=approximate == "tanh", HAS_BIAS=bias is not None)
 
 
 # -- references -------------------------------------------------------------------------------
@@ -80,8 +93,8 @@ def swiglu_reference(gate, up):
     return F.silu(gate) * up
 
 
-def gelu_reference(x, approximate="none"):
-    return F.gelu(x, approximate=approximate)
+def gelu_reference(x, approximate="none", bias=None):
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
 
 
 # -- custom ops -------------------------------------------------------------------------------
@@ -101,17 +114,17 @@ def _(gate, up):
 
 
 @torch.library.custom_op("dsc::gelu", mutates_args=())
-def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    return gelu_reference(x, approximate)
+def gelu(x: torch.Tensor, approximate: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return gelu_reference(x, approximate, bias)
 
 
 @gelu.register_kernel("cuda")
-def _(x, approximate):
-    return gelu_triton(x, approximate)
+def _(x, approximate, bias=None):
+    return gelu_triton(x, approximate, bias)
 
 
 @gelu.register_fake
-def _(x, approximate):
+def _(x, approximate, bias=None):
     return x.new_empty(x.shape)
 
 
@@ -122,6 +135,6 @@ def _plan_swiglu(gate, up, *, arch):
 
 
 @planner("dsc.gelu.default")
-def _plan_gelu(x, approximate, *, arch):
-    cfg = elementwise_config("gelu", x.shape[-1], arch)
-    return {"name": "triton.gelu", "config": {**cfg, "approximate": approximate}, "launches": 1}
+def _plan_gelu(x, approximate, bias=None, *, arch):
+    cfg = {**elementwise_config("gelu", x.shape[-1], arch), "approximate": approximate}
+    return {"name": "triton.gelu", "config": {**cfg, **({"bias": True} if bias is not None else {})}, "launches": 1}

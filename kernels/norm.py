@@ -3,8 +3,11 @@
 
     rmsnorm(x, weight, eps)                          -> y
     add_rmsnorm(x, residual, weight, eps)            -> (s, y)   s = x + residual, y = norm(s)
-    add_layernorm(x, residual, weight, bias, eps)    -> (s, y)
-    x, residual, s, y: [..., N]; weight, bias: [N]; all one dtype. s and y are contiguous.
+    add_layernorm(x, residual, weight, bias, eps[, x_bias]) -> (s, y)  s = (x + x_bias) + residual
+    x, residual, s, y: [..., N]; weight, bias, x_bias: [N]; all one dtype. s and y are contiguous.
+x_bias is the bias of the linear that produced x, which fuse_add_norm moves here (at batch 1
+cuBLAS has no bias epilogue, so an unfused bias costs a launch); x + x_bias is rounded to the
+dtype before the residual add, as the linear's biased output was.
 
 One kernel reads x and residual once and writes s (the next residual) and y once: a row per
 program, the whole row in registers (N <= 65536). Numerics follow Hugging Face's modules in
@@ -40,12 +43,16 @@ def _rmsnorm_kernel(X, R, W, S, Y, stride_x, stride_r, stride_s, stride_y, N, ep
     tl.store(Y + row * stride_y + cols, (w * y).to(Y.dtype.element_ty), mask=mask)
 
 
-def _layernorm_kernel(X, R, W, B, S, Y, stride_x, stride_r, stride_s, stride_y, N, eps,
-                      HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _layernorm_kernel(X, R, W, B, XB, S, Y, stride_x, stride_r, stride_s, stride_y, N, eps,
+                      HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_XBIAS: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_XBIAS:
+        xb = tl.load(XB + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + xb.to(tl.float32)).to(x.dtype)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
@@ -69,19 +76,21 @@ def norm_config(kernel: str, n: int, arch: str) -> dict:
 
 
 # -- wrappers ---------------------------------------------------------------------------------
-def _check(x, residual, weight, bias):
+def _check(x, residual, weight, bias, x_bias=None):
     n = x.shape[-1]
     if n > MAX_N:
         raise ValueError(f"norm kernels hold a row in registers: N={n} > {MAX_N}")
-    if weight.shape != (n,) or (bias is not None and bias.shape != (n,)):
+    if weight.shape != (n,) or (bias is not None and bias.shape != (n,)) or (x_bias is not None and x_bias.shape != (n,)):
         raise ValueError(f"norm: weight/bias must be [{n}], got {list(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"norm: residual {residual.dtype}{list(residual.shape)} != x {x.dtype}{list(x.shape)}")
 
 
-def add_norm_triton(kind: str, x, residual, weight, bias, eps: float, config: dict | None = None):
+def add_norm_triton(kind: str, x, residual, weight, bias, eps: float, config: dict | None = None, x_bias=None):
     """Launch the rmsnorm ("rms") or layernorm ("layer") kernel: returns (s or None, y)."""
-    _check(x, residual, weight, bias)
+    _check(x, residual, weight, bias, x_bias)
+    if x_bias is not None and kind == "rms":
+        raise ValueError("norm: x_bias is supported with layernorm only")
     n = x.shape[-1]
     x, rows, sx = rows_of(x)
     r, _, sr = rows_of(residual) if residual is not None else (x, rows, sx)
@@ -96,8 +105,9 @@ def add_norm_triton(kind: str, x, residual, weight, bias, eps: float, config: di
             jit(_rmsnorm_kernel)[(rows,)](x, r, weight.contiguous(), s, y, sx, sr, n, n, n, eps, **common)
         else:
             b = bias.contiguous() if bias is not None else weight
-            jit(_layernorm_kernel)[(rows,)](x, r, weight.contiguous(), b, s, y, sx, sr, n, n, n, eps,
-                                             HAS_BIAS=bias is not None, **common)
+            xb = x_bias.contiguous() if x_bias is not None else weight
+            jit(_layernorm_kernel)[(rows,)](x, r, weight.contiguous(), b, xb, s, y, sx, sr, n, n, n, eps,
+                                             HAS_BIAS=bias is not None, HAS_XBIAS=x_bias is not None, **common)
     return (s if residual is not None else None), y
 
 
@@ -113,8 +123,8 @@ def add_rmsnorm_reference(x, residual, weight, eps):
     return s, rmsnorm_reference(s, weight, eps)
 
 
-def add_layernorm_reference(x, residual, weight, bias, eps):
-    s = x + residual
+def add_layernorm_reference(x, residual, weight, bias, eps, x_bias=None):
+    s = (x if x_bias is None else x + x_bias) + residual
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
 
 
@@ -151,18 +161,18 @@ def _(x, residual, weight, eps):
 
 
 @torch.library.custom_op("dsc::add_layernorm", mutates_args=())
-def add_layernorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return add_layernorm_reference(x, residual, weight, bias, eps)
+def add_layernorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  eps: float, x_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return add_layernorm_reference(x, residual, weight, bias, eps, x_bias)
 
 
 @add_layernorm.register_kernel("cuda")
-def _(x, residual, weight, bias, eps):
-    return add_norm_triton("layer", x, residual, weight, bias, eps)
+def _(x, residual, weight, bias, eps, x_bias=None):
+    return add_norm_triton("layer", x, residual, weight, bias, eps, x_bias=x_bias)
 
 
 @add_layernorm.register_fake
-def _(x, residual, weight, bias, eps):
+def _(x, residual, weight, bias, eps, x_bias=None):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
@@ -178,5 +188,7 @@ def _plan_add_rmsnorm(x, residual, weight, eps, *, arch):
 
 
 @planner("dsc.add_layernorm.default")
-def _plan_add_layernorm(x, residual, weight, bias, eps, *, arch):
-    return {"name": "triton.add_layernorm", "config": norm_config("add_layernorm", x.shape[-1], arch), "launches": 1}
+def _plan_add_layernorm(x, residual, weight, bias, eps, x_bias=None, *, arch):
+    cfg = norm_config("add_layernorm", x.shape[-1], arch)
+    return {"name": "triton.add_layernorm", "config": {**cfg, **({"x_bias": True} if x_bias is not None else {})},
+            "launches": 1}

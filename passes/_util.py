@@ -33,3 +33,44 @@ def bypass(node: fx.Node, keep: fx.Node) -> None:
     """Remove node, routing its users to `keep`."""
     node.replace_all_uses_with(keep)
     node.graph.erase_node(node)
+
+
+def take_bias(value: Any, consumer: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """Detach the bias from `value` for `consumer` to add instead (its only user), or None.
+
+    value = linear(x, W, b)  -> the same linear without b (rewritten in place), b
+    value = add(t, b) / add(b, t), b a [N] vector over t's last dim (a row-parallel linear's
+            bias, added once after its all-reduce)  -> t, b  (the add dies with its last use)
+    value = view(v) of such a v, N kept last (the [rows, N] linear viewed back)  -> value, b
+    The consumer then computes f(value' + b); where value' is rounded to the dtype first, as
+    the unfused linear's output was. At batch 1 cuBLAS has no bias epilogue (torch runs a copy
+    of the bias and a GEMV), so each bias moved into a kernel that runs anyway saves a launch."""
+    if not isinstance(value, fx.Node) or list(value.users) != [consumer]:
+        return None
+    vv = value.meta.get("val")
+    if not isinstance(vv, torch.Tensor):
+        return None
+    if is_call(value, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        # canonicalize's [rows, N] linear viewed back to [..., N]: the bias still runs along N
+        src = value.args[0]
+        vs = getattr(src, "meta", {}).get("val")
+        if isinstance(vs, torch.Tensor) and vs.dim() >= 1 and vs.shape[-1] == vv.shape[-1]:
+            taken = take_bias(src, value)
+            if not taken:
+                return None
+            if taken[0] is not src:  # the bias add is bypassed: view its input instead
+                value.replace_input_with(src, taken[0])
+            return value, taken[1]
+        return None
+    if is_call(value, aten.linear.default) and len(value.args) == 3 and value.args[2] is not None \
+            and not value.kwargs:
+        x, w, b = value.args
+        value.args = (x, w)
+        return value, b
+    if is_call(value, aten.add.Tensor) and len(value.args) == 2 and not value.kwargs:
+        for t, b in (value.args, value.args[::-1]):
+            vt, vb = getattr(t, "meta", {}).get("val"), getattr(b, "meta", {}).get("val")
+            if isinstance(vt, torch.Tensor) and isinstance(vb, torch.Tensor) and vt.shape == vv.shape \
+                    and vt.dtype == vv.dtype and tuple(vb.shape) == (vv.shape[-1],) and vb.dtype == vv.dtype:
+                return t, b
+    return None

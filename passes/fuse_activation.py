@@ -6,6 +6,9 @@ Matches / rewrites (each counted under `fuse_activation.<rule>`):
   gelu_tanh  0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))  (GPT-2's gelu_new)
              -> dsc.gelu(x, "tanh")
   gelu       aten.gelu(x, approximate=a)   -> dsc.gelu(x, a)
+  bias       dsc.gelu(linear(h, W, b), a)  -> dsc.gelu(linear(h, W), a, b)  (GPT-2's c_fc; also
+             a bias added after a sharded linear): one launch fewer at batch 1, where cuBLAS
+             has no bias epilogue
 Requires: canonicalize (fuse_projections first, so swiglu reads the fused output).
 Guarantees: one launch per activation; the kernel computes in fp32 (closer to exact than
   the op-by-op 16-bit chain it replaces; equal in fp32 up to rounding).
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 
 from dsc.compiler.ir import Model
 from dsc.passes._pattern import Pattern, insert_fused
-from dsc.passes._util import aten, is_call
+from dsc.passes._util import aten, is_call, take_bias
 
 dsc = torch.ops.dsc
 
@@ -53,5 +56,11 @@ def fuse_activation(model: Model) -> Model:
             insert_fused(graph, dsc.gelu.default, (n.args[0], approximate), [n])
             graph.erase_node(n)
             model.counters["fuse_activation.gelu"] += 1
+        graph.eliminate_dead_code()
+        for n in [n for n in graph.nodes if is_call(n, dsc.gelu.default) and len(n.args) == 2]:
+            taken = take_bias(n.args[0], n)
+            if taken:
+                n.args = (taken[0], n.args[1], taken[1])
+                model.counters["fuse_activation.bias"] += 1
         graph.eliminate_dead_code()
     return model

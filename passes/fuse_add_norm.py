@@ -5,6 +5,10 @@ Matches / rewrites (each counted under `fuse_add_norm.<rule>`):
   rmsnorm        y = RMSNorm(x), x not such an add     -> y = dsc.rmsnorm(x, weight, eps)
   add_layernorm  s = a + b; y = aten.layer_norm(s, [N], weight, bias, eps)
                                                        -> s, y = dsc.add_layernorm(a, b, weight, bias, eps)
+  bias           add_layernorm(linear(h, W, b), r, ...) -> add_layernorm(linear(h, W), r, ..., x_bias=b)
+                 (GPT-2's attention and MLP output projections; also a bias added after a
+                 row-parallel linear's all-reduce): one launch fewer at batch 1, where cuBLAS
+                 has no bias epilogue
   RMSNorm is `rmsnorm_pattern` (LlamaRMSNorm; Mistral and Qwen2 write the same), with or without
   its fp32 casts. A LayerNorm without an add before it stays aten.layer_norm (one launch already).
 Requires: canonicalize ran (one spelling of casts). a and b have the add's shape and dtype
@@ -20,7 +24,7 @@ import torch.fx as fx
 
 from dsc.compiler.ir import Model
 from dsc.passes._pattern import Pattern, insert_fused
-from dsc.passes._util import aten, is_call
+from dsc.passes._util import aten, is_call, take_bias
 
 dsc = torch.ops.dsc
 _EPS = 1.2345e-7  # stands for any eps in the traced pattern
@@ -86,9 +90,22 @@ def _fuse_layernorms(model: Model, graph: fx.Graph) -> None:
         model.counters["fuse_add_norm.add_layernorm"] += 1
 
 
+def _fold_biases(model: Model, graph: fx.Graph) -> None:
+    for n in [n for n in graph.nodes if is_call(n, dsc.add_layernorm.default) and len(n.args) == 5]:
+        a, b, *rest = n.args
+        for value, other in ((a, b), (b, a)):  # the sum is symmetric: the biased addend goes first
+            taken = take_bias(value, n)
+            if taken:
+                n.args = (taken[0], other, *rest, taken[1])
+                model.counters["fuse_add_norm.bias"] += 1
+                break
+
+
 def fuse_add_norm(model: Model) -> Model:
     for _, graph in model.graphs():
         _fuse_rmsnorms(model, graph)
         _fuse_layernorms(model, graph)
+        graph.eliminate_dead_code()
+        _fold_biases(model, graph)
         graph.eliminate_dead_code()
     return model

@@ -6,7 +6,10 @@ call_function node, which serialize writes into plan.json:
   host         sym_size and Python scalar ops on sizes                    -> "host", 0 launches
   maybe-copy   reshape/flatten: 0 launches when the input's strides allow a view, else a
                copy kernel (1); clone/contiguous always copy
-  linear       aten.linear -> "cublas.gemm" {N, K, bias}, 1 launch (bias in the epilogue)
+  linear       aten.linear -> "cublas.gemm" {N, K, bias}, 1 launch; with a bias 2 in the decode
+               program, counted at batch 1 like the rest of it: torch uses cuBLASLt's bias
+               epilogue only for M > 1, and at M = 1 copies the bias into the output first
+               (fuse_add_norm / fuse_activation move most biases into the next kernel)
   dsc ops      the planner the op's kernel file registers (kernels/launch.py: `planner`),
                config from kernels/tuning.json for the target arch
   other aten   one eager torch kernel: "aten.<op>", 1 launch
@@ -81,7 +84,7 @@ FALLBACK_PLANNERS = {
 }
 
 
-def plan_node(node: fx.Node, arch: str) -> dict:
+def plan_node(node: fx.Node, arch: str, program: str = "prefill") -> dict:
     t = node.target
     name = op_name(t)
     if t in VIEWS:
@@ -94,7 +97,8 @@ def plan_node(node: fx.Node, arch: str) -> dict:
     if t is aten.linear.default:
         w = _val(node.args[1])
         bias = len(node.args) > 2 and node.args[2] is not None
-        return {"name": "cublas.gemm", "config": {"N": w.shape[0], "K": w.shape[1], "bias": bias}, "launches": 1}
+        return {"name": "cublas.gemm", "config": {"N": w.shape[0], "K": w.shape[1], "bias": bias},
+                "launches": 2 if bias and program == "decode" else 1}
     plan = PLANNERS.get(name) or FALLBACK_PLANNERS.get(name)
     if plan is not None:
         args = [_val(a) if isinstance(a, fx.Node) else a for a in node.args]
@@ -104,10 +108,10 @@ def plan_node(node: fx.Node, arch: str) -> dict:
 
 def plan_kernels(model: Model) -> Model:
     arch = TARGET_ARCH
-    for _, graph in model.graphs():
+    for program, graph in model.graphs():
         for n in graph.nodes:
             if n.op == "call_function":
-                n.meta["kernel"] = plan_node(n, arch)
+                n.meta["kernel"] = plan_node(n, arch, program)
     summary = {}
     for p, g in model.graphs():
         counts = launches([n for n in program_nodes(g, model.sym_names) if n["kind"] == "call"])

@@ -75,6 +75,13 @@ def cases(dtype):
                 w, b = rand(g, n, dtype=dtype), rand(g, n, dtype=dtype)
                 return NORM.add_norm_triton("layer", x, r, w, b, 1e-5), NORM.add_layernorm_reference(x, r, w, b, 1e-5)
             out[f"add_layernorm rows={rows} N={n}"] = add_ln
+
+            def add_ln_xbias(g, rows=rows, n=n):  # GPT-2's output projections: their bias moved here
+                x, r = rand(g, rows, n, dtype=dtype), rand(g, rows, n, dtype=dtype, scale=2)
+                w, b, xb = rand(g, n, dtype=dtype), rand(g, n, dtype=dtype), rand(g, n, dtype=dtype)
+                return (NORM.add_norm_triton("layer", x, r, w, b, 1e-5, x_bias=xb),
+                        NORM.add_layernorm_reference(x, r, w, b, 1e-5, xb))
+            out[f"add_layernorm+x_bias rows={rows} N={n}"] = add_ln_xbias
     for rows in (1, 7, s(4096, 9)):
         def swiglu(g, rows=rows):
             gu = rand(g, rows, 2 * I, dtype=dtype, scale=2)  # the fused gate_up output; slices read in place
@@ -86,6 +93,11 @@ def cases(dtype):
                 x = rand(g, rows, n, dtype=dtype, scale=3)
                 return (ACT.gelu_triton(x, approx),), (ACT.gelu_reference(x, approx),)
             out[f"gelu-{approx} rows={rows} N={n}"] = gelu
+
+            def gelu_bias(g, rows=rows, n=n, approx=approx):  # GPT-2's c_fc bias moved here
+                x, b = rand(g, rows, n, dtype=dtype, scale=3), rand(g, n, dtype=dtype)
+                return (ACT.gelu_triton(x, approx, b),), (ACT.gelu_reference(x, approx, b),)
+            out[f"gelu-{approx}+bias rows={rows} N={n}"] = gelu_bias
     for B, S in ((1, 1), (32, 1), (2, s(2048, 5)), (1, s(8192, 11))):
         def rotary(g, B=B, S=S):
             qkv = rand(g, B, S, (H + 2 * HKV) * D, dtype=dtype)  # [B, S, (H+2Hkv)D], as the fused linear writes

@@ -27,7 +27,7 @@ def _t(gen, *shape, dtype):
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
-def _norm(kind, shape, residual, bias, noncontig=False):
+def _norm(kind, shape, residual, bias, noncontig=False, x_bias=False):
     def case(dt, g):
         from dsc.kernels import norm
 
@@ -39,11 +39,12 @@ def _norm(kind, shape, residual, bias, noncontig=False):
         w = (1 + 0.1 * _t(g, n, dtype=torch.float32)).to(dt)
         b = _t(g, n, dtype=dt) if bias else None
         eps = 1e-6 if kind == "rms" else 1e-5
-        s, y = norm.add_norm_triton(kind, x, r, w, b, eps)
+        xb = _t(g, n, dtype=dt) if x_bias else None
+        s, y = norm.add_norm_triton(kind, x, r, w, b, eps, x_bias=xb)
         if kind == "rms":
             want = norm.add_rmsnorm_reference(x, r, w, eps) if residual else (None, norm.rmsnorm_reference(x, w, eps))
         else:
-            want = norm.add_layernorm_reference(x, r, w, b, eps)
+            want = norm.add_layernorm_reference(x, r, w, b, eps, xb)
         return [t for t in (s, y) if t is not None], [t for t in want if t is not None]
     return case
 
@@ -62,12 +63,13 @@ def _swiglu(shape, fused):
     return case
 
 
-def _gelu(shape, approximate):
+def _gelu(shape, approximate, bias=False):
     def case(dt, g):
         from dsc.kernels import activation
 
         x = 3 * _t(g, *shape, dtype=dt)
-        return [activation.gelu_triton(x, approximate)], [activation.gelu_reference(x, approximate)]
+        b = _t(g, shape[-1], dtype=dt) if bias else None
+        return [activation.gelu_triton(x, approximate, b)], [activation.gelu_reference(x, approximate, b)]
     return case
 
 
@@ -93,10 +95,15 @@ CASES = {
     "add_rmsnorm-0x72": _norm("rms", (0, 72), residual=True, bias=False),
     "add_layernorm-7x200": _norm("layer", (7, 200), residual=True, bias=True),
     "add_layernorm-nobias-7x72": _norm("layer", (7, 72), residual=True, bias=False),
+    "add_layernorm-xbias-7x200": _norm("layer", (7, 200), residual=True, bias=True, x_bias=True),
+    "add_layernorm-xbias-noncontig-3x5x72": _norm("layer", (3, 5, 72), residual=True, bias=True, x_bias=True,
+                                                  noncontig=True),
     "swiglu-fused-3x5x200": _swiglu((3, 5, 200), fused=True),
     "swiglu-7x72": _swiglu((7, 72), fused=False),
     "gelu-erf-7x200": _gelu((7, 200), "none"),
     "gelu-tanh-2x3x72": _gelu((2, 3, 72), "tanh"),
+    "gelu-tanh-bias-2x3x72": _gelu((2, 3, 72), "tanh", bias=True),
+    "gelu-erf-bias-7x200": _gelu((7, 200), "none", bias=True),
     "rotary-prefill-B2S3-H6/2-D12": _rotary(2, 3, 6, 2, 12),
     "rotary-decode-B3S1-H4/2-D16": _rotary(3, 1, 4, 2, 16),
     "rotary-B1S5-H5/1-D72": _rotary(1, 5, 5, 1, 72),
@@ -132,15 +139,17 @@ def aot_cases():
         norm_args = {**ptr("X R W S Y", ty), **ints("stride_x stride_r stride_s stride_y N"), "eps": "fp32"}
         out[f"rmsnorm-{t}"] = (norm._rmsnorm_kernel, norm_args, dict(HAS_RESIDUAL=False, BLOCK_N=4096), 8)
         out[f"add_rmsnorm-{t}"] = (norm._rmsnorm_kernel, norm_args, dict(HAS_RESIDUAL=True, BLOCK_N=4096), 8)
-        ln_args = {**ptr("X R W B S Y", ty), **ints("stride_x stride_r stride_s stride_y N"), "eps": "fp32"}
-        out[f"add_layernorm-{t}"] = (norm._layernorm_kernel, ln_args,
-                                     dict(HAS_RESIDUAL=True, HAS_BIAS=True, BLOCK_N=2048), 8)
+        ln_args = {**ptr("X R W B XB S Y", ty), **ints("stride_x stride_r stride_s stride_y N"), "eps": "fp32"}
+        for xb in (False, True):
+            out[f"add_layernorm{'-xbias' if xb else ''}-{t}"] = (
+                norm._layernorm_kernel, ln_args, dict(HAS_RESIDUAL=True, HAS_BIAS=True, HAS_XBIAS=xb, BLOCK_N=2048), 8)
         out[f"swiglu-{t}"] = (activation._swiglu_kernel, {**ptr("G U Y", ty), **ints("stride_g stride_u stride_y N")},
                               dict(BLOCK=1024), 4)
         for approx in (False, True):
-            out[f"gelu-{'tanh' if approx else 'erf'}-{t}"] = (
-                activation._gelu_kernel, {**ptr("X Y", ty), **ints("stride_x stride_y N")},
-                dict(APPROX_TANH=approx, BLOCK=1024), 4)
+            for bias in (False, True):
+                out[f"gelu-{'tanh' if approx else 'erf'}{'-bias' if bias else ''}-{t}"] = (
+                    activation._gelu_kernel, {**ptr("X B Y", ty), **ints("stride_x stride_y N")},
+                    dict(APPROX_TANH=approx, HAS_BIAS=bias, BLOCK=1024), 4)
         rot_args = {**ptr("Q K COS SIN QO KO", ty),
                     **ints("sq_b sq_h sq_s sk_b sk_h sk_s sc_b sc_s ss_b ss_s S HQ HK HALF")}
         out[f"rotary-{t}"] = (rotary._rotary_kernel, rot_args, dict(BLOCK_H=8, BLOCK_D=64), 4)

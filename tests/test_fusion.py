@@ -38,7 +38,7 @@ GOLDEN = Path(__file__).parent / "golden"
 FIRES = {
     "llama": {"fuse_projections.linear", "fuse_add_norm.add_rmsnorm", "fuse_add_norm.rmsnorm",
               "fuse_rotary.rotary_qk", "fuse_activation.swiglu"},
-    "gpt2": {"fuse_add_norm.add_layernorm", "fuse_activation.gelu_tanh"},
+    "gpt2": {"fuse_add_norm.add_layernorm", "fuse_activation.gelu_tanh", "fuse_add_norm.bias", "fuse_activation.bias"},
 }
 OPS = {
     "llama": {"dsc.add_rmsnorm.default", "dsc.rmsnorm.default", "dsc.rotary.default", "dsc.swiglu.default"},
@@ -294,6 +294,23 @@ def test_fusions_with_tp2_and_int8(compile_artifact, make_checkpoint, tmp_path):
     assert all(plan["passes"].get(rule, 0) > 0 for rule in FIRES["llama"])
     res = run_ranks(art, ckpt, tmp_path)
     assert sqnr_db(hf_last_logits(ckpt, res["prompts"]), res["logits"]) >= 20
+
+
+def test_gpt2_biases_move_into_the_next_kernel(compile_artifact):
+    """At batch 1 a biased cuBLAS linear is two launches (a bias copy, then the GEMV): the
+    output projections' biases move into add_layernorm, c_fc's into gelu; c_attn keeps its own."""
+    plan = plan_of(compile_artifact("gpt2-tiny", dtype="fp32"))
+    nodes = plan["programs"]["decode"]["nodes"]
+    biased = {n["name"].split(".h.0.")[-1]: n["kernel"]["config"]["bias"] for n in nodes
+              if n.get("op") == "aten.linear.default" and ".h.0." in n["name"]}
+    assert biased == {"attn.c_attn.linear": True, "attn.c_proj.linear": False, "mlp.c_fc.linear": False,
+                      "mlp.c_proj.linear": False}
+    c_attn = next(n for n in nodes if n["name"].endswith("h.0.attn.c_attn.linear"))
+    assert c_attn["kernel"]["launches"] == 2
+    ln = [n for n in nodes if n.get("op") == "dsc.add_layernorm.default"]
+    assert all(n["kernel"]["config"].get("x_bias") for n in ln[1:])  # all but the embeddings' sum
+    assert all(n["kernel"]["config"].get("bias") for n in nodes if n.get("op") == "dsc.gelu.default")
+    assert plan["notes"]["kernels"]["launches"]["decode"]["launches_per_layer"] == 10
 
 
 def test_plan_counts_copies_honestly():
