@@ -42,8 +42,8 @@ def take_bias(value: Any, consumer: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     value = add(t, b) / add(b, t), b a [N] vector over t's last dim (a row-parallel linear's
             bias, added once after its all-reduce)  -> t, b  (the add dies with its last use)
     value = view(v) of such a v, N kept last (the [rows, N] linear viewed back)  -> value, b
-    The consumer then computes f(value' + b); where value' is rounded to the dtype first, as
-    the unfused linear's output was. At batch 1 cuBLAS has no bias epilogue (torch runs a copy
+    The consumer then computes f(value' + b), rounding value' + b to the dtype first as the
+    unfused linear's output was. At batch 1 cuBLAS has no bias epilogue (torch runs a copy
     of the bias and a GEMV), so each bias moved into a kernel that runs anyway saves a launch."""
     if not isinstance(value, fx.Node) or list(value.users) != [consumer]:
         return None

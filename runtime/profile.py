@@ -45,7 +45,11 @@ def _plan_launches(engine, batch: int, context: int) -> list[dict]:
         launches = int(k.get("launches", 0)) if n["kind"] == "call" else 0
         if not launches:
             continue
-        nbytes = _weight_bytes(engine, n, targets) + (kv_layer if n["op"] == "dsc.attention.default" else 0)
+        if n["op"] == "aten.embedding.default":  # a gather of `batch` rows, not the table
+            table = engine.weights.get(targets.get(n["args"][0].get("node"))) if isinstance(n["args"][0], dict) else None
+            nbytes = batch * table[0].numel() * table.element_size() if table is not None else 0
+        else:
+            nbytes = _weight_bytes(engine, n, targets) + (kv_layer if n["op"] == "dsc.attention.default" else 0)
         for i in range(launches):
             out.append({"node": n["name"], "kernel": k.get("name", n["op"]), "bytes": nbytes if i == 0 else 0})
     return out

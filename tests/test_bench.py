@@ -70,6 +70,8 @@ def test_profile_attributes_kernels_to_plan_nodes_only_when_they_line_up(compile
     assert rows[attn["name"]]["bytes"] == 2 * kv["shape"][1] * 9 * kv["shape"][3] * 4  # K and V of 9 positions
     lm_head = [r for r in rows.values() if r["bytes"] == engine.weights["lm_head.weight"].numel() * 4]
     assert lm_head and all(r["bw"] == pytest.approx(r["bytes"] / (r["us"] * 1e-6)) for r in lm_head)
+    emb = next(n for n in nodes if n.get("op") == "aten.embedding.default")
+    assert rows[emb["name"]]["bytes"] == engine.weights["model.embed_tokens.weight"][0].numel() * 4  # one row
     assert attribute(kernels[:-1], plan, steps=2) is None  # a launch the plan does not know of: no guessing
     assert attribute([], plan, steps=2) is None
 
