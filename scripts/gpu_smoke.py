@@ -21,7 +21,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="dsc-smoke-"))
     fails = 0
-    for shape in ("llama-tiny", "gpt2-tiny"):
+    for shape in ("llama-tiny", "gpt2-tiny", "mistral-tiny"):  # mistral: an 8-token sliding window
         for dt in ("float32", "float16", "bfloat16"):
             tag = f"{shape} {dt}"
             try:

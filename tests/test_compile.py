@@ -108,7 +108,7 @@ def test_sliding_window_generation_matches_transformers(shape, compile_artifact,
     assert report.max_abs_err <= FP32_ATOL, report.summary()
 
 
-@pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-odd"])
+@pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-odd", "mistral-tiny"])
 @torch.no_grad()
 def test_bf16_logits_match_transformers_bf16(shape, compile_artifact, make_checkpoint):
     art = compile_artifact(shape, dtype="bf16")
