@@ -388,3 +388,45 @@ def test_verify_with_tp_is_rejected_before_anything_is_written(make_checkpoint, 
     with pytest.raises(UserError, match="needs --tp 1"):
         dsc.compile(str(make_checkpoint("llama-tiny")), tmp_path / "a", tp=2, verify=True)
     assert not (tmp_path / "a").exists()
+
+
+# -- process-group lifetime -------------------------------------------------------------------
+
+def _port_is_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_rank_zero_owns_its_rendezvous_store_and_stops_it(monkeypatch):
+    """Outside torchrun, rank 0 hosts the store at MASTER_PORT. runtime/distributed.py creates it
+    (not torch's env:// rendezvous, whose multi-tenant daemon lives until static destruction
+    and could abort a finished rank) and shutdown_process_group stops it: the port is free again."""
+    import socket
+
+    import torch.distributed as dist
+
+    from dsc.runtime import distributed as D
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    D.ensure_process_group(torch.device("cpu"), 1, 0)
+    try:
+        assert dist.is_initialized() and D._store is not None and not _port_is_free(port)
+        dist.all_reduce(torch.ones(2))  # the group works
+    finally:
+        D.shutdown_process_group()
+    assert not dist.is_initialized() and D._store is None
+    assert _port_is_free(port)
+    # under torchrun the agent owns the store: the runtime must not create one on its port
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert D._rendezvous_store(2, 0) is None
