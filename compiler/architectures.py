@@ -15,6 +15,7 @@ from dsc.errors import UserError
 class Architecture:
     model_type: str
     family: str  # "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)
+    intermediate_field: str = "intermediate_size"  # the config field of the MLP width
 
     def heads(self, cfg: dict) -> int:
         return cfg.get("num_attention_heads", cfg.get("n_head"))
@@ -32,7 +33,7 @@ class Architecture:
         return cfg.get("num_hidden_layers", cfg.get("n_layer"))
 
     def intermediate(self, cfg: dict) -> int:
-        return cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * self.hidden(cfg)
+        return cfg.get(self.intermediate_field) or cfg.get("n_inner") or 4 * self.hidden(cfg)
 
     def max_positions(self, cfg: dict) -> int | None:
         return cfg.get("max_position_embeddings", cfg.get("n_positions"))
@@ -45,6 +46,7 @@ ARCHITECTURES = {
         Architecture("mistral", "llama"),
         Architecture("qwen2", "llama"),
         Architecture("gpt2", "gpt2"),
+        Architecture("opt", "gpt2", intermediate_field="ffn_dim"),  # LayerNorm, learned positions, ReLU
     ]
 }
 

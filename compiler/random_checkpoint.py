@@ -27,6 +27,12 @@ SHAPES = {
     "qwen2-tiny": ("qwen2", dict(hidden_size=64, intermediate_size=176, num_attention_heads=4,
                                  num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
                                  use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # OPT: pre-LN (125m, 1.3b and up), and 350m's post-LN with a narrower embedding projected in/out
+    "opt-tiny": ("opt", dict(hidden_size=64, ffn_dim=176, num_attention_heads=4, num_hidden_layers=2,
+                             vocab_size=512, max_position_embeddings=256, word_embed_proj_dim=64)),
+    "opt-proj": ("opt", dict(hidden_size=64, ffn_dim=176, num_attention_heads=4, num_hidden_layers=2,
+                             vocab_size=512, max_position_embeddings=256, word_embed_proj_dim=32,
+                             do_layer_norm_before=False)),
     "gpt2-tiny": ("gpt2", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=512, n_positions=1024)),
     "gpt2-odd": ("gpt2", dict(n_embd=72, n_head=6, n_layer=3, vocab_size=509, n_positions=1024)),
     "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,

@@ -24,7 +24,7 @@ from dsc.compiler.options import CompileOptions, make_options, options_from_conf
 from dsc.compiler.verify import reference_greedy, reference_model, verify_artifact
 from dsc.errors import PassError, UserError
 
-SHAPES = ["llama-tiny", "llama-odd", "gpt2-tiny", "gpt2-odd"]  # GQA; non-power-of-two sizes
+SHAPES = ["llama-tiny", "llama-odd", "gpt2-tiny", "gpt2-odd", "opt-tiny", "opt-proj"]  # GQA; odd sizes; OPT
 FP32_ATOL = 1e-4
 BF16_REL_TOL = 0.03
 
