@@ -142,7 +142,7 @@ def _summary(n: dict) -> dict:
 def diff_program(a: list[dict], b: list[dict]) -> dict:
     """Replaced, added, removed and changed nodes, and op counts that differ."""
     m = match_nodes(a, b)
-    a_by, b_by = {n["name"]: n for n in a}, {n["name"]: n for n in b}
+    b_by = {n["name"]: n for n in b}
     matched_b = set(m.values())
     replaced, changed = [], []
     for an in a:
