@@ -14,8 +14,9 @@ from dsc.errors import UserError
 @dataclass(frozen=True)
 class Architecture:
     model_type: str
-    family: str  # "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)
+    family: str  # for readers: the nearer of "llama" (RMSNorm, RoPE, gated MLP) and "gpt2" (LayerNorm, GELU MLP)
     intermediate_field: str = "intermediate_size"  # the config field of the MLP width
+    no_tp: str = ""  # why shard_tensor_parallel cannot split this architecture yet ("" = it can)
 
     def heads(self, cfg: dict) -> int:
         return cfg.get("num_attention_heads", cfg.get("n_head"))
@@ -47,6 +48,13 @@ ARCHITECTURES = {
         Architecture("qwen2", "llama"),
         Architecture("gpt2", "gpt2"),
         Architecture("opt", "gpt2", intermediate_field="ffn_dim"),  # LayerNorm, learned positions, ReLU
+        Architecture("phi", "gpt2"),  # partial RoPE, parallel attention + MLP off one LayerNorm, GELU
+        Architecture("gemma", "llama"),  # RMSNorm (1 + w), scaled embeddings, GeGLU, GQA
+        # their rotary or fused projections are sliced per head in ways the sharding pass does not
+        # follow yet; tp=1 is fully supported
+        Architecture("gptj", "gpt2", no_tp="interleaved partial rotary (stack of rotated pairs)"),
+        Architecture("gpt_neox", "gpt2", no_tp="query_key_value fused per head, then chunked"),
+        Architecture("phi3", "llama", no_tp="checkpoint-fused qkv_proj sliced by offsets, then indexed"),
     ]
 }
 

@@ -24,7 +24,8 @@ from dsc.compiler.options import CompileOptions, make_options, options_from_conf
 from dsc.compiler.verify import reference_greedy, reference_model, verify_artifact
 from dsc.errors import PassError, UserError
 
-SHAPES = ["llama-tiny", "llama-odd", "gpt2-tiny", "gpt2-odd", "opt-tiny", "opt-proj"]  # GQA; odd sizes; OPT
+SHAPES = ["llama-tiny", "llama-odd", "gpt2-tiny", "gpt2-odd"]  # GQA; non-power-of-two sizes
+MORE = ["opt-tiny", "opt-proj", "gptj-tiny", "gpt_neox-tiny", "phi-tiny", "gemma-tiny", "phi3-tiny"]
 FP32_ATOL = 1e-4
 BF16_REL_TOL = 0.03
 
@@ -52,7 +53,7 @@ def plan_ops(art: Path, program: str) -> list[str]:
 
 # -- numerics against transformers --------------------------------------------------------
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + MORE)
 def test_fp32_generation_matches_transformers(shape, compile_artifact, make_checkpoint):
     art = compile_artifact(shape, dtype="fp32")
     report = verify_artifact(art, make_checkpoint(shape), prompts=prompts(), new_tokens=8)
