@@ -6,15 +6,21 @@ import os
 from datetime import timedelta
 
 import torch
+import torch._dynamo  # noqa: F401  (before any process group exists: see below)
 import torch.distributed as dist
 
+# torch._dynamo is imported here, before a process group is created, on purpose: imported
+# after (the first call of any torch.library.custom_op imports it), it keeps a reference to the
+# default group that destroy_process_group does not drop (torch 2.13), so the gloo threads
+# outlive the group and a finished rank can abort at interpreter exit ("terminate called
+# without an active exception", exit -6). Every dsc path that starts a group imports this
+# module first.
+#
 # The rendezvous store of a group this module started. Under torchrun the agent hosts the store
 # and every rank is a client. Under any other launcher that sets MASTER_ADDR/MASTER_PORT, rank 0
 # hosts it: torch's env:// rendezvous would make that a process-wide multi-tenant daemon that
-# lives until C++ static destruction at exit, where its thread can abort the process after a
-# successful run ("terminate called without an active exception", exit -6). Creating the
-# store here instead lets shutdown_process_group stop it, after every rank has passed the
-# final barrier.
+# lives until C++ static destruction at exit. Creating the store here instead lets
+# shutdown_process_group stop it, after every rank has passed the final barrier.
 _store: dist.Store | None = None
 
 

@@ -447,3 +447,27 @@ def test_rank_zero_owns_its_rendezvous_store_and_stops_it(monkeypatch):
     # under torchrun the agent owns the store: the runtime must not create one on its port
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     assert D._rendezvous_store(2, 0) is None
+
+
+_THREADS_AFTER_SHUTDOWN = """
+import os, sys, dsc
+from dsc.runtime.distributed import shutdown_process_group
+e = dsc.load(sys.argv[1], device="cpu")
+e.prefill([[5, 6, 7]])
+shutdown_process_group()
+print(f"rank {os.environ['RANK']} threads {len(os.listdir('/proc/self/task'))}", flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_no_gloo_thread_outlives_the_group(compile_artifact, tmp_path):
+    """A rank's gloo threads end with its group. (torch 2.13 leaks the group when torch._dynamo
+    is first imported after the group exists, as a custom op's first call does; the leaked
+    threads then abort the finished rank at exit. runtime/distributed.py imports it first.)"""
+    art = compile_artifact("gpt2-tiny", dtype="fp32", tp=2)
+    script = tmp_path / "threads.py"
+    script.write_text(_THREADS_AFTER_SHUTDOWN)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(script), str(art)], capture_output=True, text=True, timeout=300, env={**os.environ, **ENV})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(ln for ln in r.stdout.splitlines() if ln.startswith("rank")) == ["rank 0 threads 1", "rank 1 threads 1"]
