@@ -1,7 +1,8 @@
 """fuse_activation: activation subgraphs -> one elementwise kernel each.
 
 Matches / rewrites (each counted under `fuse_activation.<rule>`):
-  swiglu     silu(gate) * up  (LlamaMLP; on the slices of the fused gate_up output)
+  swiglu     silu(gate) * up  (LlamaMLP; on the slices of the fused gate_up output), or
+             up * silu(gate)  (Phi-3's MLP, on the chunks of its checkpoint-fused gate_up)
              -> dsc.swiglu(gate, up), reading both halves in place
   gelu_tanh  0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))  (GPT-2's gelu_new)
              -> dsc.gelu(x, "tanh")
@@ -31,18 +32,25 @@ def swiglu_pattern(gate, up):
     return F.silu(gate) * up
 
 
+def swiglu_up_first_pattern(gate, up):
+    # Phi3MLP: up_states * activation_fn(gate)
+    return up * F.silu(gate)
+
+
 def gelu_tanh_pattern(x):
     # transformers' NewGELUActivation (gelu_new)
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
-SWIGLU = Pattern(swiglu_pattern, lambda dt: (torch.randn(2, 3, 8, dtype=dt), torch.randn(2, 3, 8, dtype=dt)))
+_TWO = lambda dt: (torch.randn(2, 3, 8, dtype=dt), torch.randn(2, 3, 8, dtype=dt))  # noqa: E731
+SWIGLU = Pattern(swiglu_pattern, _TWO)
+SWIGLU_UP_FIRST = Pattern(swiglu_up_first_pattern, _TWO)
 GELU_TANH = Pattern(gelu_tanh_pattern, lambda dt: (torch.randn(2, 3, 8, dtype=dt),))
 
 
 def fuse_activation(model: Model) -> Model:
     for _, graph in model.graphs():
-        for m in SWIGLU.matches(graph):
+        for m in SWIGLU.matches(graph) + SWIGLU_UP_FIRST.matches(graph):
             g, u = m["gate"].meta["val"], m["up"].meta["val"]
             if g.shape != u.shape or g.dtype != u.dtype:
                 continue

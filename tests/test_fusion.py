@@ -105,6 +105,15 @@ def test_qwen2_biases_fuse_with_their_projections(compile_artifact, make_checkpo
     assert report.tokens_equal and report.max_abs_err <= FP32_ATOL, report.summary()
 
 
+def test_phi3_up_first_swiglu_fuses(compile_artifact, make_checkpoint):
+    """Phi-3 writes its MLP as up * silu(gate) on the chunks of a checkpoint-fused gate_up."""
+    art = compile_artifact("phi3-tiny", dtype="fp32")
+    passes = plan_of(art)["passes"]
+    assert passes.get("fuse_activation.swiglu", 0) == 4 and passes.get("fuse_add_norm.add_rmsnorm", 0) > 0, passes
+    report = verify_artifact(art, make_checkpoint("phi3-tiny"), new_tokens=6)
+    assert report.tokens_equal and report.max_abs_err <= FP32_ATOL, report.summary()
+
+
 def test_fused_projection_weights_are_concatenated(compile_artifact):
     art = compile_artifact("llama-tiny", dtype="fp32")
     plan = plan_of(art)
