@@ -5,6 +5,8 @@ Matches / rewrites (each counted under `fuse_add_norm.<rule>`):
   rmsnorm        y = RMSNorm(x), x not such an add     -> y = dsc.rmsnorm(x, weight, eps)
   add_layernorm  s = a + b; y = aten.layer_norm(s, [N], weight, bias, eps)
                                                        -> s, y = dsc.add_layernorm(a, b, weight, bias, eps)
+                 also through a view of the sum that keeps N last (OPT's [rows, N] flatten):
+                 the addends are viewed the same way and the kernel reads the views
   bias           add_layernorm(linear(h, W, b), r, ...) -> add_layernorm(linear(h, W), r, ..., x_bias=b)
                  (GPT-2's attention and MLP output projections; also a bias added after a
                  row-parallel linear's all-reduce): one launch fewer at batch 1, where cuBLAS
@@ -23,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from dsc.compiler.ir import Model
-from dsc.passes._pattern import Pattern, insert_fused
+from dsc.passes._pattern import Pattern, insert_call, insert_fused
 from dsc.passes._util import aten, is_call, take_bias
 
 dsc = torch.ops.dsc
@@ -58,6 +60,18 @@ def _residual_add(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return a, b
 
 
+def _residual_add_through_view(graph: fx.Graph, x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """x = view(a + b) keeping the last dim (OPT flattens the residual to [rows, N] between its
+    add and the LayerNorm): (view(a), view(b)), new views the fused kernel can read."""
+    if not is_call(x, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return None
+    s = x.args[0]
+    add = _residual_add(s) if isinstance(s, fx.Node) and list(s.users) == [x] else None
+    if not add or _val(s).shape[-1] != _val(x).shape[-1]:
+        return None
+    return tuple(insert_call(graph, x.target, (t, *x.args[1:]), x) for t in add)
+
+
 def _is_vector_of(w, x: fx.Node) -> bool:
     vw, vx = _val(w), _val(x)
     return isinstance(vw, torch.Tensor) and tuple(vw.shape) == (vx.shape[-1],) and vw.dtype == vx.dtype
@@ -81,9 +95,10 @@ def _fuse_layernorms(model: Model, graph: fx.Graph) -> None:
     for ln in [n for n in graph.nodes if is_call(n, aten.layer_norm.default) and not n.kwargs]:
         x, shape, w, b, eps = (list(ln.args) + [None, None, None])[:5]  # layer_norm(x, shape, w=None, b=None, eps=1e-5)
         eps = 1e-5 if eps is None else eps
-        add = _residual_add(x)
-        if not add or list(shape) != [_val(x).shape[-1]] or not _is_vector_of(w, x) \
-                or (b is not None and not _is_vector_of(b, x)):
+        if list(shape) != [_val(x).shape[-1]] or not _is_vector_of(w, x) or (b is not None and not _is_vector_of(b, x)):
+            continue
+        add = _residual_add(x) or _residual_add_through_view(graph, x)
+        if not add:
             continue
         insert_fused(graph, dsc.add_layernorm.default, (*add, w, b, float(eps)), [x, ln])
         graph.erase_node(ln)

@@ -114,6 +114,21 @@ def test_phi3_up_first_swiglu_fuses(compile_artifact, make_checkpoint):
     assert report.tokens_equal and report.max_abs_err <= FP32_ATOL, report.summary()
 
 
+@pytest.mark.parametrize("shape", ["opt-tiny", "opt-proj"])
+def test_opt_add_layernorm_fuses_through_its_flatten(shape, compile_artifact, make_checkpoint):
+    """OPT reshapes the residual sum to [rows, N] before the LayerNorm: the pair still fuses,
+    and the output projections' biases move into the fused kernel."""
+    art = compile_artifact(shape, dtype="fp32")
+    plan = plan_of(art)
+    layers = plan["model"]["layers"]
+    assert plan["passes"].get("fuse_add_norm.add_layernorm", 0) >= 2 * (2 * layers - 1), plan["passes"]
+    assert plan["passes"].get("fuse_add_norm.bias", 0) > 0
+    assert not any(n.get("op") == "aten.layer_norm.default" and ".layers." in n["name"]
+                   for n in plan["programs"]["decode"]["nodes"])  # no block LayerNorm left unfused
+    report = verify_artifact(art, make_checkpoint(shape), new_tokens=6)
+    assert report.tokens_equal and report.max_abs_err <= FP32_ATOL, report.summary()
+
+
 def test_fused_projection_weights_are_concatenated(compile_artifact):
     art = compile_artifact("llama-tiny", dtype="fp32")
     plan = plan_of(art)
