@@ -50,12 +50,14 @@ GELU_TANH = Pattern(gelu_tanh_pattern, lambda dt: (torch.randn(2, 3, 8, dtype=dt
 
 def fuse_activation(model: Model) -> Model:
     for _, graph in model.graphs():
-        for m in SWIGLU.matches(graph) + SWIGLU_UP_FIRST.matches(graph):
-            g, u = m["gate"].meta["val"], m["up"].meta["val"]
-            if g.shape != u.shape or g.dtype != u.dtype:
-                continue
-            insert_fused(graph, dsc.swiglu.default, (m["gate"], m["up"]), [m.output])
-            model.counters["fuse_activation.swiglu"] += 1
+        for pattern in (SWIGLU, SWIGLU_UP_FIRST):  # one after the other: a mul never fuses twice
+            for m in pattern.matches(graph):
+                g, u = m["gate"].meta["val"], m["up"].meta["val"]
+                if g.shape != u.shape or g.dtype != u.dtype:
+                    continue
+                insert_fused(graph, dsc.swiglu.default, (m["gate"], m["up"]), [m.output])
+                model.counters["fuse_activation.swiglu"] += 1
+            graph.eliminate_dead_code()
         for m in GELU_TANH.matches(graph):
             insert_fused(graph, dsc.gelu.default, (m["x"], "tanh"), [m.output])
             model.counters["fuse_activation.gelu_tanh"] += 1
