@@ -11,13 +11,12 @@ interpreter emulates bf16 (DESIGN.md).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_child import child_fixtures
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -167,26 +166,7 @@ def run_aot(out: str) -> None:
 
 
 # -- tests ------------------------------------------------------------------------------------------
-def _subprocess(mode: str, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp(f"kernels-{mode}") / "results.json"
-    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    if mode == "interpret":
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, __file__, mode, str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    return _subprocess("interpret", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    return _subprocess("aot", tmp_path_factory)
+interpreted, compiled = child_fixtures(__file__, "kernels")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -10,8 +10,6 @@ imported triton already, so the kernel cases run in one subprocess: this file ru
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_child import child_fixtures
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -262,26 +261,7 @@ def run_aot(out: str) -> None:
     Path(out).write_text(json.dumps(res, indent=1))
 
 
-def _subprocess(mode: str, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp(f"int8-{mode}") / "results.json"
-    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    if mode == "interpret":
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, __file__, mode, str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    return _subprocess("interpret", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    return _subprocess("aot", tmp_path_factory)
+interpreted, compiled = child_fixtures(__file__, "int8")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
