@@ -224,11 +224,12 @@ def trace(ckpt: Checkpoint, arch: Architecture, options) -> Model:
                                f"{arch.model_type}: {type(e).__name__}: {e}") from e
         graph = _to_graph(ep, weights)
         programs[name] = graph
+        # every input's dim 0 is the batch, ids' and positions' dim 1 the sequence; with a batch
+        # range of 1..2 (--max-batch 1) export does not unify the inputs' batch symbols
         for n in graph.nodes:
-            if n.op == "placeholder" and n.name == "input_ids":
-                b, s = n.meta["val"].shape
-                sym_names[str(b)] = "batch"
-                if isinstance(s, torch.SymInt):
-                    sym_names[str(s)] = "seq"
+            if n.op == "placeholder" and n.name in ("input_ids", "position_ids", "cache_pos", "last_idx"):
+                for d, dim_name in zip(n.meta["val"].shape, ("batch", "seq")):
+                    if isinstance(d, torch.SymInt):
+                        sym_names[str(d)] = dim_name
     return Model(programs=programs, weights=weights, config=ckpt.config, arch=arch, checkpoint=ckpt,
                  options=options, fake_mode=fake_mode, sym_names=sym_names)

@@ -72,7 +72,8 @@ def main() -> int:
     ap.add_argument("--hf", default="eager,compile", help="which baselines: eager,compile or none")
     ap.add_argument("--prefill", default="128,2048")
     ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--max-seq", type=int, default=2304)
+    ap.add_argument("--max-seq", type=int, default=2304,
+                    help="clamped to the shape's max_position_embeddings (GPT-2: 1024)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run of the script itself)")
     ap.add_argument("--profile", action="store_true",
@@ -91,13 +92,17 @@ def main() -> int:
         make_random_checkpoint(ckpt, args.shape, dtype=args.dtype, device=args.device, tokenizer=False)
     print(f"[{tag}] checkpoint ready in {time.perf_counter() - t:.1f}s", flush=True)
     batches = [int(b) for b in args.batches.split(",")]
+    max_pos = json.loads((ckpt / "config.json").read_text())
+    max_pos = max_pos.get("max_position_embeddings") or max_pos.get("n_positions") or args.max_seq
+    max_seq = min(args.max_seq, max_pos)
+    prefill_lens = [int(p) for p in args.prefill.split(",") if int(p) < max_seq]
     t = time.perf_counter()
     if not (art / "manifest.json").exists():
-        dsc.compile(str(ckpt), art, max_batch=max(batches), max_seq=args.max_seq, int8=args.int8 or None)
+        dsc.compile(str(ckpt), art, max_batch=max(batches), max_seq=max_seq, int8=args.int8 or None)
     print(f"[{tag}] compiled in {time.perf_counter() - t:.1f}s", flush=True)
     res = {"shape": args.shape, "dtype": args.dtype, "int8": args.int8, "context": args.context}
     res["dsc"] = bench(art, device=args.device, batches=batches, context=args.context,
-                       prefill_lens=[int(p) for p in args.prefill.split(",")], profile=args.profile)
+                       prefill_lens=prefill_lens, profile=args.profile)
     print(render(res["dsc"]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +132,7 @@ def main() -> int:
                 print(f"[{tag}] transformers {base} batch {b}: {r['decode'][b]['ms_per_step']:.3f} ms/step "
                       f"(first call {r['decode'][b]['first_call_s']:.1f}s)", flush=True)
             if base == "eager":
-                for n in [int(p) for p in args.prefill.split(",")]:
+                for n in prefill_lens:
                     r["prefill"][n] = {"ms": hf_prefill_ms(model, n, V)}
             res[f"hf_{base}"] = r
             del model

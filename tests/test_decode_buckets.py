@@ -87,3 +87,20 @@ def test_memory_plan_grows_with_batch(compile_artifact):
     a1, _ = plan_memory(plan["programs"]["decode"]["nodes"], {"batch": 1})
     a8, _ = plan_memory(plan["programs"]["decode"]["nodes"], {"batch": 8})
     assert a8 > a1
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_every_symbolic_size_in_the_plan_is_named(compile_artifact, max_batch):
+    """Plan shapes use only `batch` and `seq`: with --max-batch 1 (a batch range of 1..2) export
+    gave each input its own batch symbol, and sizing the workspace (`dsc bench`) failed on it."""
+    import re
+
+    from dsc.runtime.memory_plan import workspace_bytes
+    art = compile_artifact("llama-tiny", dtype="fp32", max_batch=max_batch, max_seq=64)
+    plan = json.loads((art / "plan.json").read_text())
+    for program in ("prefill", "decode"):
+        for n in plan["programs"][program]["nodes"]:
+            shape = n.get("shape") if isinstance(n.get("shape"), list) else []
+            for d in shape:
+                assert isinstance(d, int) or not re.search(r"\bs\d+\b", str(d)), (program, n["name"], n["shape"])
+    assert workspace_bytes(plan, "decode", max_batch) > 0
