@@ -40,6 +40,29 @@ def main() -> int:
             except Exception:
                 fails += 1
                 print(f"FAIL {tag}:\n" + "".join(traceback.format_exc().splitlines(True)[-8:]), flush=True)
+    # the batch-1 GEMV (kernels/linear.py) inside whole models: DSC_GEMV=all runs it at every
+    # 16-bit decode linear (tiny shapes have no tuning rows), against cuBLAS (off) and the CPU
+    import os
+    for shape in ("llama-tiny", "gpt2-tiny"):
+        for dt in ("float16", "bfloat16"):
+            tag = f"gemv {shape} {dt}"
+            try:
+                art = work / f"a-{shape}-{dt}"
+                toks, steps = {}, {}
+                for mode in ("all", "off"):
+                    os.environ["DSC_GEMV"] = mode
+                    e = dsc.load(art, device="cuda")
+                    toks[mode] = e.generate([[3, 1, 4, 1, 5]], max_new_tokens=8, stop_tokens=[]).tokens
+                    e.prefill([[3, 1, 4, 1, 5]])
+                    steps[mode] = e.decode(torch.tensor([9], device="cuda"), torch.tensor([5], device="cuda")).cpu()
+                os.environ.pop("DSC_GEMV")
+                cpu = dsc.load(art, device="cpu").generate([[3, 1, 4, 1, 5]], max_new_tokens=8, stop_tokens=[]).tokens
+                err = float((steps["all"] - steps["off"]).abs().max() / steps["off"].abs().max())
+                print(f"ok   {tag}: gemv tokens == cublas {toks['all'] == toks['off']}, == cpu {toks['all'] == cpu}, "
+                      f"decode logits rel err vs cublas {err:.2e}", flush=True)
+            except Exception:
+                fails += 1
+                print(f"FAIL {tag}:\n" + "".join(traceback.format_exc().splitlines(True)[-8:]), flush=True)
     return 1 if fails else 0
 
 

@@ -1,0 +1,176 @@
+"""Tune the batch-1 GEMV (kernels/linear.py) against cuBLAS on this GPU; write kernels/tuning.json rows.
+
+    python scripts/tune_gemv.py --out $OUT          # ~3 minutes on an H200
+    python scripts/tune_gemv.py --shapes gpt2-xl --tp 1
+    TRITON_INTERPRET=1 python scripts/tune_gemv.py --smoke --device cpu   # code path only
+
+For every linear of the model shapes named (Llama-8B, Llama-1B, GPT-2-XL by default) at each
+tensor-parallel degree (the local weight [N, K] of one rank: q/k/v and gate/up fused as dsc
+compiles them, lm_head vocab-parallel when tp divides the vocabulary), it times one-row
+products x[1, K] @ W.T in the setting a decode step runs them: a CUDA graph of back-to-back
+calls, each on its own copy of the weight (copies totalling >= 1 GiB, so nothing is served from
+the 50 MB L2), replayed; time per call = replay time / calls. cuBLAS (F.linear, what aten.linear
+runs) and every GEMV candidate (BLOCK_N x BLOCK_K x warps) are timed in the same run. The best
+candidate is checked against an fp32 matmul, and a tuning row is written only where it is at
+least 3% faster than cuBLAS; other shapes keep cuBLAS (no row). Rows of shapes not timed are
+kept; other kernels' rows and other arches are untouched.
+Writes $OUT/tune_gemv.json (every time) and $OUT/tuning.json (the merged table; copy it to
+kernels/tuning.json), and prints a table with the achieved bandwidth of both.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def linear_shapes(shape: str, tp: int) -> dict[str, tuple[int, int]]:
+    """{linear: (N, K)} of one rank's weights for a model shape of compiler/random_checkpoint."""
+    from dsc.compiler.random_checkpoint import SHAPES
+
+    model_type, c = SHAPES[shape]
+    if model_type == "gpt2":
+        e, v = c["n_embd"], c["vocab_size"]
+        out = {"c_attn": (3 * e // tp, e), "attn.c_proj": (e, e // tp), "c_fc": (4 * e // tp, e),
+               "mlp.c_proj": (e, 4 * e // tp)}
+    else:
+        e, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+        hd = c.get("head_dim") or e // c["num_attention_heads"]
+        q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+        out = {"qkv": ((q + 2 * kv) // tp, e), "o": (e, q // tp), "gate_up": (2 * i // tp, e), "down": (e, i // tp)}
+    out["lm_head"] = (v // tp if v % tp == 0 else v, e)
+    return out
+
+
+def candidates(k: int):
+    for bn, bk, w in itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048), (1, 2, 4, 8)):
+        per_thread = bn * bk // (32 * w)
+        if 8 <= per_thread <= 64 and bk <= max(128, 1 << (k - 1).bit_length()):
+            yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
+
+
+def time_calls(fn, copies: list[torch.Tensor], x: torch.Tensor, graphs: bool, reps: int = 5) -> float:
+    """Microseconds per call of fn(x, W) over the weight copies, as a CUDA graph's replay."""
+    def run():
+        for w in copies:
+            fn(x, w)
+    run()  # compile / warm up
+    if x.device.type != "cuda":  # --smoke on CPU: the code path only
+        t = time.perf_counter()
+        run()
+        return (time.perf_counter() - t) * 1e6 / len(copies)
+    torch.cuda.synchronize()
+    if graphs:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g):
+                run()
+        torch.cuda.current_stream().wait_stream(s)
+        step = g.replay
+    else:
+        step = run
+    step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / len(copies))
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama-8b:bfloat16,llama-1b:bfloat16,gpt2-xl:float16")
+    ap.add_argument("--tp", default="1,2,4")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only with --smoke under TRITON_INTERPRET=1")
+    ap.add_argument("--smoke", action="store_true", help="one tiny shape, two candidates (code path only)")
+    args = ap.parse_args()
+    from dsc.kernels import linear as L
+    from dsc.kernels.launch import TUNING_FILE, arch_of
+
+    dev = torch.device(args.device)
+    graphs = dev.type == "cuda"
+    arch = arch_of(dev)
+    table = json.loads(TUNING_FILE.read_text())
+    rows = table.setdefault(arch, {}).setdefault("gemv", {})
+    results = []
+    jobs = []
+    for sd in args.shapes.split(","):
+        shape, dtype = sd.split(":")
+        for tp in (int(t) for t in args.tp.split(",")):
+            for name, nk in linear_shapes(shape, tp).items():
+                jobs.append((f"{shape} tp{tp} {name}", nk, getattr(torch, dtype)))
+    if args.smoke:
+        jobs = [("smoke", (40, 96), torch.float32)]
+    seen: dict[tuple, dict] = {}
+    print(f"{'linear':<28} {'N x K':>14} {'MB':>7} {'cuBLAS us':>10} {'TB/s':>5} {'gemv us':>8} {'TB/s':>5} "
+          f"{'speedup':>7}  config", flush=True)
+    t0 = time.perf_counter()
+    for label, (n, k), dtype in jobs:
+        key = (n, k, dtype)
+        if key not in seen:
+            nbytes = n * k * dtype.itemsize
+            ncopy = 1 if args.smoke else max(2, min(256, (1 << 30) // nbytes))
+            g = torch.Generator(device=dev).manual_seed(0)
+            copies = [torch.randn(n, k, generator=g, device=dev).div_(k ** 0.5).to(dtype) for _ in range(ncopy)]
+            x = torch.randn(1, k, generator=g, device=dev).to(dtype)
+            cublas = time_calls(lambda x, w: F.linear(x, w), copies, x, graphs)
+            cands = list(candidates(k))[: 2 if args.smoke else None]
+            times = []
+            for cfg in cands:
+                try:
+                    times.append((time_calls(lambda x, w, c=cfg: L.gemv(x, w, None, c), copies, x, graphs), cfg))
+                except Exception as e:  # a config Triton cannot build (registers, shared memory)
+                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
+            us, cfg = min(times, key=lambda t: t[0])
+            ref = x.float() @ copies[0].float().T
+            err = ((L.gemv(x, copies[0], None, cfg).float() - ref).norm() / ref.norm()).item()
+            if err > 1e-2:
+                raise SystemExit(f"{label}: the GEMV with {cfg} is wrong (relative error {err:.2e})")
+            seen[key] = {"N": n, "K": k, "dtype": str(dtype).removeprefix("torch."), "MB": nbytes / 1e6,
+                         "cublas_us": cublas, "gemv_us": us, "config": cfg, "rel_err": err,
+                         "all": [{"us": t, **c} for t, c in times]}
+            del copies
+        r = seen[key]
+        results.append({"linear": label, **r})
+        bw = lambda us: r["MB"] / us  # MB/us = TB/s
+        print(f"{label:<28} {f'{n} x {k}':>14} {r['MB']:7.1f} {r['cublas_us']:10.2f} {bw(r['cublas_us']):5.2f} "
+              f"{r['gemv_us']:8.2f} {bw(r['gemv_us']):5.2f} {r['cublas_us'] / r['gemv_us']:6.2f}x  {r['config']}",
+              flush=True)
+    for r in seen.values():
+        shape_class = f"N{r['N']}_K{r['K']}"
+        if r["gemv_us"] < 0.97 * r["cublas_us"]:
+            rows[shape_class] = {**r["config"], "us": round(r["gemv_us"], 2), "cublas_us": round(r["cublas_us"], 2)}
+        else:
+            rows.pop(shape_class, None)
+    table[arch]["gemv"] = dict(sorted(rows.items()))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune_gemv.json").write_text(json.dumps({"device": torch.cuda.get_device_name(dev) if graphs else "cpu",
+                                                    "results": results}, indent=1) + "\n")
+    (out / "tuning.json").write_text(json.dumps(table, indent=1) + "\n")
+    print(f"{len(seen)} shapes in {time.perf_counter() - t0:.0f}s; rows written for "
+          f"{sum(r['gemv_us'] < 0.97 * r['cublas_us'] for r in seen.values())}: {out / 'tuning.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
