@@ -102,6 +102,9 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cuda; cpu only with --smoke under TRITON_INTERPRET=1")
     ap.add_argument("--smoke", action="store_true", help="one tiny shape, two candidates (code path only)")
+    ap.add_argument("--int8", action="store_true",
+                    help="tune the W8A16 GEMV (kernels/int8.py, per-channel int8 weights) instead: rows "
+                         "'w8a16_gemv' M1_N<n>_K<k> with the best config, timed against the current one")
     args = ap.parse_args()
     from dsc.kernels import linear as L
     from dsc.kernels.launch import TUNING_FILE, arch_of
@@ -117,9 +120,12 @@ def main() -> int:
         shape, dtype = sd.split(":")
         for tp in (int(t) for t in args.tp.split(",")):
             for name, nk in linear_shapes(shape, tp).items():
-                jobs.append((f"{shape} tp{tp} {name}", nk, getattr(torch, dtype)))
+                if not (args.int8 and name == "lm_head"):  # lm_head stays 16-bit by default
+                    jobs.append((f"{shape} tp{tp} {name}", nk, getattr(torch, dtype)))
     if args.smoke:
         jobs = [("smoke", (40, 96), torch.float32)]
+    if args.int8:
+        return tune_int8(args, jobs, table, arch, dev, graphs)
     seen: dict[tuple, dict] = {}
     print(f"{'linear':<28} {'N x K':>14} {'MB':>7} {'cuBLAS us':>10} {'TB/s':>5} {'gemv us':>8} {'TB/s':>5} "
           f"{'speedup':>7}  config", flush=True)
@@ -169,6 +175,66 @@ def main() -> int:
     (out / "tuning.json").write_text(json.dumps(table, indent=1) + "\n")
     print(f"{len(seen)} shapes in {time.perf_counter() - t0:.0f}s; rows written for "
           f"{sum(r['gemv_us'] < 0.97 * r['cublas_us'] for r in seen.values())}: {out / 'tuning.json'}")
+    return 0
+
+
+def int8_candidates(k: int):
+    for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096), (2, 4, 8)):
+        per_thread = bn * bk // (32 * w)  # int8 weights per thread per K-block
+        if 16 <= per_thread <= 64 and bk <= max(512, 1 << (k - 1).bit_length()):
+            yield {"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": False, "FAST_CVT": True, "num_warps": w, "num_stages": 1}
+
+
+def tune_int8(args, jobs, table, arch, dev, graphs) -> int:
+    """The W8A16 GEMV (per-channel symmetric int8) at each shape: the current config (tuning
+    table or built-in default) and every candidate, timed like the 16-bit GEMV."""
+    from dsc.kernels import int8 as I
+
+    rows = table.setdefault(arch, {}).setdefault("w8a16_gemv", {})
+    results, seen = [], {}
+    print(f"{'linear':<28} {'N x K':>14} {'MB':>7} {'current us':>10} {'TB/s':>5} {'best us':>8} {'TB/s':>5} "
+          f"{'speedup':>7}  config", flush=True)
+    for label, (n, k), dtype in jobs:
+        if (n, k) not in seen:
+            ncopy = 1 if args.smoke else max(2, min(256, (1 << 30) // (n * k)))
+            g = torch.Generator(device=dev).manual_seed(0)
+            w = torch.randn(n, k, generator=g, device=dev)
+            p = I.quantize_weight(w)
+            copies = [p["qweight"]] + [p["qweight"][torch.randperm(n, device=dev, generator=g)]
+                                       for _ in range(ncopy - 1)]
+            scale = p["scale"]
+            x = torch.randn(1, k, generator=g, device=dev).to(dtype)
+            run = lambda x, q, c: I.w8a16_matmul(x, q, scale, None, None, k, kernel="w8a16_gemv", config=c)
+            current = dict(I.int8_config("w8a16_gemv", 1, n, k, 0, arch))
+            cur_us = time_calls(lambda x, q: run(x, q, current), copies, x, graphs)
+            times = []
+            for cfg in list(int8_candidates(k))[: 2 if args.smoke else None]:
+                try:
+                    times.append((time_calls(lambda x, q, c=cfg: run(x, q, c), copies, x, graphs), cfg))
+                except Exception as e:
+                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
+            us, cfg = min(times + [(cur_us, current)], key=lambda t: t[0])
+            ref = I.linear_w8a16_reference(x.float(), copies[0], scale, None, None, k)
+            err = ((run(x, copies[0], cfg).float() - ref).norm() / ref.norm()).item()
+            if err > 1e-2:
+                raise SystemExit(f"{label}: the W8A16 GEMV with {cfg} is wrong (relative error {err:.2e})")
+            seen[(n, k)] = {"N": n, "K": k, "MB": n * k / 1e6, "current_us": cur_us, "best_us": us, "config": cfg,
+                            "rel_err": err, "all": [{"us": t, **c} for t, c in times]}
+            del copies
+        r = seen[(n, k)]
+        results.append({"linear": label, **r})
+        print(f"{label:<28} {f'{n} x {k}':>14} {r['MB']:7.1f} {r['current_us']:10.2f} {r['MB'] / r['current_us']:5.2f} "
+              f"{r['best_us']:8.2f} {r['MB'] / r['best_us']:5.2f} {r['current_us'] / r['best_us']:6.2f}x  {r['config']}",
+              flush=True)
+    for r in seen.values():
+        rows[f"M1_N{r['N']}_K{r['K']}"] = {**r["config"], "us": round(r["best_us"], 2)}
+    table[arch]["w8a16_gemv"] = dict(sorted(rows.items()))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune_gemv_int8.json").write_text(json.dumps({"device": torch.cuda.get_device_name(dev) if graphs else "cpu",
+                                                         "results": results}, indent=1) + "\n")
+    (out / "tuning.json").write_text(json.dumps(table, indent=1) + "\n")
+    print(f"{len(seen)} int8 shapes; rows written to {out / 'tuning.json'}")
     return 0
 
 
