@@ -12,4 +12,4 @@ make_random_checkpoint('$CK', 'llama-8b', dtype='bfloat16', device='cuda', token
 timeout 400 python3 scripts/bench_decode.py --shape llama-8b --dtype bfloat16 --hf eager,compile --hf-batches 1,64 2>&1 | grep -v -i warn | grep -v Loading | tail -22
 wait
 tail -12 $OUT/compile-int8.log
-timeout 120 python3 scripts/bench_decode.py --shape llama-8b --dtype bfloat16 --int8 --hf none 2>&1 | grep -v -i warn | tail -12
+timeout 150 python3 scripts/bench_decode.py --shape llama-8b --dtype bfloat16 --int8 --hf none --profile 2>&1 | grep -v -i warn | tee $OUT/profile_llama-8b-int8.txt | grep -E "step|^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+|==|load" | head -30

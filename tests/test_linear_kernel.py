@@ -130,6 +130,13 @@ def test_shipped_gemv_rows_beat_cublas():
         assert {"BLOCK_N", "BLOCK_K", "num_warps"} <= set(row), (shape_class, row)
 
 
+def test_shipped_int8_gemv_rows_hold_only_launch_options():
+    """int8_config passes a row's every key to the kernel: a timing kept in a row breaks the launch."""
+    allowed = {"BLOCK_N", "BLOCK_K", "PREFETCH", "FAST_CVT", "num_warps", "num_stages"}
+    rows = launch.tuning_table().get("sm_90", {}).get("w8a16_gemv", {})
+    assert rows and all(set(r) <= allowed for r in rows.values()), rows
+
+
 def test_decode_linears_rewrites_only_decode_16bit_linears(compile_artifact):
     art = compile_artifact("llama-tiny", dtype="fp16", max_batch=2, max_seq=64)
     plan = json.loads((art / "plan.json").read_text())
