@@ -8,6 +8,7 @@ Why this order:
   per-projection shards (blocks per source) instead of splitting the fused matrix as one block;
   fusions (options.fuse): projections first, so swiglu reads the fused gate_up output; the
   int8 pass after them, so it quantizes the fused weights;
+  fold_position_tables after the fusions (fuse_rotary reads the cos/sin it replaces by lookups);
   decode_linears after every pass that matches aten.linear (it renames the decode program's);
   plan_kernels last, so it plans the ops every other pass left.
 """
@@ -23,6 +24,7 @@ from dsc.errors import PassError, UserError
 from dsc.passes.bind_kv_cache import bind_kv_cache
 from dsc.passes.canonicalize import canonicalize
 from dsc.passes.decode_linears import decode_linears
+from dsc.passes.fold_position_tables import fold_position_tables
 from dsc.passes.fuse_activation import fuse_activation
 from dsc.passes.fuse_add_norm import fuse_add_norm
 from dsc.passes.fuse_projections import fuse_projections
@@ -42,6 +44,7 @@ def pipeline(options) -> list[tuple[str, Pass]]:
         ("shard_tensor_parallel", shard_tensor_parallel),  # no-op for tp == 1
     ] + (FUSIONS if options.fuse else []) + [
         *([("quantize_int8", quantize_int8)] if options.int8 else []),
+        ("fold_position_tables", fold_position_tables),
         ("decode_linears", decode_linears),
         ("plan_kernels", plan_kernels),
     ]

@@ -166,6 +166,39 @@ def test_no_fuse_turns_the_fusions_off(compile_artifact):
     assert lp["launches_per_layer"] > 2 * lf["launches_per_layer"], (lf, lp)
 
 
+@pytest.mark.parametrize("shape, dtype", [("llama-tiny", "bf16"), ("llama-tiny", "fp32")])
+def test_rotary_cos_sin_become_position_tables(compile_artifact, make_checkpoint, shape, dtype):
+    """fold_position_tables: RoPE's cos/sin chain -> two gathers from [max_seq, head_dim] tables
+    holding exactly what transformers' rotary embedding computes at every position."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    art = compile_artifact(shape, dtype=dtype, max_seq=96)
+    plan = plan_of(art)
+    assert plan["passes"]["fold_position_tables.table"] == 4  # cos and sin, in both programs
+    for program in ("prefill", "decode"):
+        ops = call_ops(plan, program)
+        assert "aten.cos.default" not in ops and "aten.sin.default" not in ops
+    cfg = AutoConfig.from_pretrained(make_checkpoint(shape, dtype="float32"))
+    rope = LlamaRotaryEmbedding(cfg)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    x = torch.zeros(1, 96, cfg.hidden_size, dtype=torch_dtype)
+    cos, sin = rope(x, torch.arange(96)[None])
+    with safe_open(str(art / "rank0.safetensors"), "pt") as f:
+        tables = {k: f.get_tensor(k) for k in f.keys() if k.endswith(".table")}
+    assert len(tables) == 2, list(tables)
+    got = sorted(tables.values(), key=lambda t: float(t[1:].abs().sum()))  # which is cos: larger |values|
+    want = sorted([cos[0], sin[0]], key=lambda t: float(t[1:].abs().sum()))
+    for g, w in zip(got, want):
+        assert g.dtype == torch_dtype and g.shape == (96, cfg.hidden_size // cfg.num_attention_heads)
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_no_position_table_without_rope(compile_artifact):
+    plan = plan_of(compile_artifact("gpt2-tiny", dtype="fp32"))  # learned position embeddings
+    assert "fold_position_tables.table" not in plan["passes"]
+
+
 # -- golden plans ------------------------------------------------------------------------------------
 def plan_text(plan: dict) -> str:
     """plan.json's programs as text: one line per call node, then the launch summary."""

@@ -1,0 +1,123 @@
+"""fold_position_tables: values computed from positions alone -> a table lookup.
+
+Matches the subgraph that depends on nothing but `position_ids` and constants (the rotary
+embedding's inv_freq * position, cat, cos, sin, casts; with scaled RoPE variants their factors)
+and whose results other nodes read: each such result v [batch, seq, ...] is a function of the
+position alone, so the compiler evaluates the subgraph once for positions 0..max_seq-1 and
+rewrites v as table[position_ids] (aten.index.Tensor on a constant `<v>.table` [max_seq, ...]).
+Counted under `fold_position_tables.table`. A decode step then runs one gather per table (2 for
+RoPE's cos and sin) instead of the ~7 small kernels of the original chain.
+Checked at compile time: the tables must reproduce the original subgraph exactly on positions
+drawn at random (a subgraph that mixes positions is left alone).
+Requires: canonicalize. Guarantees: same values bit for bit (the tables are computed by the
+same ops on the CPU); table bytes = max_seq x (row bytes) per table, in every rank's file.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dsc.compiler.ir import Model, WeightSpec
+from dsc.compiler.serialize import stable_names
+from dsc.passes._util import aten
+
+_RANDOM = {aten.rand.default, aten.randn.default, aten.randint.low, aten.bernoulli.default}
+
+
+def _nodes_in(a: Any) -> list[fx.Node]:
+    if isinstance(a, fx.Node):
+        return [a]
+    if isinstance(a, (list, tuple)):
+        return [m for x in a for m in _nodes_in(x)]
+    if isinstance(a, dict):
+        return [m for x in a.values() for m in _nodes_in(x)]
+    return []
+
+
+def _position_only(graph: fx.Graph, pos: fx.Node, model: Model) -> tuple[list[fx.Node], set[fx.Node]]:
+    """Nodes (in order) whose values depend on position_ids and constants only, and the subset
+    of them that position_ids feeds."""
+    pure: list[fx.Node] = []
+    seen, from_pos = {pos}, {pos}
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            spec = model.weights.get(n.target)
+            if spec is not None and spec.const is not None and not spec.sources:
+                seen.add(n)
+                pure.append(n)
+        elif n.op == "call_function" and n.target not in _RANDOM:
+            ins = _nodes_in(n.args) + _nodes_in(n.kwargs)
+            if ins and all(i in seen for i in ins):
+                seen.add(n)
+                pure.append(n)
+                if any(i in from_pos for i in ins):
+                    from_pos.add(n)
+    return pure, from_pos
+
+
+def _evaluate(pure: list[fx.Node], pos: fx.Node, positions: torch.Tensor, model: Model) -> dict[fx.Node, Any]:
+    env: dict[fx.Node, Any] = {pos: positions}
+
+    def load(a):
+        if isinstance(a, fx.Node):
+            return env[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(load(x) for x in a)
+        if isinstance(a, dict):
+            return {k: load(v) for k, v in a.items()}
+        if isinstance(a, torch.device):
+            return torch.device("cpu")
+        return a
+
+    for n in pure:
+        if n.op == "get_attr":
+            env[n] = model.weights[n.target].const
+        else:
+            kwargs = {k: (torch.device("cpu") if k == "device" else load(v)) for k, v in n.kwargs.items()}
+            env[n] = n.target(*load(n.args), **kwargs)
+    return env
+
+
+def fold_position_tables(model: Model) -> Model:
+    max_seq = model.options.max_seq
+    for _, graph in model.graphs():
+        pos = next((n for n in graph.nodes if n.op == "placeholder" and n.name == "position_ids"), None)
+        if pos is None:
+            continue
+        pure, from_pos = _position_only(graph, pos, model)
+        pure_set = set(pure)
+        frontier = [n for n in pure if n in from_pos and any(u not in pure_set for u in n.users)]
+        frontier = [n for n in frontier if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() >= 2]
+        if not frontier:
+            continue
+        table_env = _evaluate(pure, pos, torch.arange(max_seq).reshape(1, max_seq), model)
+        probe = torch.randint(0, max_seq, (3, 5), generator=torch.Generator().manual_seed(0))
+        probe_env = _evaluate(pure, pos, probe, model)
+        names = stable_names(graph)
+        for n in frontier:
+            table, want = table_env[n], probe_env[n]
+            if not (isinstance(table, torch.Tensor) and table.shape[:2] == (1, max_seq)
+                    and isinstance(want, torch.Tensor) and want.shape[:2] == probe.shape
+                    and torch.equal(table[0][probe], want)):
+                continue  # not a per-position function of the positions
+            name = f"{names[n]}.table"  # e.g. model.rotary_emb.to_1.table
+            table = table[0].contiguous()
+            model.weights[name] = WeightSpec(sources=(), shape=tuple(table.shape),
+                                             dtype=str(table.dtype).removeprefix("torch."), const=table)
+            with graph.inserting_before(n):
+                t = graph.get_attr(name)
+                look = graph.call_function(aten.index.Tensor, (t, [pos]))
+            with model.fake_mode:
+                t.meta["val"] = torch.empty(table.shape, dtype=table.dtype)
+            look.meta.update({k: v for k, v in n.meta.items() if k != "kernel"})
+            n.replace_all_uses_with(look)
+            model.counters["fold_position_tables.table"] += 1
+        for n in reversed(pure):  # the chain the lookups replaced
+            if n.op == "call_function" and not n.users:
+                graph.erase_node(n)
+        for n in list(graph.nodes):
+            if n.op == "get_attr" and not n.users and n in pure_set:
+                graph.erase_node(n)
+    return model
