@@ -207,7 +207,7 @@ I8X4_TO_F32 = ("{.reg .b32 t;\n"
 
 def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
                        GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, CVT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr):
     # y[n] = sum_k x[k] * (w[n, k] - z[n, g(k)]) * s[n, g(k)]        x: [K], w: [N, K], y: [N]
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -233,8 +233,12 @@ def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
         else:
             w = w8.to(tl.float32)
         # x read as a [BLOCK_N, BLOCK_K] broadcast in w's layout: each thread loads only the x
-        # values its lanes need, and the loop has no layout conversion (no barrier)
-        x = tl.load(X + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0).to(tl.float32)
+        # values its lanes need, and the loop has no layout conversion (no barrier). X_ROW: x
+        # read once as [BLOCK_K] and broadcast over the rows (fewer loads when BLOCK_N > 1)
+        if X_ROW:
+            x = tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+        else:
+            x = tl.load(X + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0).to(tl.float32)
         if GROUP_K == 0:
             if HAS_ZERO:
                 w -= tl.load(Z + offs_n, mask=mask_n, other=0).to(tl.float32)[:, None]
@@ -375,8 +379,8 @@ def _w8a8_kernel(XQ, XS, W, S, Z, B, Y, M, N, K, G, stride_ym,
 #    gives >= 2 programs per SM, a 4-deep cp.async pipeline over 256-wide K-blocks.
 #  - prefill: 128 x 128 tiles on wgmma (HGMMA / IGMMA in SASS), 3 stages.
 _DEFAULTS = {
-    "w8a16_gemv": {"BLOCK_N": 8, "BLOCK_K": 1024, "PREFETCH": False, "FAST_CVT": True, "num_warps": 4,
-                   "num_stages": 1},
+    "w8a16_gemv": {"BLOCK_N": 8, "BLOCK_K": 1024, "PREFETCH": False, "X_ROW": False, "FAST_CVT": True,
+                   "num_warps": 4, "num_stages": 1},
     "w8a16_mma": {16: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "FAST_CVT": True, "num_warps": 4, "num_stages": 4},
                   64: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "FAST_CVT": True, "num_warps": 4, "num_stages": 4},
                   None: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "FAST_CVT": True, "num_warps": 8,
@@ -454,7 +458,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y
-    cfg = {"FAST_CVT": False, **({"PREFETCH": False} if kernel == "w8a16_gemv" else {}),
+    cfg = {"FAST_CVT": False, **({"PREFETCH": False, "X_ROW": False} if kernel == "w8a16_gemv" else {}),
            **(config or int8_config(kernel, m, n, k, gk, arch_of(x.device)))}
     const, opts = _split(cfg, x.device)
     flags = dict(GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None)

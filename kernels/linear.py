@@ -31,7 +31,7 @@ tl = None  # triton.language, bound by launch.jit on first launch
 
 
 def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr):
     # y[n] = sum_k x[k] * w[n, k] (+ b[n])            x: [K], w: [N, K], y: [N]
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -42,13 +42,20 @@ def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
         offs_k = k0 + cols
         # x read as a [BLOCK_N, BLOCK_K] broadcast in w's layout: each thread loads only the
         # x values its lanes need, and the loop has no layout conversion (no barrier)
+        # (X_ROW: x read once as [BLOCK_K] and broadcast over the rows, fewer loads at BLOCK_N > 1)
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks, plain vector loads
             w = tl.load(W + rows[:, None] + offs_k[None, :], eviction_policy="evict_first")
-            x = tl.load(X + offs_k[None, :] + 0 * rows[:, None])
+            if X_ROW:
+                x = tl.load(X + offs_k)[None, :]
+            else:
+                x = tl.load(X + offs_k[None, :] + 0 * rows[:, None])
         else:
             mask = mask_n[:, None] & (offs_k < K)[None, :]
             w = tl.load(W + rows[:, None] + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            x = tl.load(X + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0)
+            if X_ROW:
+                x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)[None, :]
+            else:
+                x = tl.load(X + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
@@ -69,7 +76,7 @@ def gemv_config(n: int, k: int, arch: str) -> dict | None:
     row = tuning_table().get(arch, {}).get("gemv", {}).get(f"N{n}_K{k}")
     if not row:
         return default_gemv_config(k) if mode == "all" else None
-    return {key: row[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps")}
+    return {key: row[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "X_ROW") if key in row}
 
 
 def default_gemv_config(k: int) -> dict:
@@ -89,7 +96,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"gemv: bias must be {x.dtype}[{n}], got {bias.dtype}{list(bias.shape)}")
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    cfg = dict(config)
+    cfg = {"X_ROW": False, **config}
     num_warps = cfg.pop("num_warps")
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
     jit(_gemv_kernel)[(cdiv(n, cfg["BLOCK_N"]),)](

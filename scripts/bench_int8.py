@@ -52,7 +52,7 @@ TARGET_DECODE = 1.7
 
 # candidate configs for the sweep (the defaults in kernels/int8.py are always measured too).
 # FAST_CVT: int8 -> fp32 on the ALU (inline PTX) instead of I2F; the False rows show its worth.
-GEMV = [dict(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf, FAST_CVT=fc, num_warps=w, num_stages=1)
+GEMV = [dict(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf, X_ROW=False, FAST_CVT=fc, num_warps=w, num_stages=1)
         for bn, bk, w, pf, fc in [(8, 1024, 4, False, False), (4, 1024, 2, False, False),
                                   (4, 1024, 2, False, True), (4, 2048, 4, False, True), (2, 2048, 2, False, True),
                                   (8, 2048, 8, False, True), (16, 1024, 8, False, True), (16, 512, 4, False, True),

@@ -56,6 +56,8 @@ def candidates(k: int):
         per_thread = bn * bk // (32 * w)
         if 8 <= per_thread <= 64 and bk <= max(128, 1 << (k - 1).bit_length()):
             yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
+            if bn > 1:
+                yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "X_ROW": True}
 
 
 def time_calls(fn, copies: list[torch.Tensor], x: torch.Tensor, graphs: bool, reps: int = 5) -> float:
@@ -182,7 +184,9 @@ def int8_candidates(k: int):
     for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096), (2, 4, 8)):
         per_thread = bn * bk // (32 * w)  # int8 weights per thread per K-block
         if 16 <= per_thread <= 64 and bk <= max(512, 1 << (k - 1).bit_length()):
-            yield {"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": False, "FAST_CVT": True, "num_warps": w, "num_stages": 1}
+            for x_row in ((False, True) if bn > 1 else (False,)):
+                yield {"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": False, "FAST_CVT": True, "num_warps": w,
+                       "num_stages": 1, **({"X_ROW": True} if x_row else {})}
 
 
 def tune_int8(args, jobs, table, arch, dev, graphs) -> int:

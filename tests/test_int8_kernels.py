@@ -177,6 +177,10 @@ KERNEL_CASES = {  # name: (kernel, M, K, N, group_size, symmetric, bias, smooth,
     "gemv-g24-asym-M1K72N47": ("w8a16_gemv", 1, 72, 47, 24, False, True, False, {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False}),
     "gemv-g32-aligned-M1K96N33": ("w8a16_gemv", 1, 96, 33, 32, True, False, False, {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False}),
     "gemv-default-M1K200N130": ("w8a16_gemv", 1, 200, 130, None, True, True, False, None),
+    "gemv-xrow-asym-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, False, True, False,
+                                {"BLOCK_N": 4, "BLOCK_K": 32, "PREFETCH": False, "X_ROW": True}),
+    "gemv-xrow-g24-M1K72N47": ("w8a16_gemv", 1, 72, 47, 24, True, False, False,
+                               {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": True, "X_ROW": True}),
     "mma-M3K72N47": ("w8a16_mma", 3, 72, 47, None, True, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
     "mma-asym-bias-M3K72N47": ("w8a16_mma", 3, 72, 47, None, False, True, False, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}),
     "mma-g24-M3K72N47": ("w8a16_mma", 3, 72, 47, 24, False, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
@@ -238,6 +242,7 @@ def run_aot(out: str) -> None:
         cfg = int8.int8_config("w8a16_gemv", m, 4096, 4096, gk, "sm_90")
         cases[name] = (int8._w8a16_gemv_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", **i32("N K G")},
                        {**flags, "GROUP_K": gk, **cfg})
+    cases["gemv-xrow"] = (cases["gemv"][0], cases["gemv"][1], {**cases["gemv"][2], "X_ROW": True})
     cases["gemv-prefetch-slowcvt"] = (cases["gemv"][0], cases["gemv"][1], {**cases["gemv"][2], "PREFETCH": True,
                                                                           "FAST_CVT": False})
     for name, m, gk in (("mma-decode", 8, 0), ("mma-prefill-g128", 2048, 128)):

@@ -28,6 +28,8 @@ KERNEL_CASES = {
     "N48K96-even-bias-row": (48, 96, True, {"BLOCK_N": 1, "BLOCK_K": 32, "num_warps": 1}),
     "N5K200-long-k": (5, 200, True, {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 1}),
     "N33K16-block-wider-than-k": (33, 16, False, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 1}),
+    "N47K72-xrow-masked-bias": (47, 72, True, {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "X_ROW": True}),
+    "N48K96-xrow-even": (48, 96, False, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 1, "X_ROW": True}),
 }
 
 
@@ -59,8 +61,10 @@ def run_aot(out: str) -> None:
     for name, dtype, n, k, bias, cfg in (("bf16-even", "*bf16", 4096, 4096, False,
                                           {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}),
                                          ("fp16-bias-masked", "*fp16", 4800, 1600, True,
-                                          {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4})):
-        cfg = dict(cfg)
+                                          {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}),
+                                         ("bf16-xrow", "*bf16", 4096, 4096, False,
+                                          {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True})):
+        cfg = {"X_ROW": False, **cfg}
         warps = cfg.pop("num_warps")
         even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
         kern = launch.compile_for_arch(L._gemv_kernel, {"X": dtype, "W": dtype, "B": dtype, "Y": dtype,
@@ -132,7 +136,7 @@ def test_shipped_gemv_rows_beat_cublas():
 
 def test_shipped_int8_gemv_rows_hold_only_launch_options():
     """int8_config passes a row's every key to the kernel: a timing kept in a row breaks the launch."""
-    allowed = {"BLOCK_N", "BLOCK_K", "PREFETCH", "FAST_CVT", "num_warps", "num_stages"}
+    allowed = {"BLOCK_N", "BLOCK_K", "PREFETCH", "FAST_CVT", "num_warps", "num_stages", "X_ROW"}
     rows = launch.tuning_table().get("sm_90", {}).get("w8a16_gemv", {})
     assert rows and all(set(r) <= allowed for r in rows.values()), rows
 
