@@ -23,6 +23,7 @@ from dsc.compiler.ir import Model, WeightSpec
 from dsc.compiler.serialize import stable_names
 from dsc.passes._util import aten
 
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
 _RANDOM = {aten.rand.default, aten.randn.default, aten.randint.low, aten.bernoulli.default}
 
 
@@ -102,7 +103,10 @@ def fold_position_tables(model: Model) -> Model:
                     and isinstance(want, torch.Tensor) and want.shape[:2] == probe.shape
                     and torch.equal(table[0][probe], want)):
                 continue  # not a per-position function of the positions
-            name = f"{names[n]}.table"  # e.g. model.rotary_emb.to_1.table
+            src = n  # named after the value before its dtype casts, so every dtype names it alike
+            while src.target in _CASTS and isinstance(src.args[0], fx.Node) and src.args[0] in pure_set:
+                src = src.args[0]
+            name = f"{names[src]}.table"  # e.g. model.rotary_emb.cos.table
             table = table[0].contiguous()
             model.weights[name] = WeightSpec(sources=(), shape=tuple(table.shape),
                                              dtype=str(table.dtype).removeprefix("torch."), const=table)
