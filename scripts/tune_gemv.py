@@ -97,6 +97,16 @@ def time_calls(fn, copies: list[torch.Tensor], x: torch.Tensor, graphs: bool, re
     return best
 
 
+def write_outputs(out: str, name: str, dev: torch.device, results: list, table: dict) -> Path:
+    """OUT/name (every timing, with the device) and OUT/tuning.json (the merged table)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    (out / name).write_text(json.dumps({"device": device, "results": results}, indent=1) + "\n")
+    (out / "tuning.json").write_text(json.dumps(table, indent=1) + "\n")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-8b:bfloat16,llama-1b:bfloat16,gpt2-xl:float16")
@@ -170,11 +180,7 @@ def main() -> int:
         else:
             rows.pop(shape_class, None)
     table[arch]["gemv"] = dict(sorted(rows.items()))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tune_gemv.json").write_text(json.dumps({"device": torch.cuda.get_device_name(dev) if graphs else "cpu",
-                                                    "results": results}, indent=1) + "\n")
-    (out / "tuning.json").write_text(json.dumps(table, indent=1) + "\n")
+    out = write_outputs(args.out, "tune_gemv.json", dev, results, table)
     print(f"{len(seen)} shapes in {time.perf_counter() - t0:.0f}s; rows written for "
           f"{sum(r['gemv_us'] < 0.97 * r['cublas_us'] for r in seen.values())}: {out / 'tuning.json'}")
     return 0
@@ -233,11 +239,7 @@ def tune_int8(args, jobs, table, arch, dev, graphs) -> int:
     for r in seen.values():  # the config only: int8_config passes every key to the kernel
         rows[f"M1_N{r['N']}_K{r['K']}"] = dict(r["config"])
     table[arch]["w8a16_gemv"] = dict(sorted(rows.items()))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tune_gemv_int8.json").write_text(json.dumps({"device": torch.cuda.get_device_name(dev) if graphs else "cpu",
-                                                         "results": results}, indent=1) + "\n")
-    (out / "tuning.json").write_text(json.dumps(table, indent=1) + "\n")
+    out = write_outputs(args.out, "tune_gemv_int8.json", dev, results, table)
     print(f"{len(seen)} int8 shapes; rows written to {out / 'tuning.json'}")
     return 0
 
