@@ -491,14 +491,19 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # buffers replaced by larger ones: graphs captured earlier still use them
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters, one per (sequence, kv head), shared by every decode launch on
     the device: each launch's last split resets its counter to 0, and launches on one stream
-    run one after another. Allocated (zeroed) on first use, then kept."""
+    run one after another. Allocated (zeroed) on first use, then kept; a larger batch x kv
+    heads gets a larger buffer, and the old one stays allocated for the CUDA graphs that
+    captured its address."""
     c = _COUNTERS.get(device)
     if c is None or c.numel() < n:
+        if c is not None:
+            _OUTGROWN.append(c)
         c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return c
 
