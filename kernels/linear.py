@@ -64,13 +64,19 @@ def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
 
 
 # -- configs -----------------------------------------------------------------------------------
-def gemv_config(n: int, k: int, arch: str) -> dict | None:
+GEMV_MODES = ("tuned", "off", "all")
+
+
+def gemv_config(n: int, k: int, arch: str, mode: str | None = None) -> dict | None:
     """The tuned GEMV config {"BLOCK_N", "BLOCK_K", "num_warps"} for a weight [n, k] on this
     arch, or None where cuBLAS serves (no row: untuned, or cuBLAS was as fast).
     DSC_GEMV (read at each call; CUDA graphs read it at capture): "tuned" (default), "off"
     (cuBLAS everywhere), "all" (the GEMV at every shape, untuned ones with `default_gemv_config`:
-    for checking the kernel inside small models)."""
-    mode = os.environ.get("DSC_GEMV", "tuned")
+    for checking the kernel inside small models). `mode` overrides DSC_GEMV (the planner plans
+    "tuned": what runs on the target unless someone sets the variable there)."""
+    mode = mode or os.environ.get("DSC_GEMV", "tuned")
+    if mode not in GEMV_MODES:
+        raise ValueError(f"DSC_GEMV must be one of {', '.join(GEMV_MODES)}, got {mode!r}")
     if mode == "off":
         return None
     row = tuning_table().get(arch, {}).get("gemv", {}).get(f"N{n}_K{k}")
@@ -133,7 +139,7 @@ def _plan_linear(x, weight, bias=None, *, arch):
     (bias fused) where tuned, else cuBLAS (a biased M = 1 cuBLAS linear is 2 launches)."""
     n, k = weight.shape
     has_bias = bias is not None
-    cfg = gemv_config(n, k, arch)
+    cfg = gemv_config(n, k, arch, mode="tuned")
     if cfg is None:
         return {"name": "cublas.gemm", "config": {"N": n, "K": k, "bias": has_bias}, "launches": 2 if has_bias else 1}
     return {"name": "triton.gemv", "config": {"N": n, "K": k, "bias": has_bias, **cfg, "M>1": "cublas.gemm"},

@@ -126,6 +126,22 @@ def test_gemv_row_only_where_tuned(monkeypatch):
     assert p == {"name": "cublas.gemm", "config": {"N": 1024, "K": 4096, "bias": True}, "launches": 2}
 
 
+def test_gemv_modes(monkeypatch):
+    """DSC_GEMV: off -> cuBLAS even where tuned, all -> a default config where untuned, anything
+    else a clear error; the planner plans the tuned choice whatever the variable says."""
+    table = {"sm_90": {"gemv": {"N64_K64": {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 1, "us": 1.0, "cublas_us": 2.0}}}}
+    monkeypatch.setattr(L, "tuning_table", lambda: table)
+    monkeypatch.setenv("DSC_GEMV", "off")
+    assert L.gemv_config(64, 64, "sm_90") is None
+    assert L._plan_linear(torch.empty(1, 64), torch.empty(64, 64), arch="sm_90")["name"] == "triton.gemv"
+    monkeypatch.setenv("DSC_GEMV", "all")
+    assert L.gemv_config(48, 96, "sm_90") == L.default_gemv_config(96)
+    assert L._plan_linear(torch.empty(1, 96), torch.empty(48, 96), arch="sm_90")["name"] == "cublas.gemm"
+    monkeypatch.setenv("DSC_GEMV", "fast")
+    with pytest.raises(ValueError, match="DSC_GEMV must be one of tuned, off, all, got 'fast'"):
+        L.gemv_config(64, 64, "sm_90")
+
+
 def test_shipped_gemv_rows_beat_cublas():
     """Every row in kernels/tuning.json was written by scripts/tune_gemv.py with both times."""
     rows = launch.tuning_table().get("sm_90", {}).get("gemv", {})
