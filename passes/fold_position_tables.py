@@ -118,10 +118,7 @@ def fold_position_tables(model: Model) -> Model:
             look.meta.update({k: v for k, v in n.meta.items() if k != "kernel"})
             n.replace_all_uses_with(look)
             model.counters["fold_position_tables.table"] += 1
-        for n in reversed(pure):  # the chain the lookups replaced
-            if n.op == "call_function" and not n.users:
-                graph.erase_node(n)
-        for n in list(graph.nodes):
-            if n.op == "get_attr" and not n.users and n in pure_set:
+        for n in reversed(pure):  # the chain the lookups replaced, its constants last
+            if not n.users:
                 graph.erase_node(n)
     return model
