@@ -84,7 +84,7 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
     load_s = time.perf_counter() - t0
     res: dict = {"artifact": str(path), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "dtype": engine.plan["model"]["dtype"], "tp": engine.world, "load_and_capture_s": load_s,
-                 "cuda_graphs": engine._decode.captured, "decode": {}, "prefill": {}}
+                 "cuda_graphs": engine._decode.captured, "all_reduce": engine.all_reduce, "decode": {}, "prefill": {}}
     if dev.type == "cuda":
         w = sum(t.numel() * t.element_size() for t in engine.weights.values())
         kv = sum(t.numel() * t.element_size() for t in engine.kv_cache.values())
@@ -131,7 +131,7 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
 
 def render(res: dict) -> str:
     lines = [f"{res['artifact']}  on {res['device']}  {res['dtype']}  tp={res['tp']}  "
-             f"cuda_graphs={res['cuda_graphs']}",
+             f"cuda_graphs={res['cuda_graphs']}" + (f"  all_reduce={res.get('all_reduce')}" if res["tp"] > 1 else ""),
              f"load + capture: {res['load_and_capture_s']:.2f} s"]
     if "memory" in res:
         m = res["memory"]

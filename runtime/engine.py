@@ -6,6 +6,7 @@ dsc.kernels only; never transformers, dsc.compiler or dsc.passes.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from safetensors import safe_open
 
 import dsc.kernels  # noqa: F401  (registers the dsc ops the plan calls)
 from dsc.errors import UserError
+from dsc.kernels import collectives
 from dsc.runtime.artifact import Artifact, open_artifact
 from dsc.runtime.decode import DecodeRunner
 from dsc.runtime.plan import build_graph
@@ -27,6 +29,10 @@ from dsc.runtime.sampling import sample
 class GenerateResult:
     tokens: list[list[int]]  # generated tokens per prompt (stop token included when hit)
     finish_reasons: list[str]  # "stop" | "length"
+
+
+def _all_reduce_nodes(program: dict) -> list[dict]:
+    return [n for n in program["nodes"] if n.get("op") == "dsc.all_reduce.default"]
 
 
 class Engine:
@@ -43,11 +49,26 @@ class Engine:
         self.weights = self._load_weights()
         self.kv_cache = self._allocate_kv_cache()
         self.programs = {name: self._build(p) for name, p in self.plan["programs"].items()}
+        self._all_reduces = {name: _all_reduce_nodes(p) for name, p in self.plan["programs"].items()}
+        self.all_reduce = self._enable_symmetric_all_reduce()
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
         self._decode = DecodeRunner(self._decode_program, self.buckets, device, cuda_graphs)
 
+    def _enable_symmetric_all_reduce(self) -> str:
+        """On CUDA with tp > 1: the one-shot all-reduce (kernels/collectives.py) for tensors up
+        to the decode program's largest all-reduce at max_batch. Returns the path taken."""
+        decode = self._all_reduces.get("decode") or []
+        if self.world == 1 or self.device.type != "cuda" or not decode:
+            return "nccl" if self.world > 1 else "none"
+        numel = max(math.prod(self.max_batch if isinstance(d, str) else d for d in n["shape"]) for n in decode)
+        return collectives.enable_symmetric(self.device, self.dtype, numel)
+
+    def _call(self, program: str, *args) -> torch.Tensor:
+        with collectives.program_scope(len(self._all_reduces[program])):
+            return self.programs[program](*args)
+
     def _decode_program(self, input_ids, position_ids, cache_pos, last_idx):
-        return self.programs["decode"](input_ids, position_ids, cache_pos, last_idx)
+        return self._call("decode", input_ids, position_ids, cache_pos, last_idx)
 
     # -- loading -------------------------------------------------------------------------
     def _load_weights(self) -> dict[str, torch.Tensor]:
@@ -88,7 +109,7 @@ class Engine:
             cache_pos: torch.Tensor, last_idx: torch.Tensor) -> torch.Tensor:
         """One forward step. Shapes: input_ids/position_ids [B, S], cache_pos/last_idx [B].
         Returns logits [B, vocab] (fp32) for the token at last_idx of each sequence."""
-        return self.programs[program](input_ids, position_ids, cache_pos, last_idx).float()
+        return self._call(program, input_ids, position_ids, cache_pos, last_idx).float()
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Write the prompts into KV-cache rows 0..B-1; return the last prompt token's logits."""

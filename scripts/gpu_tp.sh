@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # Tensor parallel on several GPUs (issue 8): correctness vs tp=1 and scaling, in one call.
-#   bash scripts/gpu_tp.sh [SHAPE] [DTYPE]      (on a machine with 4 GPUs; writes under $OUT)
-# Compiles a random-weight model for tp=1,2,4 and int8 tp=1,4 (in parallel), checks that the
-# greedy tokens of every tp equal tp=1 (torchrun + NCCL, decode steps replayed from CUDA graphs
-# with the all-reduces captured), then runs `dsc bench` per artifact: batch-1 ms/token,
-# batch-64 tokens/s, per-rank GPU memory.
+#   bash scripts/gpu_tp.sh [SHAPE] [DTYPE]      (on a machine with 4 GPUs; results in $OUT/results.tgz)
+# 1. a random-weight checkpoint; compiles for tp=1,2,4 and int8 tp=1,4 (in parallel, on the CPUs)
+#    while scripts/check_allreduce_gpu.py checks and times the one-shot all-reduce on 2 and 4 GPUs;
+# 2. greedy tokens of every tp against tp=1 (torchrun + NCCL, decode steps replayed from CUDA
+#    graphs with the all-reduces captured), tp=4 also with DSC_ALLREDUCE=nccl;
+# 3. `dsc bench` per artifact: batch-1 ms/token, batch-64 tokens/s, per-rank GPU memory; tp=2/4
+#    twice, one-shot all-reduce (default) and NCCL only, in the same run.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
 DTYPE=${2:-bfloat16}
 W=${WORK:-/tmp/dsc-tp}
-OUT=${OUT:-$W/out}
-mkdir -p "$W" "$OUT"
+FINAL=${OUT:-$W/out}
+OUT=$W/results
+mkdir -p "$W" "$OUT" "$FINAL"
+# NVLink multicast stays off (the machines' rule); the one-shot all-reduce does not use it
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-echo "GPUs: $NGPU"
+echo "GPUs: $NGPU  $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+pack() { tar czf "$FINAL/results.tgz" -C "$OUT" . ; }  # after every phase: a cut-off call keeps what ran
+T0=$SECONDS
 python3 - <<PY
 from pathlib import Path
 from dsc.compiler.random_checkpoint import make_random_checkpoint
@@ -21,36 +28,94 @@ p = Path("$W/ckpt")
 if not (p / "config.json").exists():
     make_random_checkpoint(p, "$SHAPE", dtype="$DTYPE", device="${DEV:-cuda}", tokenizer=False)
 PY
+echo "checkpoint: $((SECONDS - T0)) s"
 ARTS=${ARTS:-"tp1 tp2 tp4 tp1-int8 tp4-int8"}; [ "$NGPU" -lt 4 ] && ARTS="tp1 tp2 tp1-int8"
 for A in $ARTS; do
   TP=${A#tp}; TP=${TP%-int8}; INT8=""; [[ $A == *int8 ]] && INT8="--int8"
   [ -f "$W/$A/manifest.json" ] || (python3 -m dsc compile "$W/ckpt" -o "$W/$A" --tp "$TP" $INT8 \
-      --max-batch 64 --max-seq 1024 > "$OUT/compile-$A.log" 2>&1; echo "compiled $A: rc=$?") &
+      --max-batch 64 --max-seq 1024 > "$OUT/compile-$A.log" 2>&1; echo "compiled $A: rc=$? $((SECONDS - T0)) s") &
+done
+for N in 2 4; do
+  [ "$NGPU" -ge $N ] || continue
+  OUT=$OUT timeout 120 torchrun --nproc-per-node $N scripts/check_allreduce_gpu.py > "$OUT/allreduce-tp$N.log" 2>&1
+  echo "check_allreduce tp$N: rc=$? $((SECONDS - T0)) s"
+  python3 - "$OUT/allreduce-tp$N.json" <<'PY'
+import json, sys, os
+if os.path.exists(sys.argv[1]):
+    r = json.load(open(sys.argv[1]))
+    print(" path", r["path"], "check", r.get("check"), "wrong per rank", r.get("wrong_per_rank"),
+          "one-buffer control", r.get("control_one_buffer_wrong"))
+    for rows, t in r["timing_bf16_x4096"].items():
+        print(f"  [{rows}, 4096] bf16: one-shot {t.get('one_shot_us', float('nan')):.2f} us, nccl {t['nccl_us']:.2f} us")
+PY
+  tail -3 "$OUT/allreduce-tp$N.log"
 done
 wait
+pack
 PROMPTS='--token-ids 1,2,3,4,5,6,7,8,9,10,11 --token-ids 20,21,22 --token-ids 30,31,32,33,34,35,36'
+gen() {  # gen TAG ARTIFACT [env...]
+  local tag=$1 a=$2; shift 2
+  env "$@" timeout 120 python3 -m dsc generate "$W/$a" $PROMPTS --max-new-tokens 24 --no-verify > "$OUT/tokens-$tag.jsonl" 2> "$OUT/generate-$tag.log"
+}
+same() {  # same A B: how many of the generated tokens agree (position by position)
+  python3 - "$OUT/tokens-$1.jsonl" "$OUT/tokens-$2.jsonl" "$1" "$2" <<'PY'
+import json, sys
+def toks(p):
+    try:
+        return [json.loads(l)["tokens"] for l in open(p) if l.strip()]
+    except Exception as e:
+        return None
+a, b = toks(sys.argv[1]), toks(sys.argv[2])
+if not a or not b:
+    print(f"{sys.argv[3]} vs {sys.argv[4]}: missing output"); sys.exit()
+eq = sum(x == y for s, t in zip(a, b) for x, y in zip(s, t)); n = sum(len(s) for s in a)
+first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b)]
+print(f"{sys.argv[3]} vs {sys.argv[4]}: {eq}/{n} tokens equal; first difference per prompt at {first}")
+PY
+}
+for A in $ARTS; do gen "$A" "$A"; done
+[[ " $ARTS " == *" tp4 "* ]] && gen tp4-nccl tp4 DSC_ALLREDUCE=nccl
+echo "generate done: $((SECONDS - T0)) s"
 for A in $ARTS; do
-  timeout 120 python3 -m dsc generate "$W/$A" $PROMPTS --max-new-tokens 24 --no-verify > "$OUT/tokens-$A.jsonl" 2> "$OUT/generate-$A.log"
   BASE=tp1; [[ $A == *int8 ]] && BASE=tp1-int8
-  if [ "$A" != "$BASE" ]; then
-    if cmp -s "$OUT/tokens-$BASE.jsonl" "$OUT/tokens-$A.jsonl"; then echo "$A: greedy tokens == $BASE"
-    else echo "$A: greedy tokens DIFFER from $BASE"; diff "$OUT/tokens-$BASE.jsonl" "$OUT/tokens-$A.jsonl" | head -6; tail -3 "$OUT/generate-$A.log"; fi
-  fi
-  [ -n "${NO_BENCH:-}" ] && continue
-  timeout 150 python3 -m dsc bench "$W/$A" --batch 1 --batch 64 --prefill 128 --iters 30 --json "$OUT/bench-$A.json" 2>&1 | grep -v -i warn | tail -9
+  [ "$A" != "$BASE" ] && same "$BASE" "$A"
 done
-python3 - <<PY
-import json, os
+[[ " $ARTS " == *" tp4 "* ]] && same tp4-nccl tp4
+[[ " $ARTS " == *" tp1-int8 "* ]] && same tp1 tp1-int8
+pack
+bench() {  # bench TAG ARTIFACT [env...]
+  local tag=$1 a=$2; shift 2
+  env "$@" timeout 150 python3 -m dsc bench "$W/$a" --batch 1 --batch 64 --prefill 128 --iters 30 \
+    --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.txt" 2>&1
+  grep -v -i warn "$OUT/bench-$tag.txt" | tail -9
+}
+if [ -z "${NO_BENCH:-}" ]; then
+  for A in $ARTS; do
+    bench "$A" "$A"
+    [[ $A == tp1* ]] || bench "$A-nccl" "$A" DSC_ALLREDUCE=nccl
+    pack
+  done
+fi
+echo "bench done: $((SECONDS - T0)) s"
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
 rows = {}
-for a in "$ARTS".split():
-    f = "$OUT/bench-" + a + ".json"
-    if os.path.exists(f):
-        rows[a] = json.load(open(f))
-print(f"{'artifact':>10} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7}")
-for tag, r in rows.items():
+for f in sorted(os.listdir(out)):
+    if f.startswith("bench-") and f.endswith(".json"):
+        rows[f[6:-5]] = json.load(open(os.path.join(out, f)))
+order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "nccl" in t))
+print(f"{'artifact':>14} {'all-reduce':>10} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
+for tag in order:
+    r = rows[tag]
     base = rows.get("tp1-int8" if "int8" in tag else "tp1")
     d1, d64 = r["decode"].get("1"), r["decode"].get("64")
-    b1, b64 = (base or {}).get("decode", {}).get("1"), (base or {}).get("decode", {}).get("64")
-    print(f"{tag:>10} {d1['ms_per_step']:>10.3f} {d1['ms_per_step'] / b1['ms_per_step'] if b1 else 0:>6.2f}x "
-          f"{d64['tokens_per_s'] if d64 else 0:>10.0f} {(d64['tokens_per_s'] / b64['tokens_per_s']) if d64 and b64 else 0:>6.2f}x")
+    b1 = (base or {}).get("decode", {}).get("1")
+    b64 = (base or {}).get("decode", {}).get("64")
+    mem = r.get("memory_per_rank") or [r.get("memory")]
+    w = "/".join(f"{m['weights'] / 2**30:.2f}" for m in mem if m)
+    print(f"{tag:>14} {r.get('all_reduce', '-'):>10} {d1['ms_per_step'] if d1 else 0:>10.3f} "
+          f"{d1['ms_per_step'] / b1['ms_per_step'] if d1 and b1 else 0:>6.2f}x "
+          f"{d64['tokens_per_s'] if d64 else 0:>10.0f} {(d64['tokens_per_s'] / b64['tokens_per_s']) if d64 and b64 else 0:>6.2f}x {w:>17}")
 PY
+pack

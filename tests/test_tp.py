@@ -473,3 +473,44 @@ def test_no_gloo_thread_outlives_the_group(compile_artifact, tmp_path):
                        env={**os.environ, **ENV})
     assert r.returncode == 0, r.stderr[-3000:]
     assert [(tmp_path / f"rank{i}.txt").read_text() for i in range(2)] == ["1", "1"]  # threads left per rank
+
+
+# -- the one-shot all-reduce's buffer order (kernels/collectives.py) -------------------------
+def _slots(monkeypatch, counts):
+    """The buffer each dsc.all_reduce of a run of programs would use (None: NCCL)."""
+    from dsc.kernels import collectives
+
+    s = object.__new__(collectives._Symmetric)
+    s.count = s.index = 0
+    monkeypatch.setattr(collectives, "_symm", s)
+    seq = []
+    for n in counts:
+        with collectives.program_scope(n):
+            seq += [s.slot() if s.count else None for _ in range(n)]
+        assert s.count == 0  # closed scope: calls outside a program take NCCL
+    return seq
+
+
+def test_one_shot_all_reduce_never_reuses_a_buffer_back_to_back(monkeypatch):
+    # Llama-8B decode (65) and prefill, GPT-2 style odd counts, a program of one (NCCL), and a
+    # CUDA graph replayed twice (the same program again)
+    counts = [65, 65, 64, 64, 3, 2, 5, 1, 7, 7, 2]
+    seq = _slots(monkeypatch, counts)
+    assert seq.count(None) == 1  # only the one-all-reduce program takes NCCL
+    for a, b in zip(seq, seq[1:]):
+        assert a is None or b is None or a != b, seq
+    assert seq[:4] == [0, 1, 0, 1] and seq[64] == 2  # odd count: the last one on buffer 2
+
+
+def test_all_reduce_mode_is_checked(monkeypatch):
+    from dsc.kernels import collectives
+
+    monkeypatch.setenv("DSC_ALLREDUCE", "nccl")
+    assert collectives.allreduce_mode() == "nccl"
+    monkeypatch.setenv("DSC_ALLREDUCE", "fast")
+    with pytest.raises(ValueError, match="DSC_ALLREDUCE must be one of auto, nccl"):
+        collectives.allreduce_mode()
+    # no process group or no GPU: NCCL/gloo, nothing allocated
+    monkeypatch.delenv("DSC_ALLREDUCE")
+    assert collectives.enable_symmetric(torch.device("cpu"), torch.float32, 64) == "nccl"
+    assert collectives._symm is None
