@@ -12,9 +12,21 @@ runs eagerly, so bucket choice and padding are exercised everywhere.
 from __future__ import annotations
 
 import bisect
+import weakref
 from typing import Callable
 
 import torch
+
+_RUNNERS: "weakref.WeakSet[DecodeRunner]" = weakref.WeakSet()
+
+
+def release_cuda_graphs() -> None:
+    """Destroy every live runner's CUDA graphs (their steps then run eagerly). Called before a
+    process group is torn down: a graph that captured NCCL collectives keeps the communicator
+    busy, and destroying the group then hangs in ncclCommDestroy (pytorch/pytorch#115388;
+    seen here: tp=2/4 `dsc generate` on H200s printed its tokens and never exited)."""
+    for runner in list(_RUNNERS):
+        runner.release()
 
 
 def choose_bucket(buckets: tuple[int, ...] | list[int], batch: int) -> int:
@@ -79,6 +91,17 @@ class DecodeRunner:
                 self.steps[b].capture(pool)
             torch.cuda.synchronize(device)
             self.captured = True
+            _RUNNERS.add(self)
+
+    def release(self) -> None:
+        if not self.captured:
+            return
+        for step in self.steps.values():
+            torch.cuda.synchronize(step.device)
+            if step.graph is not None:
+                step.graph.reset()
+            step.graph, step.logits = None, None
+        self.captured = False
 
     def __call__(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
         return self.steps[choose_bucket(self.buckets, tokens.shape[0])](tokens, cache_pos)

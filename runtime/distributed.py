@@ -32,6 +32,11 @@ def shutdown_process_group(barrier: bool = True) -> None:
     the other ranks may be inside a different collective and a barrier would pair with it."""
     global _store
     if dist.is_initialized():
+        from dsc.kernels import collectives
+        from dsc.runtime.decode import release_cuda_graphs
+
+        release_cuda_graphs()  # before the group: graphs hold NCCL's communicator
+        collectives.disable_symmetric()
         if barrier:
             try:
                 dist.barrier()
