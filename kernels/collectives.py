@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,9 @@ class _Symmetric:
         group = dist.group.WORLD.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.9
         if enable is not None:
-            enable(group)
+            with warnings.catch_warnings():  # deprecated (a no-op) in newer torch
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(group)
         self.group, self.dtype, self.numel = group, dtype, numel
         self.buffers = []
         for _ in range(3):

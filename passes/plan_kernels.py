@@ -68,9 +68,14 @@ def _reshape_is_view(node: fx.Node) -> bool:
         return False
 
 
-def _plan_all_reduce(x, *, arch):
-    # functional all_reduce clones its input, then reduces the clone in place
-    return {"name": "nccl.all_reduce", "config": {}, "launches": 2}
+def _plan_all_reduce(x, *, arch, program="prefill"):
+    """The runtime (kernels/collectives.py) reduces decode-sized tensors with torch's one-shot
+    symmetric-memory all-reduce on CUDA: one launch that copies and sums. Larger tensors (a
+    prefill), CPU runs (gloo) and GPUs without symmetric memory take the functional all-reduce,
+    which clones its input and reduces the clone in place: two launches."""
+    if program == "decode":
+        return {"name": "symm_mem.one_shot_all_reduce", "config": {"fallback": "nccl.all_reduce"}, "launches": 1}
+    return {"name": "nccl.all_reduce", "config": {"one_shot_up_to": "the decode size (max_batch rows)"}, "launches": 2}
 
 
 def _plan_all_gather(x, dim, world, *, arch):
@@ -79,7 +84,6 @@ def _plan_all_gather(x, dim, world, *, arch):
 
 # planners for ops whose kernel files do not register one (yet); a registered planner wins
 FALLBACK_PLANNERS = {
-    "dsc.all_reduce.default": _plan_all_reduce,
     "dsc.all_gather.default": _plan_all_gather,
 }
 
@@ -99,6 +103,8 @@ def plan_node(node: fx.Node, arch: str, program: str = "prefill") -> dict:
         bias = len(node.args) > 2 and node.args[2] is not None
         return {"name": "cublas.gemm", "config": {"N": w.shape[0], "K": w.shape[1], "bias": bias},
                 "launches": 2 if bias and program == "decode" else 1}
+    if name == "dsc.all_reduce.default" and name not in PLANNERS:
+        return _plan_all_reduce(_val(node.args[0]), arch=arch, program=program)
     plan = PLANNERS.get(name) or FALLBACK_PLANNERS.get(name)
     if plan is not None:
         args = [_val(a) if isinstance(a, fx.Node) else a for a in node.args]

@@ -125,6 +125,9 @@ def test_plan_shows_collectives_and_local_shapes(shape, tp, compile_artifact):
         ops = [n["op"] for n in prog["nodes"] if n["kind"] == "call"]
         assert ops.count("dsc.all_reduce.default") == 2 * layers + vocab_split, name
         assert ops.count("dsc.all_gather.default") == vocab_split, name
+        kernels = {n["kernel"]["name"]: n["kernel"]["launches"] for n in prog["nodes"] if n.get("op") == "dsc.all_reduce.default"}
+        # decode: the one-shot all-reduce (one launch); prefill: NCCL (clone + all-reduce)
+        assert kernels == ({"symm_mem.one_shot_all_reduce": 1} if name == "decode" else {"nccl.all_reduce": 2}), name
         attn = [n for n in prog["nodes"] if n.get("op") == "dsc.attention.default"]
         assert len(attn) == layers and all(n["shape"][2] == heads // tp for n in attn)
         by_name = {n["name"]: n for n in prog["nodes"]}
