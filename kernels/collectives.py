@@ -63,6 +63,7 @@ class _Symmetric:
 
 
 _symm: _Symmetric | None = None
+_retired: list[_Symmetric] = []  # replaced states: graphs captured with their buffers may still replay
 
 
 def allreduce_mode() -> str:
@@ -77,11 +78,16 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int) -> st
     Returns "symm_mem" when the one-shot path is on for all ranks, else "nccl" (with the reason
     on stderr from rank 0). DSC_ALLREDUCE=nccl keeps NCCL everywhere."""
     global _symm
-    _symm = None
     if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() == 1:
         return "nccl"
     if allreduce_mode() == "nccl":
         return "nccl"
+    s = _symm
+    if s is not None and s.buffers[0].device == device and s.dtype == dtype and s.numel >= numel:
+        return "symm_mem"  # a second engine in this process: the same buffers serve it
+    if s is not None:
+        _retired.append(s)
+        _symm = None
     err = ""
     state = None
     try:
@@ -101,8 +107,10 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int) -> st
 
 
 def disable_symmetric() -> None:
+    """Drop the buffers (at shutdown, after the CUDA graphs that use them are destroyed)."""
     global _symm
     _symm = None
+    _retired.clear()
 
 
 @contextlib.contextmanager
