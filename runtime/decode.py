@@ -97,8 +97,8 @@ class DecodeRunner:
         if not self.captured:
             return
         for step in self.steps.values():
-            torch.cuda.synchronize(step.device)
             if step.graph is not None:
+                torch.cuda.synchronize(step.device)
                 step.graph.reset()
             step.graph, step.logits = None, None
         self.captured = False

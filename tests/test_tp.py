@@ -517,3 +517,37 @@ def test_all_reduce_mode_is_checked(monkeypatch):
     monkeypatch.delenv("DSC_ALLREDUCE")
     assert collectives.enable_symmetric(torch.device("cpu"), torch.float32, 64) == "nccl"
     assert collectives._symm is None
+
+
+def test_shutdown_destroys_cuda_graphs_before_the_group(monkeypatch, tmp_path):
+    """A CUDA graph that captured NCCL calls makes destroy_process_group hang (seen on 4 H200s:
+    tp `dsc generate` printed its tokens and never exited). shutdown_process_group must release
+    the graphs and the one-shot buffers first."""
+    import torch.distributed as dist
+
+    import dsc.runtime.decode as decode
+    import dsc.runtime.distributed as D
+    from dsc.kernels import collectives
+
+    calls = []
+    monkeypatch.setattr(decode, "release_cuda_graphs", lambda: calls.append("release graphs"))
+    monkeypatch.setattr(collectives, "disable_symmetric", lambda: calls.append("drop buffers"))
+    destroy = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: (calls.append("destroy"), destroy(*a)))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    D.shutdown_process_group()
+    assert calls == ["release graphs", "drop buffers", "destroy"]
+    assert not dist.is_initialized()
+
+
+def test_released_runner_steps_run_eagerly():
+    """After release_cuda_graphs a runner has no graph left and still steps (eagerly)."""
+    from dsc.runtime.decode import DecodeRunner
+
+    prog = lambda ids, pos, cache_pos, last: ids.float() + pos.float()  # noqa: E731
+    r = DecodeRunner(prog, (1, 2), torch.device("cpu"), cuda_graphs=False)
+    r.captured = True  # as after a capture on CUDA (graphs None on CPU)
+    r.release()
+    assert not r.captured and all(s.graph is None for s in r.steps.values())
+    out = r(torch.tensor([3]), torch.tensor([4]))
+    assert out.tolist() == [[7.0]]
