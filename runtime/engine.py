@@ -58,8 +58,12 @@ class Engine:
         """On CUDA with tp > 1: the one-shot all-reduce (kernels/collectives.py) for tensors up
         to the decode program's largest all-reduce at max_batch. Returns the path taken."""
         decode = self._all_reduces.get("decode") or []
-        if self.world == 1 or self.device.type != "cuda" or not decode:
-            return "nccl" if self.world > 1 else "none"
+        if self.world == 1:
+            return "none"
+        if self.device.type != "cuda" or not decode:
+            import torch.distributed as dist
+
+            return dist.get_backend()  # gloo on CPU
         numel = max(math.prod(self.max_batch if isinstance(d, str) else d for d in n["shape"]) for n in decode)
         return collectives.enable_symmetric(self.device, self.dtype, numel)
 

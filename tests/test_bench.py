@@ -87,3 +87,22 @@ def _threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+def test_bench_of_a_tp_artifact_runs_every_rank_and_reports_each(compile_artifact, tmp_path):
+    """`dsc bench` on a tp=2 artifact starts its ranks (gloo on CPU), names the all-reduce
+    path, and reports every rank's memory share (on CPU: none, no GPU memory to report)."""
+    import os
+    import subprocess
+    import sys
+
+    art = compile_artifact("gpt2-tiny", dtype="fp32", tp=2)
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "dsc", "bench", str(art), "--device", "cpu", "--batch", "1",
+                        "--prefill", "8", "--context", "8", "--iters", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tp=2" in r.stdout and "all_reduce=gloo" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["tp"] == 2 and res["all_reduce"] == "gloo" and res["rank"] == 0
+    assert res["memory_per_rank"] == [None, None] and res["decode"]["1"]["ms_per_step"] > 0
