@@ -68,7 +68,7 @@ def _reshape_is_view(node: fx.Node) -> bool:
         return False
 
 
-def _plan_all_reduce(x, *, arch, program="prefill"):
+def _plan_all_reduce(program: str) -> dict:
     """The runtime (kernels/collectives.py) reduces decode-sized tensors with torch's one-shot
     symmetric-memory all-reduce on CUDA: one launch that copies and sums. Larger tensors (a
     prefill), CPU runs (gloo) and GPUs without symmetric memory take the functional all-reduce,
@@ -104,7 +104,7 @@ def plan_node(node: fx.Node, arch: str, program: str = "prefill") -> dict:
         return {"name": "cublas.gemm", "config": {"N": w.shape[0], "K": w.shape[1], "bias": bias},
                 "launches": 2 if bias and program == "decode" else 1}
     if name == "dsc.all_reduce.default" and name not in PLANNERS:
-        return _plan_all_reduce(_val(node.args[0]), arch=arch, program=program)
+        return _plan_all_reduce(program)
     plan = PLANNERS.get(name) or FALLBACK_PLANNERS.get(name)
     if plan is not None:
         args = [_val(a) if isinstance(a, fx.Node) else a for a in node.args]
