@@ -57,12 +57,12 @@ class Engine:
     def _enable_symmetric_all_reduce(self) -> str:
         """On CUDA with tp > 1: the one-shot all-reduce (kernels/collectives.py) for tensors up
         to the decode program's largest all-reduce at max_batch. Returns the path taken."""
+        import torch.distributed as dist
+
         decode = self._all_reduces.get("decode") or []
-        if self.world == 1:
+        if self.world == 1 or not dist.is_initialized():  # no group: e.g. the ONNX export's engine
             return "none"
         if self.device.type != "cuda" or not decode:
-            import torch.distributed as dist
-
             return dist.get_backend()  # gloo on CPU
         numel = max(math.prod(self.max_batch if isinstance(d, str) else d for d in n["shape"]) for n in decode)
         return collectives.enable_symmetric(self.device, self.dtype, numel)
