@@ -56,6 +56,13 @@ class _Symmetric:
             self.buffers.append(buf)
         self.count = 0  # all-reduces in the current program scope (0: none open)
         self.index = 0  # the next one's position
+        # one real all-reduce of this dtype now: an unsupported dtype or a broken peer mapping
+        # fails here, where every rank can still fall back to NCCL, not inside a decode step
+        # (the NCCL all-reduce after it in enable_symmetric orders it before any later use)
+        ones = torch.ones(min(8, numel), dtype=dtype, device=device)
+        got = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffers[0][: ones.numel()], ones, "sum", group)
+        if not torch.equal(got, torch.full_like(ones, dist.get_world_size())):
+            raise RuntimeError(f"a probe all-reduce of ones over {dist.get_world_size()} ranks gave {got.tolist()}")
 
     def slot(self) -> int:
         i, self.index = self.index, self.index + 1
