@@ -31,6 +31,20 @@ class GenerateResult:
     finish_reasons: list[str]  # "stop" | "length"
 
 
+def _check_environment() -> None:
+    """The runtime's environment switches, checked at load so that a typo is one clear line
+    on every device (the kernels read them only where they run: CUDA)."""
+    from dsc.kernels.linear import GEMV_MODES
+
+    gemv = os.environ.get("DSC_GEMV", "tuned")
+    if gemv not in GEMV_MODES:
+        raise UserError(f"DSC_GEMV must be one of {', '.join(GEMV_MODES)}, got {gemv!r}")
+    try:
+        collectives.allreduce_mode()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def _all_reduce_nodes(program: dict) -> list[dict]:
     return [n for n in program["nodes"] if n.get("op") == "dsc.all_reduce.default"]
 
@@ -233,6 +247,7 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     load, one per batch bucket (cuda_graphs=False runs them eagerly). For tp > 1, call under
     torchrun: the process group is initialised here (NCCL on GPU, gloo on CPU) if it is not
     already, and each rank takes the GPU of its LOCAL_RANK."""
+    _check_environment()
     probe = open_artifact(path, ranks=None, verify=False)  # every rank file present, before any rank loads
     r, world = _dist_rank_world(probe, rank)
     if device is None:
