@@ -67,6 +67,13 @@ def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
 GEMV_MODES = ("tuned", "off", "all")
 
 
+def gemv_mode() -> str:
+    mode = os.environ.get("DSC_GEMV", "tuned")
+    if mode not in GEMV_MODES:
+        raise ValueError(f"DSC_GEMV must be one of {', '.join(GEMV_MODES)}, got {mode!r}")
+    return mode
+
+
 def gemv_config(n: int, k: int, arch: str, mode: str | None = None) -> dict | None:
     """The tuned GEMV config {"BLOCK_N", "BLOCK_K", "num_warps"} for a weight [n, k] on this
     arch, or None where cuBLAS serves (no row: untuned, or cuBLAS was as fast).
@@ -74,9 +81,7 @@ def gemv_config(n: int, k: int, arch: str, mode: str | None = None) -> dict | No
     (cuBLAS everywhere), "all" (the GEMV at every shape, untuned ones with `default_gemv_config`:
     for checking the kernel inside small models). `mode` overrides DSC_GEMV (the planner plans
     "tuned": what runs on the target unless someone sets the variable there)."""
-    mode = mode or os.environ.get("DSC_GEMV", "tuned")
-    if mode not in GEMV_MODES:
-        raise ValueError(f"DSC_GEMV must be one of {', '.join(GEMV_MODES)}, got {mode!r}")
+    mode = mode or gemv_mode()
     if mode == "off":
         return None
     row = tuning_table().get(arch, {}).get("gemv", {}).get(f"N{n}_K{k}")

@@ -34,12 +34,10 @@ class GenerateResult:
 def _check_environment() -> None:
     """The runtime's environment switches, checked at load so that a typo is one clear line
     on every device (the kernels read them only where they run: CUDA)."""
-    from dsc.kernels.linear import GEMV_MODES
+    from dsc.kernels.linear import gemv_mode
 
-    gemv = os.environ.get("DSC_GEMV", "tuned")
-    if gemv not in GEMV_MODES:
-        raise UserError(f"DSC_GEMV must be one of {', '.join(GEMV_MODES)}, got {gemv!r}")
     try:
+        gemv_mode()
         collectives.allreduce_mode()
     except ValueError as e:
         raise UserError(str(e)) from None
