@@ -2,8 +2,8 @@
 tensor-parallel rank in lockstep, on CPU, over weights produced from the checkpoint.
 
 The program is executed node by node, once per rank, with that rank's weights and its own KV
-cache; a collective (`dsc.all_reduce`, `dsc.all_gather`) combines the ranks' inputs, as NCCL
-would. The int8 pass calibrates SmoothQuant with it and the int8 report compares the quantized
+cache; a collective (`dsc.all_reduce`, `dsc.all_reduce_add_rmsnorm`, `dsc.all_gather`) combines
+the ranks' inputs, as NCCL would. The int8 pass calibrates SmoothQuant with it and the int8 report compares the quantized
 program with its unquantized twin; both need the program as it will run (after sharding and
 fusion), which the Hugging Face model is not.
 
@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 import dsc.kernels  # noqa: F401  (registers the dsc ops the programs call)
+from dsc.kernels.norm import add_rmsnorm_reference
 
 Observer = Callable[[fx.Node, int, tuple], None]  # (node, rank, its evaluated args), before the call
 Produce = Callable[[str, int], torch.Tensor]  # (weight name, rank) -> tensor
@@ -29,6 +30,8 @@ Produce = Callable[[str, int], torch.Tensor]  # (weight name, rank) -> tensor
 # collective -> f(every rank's args) -> every rank's result
 COLLECTIVES: dict[Any, Callable[[list[tuple]], list[torch.Tensor]]] = {
     torch.ops.dsc.all_reduce.default: lambda per_rank: [sum(a[0] for a in per_rank)] * len(per_rank),
+    torch.ops.dsc.all_reduce_add_rmsnorm.default:  # (x, residual, weight, eps): the sum, then each rank's norm
+        lambda per_rank: [add_rmsnorm_reference(sum(a[0] for a in per_rank), *a[1:]) for a in per_rank],
     torch.ops.dsc.all_gather.default:  # (x, dim, world)
         lambda per_rank: [torch.cat([a[0] for a in per_rank], per_rank[0][1])] * len(per_rank),
 }

@@ -24,8 +24,12 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   heads of the group packed together, row r = (token r // G, head r % G), so each K/V tile is
   loaded once for the whole group.  Keys come in two phases: the cached prefix (positions
   < cache_pos, visible to every row, read from the cache) and the new tokens (causal, read from
-  k/v directly).  Each program also writes its own tokens' k/v into the cache; no program
-  reads cache slots >= cache_pos, so there is no race.
+  k/v directly).  Each program also writes its own tokens' k/v into the cache, from the
+  diagonal (masked) tiles it loads anyway (with a sliding window: in a loop of its own, as the
+  fused write is unsafe in the long windowed loop, see the kernel); no program reads cache
+  slots >= cache_pos, so there is no race.  Programs run sequence by sequence, the longest (last) row tiles first; full key
+  tiles load unmasked and skip the mask math; the softmax works in base 2 with the scale in
+  one FMA and divides by the row sum once, at the end.
 - decode (S == 1), `_decode_kernel`: flash-decoding in one launch.  One program
   per (sequence, kv head, split of the cache); the group's query heads are the rows of one tile
   (padded to 16 for tl.dot).  The number of splits comes from shapes only (B, Hkv, Smax, SM
@@ -174,12 +178,18 @@ def _triton():
 
 
 @_jit_on_first_use
-def _load_rows(ptrs, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    # ptrs: [R, BLOCK_D] -> [R, BLOCK_D]; rows with row_ok false and padded columns read 0
+def _load_rows(ptrs, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr = True):
+    # ptrs: [R, BLOCK_D] -> [R, BLOCK_D]; rows with row_ok false (if MASKED) and padded columns read 0
     if BLOCK_D == HEAD_DIM:
-        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        if MASKED:
+            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            return tl.load(ptrs)
     else:
-        return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        if MASKED:
+            return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            return tl.load(ptrs, mask=(offs_d[None, :] < HEAD_DIM), other=0.0)
 
 
 @_jit_on_first_use
@@ -193,24 +203,28 @@ def _store_rows(ptrs, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.con
 @_jit_on_first_use
 def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
     """One online-softmax step. q: [M, D]; k, v: [N, D]; visible: [M, N] (used if MASKED);
-    acc: [M, D] fp32 (unnormalized output); m_i, l_i: [M] running max / sum, base 2."""
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 units
+    acc: [M, D] fp32 (unnormalized output); m_i, l_i: [M] running max / sum, base 2.
+    qk_scale (> 0) is log2(e) / sqrt(d): one FMA per score on unmasked tiles."""
+    qk = tl.dot(q, tl.trans(k))  # [M, N]
     if MASKED:
-        qk = tl.where(visible, qk, -1.0e30)  # finite: a row with nothing visible yet stays NaN-free
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+        qk = tl.where(visible, qk * qk_scale, -1.0e30)  # finite: a row with nothing visible yet stays NaN-free
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulates in place (wgmma's accumulator)
     return acc, m_new, l_i
 
 
 @_jit_on_first_use
 def _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d, visible, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """Attend to cache slots offs_j (rows with ok false read 0)."""
-    k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-    v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+    """Attend to cache slots offs_j (if MASKED, rows with ok false read 0; else all are read)."""
+    k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, MASKED)
 
 
@@ -218,11 +232,24 @@ def _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok,
 def _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d, visible, qk_scale, cache_ty,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
     """Attend to new tokens offs_j, rounded through the cache dtype as if read back from it."""
-    k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-    v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-    k = k.to(cache_ty).to(q.dtype)
-    v = v.to(cache_ty).to(q.dtype)
-    return _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED)
+    k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    return _attend_tile(acc, m_i, l_i, q, k.to(cache_ty).to(q.dtype), v.to(cache_ty).to(q.dtype), visible,
+                        qk_scale, MASKED)
+
+
+@_jit_on_first_use
+def _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v_cache, skc_s, svc_s, start,
+                          offs_j, ok, own, offs_d, visible, qk_scale, cache_ty,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`_attend_new` on a masked tile that also writes the tokens this program owns (own: [N])
+    to their cache slots start + offs_j: the cache write costs no second read of k/v."""
+    k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D).to(cache_ty)
+    v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D).to(cache_ty)
+    slots = (start + offs_j)[:, None]
+    _store_rows(k_cache + slots * skc_s + offs_d[None, :], k, own, offs_d, HEAD_DIM, BLOCK_D)
+    _store_rows(v_cache + slots * svc_s + offs_d[None, :], v, own, offs_d, HEAD_DIM, BLOCK_D)
+    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, True)
 
 
 @_jit_on_first_use
@@ -238,10 +265,15 @@ def _prefill_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows start first
-    bh = tl.program_id(1)
-    b = (bh // Hkv).to(tl.int64)
-    kvh = bh % Hkv
+    # one program per (sequence b, row tile pid_m, kv head kvh), launched sequence by sequence,
+    # and within a sequence the longest (causal: last) row tiles first, every kv head's at once:
+    # the short tiles fill the tail of the schedule, and the programs running together share
+    # one sequence's k/v in L2
+    n_m = tl.cdiv(S * G, BLOCK_M)
+    pid = tl.program_id(0)
+    b = (pid // (n_m * Hkv)).to(tl.int64)
+    pid_m = n_m - 1 - (pid % (n_m * Hkv)) // Hkv
+    kvh = pid % Hkv
     start = tl.load(POS + b).to(tl.int32)  # cache_pos[b]: position of token 0
     offs_d = tl.arange(0, BLOCK_D)
 
@@ -258,18 +290,13 @@ def _prefill_kernel(
     v_cache = VC + b * svc_b + kvh * svc_h
     cache_ty = KC.dtype.element_ty
     n_fit = Smax - start  # new tokens j < n_fit have a cache slot
-
-    # write the new tokens this tile owns (j with j * G in its rows) into the cache
+    i_min = (pid_m * BLOCK_M) // G
+    i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
+    hi = tl.minimum(i_max + 1, n_fit)  # no row of this tile sees a new key >= hi
+    # the new tokens this tile owns, j with j * G in its rows, are [j_lo, hi) (none when a
+    # token's G rows straddle tiles and j_lo > i_max): they go to cache slots start + j; no
+    # program reads cache slots >= cache_pos, so there is no race
     j_lo = tl.cdiv(pid_m * BLOCK_M, G)
-    j_hi = tl.minimum(tl.minimum(tl.cdiv((pid_m + 1) * BLOCK_M, G), S), n_fit)
-    for j0 in range(j_lo, j_hi, BLOCK_N):
-        offs_j = j0 + tl.arange(0, BLOCK_N)
-        ok = offs_j < j_hi
-        dst = (start + offs_j)[:, None]
-        kt = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        _store_rows(k_cache + dst * skc_s + offs_d[None, :], kt.to(cache_ty), ok, offs_d, HEAD_DIM, BLOCK_D)
-        vt = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        _store_rows(v_cache + dst * svc_s + offs_d[None, :], vt.to(cache_ty), ok, offs_d, HEAD_DIM, BLOCK_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -278,9 +305,21 @@ def _prefill_kernel(
 
     n_old = tl.minimum(start, Smax)
     if WINDOWED:
-        i_min = (pid_m * BLOCK_M) // G
-        i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
-        hi = tl.minimum(i_max + 1, n_fit)  # no row of this tile sees a new key >= hi
+        # the cache write: its own loop, not fused into the attention loop below.  A loaded
+        # K/V tile with a second (store) use gets one shared-memory buffer too few from
+        # Triton's pipeliner (sm_90: 2 buffers for 2 tiles in flight at num_stages=3), so the
+        # copy of tile i + 2 overwrote V of tile i while the async p @ v wgmma still read it:
+        # wrong outputs on an H200 once the loop runs past 2 tiles, which the windowed loop
+        # (window / BLOCK_N tiles) does and phase 2's masked loop below (at most 2) does not
+        for j0 in range(j_lo, hi, BLOCK_N):
+            offs_j = j0 + offs_n
+            ok = offs_j < hi
+            slots = (start + offs_j)[:, None]
+            kt = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            _store_rows(k_cache + slots * skc_s + offs_d[None, :], kt.to(cache_ty), ok, offs_d, HEAD_DIM, BLOCK_D)
+            vt = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
+            _store_rows(v_cache + slots * svc_s + offs_d[None, :], vt.to(cache_ty), ok, offs_d, HEAD_DIM, BLOCK_D)
+
         # row qi (position start + qi) sees positions (start + qi - window, start + qi]: every
         # tile is masked, and tiles below the first row's window are skipped
         lo_pos = tl.maximum(start + i_min - window + 1, 0)
@@ -305,33 +344,35 @@ def _prefill_kernel(
         n_old_full = (n_old // BLOCK_N) * BLOCK_N
         for j0 in range(0, n_old_full, BLOCK_N):
             offs_j = j0 + offs_n
-            ok = offs_j < n_old
-            acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
-                                           ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, False)
+            acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, None, offs_d,
+                                           None, qk_scale, HEAD_DIM, BLOCK_D, False)
         for j0 in range(n_old_full, n_old, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < n_old
             acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
                                            ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, True)
 
-        # phase 2: the new tokens, causal (j <= qi) and only those with a cache slot (j < n_fit)
-        i_min = (pid_m * BLOCK_M) // G
-        i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
-        hi = tl.minimum(i_max + 1, n_fit)  # no row of this tile sees a new key >= hi
-        free = (tl.minimum(i_min + 1, hi) // BLOCK_N) * BLOCK_N  # keys < free: visible to all rows
+        # phase 2: the new tokens, causal (j <= qi) and only those with a cache slot (j < n_fit);
+        # keys < free are visible to every row (free <= j_lo <= i_min + 1): unmasked tiles.  The
+        # masked tiles from free on write the owned tokens [j_lo, hi) to the cache as they load
+        # them (free must not pass j_lo: with G > BLOCK_M a token's rows straddle row tiles,
+        # j_lo = i_min, and i_min + 1 may be a multiple of BLOCK_N).  They are at most
+        # cdiv(BLOCK_M / G + BLOCK_N - 1, BLOCK_N) tiles, 2 at the table's configs and G >= 2:
+        # see the windowed branch for why a longer fused loop is not safe when pipelined
+        free = (tl.minimum(j_lo, hi) // BLOCK_N) * BLOCK_N
         for j0 in range(0, free, BLOCK_N):
             offs_j = j0 + offs_n
-            ok = offs_j < hi
-            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
-                                        ok[None, :], qk_scale, cache_ty, HEAD_DIM, BLOCK_D, False)
+            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, None, offs_d,
+                                        None, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, False)
         for j0 in range(free, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
             visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
-            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
-                                        visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True)
+            acc, m_i, l_i = _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v_cache,
+                                                  skc_s, svc_s, start, offs_j, ok, ok & (offs_j >= j_lo), offs_d,
+                                                  visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D)
 
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None]  # the softmax's normalisation, once
     _store_rows(OUT + b * so_b + qi[:, None] * so_s + qh[:, None] * so_h + offs_d[None, :],
                 out.to(OUT.dtype.element_ty), row_ok, offs_d, HEAD_DIM, BLOCK_D)
 
@@ -473,7 +514,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
     G = H // Hkv
     cfg = config or attention_config("prefill", D, arch_of(q.device))
     out = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device) if out is None else out
-    grid = (_cdiv(S * G, cfg["BLOCK_M"]), B * Hkv)
+    grid = (_cdiv(S * G, cfg["BLOCK_M"]) * B * Hkv,)  # the kernel orders (sequence, row tile, kv head)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, cache_pos, out, scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),

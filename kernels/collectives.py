@@ -1,5 +1,7 @@
-"""Tensor-parallel collectives: `dsc::all_reduce` (the sum after a row-parallel linear) and
-`dsc::all_gather` (vocab-parallel logits -> full logits on every rank).
+"""Tensor-parallel collectives: `dsc::all_reduce` (the sum after a row-parallel linear),
+`dsc::all_reduce_add_rmsnorm` (that sum, the residual add and the RMSNorm after it, which
+`fuse_add_norm` makes of the three) and `dsc::all_gather` (vocab-parallel logits -> full
+logits on every rank).
 
 The op runs torch's functional collective on the default process group, so a decode step
 that contains it can be captured in a CUDA graph (NCCL) and runs on CPU under gloo. Outside
@@ -22,6 +24,18 @@ A rank that has passed all-reduce k+1's barrier knows that every peer has finish
 all-reduce k, so buffer k's owner may overwrite it at k+2. CUDA-graph replays repeat the
 captured program's choice, which keeps the same order. An NCCL all-reduce in between is a
 synchronisation point of its own.
+
+The fused all-reduce + add + RMSNorm (`_ar_add_rmsnorm_kernel`, one launch where the unfused
+ops take two). One program per row: it copies the rank's row into the rank's buffer, signals
+the row's flag on every rank (release exchanges at system scope into their symmetric flag
+buffers, one lane per rank, all in flight at once), waits until every rank's flag on its own
+is set (acquire loads, one lane per sender) and clears them, then reads the row from every rank's buffer over NVLink, sums in fp32 in rank order (every
+rank gets the same bits), rounds to the dtype as the all-reduce's output is, adds the residual
+and normalizes as `dsc::add_rmsnorm` does. Flags are per (buffer, row, sender), so the buffer
+order above also orders flag reuse: a sender sets a flag again only two all-reduces later,
+after a barrier that the receiver passes only once it has consumed (reset) the flag. Where the
+fused path is off (DSC_ALLREDUCE=one_shot or nccl, a failed probe at set-up, rows beyond the
+buffers, CPU) the op is `dsc::all_reduce` followed by `dsc::add_rmsnorm`, with the same values.
 """
 from __future__ import annotations
 
@@ -33,13 +47,18 @@ import warnings
 import torch
 import torch.distributed as dist
 
-ALLREDUCE_MODES = ("auto", "nccl")
+from dsc.kernels.launch import arch_of, jit, next_power_of_2, planner
+from dsc.kernels.norm import add_rmsnorm_reference, norm_config
+
+tl = None  # triton.language, bound by launch.jit on first launch
+ALLREDUCE_MODES = ("auto", "one_shot", "nccl")  # auto: fused all-reduce + norm and the one-shot
 
 
 class _Symmetric:
-    """Three rendezvoused symmetric-memory buffers of `numel` elements of `dtype`."""
+    """Three rendezvoused symmetric-memory buffers of `numel` elements of `dtype`, and (for the
+    fused all-reduce + norm) int32 flags per (buffer, row up to `rows`, sender rank)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, numel: int):
+    def __init__(self, device: torch.device, dtype: torch.dtype, numel: int, rows: int):
         import torch.distributed._symmetric_memory as symm_mem
 
         group = dist.group.WORLD.group_name
@@ -48,12 +67,21 @@ class _Symmetric:
             with warnings.catch_warnings():  # deprecated (a no-op) in newer torch
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(group)
-        self.group, self.dtype, self.numel = group, dtype, numel
-        self.buffers = []
+        self.group, self.dtype, self.numel, self.rows = group, dtype, numel, rows
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.buffers, ptrs = [], []
         for _ in range(3):
             buf = symm_mem.empty(numel, dtype=dtype, device=device)
-            symm_mem.rendezvous(buf, group)
+            ptrs.append(symm_mem.rendezvous(buf, group).buffer_ptrs)
             self.buffers.append(buf)
+        self.buffer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)  # [3, world] addresses
+        self.flags = symm_mem.empty(3 * rows * self.world, dtype=torch.int32, device=device)
+        self.flag_ptrs = torch.tensor(symm_mem.rendezvous(self.flags, group).buffer_ptrs, dtype=torch.int64,
+                                      device=device)
+        self.flags.zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier()  # every rank's flags are zero before any rank can signal
+        self.fused = False  # set by enable_symmetric after the probe, the same on every rank
         self.count = 0  # all-reduces in the current program scope (0: none open)
         self.index = 0  # the next one's position
         # one real all-reduce of this dtype now: an unsupported dtype or a broken peer mapping
@@ -80,37 +108,88 @@ def allreduce_mode() -> str:
     return mode
 
 
-def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int) -> str:
+def _label(s: _Symmetric) -> str:
+    return "symm_mem+norm" if s.fused else "symm_mem"
+
+
+def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows: int = 1) -> str:
     """Collective: every rank calls it with the same arguments, before any CUDA graph capture.
-    Returns "symm_mem" when the one-shot path is on for all ranks, else "nccl" (with the reason
-    on stderr from rank 0). DSC_ALLREDUCE=nccl keeps NCCL everywhere."""
+    `numel`: the largest decode all-reduce; `rows`: its rows (max_batch). Returns "symm_mem+norm"
+    when the one-shot all-reduce and the fused all-reduce + norm are on for all ranks,
+    "symm_mem" when only the one-shot is, else "nccl" (with the reason on stderr from rank 0).
+    DSC_ALLREDUCE=one_shot turns the fused kernel off, DSC_ALLREDUCE=nccl both."""
     global _symm
     if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() == 1:
         return "nccl"
-    if allreduce_mode() == "nccl":
+    mode = allreduce_mode()
+    if mode == "nccl":
         return "nccl"
     s = _symm
-    if s is not None and s.buffers[0].device == device and s.dtype == dtype and s.numel >= numel:
-        return "symm_mem"  # a second engine in this process: the same buffers serve it
+    if s is not None and s.buffers[0].device == device and s.dtype == dtype and s.numel >= numel and s.rows >= rows:
+        return _label(s)  # a second engine in this process: the same buffers serve it
     if s is not None:
         _retired.append(s)
         _symm = None
-    err = ""
+    err, fused_err = "", "DSC_ALLREDUCE=one_shot"
     state = None
     try:
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
             raise RuntimeError(f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy")
-        state = _Symmetric(device, dtype, numel)
+        state = _Symmetric(device, dtype, numel, rows)
     except Exception as e:  # noqa: BLE001  (any failure: fall back, the same way on every rank)
         err = f"{type(e).__name__}: {e}".splitlines()[0]
-    ok = torch.tensor([0 if err else 1], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if int(ok.item()) == 1:
+    if state is not None and mode == "auto":
+        fused_err = _try(lambda: _probe_fused(state, compile_only=True))
+    ok = _agree(device, err, fused_err)  # no rank launches the probe unless every rank compiled it
+    if ok[0] and ok[1]:  # every rank has the kernel built: all launch the probe, none is left waiting
+        fused_err = _try(lambda: _probe_fused(state))
+        ok = _agree(device, err, fused_err)
+    if ok[0]:
+        state.fused = ok[1]
+        if not state.fused and mode == "auto" and dist.get_rank() == 0:
+            print(f"dsc: fused all-reduce + RMSNorm unavailable ({fused_err or 'on another rank'}); "
+                  "using the one-shot all-reduce and a separate norm", file=sys.stderr)
         _symm = state
-        return "symm_mem"
+        return _label(state)
     if dist.get_rank() == 0:
         print(f"dsc: one-shot all-reduce unavailable ({err or 'on another rank'}); using NCCL", file=sys.stderr)
     return "nccl"
+
+
+def _try(fn) -> str:
+    """"" when fn() ran, else its error in one line."""
+    try:
+        fn()
+        return ""
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+def _agree(device: torch.device, *errors: str) -> list[bool]:
+    """Per error slot: True when no rank reported an error there (a MIN all-reduce)."""
+    ok = torch.tensor([0 if e else 1 for e in errors], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return [bool(v) for v in ok.tolist()]
+
+
+def _probe_fused(s: _Symmetric, compile_only: bool = False) -> None:
+    """Two fused all-reduce + norms of known values on every rank, outside any program; raises
+    when a result is wrong. Buffers 1 then 2: _Symmetric's probe used buffer 0, and the first
+    all-reduce of the first program will use 0 again, so consecutive uses still differ.
+    compile_only: build the kernel without launching it (a grid of no rows)."""
+    n = min(64, s.numel)
+    dev = s.buffers[0].device
+    rows = 0 if compile_only else 1
+    x = torch.full((rows, n), float(s.rank + 1), dtype=s.dtype, device=dev)
+    res = torch.zeros(rows, n, dtype=s.dtype, device=dev)
+    w = torch.ones(n, dtype=s.dtype, device=dev)
+    total = torch.full((rows, n), s.world * (s.world + 1) / 2, dtype=s.dtype, device=dev)  # 1 + ... + world
+    for slot in (1, 2):
+        got, y = _launch_fused(s, slot, x, res, w, 1e-6)
+        if not torch.equal(got, total) or not torch.allclose(y.float(), torch.ones_like(total, dtype=torch.float32), atol=1e-2):
+            raise RuntimeError(f"a probe all-reduce + norm over {s.world} ranks gave {got.flatten()[:4].tolist()}")
+        if compile_only:
+            return
 
 
 def disable_symmetric() -> None:
@@ -161,6 +240,102 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 @all_reduce.register_fake
 def _(x):
     return torch.empty_like(x)
+
+
+# -- all-reduce + residual add + RMSNorm ----------------------------------------------------
+def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, rank, flag_base,
+                           N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr):
+    # BUFS: [WORLD] addresses of every rank's buffer (this call's slot); FLAGS: [WORLD] addresses
+    # of every rank's flags; this row's flags start at (flag_base + row) * WORLD, one per sender.
+    # Buffers are 16-byte aligned (multiple_of lets the row move in 16-byte loads; N is a
+    # constexpr so that row * N keeps that alignment when N allows it)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    dt = S.dtype.element_ty
+    x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
+    mine = tl.multiple_of(tl.load(BUFS + rank).to(tl.pointer_type(dt)), 16)
+    tl.store(mine + row * N + cols, x, mask=mask)
+    r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.debug_barrier()  # the whole row is in the buffer before any rank is told so
+    # the barrier: one lane per rank, all at once (one NVLink round trip, not one per rank).
+    # Signal: a system-scope release exchange into rank p's flag for this row from this rank
+    # (this rank's own flag too: it is consumed like the others). Wait: poll this rank's flags
+    # from every sender with acquire loads until all are set, then clear them.
+    peers = tl.arange(0, BLOCK_W)
+    live = peers < WORLD
+    slot = (flag_base + row) * WORLD
+    theirs = tl.load(FLAGS + peers, mask=live, other=0).to(tl.pointer_type(tl.int32))
+    tl.atomic_xchg(theirs + slot + rank, 1, mask=live, sem="release", scope="sys")
+    own = tl.load(FLAGS + rank).to(tl.pointer_type(tl.int32)) + slot + peers
+    # (the loop carries the count, a scalar: triton 3.6 fails to compile a loop-carried tensor here)
+    arrived = tl.sum(tl.where(live, tl.atomic_add(own, 0, mask=live, sem="acquire", scope="sys"), 0))
+    while arrived != WORLD:
+        arrived = tl.sum(tl.where(live, tl.atomic_add(own, 0, mask=live, sem="acquire", scope="sys"), 0))
+    tl.store(own, 0, mask=live)  # a sender sets it again only after this rank's next signal
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p in tl.static_range(WORLD):  # rank order: the same sum on every rank
+        buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(dt)), 16)
+        acc += tl.load(buf + row * N + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+    s = (acc.to(dt).to(tl.float32) + r).to(dt)  # the all-reduce's output, then the add, as unfused
+    tl.store(S + row.to(tl.int64) * N + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
+    y = (sf * rstd).to(dt).to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * N + cols, (w * y).to(dt), mask=mask)
+
+
+def _launch_fused(s: _Symmetric, slot: int, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [rows, N] with unit stride in N; returns (sum, normed) [rows, N] contiguous."""
+    rows, n = x.shape
+    out_s = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    out_y = torch.empty_like(out_s)
+    cfg = norm_config("add_rmsnorm", n, arch_of(x.device))
+    jit(_ar_add_rmsnorm_kernel)[(rows,)](
+        x, residual, weight, out_s, out_y, s.buffer_ptrs[slot], s.flag_ptrs, x.stride(0), residual.stride(0), eps,
+        s.rank, slot * s.rows, N=n, WORLD=s.world, BLOCK_W=next_power_of_2(s.world), BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"])
+    return out_s, out_y
+
+
+@torch.library.custom_op("dsc::all_reduce_add_rmsnorm", mutates_args=())
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, y): s = all_reduce(x) + residual, y = RMSNorm(s) * weight, rounded as the unfused ops."""
+    return add_rmsnorm_reference(all_reduce(x), residual, weight, eps)
+
+
+@all_reduce_add_rmsnorm.register_kernel("cuda")
+def _(x, residual, weight, eps):
+    s = _symm
+    n = x.shape[-1]
+    rows = x.numel() // n if n else 0
+    if (s is not None and s.fused and s.count and x.dtype == s.dtype and residual.dtype == s.dtype
+            and 0 < rows <= s.rows and x.numel() <= s.numel and residual.shape == x.shape and n <= 65536):
+        x2, r2 = x.reshape(rows, n), residual.reshape(rows, n)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        out_s, out_y = _launch_fused(s, s.slot(), x2, r2, weight.contiguous(), eps)
+        return out_s.view(x.shape), out_y.view(x.shape)
+    return torch.ops.dsc.add_rmsnorm(all_reduce(x), residual, weight, eps)
+
+
+@all_reduce_add_rmsnorm.register_fake
+def _(x, residual, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@planner("dsc.all_reduce_add_rmsnorm.default")
+def _plan_all_reduce_add_rmsnorm(x, residual, weight, eps, *, arch):
+    """The decode program's kernel (plan_kernels sends prefill programs to plan_all_reduce_norm's
+    NCCL branch): one launch on CUDA with symmetric memory."""
+    cfg = norm_config("add_rmsnorm", x.shape[-1], arch)
+    return {"name": "triton.all_reduce_add_rmsnorm",
+            "config": {**cfg, "fallback": "symm_mem.one_shot_all_reduce + triton.add_rmsnorm"}, "launches": 1}
 
 
 @torch.library.custom_op("dsc::all_gather", mutates_args=())

@@ -25,12 +25,19 @@ Kernels (CUDA, Triton via kernels/launch.py: triton is imported on the first lau
                         batches, so the weight (the bytes that matter) is read once per
                         N-tile; larger tiles for prefill. Scales are applied once per row
                         (per-channel) or once per K-block (grouped, BLOCK_K | group_size).
+                        Decode variants (config keys): SWAP_AB computes y^T = dequant(w) x^T,
+                        the weight tile [BLOCK_N, BLOCK_K] as the MMA's A operand (kept in
+                        registers) and x^T through shared memory; SPLIT_K > 1 gives each of
+                        SPLIT_K programs (grid axis 2) a share of the K-blocks, fp32 partials,
+                        and the tile's last split to finish (a per-tile counter) sums them and
+                        writes y, in the same launch.
     _quantize_rows_kernel  per-token activation quantization (x * inv_smooth, amax, round).
     _w8a8_kernel        int8 tensor-core GEMM, int32 accumulation; the epilogue applies
                         weight and token scales (per K-block for grouped scales).
 Launch configurations (`int8_config`) come from kernels/tuning.json per (kernel, shape class
-M<bucket>_N<n>_K<k>[_G<group>]) over built-in defaults; scripts/bench_int8.py sweeps
-candidates on a GPU and prints the rows to add. `plan_kernels` records them in plan.json.
+M<bucket>_N<n>_K<k>[_G<group>]) over built-in defaults; a row's keys are the kernel's
+constexprs and launch options. scripts/bench_int8.py sweeps candidates on a GPU and prints the
+rows to add. `plan_kernels` records them in plan.json.
 
 The plain-torch references are the CPU implementation and the test oracle. Rounding is
 round-half-to-even everywhere (torch.round), also in the kernels.
@@ -261,48 +268,79 @@ def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
-def _w8a16_mma_kernel(X, W, S, Z, B, Y, M, N, K, G, stride_xm, stride_ym,
+def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_ym,
                       GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      PRECISION: tl.constexpr, CVT: tl.constexpr,
+                      PRECISION: tl.constexpr, CVT: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # y [M, N] = x [M, K] @ dequant(w [N, K]).T ; tiles x [BLOCK_M, BLOCK_K], w^T [BLOCK_K, BLOCK_N]
+    # y [M, N] = x [M, K] @ dequant(w [N, K]).T
+    #   tiles x [BLOCK_M, BLOCK_K] @ w^T [BLOCK_K, BLOCK_N] -> acc [BLOCK_M, BLOCK_N], or with
+    #   SWAP_AB  w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M] -> acc = y^T [BLOCK_N, BLOCK_M]
+    # Every index below is an axis vector (m_ax, n_ax, k_w, k_x) of the tile it addresses, so one
+    # body serves both orientations. SPLIT_K: program_id(2) sums its share of the K-blocks.
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
-    w_cols = W + offs_n.to(tl.int64)[None, :] * K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w8 = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0,
-                     eviction_policy="evict_first")  # w8: [BLOCK_K, BLOCK_N] int8
+    cols = tl.arange(0, BLOCK_K)
+    if SWAP_AB:
+        m_ax, n_ax, k_w, k_x = offs_m[None, :], offs_n[:, None], cols[None, :], cols[:, None]
+    else:
+        m_ax, n_ax, k_w, k_x = offs_m[:, None], offs_n[None, :], cols[:, None], cols[None, :]
+    mask_m, mask_n = m_ax < M, n_ax < N
+    x_rows = X + m_ax.to(tl.int64) * stride_xm
+    w_rows = W + n_ax.to(tl.int64) * K
+    k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # K-blocks per split, whole blocks
+    k_lo = tl.program_id(2) * k_len
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + k_len, K), BLOCK_K):
+        x = tl.load(x_rows + k0 + k_x, mask=mask_m & (k0 + k_x < K), other=0.0)
+        w8 = tl.load(w_rows + k0 + k_w, mask=(k0 + k_w < K) & mask_n, other=0,
+                     eviction_policy="evict_first")  # w8: [BLOCK_K, BLOCK_N] int8 ([BLOCK_N, BLOCK_K] swapped)
         if CVT != "":
             w = tl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=tl.float32, is_pure=True, pack=4)
         else:
             w = w8.to(tl.float32)
         if GROUP_K == 0:  # integers (w - z) are exact in 16-bit; the scale comes at the end
             if HAS_ZERO:
-                w -= tl.load(Z + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
+                w -= tl.load(Z + n_ax, mask=mask_n, other=0).to(tl.float32)
         elif GROUP_K % BLOCK_K == 0:
             g = k0 // GROUP_K
             if HAS_ZERO:
-                w -= tl.load(Z + offs_n * G + g, mask=mask_n, other=0).to(tl.float32)[None, :]
-            w *= tl.load(S + offs_n * G + g, mask=mask_n, other=0.0)[None, :]
+                w -= tl.load(Z + n_ax * G + g, mask=mask_n, other=0).to(tl.float32)
+            w *= tl.load(S + n_ax * G + g, mask=mask_n, other=0.0)
         else:
-            sidx = offs_n[None, :] * G + (offs_k // GROUP_K)[:, None]
-            smask = mask_k[:, None] & mask_n[None, :]
+            sidx = n_ax * G + (k0 + k_w) // GROUP_K
+            smask = (k0 + k_w < K) & mask_n
             if HAS_ZERO:
                 w -= tl.load(Z + sidx, mask=smask, other=0).to(tl.float32)
             w *= tl.load(S + sidx, mask=smask, other=0.0)
-        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+        if SWAP_AB:
+            acc += tl.dot(w.to(x.dtype), x, input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
     if GROUP_K == 0:
-        acc *= tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc *= tl.load(S + n_ax, mask=mask_n, other=0.0)
+    mask = mask_m & mask_n
+    if SPLIT_K > 1:
+        # partials P [SPLIT_K, M, N] fp32; the last split of this tile to finish (a counter per
+        # tile in LOCK) sums them and writes y: one launch. The barrier orders every thread's
+        # stores before the counter's release; the acquire makes the other splits' stores
+        # visible to the last one, read past L1 (.cg).
+        part = P + m_ax.to(tl.int64) * N + n_ax
+        tl.store(part + (tl.program_id(2) * M).to(tl.int64) * N, acc, mask=mask)
+        tl.debug_barrier()
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        done = tl.atomic_add(LOCK + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            acc = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT_K):
+                acc += tl.load(part + (s * M).to(tl.int64) * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(B + n_ax, mask=mask_n, other=0.0).to(tl.float32)
+            tl.store(Y + m_ax.to(tl.int64) * stride_ym + n_ax, acc.to(Y.dtype.element_ty), mask=mask)
+            tl.store(LOCK + tile, 0)  # ready for the next launch (and the next graph replay)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(B + n_ax, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(Y + m_ax.to(tl.int64) * stride_ym + n_ax, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 def _quantize_rows_kernel(X, INV, Q, XS, K, stride_xm, HAS_SMOOTH: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -397,7 +435,8 @@ def m_bucket(m: int) -> int:
 
 
 def int8_kernel(mode: str, m: int) -> str:
-    """Which kernel serves `mode` ("w8a16" | "w8a8") at m tokens."""
+    """Which kernel serves `mode` ("w8a16" | "w8a8") at m tokens (the tuning-table key of its
+    configs)."""
     return "w8a8" if mode == "w8a8" else "w8a16_gemv" if m == 1 else "w8a16_mma"
 
 
@@ -407,11 +446,11 @@ def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str) ->
     to a power of two dividing the group size, so each K-block meets one scale per row."""
     b = m_bucket(m)
     d = _DEFAULTS[kernel]
-    if kernel != "w8a16_gemv":
+    if kernel in ("w8a16_mma", "w8a8"):
         d = d[16] if b <= 16 else d[64] if b <= 64 else d[None]
     shape_class = f"M{b}_N{n}_K{k}" + (f"_G{group_k}" if group_k else "")
     cfg = tuned(kernel, shape_class, arch, d)
-    if group_k and "BLOCK_M" in cfg and group_k % 16 == 0:
+    if group_k and kernel in ("w8a16_mma", "w8a8") and group_k % 16 == 0:
         bk = cfg["BLOCK_K"]
         while group_k % bk:
             bk //= 2
@@ -446,6 +485,26 @@ def _split(cfg: dict, device: torch.device) -> tuple[dict, dict]:
     return const, opts
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # buffers replaced by larger ones: graphs captured earlier still use them
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per output tile of a split-K launch, shared by every launch
+    on the device: each tile's last split resets its counter to 0, and launches on one stream
+    run one after another (as kernels/attention.py's decode splits). Kept once allocated; a
+    larger grid gets a larger buffer, and the old one stays for the CUDA graphs that captured it."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        if c is not None:
+            _OUTGROWN.append(c)
+        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
+
+
+_W8A16_KERNELS = ("w8a16_gemv", "w8a16_mma")
+
+
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                  bias: torch.Tensor | None, group_size: int, kernel: str | None = None,
                  config: dict | None = None) -> torch.Tensor:
@@ -454,13 +513,15 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     m, n, k, g = _check(x, qweight, scale, zero, bias, group_size)
     gk = 0 if g == 1 else group_size
     kernel = kernel or int8_kernel("w8a16", m)
+    if kernel not in _W8A16_KERNELS:
+        raise ValueError(f"unknown w8a16 kernel {kernel!r}; one of {_W8A16_KERNELS}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y
-    cfg = {"FAST_CVT": False, **({"PREFETCH": False, "X_ROW": False} if kernel == "w8a16_gemv" else {}),
-           **(config or int8_config(kernel, m, n, k, gk, arch_of(x.device)))}
-    const, opts = _split(cfg, x.device)
+    cfg = config or int8_config(kernel, m, n, k, gk, arch_of(x.device))
+    defaults = {"w8a16_gemv": {"PREFETCH": False, "X_ROW": False}, "w8a16_mma": {"SWAP_AB": False, "SPLIT_K": 1}}
+    const, opts = _split({"FAST_CVT": False, **defaults[kernel], **cfg}, x.device)
     flags = dict(GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None)
     zero_ = zero if zero is not None else qweight  # any pointer: unused without HAS_ZERO
     bias_ = bias if bias is not None else scale
@@ -469,11 +530,17 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
             raise ValueError("the gemv kernel takes one row")
         jit(_w8a16_gemv_kernel)[(cdiv(n, const["BLOCK_N"]),)](
             x.contiguous(), qweight, scale, zero_, bias_, y, n, k, g, **flags, **const, **opts)
-    else:
-        grid = (cdiv(n, const["BLOCK_N"]), cdiv(m, const["BLOCK_M"]))
-        jit(_w8a16_mma_kernel)[grid](
-            x, qweight, scale, zero_, bias_, y, m, n, k, g, x.stride(0), y.stride(0), **flags,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **const, **opts)
+        return y
+    grid = (cdiv(n, const["BLOCK_N"]), cdiv(m, const["BLOCK_M"]))
+    splits = const["SPLIT_K"]
+    if splits < 1:
+        raise ValueError(f"w8a16_mma kernel: SPLIT_K must be >= 1, got {splits}")
+    # split-K partials [SPLIT_K, M, N] fp32 and one counter per output tile (unused at SPLIT_K 1)
+    part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else y
+    lock = _split_counters(x.device, grid[0] * grid[1]) if splits > 1 else y
+    jit(_w8a16_mma_kernel)[grid + (splits,)](
+        x, qweight, scale, zero_, bias_, y, part, lock, m, n, k, g, x.stride(0), y.stride(0), **flags,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **const, **opts)
     return y
 
 

@@ -30,6 +30,7 @@ import dsc.kernels  # noqa: F401  (registers every dsc op and its planner)
 from dsc.compiler.ir import Model
 from dsc.compiler.serialize import program_nodes
 from dsc.kernels.launch import PLANNERS, TARGET_ARCH
+from dsc.kernels.norm import norm_config
 from dsc.passes._util import aten
 from dsc.runtime.inspect import launches
 from dsc.runtime.plan import op_name
@@ -78,6 +79,16 @@ def _plan_all_reduce(program: str) -> dict:
     return {"name": "nccl.all_reduce", "config": {"one_shot_up_to": "the decode size (max_batch rows)"}, "launches": 2}
 
 
+def _plan_all_reduce_norm(node: fx.Node, arch: str, program: str) -> dict:
+    """dsc.all_reduce_add_rmsnorm: at decode sizes one fused kernel (its planner); a prefill
+    takes the functional all-reduce (2 launches) and the add_rmsnorm kernel."""
+    if program == "decode":
+        return PLANNERS["dsc.all_reduce_add_rmsnorm.default"](*[_val(a) if isinstance(a, fx.Node) else a
+                                                                for a in node.args], arch=arch)
+    return {"name": "nccl.all_reduce + triton.add_rmsnorm",
+            "config": norm_config("add_rmsnorm", _val(node.args[0]).shape[-1], arch), "launches": 3}
+
+
 def _plan_all_gather(x, dim, world, *, arch):
     return {"name": "nccl.all_gather", "config": {"dim": dim}, "launches": 2}  # gather + cat
 
@@ -105,6 +116,8 @@ def plan_node(node: fx.Node, arch: str, program: str = "prefill") -> dict:
                 "launches": 2 if bias and program == "decode" else 1}
     if name == "dsc.all_reduce.default" and name not in PLANNERS:
         return _plan_all_reduce(program)
+    if name == "dsc.all_reduce_add_rmsnorm.default":
+        return _plan_all_reduce_norm(node, arch, program)
     plan = PLANNERS.get(name) or FALLBACK_PLANNERS.get(name)
     if plan is not None:
         args = [_val(a) if isinstance(a, fx.Node) else a for a in node.args]

@@ -43,8 +43,17 @@ def _check_environment() -> None:
         raise UserError(str(e)) from None
 
 
+ALL_REDUCE_OPS = ("dsc.all_reduce.default", "dsc.all_reduce_add_rmsnorm.default")
+
+
 def _all_reduce_nodes(program: dict) -> list[dict]:
-    return [n for n in program["nodes"] if n.get("op") == "dsc.all_reduce.default"]
+    """The program's all-reduces, fused with a norm or not, in order."""
+    return [n for n in program["nodes"] if n.get("op") in ALL_REDUCE_OPS]
+
+
+def _first_shape(node: dict) -> list:
+    shape = node["shape"]
+    return shape[0] if shape and isinstance(shape[0], list) else shape  # a fused node: (sum, normed)
 
 
 class Engine:
@@ -76,8 +85,9 @@ class Engine:
             return "none"
         if self.device.type != "cuda" or not decode:
             return dist.get_backend()  # gloo on CPU
-        numel = max(math.prod(self.max_batch if isinstance(d, str) else d for d in n["shape"]) for n in decode)
-        return collectives.enable_symmetric(self.device, self.dtype, numel)
+        numel = max(math.prod(self.max_batch if isinstance(d, str) else d for d in _first_shape(n)) for n in decode)
+        rows = max(numel // _first_shape(n)[-1] for n in decode)
+        return collectives.enable_symmetric(self.device, self.dtype, numel, rows)
 
     def _call(self, program: str, *args) -> torch.Tensor:
         with collectives.program_scope(len(self._all_reduces[program])):

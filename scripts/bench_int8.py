@@ -63,6 +63,16 @@ MMA_DECODE = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, num_warps=w,
                                        (16, 512, 2, 4, True), (32, 512, 4, 3, True), (32, 128, 2, 5, True),
                                        (64, 128, 4, 4, True), (64, 256, 4, 3, True), (64, 256, 8, 4, True),
                                        (32, 256, 2, 6, True), (16, 1024, 4, 3, True), (32, 512, 8, 4, True)]]
+# M = 8 variants (issue 4): SWAP_AB puts the dequantized weight in the MMA's A operand (N tiles
+# of 16-64), SPLIT_K > 1 shares each tile's K-blocks over SPLIT_K programs (one launch: the
+# last split sums the fp32 partials); both on the mma kernel. (An FMA kernel for M rows, the
+# gemv's scheme, was swept in session 5 and ran 10-50x slower on the H200: removed.)
+MMA_DECODE_VARIANTS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, SWAP_AB=sw, SPLIT_K=sk, num_warps=w, num_stages=s)
+                      for bn, bk, w, s, sw, sk in [(64, 256, 4, 4, True, 1), (64, 128, 4, 4, True, 2), (64, 256, 4, 3, True, 2),
+                                                   (32, 256, 4, 4, True, 1), (32, 256, 4, 4, True, 2), (32, 256, 2, 4, True, 4),
+                                                   (16, 256, 2, 4, True, 4), (128, 128, 4, 4, True, 4), (64, 128, 4, 4, True, 4),
+                                                   (32, 256, 4, 4, False, 2), (32, 256, 4, 4, False, 4), (64, 256, 4, 4, False, 4),
+                                                   (16, 512, 2, 3, False, 4), (64, 128, 4, 6, True, 8)]]
 W8A8_PREFILL = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
                 for bm, bn, bk, w, s in [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
                                          (128, 256, 64, 8, 4), (256, 128, 128, 8, 3), (64, 256, 128, 4, 3),
@@ -251,6 +261,8 @@ def run(args) -> dict:
     else:
         l2, name, tv = 2**16, "cpu (Triton interpreter, --smoke)", "interpreter"
     shapes, decode_m, prefill_m = (SHAPES, DECODE_M, PREFILL_M) if DEVICE == "cuda" else ([(256, 96), (96, 200)], (1, 8), 64)
+    if args.decode_m:
+        decode_m = tuple(int(m) for m in args.decode_m.split(","))
     sweep = not args.quick
     pick = (lambda c: c) if DEVICE == "cuda" else (lambda c: c[:2])
     res = {"device": name, "torch": torch.__version__, "triton": tv, "l2_bytes": l2,
@@ -265,14 +277,15 @@ def run(args) -> dict:
         for k, n in shapes:
             cands = None
             if sweep:
-                cands = pick([dict(c, kernel="w8a16_gemv") for c in GEMV] if m == 1 else
-                             [dict(c, kernel="w8a16_mma") for c in MMA_DECODE])
-                if m == 1:  # the tensor-core kernel at M = 1, for comparison
+                if m == 1:  # and the tensor-core kernel at M = 1, for comparison
+                    cands = pick([dict(c, kernel="w8a16_gemv") for c in GEMV])
                     cands += pick([dict(c, kernel="w8a16_mma") for c in MMA_DECODE[:6]])
+                else:
+                    cands = pick([dict(c, kernel="w8a16_mma") for c in MMA_DECODE_VARIANTS + MMA_DECODE])
             r = bench_w8a16(m, k, n, l2, cands)
             res["results"].append(r)
             _print_row(r, n * k)
-    for k, n in shapes:
+    for k, n in shapes if not args.no_prefill else ():
         r = bench_w8a8(prefill_m, k, n, l2, pick([dict(c) for c in W8A8_PREFILL]) if sweep else None)
         res["results"].append(r)
         _print_row(r, n * k)
@@ -319,7 +332,8 @@ def tuning_rows(res: dict) -> dict:
 
 # -- ahead-of-time build for sm_90 (no GPU) ----------------------------------------------------
 SASS_COUNTS = {"LDG.128": r"\bLDG\.[A-Z.]*128", "LDGSTS": r"LDGSTS", "HGMMA": r"HGMMA", "IGMMA": r"IGMMA",
-               "HMMA": r"HMMA", "IMMA": r"IMMA", "I2F": r"\bI2F", "LDL/STL": r"\b(?:LDL|STL)\b"}
+               "HMMA": r"HMMA", "IMMA": r"IMMA", "I2F": r"\bI2F", "LDL/STL": r"\b(?:LDL|STL)\b",
+               "STS": r"\bSTS\b", "LDS": r"\bLDS\b", "LDSM": r"\bLDSM\b", "BAR": r"\bBAR\b", "FFMA": r"\bFFMA\b"}
 
 
 def run_aot() -> None:
@@ -359,16 +373,20 @@ def run_aot() -> None:
 
     ptr = lambda s, t: {n: t for n in s.split()}  # noqa: E731
     i32 = lambda s: {n: "i32" for n in s.split()}  # noqa: E731
+    decode_variants = [("w8a16_mma", dict(SWAP_AB=True, BLOCK_N=64)), ("w8a16_mma", dict(SWAP_AB=True, BLOCK_N=32, SPLIT_K=2)),
+                       ("w8a16_mma", dict(SPLIT_K=4))]
     for m, (k, n) in [(1, SHAPES[0]), (8, SHAPES[0]), (PREFILL_M, SHAPES[0])]:
-        for kernel in ({1: ["w8a16_gemv"], 8: ["w8a16_mma"]}.get(m) or ["w8a8"]):
-            cfg = int8.int8_config(kernel, m, n, k, 0, "sm_90")
+        kernels = {1: [("w8a16_gemv", {})], 8: [("w8a16_mma", {})] + decode_variants}.get(m) or [("w8a8", {})]
+        for kernel, variant in kernels:
+            cfg = {**({"SWAP_AB": False, "SPLIT_K": 1} if kernel == "w8a16_mma" else {}),
+                   **int8.int8_config(kernel, m, n, k, 0, "sm_90"), **variant}
             const, opts = int8._split(cfg, torch.device("cuda"))
             flags = dict(GROUP_K=0, HAS_ZERO=False, HAS_BIAS=False)
             if kernel == "w8a16_gemv":
                 fn, types = int8._w8a16_gemv_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", **i32("N K G")}
             elif kernel == "w8a16_mma":
                 fn, types = int8._w8a16_mma_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32",
-                                                     **i32("M N K G stride_xm stride_ym")}
+                                                     "P": "*fp32", "LOCK": "*i32", **i32("M N K G stride_xm stride_ym")}
                 flags["PRECISION"] = "tf32"
             else:
                 fn, types = int8._w8a8_kernel, {**ptr("B Y", "*bf16"), **ptr("XQ W Z", "*i8"), **ptr("XS S", "*fp32"),
@@ -383,6 +401,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="default configs only, no sweep")
     ap.add_argument("--aot", action="store_true", help="no GPU: build for sm_90 and print resource usage")
+    ap.add_argument("--decode-m", default="", help="decode token counts to run, e.g. 8 (default: 1,8)")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the W8A8 prefill shapes")
     ap.add_argument("--smoke", action="store_true", help="no GPU: this script's logic on tiny shapes in the "
                     "Triton interpreter (set TRITON_INTERPRET=1); timings are meaningless")
     args = ap.parse_args()

@@ -1,20 +1,25 @@
-"""Check and time dsc.all_reduce's two paths on several GPUs: the one-shot symmetric-memory
-all-reduce and NCCL (kernels/collectives.py), both captured in CUDA graphs as a decode step
-runs them.
+"""Check and time dsc.all_reduce's paths on several GPUs: the one-shot symmetric-memory
+all-reduce, the fused all-reduce + residual add + RMSNorm (dsc.all_reduce_add_rmsnorm) and NCCL
+(kernels/collectives.py), captured in CUDA graphs as a decode step runs them.
 
     torchrun --nproc-per-node 4 scripts/check_allreduce_gpu.py     # writes $OUT/allreduce-tp4.json
 
 Correctness, every rank: a CUDA graph of 65 all-reduces (odd: the last one on buffer 2) and one
-of 64, replayed in turns with eager programs of 3 and 2 between them, 100 rounds. Each
-all-reduce sums small integers (exact in bf16) that differ per call, per rank and per round,
-and before each one a different rank spins for a while (torch.cuda._sleep) so the ranks run out
-of step: a rank that overwrote a buffer a peer still reads gives a wrong sum. Every output is
-compared with the exact sum. The same run with one buffer for every call (the order the
-double buffering prevents) is reported too, as a control of whether skew exposes reuse.
+of 64, replayed in turns with eager programs of 3 and 2 between them, 100 rounds; every third
+call is a plain all-reduce, the others the fused all-reduce + add + RMSNorm (as a Llama decode
+step mixes the embedding's all-reduce with the layers' fused ones). Each all-reduce sums small
+integers (exact in bf16) that differ per call, per rank and per round, and before each one a
+different rank spins for a while (torch.cuda._sleep) so the ranks run out of step: a rank that
+overwrote a buffer (or set a flag) a peer still reads gives a wrong sum. Every sum is compared
+with the exact sum; the fused op's sum + residual must be exact too, and its normalized output
+equal to dsc.add_rmsnorm's of the exact sum within one bf16 rounding. The same run with one
+buffer for every call (the order the double buffering prevents) is reported too, as a control
+of whether skew exposes reuse.
 
 Timing: graphs of 64 back-to-back all-reduces of [rows, 4096] bf16 (rows 1, 8, 64: decode at
-batch 1/8/64 of a 4096-wide model) and [2048, 4096] (prefill, NCCL only), us per all-reduce,
-one-shot against NCCL in the same process.
+batch 1/8/64 of a 4096-wide model) and [2048, 4096] (prefill, NCCL only), us per all-reduce:
+one-shot and NCCL alone, and all-reduce + add + RMSNorm as the fused kernel, as the one-shot
+all-reduce + the add_rmsnorm kernel, and as NCCL + the add_rmsnorm kernel, in the same process.
 """
 from __future__ import annotations
 
@@ -45,14 +50,21 @@ def graph_of(fn):
     return g, out
 
 
-def program(inputs, rank, world, skew):
-    """All-reduce each input in turn; before call k, rank k % world spins `skew` cycles."""
+EPS = 1e-5
+
+
+def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda k: k % 3 != 0):
+    """All-reduce each input in turn, call k fused with add + RMSNorm where fused(k) (and a
+    residual is given); before call k, rank k % world spins `skew` cycles."""
     outs = []
     with collectives.program_scope(len(inputs)):
         for k, x in enumerate(inputs):
             if skew and k % world == rank:
                 torch.cuda._sleep(skew)
-            outs.append(torch.ops.dsc.all_reduce(x))
+            if residual is not None and fused(k):
+                outs.append(torch.ops.dsc.all_reduce_add_rmsnorm(x, residual, weight, EPS))
+            else:
+                outs.append(torch.ops.dsc.all_reduce(x))
     return outs
 
 
@@ -74,26 +86,42 @@ def check(rank, world, dev, rounds=100, skew=20000):
         salt = salts[name] + 3 * k + 5 * r
         return sum(((base + salt + 11 * q) % 13) for q in range(world)).to(torch.bfloat16)
 
+    residual = ((base % 7) - 3).to(torch.bfloat16)  # small integers: sum + residual stays exact
+    weight = (1 + (torch.arange(HIDDEN, device=dev) % 5) / 4).to(torch.bfloat16)
+
+    def wrong(out, sum_):
+        if isinstance(out, torch.Tensor):
+            return not torch.equal(out, sum_)
+        s, y = out
+        s_ref, y_ref = torch.ops.dsc.add_rmsnorm(sum_, residual, weight, EPS)
+        # y: the two kernels reduce the sum of squares in different orders, so allow one rounding
+        return not torch.equal(s, s_ref) or not torch.allclose(y.float(), y_ref.float(), rtol=8e-3, atol=1e-6)
+
+    run = lambda name: program(inputs[name], rank, world, skew, residual, weight)  # noqa: E731
     fill(0)
-    g65, o65 = graph_of(lambda: program(inputs["graph65"], rank, world, skew))
-    g64, o64 = graph_of(lambda: program(inputs["graph64"], rank, world, skew))
+    g65, o65 = graph_of(lambda: run("graph65"))
+    g64, o64 = graph_of(lambda: run("graph64"))
     bad = 0
     for r in range(rounds):
         fill(r)
         g65.replay()
-        e3 = program(inputs["eager3"], rank, world, skew)
+        e3 = run("eager3")
         g64.replay()
-        e2 = program(inputs["eager2"], rank, world, skew)
+        e2 = run("eager2")
         torch.cuda.synchronize()
         for name, outs in (("graph65", o65), ("eager3", e3), ("graph64", o64), ("eager2", e2)):
             for k, o in enumerate(outs):
-                bad += int(not torch.equal(o, want(name, k, r)))
+                bad += int(wrong(o, want(name, k, r)))
     return bad, rounds * sum(sizes.values())
 
 
-def time_graph(rows, n=64, iters=50):
+def time_graph(rows, n=64, iters=50, norm=False):
+    """us per call of a graph of n calls: all-reduces, or with norm all-reduce + add + RMSNorm
+    (fused where the fused path is on, else the all-reduce and the add_rmsnorm kernel)."""
     xs = [torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) for _ in range(n)]
-    g, _ = graph_of(lambda: program(xs, 0, 1, 0))
+    res = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) if norm else None
+    w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    g, _ = graph_of(lambda: program(xs, 0, 1, 0, res, w, fused=lambda k: True))
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -110,25 +138,34 @@ def main():
     dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     ensure_process_group(dev, world, rank)
     res = {"world": world, "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
-    path = collectives.enable_symmetric(dev, torch.bfloat16, 64 * HIDDEN)
+    path = collectives.enable_symmetric(dev, torch.bfloat16, 64 * HIDDEN, 64)
     res["path"] = path
-    if path == "symm_mem":
+    if path.startswith("symm_mem"):
         bad, total = check(rank, world, dev)
         res["check"] = {"wrong": bad, "all_reduces": total}
-        # control: one buffer for every call
-        slot = collectives._Symmetric.slot
+        # control: one buffer for every call, plain all-reduces only (the fused kernel's flags
+        # would be set twice before being consumed and hang, not give a wrong sum)
+        slot, fused = collectives._Symmetric.slot, collectives._symm.fused
         collectives._Symmetric.slot = lambda self: (slot(self), 0)[1]
+        collectives._symm.fused = False
         bad1, _ = check(rank, world, dev, rounds=30)
-        collectives._Symmetric.slot = slot
+        collectives._Symmetric.slot, collectives._symm.fused = slot, fused
         res["control_one_buffer_wrong"] = bad1
     timing = {}
+    symm = collectives._symm
     for rows in (1, 8, 64, 2048):
         row = {}
-        if path == "symm_mem" and rows <= 64:
+        if symm is not None and rows <= 64:
             row["one_shot_us"] = time_graph(rows)
-        saved, collectives._symm = collectives._symm, None
+            if symm.fused:
+                row["fused_norm_us"] = time_graph(rows, norm=True)
+            symm.fused = False
+            row["one_shot_then_norm_us"] = time_graph(rows, norm=True)
+            symm.fused = path == "symm_mem+norm"
+        collectives._symm = None
         row["nccl_us"] = time_graph(rows)
-        collectives._symm = saved
+        row["nccl_then_norm_us"] = time_graph(rows, norm=True)
+        collectives._symm = symm
         if "one_shot_us" in row:
             row["speedup"] = row["nccl_us"] / row["one_shot_us"]
         timing[rows] = row
@@ -142,7 +179,7 @@ def main():
         out = os.environ.get("OUT")
         if out:
             Path(out, f"allreduce-tp{world}.json").write_text(json.dumps(res, indent=1))
-    ok = path == "symm_mem" and all(w == 0 for w in wrong)
+    ok = path == "symm_mem+norm" and all(w == 0 for w in wrong)
     shutdown_process_group()
     sys.exit(0 if ok else 1)
 

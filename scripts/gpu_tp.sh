@@ -6,9 +6,13 @@
 #    while scripts/check_allreduce_gpu.py checks and times the one-shot all-reduce on 2 and 4 GPUs
 #    (NO_AR_CHECK=1 skips it);
 # 2. greedy tokens of every tp against tp=1 (torchrun + NCCL, decode steps replayed from CUDA
-#    graphs with the all-reduces captured), tp=4 also with DSC_ALLREDUCE=nccl;
+#    graphs with the all-reduces captured), tp=4 also with DSC_ALLREDUCE=nccl (NO_GEN=1 skips);
 # 3. `dsc bench` per artifact: batch-1 ms/token, batch-64 tokens/s, per-rank GPU memory; tp=2/4
-#    twice (bf16), one-shot all-reduce (default) and NCCL only, in the same run.
+#    three times (bf16): the default (fused all-reduce + RMSNorm and the one-shot all-reduce),
+#    DSC_ALLREDUCE=one_shot (no fused kernel) and DSC_ALLREDUCE=nccl, in the same run; the
+#    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
+#    NO_NCCL_BENCH=1 the NCCL ones.
+# If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
 DTYPE=${2:-bfloat16}
@@ -40,17 +44,22 @@ done
 for N in 2 4; do
   [ "$NGPU" -ge $N ] && [ -z "${NO_AR_CHECK:-}" ] || continue
   OUT=$OUT timeout 120 torchrun --nproc-per-node $N scripts/check_allreduce_gpu.py > "$OUT/allreduce-tp$N.log" 2>&1
-  echo "check_allreduce tp$N: rc=$? $((SECONDS - T0)) s"
+  RC=$?
+  echo "check_allreduce tp$N: rc=$RC $((SECONDS - T0)) s"
   python3 - "$OUT/allreduce-tp$N.json" <<'PY'
 import json, sys, os
 if os.path.exists(sys.argv[1]):
     r = json.load(open(sys.argv[1]))
     print(" path", r["path"], "check", r.get("check"), "wrong per rank", r.get("wrong_per_rank"),
           "one-buffer control", r.get("control_one_buffer_wrong"))
+    nan = float("nan")
     for rows, t in r["timing_bf16_x4096"].items():
-        print(f"  [{rows}, 4096] bf16: one-shot {t.get('one_shot_us', float('nan')):.2f} us, nccl {t['nccl_us']:.2f} us")
+        print(f"  [{rows}, 4096] bf16: one-shot {t.get('one_shot_us', nan):.2f} us, nccl {t['nccl_us']:.2f} us; "
+              f"+ add + RMSNorm: fused {t.get('fused_norm_us', nan):.2f}, one-shot + norm "
+              f"{t.get('one_shot_then_norm_us', nan):.2f}, nccl + norm {t['nccl_then_norm_us']:.2f} us")
 PY
   tail -3 "$OUT/allreduce-tp$N.log"
+  if [ "$RC" != 0 ]; then echo "all-reduce check failed on $N GPUs: DSC_ALLREDUCE=one_shot from here"; export DSC_ALLREDUCE=one_shot; fi
 done
 wait
 pack
@@ -75,26 +84,32 @@ first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s
 print(f"{sys.argv[3]} vs {sys.argv[4]}: {eq}/{n} tokens equal; first difference per prompt at {first}")
 PY
 }
-for A in $ARTS; do gen "$A" "$A"; done
-[[ " $ARTS " == *" tp4 "* ]] && gen tp4-nccl tp4 DSC_ALLREDUCE=nccl
-echo "generate done: $((SECONDS - T0)) s"
-for A in $ARTS; do
-  BASE=tp1; [[ $A == *int8 ]] && BASE=tp1-int8
-  [ "$A" != "$BASE" ] && same "$BASE" "$A"
-done
-[[ " $ARTS " == *" tp4 "* ]] && same tp4-nccl tp4
-[[ " $ARTS " == *" tp1-int8 "* ]] && same tp1 tp1-int8
-pack
-bench() {  # bench TAG ARTIFACT [env...]
+if [ -z "${NO_GEN:-}" ]; then
+  for A in $ARTS; do gen "$A" "$A"; done
+  [[ " $ARTS " == *" tp4 "* ]] && gen tp4-nccl tp4 DSC_ALLREDUCE=nccl
+  echo "generate done: $((SECONDS - T0)) s"
+  for A in $ARTS; do
+    BASE=tp1; [[ $A == *int8 ]] && BASE=tp1-int8
+    [ "$A" != "$BASE" ] && same "$BASE" "$A"
+  done
+  [[ " $ARTS " == *" tp4 "* ]] && same tp4-nccl tp4
+  [[ " $ARTS " == *" tp1-int8 "* ]] && same tp1 tp1-int8
+  grep -h "one-shot\|fused\|unavailable" "$OUT"/generate-*.log | sort | uniq -c | head -5
+  pack
+fi
+bench() {  # bench TAG ARTIFACT [env...]; PROFILE=1: also --profile
   local tag=$1 a=$2; shift 2
   env "$@" timeout 150 python3 -m dsc bench "$W/$a" --batch 1 --batch 64 --prefill 128 --iters 30 \
-    --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.txt" 2>&1
-  grep -v -i warn "$OUT/bench-$tag.txt" | tail -9
+    ${PROFILE:+--profile} --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.txt" 2>&1
+  grep -v -i warn "$OUT/bench-$tag.txt" | grep -v "^    model.layers" | tail -${TAIL:-9}
 }
 if [ -z "${NO_BENCH:-}" ]; then
   for A in $ARTS; do
-    bench "$A" "$A"
-    [[ $A == tp1* || $A == *int8 ]] || bench "$A-nccl" "$A" DSC_ALLREDUCE=nccl
+    if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A" "$A"; else bench "$A" "$A"; fi
+    if [[ $A != tp1* && $A != *int8 ]]; then
+      bench "$A-oneshot" "$A" DSC_ALLREDUCE=one_shot
+      [ -n "${NO_NCCL_BENCH:-}" ] || bench "$A-nccl" "$A" DSC_ALLREDUCE=nccl
+    fi
     pack
   done
 fi
@@ -106,8 +121,8 @@ rows = {}
 for f in sorted(os.listdir(out)):
     if f.startswith("bench-") and f.endswith(".json"):
         rows[f[6:-5]] = json.load(open(os.path.join(out, f)))
-order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "nccl" in t))
-print(f"{'artifact':>14} {'all-reduce':>10} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
+order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "oneshot" in t, "nccl" in t))
+print(f"{'artifact':>14} {'all-reduce':>13} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
 for tag in order:
     r = rows[tag]
     base = rows.get("tp1-int8" if "int8" in tag else "tp1")
@@ -116,7 +131,7 @@ for tag in order:
     b64 = (base or {}).get("decode", {}).get("64")
     mem = r.get("memory_per_rank") or [r.get("memory")]
     w = "/".join(f"{m['weights'] / 2**30:.2f}" for m in mem if m)
-    print(f"{tag:>14} {r.get('all_reduce', '-'):>10} {d1['ms_per_step'] if d1 else 0:>10.3f} "
+    print(f"{tag:>14} {r.get('all_reduce', '-'):>13} {d1['ms_per_step'] if d1 else 0:>10.3f} "
           f"{d1['ms_per_step'] / b1['ms_per_step'] if d1 and b1 else 0:>6.2f}x "
           f"{d64['tokens_per_s'] if d64 else 0:>10.0f} {(d64['tokens_per_s'] / b64['tokens_per_s']) if d64 and b64 else 0:>6.2f}x {w:>17}")
 PY

@@ -170,6 +170,16 @@ def test_int8_config_tuning_table_and_groups(monkeypatch):
     assert [int8.int8_kernel("w8a16", m) for m in (1, 2)] == ["w8a16_gemv", "w8a16_mma"]
 
 
+@pytest.mark.parametrize("kernel, config, match", [
+    ("w8a16_mma", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 0}, "SPLIT_K must be >= 1"),
+    ("w8a16_gemm", {"BLOCK_M": 16}, "unknown w8a16 kernel"),
+])
+def test_w8a16_matmul_refuses_configs_it_cannot_run(kernel, config, match):
+    x, q, s, z, b, group = _op_args(3, 64, 40, None, True, False, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        int8.w8a16_matmul(x, q, s, z, b, group, kernel=kernel, config=config)
+
+
 # -- Triton kernels in the interpreter (subprocess) ---------------------------------------------
 KERNEL_CASES = {  # name: (kernel, M, K, N, group_size, symmetric, bias, smooth, config or None = default)
     "gemv-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, True, False, False, {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False}),
@@ -186,6 +196,23 @@ KERNEL_CASES = {  # name: (kernel, M, K, N, group_size, symmetric, bias, smooth,
     "mma-g24-M3K72N47": ("w8a16_mma", 3, 72, 47, 24, False, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
     "mma-g32-aligned-M19K96N33": ("w8a16_mma", 19, 96, 33, 32, True, True, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
     "mma-default-M37K72N47": ("w8a16_mma", 37, 72, 47, None, True, False, False, None),
+    # decode variants (issue 4): swapped operands, split-K (an empty last split at K96)
+    "mma-swap-M3K72N47": ("w8a16_mma", 3, 72, 47, None, True, False, False,
+                          {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SWAP_AB": True}),
+    "mma-swap-asym-bias-M13K72N47": ("w8a16_mma", 13, 72, 47, None, False, True, False,
+                                     {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SWAP_AB": True}),
+    "mma-swap-g24-asym-M8K72N47": ("w8a16_mma", 8, 72, 47, 24, False, True, False,
+                                   {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SWAP_AB": True}),
+    "mma-swap-g32-aligned-M2K96N33": ("w8a16_mma", 2, 96, 33, 32, True, True, False,
+                                      {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "SWAP_AB": True}),
+    "mma-splitk-bias-M3K200N47": ("w8a16_mma", 3, 200, 47, None, True, True, False,
+                                  {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3}),
+    "mma-splitk-g24-asym-M13K72N47": ("w8a16_mma", 13, 72, 47, 24, False, True, False,
+                                      {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}),
+    "mma-splitk-swap-g32-asym-M8K96N33": ("w8a16_mma", 8, 96, 33, 32, False, False, False,
+                                          {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 4, "SWAP_AB": True}),
+    "mma-splitk-M19K96N33": ("w8a16_mma", 19, 96, 33, None, False, True, False,
+                             {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2}),
     "w8a8-M3K72N47": ("w8a8", 3, 72, 47, None, True, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
     "w8a8-asym-smooth-bias-M3K72N47": ("w8a8", 3, 72, 47, None, False, True, True, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}),
     "w8a8-g32-asym-M5K96N33": ("w8a8", 5, 96, 33, 32, False, True, True, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
@@ -226,6 +253,13 @@ def run_interpreted(out: str) -> None:
     q, _ = int8.quantize_rows(x * (127 / 127.0))
     res["quantize_rows-round-half-even"] = {"ok": bool(torch.equal(q, int8.quantize_activation(x)[0])),
                                             "error": f"{q.tolist()}"}
+    # split-K counters are reset by each tile's last split: a second call gives the same output
+    x, q, s, z, b, group = _op_args(3, 72, 47, 24, False, True, torch.float32)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 4, "num_warps": 4}
+    y1 = int8.w8a16_matmul(x, q, s, z, b, group, kernel="w8a16_mma", config=cfg)
+    y2 = int8.w8a16_matmul(x, q, s, z, b, group, kernel="w8a16_mma", config=cfg)
+    res["splitk-counters-reset"] = {"ok": bool(torch.equal(y1, y2) and not int8._COUNTERS[x.device].any()),
+                                    "error": "second split-K launch differs or counters left non-zero"}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -245,11 +279,14 @@ def run_aot(out: str) -> None:
     cases["gemv-xrow"] = (cases["gemv"][0], cases["gemv"][1], {**cases["gemv"][2], "X_ROW": True})
     cases["gemv-prefetch-slowcvt"] = (cases["gemv"][0], cases["gemv"][1], {**cases["gemv"][2], "PREFETCH": True,
                                                                           "FAST_CVT": False})
-    for name, m, gk in (("mma-decode", 8, 0), ("mma-prefill-g128", 2048, 128)):
-        cfg = int8.int8_config("w8a16_mma", m, 4096, 4096, gk, "sm_90")
-        cases[name] = (int8._w8a16_mma_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32",
-                                                **i32("M N K G stride_xm stride_ym")},
-                       {**flags, "GROUP_K": gk, "PRECISION": "tf32", **cfg})
+    mma_types = {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", "P": "*fp32", "LOCK": "*i32",
+                 **i32("M N K G stride_xm stride_ym")}
+    for name, m, gk, variant in (("mma-decode", 8, 0, {}), ("mma-prefill-g128", 2048, 128, {}),
+                                 ("mma-decode-swap64", 8, 0, {"SWAP_AB": True, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4}),
+                                 ("mma-decode-splitk4-g128", 8, 128, {"SPLIT_K": 4}),
+                                 ("mma-decode-swap-splitk2-g100", 8, 100, {"SWAP_AB": True, "SPLIT_K": 2})):
+        cfg = {"SWAP_AB": False, "SPLIT_K": 1, **int8.int8_config("w8a16_mma", m, 4096, 4096, gk, "sm_90"), **variant}
+        cases[name] = (int8._w8a16_mma_kernel, mma_types, {**flags, "GROUP_K": gk, "PRECISION": "tf32", **cfg})
     for name, m, gk in (("w8a8-prefill", 2048, 0), ("w8a8-decode-g128", 8, 128)):
         cfg = int8.int8_config("w8a8", m, 4096, 4096, gk, "sm_90")
         cases[name] = (int8._w8a8_kernel, {**ptr("B Y", "*bf16"), **ptr("XQ W Z", "*i8"), **ptr("XS S", "*fp32"),
@@ -261,8 +298,9 @@ def run_aot(out: str) -> None:
         const, opts = int8._split(cfg, cuda)
         k = compile_for_arch(fn, types, const, num_warps=opts.get("num_warps", 4))
         ptx = k.asm.get("ptx", "")
-        res[name] = {"ok": bool(k.asm.get("cubin")), "ptx_has_mma": "mma" in ptx,
-                     "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx, "wants_fast_cvt": bool(const.get("CVT"))}
+        res[name] = {"ok": bool(k.asm.get("cubin")), "ptx_has_mma": "mma" in ptx, "ptx_has_wgmma": "wgmma" in ptx,
+                     "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx, "wants_fast_cvt": bool(const.get("CVT")),
+                     "shared": k.metadata.shared}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -281,12 +319,18 @@ def test_activation_kernel_rounds_half_to_even(interpreted):
     assert r["ok"], r["error"]
 
 
+def test_split_k_counters_are_reset(interpreted):
+    r = interpreted["splitk-counters-reset"]
+    assert r["ok"], r["error"]
+
+
 def test_kernels_compile_for_sm90(compiled):
     bad = {k: v for k, v in compiled.items() if not v["ok"]}
     assert compiled and not bad, bad
     assert all(v["ptx_has_mma"] for k, v in compiled.items() if k.startswith(("mma", "w8a8"))), compiled
     assert all(v["fast_cvt"] == v["wants_fast_cvt"] for v in compiled.values()), compiled
     assert compiled["gemv"]["fast_cvt"] and compiled["mma-decode"]["fast_cvt"]  # the sm_90 defaults
+    assert compiled["mma-decode-swap64"]["ptx_has_wgmma"]  # 64-row weight tiles as wgmma's A operand
 
 
 def test_fast_int8_conversion_arithmetic():

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU, issues 4 and 5 in one call: every kernel checked at real shapes, then measured.
+#   bash scripts/gpu_kernels.sh checks   # check_kernels_gpu, check_attention_gpu, bench_kernels,
+#                                        # bench_attention --sweep             (about 8 minutes)
+#   bash scripts/gpu_kernels.sh int8     # bench_int8: M=8 sweep of every W8A16 variant, then
+#                                        # all shapes with the defaults        (about 8 minutes)
+# Each step has its own timeout so that one slow step cannot take the others' results; logs
+# and JSON go to $OUT (packed into $OUT/results.tgz).
+set -uo pipefail
+OUT=${OUT:-/tmp/dsc-kernels}
+R=$OUT/r
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1
+pack() { tar czf "$OUT/results.tgz" -C "$R" . ; }
+step() {  # step NAME TIMEOUT CMD...: runs CMD with OUT=$R, logs to $R/NAME.log
+  local name=$1 t=$2; shift 2
+  local t0=$SECONDS
+  OUT=$R timeout "$t" "$@" > "$R/$name.log" 2>&1
+  echo "== $name: rc=$? $((SECONDS - t0)) s"
+  grep -v -i "warn" "$R/$name.log" | tail -${TAIL:-25}
+  pack
+}
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+case "${1:-checks}" in
+  checks)
+    step check_kernels 100 python3 scripts/check_kernels_gpu.py
+    step check_attention 120 python3 scripts/check_attention_gpu.py
+    TAIL=14 step bench_kernels 80 python3 scripts/bench_kernels.py
+    TAIL=40 step bench_attention 265 python3 scripts/bench_attention.py --sweep
+    ;;
+  int8)
+    TAIL=12 step bench_int8_m8 420 python3 scripts/bench_int8.py --decode-m 8 --no-prefill
+    mv "$R/bench_int8.json" "$R/bench_int8_m8_sweep.json" 2>/dev/null
+    mv "$R/tuning_int8.json" "$R/tuning_int8_m8.json" 2>/dev/null
+    TAIL=14 step bench_int8_quick 120 python3 scripts/bench_int8.py --quick
+    ;;
+esac
