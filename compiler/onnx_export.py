@@ -157,7 +157,7 @@ def _onnx_all_gather(x, dim: int, world: int):
     return _contrib_op("AllGather", ("group_size", "axis"))(x, group_size=world, axis=dim)
 
 
-def _all_reduce_add_rmsnorm(x, residual, weight, eps):
+def _all_reduce_add_rmsnorm(residual, x, weight, eps):
     return add_rmsnorm_reference(torch.ops.dsc.all_reduce(x), residual, weight, eps)
 
 

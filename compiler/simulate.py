@@ -30,8 +30,8 @@ Produce = Callable[[str, int], torch.Tensor]  # (weight name, rank) -> tensor
 # collective -> f(every rank's args) -> every rank's result
 COLLECTIVES: dict[Any, Callable[[list[tuple]], list[torch.Tensor]]] = {
     torch.ops.dsc.all_reduce.default: lambda per_rank: [sum(a[0] for a in per_rank)] * len(per_rank),
-    torch.ops.dsc.all_reduce_add_rmsnorm.default:  # (x, residual, weight, eps): the sum, then each rank's norm
-        lambda per_rank: [add_rmsnorm_reference(sum(a[0] for a in per_rank), *a[1:]) for a in per_rank],
+    torch.ops.dsc.all_reduce_add_rmsnorm.default:  # (residual, x, weight, eps): the sum of x, then each rank's norm
+        lambda per_rank: [add_rmsnorm_reference(sum(a[1] for a in per_rank), a[0], *a[2:]) for a in per_rank],
     torch.ops.dsc.all_gather.default:  # (x, dim, world)
         lambda per_rank: [torch.cat([a[0] for a in per_rank], per_rank[0][1])] * len(per_rank),
 }

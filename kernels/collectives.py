@@ -301,14 +301,16 @@ def _launch_fused(s: _Symmetric, slot: int, x: torch.Tensor, residual: torch.Ten
 
 
 @torch.library.custom_op("dsc::all_reduce_add_rmsnorm", mutates_args=())
-def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+def all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, y): s = all_reduce(x) + residual, y = RMSNorm(s) * weight, rounded as the unfused ops."""
+    """(s, y): s = residual + all_reduce(x), y = RMSNorm(s) * weight, rounded as the unfused ops.
+    The argument order is add_rmsnorm's in a Hugging Face layer (residual + the sublayer's
+    output), so `dsc diff --numeric` pairs the arguments of the fused and the unfused node."""
     return add_rmsnorm_reference(all_reduce(x), residual, weight, eps)
 
 
 @all_reduce_add_rmsnorm.register_kernel("cuda")
-def _(x, residual, weight, eps):
+def _(residual, x, weight, eps):
     s = _symm
     n = x.shape[-1]
     rows = x.numel() // n if n else 0
@@ -325,12 +327,12 @@ def _(x, residual, weight, eps):
 
 
 @all_reduce_add_rmsnorm.register_fake
-def _(x, residual, weight, eps):
+def _(residual, x, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 @planner("dsc.all_reduce_add_rmsnorm.default")
-def _plan_all_reduce_add_rmsnorm(x, residual, weight, eps, *, arch):
+def _plan_all_reduce_add_rmsnorm(residual, x, weight, eps, *, arch):
     """The decode program's kernel (plan_kernels sends prefill programs to plan_all_reduce_norm's
     NCCL branch): one launch on CUDA with symmetric memory."""
     cfg = norm_config("add_rmsnorm", x.shape[-1], arch)

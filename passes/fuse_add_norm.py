@@ -11,9 +11,9 @@ Matches / rewrites (each counted under `fuse_add_norm.<rule>`):
                  (GPT-2's attention and MLP output projections; also a bias added after a
                  row-parallel linear's all-reduce): one launch fewer at batch 1, where cuBLAS
                  has no bias epilogue
-  all_reduce     s, y = dsc.add_rmsnorm(dsc.all_reduce(a), b, ...)   (tensor parallel: the sum after
+  all_reduce     s, y = dsc.add_rmsnorm(r, dsc.all_reduce(x), ...)   (tensor parallel: the sum after
                  a row-parallel o_proj / down_proj, when the add_rmsnorm is its only user)
-                                                       -> s, y = dsc.all_reduce_add_rmsnorm(a, b, ...):
+                                                       -> s, y = dsc.all_reduce_add_rmsnorm(r, x, ...):
                  on GPUs with symmetric memory one kernel sums the ranks' rows over NVLink, adds
                  and normalizes (kernels/collectives.py); elsewhere the same two ops as before
   RMSNorm is `rmsnorm_pattern` (LlamaRMSNorm; Mistral and Qwen2 write the same), with or without
@@ -125,10 +125,12 @@ def _fuse_all_reduces(model: Model, graph: fx.Graph) -> None:
     for n in [n for n in graph.nodes if is_call(n, dsc.add_rmsnorm.default)]:
         a, b, w, eps = n.args
         # layer 0's post-attention norm adds two all-reduces (the embedding's, also read by the
-        # input norm, and o_proj's): take the one this node alone reads, the later one first
-        for red, other in ((b, a), (a, b)):
+        # input norm, and o_proj's): take the one this node alone reads, the second addend
+        # first (Hugging Face writes residual + sublayer output; keeping that order lets
+        # `dsc diff --numeric` pair the fused node's arguments with the unfused one's)
+        for other, red in ((a, b), (b, a)):
             if is_call(red, dsc.all_reduce.default) and list(red.users) == [n]:
-                n.target, n.args = dsc.all_reduce_add_rmsnorm.default, (red.args[0], other, w, eps)
+                n.target, n.args = dsc.all_reduce_add_rmsnorm.default, (other, red.args[0], w, eps)
                 graph.erase_node(red)
                 model.counters["fuse_add_norm.all_reduce"] += 1
                 break

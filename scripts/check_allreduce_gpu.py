@@ -62,7 +62,7 @@ def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda 
             if skew and k % world == rank:
                 torch.cuda._sleep(skew)
             if residual is not None and fused(k):
-                outs.append(torch.ops.dsc.all_reduce_add_rmsnorm(x, residual, weight, EPS))
+                outs.append(torch.ops.dsc.all_reduce_add_rmsnorm(residual, x, weight, EPS))
             else:
                 outs.append(torch.ops.dsc.all_reduce(x))
     return outs
