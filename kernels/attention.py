@@ -25,8 +25,9 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   loaded once for the whole group.  Keys come in two phases: the cached prefix (positions
   < cache_pos, visible to every row, read from the cache) and the new tokens (causal, read from
   k/v directly).  Each program also writes its own tokens' k/v into the cache, from the
-  diagonal (masked) tiles it loads anyway (with a sliding window: in a loop of its own, as the
-  fused write is unsafe in the long windowed loop, see the kernel); no program reads cache
+  diagonal (masked) tiles it loads anyway (with a sliding window, or when those tiles can be
+  more than 2, e.g. G = 1: in a loop of its own, as the fused write is unsafe in a longer
+  pipelined loop, see the kernel); no program reads cache
   slots >= cache_pos, so there is no race.  Programs run sequence by sequence, the longest (last) row tiles first; full key
   tiles load unmasked and skip the mask math; the softmax works in base 2 with the scale in
   one FMA and divides by the row sum once, at the end.
@@ -304,13 +305,14 @@ def _prefill_kernel(
     offs_n = tl.arange(0, BLOCK_N)
 
     n_old = tl.minimum(start, Smax)
-    if WINDOWED:
-        # the cache write: its own loop, not fused into the attention loop below.  A loaded
-        # K/V tile with a second (store) use gets one shared-memory buffer too few from
-        # Triton's pipeliner (sm_90: 2 buffers for 2 tiles in flight at num_stages=3), so the
-        # copy of tile i + 2 overwrote V of tile i while the async p @ v wgmma still read it:
-        # wrong outputs on an H200 once the loop runs past 2 tiles, which the windowed loop
-        # (window / BLOCK_N tiles) does and phase 2's masked loop below (at most 2) does not
+    # The cache write goes into phase 2's masked loop below when that loop is at most 2 tiles
+    # long (cdiv(BLOCK_M, G) <= BLOCK_N: Llama's G = 4 and G = 2 at the table's configs), and
+    # into a loop of its own otherwise (sliding windows; G = 1, e.g. GPT-2). A loaded K/V tile
+    # with a second (store) use gets one shared-memory buffer too few from Triton's pipeliner
+    # (sm_90: 2 buffers for 2 tiles in flight at num_stages=3), so the copy of tile i + 2
+    # overwrote V of tile i while the async p @ v wgmma still read it: wrong outputs on an H200
+    # once such a loop ran past 2 tiles, as the windowed loop (window / BLOCK_N tiles) did
+    if WINDOWED or (BLOCK_M + G - 1) // G > BLOCK_N:
         for j0 in range(j_lo, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
@@ -319,7 +321,7 @@ def _prefill_kernel(
             _store_rows(k_cache + slots * skc_s + offs_d[None, :], kt.to(cache_ty), ok, offs_d, HEAD_DIM, BLOCK_D)
             vt = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
             _store_rows(v_cache + slots * svc_s + offs_d[None, :], vt.to(cache_ty), ok, offs_d, HEAD_DIM, BLOCK_D)
-
+    if WINDOWED:
         # row qi (position start + qi) sees positions (start + qi - window, start + qi]: every
         # tile is masked, and tiles below the first row's window are skipped
         lo_pos = tl.maximum(start + i_min - window + 1, 0)
@@ -356,9 +358,9 @@ def _prefill_kernel(
         # keys < free are visible to every row (free <= j_lo <= i_min + 1): unmasked tiles.  The
         # masked tiles from free on write the owned tokens [j_lo, hi) to the cache as they load
         # them (free must not pass j_lo: with G > BLOCK_M a token's rows straddle row tiles,
-        # j_lo = i_min, and i_min + 1 may be a multiple of BLOCK_N).  They are at most
-        # cdiv(BLOCK_M / G + BLOCK_N - 1, BLOCK_N) tiles, 2 at the table's configs and G >= 2:
-        # see the windowed branch for why a longer fused loop is not safe when pipelined
+        # j_lo = i_min, and i_min + 1 may be a multiple of BLOCK_N).  They span at most
+        # cdiv(BLOCK_M, G) + BLOCK_N - 1 keys: 2 tiles when cdiv(BLOCK_M, G) <= BLOCK_N, else
+        # the write took its own loop above
         free = (tl.minimum(j_lo, hi) // BLOCK_N) * BLOCK_N
         for j0 in range(0, free, BLOCK_N):
             offs_j = j0 + offs_n
@@ -368,9 +370,13 @@ def _prefill_kernel(
             offs_j = j0 + offs_n
             ok = offs_j < hi
             visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
-            acc, m_i, l_i = _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v_cache,
-                                                  skc_s, svc_s, start, offs_j, ok, ok & (offs_j >= j_lo), offs_d,
-                                                  visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D)
+            if (BLOCK_M + G - 1) // G > BLOCK_N:
+                acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
+                                            visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True)
+            else:
+                acc, m_i, l_i = _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v_cache,
+                                                      skc_s, svc_s, start, offs_j, ok, ok & (offs_j >= j_lo), offs_d,
+                                                      visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D)
 
     out = acc / l_i[:, None]  # the softmax's normalisation, once
     _store_rows(OUT + b * so_b + qi[:, None] * so_s + qh[:, None] * so_h + offs_d[None, :],

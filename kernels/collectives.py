@@ -274,6 +274,8 @@ def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, 
     while arrived != WORLD:
         arrived = tl.sum(tl.where(live, tl.atomic_add(own, 0, mask=live, sem="acquire", scope="sys"), 0))
     tl.store(own, 0, mask=live)  # a sender sets it again only after this rank's next signal
+    # the peers' rows, uncached (.cv; triton 3.6 emits plain loads, also safe: a launch reads
+    # each buffer row once, after the barrier, so L1 holds no earlier copy of it)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for p in tl.static_range(WORLD):  # rank order: the same sum on every rank
         buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(dt)), 16)

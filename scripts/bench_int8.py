@@ -73,6 +73,15 @@ MMA_DECODE_VARIANTS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, S
                                                    (16, 256, 2, 4, True, 4), (128, 128, 4, 4, True, 4), (64, 128, 4, 4, True, 4),
                                                    (32, 256, 4, 4, False, 2), (32, 256, 4, 4, False, 4), (64, 256, 4, 4, False, 4),
                                                    (16, 512, 2, 3, False, 4), (64, 128, 4, 6, True, 8)]]
+# decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
+# the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
+# weight is read once
+MMA_BATCH = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, SWAP_AB=sw, SPLIT_K=sk, num_warps=w, num_stages=s)
+             for bm, bn, bk, w, s, sw, sk in [(64, 64, 128, 4, 4, False, 1), (64, 128, 128, 4, 3, False, 1),
+                                              (64, 64, 128, 4, 4, False, 2), (64, 64, 256, 4, 3, False, 4),
+                                              (64, 128, 64, 8, 4, False, 1), (64, 64, 128, 4, 4, True, 1),
+                                              (64, 128, 128, 8, 3, True, 2), (32, 64, 256, 4, 4, False, 2),
+                                              (64, 32, 256, 4, 4, False, 1), (64, 64, 64, 4, 6, False, 1)]]
 W8A8_PREFILL = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
                 for bm, bn, bk, w, s in [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
                                          (128, 256, 64, 8, 4), (256, 128, 128, 8, 3), (64, 256, 128, 4, 3),
@@ -280,8 +289,10 @@ def run(args) -> dict:
                 if m == 1:  # and the tensor-core kernel at M = 1, for comparison
                     cands = pick([dict(c, kernel="w8a16_gemv") for c in GEMV])
                     cands += pick([dict(c, kernel="w8a16_mma") for c in MMA_DECODE[:6]])
-                else:
+                elif m <= 16:
                     cands = pick([dict(c, kernel="w8a16_mma") for c in MMA_DECODE_VARIANTS + MMA_DECODE])
+                else:  # decode batches of 17-256 rows (--decode-m 32,64): one row tile of x
+                    cands = pick([dict(c, kernel="w8a16_mma") for c in MMA_BATCH])
             r = bench_w8a16(m, k, n, l2, cands)
             res["results"].append(r)
             _print_row(r, n * k)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build every dsc Triton kernel for sm_90 with another triton than the venv's, on a machine
+# without a GPU. The GPU machines run triton 3.6 and CI 3.9, and a kernel can build in one and
+# not the other (session 5: the fused all-reduce + norm compiled with 3.9 and failed with 3.6
+# on the GPUs; this reproduces such failures in seconds, before a GPU call).
+#   bash scripts/aot_other_triton.sh [VERSION]        (default 3.6.0; from the repository root,
+#                                                      in the venv: . .venv/bin/activate)
+# Uses the kernel test files' own sm_90 build modes; prints one line per file and exits non-zero
+# if any kernel failed to build.
+set -uo pipefail
+V=${1:-3.6.0}
+T=/tmp/dsc-triton-$V
+[ -d "$T/triton" ] || python3 -m pip install -q --no-deps --target "$T" "triton==$V" || exit 1
+export PYTHONPATH="$T${PYTHONPATH:+:$PYTHONPATH}" TRITON_DEFAULT_FP_FUSION=1
+unset TRITON_INTERPRET
+python3 -c "import triton; print('triton', triton.__version__, 'from', triton.__file__)" || exit 1
+L=$(mktemp -d)
+fail=0
+for f in fused_kernels int8_kernels linear_kernel; do
+  if python3 "tests/test_$f.py" aot "$L/$f.json" > "$L/$f.log" 2>&1; then
+    python3 - "$L/$f.json" "$f" <<'PY' || fail=1
+import json, sys
+r = json.load(open(sys.argv[1]))
+bad = sorted(k for k, v in r.items() if not v.get("ok"))
+print(f"{sys.argv[2]}: {len(r) - len(bad)}/{len(r)} built" + (f"; FAILED: {bad}" if bad else ""))
+sys.exit(1 if bad else 0)
+PY
+  else
+    echo "$f: FAILED ($(grep -m1 -i "error" "$L/$f.log"); log $L/$f.log)"; fail=1
+  fi
+done
+python3 tests/test_attention_kernels.py compile-sm90 > "$L/attention.log" 2>&1
+python3 - "$L/attention.log" <<'PY' || fail=1
+import json, sys
+lines = [ln for ln in open(sys.argv[1]) if ln.startswith("REPORT ")]
+if not lines:
+    print(f"attention_kernels: FAILED (no report; log {sys.argv[1]})"); sys.exit(1)
+r = json.loads(lines[-1].removeprefix("REPORT "))
+bad = sorted(k for k, v in r.items() if isinstance(v, str) and v != "ok")
+print(f"attention_kernels: {len(r) - len(bad)}/{len(r)} built" + (f"; FAILED: {bad}" if bad else ""))
+sys.exit(1 if bad else 0)
+PY
+python3 - <<'PY' || fail=1
+from dsc.kernels import collectives as c
+from dsc.kernels.launch import compile_for_arch
+types = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "S": "*bf16", "Y": "*bf16", "BUFS": "*i64", "FLAGS": "*i64",
+         "stride_x": "i32", "stride_r": "i32", "eps": "fp32", "rank": "i32", "flag_base": "i32"}
+for world in (2, 4, 8):
+    compile_for_arch(c._ar_add_rmsnorm_kernel, types, {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096},
+                     num_warps=8)
+print("collectives: all_reduce_add_rmsnorm built for 2, 4, 8 ranks")
+PY
+exit $fail
