@@ -27,10 +27,10 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   k/v directly).  Each program also writes its own tokens' k/v into the cache, from the
   diagonal (masked) tiles it loads anyway (with a sliding window, or when those tiles can be
   more than 2, e.g. G = 1: in a loop of its own, as the fused write is unsafe in a longer
-  pipelined loop, see the kernel); no program reads cache
-  slots >= cache_pos, so there is no race.  Programs run sequence by sequence, the longest (last) row tiles first; full key
-  tiles load unmasked and skip the mask math; the softmax works in base 2 with the scale in
-  one FMA and divides by the row sum once, at the end.
+  pipelined loop, see the kernel); no program reads cache slots >= cache_pos, so there is no
+  race.  Programs run sequence by sequence, the longest (last) row tiles first; full key tiles
+  load unmasked and skip the mask math; the softmax works in base 2 with the scale in one FMA
+  and divides by the row sum once, at the end.
 - decode (S == 1), `_decode_kernel`: flash-decoding in one launch.  One program
   per (sequence, kv head, split of the cache); the group's query heads are the rows of one tile
   (padded to 16 for tl.dot).  The number of splits comes from shapes only (B, Hkv, Smax, SM
@@ -55,7 +55,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, next_power_of_2, planner, tuned
+from dsc.kernels.launch import arch_of, next_power_of_2, planner, split_counters, tuned
 
 
 def causal_attention_reference(q, k, v, cache_pos, scale, window=0):
@@ -537,24 +537,6 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
     return out
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # buffers replaced by larger ones: graphs captured earlier still use them
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, kv head), shared by every decode launch on
-    the device: each launch's last split resets its counter to 0, and launches on one stream
-    run one after another. Allocated (zeroed) on first use, then kept; a larger batch x kv
-    heads gets a larger buffer, and the old one stays allocated for the CUDA graphs that
-    captured its address."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        if c is not None:
-            _OUTGROWN.append(c)
-        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
-
-
 def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, out=None, config=None,
                      num_splits=None):
     """`attention` for S == 1 (flash-decoding). The grid depends on shapes only."""
@@ -574,7 +556,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, o
     part_o = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
     part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     BLOCK_D = max(16, next_power_of_2(D))
-    lock = _split_counters(q.device, B * Hkv) if splits > 1 else out
+    lock = split_counters(q.device, B * Hkv) if splits > 1 else out
     _decode_kernel[(B * Hkv, splits)](
         q, k, v, k_cache, v_cache, cache_pos, out, part_o, part_lse, lock, scale * math.log2(math.e),
         q.stride(0), q.stride(1),

@@ -29,9 +29,10 @@ The fused all-reduce + add + RMSNorm (`_ar_add_rmsnorm_kernel`, one launch where
 ops take two). One program per row: it copies the rank's row into the rank's buffer, signals
 the row's flag on every rank (release exchanges at system scope into their symmetric flag
 buffers, one lane per rank, all in flight at once), waits until every rank's flag on its own
-is set (acquire loads, one lane per sender) and clears them, then reads the row from every rank's buffer over NVLink, sums in fp32 in rank order (every
-rank gets the same bits), rounds to the dtype as the all-reduce's output is, adds the residual
-and normalizes as `dsc::add_rmsnorm` does. Flags are per (buffer, row, sender), so the buffer
+is set (acquire loads, one lane per sender) and clears them, then reads the row from every
+rank's buffer over NVLink, sums in fp32 in rank order (every rank gets the same bits), rounds
+to the dtype as the all-reduce's output is, adds the residual and normalizes as
+`dsc::add_rmsnorm` does. Flags are per (buffer, row, sender), so the buffer
 order above also orders flag reuse: a sender sets a flag again only two all-reduces later,
 after a barrier that the receiver passes only once it has consumed (reset) the flag. Where the
 fused path is off (DSC_ALLREDUCE=one_shot or nccl, a failed probe at set-up, rows beyond the
@@ -186,7 +187,8 @@ def _probe_fused(s: _Symmetric, compile_only: bool = False) -> None:
     total = torch.full((rows, n), s.world * (s.world + 1) / 2, dtype=s.dtype, device=dev)  # 1 + ... + world
     for slot in (1, 2):
         got, y = _launch_fused(s, slot, x, res, w, 1e-6)
-        if not torch.equal(got, total) or not torch.allclose(y.float(), torch.ones_like(total, dtype=torch.float32), atol=1e-2):
+        ones = torch.ones_like(total, dtype=torch.float32)
+        if not torch.equal(got, total) or not torch.allclose(y.float(), ones, atol=1e-2):
             raise RuntimeError(f"a probe all-reduce + norm over {s.world} ranks gave {got.flatten()[:4].tolist()}")
         if compile_only:
             return

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, planner, tuned
+from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, planner, split_counters, tuned
 
 tl = None  # triton.language, bound by launch.jit on first launch
 SCALE_MIN = torch.finfo(torch.float32).tiny  # scales stay normal floats: x / scale never divides by 0
@@ -485,23 +485,6 @@ def _split(cfg: dict, device: torch.device) -> tuple[dict, dict]:
     return const, opts
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # buffers replaced by larger ones: graphs captured earlier still use them
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per output tile of a split-K launch, shared by every launch
-    on the device: each tile's last split resets its counter to 0, and launches on one stream
-    run one after another (as kernels/attention.py's decode splits). Kept once allocated; a
-    larger grid gets a larger buffer, and the old one stays for the CUDA graphs that captured it."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        if c is not None:
-            _OUTGROWN.append(c)
-        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
-
-
 _W8A16_KERNELS = ("w8a16_gemv", "w8a16_mma")
 
 
@@ -537,7 +520,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
         raise ValueError(f"w8a16_mma kernel: SPLIT_K must be >= 1, got {splits}")
     # split-K partials [SPLIT_K, M, N] fp32 and one counter per output tile (unused at SPLIT_K 1)
     part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else y
-    lock = _split_counters(x.device, grid[0] * grid[1]) if splits > 1 else y
+    lock = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else y
     jit(_w8a16_mma_kernel)[grid + (splits,)](
         x, qweight, scale, zero_, bias_, y, part, lock, m, n, k, g, x.stride(0), y.stride(0), **flags,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **const, **opts)

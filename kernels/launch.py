@@ -71,6 +71,25 @@ def tuned(kernel: str, shape_class: str, arch: str, default: dict) -> dict:
     return {**default, **entry}
 
 
+COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # buffers replaced by larger ones: graphs captured earlier still use them
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for kernels that elect the last program of a group with an atomic
+    counter and reset it to 0 (decode attention's splits of one (sequence, kv head), the
+    split-K W8A16 GEMM's splits of one tile): one buffer per device shared by all of them,
+    since launches on one stream run one after another and each leaves its counters at 0.
+    Allocated (zeroed) on first use, then kept; a larger request gets a larger buffer, and the
+    old one stays allocated for the CUDA graphs that captured its address."""
+    c = COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        if c is not None:
+            _OUTGROWN.append(c)
+        c = COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -154,8 +154,8 @@ def _worker() -> None:
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"
     # every split counter is back at 0 after the launches (the next step, or graph replay,
     # starts from there); the split cases above allocated them
-    from dsc.kernels import attention as A
-    counters = list(A._COUNTERS.values())
+    from dsc.kernels import launch
+    counters = list(launch.COUNTERS.values())
     report["split-counters-reset"] = "ok" if counters and all(bool((c == 0).all()) for c in counters) \
         else f"counters {[c.nonzero().flatten().tolist()[:8] for c in counters]}"
     print("REPORT " + json.dumps(report))
