@@ -3,9 +3,9 @@ tensor-parallel rank in lockstep, on CPU, over weights produced from the checkpo
 
 The program is executed node by node, once per rank, with that rank's weights and its own KV
 cache; a collective (`dsc.all_reduce`, `dsc.all_reduce_add_rmsnorm`, `dsc.all_gather`) combines
-the ranks' inputs, as NCCL would. The int8 pass calibrates SmoothQuant with it and the int8 report compares the quantized
-program with its unquantized twin; both need the program as it will run (after sharding and
-fusion), which the Hugging Face model is not.
+the ranks' inputs, as NCCL would. The int8 pass calibrates SmoothQuant with it and the int8
+report compares the quantized program with its unquantized twin; both need the program as it
+will run (after sharding and fusion), which the Hugging Face model is not.
 
 Memory stays bounded like the rest of the compiler: a weight is produced when a node first
 reads it and dropped after its last reader, unless all of them fit in `cache_bytes` (small
