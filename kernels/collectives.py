@@ -48,8 +48,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dsc.kernels.launch import arch_of, jit, next_power_of_2, planner
-from dsc.kernels.norm import add_rmsnorm_reference, norm_config
+from dsc.kernels.launch import arch_of, jit, next_power_of_2, planner, rows_of
+from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
 tl = None  # triton.language, bound by launch.jit on first launch
 ALLREDUCE_MODES = ("auto", "one_shot", "nccl")  # auto: fused all-reduce + norm and the one-shot
@@ -131,14 +131,15 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
     if s is not None:
         _retired.append(s)
         _symm = None
-    err, fused_err = "", "DSC_ALLREDUCE=one_shot"
     state = None
-    try:
+
+    def set_up():
+        nonlocal state
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
             raise RuntimeError(f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy")
         state = _Symmetric(device, dtype, numel, rows)
-    except Exception as e:  # noqa: BLE001  (any failure: fall back, the same way on every rank)
-        err = f"{type(e).__name__}: {e}".splitlines()[0]
+
+    err, fused_err = _try(set_up), "DSC_ALLREDUCE=one_shot"  # any failure: fall back on every rank
     if state is not None and mode == "auto":
         fused_err = _try(lambda: _probe_fused(state, compile_only=True))
     ok = _agree(device, err, fused_err)  # no rank launches the probe unless every rank compiled it
@@ -292,13 +293,16 @@ def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, 
 
 def _launch_fused(s: _Symmetric, slot: int, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [rows, N] with unit stride in N; returns (sum, normed) [rows, N] contiguous."""
-    rows, n = x.shape
-    out_s = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    """x, residual: [..., N] of one shape, read as rows (launch.rows_of, as the norm kernels do);
+    returns (sum, normed) of x's shape, contiguous."""
+    n = x.shape[-1]
+    x, rows, sx = rows_of(x)
+    residual, _, sr = rows_of(residual)
+    out_s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
     cfg = norm_config("add_rmsnorm", n, arch_of(x.device))
     jit(_ar_add_rmsnorm_kernel)[(rows,)](
-        x, residual, weight, out_s, out_y, s.buffer_ptrs[slot], s.flag_ptrs, x.stride(0), residual.stride(0), eps,
+        x, residual, weight, out_s, out_y, s.buffer_ptrs[slot], s.flag_ptrs, sx, sr, eps,
         s.rank, slot * s.rows, N=n, WORLD=s.world, BLOCK_W=next_power_of_2(s.world), BLOCK_N=cfg["BLOCK_N"],
         num_warps=cfg["num_warps"])
     return out_s, out_y
@@ -317,16 +321,10 @@ def all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torc
 def _(residual, x, weight, eps):
     s = _symm
     n = x.shape[-1]
-    rows = x.numel() // n if n else 0
     if (s is not None and s.fused and s.count and x.dtype == s.dtype and residual.dtype == s.dtype
-            and 0 < rows <= s.rows and x.numel() <= s.numel and residual.shape == x.shape and n <= 65536):
-        x2, r2 = x.reshape(rows, n), residual.reshape(rows, n)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
-        out_s, out_y = _launch_fused(s, s.slot(), x2, r2, weight.contiguous(), eps)
-        return out_s.view(x.shape), out_y.view(x.shape)
+            and residual.shape == x.shape and 0 < n <= MAX_N and 0 < x.numel() // n <= s.rows
+            and x.numel() <= s.numel):
+        return _launch_fused(s, s.slot(), x, residual, weight.contiguous(), eps)
     return torch.ops.dsc.add_rmsnorm(all_reduce(x), residual, weight, eps)
 
 
