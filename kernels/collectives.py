@@ -25,18 +25,26 @@ all-reduce k, so buffer k's owner may overwrite it at k+2. CUDA-graph replays re
 captured program's choice, which keeps the same order. An NCCL all-reduce in between is a
 synchronisation point of its own.
 
-The fused all-reduce + add + RMSNorm (`_ar_add_rmsnorm_kernel`, one launch where the unfused
-ops take two). One program per row: it copies the rank's row into the rank's buffer, signals
-the row's flag on every rank (release exchanges at system scope into their symmetric flag
-buffers, one lane per rank, all in flight at once), waits until every rank's flag on its own
-is set (acquire loads, one lane per sender) and clears them, then reads the row from every
-rank's buffer over NVLink, sums in fp32 in rank order (every rank gets the same bits), rounds
-to the dtype as the all-reduce's output is, adds the residual and normalizes as
-`dsc::add_rmsnorm` does. Flags are per (buffer, row, sender), so the buffer
-order above also orders flag reuse: a sender sets a flag again only two all-reduces later,
-after a barrier that the receiver passes only once it has consumed (reset) the flag. Where the
-fused path is off (DSC_ALLREDUCE=one_shot or nccl, a failed probe at set-up, rows beyond the
-buffers, CPU) the op is `dsc::all_reduce` followed by `dsc::add_rmsnorm`, with the same values.
+The fused all-reduce + add + RMSNorm (one launch where the unfused ops take two; one program
+per row). Two kernels:
+- push (`_ar_push_add_rmsnorm_kernel`, the default): every rank writes its row straight into
+  its own slot of every rank's "push" buffer over NVLink, then polls its own buffer until no
+  element of the row holds the marker value (-0.0; a real -0.0 is sent as +0.0, which changes
+  no sum), loads the rows, writes the marker back, and sums in fp32 in rank order (every rank
+  gets the same bits). No flags, no fences and no remote reads: a peer's data is its own
+  arrival signal, so the call costs one NVLink write latency. A push buffer holds the marker
+  everywhere outside a call. Reuse: a rank writes into buffer b again only two all-reduces
+  later, having first received every rank's data (or passed a barrier) for the all-reduce in
+  between, which each rank sends only after its kernel that read and reset buffer b finished.
+- pull (`_ar_add_rmsnorm_kernel`, DSC_ALLREDUCE=pull): copies the rank's row into the rank's
+  one-shot buffer, signals the row's flag on every rank (release exchanges at system scope,
+  one lane per rank), waits until every rank's flag on its own is set (acquire loads) and
+  clears them, then reads the row from every rank's buffer over NVLink. Flags are per (buffer,
+  row, sender), so the buffer order above also orders flag reuse.
+Both then round the sum to the dtype as the all-reduce's output is, add the residual and
+normalize as `dsc::add_rmsnorm` does. Where the fused path is off (DSC_ALLREDUCE=one_shot or
+nccl, a failed probe at set-up, rows beyond the buffers, CPU) the op is `dsc::all_reduce`
+followed by `dsc::add_rmsnorm`, with the same values.
 """
 from __future__ import annotations
 
@@ -52,12 +60,16 @@ from dsc.kernels.launch import arch_of, jit, next_power_of_2, planner, rows_of
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
 tl = None  # triton.language, bound by launch.jit on first launch
-ALLREDUCE_MODES = ("auto", "one_shot", "nccl")  # auto: fused all-reduce + norm and the one-shot
+ALLREDUCE_MODES = ("auto", "pull", "one_shot", "nccl")  # auto: the push kernel and the one-shot
+_MARK = {torch.bfloat16: -32768, torch.float16: -32768, torch.float32: -2147483648}  # -0.0's bits
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 class _Symmetric:
-    """Three rendezvoused symmetric-memory buffers of `numel` elements of `dtype`, and (for the
-    fused all-reduce + norm) int32 flags per (buffer, row up to `rows`, sender rank)."""
+    """Three rendezvoused symmetric-memory buffers of `numel` elements of `dtype` (the one-shot
+    all-reduce's), and for the fused all-reduce + norm three push buffers of `world` x `numel`
+    elements (one region per sender, holding the marker) and int32 flags per (buffer, row up to
+    `rows`, sender rank) for the pull kernel."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, numel: int, rows: int):
         import torch.distributed._symmetric_memory as symm_mem
@@ -80,9 +92,16 @@ class _Symmetric:
         self.flag_ptrs = torch.tensor(symm_mem.rendezvous(self.flags, group).buffer_ptrs, dtype=torch.int64,
                                       device=device)
         self.flags.zero_()
+        self.push, ptrs = [], []
+        for _ in range(3):
+            buf = symm_mem.empty(self.world * numel, dtype=dtype, device=device)
+            buf.view(_BITS[dtype]).fill_(_MARK[dtype])
+            ptrs.append(symm_mem.rendezvous(buf, group).buffer_ptrs)
+            self.push.append(buf)
+        self.push_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)  # [3, world] addresses
         torch.cuda.synchronize(device)
-        dist.barrier()  # every rank's flags are zero before any rank can signal
-        self.fused = False  # set by enable_symmetric after the probe, the same on every rank
+        dist.barrier()  # every rank's flags are zero and push buffers marked before any rank writes
+        self.fused = ""  # "push" / "pull": set by enable_symmetric after the probe, the same on every rank
         self.count = 0  # all-reduces in the current program scope (0: none open)
         self.index = 0  # the next one's position
         # one real all-reduce of this dtype now: an unsupported dtype or a broken peer mapping
@@ -110,15 +129,16 @@ def allreduce_mode() -> str:
 
 
 def _label(s: _Symmetric) -> str:
-    return "symm_mem+norm" if s.fused else "symm_mem"
+    return {"push": "symm_mem+norm", "pull": "symm_mem+pull_norm"}.get(s.fused, "symm_mem")
 
 
 def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows: int = 1) -> str:
     """Collective: every rank calls it with the same arguments, before any CUDA graph capture.
     `numel`: the largest decode all-reduce; `rows`: its rows (max_batch). Returns "symm_mem+norm"
-    when the one-shot all-reduce and the fused all-reduce + norm are on for all ranks,
-    "symm_mem" when only the one-shot is, else "nccl" (with the reason on stderr from rank 0).
-    DSC_ALLREDUCE=one_shot turns the fused kernel off, DSC_ALLREDUCE=nccl both."""
+    when the one-shot all-reduce and the fused all-reduce + norm (push kernel) are on for all
+    ranks ("symm_mem+pull_norm" with DSC_ALLREDUCE=pull), "symm_mem" when only the one-shot is,
+    else "nccl" (with the reason on stderr from rank 0). DSC_ALLREDUCE=one_shot turns the fused
+    kernel off, DSC_ALLREDUCE=nccl both."""
     global _symm
     if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() == 1:
         return "nccl"
@@ -140,15 +160,16 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
         state = _Symmetric(device, dtype, numel, rows)
 
     err, fused_err = _try(set_up), "DSC_ALLREDUCE=one_shot"  # any failure: fall back on every rank
-    if state is not None and mode == "auto":
-        fused_err = _try(lambda: _probe_fused(state, compile_only=True))
+    kernel = "pull" if mode == "pull" else "push"
+    if state is not None and mode in ("auto", "pull"):
+        fused_err = _try(lambda: _probe_fused(state, kernel, compile_only=True))
     ok = _agree(device, err, fused_err)  # no rank launches the probe unless every rank compiled it
     if ok[0] and ok[1]:  # every rank has the kernel built: all launch the probe, none is left waiting
-        fused_err = _try(lambda: _probe_fused(state))
+        fused_err = _try(lambda: _probe_fused(state, kernel))
         ok = _agree(device, err, fused_err)
     if ok[0]:
-        state.fused = ok[1]
-        if not state.fused and mode == "auto" and dist.get_rank() == 0:
+        state.fused = kernel if ok[1] else ""
+        if not state.fused and mode in ("auto", "pull") and dist.get_rank() == 0:
             print(f"dsc: fused all-reduce + RMSNorm unavailable ({fused_err or 'on another rank'}); "
                   "using the one-shot all-reduce and a separate norm", file=sys.stderr)
         _symm = state
@@ -174,7 +195,7 @@ def _agree(device: torch.device, *errors: str) -> list[bool]:
     return [bool(v) for v in ok.tolist()]
 
 
-def _probe_fused(s: _Symmetric, compile_only: bool = False) -> None:
+def _probe_fused(s: _Symmetric, kernel: str, compile_only: bool = False) -> None:
     """Two fused all-reduce + norms of known values on every rank, outside any program; raises
     when a result is wrong. Buffers 1 then 2: _Symmetric's probe used buffer 0, and the first
     all-reduce of the first program will use 0 again, so consecutive uses still differ.
@@ -187,7 +208,7 @@ def _probe_fused(s: _Symmetric, compile_only: bool = False) -> None:
     w = torch.ones(n, dtype=s.dtype, device=dev)
     total = torch.full((rows, n), s.world * (s.world + 1) / 2, dtype=s.dtype, device=dev)  # 1 + ... + world
     for slot in (1, 2):
-        got, y = _launch_fused(s, slot, x, res, w, 1e-6)
+        got, y = _launch_fused(s, kernel, slot, x, res, w, 1e-6)
         ones = torch.ones_like(total, dtype=torch.float32)
         if not torch.equal(got, total) or not torch.allclose(y.float(), ones, atol=1e-2):
             raise RuntimeError(f"a probe all-reduce + norm over {s.world} ranks gave {got.flatten()[:4].tolist()}")
@@ -291,20 +312,74 @@ def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, 
     tl.store(Y + row.to(tl.int64) * N + cols, (w * y).to(dt), mask=mask)
 
 
-def _launch_fused(s: _Symmetric, slot: int, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, rank, region,
+                                N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr,
+                                BLOCK_N: tl.constexpr, MARK: tl.constexpr):
+    # BUFS: [WORLD] addresses of every rank's push buffer (this call's slot), read as integers of
+    # the dtype's width; sender q's rows start at q * region in every buffer. MARK: -0.0's bits.
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    dt = S.dtype.element_ty
+    it = tl.int16 if dt.primitive_bitwidth == 16 else tl.int32
+    x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
+    bits = x.to(it, bitcast=True)
+    bits = tl.where(bits == MARK, 0, bits)  # -0.0 -> +0.0: the marker means "not arrived"
+    at = (rank.to(tl.int64) * region + row * N).to(tl.int64)
+    for p in tl.static_range(WORLD):  # this rank's row into its region of every rank's buffer
+        buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(it)), 16)
+        tl.store(buf + at + cols, bits, mask=mask)
+    r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    # wait until every sender's row has fully arrived in this rank's buffer: poll (volatile
+    # loads, all senders at once) until no element holds the marker. The loop carries a scalar
+    # (triton 3.6 fails to compile a loop-carried tensor in such a loop), so the rows are
+    # loaded once more after it; they do not change until this rank resets them.
+    mine = tl.multiple_of(tl.load(BUFS + rank).to(tl.pointer_type(it)), 16)
+    senders = tl.arange(0, BLOCK_W)[:, None]
+    ptrs = mine + (senders.to(tl.int64) * region + row * N) + cols[None, :]
+    m2 = (senders < WORLD) & mask[None, :]
+    pending = tl.sum(tl.sum((tl.load(ptrs, mask=m2, other=0, volatile=True) == MARK).to(tl.int32), axis=1), axis=0)
+    while pending != 0:
+        pending = tl.sum(tl.sum((tl.load(ptrs, mask=m2, other=0, volatile=True) == MARK).to(tl.int32), axis=1),
+                         axis=0)
+    rows = tl.load(ptrs, mask=m2, other=0, volatile=True)
+    # back to the marker for this buffer's next use, through the same pointers (each element's
+    # load and reset in one thread, in order). No sender writes here again before this rank's
+    # next all-reduce has started, i.e. before this kernel has finished.
+    tl.store(ptrs, tl.full([BLOCK_W, BLOCK_N], MARK, it), mask=m2)
+    vals = rows.to(dt, bitcast=True).to(tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for q in tl.static_range(WORLD):  # rank order: the same sum on every rank (x + 0.0 is exact)
+        acc += tl.sum(tl.where(senders == q, vals, 0.0), axis=0)
+    s = (acc.to(dt).to(tl.float32) + r).to(dt)  # the all-reduce's output, then the add, as unfused
+    tl.store(S + row.to(tl.int64) * N + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
+    y = (sf * rstd).to(dt).to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * N + cols, (w * y).to(dt), mask=mask)
+
+
+def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residual: torch.Tensor,
+                  weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [..., N] of one shape, read as rows (launch.rows_of, as the norm kernels do);
-    returns (sum, normed) of x's shape, contiguous."""
+    returns (sum, normed) of x's shape, contiguous. kernel: "push" or "pull"."""
     n = x.shape[-1]
     x, rows, sx = rows_of(x)
     residual, _, sr = rows_of(residual)
     out_s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
     cfg = norm_config("add_rmsnorm", n, arch_of(x.device))
-    jit(_ar_add_rmsnorm_kernel)[(rows,)](
-        x, residual, weight, out_s, out_y, s.buffer_ptrs[slot], s.flag_ptrs, sx, sr, eps,
-        s.rank, slot * s.rows, N=n, WORLD=s.world, BLOCK_W=next_power_of_2(s.world), BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg["num_warps"])
+    common = dict(N=n, WORLD=s.world, BLOCK_W=next_power_of_2(s.world), BLOCK_N=cfg["BLOCK_N"],
+                  num_warps=cfg["num_warps"])
+    if kernel == "push":
+        jit(_ar_push_add_rmsnorm_kernel)[(rows,)](
+            x, residual, weight, out_s, out_y, s.push_ptrs[slot], sx, sr, eps, s.rank, s.numel,
+            MARK=_MARK[s.dtype], **common)
+    else:
+        jit(_ar_add_rmsnorm_kernel)[(rows,)](
+            x, residual, weight, out_s, out_y, s.buffer_ptrs[slot], s.flag_ptrs, sx, sr, eps,
+            s.rank, slot * s.rows, **common)
     return out_s, out_y
 
 
@@ -324,7 +399,7 @@ def _(residual, x, weight, eps):
     if (s is not None and s.fused and s.count and x.dtype == s.dtype and residual.dtype == s.dtype
             and residual.shape == x.shape and 0 < n <= MAX_N and 0 < x.numel() // n <= s.rows
             and x.numel() <= s.numel):
-        return _launch_fused(s, s.slot(), x, residual, weight.contiguous(), eps)
+        return _launch_fused(s, s.fused, s.slot(), x, residual, weight.contiguous(), eps)
     return torch.ops.dsc.add_rmsnorm(all_reduce(x), residual, weight, eps)
 
 

@@ -12,13 +12,14 @@ integers (exact in bf16) that differ per call, per rank and per round, and befor
 different rank spins for a while (torch.cuda._sleep) so the ranks run out of step: a rank that
 overwrote a buffer (or set a flag) a peer still reads gives a wrong sum. Every sum is compared
 with the exact sum; the fused op's sum + residual must be exact too, and its normalized output
-equal to dsc.add_rmsnorm's of the exact sum within one bf16 rounding. The same run with one
+equal to dsc.add_rmsnorm's of the exact sum within one bf16 rounding. This runs once with the
+push kernel (the default) and once with the pull kernel (DSC_ALLREDUCE=pull). The same run with one
 buffer for every call (the order the double buffering prevents) is reported too, as a control
 of whether skew exposes reuse.
 
 Timing: graphs of 64 back-to-back all-reduces of [rows, 4096] bf16 (rows 1, 8, 64: decode at
 batch 1/8/64 of a 4096-wide model) and [2048, 4096] (prefill, NCCL only), us per all-reduce:
-one-shot and NCCL alone, and all-reduce + add + RMSNorm as the fused kernel, as the one-shot
+one-shot and NCCL alone, and all-reduce + add + RMSNorm as the fused kernels (push, pull), as the one-shot
 all-reduce + the add_rmsnorm kernel, and as NCCL + the add_rmsnorm kernel, in the same process.
 """
 from __future__ import annotations
@@ -140,28 +141,31 @@ def main():
     res = {"world": world, "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
     path = collectives.enable_symmetric(dev, torch.bfloat16, 64 * HIDDEN, 64)
     res["path"] = path
+    symm = collectives._symm
+    kernels = ["push", "pull"] if path == "symm_mem+norm" else []
     if path.startswith("symm_mem"):
-        bad, total = check(rank, world, dev)
-        res["check"] = {"wrong": bad, "all_reduces": total}
-        # control: one buffer for every call, plain all-reduces only (the fused kernel's flags
-        # would be set twice before being consumed and hang, not give a wrong sum)
-        slot, fused = collectives._Symmetric.slot, collectives._symm.fused
+        for kernel in kernels or [""]:  # the push kernel (default), then the pull kernel
+            symm.fused = kernel
+            bad, total = check(rank, world, dev)
+            res[f"check_{kernel or 'one_shot'}"] = {"wrong": bad, "all_reduces": total}
+        # control: one buffer for every call, plain all-reduces only (the fused kernels would
+        # hang on a reused buffer or flag, not give a wrong sum)
+        slot = collectives._Symmetric.slot
         collectives._Symmetric.slot = lambda self: (slot(self), 0)[1]
-        collectives._symm.fused = False
+        symm.fused = ""
         bad1, _ = check(rank, world, dev, rounds=30)
-        collectives._Symmetric.slot, collectives._symm.fused = slot, fused
+        collectives._Symmetric.slot = slot
         res["control_one_buffer_wrong"] = bad1
     timing = {}
-    symm = collectives._symm
     for rows in (1, 8, 64, 2048):
         row = {}
         if symm is not None and rows <= 64:
+            symm.fused = ""
             row["one_shot_us"] = time_graph(rows)
-            if symm.fused:
-                row["fused_norm_us"] = time_graph(rows, norm=True)
-            symm.fused = False
             row["one_shot_then_norm_us"] = time_graph(rows, norm=True)
-            symm.fused = path == "symm_mem+norm"
+            for kernel in kernels:
+                symm.fused = kernel
+                row[f"fused_{kernel}_norm_us"] = time_graph(rows, norm=True)
         collectives._symm = None
         row["nccl_us"] = time_graph(rows)
         row["nccl_then_norm_us"] = time_graph(rows, norm=True)
@@ -169,10 +173,12 @@ def main():
         if "one_shot_us" in row:
             row["speedup"] = row["nccl_us"] / row["one_shot_us"]
         timing[rows] = row
+    if symm is not None:
+        symm.fused = kernels[0] if kernels else ""
     res["timing_bf16_x4096"] = timing
     # every rank's wrong count: a wrong sum on any rank is a failure
     wrong = [None] * world
-    dist.all_gather_object(wrong, res.get("check", {}).get("wrong"))
+    dist.all_gather_object(wrong, sum(v["wrong"] for k, v in res.items() if k.startswith("check_")) if kernels else None)
     res["wrong_per_rank"] = wrong
     if rank == 0:
         print(json.dumps(res, indent=1))

@@ -8,8 +8,9 @@
 # 2. greedy tokens of every tp against tp=1 (torchrun + NCCL, decode steps replayed from CUDA
 #    graphs with the all-reduces captured), tp=4 also with DSC_ALLREDUCE=nccl (NO_GEN=1 skips);
 # 3. `dsc bench` per artifact: batch-1 ms/token, batch-64 tokens/s, per-rank GPU memory; tp=2/4
-#    three times (bf16): the default (fused all-reduce + RMSNorm and the one-shot all-reduce),
-#    DSC_ALLREDUCE=one_shot (no fused kernel) and DSC_ALLREDUCE=nccl, in the same run; the
+#    four times (bf16): the default (fused all-reduce + RMSNorm, push kernel, and the one-shot
+#    all-reduce), DSC_ALLREDUCE=pull (the pull kernel), DSC_ALLREDUCE=one_shot (no fused kernel)
+#    and DSC_ALLREDUCE=nccl, in the same run; the
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
 #    NO_NCCL_BENCH=1 the NCCL ones.
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
@@ -50,12 +51,13 @@ for N in 2 4; do
 import json, sys, os
 if os.path.exists(sys.argv[1]):
     r = json.load(open(sys.argv[1]))
-    print(" path", r["path"], "check", r.get("check"), "wrong per rank", r.get("wrong_per_rank"),
-          "one-buffer control", r.get("control_one_buffer_wrong"))
+    print(" path", r["path"], "checks", {k: v for k, v in r.items() if k.startswith("check_")},
+          "wrong per rank", r.get("wrong_per_rank"), "one-buffer control", r.get("control_one_buffer_wrong"))
     nan = float("nan")
     for rows, t in r["timing_bf16_x4096"].items():
         print(f"  [{rows}, 4096] bf16: one-shot {t.get('one_shot_us', nan):.2f} us, nccl {t['nccl_us']:.2f} us; "
-              f"+ add + RMSNorm: fused {t.get('fused_norm_us', nan):.2f}, one-shot + norm "
+              f"+ add + RMSNorm: fused push {t.get('fused_push_norm_us', nan):.2f}, pull "
+              f"{t.get('fused_pull_norm_us', nan):.2f}, one-shot + norm "
               f"{t.get('one_shot_then_norm_us', nan):.2f}, nccl + norm {t['nccl_then_norm_us']:.2f} us")
 PY
   tail -3 "$OUT/allreduce-tp$N.log"
@@ -107,6 +109,7 @@ if [ -z "${NO_BENCH:-}" ]; then
   for A in $ARTS; do
     if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A" "$A"; else bench "$A" "$A"; fi
     if [[ $A != tp1* && $A != *int8 ]]; then
+      bench "$A-pull" "$A" DSC_ALLREDUCE=pull
       bench "$A-oneshot" "$A" DSC_ALLREDUCE=one_shot
       [ -n "${NO_NCCL_BENCH:-}" ] || bench "$A-nccl" "$A" DSC_ALLREDUCE=nccl
     fi
@@ -121,7 +124,7 @@ rows = {}
 for f in sorted(os.listdir(out)):
     if f.startswith("bench-") and f.endswith(".json"):
         rows[f[6:-5]] = json.load(open(os.path.join(out, f)))
-order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "oneshot" in t, "nccl" in t))
+order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "pull" in t, "oneshot" in t, "nccl" in t))
 print(f"{'artifact':>14} {'all-reduce':>13} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
 for tag in order:
     r = rows[tag]

@@ -521,8 +521,10 @@ def test_all_reduce_mode_is_checked(monkeypatch):
     assert collectives.allreduce_mode() == "nccl"
     monkeypatch.setenv("DSC_ALLREDUCE", "one_shot")
     assert collectives.allreduce_mode() == "one_shot"
+    monkeypatch.setenv("DSC_ALLREDUCE", "pull")
+    assert collectives.allreduce_mode() == "pull"
     monkeypatch.setenv("DSC_ALLREDUCE", "fast")
-    with pytest.raises(ValueError, match="DSC_ALLREDUCE must be one of auto, one_shot, nccl"):
+    with pytest.raises(ValueError, match="DSC_ALLREDUCE must be one of auto, pull, one_shot, nccl"):
         collectives.allreduce_mode()
     # no process group or no GPU: NCCL/gloo, nothing allocated
     monkeypatch.delenv("DSC_ALLREDUCE")
