@@ -325,7 +325,7 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
     bits = x.to(it, bitcast=True)
     bits = tl.where(bits == MARK, 0, bits)  # -0.0 -> +0.0: the marker means "not arrived"
-    at = (rank.to(tl.int64) * region + row * N).to(tl.int64)
+    at = (rank * region + row * N).to(tl.int64)  # (no rank.to(): triton makes a rank of 1 a constant)
     for p in tl.static_range(WORLD):  # this rank's row into its region of every rank's buffer
         buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(it)), 16)
         tl.store(buf + at + cols, bits, mask=mask)

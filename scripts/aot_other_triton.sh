@@ -49,8 +49,12 @@ for world in (2, 4, 8):
     compile_for_arch(c._ar_add_rmsnorm_kernel, types, {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096},
                      num_warps=8)
     push = {k: v for k, v in types.items() if k not in ("FLAGS", "flag_base")} | {"region": "i32"}
-    compile_for_arch(c._ar_push_add_rmsnorm_kernel, push,
-                     {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096, "MARK": -32768}, num_warps=8)
+    for rank1 in ({}, {"rank": 1}):  # triton turns an integer argument equal to 1 into a constant
+        compile_for_arch(c._ar_push_add_rmsnorm_kernel, {k: v for k, v in push.items() if k not in rank1},
+                         {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096, "MARK": -32768, **rank1},
+                         num_warps=8)
+        compile_for_arch(c._ar_add_rmsnorm_kernel, {k: v for k, v in types.items() if k not in rank1},
+                         {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096, **rank1}, num_warps=8)
 print("collectives: all_reduce_add_rmsnorm (pull and push) built for 2, 4, 8 ranks")
 PY
 exit $fail
