@@ -26,13 +26,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, planner, rows_of, tuned
+from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, rows_of, tuned
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
 
 # -- Triton kernels -------------------------------------------------------------------------
-def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr):
+def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -43,7 +46,10 @@ def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr
 
 
 def _gelu_kernel(X, B, Y, stride_x, stride_y, N, APPROX_TANH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -82,7 +88,7 @@ def _launch(kernel, kname: str, ins: list[torch.Tensor], n: int, config: dict | 
         num_warps = cfg.pop("num_warps")
         grid = (rows, cdiv(n, cfg["BLOCK"]))
         jit(kernel)[grid](*(t for t, _, _ in rows_ins), *vectors, y, *(st for _, _, st in rows_ins), n, n,
-                          num_warps=num_warps, **cfg, **const)
+                          num_warps=num_warps, **cfg, **const, **pdl_options(y.device))
     return y
 
 

@@ -55,7 +55,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, next_power_of_2, planner, split_counters, tuned
+from dsc.kernels.launch import arch_of, next_power_of_2, pdl_options, planner, split_counters, tuned
 
 
 def causal_attention_reference(q, k, v, cache_pos, scale, window=0):
@@ -403,7 +403,11 @@ def _decode_kernel(
     Hkv, Smax, min_split, window,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
@@ -570,7 +574,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, o
         Hkv, Smax, cfg["MIN_SPLIT"], window,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
         BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device),
     )
     return out
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, planner, split_counters, tuned
+from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
 
 tl = None  # triton.language, bound by launch.jit on first launch
 SCALE_MIN = torch.finfo(torch.float32).tiny  # scales stay normal floats: x / scale never divides by 0
@@ -214,8 +214,11 @@ I8X4_TO_F32 = ("{.reg .b32 t;\n"
 
 def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
                        GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, CVT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr,
+                       PDL: tl.constexpr = False):
     # y[n] = sum_k x[k] * (w[n, k] - z[n, g(k)]) * s[n, g(k)]        x: [K], w: [N, K], y: [N]
+    if PDL:  # kernels/launch.py: the next kernel's programs may start now
+        tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64) * K
@@ -235,6 +238,9 @@ def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
         else:
             w8 = tl.load(W + rows[:, None] + offs_k[None, :], mask=mask, other=0,
                          eviction_policy="evict_first")  # w8: [BLOCK_N, BLOCK_K] int8, 16 B per lane
+        if PDL:  # only the first K-block's weights (read-only; with PREFETCH the second's too) load
+            if k0 == 0:  # before the wait, while the previous kernel finishes (not a pipelined loop)
+                tl.extra.cuda.gdc_wait()
         if CVT != "":
             w = tl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=tl.float32, is_pure=True, pack=4)
         else:
@@ -260,6 +266,9 @@ def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
             if HAS_ZERO:
                 w -= tl.load(Z + sidx, mask=mask, other=0).to(tl.float32)
             acc += w * x * tl.load(S + sidx, mask=mask, other=0.0)
+    if PDL:  # K == 0: no K-block waited above
+        if K == 0:
+            tl.extra.cuda.gdc_wait()
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if GROUP_K == 0:
         y *= tl.load(S + offs_n, mask=mask_n, other=0.0)
@@ -271,12 +280,15 @@ def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
 def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_ym,
                       GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                       PRECISION: tl.constexpr, CVT: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr = False):
     # y [M, N] = x [M, K] @ dequant(w [N, K]).T
     #   tiles x [BLOCK_M, BLOCK_K] @ w^T [BLOCK_K, BLOCK_N] -> acc [BLOCK_M, BLOCK_N], or with
     #   SWAP_AB  w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M] -> acc = y^T [BLOCK_N, BLOCK_M]
     # Every index below is an axis vector (m_ax, n_ax, k_w, k_x) of the tile it addresses, so one
     # body serves both orientations. SPLIT_K: program_id(2) sums its share of the K-blocks.
+    if PDL:  # kernels/launch.py: the next kernel's programs may start now
+        tl.extra.cuda.gdc_launch_dependents()
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -290,6 +302,16 @@ def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_y
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # K-blocks per split, whole blocks
     k_lo = tl.program_id(2) * k_len
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PDL:
+        # The K loop is software-pipelined: its prologue loads the first stages of x and w, so
+        # the wait must come before the loop. What can go before it: the first 1 KiB of each of
+        # the program's weight rows (read-only; the prologue's K-blocks at the decode configs)
+        # requested into L2, one prefetch per 128-byte line, addresses clamped into the weight.
+        line = k_lo + tl.arange(0, 8) * 128
+        lines = W + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K + tl.minimum(line, K - 1)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [lines], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+        tl.extra.cuda.gdc_wait()
     for k0 in range(k_lo, tl.minimum(k_lo + k_len, K), BLOCK_K):
         x = tl.load(x_rows + k0 + k_x, mask=mask_m & (k0 + k_x < K), other=0.0)
         w8 = tl.load(w_rows + k0 + k_w, mask=(k0 + k_w < K) & mask_n, other=0,
@@ -512,7 +534,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
         if m != 1:
             raise ValueError("the gemv kernel takes one row")
         jit(_w8a16_gemv_kernel)[(cdiv(n, const["BLOCK_N"]),)](
-            x.contiguous(), qweight, scale, zero_, bias_, y, n, k, g, **flags, **const, **opts)
+            x.contiguous(), qweight, scale, zero_, bias_, y, n, k, g, **flags, **const, **opts, **pdl_options(x.device))
         return y
     grid = (cdiv(n, const["BLOCK_N"]), cdiv(m, const["BLOCK_M"]))
     splits = const["SPLIT_K"]
@@ -523,7 +545,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     lock = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else y
     jit(_w8a16_mma_kernel)[grid + (splits,)](
         x, qweight, scale, zero_, bias_, y, part, lock, m, n, k, g, x.stride(0), y.stride(0), **flags,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **const, **opts)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **const, **opts, **pdl_options(x.device))
     return y
 
 

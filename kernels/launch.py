@@ -13,11 +13,22 @@
 - **Planners.** Each op file registers, per op, a function of the op's arguments (fake tensors
   and literals) returning `{"name": kernel, "config": {...}, "launches": n}` for a target arch;
   `plan_kernels` looks them up by stable op name (`dsc.add_rmsnorm.default`).
+- **Programmatic Dependent Launch (PDL).** A decode step is ~300 short kernels back to back; on
+  Hopper a kernel launched with PDL may start while its predecessor still runs. The decode-path
+  kernels (GEMVs, int8 matmuls, norms, activations, rotary, decode attention) take a `PDL`
+  constexpr and are launched with `launch_pdl` (both from `pdl_options`). With PDL, each program
+  calls `gdc_launch_dependents()` first (the next kernel may be scheduled), may read read-only
+  data (weights, scales) before `gdc_wait()` (which returns once the previous kernel has
+  finished and its writes are visible), and reads activations, caches and counters, and writes
+  anything, only after it: the runtime's memory plan reuses buffers, so a write before the wait
+  could clobber what the previous kernel still reads. Without PDL the kernels compile to what
+  they were before. `DSC_PDL=auto|off` (`pdl_enabled`).
 """
 from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,6 +82,45 @@ def tuned(kernel: str, shape_class: str, arch: str, default: dict) -> dict:
     return {**default, **entry}
 
 
+PDL_MODES = ("auto", "off")
+
+
+def pdl_mode() -> str:
+    """DSC_PDL (read at each call; CUDA graphs read it at capture): "auto" (default) or "off"."""
+    mode = os.environ.get("DSC_PDL", "auto")
+    if mode not in PDL_MODES:
+        raise ValueError(f"DSC_PDL must be one of {', '.join(PDL_MODES)}, got {mode!r}")
+    return mode
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: DSC_PDL=auto on an NVIDIA GPU of capability
+    >= 9.0 (Hopper) with a triton that has the griddepcontrol intrinsics; never on CPU or in
+    the Triton interpreter (it cannot run inline PTX)."""
+    if pdl_mode() == "off" or device.type != "cuda" or _interpreting():
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch keywords of a PDL-capable kernel: the `PDL` constexpr and triton's `launch_pdl`,
+    always equal (a kernel launched with PDL but compiled without the wait would race)."""
+    on = pdl_enabled(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")  # as triton reads it
+
+
+@functools.cache
+def _pdl_supported(index: int) -> bool:
+    if torch.version.hip is not None or torch.cuda.get_device_capability(index) < (9, 0):
+        return False
+    _, tl = _triton()
+    return hasattr(tl.extra.cuda, "gdc_wait")  # the griddepcontrol intrinsics (triton 3.6 and 3.9 have them)
+
+
 COUNTERS: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # buffers replaced by larger ones: graphs captured earlier still use them
 
@@ -114,17 +164,23 @@ def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def compile_for_arch(fn: Callable, types: dict[str, str], constexprs: dict[str, Any],
-                     num_warps: int = 4, capability: int = 90):
+                     num_warps: int = 4, capability: int = 90, aligned: tuple[str, ...] = ()):
     """Compile a kernel ahead of time for a GPU arch (no GPU needed): `types` gives the
     Triton type of every runtime argument ("*fp16", "i32", "fp32"), `constexprs` the values
-    of the constexpr ones. Returns triton's CompiledKernel (asm["cubin"] is the binary)."""
+    of the constexpr ones (those with a default, such as PDL, may be left out), `aligned` the
+    arguments to specialize as multiples of 16, as a launch does for torch's pointers and
+    such sizes (vectorized loads and software pipelining depend on it). Returns triton's
+    CompiledKernel (asm["cubin"] is the binary)."""
     triton, _ = _triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = jit(fn)
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    constexprs = {**defaults, **constexprs}
     signature = {**types, **{k: "constexpr" for k in constexprs}}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
 
 

@@ -25,14 +25,16 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, planner, tuning_table
+from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, tuning_table
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
 
 def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, PDL: tl.constexpr = False):
     # y[n] = sum_k x[k] * w[n, k] (+ b[n])            x: [K], w: [N, K], y: [N]
+    if PDL:  # kernels/launch.py: the next kernel's programs may start now
+        tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64) * K
@@ -40,23 +42,31 @@ def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per-lane partial sums, reduced once
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + cols
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks, plain vector loads
+            w = tl.load(W + rows[:, None] + offs_k[None, :], eviction_policy="evict_first")
+        else:
+            mask = mask_n[:, None] & (offs_k < K)[None, :]
+            w = tl.load(W + rows[:, None] + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        if PDL:  # only the first weight tile (read-only) loads before the wait, while the previous
+            if k0 == 0:  # kernel finishes (a wait in the loop: it is not software-pipelined)
+                tl.extra.cuda.gdc_wait()
         # x read as a [BLOCK_N, BLOCK_K] broadcast in w's layout: each thread loads only the
         # x values its lanes need, and the loop has no layout conversion (no barrier)
         # (X_ROW: x read once as [BLOCK_K] and broadcast over the rows, fewer loads at BLOCK_N > 1)
-        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks, plain vector loads
-            w = tl.load(W + rows[:, None] + offs_k[None, :], eviction_policy="evict_first")
+        if EVEN:
             if X_ROW:
                 x = tl.load(X + offs_k)[None, :]
             else:
                 x = tl.load(X + offs_k[None, :] + 0 * rows[:, None])
         else:
-            mask = mask_n[:, None] & (offs_k < K)[None, :]
-            w = tl.load(W + rows[:, None] + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             if X_ROW:
                 x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)[None, :]
             else:
                 x = tl.load(X + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)
+    if PDL:  # K == 0: no K-block waited above
+        if K == 0:
+            tl.extra.cuda.gdc_wait()
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -112,7 +122,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
     jit(_gemv_kernel)[(cdiv(n, cfg["BLOCK_N"]),)](
         x.contiguous(), weight, bias if bias is not None else weight, y, n, k,
-        HAS_BIAS=bias is not None, EVEN=even, num_warps=num_warps, **cfg)
+        HAS_BIAS=bias is not None, EVEN=even, num_warps=num_warps, **cfg, **pdl_options(x.device))
     return y
 
 

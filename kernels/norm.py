@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, jit, next_power_of_2, planner, rows_of, tuned
+from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, rows_of, tuned
 
 tl = None  # triton.language, bound by launch.jit on first launch
 MAX_N = 65536
@@ -27,7 +27,10 @@ MAX_N = 65536
 
 # -- Triton kernels -------------------------------------------------------------------------
 def _rmsnorm_kernel(X, R, W, S, Y, stride_x, stride_r, stride_s, stride_y, N, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -45,7 +48,10 @@ def _rmsnorm_kernel(X, R, W, S, Y, stride_x, stride_r, stride_s, stride_y, N, ep
 
 def _layernorm_kernel(X, R, W, B, XB, S, Y, stride_x, stride_r, stride_s, stride_y, N, eps,
                       HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_XBIAS: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -100,7 +106,7 @@ def add_norm_triton(kind: str, x, residual, weight, bias, eps: float, config: di
     cfg = dict(config or norm_config(name, n, arch_of(x.device)))
     if rows:
         num_warps = cfg.pop("num_warps")
-        common = dict(HAS_RESIDUAL=residual is not None, num_warps=num_warps, **cfg)
+        common = dict(HAS_RESIDUAL=residual is not None, num_warps=num_warps, **cfg, **pdl_options(x.device))
         if kind == "rms":
             jit(_rmsnorm_kernel)[(rows,)](x, r, weight.contiguous(), s, y, sx, sr, n, n, n, eps, **common)
         else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, planner, tuned
+from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, tuned
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
@@ -23,7 +23,10 @@ tl = None  # triton.language, bound by launch.jit on first launch
 # -- Triton kernel ----------------------------------------------------------------------------
 def _rotary_kernel(Q, K, COS, SIN, QO, KO,
                    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sc_b, sc_s, ss_b, ss_s,
-                   S, HQ, HK, HALF, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                   S, HQ, HK, HALF, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)  # token = b * S + s
     hb = tl.program_id(1)
     b = t // S
@@ -89,7 +92,7 @@ def rotary_triton(q, k, cos, sin, config: dict | None = None):
         jit(_rotary_kernel)[grid](q, k, cos, sin, qo, ko,
                                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                   cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-                                  S, HQ, HK, D // 2, num_warps=num_warps, **cfg)
+                                  S, HQ, HK, D // 2, num_warps=num_warps, **cfg, **pdl_options(q.device))
     return qo, ko
 
 

@@ -73,6 +73,7 @@ def decode_bytes(engine, batch: int, context: int) -> dict[str, int]:
 def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), prefill_lens=(128, 2048),
           context: int = 128, iters: int = 50, cuda_graphs: bool = True, profile: bool = False) -> dict:
     import dsc
+    from dsc.kernels.launch import pdl_enabled
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
@@ -84,7 +85,8 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
     load_s = time.perf_counter() - t0
     res: dict = {"artifact": str(path), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "dtype": engine.plan["model"]["dtype"], "tp": engine.world, "load_and_capture_s": load_s,
-                 "cuda_graphs": engine._decode.captured, "all_reduce": engine.all_reduce, "decode": {}, "prefill": {}}
+                 "cuda_graphs": engine._decode.captured, "all_reduce": engine.all_reduce,
+                 "pdl": "on" if pdl_enabled(dev) else "off", "decode": {}, "prefill": {}}
     if dev.type == "cuda":
         w = sum(t.numel() * t.element_size() for t in engine.weights.values())
         kv = sum(t.numel() * t.element_size() for t in engine.kv_cache.values())
@@ -131,7 +133,8 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
 
 def render(res: dict) -> str:
     lines = [f"{res['artifact']}  on {res['device']}  {res['dtype']}  tp={res['tp']}  "
-             f"cuda_graphs={res['cuda_graphs']}" + (f"  all_reduce={res.get('all_reduce')}" if res["tp"] > 1 else ""),
+             f"cuda_graphs={res['cuda_graphs']}  pdl={res.get('pdl', 'off')}"
+             + (f"  all_reduce={res.get('all_reduce')}" if res["tp"] > 1 else ""),
              f"load + capture: {res['load_and_capture_s']:.2f} s"]
     if "memory" in res:
         m = res["memory"]

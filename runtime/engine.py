@@ -34,10 +34,12 @@ class GenerateResult:
 def _check_environment() -> None:
     """The runtime's environment switches, checked at load so that a typo is one clear line
     on every device (the kernels read them only where they run: CUDA)."""
+    from dsc.kernels.launch import pdl_mode
     from dsc.kernels.linear import gemv_mode
 
     try:
         gemv_mode()
+        pdl_mode()
         collectives.allreduce_mode()
     except ValueError as e:
         raise UserError(str(e)) from None

@@ -185,6 +185,23 @@ def _eager(res: dict, bf16, run, n_copies: int) -> None:
             row["eager_ms"] = _bench(lambda i: run(row, i), n_copies[1], eager=True)
 
 
+def _pdl(res: dict, run, n_copies: int) -> None:
+    """Time the default config with programmatic dependent launch off and on (kernels/launch.py;
+    DSC_PDL is read at each launch, so at graph capture): the n_copies back-to-back calls of a
+    graph overlap only with it on."""
+    row, before = res["default"], os.environ.get("DSC_PDL")
+    if "ms" not in row:
+        return
+    row["pdl_ms"] = {}
+    for mode in ("off", "auto"):
+        os.environ["DSC_PDL"] = mode
+        row["pdl_ms"]["on" if mode == "auto" else "off"] = _bench(lambda i: run(row, i), n_copies)
+    if before is None:
+        os.environ.pop("DSC_PDL")
+    else:
+        os.environ["DSC_PDL"] = before
+
+
 def bench_w8a16(m: int, k: int, n: int, l2: int, sweep: list[dict] | None) -> dict:
     x, wbf, qws, scale = _setup(m, k, n, l2)
     ref = int8.linear_w8a16_reference(x.float(), qws[0], scale, None, None, k)
@@ -199,6 +216,7 @@ def bench_w8a16(m: int, k: int, n: int, l2: int, sweep: list[dict] | None) -> di
 
     res = _result("w8a16", m, k, n, t_bf16, _sweep(run, ref, cands, len(qws)))
     _eager(res, bf16, run, (len(wbf), len(qws)))
+    _pdl(res, run, len(qws))
     return res
 
 
@@ -279,9 +297,10 @@ def run(args) -> dict:
     for err in res["correctness_errors"]:
         print("CORRECTNESS:", err)
     print(f"{name}; torch {torch.__version__}; triton {tv}; L2 {l2 / 2**20:.0f} MiB")
-    print("CUDA-graph replay (the runtime's decode path); 'eager' = one Python launch per call")
+    print("CUDA-graph replay (the runtime's decode path); 'eager' = one Python launch per call; "
+          "'pdl off/on': the default config with DSC_PDL=off / auto")
     print(f"{'op':6} {'M':>5} {'K':>6} {'N':>6} {'bf16 us':>9} {'int8 us':>9} {'x bf16':>7} "
-          f"{'best us':>9} {'x bf16':>7} {'GB/s':>7} {'eager x':>8}  best config")
+          f"{'best us':>9} {'x bf16':>7} {'GB/s':>7} {'eager x':>8} {'pdl off/on':>13}  best config")
     for m in decode_m:
         for k, n in shapes:
             cands = None
@@ -322,8 +341,10 @@ def _print_row(r: dict, weight_elems: int) -> None:
     gbs = f"{weight_elems / (b['ms'] * 1e-3) / 1e9:7.0f}" if b else f"{'-':>7}"
     ex = f"{r['bf16_eager_ms'] / b['eager_ms']:8.2f}" if b and b.get("eager_ms") and r.get("bf16_eager_ms") else f"{'-':>8}"
     cfg = json.dumps({"kernel": b["kernel"], **b["config"]}) if b else ""
+    pdl = d.get("pdl_ms")
+    pdl = f"{pdl['off'] * 1e3:6.1f}/{pdl['on'] * 1e3:<6.1f}" if pdl else f"{'-':>13}"
     print(f"{r['op']:6} {r['M']:>5} {r['K']:>6} {r['N']:>6} {r['bf16_ms'] * 1e3:9.1f} {us(d)} "
-          f"{x(r['speedup_default'])} {us(b)} {x(r['speedup_best'])} {gbs} {ex}  {cfg}")
+          f"{x(r['speedup_default'])} {us(b)} {x(r['speedup_best'])} {gbs} {ex} {pdl}  {cfg}")
     if "ms" not in d:
         print(f"       default config failed: {d.get('error')}")
 
@@ -365,6 +386,7 @@ def run_aot() -> None:
     div16 = {"N", "K", "stride_xm", "stride_ym"}
 
     def build(fn, types, const, opts):
+        const = {**{p.name: p.default for p in jit(fn).params if p.is_constexpr and p.has_default}, **const}
         sig = {**types, **{k: "constexpr" for k in const}}
         names = [a for a in jit(fn).arg_names]
         sig = {a: sig[a] for a in names}
@@ -387,7 +409,8 @@ def run_aot() -> None:
     decode_variants = [("w8a16_mma", dict(SWAP_AB=True, BLOCK_N=64)), ("w8a16_mma", dict(SWAP_AB=True, BLOCK_N=32, SPLIT_K=2)),
                        ("w8a16_mma", dict(SPLIT_K=4))]
     for m, (k, n) in [(1, SHAPES[0]), (8, SHAPES[0]), (PREFILL_M, SHAPES[0])]:
-        kernels = {1: [("w8a16_gemv", {})], 8: [("w8a16_mma", {})] + decode_variants}.get(m) or [("w8a8", {})]
+        kernels = {1: [("w8a16_gemv", {}), ("w8a16_gemv", dict(PDL=True))],
+                   8: [("w8a16_mma", {}), ("w8a16_mma", dict(PDL=True))] + decode_variants}.get(m) or [("w8a8", {})]
         for kernel, variant in kernels:
             cfg = {**({"SWAP_AB": False, "SPLIT_K": 1} if kernel == "w8a16_mma" else {}),
                    **int8.int8_config(kernel, m, n, k, 0, "sm_90"), **variant}

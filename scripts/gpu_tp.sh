@@ -12,7 +12,8 @@
 #    all-reduce), DSC_ALLREDUCE=pull (the pull kernel), DSC_ALLREDUCE=one_shot (no fused kernel)
 #    and DSC_ALLREDUCE=nccl, in the same run; the
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
-#    NO_NCCL_BENCH=1 the NCCL ones.
+#    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off.
+#    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4").
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
@@ -36,13 +37,14 @@ if not (p / "config.json").exists():
     make_random_checkpoint(p, "$SHAPE", dtype="$DTYPE", device="${DEV:-cuda}", tokenizer=False)
 PY
 echo "checkpoint: $((SECONDS - T0)) s"
-ARTS=${ARTS:-"tp1 tp2 tp4 tp1-int8 tp4-int8"}; [ "$NGPU" -lt 4 ] && ARTS="tp1 tp2 tp1-int8"
+ARTS=${ARTS:-"tp1 tp2 tp4 tp1-int8 tp4-int8"}
+[ "$NGPU" -lt 4 ] && ARTS=$(for A in $ARTS; do [[ $A == tp4* ]] || echo -n "$A "; done)  # what fits
 for A in $ARTS; do
   TP=${A#tp}; TP=${TP%-int8}; INT8=""; [[ $A == *int8 ]] && INT8="--int8"
   [ -f "$W/$A/manifest.json" ] || (OMP_NUM_THREADS=12 python3 -m dsc compile "$W/ckpt" -o "$W/$A" --tp "$TP" $INT8 \
       --max-batch 64 --max-seq 1024 > "$OUT/compile-$A.log" 2>&1; echo "compiled $A: rc=$? $((SECONDS - T0)) s") &
 done
-for N in 2 4; do
+for N in ${AR_CHECK_N:-2 4}; do
   [ "$NGPU" -ge $N ] && [ -z "${NO_AR_CHECK:-}" ] || continue
   OUT=$OUT timeout 120 torchrun --nproc-per-node $N scripts/check_allreduce_gpu.py > "$OUT/allreduce-tp$N.log" 2>&1
   RC=$?
@@ -108,10 +110,11 @@ bench() {  # bench TAG ARTIFACT [env...]; PROFILE=1: also --profile
 if [ -z "${NO_BENCH:-}" ]; then
   for A in $ARTS; do
     if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A" "$A"; else bench "$A" "$A"; fi
+    [ -n "${PDL_AB:-}" ] && bench "$A-nopdl" "$A" DSC_PDL=off
     if [[ $A != tp1* && $A != *int8 ]]; then
-      bench "$A-pull" "$A" DSC_ALLREDUCE=pull
-      bench "$A-oneshot" "$A" DSC_ALLREDUCE=one_shot
-      [ -n "${NO_NCCL_BENCH:-}" ] || bench "$A-nccl" "$A" DSC_ALLREDUCE=nccl
+      [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-pull" "$A" DSC_ALLREDUCE=pull
+      [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-oneshot" "$A" DSC_ALLREDUCE=one_shot
+      [ -n "${NO_NCCL_BENCH:-}${NO_MODE_BENCH:-}" ] || bench "$A-nccl" "$A" DSC_ALLREDUCE=nccl
     fi
     pack
   done
@@ -124,8 +127,8 @@ rows = {}
 for f in sorted(os.listdir(out)):
     if f.startswith("bench-") and f.endswith(".json"):
         rows[f[6:-5]] = json.load(open(os.path.join(out, f)))
-order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "pull" in t, "oneshot" in t, "nccl" in t))
-print(f"{'artifact':>14} {'all-reduce':>13} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
+order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "nopdl" in t, "pull" in t, "oneshot" in t, "nccl" in t))
+print(f"{'artifact':>14} {'all-reduce':>18} {'pdl':>4} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
 for tag in order:
     r = rows[tag]
     base = rows.get("tp1-int8" if "int8" in tag else "tp1")
@@ -134,7 +137,7 @@ for tag in order:
     b64 = (base or {}).get("decode", {}).get("64")
     mem = r.get("memory_per_rank") or [r.get("memory")]
     w = "/".join(f"{m['weights'] / 2**30:.2f}" for m in mem if m)
-    print(f"{tag:>14} {r.get('all_reduce', '-'):>13} {d1['ms_per_step'] if d1 else 0:>10.3f} "
+    print(f"{tag:>14} {r.get('all_reduce', '-'):>18} {r.get('pdl', '-'):>4} {d1['ms_per_step'] if d1 else 0:>10.3f} "
           f"{d1['ms_per_step'] / b1['ms_per_step'] if d1 and b1 else 0:>6.2f}x "
           f"{d64['tokens_per_s'] if d64 else 0:>10.0f} {(d64['tokens_per_s'] / b64['tokens_per_s']) if d64 and b64 else 0:>6.2f}x {w:>17}")
 PY

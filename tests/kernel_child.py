@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,34 @@ def run_child(script: str, mode: str, out) -> dict:
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def pdl_check(kernel, pdl: bool, allowed_before_wait: frozenset[str] = frozenset()) -> str:
+    """"ok" if a kernel compiled with PDL=False has no griddepcontrol instruction, and one compiled
+    with PDL=True has launch_dependents and wait in its PTX and issues no memory operation before
+    the first wait but `allowed_before_wait`, named "<op> <variable>" ("load w", "asm
+    prefetch.global.L2": inline asm with side effects; pure asm such as the int8 conversion is
+    arithmetic); else what is wrong. Read in the TTGIR, which is in program order and comes after
+    software pipelining (whose prologue issues loads of later iterations early: "copy x").
+    (Triton 3.6 lowers the gdc calls to inline asm, 3.9 to tt ops.)"""
+    ptx = kernel.asm.get("ptx", "")
+    if not pdl:
+        return "griddepcontrol in a kernel built without PDL" if "griddepcontrol" in ptx else "ok"
+    missing = [i for i in ("griddepcontrol.launch_dependents", "griddepcontrol.wait") if i not in ptx]
+    if missing:
+        return f"PTX lacks {missing}"
+    before = []
+    ops = r"load|store|atomic_\w+|async_\w*copy_global_to_local|descriptor_\w+|elementwise_inline_asm"
+    for line in kernel.asm["ttgir"].splitlines():
+        if "tt.grid_dependency_wait" in line or "griddepcontrol.wait" in line:
+            break
+        m = re.search(rf'(?:%([A-Za-z]\w*?)(?:_\d+)?(?::\d+)? = )?tt[gn]*\.({ops})(?: "([^ ;"]*))?', line)
+        asm = m and m.group(2) == "elementwise_inline_asm"
+        if m and not (asm and ("pure = true" in line or "griddepcontrol.launch_dependents" in line)):
+            op = "asm" if asm else "copy" if "copy" in m.group(2) else m.group(2)
+            before.append(f"{op} {m.group(3) if op == 'asm' else m.group(1) or ''}".strip())
+    bad = sorted(set(before) - allowed_before_wait)
+    return f"before the wait: {bad}" if bad else "ok"
 
 
 def child_fixtures(script: str, prefix: str):

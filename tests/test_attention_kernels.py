@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import pytest
 import torch
+from kernel_child import pdl_check
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ def _compile_sm90() -> None:
     A._triton()
 
     def compile_(fn, ptr_types, consts, **options):
+        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
         sig = {n: "constexpr" if n in consts else ptr_types.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         # what a launch specializes on at Llama's shapes: 16-byte aligned pointers, strides that
@@ -211,12 +213,17 @@ def _compile_sm90() -> None:
                                                        BLOCK_N=pre64["BLOCK_N"], WINDOWED=False),
                             dict(num_warps=pre64["num_warps"], num_stages=pre64["num_stages"])),
         }
+        # the decode kernel with PDL (kernels/launch.py): griddepcontrol.wait before any memory access
+        jobs.update({f"{name}-pdl": (fn, ptrs, {**consts, "PDL": True}, options)
+                     for name, (fn, ptrs, consts, options) in jobs.items() if name.startswith("decode")})
         for name, (fn, ptrs, consts, options) in jobs.items():
             try:
                 kernel = compile_(fn, ptrs, consts, **options)
                 report[f"{name}/{dtype}"] = "ok"
                 if name in ("prefill-window", "prefill-mha"):
                     report[f"{name}-pipelining/{dtype}"] = _check_no_store_in_pipelined_loop(kernel.asm["ttgir"])
+                if name.startswith("decode"):
+                    report[f"{name}-gdc/{dtype}"] = pdl_check(kernel, consts.get("PDL", False))
             except Exception as e:  # reported per kernel by the parent
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"[:2000]
     print("REPORT " + json.dumps(report))
@@ -280,10 +287,19 @@ def test_split_counters_are_reset_by_each_launch(interpreter_report):
 
 
 @pytest.mark.parametrize("kernel", ["prefill", "prefill-n128", "decode", "decode-d80", "prefill-window", "decode-window",
-                                    "prefill-mha"])
+                                    "prefill-mha", "decode-pdl", "decode-d80-pdl", "decode-window-pdl"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_kernel_compiles_for_sm90(sm90_report, kernel, dtype):
     assert sm90_report[f"{kernel}/{dtype}"] == "ok"
+
+
+@pytest.mark.parametrize("kernel", ["decode", "decode-d80", "decode-window"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_decode_pdl_waits_before_any_memory_access(sm90_report, kernel, dtype):
+    """With PDL the decode kernel waits for the previous kernel before it reads cache_pos, q or
+    the cache and before any store; without PDL it has no griddepcontrol instruction."""
+    assert sm90_report[f"{kernel}-gdc/{dtype}"] == "ok"
+    assert sm90_report[f"{kernel}-pdl-gdc/{dtype}"] == "ok"
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

@@ -43,6 +43,7 @@ def test_bench_cli_writes_table_json_and_profile(compile_artifact, tmp_path):
                                  "--context", "8", "--iters", "3", "--json", str(out), "--profile"])
     assert r.exit_code == 0, r.output
     assert "ms/step" in r.output and "prefill     8 tokens" in r.output and "profile: decode batch 1" in r.output
+    assert "pdl=off" in r.output  # programmatic dependent launch: Hopper GPUs only (kernels/launch.py)
     res = json.loads(out.read_text())
     assert set(res["decode"]) == {"1", "2"} and set(res["prefill"]) == {"8"}
     for d in res["decode"].values():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_child import child_fixtures
+from kernel_child import child_fixtures, pdl_check
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -175,7 +175,9 @@ def aot_cases():
         rot_args = {**ptr("Q K COS SIN QO KO", ty),
                     **ints("sq_b sq_h sq_s sk_b sk_h sk_s sc_b sc_s ss_b ss_s S HQ HK HALF")}
         out[f"rotary-{t}"] = (rotary._rotary_kernel, rot_args, dict(BLOCK_H=8, BLOCK_D=64), 4)
-    return out
+    # every kernel also with PDL (kernels/launch.py): griddepcontrol.wait before any memory access
+    return {**out, **{f"{name}-pdl": (fn, types, {**const, "PDL": True}, warps)
+                      for name, (fn, types, const, warps) in out.items()}}
 
 
 def run_aot(out: str) -> None:
@@ -184,7 +186,8 @@ def run_aot(out: str) -> None:
     results = {}
     for name, (fn, types, constexprs, warps) in aot_cases().items():
         k = compile_for_arch(fn, types, constexprs, num_warps=warps)
-        results[name] = {"ok": bool(k.asm.get("cubin")), "cubin_bytes": len(k.asm.get("cubin", b""))}
+        results[name] = {"ok": bool(k.asm.get("cubin")), "cubin_bytes": len(k.asm.get("cubin", b"")),
+                         "pdl": pdl_check(k, constexprs.get("PDL", False))}
     Path(out).write_text(json.dumps(results, indent=1))
 
 
@@ -209,6 +212,12 @@ def test_gelu_erf_accuracy(interpreted):
 def test_kernels_compile_for_sm90(compiled):
     bad = {k: v for k, v in compiled.items() if not v["ok"]}
     assert compiled and not bad, bad
+
+
+def test_pdl_variants_wait_before_any_memory_access(compiled):
+    assert sum(name.endswith("-pdl") for name in compiled) * 2 == len(compiled), list(compiled)
+    bad = {k: v["pdl"] for k, v in compiled.items() if v["pdl"] != "ok"}
+    assert not bad, bad
 
 
 def test_plan_configs_come_from_the_tuning_table():

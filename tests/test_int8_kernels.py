@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_child import child_fixtures
+from kernel_child import child_fixtures, pdl_check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -293,14 +293,24 @@ def run_aot(out: str) -> None:
                                            **i32("M N K G stride_ym")}, {**flags, "GROUP_K": gk, **cfg})
     cases["quantize_rows"] = (int8._quantize_rows_kernel, {"X": "*bf16", "INV": "*fp32", "Q": "*i8", "XS": "*fp32",
                                                            **i32("K stride_xm")}, dict(HAS_SMOOTH=True, BLOCK_K=2048))
+    # the W8A16 kernels also with PDL (kernels/launch.py), specialized as a launch is (aligned
+    # pointers, sizes and strides multiples of 16: the mma's K loop is then software-pipelined);
+    # what each may touch before the wait
+    before_wait = {int8._w8a16_gemv_kernel: frozenset({"load w8", "load w_next"}),  # the first K-block(s)
+                   int8._w8a16_mma_kernel: frozenset({"asm prefetch.global.L2"})}  # weight lines into L2
+    cases.update({f"{name}-pdl": (fn, types, {**cfg, "PDL": True}) for name, (fn, types, cfg) in cases.items()
+                  if fn in before_wait})
     res = {}
     for name, (fn, types, cfg) in cases.items():
         const, opts = int8._split(cfg, cuda)
-        k = compile_for_arch(fn, types, const, num_warps=opts.get("num_warps", 4))
+        aligned = [a for a, t in types.items() if t.startswith("*") or a in ("N", "K", "stride_xm", "stride_ym")]
+        k = compile_for_arch(fn, types, const, num_warps=opts.get("num_warps", 4),
+                             aligned=tuple(aligned) if const.get("PDL") else ())
         ptx = k.asm.get("ptx", "")
         res[name] = {"ok": bool(k.asm.get("cubin")), "ptx_has_mma": "mma" in ptx, "ptx_has_wgmma": "wgmma" in ptx,
                      "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx, "wants_fast_cvt": bool(const.get("CVT")),
-                     "shared": k.metadata.shared}
+                     "shared": k.metadata.shared,
+                     "pdl": pdl_check(k, const.get("PDL", False), before_wait.get(fn, frozenset()))}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -331,6 +341,13 @@ def test_kernels_compile_for_sm90(compiled):
     assert all(v["fast_cvt"] == v["wants_fast_cvt"] for v in compiled.values()), compiled
     assert compiled["gemv"]["fast_cvt"] and compiled["mma-decode"]["fast_cvt"]  # the sm_90 defaults
     assert compiled["mma-decode-swap64"]["ptx_has_wgmma"]  # 64-row weight tiles as wgmma's A operand
+
+
+def test_w8a16_pdl_variants_read_only_weights_before_the_wait(compiled):
+    pdl = [name for name in compiled if name.endswith("-pdl")]
+    assert len(pdl) == 9, list(compiled)  # every gemv and mma case
+    bad = {k: v["pdl"] for k, v in compiled.items() if v["pdl"] != "ok"}
+    assert not bad, bad
 
 
 def test_fast_int8_conversion_arithmetic():

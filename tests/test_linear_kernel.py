@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_child import child_fixtures
+from kernel_child import child_fixtures, pdl_check
 
 from dsc.kernels import launch
 from dsc.kernels import linear as L
@@ -56,7 +56,9 @@ def run_interpreted(out: str) -> None:
 
 
 def run_aot(out: str) -> None:
-    """The GEMV at Llama-8B's o_proj and GPT-2-XL's c_attn shapes, built for sm_90 (no GPU)."""
+    """The GEMV at Llama-8B's o_proj and GPT-2-XL's c_attn shapes, built for sm_90 (no GPU), each
+    also with PDL (kernels/launch.py), specialized as a launch is (aligned pointers, N and K
+    multiples of 16): only the first weight tile may load before the wait."""
     res = {}
     for name, dtype, n, k, bias, cfg in (("bf16-even", "*bf16", 4096, 4096, False,
                                           {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}),
@@ -67,13 +69,17 @@ def run_aot(out: str) -> None:
         cfg = {"X_ROW": False, **cfg}
         warps = cfg.pop("num_warps")
         even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
-        kern = launch.compile_for_arch(L._gemv_kernel, {"X": dtype, "W": dtype, "B": dtype, "Y": dtype,
-                                                        "N": "i32", "K": "i32"},
-                                       {"HAS_BIAS": bias, "EVEN": even, **cfg}, num_warps=warps)
-        ptx = kern.asm.get("ptx", "")
-        res[name] = {"ok": bool(kern.asm.get("cubin")), "even": even,
-                     "vector_loads": "ld.global.L1::no_allocate.L2::evict_first.v4" in ptx
-                     or "ld.global.L2::evict_first.v4" in ptx or ".v4.b32" in ptx}
+        for pdl in (False, True):
+            kern = launch.compile_for_arch(L._gemv_kernel, {"X": dtype, "W": dtype, "B": dtype, "Y": dtype,
+                                                            "N": "i32", "K": "i32"},
+                                           {"HAS_BIAS": bias, "EVEN": even, **cfg, "PDL": pdl}, num_warps=warps,
+                                           aligned=("X", "W", "B", "Y", "N", "K") if pdl else ())
+            ptx = kern.asm.get("ptx", "")
+            res[name + ("-pdl" if pdl else "")] = {
+                "ok": bool(kern.asm.get("cubin")), "even": even,
+                "vector_loads": "ld.global.L1::no_allocate.L2::evict_first.v4" in ptx
+                or "ld.global.L2::evict_first.v4" in ptx or ".v4.b32" in ptx,
+                "pdl": pdl_check(kern, pdl, frozenset({"load w"}))}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -90,6 +96,13 @@ def test_gemv_matches_f_linear_in_interpreter(case, dtype, interpreted):
 def test_gemv_compiles_for_sm90_with_vector_loads(compiled):
     assert compiled and all(v["ok"] for v in compiled.values()), compiled
     assert compiled["bf16-even"]["even"] and compiled["bf16-even"]["vector_loads"], compiled
+
+
+def test_gemv_pdl_variant_waits_before_reading_x(compiled):
+    """PDL=True: launch_dependents and wait in the PTX, only the weight tile loaded before the
+    wait; PDL=False: no griddepcontrol instruction at all."""
+    assert sum(name.endswith("-pdl") for name in compiled) == 3, compiled
+    assert all(v["pdl"] == "ok" for v in compiled.values()), compiled
 
 
 def test_gemv_rejects_what_it_cannot_run():

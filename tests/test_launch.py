@@ -1,0 +1,74 @@
+"""kernels/launch.py: when kernels launch with programmatic dependent launch (PDL). What each
+kernel does under PDL is checked in its compiled sm_90 code (the kernel test files' aot modes,
+tests/kernel_child.py `pdl_check`); on a GPU by scripts/check_pdl_gpu.py."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsc.kernels import launch
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Pretend device 0 is a GPU that supports PDL (capability 9.0, a triton with gdc_wait)."""
+    monkeypatch.setattr(launch, "_pdl_supported", lambda index: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("DSC_PDL", raising=False)
+
+
+def test_pdl_is_on_only_for_a_capable_gpu_outside_the_interpreter(hopper, monkeypatch):
+    assert launch.pdl_enabled(CUDA) and launch.pdl_options(CUDA) == {"PDL": True, "launch_pdl": True}
+    assert not launch.pdl_enabled(CPU) and launch.pdl_options(CPU) == {"PDL": False, "launch_pdl": False}
+    for value in ("1", "true", "ON"):  # the interpreter cannot run griddepcontrol's inline PTX
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert not launch.pdl_enabled(CUDA)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert launch.pdl_enabled(CUDA)
+
+
+def test_dsc_pdl_is_read_at_each_call(hopper, monkeypatch):
+    monkeypatch.setenv("DSC_PDL", "off")
+    assert not launch.pdl_enabled(CUDA)
+    monkeypatch.setenv("DSC_PDL", "auto")
+    assert launch.pdl_enabled(CUDA)
+
+
+@pytest.mark.parametrize("value", ["on", "bogus", ""])
+def test_bad_dsc_pdl_is_a_clear_error_on_every_device(value, monkeypatch):
+    monkeypatch.setenv("DSC_PDL", value)
+    for dev in (CPU, CUDA):
+        with pytest.raises(ValueError, match=f"DSC_PDL must be one of auto, off, got {value!r}"):
+            launch.pdl_enabled(dev)
+
+
+@pytest.mark.parametrize("capability, want", [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)])
+def test_pdl_needs_hopper_or_newer(capability, want, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    launch._pdl_supported.cache_clear()
+    try:
+        assert launch._pdl_supported(0) is want
+    finally:
+        launch._pdl_supported.cache_clear()
+
+
+def test_check_pdl_gpu_script_runs_its_code_path(tmp_path):
+    """scripts/check_pdl_gpu.py --smoke in the interpreter: every chain at tiny shapes, eager
+    only (the GPU run adds CUDA graphs and timings), bit-identical with DSC_PDL off and auto."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "check_pdl_gpu.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OUT": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "check_pdl_gpu.json").read_text())
+    assert len(res["results"]) == 8 and not res["failed"] and res["pdl_on_with_auto"] is False
