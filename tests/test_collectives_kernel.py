@@ -1,0 +1,118 @@
+"""The fused all-reduce + add + RMSNorm kernels (kernels/collectives.py) in the Triton
+interpreter, one rank of several in one process: the other ranks' side is set up by hand as it
+would be once they have run (their rows delivered into this rank's push buffer, or their rows
+in their one-shot buffers and their flags set), then this rank's kernel runs. Checked: the sum,
+add and norm against dsc's reference; what the kernel leaves behind for the peers (its row in
+their push buffers with -0.0 sent as +0.0, its flags set in theirs); and that it resets its own
+state (push buffer back to the marker everywhere, its flags cleared). The cross-GPU behaviour
+(ordering, skew, buffer reuse) is what scripts/check_allreduce_gpu.py checks on GPUs.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_child import child_fixtures
+
+from dsc.kernels import collectives as C
+from dsc.kernels.norm import add_rmsnorm_reference
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}  # the interpreter rounds bf16 differently
+CASES = {"w2-r1": (2, 1), "w4-r0": (4, 0), "w4-r2": (4, 2)}  # (world, this rank)
+ROWS, N, CAP, EPS = 3, 40, 4, 1e-5  # rows of this call, row width (not a power of 2), max rows
+
+
+def _inputs(world: int, rank: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(world * 10 + rank)
+    xs = [torch.randn(ROWS, N, generator=g).to(dtype) for _ in range(world)]
+    xs[rank][0, :5] = -0.0  # sent as +0.0: -0.0 is the marker
+    res = torch.randn(ROWS, N, generator=g).to(dtype)
+    w = torch.randn(N, generator=g).to(dtype)
+    total = sum(x.float() for x in xs)  # fp32, rank order, rounded once: what the kernels do
+    want_s, want_y = add_rmsnorm_reference(total.to(dtype), res, w, EPS)
+    return xs, res, w, want_s, want_y
+
+
+def _compare(got_s, got_y, want_s, want_y) -> dict:
+    return {"sum_equal": torch.equal(got_s, want_s),
+            "norm_err": float((got_y.float() - want_y.float()).abs().max())}
+
+
+def _push(world: int, rank: int, dtype: torch.dtype) -> dict:
+    numel, bits, mark = CAP * N, C._BITS[dtype], C._MARK[dtype]
+    xs, res, w, want_s, want_y = _inputs(world, rank, dtype)
+    bufs = [torch.empty(world * numel, dtype=dtype) for _ in range(world)]  # every rank's buffer (one slot)
+    for b in bufs:
+        b.view(bits).fill_(mark)
+    for q in range(world):  # the peers' rows, already delivered into this rank's buffer
+        if q != rank:
+            bufs[rank][q * numel: q * numel + ROWS * N] = xs[q].flatten()
+    slot = 1
+    ptrs = torch.zeros(3, world, dtype=torch.int64)
+    ptrs[slot] = torch.tensor([b.data_ptr() for b in bufs])
+    s = types.SimpleNamespace(world=world, rank=rank, numel=numel, rows=CAP, dtype=dtype, push_ptrs=ptrs)
+    got_s, got_y = C._launch_fused(s, "push", slot, xs[rank], res, w, EPS)
+    sent = xs[rank].masked_fill(xs[rank] == 0, 0.0)  # -0.0 -> +0.0
+    delivered = all(torch.equal(bufs[q][rank * numel: rank * numel + ROWS * N].view(bits), sent.flatten().view(bits))
+                    and int((bufs[q].view(bits) != mark).sum()) == ROWS * N for q in range(world) if q != rank)
+    return {**_compare(got_s, got_y, want_s, want_y), "delivered": delivered,
+            "negative_zero_sent_as_zero": bool((sent[0, :5].view(bits) == 0).all()),
+            "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all())}
+
+
+def _pull(world: int, rank: int, dtype: torch.dtype) -> dict:
+    xs, res, w, want_s, want_y = _inputs(world, rank, dtype)
+    slot = 2
+    bufs = [torch.zeros(CAP * N, dtype=dtype) for _ in range(world)]  # every rank's one-shot buffer (this slot)
+    for q in range(world):
+        if q != rank:
+            bufs[q][: ROWS * N] = xs[q].flatten()
+    flags = [torch.zeros(3 * CAP * world, dtype=torch.int32) for _ in range(world)]
+    base = slot * CAP
+    for row in range(ROWS):  # the peers have signalled every row to this rank
+        for q in range(world):
+            if q != rank:
+                flags[rank][(base + row) * world + q] = 1
+    bptrs = torch.zeros(3, world, dtype=torch.int64)
+    bptrs[slot] = torch.tensor([b.data_ptr() for b in bufs])
+    s = types.SimpleNamespace(world=world, rank=rank, rows=CAP, dtype=dtype, buffer_ptrs=bptrs,
+                              flag_ptrs=torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64))
+    got_s, got_y = C._launch_fused(s, "pull", slot, xs[rank], res, w, EPS)
+    signalled = all(int(flags[q][(base + row) * world + rank]) == 1 for q in range(world) if q != rank
+                    for row in range(ROWS))
+    return {**_compare(got_s, got_y, want_s, want_y), "signalled_peers": signalled,
+            "own_flags_cleared": int(flags[rank].sum()) == 0,
+            "own_row_in_own_buffer": torch.equal(bufs[rank][: ROWS * N].view(ROWS, N), xs[rank])}
+
+
+def run_interpreted(out: str) -> None:
+    res = {f"{k}-{name}-{d}": fn(world, rank, dt) for k, fn in (("push", _push), ("pull", _pull))
+           for name, (world, rank) in CASES.items() for d, dt in DTYPES.items()}
+    Path(out).write_text(json.dumps(res, indent=1))
+
+
+interpreted, _ = child_fixtures(__file__, "collectives")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_push_kernel_sums_delivers_and_resets(case, dtype, interpreted):
+    r = interpreted[f"push-{case}-{dtype}"]
+    assert r["sum_equal"] and r["norm_err"] < (1e-5 if dtype == "fp32" else 2e-3), r
+    assert r["delivered"] and r["negative_zero_sent_as_zero"] and r["own_buffer_reset"], r
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pull_kernel_sums_signals_and_clears(case, dtype, interpreted):
+    r = interpreted[f"pull-{case}-{dtype}"]
+    assert r["sum_equal"] and r["norm_err"] < (1e-5 if dtype == "fp32" else 2e-3), r
+    assert r["signalled_peers"] and r["own_flags_cleared"] and r["own_row_in_own_buffer"], r
+
+
+if __name__ == "__main__":
+    {"interpret": run_interpreted}[sys.argv[1]](sys.argv[2])
