@@ -56,7 +56,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dsc.kernels.launch import arch_of, jit, next_power_of_2, planner, rows_of
+from dsc.kernels.launch import arch_of, device, jit, next_power_of_2, planner, rows_of
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
 tl = None  # triton.language, bound by launch.jit on first launch
@@ -267,6 +267,19 @@ def _(x):
 
 
 # -- all-reduce + residual add + RMSNorm ----------------------------------------------------
+@device
+def _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N: tl.constexpr):
+    # the fused kernels' last step, as the unfused ops round: acc (the ranks' fp32 sum) becomes
+    # the all-reduce's output in the dtype, then s = residual + it, y = RMSNorm(s) * weight
+    dt = S.dtype.element_ty
+    s = (acc.to(dt).to(tl.float32) + r).to(dt)
+    tl.store(S + row.to(tl.int64) * N + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
+    y = (sf * rstd).to(dt).to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * N + cols, (w * y).to(dt), mask=mask)
+
+
 def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, rank, flag_base,
                            N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr):
     # BUFS: [WORLD] addresses of every rank's buffer (this call's slot); FLAGS: [WORLD] addresses
@@ -304,12 +317,7 @@ def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, 
     for p in tl.static_range(WORLD):  # rank order: the same sum on every rank
         buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(dt)), 16)
         acc += tl.load(buf + row * N + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
-    s = (acc.to(dt).to(tl.float32) + r).to(dt)  # the all-reduce's output, then the add, as unfused
-    tl.store(S + row.to(tl.int64) * N + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
-    y = (sf * rstd).to(dt).to(tl.float32)
-    tl.store(Y + row.to(tl.int64) * N + cols, (w * y).to(dt), mask=mask)
+    _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N)
 
 
 def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, rank, region,
@@ -352,12 +360,7 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for q in tl.static_range(WORLD):  # rank order: the same sum on every rank (x + 0.0 is exact)
         acc += tl.sum(tl.where(senders == q, vals, 0.0), axis=0)
-    s = (acc.to(dt).to(tl.float32) + r).to(dt)  # the all-reduce's output, then the add, as unfused
-    tl.store(S + row.to(tl.int64) * N + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
-    y = (sf * rstd).to(dt).to(tl.float32)
-    tl.store(Y + row.to(tl.int64) * N + cols, (w * y).to(dt), mask=mask)
+    _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N)
 
 
 def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residual: torch.Tensor,

@@ -50,12 +50,24 @@ def _triton():
 
 
 def jit(fn: Callable):
-    """`triton.jit(fn)`, made on first use (binds `tl` in fn's module first)."""
+    """`triton.jit(fn)`, made on first use (binds `tl` in fn's module first, and jits the
+    `device` functions fn calls, under their names, so that Triton can inline them)."""
     if fn not in _JITTED:
         triton, tl = _triton()
         fn.__globals__["tl"] = tl
+        for name in fn.__code__.co_names:
+            callee = fn.__globals__.get(name)
+            if getattr(callee, "dsc_device", False):
+                fn.__globals__[name] = jit(callee)
         _JITTED[fn] = triton.jit(fn)
     return _JITTED[fn]
+
+
+def device(fn: Callable) -> Callable:
+    """Mark a plain function as a Triton device function that kernels of its module call
+    (one body for a step several kernels share); `jit` of a caller jits it."""
+    fn.dsc_device = True
+    return fn
 
 
 def arch_of(device: torch.device) -> str:
