@@ -42,7 +42,9 @@ per row). Two kernels:
   clears them, then reads the row from every rank's buffer over NVLink. Flags are per (buffer,
   row, sender), so the buffer order above also orders flag reuse.
 Both then round the sum to the dtype as the all-reduce's output is, add the residual and
-normalize as `dsc::add_rmsnorm` does. Where the fused path is off (DSC_ALLREDUCE=one_shot or
+normalize as `dsc::add_rmsnorm` does. With PDL (kernels/launch.py) they read only the norm
+weight before `gdc_wait()`; since every PDL kernel waits before it exits, the wait returning
+means every earlier kernel has finished, so the reuse argument's kernel boundaries still hold. Where the fused path is off (DSC_ALLREDUCE=one_shot or
 nccl, a failed probe at set-up, rows beyond the buffers, CPU) the op is `dsc::all_reduce`
 followed by `dsc::add_rmsnorm`, with the same values.
 """
@@ -56,7 +58,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dsc.kernels.launch import arch_of, device, jit, next_power_of_2, planner, rows_of
+from dsc.kernels.launch import arch_of, device, jit, next_power_of_2, pdl_options, planner, rows_of
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
 tl = None  # triton.language, bound by launch.jit on first launch
@@ -281,7 +283,8 @@ def _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N: tl.constexpr):
 
 
 def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, rank, flag_base,
-                           N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr):
+                           N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+                           PDL: tl.constexpr = False):
     # BUFS: [WORLD] addresses of every rank's buffer (this call's slot); FLAGS: [WORLD] addresses
     # of every rank's flags; this row's flags start at (flag_base + row) * WORLD, one per sender.
     # Buffers are 16-byte aligned (multiple_of lets the row move in 16-byte loads; N is a
@@ -290,11 +293,15 @@ def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, 
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     dt = S.dtype.element_ty
+    if PDL:  # kernels/launch.py: the next kernel may start; only the norm weight is read before the wait
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
     mine = tl.multiple_of(tl.load(BUFS + rank).to(tl.pointer_type(dt)), 16)
     tl.store(mine + row * N + cols, x, mask=mask)
     r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.debug_barrier()  # the whole row is in the buffer before any rank is told so
     # the barrier: one lane per rank, all at once (one NVLink round trip, not one per rank).
     # Signal: a system-scope release exchange into rank p's flag for this row from this rank
@@ -322,7 +329,7 @@ def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, 
 
 def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, rank, region,
                                 N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr,
-                                BLOCK_N: tl.constexpr, MARK: tl.constexpr):
+                                BLOCK_N: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False):
     # BUFS: [WORLD] addresses of every rank's push buffer (this call's slot), read as integers of
     # the dtype's width; sender q's rows start at q * region in every buffer. MARK: -0.0's bits.
     row = tl.program_id(0)
@@ -330,6 +337,11 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     mask = cols < N
     dt = S.dtype.element_ty
     it = tl.int16 if dt.primitive_bitwidth == 16 else tl.int32
+    if PDL:  # as the pull kernel: the next kernel may start (its own wait orders it after this one)
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
     bits = x.to(it, bitcast=True)
     bits = tl.where(bits == MARK, 0, bits)  # -0.0 -> +0.0: the marker means "not arrived"
@@ -338,7 +350,6 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
         buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(it)), 16)
         tl.store(buf + at + cols, bits, mask=mask)
     r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     # wait until every sender's row has fully arrived in this rank's buffer: poll (volatile
     # loads, all senders at once) until no element holds the marker. The loop carries a scalar
     # (triton 3.6 fails to compile a loop-carried tensor in such a loop), so the rows are
@@ -374,7 +385,7 @@ def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residu
     out_y = torch.empty_like(out_s)
     cfg = norm_config("add_rmsnorm", n, arch_of(x.device))
     common = dict(N=n, WORLD=s.world, BLOCK_W=next_power_of_2(s.world), BLOCK_N=cfg["BLOCK_N"],
-                  num_warps=cfg["num_warps"])
+                  num_warps=cfg["num_warps"], **pdl_options(x.device))
     if kernel == "push":
         jit(_ar_push_add_rmsnorm_kernel)[(rows,)](
             x, residual, weight, out_s, out_y, s.push_ptrs[slot], sx, sr, eps, s.rank, s.numel,

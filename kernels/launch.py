@@ -15,9 +15,10 @@
   `plan_kernels` looks them up by stable op name (`dsc.add_rmsnorm.default`).
 - **Programmatic Dependent Launch (PDL).** A decode step is ~300 short kernels back to back; on
   Hopper a kernel launched with PDL may start while its predecessor still runs. The decode-path
-  kernels (GEMVs, int8 matmuls, norms, activations, rotary, decode attention) take a `PDL`
-  constexpr and are launched with `launch_pdl` (both from `pdl_options`). With PDL, each program
-  calls `gdc_launch_dependents()` first (the next kernel may be scheduled), may read read-only
+  kernels (GEMVs, int8 matmuls, norms, activations, rotary, decode attention, the fused
+  all-reduce + norm) take a `PDL` constexpr and are launched with `launch_pdl` (both from
+  `pdl_options`). With PDL, each program calls `gdc_launch_dependents()` first (the next
+  kernel may be scheduled), may read read-only
   data (weights, scales) before `gdc_wait()` (which returns once the previous kernel has
   finished and its writes are visible), and reads activations, caches and counters, and writes
   anything, only after it: the runtime's memory plan reuses buffers, so a write before the wait

@@ -45,19 +45,18 @@ from dsc.kernels import collectives as c
 from dsc.kernels.launch import compile_for_arch
 types = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "S": "*bf16", "Y": "*bf16", "BUFS": "*i64", "FLAGS": "*i64",
          "stride_x": "i32", "stride_r": "i32", "eps": "fp32", "rank": "i32", "flag_base": "i32"}
+push = {k: v for k, v in types.items() if k not in ("FLAGS", "flag_base")} | {"region": "i32"}
 for world in (2, 4, 8):
-    compile_for_arch(c._ar_add_rmsnorm_kernel, types, {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096},
-                     num_warps=8)
-    push = {k: v for k, v in types.items() if k not in ("FLAGS", "flag_base")} | {"region": "i32"}
-    for rank1 in ({}, {"rank": 1}):  # triton turns an integer argument equal to 1 into a constant
-        compile_for_arch(c._ar_push_add_rmsnorm_kernel, {k: v for k, v in push.items() if k not in rank1},
-                         {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096, "MARK": -32768, **rank1},
-                         num_warps=8)
-        compile_for_arch(c._ar_add_rmsnorm_kernel, {k: v for k, v in types.items() if k not in rank1},
-                         {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096, **rank1}, num_warps=8)
+    for pdl in (False, True):
+        for rank1 in ({}, {"rank": 1}):  # triton turns an integer argument equal to 1 into a constant
+            common = {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096, "PDL": pdl, **rank1}
+            compile_for_arch(c._ar_push_add_rmsnorm_kernel, {k: v for k, v in push.items() if k not in rank1},
+                             {**common, "MARK": -32768}, num_warps=8)
+            compile_for_arch(c._ar_add_rmsnorm_kernel, {k: v for k, v in types.items() if k not in rank1},
+                             common, num_warps=8)
 f32 = {k: ("*fp32" if v == "*bf16" else v) for k, v in push.items()}  # fp32 models: 32-bit marker
 compile_for_arch(c._ar_push_add_rmsnorm_kernel, f32,
                  {"N": 2048, "WORLD": 2, "BLOCK_W": 2, "BLOCK_N": 2048, "MARK": -2**31}, num_warps=8)
-print("collectives: all_reduce_add_rmsnorm (pull and push) built for 2, 4, 8 ranks, push also for fp32")
+print("collectives: all_reduce_add_rmsnorm (pull and push, PDL on and off) built for 2, 4, 8 ranks, push also for fp32")
 PY
 exit $fail

@@ -95,7 +95,30 @@ def run_interpreted(out: str) -> None:
     Path(out).write_text(json.dumps(res, indent=1))
 
 
-interpreted, _ = child_fixtures(__file__, "collectives")
+# -- ahead-of-time for sm_90 (no GPU): both kernels at tp 2 and 4, with and without PDL ------------
+def run_aot(out: str) -> None:
+    from kernel_child import pdl_check
+
+    from dsc.kernels.launch import compile_for_arch
+
+    pull = {**{n: "*bf16" for n in "X R W S Y".split()}, "BUFS": "*i64", "FLAGS": "*i64", "stride_x": "i32",
+            "stride_r": "i32", "eps": "fp32", "rank": "i32", "flag_base": "i32"}
+    push = {k: v for k, v in pull.items() if k not in ("FLAGS", "flag_base")} | {"region": "i32"}
+    res = {}
+    for world in (2, 4):
+        for pdl in (False, True):
+            common = {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096, "PDL": pdl}
+            for name, fn, types, const in (("push", C._ar_push_add_rmsnorm_kernel, push, {"MARK": -32768}),
+                                           ("pull", C._ar_add_rmsnorm_kernel, pull, {})):
+                k = compile_for_arch(fn, types, {**common, **const}, num_warps=8)
+                # before the wait only the norm weight (read-only) may be read: the rows, the
+                # residual and every buffer belong to kernels that may still run
+                res[f"{name}-w{world}{'-pdl' if pdl else ''}"] = {
+                    "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"}))}
+    Path(out).write_text(json.dumps(res, indent=1))
+
+
+interpreted, compiled = child_fixtures(__file__, "collectives")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -114,5 +137,11 @@ def test_pull_kernel_sums_signals_and_clears(case, dtype, interpreted):
     assert r["signalled_peers"] and r["own_flags_cleared"] and r["own_row_in_own_buffer"], r
 
 
+def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
+    assert len(compiled) == 8 and sum(k.endswith("-pdl") for k in compiled) == 4, list(compiled)
+    bad = {k: v for k, v in compiled.items() if not v["ok"] or v["pdl"] != "ok"}
+    assert not bad, bad
+
+
 if __name__ == "__main__":
-    {"interpret": run_interpreted}[sys.argv[1]](sys.argv[2])
+    {"interpret": run_interpreted, "aot": run_aot}[sys.argv[1]](sys.argv[2])
