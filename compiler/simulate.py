@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 import dsc.kernels  # noqa: F401  (registers the dsc ops the programs call)
 from dsc.kernels.norm import add_rmsnorm_reference
@@ -32,6 +33,9 @@ COLLECTIVES: dict[Any, Callable[[list[tuple]], list[torch.Tensor]]] = {
     torch.ops.dsc.all_reduce.default: lambda per_rank: [sum(a[0] for a in per_rank)] * len(per_rank),
     torch.ops.dsc.all_reduce_add_rmsnorm.default:  # (residual, x, weight, eps): the sum of x, then each rank's norm
         lambda per_rank: [add_rmsnorm_reference(sum(a[1] for a in per_rank), a[0], *a[2:]) for a in per_rank],
+    torch.ops.dsc.linear_all_reduce_add_rmsnorm.default:  # (residual, x, weight, norm weight, eps)
+        lambda per_rank: [add_rmsnorm_reference(sum(F.linear(a[1], a[2]) for a in per_rank), a[0], *a[3:])
+                          for a in per_rank],
     torch.ops.dsc.all_gather.default:  # (x, dim, world)
         lambda per_rank: [torch.cat([a[0] for a in per_rank], per_rank[0][1])] * len(per_rank),
 }

@@ -41,6 +41,10 @@ per row). Two kernels:
   one lane per rank), waits until every rank's flag on its own is set (acquire loads) and
   clears them, then reads the row from every rank's buffer over NVLink. Flags are per (buffer,
   row, sender), so the buffer order above also orders flag reuse.
+- GEMV push (DSC_ALLREDUCE=gemv_push, an experiment; `dsc::linear_all_reduce_add_rmsnorm`, the
+  row-parallel o_proj / down_proj with the all-reduce + norm after it, at one row): the GEMV's
+  programs store their outputs into every rank's push buffer themselves, and the push kernel
+  (SENT) only waits, sums and normalizes.
 Both then round the sum to the dtype as the all-reduce's output is, add the residual and
 normalize as `dsc::add_rmsnorm` does. With PDL (kernels/launch.py) they read only the norm
 weight before `gdc_wait()`; since every PDL kernel waits before it exits, the wait returning
@@ -58,11 +62,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dsc.kernels.launch import arch_of, device, jit, next_power_of_2, pdl_options, planner, rows_of
+from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of
+from dsc.kernels.linear import _gemv_rows, gemv_config
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
 tl = None  # triton.language, bound by launch.jit on first launch
-ALLREDUCE_MODES = ("auto", "pull", "one_shot", "nccl")  # auto: the push kernel and the one-shot
+ALLREDUCE_MODES = ("auto", "gemv_push", "pull", "one_shot", "nccl")  # auto: the push kernel and the one-shot
 _MARK = {torch.bfloat16: -32768, torch.float16: -32768, torch.float32: -2147483648}  # -0.0's bits
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -140,7 +145,8 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
     when the one-shot all-reduce and the fused all-reduce + norm (push kernel) are on for all
     ranks ("symm_mem+pull_norm" with DSC_ALLREDUCE=pull), "symm_mem" when only the one-shot is,
     else "nccl" (with the reason on stderr from rank 0). DSC_ALLREDUCE=one_shot turns the fused
-    kernel off, DSC_ALLREDUCE=nccl both."""
+    kernel off, DSC_ALLREDUCE=nccl both; DSC_ALLREDUCE=gemv_push is auto with the row-parallel
+    linears' GEMVs pushing their rows themselves (`linear_all_reduce_add_rmsnorm`)."""
     global _symm
     if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() == 1:
         return "nccl"
@@ -163,7 +169,7 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
 
     err, fused_err = _try(set_up), "DSC_ALLREDUCE=one_shot"  # any failure: fall back on every rank
     kernel = "pull" if mode == "pull" else "push"
-    if state is not None and mode in ("auto", "pull"):
+    if state is not None and mode in ("auto", "gemv_push", "pull"):
         fused_err = _try(lambda: _probe_fused(state, kernel, compile_only=True))
     ok = _agree(device, err, fused_err)  # no rank launches the probe unless every rank compiled it
     if ok[0] and ok[1]:  # every rank has the kernel built: all launch the probe, none is left waiting
@@ -171,7 +177,7 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
         ok = _agree(device, err, fused_err)
     if ok[0]:
         state.fused = kernel if ok[1] else ""
-        if not state.fused and mode in ("auto", "pull") and dist.get_rank() == 0:
+        if not state.fused and mode in ("auto", "gemv_push", "pull") and dist.get_rank() == 0:
             print(f"dsc: fused all-reduce + RMSNorm unavailable ({fused_err or 'on another rank'}); "
                   "using the one-shot all-reduce and a separate norm", file=sys.stderr)
         _symm = state
@@ -329,9 +335,11 @@ def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, 
 
 def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, rank, region,
                                 N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr,
-                                BLOCK_N: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False):
+                                BLOCK_N: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False,
+                                SENT: tl.constexpr = False):
     # BUFS: [WORLD] addresses of every rank's push buffer (this call's slot), read as integers of
     # the dtype's width; sender q's rows start at q * region in every buffer. MARK: -0.0's bits.
+    # SENT: the previous kernel (`_gemv_push_kernel`) already pushed this rank's row; X unused
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -342,13 +350,14 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
-    bits = x.to(it, bitcast=True)
-    bits = tl.where(bits == MARK, 0, bits)  # -0.0 -> +0.0: the marker means "not arrived"
-    at = (rank * region + row * N).to(tl.int64)  # (no rank.to(): triton makes a rank of 1 a constant)
-    for p in tl.static_range(WORLD):  # this rank's row into its region of every rank's buffer
-        buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(it)), 16)
-        tl.store(buf + at + cols, bits, mask=mask)
+    if not SENT:
+        x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
+        bits = x.to(it, bitcast=True)
+        bits = tl.where(bits == MARK, 0, bits)  # -0.0 -> +0.0: the marker means "not arrived"
+        at = (rank * region + row * N).to(tl.int64)  # (no rank.to(): triton makes a rank of 1 a constant)
+        for p in tl.static_range(WORLD):  # this rank's row into its region of every rank's buffer
+            buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(it)), 16)
+            tl.store(buf + at + cols, bits, mask=mask)
     r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     # wait until every sender's row has fully arrived in this rank's buffer: poll (volatile
     # loads, all senders at once) until no element holds the marker. The loop carries a scalar
@@ -374,10 +383,34 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N)
 
 
+def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, WORLD: tl.constexpr, MARK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    # the row-parallel linear before a fused all-reduce + norm, at one row: kernels/linear.py's
+    # GEMV, whose programs store their outputs, rounded to the dtype, straight into this rank's
+    # region of every rank's push buffer (as the push kernel would, -0.0 sent as +0.0) instead
+    # of into a tensor; `_ar_push_add_rmsnorm_kernel` with SENT then only waits, sums and
+    # normalizes. The peers' copies start as soon as each program has its rows, while the
+    # others still stream the weight.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL)
+    it = tl.int16 if X.dtype.element_ty.primitive_bitwidth == 16 else tl.int32
+    bits = y.to(X.dtype.element_ty).to(it, bitcast=True)
+    bits = tl.where(bits == MARK, 0, bits)
+    at = rank * region + offs_n
+    for p in tl.static_range(WORLD):
+        buf = tl.load(BUFS + p).to(tl.pointer_type(it))
+        tl.store(buf + at, bits, mask=mask_n)
+
+
 def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residual: torch.Tensor,
-                  weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  weight: torch.Tensor, eps: float, sent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [..., N] of one shape, read as rows (launch.rows_of, as the norm kernels do);
-    returns (sum, normed) of x's shape, contiguous. kernel: "push" or "pull"."""
+    returns (sum, normed) of x's shape, contiguous. kernel: "push" or "pull". sent (push only):
+    this rank's rows are already in the buffers (`_gemv_push_kernel`); x is not read."""
     n = x.shape[-1]
     x, rows, sx = rows_of(x)
     residual, _, sr = rows_of(residual)
@@ -389,7 +422,7 @@ def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residu
     if kernel == "push":
         jit(_ar_push_add_rmsnorm_kernel)[(rows,)](
             x, residual, weight, out_s, out_y, s.push_ptrs[slot], sx, sr, eps, s.rank, s.numel,
-            MARK=_MARK[s.dtype], **common)
+            MARK=_MARK[s.dtype], SENT=sent, **common)
     else:
         jit(_ar_add_rmsnorm_kernel)[(rows,)](
             x, residual, weight, out_s, out_y, s.buffer_ptrs[slot], s.flag_ptrs, sx, sr, eps,
@@ -429,6 +462,88 @@ def _plan_all_reduce_add_rmsnorm(residual, x, weight, eps, *, arch):
     cfg = norm_config("add_rmsnorm", x.shape[-1], arch)
     return {"name": "triton.all_reduce_add_rmsnorm",
             "config": {**cfg, "fallback": "symm_mem.one_shot_all_reduce + triton.add_rmsnorm"}, "launches": 1}
+
+
+# -- row-parallel linear + all-reduce + residual add + RMSNorm --------------------------------
+_gemv_push_error = ""  # why the GEMV push kernel failed to build here (then: the unfused pair)
+
+
+def _gemv_push_config(s: _Symmetric | None, residual, x, weight, norm_weight) -> dict | None:
+    """The GEMV config when this call takes `_gemv_push_kernel` + the push kernel (SENT):
+    DSC_ALLREDUCE=gemv_push with the push kernel on, one row, operands of the buffers' dtype, a
+    tuned GEMV for the weight's shape; else None (the GEMV, then the push kernel)."""
+    if (s is None or s.fused != "push" or not s.count or allreduce_mode() != "gemv_push" or _gemv_push_error
+            or not weight.is_contiguous()):
+        return None
+    n, k = weight.shape
+    if not (x.numel() == k and residual.numel() == n and 0 < n <= MAX_N and n <= s.numel
+            and x.dtype == weight.dtype == residual.dtype == norm_weight.dtype == s.dtype):
+        return None
+    return gemv_config(n, k, arch_of(x.device))
+
+
+@torch.library.custom_op("dsc::linear_all_reduce_add_rmsnorm", mutates_args=())
+def linear_all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                  norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """all_reduce_add_rmsnorm(residual, x @ weight.T, norm_weight, eps): a row-parallel linear
+    (no bias) and the all-reduce + add + RMSNorm after it (the decode_linears pass makes it of
+    the two). The two ops, except on CUDA at one row with DSC_ALLREDUCE=gemv_push (an
+    experiment, off by default: with the tuned GEMVs' 1-2 rows per program each program's
+    store to a peer is 2-4 bytes over NVLink), where its GEMV pushes its outputs into the
+    peers' buffers as it computes them (`_gemv_push_kernel`)."""
+    return torch.ops.dsc.all_reduce_add_rmsnorm(residual, torch.ops.dsc.linear(x, weight), norm_weight, eps)
+
+
+@linear_all_reduce_add_rmsnorm.register_kernel("cuda")
+def _(residual, x, weight, norm_weight, eps):
+    global _gemv_push_error
+    s = _symm
+    cfg = _gemv_push_config(s, residual, x, weight, norm_weight)
+    if cfg is not None:
+        slot = s.slot()
+        try:
+            _launch_gemv_push(s, slot, x, weight, cfg)
+        except Exception as e:  # noqa: BLE001  (a build failure: nothing was launched)
+            # this rank takes the unfused pair from here; its row reaches the same buffers in
+            # the same layout (the push kernel sends the GEMV's output), so ranks may differ
+            _gemv_push_error = f"{type(e).__name__}: {e}".splitlines()[0]
+            print(f"dsc: GEMV + all-reduce push kernel unavailable on rank {s.rank} ({_gemv_push_error}); "
+                  "using the GEMV and the push kernel", file=sys.stderr)
+            s.index -= 1  # the unfused pair below takes this slot again
+            return torch.ops.dsc.all_reduce_add_rmsnorm(residual, torch.ops.dsc.linear(x, weight), norm_weight, eps)
+        out_s, out_y = _launch_fused(s, "push", slot, residual, residual, norm_weight.contiguous(), eps, sent=True)
+        return out_s.view(residual.shape), out_y.view(residual.shape)
+    return torch.ops.dsc.all_reduce_add_rmsnorm(residual, torch.ops.dsc.linear(x, weight), norm_weight, eps)
+
+
+def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.Tensor, config: dict) -> None:
+    """x (one row of K) @ weight [N, K].T into this rank's region of every rank's push buffer of
+    `slot`, row 0, with the GEMV config `config` (kernels/linear.py's)."""
+    n, k = weight.shape
+    cfg = {"X_ROW": False, **config}
+    num_warps = cfg.pop("num_warps")
+    jit(_gemv_push_kernel)[(cdiv(n, cfg["BLOCK_N"]),)](
+        x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
+        EVEN=n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0, WORLD=s.world, MARK=_MARK[s.dtype],
+        num_warps=num_warps, **cfg, **pdl_options(x.device))
+
+
+@linear_all_reduce_add_rmsnorm.register_fake
+def _(residual, x, weight, norm_weight, eps):
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+
+
+@planner("dsc.linear_all_reduce_add_rmsnorm.default")
+def _plan_linear_all_reduce_add_rmsnorm(residual, x, weight, norm_weight, eps, *, arch):
+    """The decode program's (batch 1): the linear's kernel (the GEMV where tuned), then the fused
+    all-reduce + norm; with DSC_ALLREDUCE=gemv_push the same two launches, the GEMV pushing."""
+    from dsc.kernels.linear import _plan_linear
+
+    lin = _plan_linear(x, weight, arch=arch)
+    cfg = {**lin["config"], "norm": norm_config("add_rmsnorm", weight.shape[0], arch)}
+    if lin["name"] == "triton.gemv":
+        cfg["DSC_ALLREDUCE=gemv_push"] = "triton.gemv_push + triton.all_reduce_add_rmsnorm (SENT)"
+    return {"name": f"{lin['name']} + triton.all_reduce_add_rmsnorm", "config": cfg, "launches": lin["launches"] + 1}
 
 
 @torch.library.custom_op("dsc::all_gather", mutates_args=())

@@ -25,18 +25,18 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, tuning_table
+from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, tuning_table
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
 
-def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, PDL: tl.constexpr = False):
-    # y[n] = sum_k x[k] * w[n, k] (+ b[n])            x: [K], w: [N, K], y: [N]
-    if PDL:  # kernels/launch.py: the next kernel's programs may start now
-        tl.extra.cuda.gdc_launch_dependents()
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+@device
+def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               X_ROW: tl.constexpr, PDL: tl.constexpr):
+    # y[n] = sum_k x[k] * w[n, k] for this program's rows offs_n, in fp32 ([BLOCK_N]); with PDL
+    # it waits (gdc_wait) after the first weight tile's load and before any other access.
+    # Shared by the GEMV kernel and the GEMV that pushes its rows to the all-reduce
+    # (kernels/collectives.py)
     rows = offs_n.to(tl.int64) * K
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per-lane partial sums, reduced once
@@ -67,7 +67,17 @@ def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     if PDL:  # K == 0: no K-block waited above
         if K == 0:
             tl.extra.cuda.gdc_wait()
-    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    return tl.sum(acc, axis=1)
+
+
+def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, PDL: tl.constexpr = False):
+    # y[n] = sum_k x[k] * w[n, k] (+ b[n])            x: [K], w: [N, K], y: [N]
+    if PDL:  # kernels/launch.py: the next kernel's programs may start now
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)

@@ -4,6 +4,12 @@ Matches / rewrites (counted under `decode_linears.gemv`):
   aten.linear(x, W[, b]) in the decode program, W a 16-bit weight from the rank file
   -> dsc.linear(x, W, b): F.linear everywhere except on a GPU whose tuning table has a GEMV
   row for W's shape, where a batch-1 step runs the Triton GEMV (kernels/linear.py), bias fused.
+  and under tensor parallelism (counted under `decode_linears.all_reduce`):
+  s, y = dsc.all_reduce_add_rmsnorm(r, dsc.linear(x, W), w, eps), the linear's only user
+  -> s, y = dsc.linear_all_reduce_add_rmsnorm(r, x, W, w, eps): the row-parallel o_proj /
+  down_proj and the fused all-reduce + norm after it; on GPUs with the push all-reduce the
+  GEMV stores its outputs straight into every rank's push buffer (kernels/collectives.py),
+  elsewhere the same two ops.
 Prefill keeps aten.linear (cuBLAS at M = batch x seq); int8 linears are already dsc ops.
 Requires: every pass that matches aten.linear ran (fusions, sharding, quantize_int8).
 Guarantees: same math as F.linear (fp32 accumulation in the GEMV); no other change.
@@ -31,4 +37,13 @@ def decode_linears(model: Model) -> Model:
             continue
         replace_with(n, torch.ops.dsc.linear.default, tuple(n.args))
         model.counters["decode_linears.gemv"] += 1
+    for n in list(graph.nodes):
+        if not is_call(n, torch.ops.dsc.all_reduce_add_rmsnorm.default):
+            continue
+        r, lin, w, eps = n.args
+        if (is_call(lin, torch.ops.dsc.linear.default) and list(lin.users) == [n]
+                and (len(lin.args) == 2 or lin.args[2] is None)):
+            n.target, n.args = torch.ops.dsc.linear_all_reduce_add_rmsnorm.default, (r, lin.args[0], lin.args[1], w, eps)
+            graph.erase_node(lin)
+            model.counters["decode_linears.all_reduce"] += 1
     return model

@@ -45,7 +45,8 @@ def _check_environment() -> None:
         raise UserError(str(e)) from None
 
 
-ALL_REDUCE_OPS = ("dsc.all_reduce.default", "dsc.all_reduce_add_rmsnorm.default")
+ALL_REDUCE_OPS = ("dsc.all_reduce.default", "dsc.all_reduce_add_rmsnorm.default",
+                  "dsc.linear_all_reduce_add_rmsnorm.default")
 
 
 def _all_reduce_nodes(program: dict) -> list[dict]:

@@ -54,9 +54,16 @@ for world in (2, 4, 8):
                              {**common, "MARK": -32768}, num_warps=8)
             compile_for_arch(c._ar_add_rmsnorm_kernel, {k: v for k, v in types.items() if k not in rank1},
                              common, num_warps=8)
+gemv = {"X": "*bf16", "W": "*bf16", "BUFS": "*i64", "N": "i32", "K": "i32", "rank": "i32", "region": "i32"}
+for world in (2, 4):
+    for pdl in (False, True):
+        for rank1 in ({}, {"rank": 1}):
+            compile_for_arch(c._gemv_push_kernel, {k: v for k, v in gemv.items() if k not in rank1},
+                             {"EVEN": True, "BLOCK_N": 2, "BLOCK_K": 128, "X_ROW": False, "WORLD": world,
+                              "MARK": -32768, "PDL": pdl, **rank1}, num_warps=1)
 f32 = {k: ("*fp32" if v == "*bf16" else v) for k, v in push.items()}  # fp32 models: 32-bit marker
 compile_for_arch(c._ar_push_add_rmsnorm_kernel, f32,
                  {"N": 2048, "WORLD": 2, "BLOCK_W": 2, "BLOCK_N": 2048, "MARK": -2**31}, num_warps=8)
-print("collectives: all_reduce_add_rmsnorm (pull and push, PDL on and off) built for 2, 4, 8 ranks, push also for fp32")
+print("collectives: all_reduce_add_rmsnorm (pull and push, PDL on and off) built for 2, 4, 8 ranks, push also for fp32; GEMV push for 2, 4")
 PY
 exit $fail

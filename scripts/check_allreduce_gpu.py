@@ -13,17 +13,24 @@ different rank spins for a while (torch.cuda._sleep) so the ranks run out of ste
 overwrote a buffer (or set a flag) a peer still reads gives a wrong sum. Every sum is compared
 with the exact sum; the fused op's sum + residual must be exact too, and its normalized output
 equal to dsc.add_rmsnorm's of the exact sum within one bf16 rounding. This runs once with the
-push kernel (the default) and once with the pull kernel (DSC_ALLREDUCE=pull). The same run with one
+push kernel (the default) and once with the pull kernel (DSC_ALLREDUCE=pull), then at one row
+with every third call the row-parallel linear + all-reduce + add + RMSNorm
+(dsc.linear_all_reduce_add_rmsnorm under DSC_ALLREDUCE=gemv_push: its GEMV pushes its rows; the
+weight selects x's columns, so the sums stay exact). The same run with one
 buffer for every call (the order the double buffering prevents) is reported too, as a control
 of whether skew exposes reuse.
 
 Timing: graphs of 64 back-to-back all-reduces of [rows, 4096] bf16 (rows 1, 8, 64: decode at
 batch 1/8/64 of a 4096-wide model) and [2048, 4096] (prefill, NCCL only), us per all-reduce:
 one-shot and NCCL alone, and all-reduce + add + RMSNorm as the fused kernels (push, pull), as the one-shot
-all-reduce + the add_rmsnorm kernel, and as NCCL + the add_rmsnorm kernel, in the same process.
+all-reduce + the add_rmsnorm kernel, and as NCCL + the add_rmsnorm kernel, in the same process;
+at one row also the linear before it: the GEMV then the push kernel (the default) against the
+GEMV pushing its rows (DSC_ALLREDUCE=gemv_push), with the tuned config and with more rows per
+program.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -37,6 +44,27 @@ from dsc.kernels import collectives
 from dsc.runtime.distributed import ensure_process_group, shutdown_process_group
 
 HIDDEN = 4096
+
+
+@contextlib.contextmanager
+def allreduce_env(mode):
+    prev = os.environ.get("DSC_ALLREDUCE")
+    os.environ["DSC_ALLREDUCE"] = mode
+    try:
+        yield
+    finally:
+        os.environ.pop("DSC_ALLREDUCE") if prev is None else os.environ.update(DSC_ALLREDUCE=prev)
+
+
+@contextlib.contextmanager
+def gemv_push_config(cfg):
+    """The GEMV push kernel with `cfg` instead of the tuned GEMV config (timing only)."""
+    orig = collectives.gemv_config
+    collectives.gemv_config = lambda n, k, arch, mode=None: dict(cfg)
+    try:
+        yield
+    finally:
+        collectives.gemv_config = orig
 
 
 def graph_of(fn):
@@ -54,23 +82,50 @@ def graph_of(fn):
 EPS = 1e-5
 
 
-def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda k: k % 3 != 0):
+K_LIN = 1024  # the linear calls: x [1, K_LIN] @ SELECT.T, Llama-8B's o_proj shape at tp=4
+
+
+def select_weight(dev):
+    """[HIDDEN, K_LIN] bf16 with w[n, n % K_LIN] = 1, else 0: the linear's output is x[n % K_LIN],
+    exact, so its all-reduce can be checked exactly."""
+    n = torch.arange(HIDDEN, device=dev)
+    w = torch.zeros(HIDDEN, K_LIN, dtype=torch.bfloat16, device=dev)
+    w[n, n % K_LIN] = 1
+    return w
+
+
+class _Every:
+    """A linear weight used at every call (timing), not every third (checking)."""
+
+    def __init__(self, w):
+        self.w = w
+
+
+def linear_call(k, lin_weight):
+    return isinstance(lin_weight, _Every) or (lin_weight is not None and k % 3 == 2)
+
+
+def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda k: k % 3 != 0, lin_weight=None):
     """All-reduce each input in turn, call k fused with add + RMSNorm where fused(k) (and a
-    residual is given); before call k, rank k % world spins `skew` cycles."""
+    residual is given), and with lin_weight every third call the row-parallel linear + all-reduce
+    + add + RMSNorm of x[..., :K_LIN] (the GEMV that pushes its rows); before call k, rank
+    k % world spins `skew` cycles."""
     outs = []
     with collectives.program_scope(len(inputs)):
         for k, x in enumerate(inputs):
             if skew and k % world == rank:
                 torch.cuda._sleep(skew)
-            if residual is not None and fused(k):
+            if residual is not None and fused(k) and linear_call(k, lin_weight):
+                lw = lin_weight.w if isinstance(lin_weight, _Every) else lin_weight
+                outs.append(torch.ops.dsc.linear_all_reduce_add_rmsnorm(residual, x[..., :K_LIN], lw, weight, EPS))
+            elif residual is not None and fused(k):
                 outs.append(torch.ops.dsc.all_reduce_add_rmsnorm(residual, x, weight, EPS))
             else:
                 outs.append(torch.ops.dsc.all_reduce(x))
     return outs
 
 
-def check(rank, world, dev, rounds=100, skew=20000):
-    rows = 8
+def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False):
     sizes = {"graph65": 65, "graph64": 64, "eager3": 3, "eager2": 2}
     salts = {"graph65": 0, "graph64": 1, "eager3": 2, "eager2": 4}
     inputs = {k: [torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device=dev) for _ in range(n)]
@@ -98,7 +153,9 @@ def check(rank, world, dev, rounds=100, skew=20000):
         # y: the two kernels reduce the sum of squares in different orders, so allow one rounding
         return not torch.equal(s, s_ref) or not torch.allclose(y.float(), y_ref.float(), rtol=8e-3, atol=1e-6)
 
-    run = lambda name: program(inputs[name], rank, world, skew, residual, weight)  # noqa: E731
+    lin_weight = select_weight(dev) if linear else None
+    pick = torch.arange(HIDDEN, device=dev) % K_LIN
+    run = lambda name: program(inputs[name], rank, world, skew, residual, weight, lin_weight=lin_weight)  # noqa: E731
     fill(0)
     g65, o65 = graph_of(lambda: run("graph65"))
     g64, o64 = graph_of(lambda: run("graph64"))
@@ -112,17 +169,23 @@ def check(rank, world, dev, rounds=100, skew=20000):
         torch.cuda.synchronize()
         for name, outs in (("graph65", o65), ("eager3", e3), ("graph64", o64), ("eager2", e2)):
             for k, o in enumerate(outs):
-                bad += int(wrong(o, want(name, k, r)))
+                w = want(name, k, r)
+                bad += int(wrong(o, w[:, pick] if linear_call(k, lin_weight) else w))
     return bad, rounds * sum(sizes.values())
 
 
-def time_graph(rows, n=64, iters=50, norm=False):
+def time_graph(rows, n=64, iters=50, norm=False, linear=False):
     """us per call of a graph of n calls: all-reduces, or with norm all-reduce + add + RMSNorm
-    (fused where the fused path is on, else the all-reduce and the add_rmsnorm kernel)."""
+    (fused where the fused path is on, else the all-reduce and the add_rmsnorm kernel); with
+    linear each call is the row-parallel linear ([1, K_LIN] x [HIDDEN, K_LIN]) + all-reduce + add
+    + RMSNorm (the GEMV pushing its rows under DSC_ALLREDUCE=auto, GEMV then push kernel under
+    =push)."""
     xs = [torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) for _ in range(n)]
     res = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) if norm else None
     w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
-    g, _ = graph_of(lambda: program(xs, 0, 1, 0, res, w, fused=lambda k: True))
+    lw = (torch.randn(HIDDEN, K_LIN, device="cuda") / K_LIN ** 0.5).to(torch.bfloat16) if linear else None
+    g, _ = graph_of(lambda: program(xs, 0, 1, 0, res, w, fused=lambda k: True,
+                                    lin_weight=None if lw is None else _Every(lw)))
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -148,6 +211,12 @@ def main():
             symm.fused = kernel
             bad, total = check(rank, world, dev)
             res[f"check_{kernel or 'one_shot'}"] = {"wrong": bad, "all_reduces": total}
+        if kernels:  # one row, every third call the linear whose GEMV pushes its rows
+            symm.fused = "push"
+            with allreduce_env("gemv_push"):
+                bad, total = check(rank, world, dev, rows=1, linear=True)
+            res["check_gemv_push"] = {"wrong": bad, "all_reduces": total,
+                                      "gemv_push_error": collectives._gemv_push_error}
         # control: one buffer for every call, plain all-reduces only (the fused kernels would
         # hang on a reused buffer or flag, not give a wrong sum)
         slot = collectives._Symmetric.slot
@@ -166,6 +235,16 @@ def main():
             for kernel in kernels:
                 symm.fused = kernel
                 row[f"fused_{kernel}_norm_us"] = time_graph(rows, norm=True)
+            if kernels and rows == 1:  # + the row-parallel linear before it
+                symm.fused = "push"
+                row["gemv_then_push_norm_us"] = time_graph(rows, norm=True, linear=True)
+                with allreduce_env("gemv_push"):
+                    row["gemv_push_norm_us"] = time_graph(rows, norm=True, linear=True)
+                    # more rows per program: fewer, larger stores to the peers
+                    for bn, warps in ((4, 1), (8, 1), (8, 2), (16, 4)):
+                        cfg = {"BLOCK_N": bn, "BLOCK_K": 128, "num_warps": warps}
+                        with gemv_push_config(cfg):
+                            row[f"gemv_push_norm_us_bn{bn}_w{warps}"] = time_graph(rows, norm=True, linear=True)
         collectives._symm = None
         row["nccl_us"] = time_graph(rows)
         row["nccl_then_norm_us"] = time_graph(rows, norm=True)

@@ -8,8 +8,9 @@
 # 2. greedy tokens of every tp against tp=1 (torchrun + NCCL, decode steps replayed from CUDA
 #    graphs with the all-reduces captured), tp=4 also with DSC_ALLREDUCE=nccl (NO_GEN=1 skips);
 # 3. `dsc bench` per artifact: batch-1 ms/token, batch-64 tokens/s, per-rank GPU memory; tp=2/4
-#    four times (bf16): the default (fused all-reduce + RMSNorm, push kernel, and the one-shot
-#    all-reduce), DSC_ALLREDUCE=pull (the pull kernel), DSC_ALLREDUCE=one_shot (no fused kernel)
+#    five times (bf16): the default (fused all-reduce + RMSNorm, push kernel, and the one-shot
+#    all-reduce), DSC_ALLREDUCE=gemv_push (the row-parallel GEMV pushes its rows itself),
+#    DSC_ALLREDUCE=pull (the pull kernel), DSC_ALLREDUCE=one_shot (no fused kernel)
 #    and DSC_ALLREDUCE=nccl, in the same run; the
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
 #    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off.
@@ -56,6 +57,11 @@ if os.path.exists(sys.argv[1]):
     print(" path", r["path"], "checks", {k: v for k, v in r.items() if k.startswith("check_")},
           "wrong per rank", r.get("wrong_per_rank"), "one-buffer control", r.get("control_one_buffer_wrong"))
     nan = float("nan")
+    t1 = r["timing_bf16_x4096"].get("1", {})
+    if "gemv_push_norm_us" in t1:
+        print(f"  [1, 1024] x [4096, 1024]^T + all-reduce + add + RMSNorm: GEMV then push kernel "
+              f"{t1['gemv_then_push_norm_us']:.2f} us, GEMV pushing its rows {t1['gemv_push_norm_us']:.2f} us; "
+              + ", ".join(f"{k[18:]} {v:.2f}" for k, v in t1.items() if k.startswith("gemv_push_norm_us_")))
     for rows, t in r["timing_bf16_x4096"].items():
         print(f"  [{rows}, 4096] bf16: one-shot {t.get('one_shot_us', nan):.2f} us, nccl {t['nccl_us']:.2f} us; "
               f"+ add + RMSNorm: fused push {t.get('fused_push_norm_us', nan):.2f}, pull "
@@ -112,6 +118,7 @@ if [ -z "${NO_BENCH:-}" ]; then
     if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A" "$A"; else bench "$A" "$A"; fi
     [ -n "${PDL_AB:-}" ] && bench "$A-nopdl" "$A" DSC_PDL=off
     if [[ $A != tp1* && $A != *int8 ]]; then
+      [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-gemvpush" "$A" DSC_ALLREDUCE=gemv_push
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-pull" "$A" DSC_ALLREDUCE=pull
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-oneshot" "$A" DSC_ALLREDUCE=one_shot
       [ -n "${NO_NCCL_BENCH:-}${NO_MODE_BENCH:-}" ] || bench "$A-nccl" "$A" DSC_ALLREDUCE=nccl
@@ -127,7 +134,8 @@ rows = {}
 for f in sorted(os.listdir(out)):
     if f.startswith("bench-") and f.endswith(".json"):
         rows[f[6:-5]] = json.load(open(os.path.join(out, f)))
-order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "nopdl" in t, "pull" in t, "oneshot" in t, "nccl" in t))
+order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "nopdl" in t, "gemvpush" in t, "pull" in t, "oneshot" in t,
+                                   "nccl" in t))
 print(f"{'artifact':>14} {'all-reduce':>18} {'pdl':>4} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
 for tag in order:
     r = rows[tag]

@@ -89,8 +89,51 @@ def _pull(world: int, rank: int, dtype: torch.dtype) -> dict:
             "own_row_in_own_buffer": torch.equal(bufs[rank][: ROWS * N].view(ROWS, N), xs[rank])}
 
 
+def _gemv_push(world: int, rank: int, dtype: torch.dtype) -> dict:
+    """The row-parallel linear + all-reduce + norm at one row: this rank's GEMV pushes x @ W.T
+    into every rank's buffer, then the push kernel (SENT) waits, sums and normalizes."""
+    numel, bits, mark, k = CAP * N, C._BITS[dtype], C._MARK[dtype], 37
+    g = torch.Generator().manual_seed(100 + world * 10 + rank)
+    xs = [torch.randn(1, N, generator=g).to(dtype) for _ in range(world)]  # every rank's linear output
+    x_in = torch.randn(1, k, generator=g).to(dtype)
+    wl = (torch.randn(N, k, generator=g) / k ** 0.5).to(dtype)
+    wl[:3] = 0  # outputs 0..2: +0.0; output 3: -1e-8 in fp32, -0.0 once rounded to fp16 (sent as +0.0)
+    wl[3] = 0
+    wl[3, 0] = -1e-4
+    x_in[0, 0] = 1e-4
+    mine = torch.nn.functional.linear(x_in.float(), wl.float()).to(dtype)  # this rank's, as the GEMV rounds it
+    xs[rank] = mine
+    res = torch.randn(1, N, generator=g).to(dtype)
+    w = torch.randn(N, generator=g).to(dtype)
+    total = sum(x.float() for x in xs)
+    want_s, want_y = add_rmsnorm_reference(total.to(dtype), res, w, EPS)
+    bufs = [torch.empty(world * numel, dtype=dtype) for _ in range(world)]
+    for b in bufs:
+        b.view(bits).fill_(mark)
+    for q in range(world):
+        if q != rank:
+            bufs[rank][q * numel: q * numel + N] = xs[q].flatten()
+    slot = 2
+    ptrs = torch.zeros(3, world, dtype=torch.int64)
+    ptrs[slot] = torch.tensor([b.data_ptr() for b in bufs])
+    s = types.SimpleNamespace(world=world, rank=rank, numel=numel, rows=CAP, dtype=dtype, push_ptrs=ptrs)
+    C._launch_gemv_push(s, slot, x_in, wl, {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 1})
+    delivered = [bufs[q][rank * numel: rank * numel + N].clone() for q in range(world)]
+    got_s, got_y = C._launch_fused(s, "push", slot, res, res, w, EPS, sent=True)
+    sent = mine.masked_fill(mine == 0, 0.0).flatten()
+    return {"sum_err": float((got_s.float() - want_s.float()).abs().max()),
+            "norm_err": float((got_y.float() - want_y.float()).abs().max()),
+            "delivered_close": all(torch.allclose(d.float(), sent.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                                                  atol=1e-3 if dtype != torch.float32 else 1e-6)
+                                   for q, d in enumerate(delivered) if q != rank),
+            "no_negative_zero_sent": all(not bool((d.view(bits) == mark).any()) for q, d in enumerate(delivered)
+                                         if q != rank),
+            "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all())}
+
+
 def run_interpreted(out: str) -> None:
-    res = {f"{k}-{name}-{d}": fn(world, rank, dt) for k, fn in (("push", _push), ("pull", _pull))
+    res = {f"{k}-{name}-{d}": fn(world, rank, dt) for k, fn in (("push", _push), ("pull", _pull),
+                                                              ("gemv_push", _gemv_push))
            for name, (world, rank) in CASES.items() for d, dt in DTYPES.items()}
     Path(out).write_text(json.dumps(res, indent=1))
 
@@ -115,6 +158,14 @@ def run_aot(out: str) -> None:
                 # residual and every buffer belong to kernels that may still run
                 res[f"{name}-w{world}{'-pdl' if pdl else ''}"] = {
                     "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"}))}
+            # the GEMV that pushes its rows, at the tuned sm_90 config of Llama-8B's o_proj at
+            # tp=4 ([4096, 1024]): only its first weight tile loads before the wait
+            k = compile_for_arch(C._gemv_push_kernel, {"X": "*bf16", "W": "*bf16", "BUFS": "*i64", "N": "i32",
+                                                       "K": "i32", "rank": "i32", "region": "i32"},
+                                 {"EVEN": True, "BLOCK_N": 2, "BLOCK_K": 128, "X_ROW": False, "WORLD": world,
+                                  "MARK": -32768, "PDL": pdl}, num_warps=1, aligned=("X", "W", "N", "K"))
+            res[f"gemv_push-w{world}{'-pdl' if pdl else ''}"] = {
+                "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"}))}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -137,8 +188,19 @@ def test_pull_kernel_sums_signals_and_clears(case, dtype, interpreted):
     assert r["signalled_peers"] and r["own_flags_cleared"] and r["own_row_in_own_buffer"], r
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_push_then_push_kernel_sums_and_resets(case, dtype, interpreted):
+    """The linear's GEMV delivers its rows into every peer's buffer (zeros as +0.0: the marker
+    never goes out), and the push kernel with SENT sums, normalizes and resets the buffer."""
+    r = interpreted[f"gemv_push-{case}-{dtype}"]
+    tol = 1e-5 if dtype == "fp32" else 2e-3
+    assert r["sum_err"] <= tol and r["norm_err"] < tol, r
+    assert r["delivered_close"] and r["no_negative_zero_sent"] and r["own_buffer_reset"], r
+
+
 def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
-    assert len(compiled) == 8 and sum(k.endswith("-pdl") for k in compiled) == 4, list(compiled)
+    assert len(compiled) == 12 and sum(k.endswith("-pdl") for k in compiled) == 6, list(compiled)
     bad = {k: v for k, v in compiled.items() if not v["ok"] or v["pdl"] != "ok"}
     assert not bad, bad
 
