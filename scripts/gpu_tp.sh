@@ -6,10 +6,12 @@
 #    while scripts/check_allreduce_gpu.py checks and times the one-shot all-reduce on 2 and 4 GPUs
 #    (NO_AR_CHECK=1 skips it);
 # 2. greedy tokens of every tp against tp=1 (torchrun + NCCL, decode steps replayed from CUDA
-#    graphs with the all-reduces captured), tp=4 also with DSC_ALLREDUCE=nccl (NO_GEN=1 skips);
+#    graphs with the all-reduces captured), tp=4 also with DSC_ALLREDUCE=nccl (NO_GEN=1 skips;
+#    GEN_MODES="push pull": every tp > 1 artifact again under those modes, against the default);
 # 3. `dsc bench` per artifact: batch-1 ms/token, batch-64 tokens/s, per-rank GPU memory; tp=2/4
-#    five times (bf16): the default (fused all-reduce + RMSNorm, push kernel, and the one-shot
-#    all-reduce), DSC_ALLREDUCE=gemv_push (the row-parallel GEMV pushes its rows itself),
+#    five times (bf16): the default (the row-parallel GEMVs push their rows, the fused
+#    all-reduce + RMSNorm push kernel, the one-shot all-reduce), DSC_ALLREDUCE=push (the GEMV,
+#    then the push kernel),
 #    DSC_ALLREDUCE=pull (the pull kernel), DSC_ALLREDUCE=one_shot (no fused kernel)
 #    and DSC_ALLREDUCE=nccl, in the same run; the
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
@@ -97,12 +99,16 @@ PY
 if [ -z "${NO_GEN:-}" ]; then
   for A in $ARTS; do gen "$A" "$A"; done
   [[ " $ARTS " == *" tp4 "* ]] && gen tp4-nccl tp4 DSC_ALLREDUCE=nccl
+  for M in ${GEN_MODES:-}; do  # e.g. GEN_MODES=push: the same artifacts under DSC_ALLREDUCE=push
+    for A in $ARTS; do [[ $A == tp1* ]] || gen "$A-$M" "$A" DSC_ALLREDUCE=$M; done
+  done
   echo "generate done: $((SECONDS - T0)) s"
   for A in $ARTS; do
     BASE=tp1; [[ $A == *int8 ]] && BASE=tp1-int8
     [ "$A" != "$BASE" ] && same "$BASE" "$A"
   done
   [[ " $ARTS " == *" tp4 "* ]] && same tp4-nccl tp4
+  for M in ${GEN_MODES:-}; do for A in $ARTS; do [[ $A == tp1* ]] || same "$A" "$A-$M"; done; done
   [[ " $ARTS " == *" tp1-int8 "* ]] && same tp1 tp1-int8
   grep -h "one-shot\|fused\|unavailable" "$OUT"/generate-*.log | sort | uniq -c | head -5
   pack
@@ -118,7 +124,7 @@ if [ -z "${NO_BENCH:-}" ]; then
     if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A" "$A"; else bench "$A" "$A"; fi
     [ -n "${PDL_AB:-}" ] && bench "$A-nopdl" "$A" DSC_PDL=off
     if [[ $A != tp1* && $A != *int8 ]]; then
-      [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-gemvpush" "$A" DSC_ALLREDUCE=gemv_push
+      [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-push" "$A" DSC_ALLREDUCE=push
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-pull" "$A" DSC_ALLREDUCE=pull
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-oneshot" "$A" DSC_ALLREDUCE=one_shot
       [ -n "${NO_NCCL_BENCH:-}${NO_MODE_BENCH:-}" ] || bench "$A-nccl" "$A" DSC_ALLREDUCE=nccl
@@ -134,7 +140,7 @@ rows = {}
 for f in sorted(os.listdir(out)):
     if f.startswith("bench-") and f.endswith(".json"):
         rows[f[6:-5]] = json.load(open(os.path.join(out, f)))
-order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "nopdl" in t, "gemvpush" in t, "pull" in t, "oneshot" in t,
+order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "nopdl" in t, "push" in t, "pull" in t, "oneshot" in t,
                                    "nccl" in t))
 print(f"{'artifact':>14} {'all-reduce':>18} {'pdl':>4} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
 for tag in order:
