@@ -30,7 +30,10 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   pipelined loop, see the kernel); no program reads cache slots >= cache_pos, so there is no
   race.  Programs run sequence by sequence, the longest (last) row tiles first; full key tiles
   load unmasked and skip the mask math; the softmax works in base 2 with the scale in one FMA
-  and divides by the row sum once, at the end.
+  and divides by the row sum once, at the end.  A variant for Hopper, off by default (launch
+  config keys `TMA`, `DEFER_PV`; PREFILL_VARIANTS below), changes only the loops over those full
+  tiles: TMA copies instead of per-thread loads, and each tile's p @ v issued after the next
+  tile's QK^T, so that it runs on the tensor cores during that tile's softmax.
 - decode (S == 1), `_decode_kernel`: flash-decoding in one launch.  One program
   per (sequence, kv head, split of the cache); the group's query heads are the rows of one tile
   (padded to 16 for tl.dot).  The number of splits comes from shapes only (B, Hkv, Smax, SM
@@ -118,6 +121,23 @@ DECODE_CONFIGS = {
     ("sm_90", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("default", 128): dict(BLOCK_N=64, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("default", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
+}
+# The prefill variant (`TMA`, `DEFER_PV`: see `_attend_full_tiles`) stays off in the rows above
+# until a GPU run finds it correct and faster; these are its candidate rows, likeliest first.
+# scripts/bench_attention.py --sweep times them next to the default, scripts/check_attention_gpu.py
+# checks each one, tests/test_attention_kernels.py builds them for sm_90 (no register spills, no
+# serialized wgmma).  To switch one on: make it the PREFILL_CONFIGS row, or for the first one add
+# {"TMA": true, "DEFER_PV": true} as kernels/tuning.json "sm_90" / "attention_prefill" / "D128".
+# DEFER_PV without TMA is legal but ptxas serializes that build's wgmmas (no candidate has it).
+PREFILL_VARIANTS = {
+    ("sm_90", 128): [
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, DEFER_PV=True),  # the default's tiles
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),  # 2 programs per SM
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, TMA=True, DEFER_PV=True),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, TMA=True, DEFER_PV=True),
+    ],
+    ("sm_90", 64): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, DEFER_PV=True)],  # 4 warps spill
 }
 MAX_SPLITS = 64  # splits per (sequence, kv head): bounds the partials the last split combines
 SM_COUNT = {"sm_90": 132, "default": 4}  # for planning; at run time the device says (H100/H200: 132)
@@ -254,6 +274,75 @@ def _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v
 
 
 @_jit_on_first_use
+def _full_tile(ptrs, desc, b, kvh, j0, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               TMA: tl.constexpr):
+    # keys (or values) j0 .. j0 + BLOCK_N - 1 of sequence b, kv head kvh, all in range -> [BLOCK_N, BLOCK_D].
+    # TMA: one bulk copy through the [B, Hkv, S, D] descriptor (columns >= HEAD_DIM read 0; no
+    # per-thread addresses, so fewer registers and issue slots); else ptrs: [BLOCK_N, BLOCK_D]
+    if TMA:
+        return desc.load([b.to(tl.int32), kvh, j0, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        return _load_rows(ptrs, None, offs_d, HEAD_DIM, BLOCK_D, False)
+
+
+@_jit_on_first_use
+def _softmax_unmasked(qk, m_i, l_i, qk_scale):
+    """`_attend_tile`'s softmax on an unmasked tile, split from its p @ v: (p, m, l, alpha); the
+    caller rescales acc by alpha as the p @ v's accumulator input (in the dot's layout)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + tl.sum(p, 1), alpha
+
+
+@_jit_on_first_use
+def _attend_full_tiles(acc, m_i, l_i, q, k_rows, v_rows, sk, sv, k_desc, v_desc, b, kvh, lo, hi, offs_n, offs_d,
+                       qk_scale, via_ty, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       TMA: tl.constexpr, DEFER_PV: tl.constexpr):
+    """Attend to the keys [lo, hi) of one (sequence, kv head), whole tiles (hi - lo a multiple of
+    BLOCK_N) that every row sees: no masks.  k_rows / v_rows: row 0 (row j at + j * sk / sv), or
+    k_desc / v_desc with TMA; k/v are rounded through via_ty (the cache dtype) like `_attend_new`.
+    DEFER_PV: the p @ v of tile t is issued after the QK^T of tile t + 1 has completed, so the
+    tensor cores run it while this warpgroup computes tile t + 1's softmax (exp2 and the row
+    max / sum).  In the plain loop the p @ v only overlaps the next tile's loads, and every
+    softmax runs with this warpgroup's tensor-core work finished.  Triton keeps that wgmma in
+    flight because its result is only carried to the next iteration and read there after the
+    QK^T's wait; p and alpha are carried in fp32 so that no register an in-flight wgmma reads
+    or writes is copied at the loop's back edge (ptxas serializes every wgmma if one is: the
+    reason QK^T of tile t + 1 is not the dot issued ahead instead)."""
+    if DEFER_PV:
+        if lo < hi:
+            k = _full_tile(k_rows + (lo + offs_n)[:, None] * sk + offs_d[None, :], k_desc, b, kvh, lo, offs_d,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+            qk = tl.dot(q, tl.trans(k.to(via_ty).to(q.dtype)))  # [M, N]: scores of tile lo
+            p, m_i, l_i, alpha = _softmax_unmasked(qk, m_i, l_i, qk_scale)
+            for j0 in range(lo + BLOCK_N, hi, BLOCK_N):
+                # here p, alpha: probabilities and rescale of tile j0 - BLOCK_N, not yet in acc
+                k = _full_tile(k_rows + (j0 + offs_n)[:, None] * sk + offs_d[None, :], k_desc, b, kvh, j0, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+                qk = tl.dot(q, tl.trans(k.to(via_ty).to(q.dtype)))
+                jv = j0 - BLOCK_N
+                v = _full_tile(v_rows + (jv + offs_n)[:, None] * sv + offs_d[None, :], v_desc, b, kvh, jv, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+                acc = tl.dot(p.to(q.dtype), v.to(via_ty).to(q.dtype), acc * alpha[:, None])  # in flight during:
+                p, m_i, l_i, alpha = _softmax_unmasked(qk, m_i, l_i, qk_scale)
+            last = hi - BLOCK_N
+            v = _full_tile(v_rows + (last + offs_n)[:, None] * sv + offs_d[None, :], v_desc, b, kvh, last, offs_d,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+            acc = tl.dot(p.to(q.dtype), v.to(via_ty).to(q.dtype), acc * alpha[:, None])
+    else:
+        for j0 in range(lo, hi, BLOCK_N):
+            offs_j = j0 + offs_n
+            k = _full_tile(k_rows + offs_j[:, None] * sk + offs_d[None, :], k_desc, b, kvh, j0, offs_d,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+            v = _full_tile(v_rows + offs_j[:, None] * sv + offs_d[None, :], v_desc, b, kvh, j0, offs_d,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(via_ty).to(q.dtype), v.to(via_ty).to(q.dtype), None,
+                                         qk_scale, False)
+    return acc, m_i, l_i
+
+
+@_jit_on_first_use
 def _prefill_kernel(
     Q, K, V, KC, VC, POS, OUT, qk_scale,
     sq_b, sq_h, sq_s,  # q [B, H, S, D]; the last stride of every tensor is 1
@@ -263,8 +352,10 @@ def _prefill_kernel(
     svc_b, svc_h, svc_s,
     so_b, so_s, so_h,  # out [B, S, H, D]
     Hkv, S, Smax, window,
+    KD, VD, KCD, VCD,  # TMA: descriptors of k, v, k_cache, v_cache (blocks [1, 1, BLOCK_N, BLOCK_D]); else None
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
+    TMA: tl.constexpr = False, DEFER_PV: tl.constexpr = False,
 ):
     # one program per (sequence b, row tile pid_m, kv head kvh), launched sequence by sequence,
     # and within a sequence the longest (causal: last) row tiles first, every kv head's at once:
@@ -344,10 +435,15 @@ def _prefill_kernel(
         # phase 1: the cached prefix, positions [0, n_old), visible to every row; full tiles
         # unmasked, then the partial last tile, if any
         n_old_full = (n_old // BLOCK_N) * BLOCK_N
-        for j0 in range(0, n_old_full, BLOCK_N):
-            offs_j = j0 + offs_n
-            acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, None, offs_d,
-                                           None, qk_scale, HEAD_DIM, BLOCK_D, False)
+        if TMA or DEFER_PV:  # the variant (see `_attend_full_tiles`); the loop below is the GPU-verified default
+            acc, m_i, l_i = _attend_full_tiles(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, KCD, VCD, b, kvh, 0,
+                                               n_old_full, offs_n, offs_d, qk_scale, cache_ty, HEAD_DIM, BLOCK_D,
+                                               BLOCK_N, TMA, DEFER_PV)
+        else:
+            for j0 in range(0, n_old_full, BLOCK_N):
+                offs_j = j0 + offs_n
+                acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, None, offs_d,
+                                               None, qk_scale, HEAD_DIM, BLOCK_D, False)
         for j0 in range(n_old_full, n_old, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < n_old
@@ -362,10 +458,15 @@ def _prefill_kernel(
         # cdiv(BLOCK_M, G) + BLOCK_N - 1 keys: 2 tiles when cdiv(BLOCK_M, G) <= BLOCK_N, else
         # the write took its own loop above
         free = (tl.minimum(j_lo, hi) // BLOCK_N) * BLOCK_N
-        for j0 in range(0, free, BLOCK_N):
-            offs_j = j0 + offs_n
-            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, None, offs_d,
-                                        None, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, False)
+        if TMA or DEFER_PV:
+            acc, m_i, l_i = _attend_full_tiles(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, KD, VD, b, kvh, 0, free,
+                                               offs_n, offs_d, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, BLOCK_N, TMA,
+                                               DEFER_PV)
+        else:
+            for j0 in range(0, free, BLOCK_N):
+                offs_j = j0 + offs_n
+                acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, None, offs_d,
+                                            None, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, False)
         for j0 in range(free, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
@@ -525,6 +626,12 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
     cfg = config or attention_config("prefill", D, arch_of(q.device))
     out = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device) if out is None else out
     grid = (_cdiv(S * G, cfg["BLOCK_M"]) * B * Hkv,)  # the kernel orders (sequence, row tile, kv head)
+    BLOCK_D = max(16, next_power_of_2(D))
+    # the variant's keys (kernel `_attend_full_tiles`) matter only in the unwindowed loops: a
+    # windowed call runs the default code, whatever the config says
+    defer_pv = bool(cfg.get("DEFER_PV", False)) and not window
+    descs = _kv_descriptors(k, v, k_cache, v_cache, cfg["BLOCK_N"], BLOCK_D) \
+        if cfg.get("TMA", False) and not window else None
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, cache_pos, out, scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),
@@ -534,11 +641,25 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         Hkv, S, Smax, window,
-        G=G, HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], WINDOWED=window > 0,
+        *(descs or (None,) * 4),
+        G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], WINDOWED=window > 0, TMA=descs is not None, DEFER_PV=defer_pv,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
+
+
+def _kv_descriptors(k, v, k_cache, v_cache, block_n: int, block_d: int):
+    """Host-side TMA descriptors of k, v, k_cache, v_cache (each [B or Bmax, Hkv, S or Smax, D];
+    blocks [1, 1, block_n, block_d], columns past D read 0), or None where TMA cannot address one
+    of them (a base not 16-byte aligned, or a stride that is not a multiple of 16 bytes): the
+    kernel then loads those tiles through pointers, as by default."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    ts = (k, v, k_cache, v_cache)
+    if any(t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]) for t in ts):
+        return None
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d]) for t in ts]
 
 
 def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, out=None, config=None,

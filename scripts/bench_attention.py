@@ -18,6 +18,9 @@ Shapes: Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), bf16.
   what the shape-only (CUDA-graph-safe) grid costs when sequences are short.
 Times: triton.testing.do_bench medians (L2 flushed before every run). --sweep tries the
 candidate launch configs and prints the best, as rows for PREFILL_CONFIGS / DECODE_CONFIGS.
+The prefill table also times the first candidate row of the prefill variant (kernels/attention.py
+PREFILL_VARIANTS: TMA tile loads, deferred p @ v; off by default), and --sweep times all of its
+rows right after the default's, then prints each against the default at the same shapes.
 Writes $OUT/bench_attention.json when OUT is set. Self-contained: loads kernels/attention.py
 by path.
 """
@@ -104,9 +107,18 @@ def sdpa_backend(backend):
     return sdpa_kernel(getattr(SDPBackend, backend))
 
 
-def bench_prefill(B, S, config=None, baselines=True, rep=100):
+def variant_configs():
+    """The prefill variant's candidate rows at this head_dim (the smoke test: the table's row with
+    the variant's keys, as the first sm_90 candidate is)."""
+    if SMOKE:
+        return [dict(A.attention_config("prefill", D, "default"), TMA=True, DEFER_PV=True)]
+    return A.PREFILL_VARIANTS.get(("sm_90", D), [])
+
+
+def bench_prefill(B, S, config=None, baselines=True, rep=100, label="table"):
     q, k, v, kc, vc, pos = prefill_inputs(B, S)
-    row = dict(kind="prefill", B=B, S=S, config=config or A.attention_config("prefill", D, A.arch_of(q.device)))
+    row = dict(kind="prefill", B=B, S=S, label=label,
+               config=config or A.attention_config("prefill", D, A.arch_of(q.device)))
     row["dsc_ms"] = try_ms(lambda: A.prefill_attention(q, k, v, kc, vc, pos, D**-0.5, config=config), rep)
     if baselines and not SMOKE:
         kx, vx = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)  # [B, H, S, D]
@@ -176,12 +188,13 @@ def print_prefill(rows):
     goal = PREFILL_TARGET * PEAK_TFLOPS
     print(f"\nprefill (cache_pos 0), {str(DTYPE)[6:]}, H={H} Hkv={HKV} D={D}; % of {PEAK_TFLOPS:.0f} TFLOP/s, "
           f"target >= {100 * PREFILL_TARGET:.0f}% ({goal:.0f} TFLOP/s)")
-    print(f"{'B':>3} {'S':>6} | {'dsc ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'target':>6} | {'flash ms':>8} {'TFLOP/s':>8} | "
-          f"{'cudnn ms':>8} {'TFLOP/s':>8}")
+    print(f"{'B':>3} {'S':>6} {'config':>8} | {'dsc ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'target':>6} | "
+          f"{'flash ms':>8} {'TFLOP/s':>8} | {'cudnn ms':>8} {'TFLOP/s':>8}")
     for r in rows:
         pct = None if r["dsc_tflops"] is None else 100 * r["dsc_tflops"] / PEAK_TFLOPS
         met = "-" if pct is None else ("met" if r["dsc_tflops"] >= goal else "MISSED")
-        print(f"{r['B']:>3} {r['S']:>6} | {fmt(r['dsc_ms'], '8.4f')} {fmt(r['dsc_tflops'], '8.1f')} {fmt(pct, '5.1f')}% "
+        print(f"{r['B']:>3} {r['S']:>6} {r.get('label', 'table'):>8} | {fmt(r['dsc_ms'], '8.4f')} "
+              f"{fmt(r['dsc_tflops'], '8.1f')} {fmt(pct, '5.1f')}% "
               f"{met:>6} | "
               f"{fmt(r.get('sdpa_flash_ms'), '8.4f')} {fmt(r.get('sdpa_flash_tflops'), '8.1f')} | "
               f"{fmt(r.get('sdpa_cudnn_ms'), '8.4f')} {fmt(r.get('sdpa_cudnn_tflops'), '8.1f')}")
@@ -209,10 +222,33 @@ PREFILL_FIRST = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages): tried first, in 
 
 def prefill_candidates():
     """Prefill launch configs, likeliest first: 8 warps (two warpgroups) need BLOCK_M >= 128;
-    stages x (K + V) tiles must fit 227 KB of shared memory (BLOCK_N 128 stops at 3 stages)."""
+    stages x (K + V) tiles must fit 227 KB of shared memory (BLOCK_N 128 stops at 3 stages).
+    The prefill variant's rows come right after the default's tiles, so that even a short time
+    budget measures them side by side."""
     rest = [c for c in itertools.product((128, 64), (64, 128, 32), (8, 4), (3, 2, 4))
             if not (c[0] == 64 and c[2] == 8) and not (c[1] == 128 and c[3] == 4) and c not in PREFILL_FIRST]
-    return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in PREFILL_FIRST + rest]
+    plain = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in PREFILL_FIRST + rest]
+    return plain[:1] + variant_configs() + plain[1:]
+
+
+def compare_variants(prefill_rows):
+    """Each variant row's TFLOP/s against the default's tiles (the sweep's first row), per shape."""
+    base = next((r for r in prefill_rows if not r["config"].get("TMA") and not r["config"].get("DEFER_PV")
+                 and {k: r["config"][k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+                 == {k: A.attention_config("prefill", D, "sm_90")[k]
+                     for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}), None)
+    variants = [r for r in prefill_rows if r["config"].get("TMA") or r["config"].get("DEFER_PV")]
+    if base is None or not variants:
+        return []
+    print(f"prefill variant vs the default row {base['config']} (TFLOP/s at B, S):")
+    out = []
+    for r in variants:
+        gains = [(v["B"], v["S"], v["dsc_tflops"], d["dsc_tflops"]) for v, d in zip(r["rows"], base["rows"])]
+        print(f"  {r['config']}: " + ", ".join(f"B{b} S{s} {x:.1f} vs {y:.1f} ({100 * (x / y - 1):+.1f}%)"
+                                              for b, s, x, y in gains))
+        out.append(dict(config=r["config"], rows=[dict(B=b, S=s, variant_tflops=x, default_tflops=y)
+                                                  for b, s, x, y in gains]))
+    return out
 
 
 def sweep(deadline):
@@ -254,9 +290,11 @@ def sweep(deadline):
                 break
             if (ppsm, min_split) != (2, 256):
                 try_decode(dict(best_tile, PROGRAMS_PER_SM=ppsm, MIN_SPLIT=min_split))
+    variant_vs_default = compare_variants(prefill_rows)
     best_p = max(prefill_rows, key=lambda r: r["score_tflops"], default=None)
     best_d = max(decode_rows, key=lambda r: r["score_tbs"], default=None)
-    return dict(prefill=prefill_rows, decode=decode_rows, best_prefill=best_p, best_decode=best_d)
+    return dict(prefill=prefill_rows, decode=decode_rows, best_prefill=best_p, best_decode=best_d,
+                prefill_variant_vs_default=variant_vs_default)
 
 
 def main():
@@ -272,6 +310,8 @@ def main():
         decode_shapes = [(B, ctx, None) for ctx in (1024, 2048, 4096, 8192) for B in (1, 8, 32, 64)]
         decode_shapes += [(B, ctx, 8192) for B in (8, 32) for ctx in (1024, 2048)]
     prefill = [bench_prefill(B, S) for B, S in prefill_shapes]
+    prefill += [bench_prefill(B, S, cfg, baselines=False, label="variant")
+                for cfg in variant_configs()[:1] for B, S in prefill_shapes]
     print_prefill(prefill)
     decode = [bench_decode(B, ctx, Smax) for B, ctx, Smax in decode_shapes]
     print_decode(decode)
@@ -284,6 +324,8 @@ def main():
         if s["best_prefill"]:
             print(f"best prefill config (geomean over B=1,8 at S=2048: {s['best_prefill']['score_tflops']:.1f} TFLOP/s):"
                   f"\n    ('sm_90', {D}): {s['best_prefill']['config']},")
+            if s["best_prefill"]["config"].get("TMA") or s["best_prefill"]["config"].get("DEFER_PV"):
+                print("    (a prefill variant row: switch it on only once scripts/check_attention_gpu.py passes at it)")
         if s["best_decode"]:
             print(f"best decode config (geomean {s['best_decode']['score_tbs']:.2f} TB/s):"
                   f"\n    ('sm_90', {D}): {s['best_decode']['config']},")

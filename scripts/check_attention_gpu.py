@@ -11,7 +11,9 @@ must not read (NaN), runs the kernel, and checks
   - the cache: the new tokens' k/v written exactly where the reference writes them, and
     nothing else touched (the poison is still there).
 Also: the `dsc::attention` op dispatches to the kernels on CUDA, and a decode step captured
-in a CUDA graph gives the right answer when replayed with new cache positions.
+in a CUDA graph gives the right answer when replayed with new cache positions.  The prefill
+variant (kernels/attention.py PREFILL_VARIANTS, off by default) is checked at each of its
+candidate rows on the default's prefill cases; the summary counts failures per launch config.
 Self-contained: loads kernels/attention.py by path (needs torch and triton only). Writes
 $OUT/check_attention_gpu.json when OUT is set.
 """
@@ -82,7 +84,13 @@ def rel_err(x, ref):
     return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def check(name, run, B, S, Smax, cache_pos, Bmax=None, window=0):
+def variant_tag(cfg):
+    """A launch config in a few characters: M128 N64 w8 s3 +tma+defer_pv."""
+    keys = "".join(f" +{k.lower()}" for k in ("TMA", "DEFER_PV") if cfg.get(k))
+    return f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}{keys}"
+
+
+def check(name, run, B, S, Smax, cache_pos, Bmax=None, window=0, config="default"):
     t0 = time.time()
     q, k, v, k_cache, v_cache, pos = make(B, S, Smax, cache_pos, Bmax, window=window)
     ref32, want_k, want_v = reference(q, k, v, k_cache, v_cache, pos, torch.float32, window)
@@ -101,7 +109,7 @@ def check(name, run, B, S, Smax, cache_pos, Bmax=None, window=0):
     for what, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
         if not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
             problems.append(f"{what} differs at {(got.nan_to_num(7.0) != want.nan_to_num(7.0)).nonzero()[:3].tolist()}")
-    row = dict(case=name, B=B, S=S, Smax=Smax, rel_err=err, bf16_reference_rel_err=err_bf16,
+    row = dict(case=name, config=config, B=B, S=S, Smax=Smax, rel_err=err, bf16_reference_rel_err=err_bf16,
                ok=not problems, problems=problems, seconds=round(time.time() - t0, 2))
     print(f"{'ok  ' if not problems else 'FAIL'} {name:44s} rel_err {err:.2e} (reference in {str(DTYPE)[6:]}: {err_bf16:.2e})"
           f"  {'; '.join(problems)}", flush=True)
@@ -218,11 +226,39 @@ def main():
     rows.append(check(f"prefill B2 S{m(1000)} fresh, MHA {H}x{D}, sm_90 config", mha, 2, m(1000), m(1024), [0, 0]))
     rows.append(check(f"prefill B2 S{m(300)} chunked, MHA {H}x{D}, sm_90 config", mha, 2, m(300), m(1024),
                       [m(200), m(700)]))
+    # the prefill variant at each candidate row: the default's prefill cases (fresh, full cache,
+    # right-padded batch, chunked, past the cache end), a windowed call at the first row (the
+    # wrapper runs the default code there), and the MHA cases at the head_dim-64 rows
+    for i, cfg in enumerate(A.PREFILL_VARIANTS[("sm_90", 128)]):
+        tag = variant_tag(cfg)
+        run = lambda *a, cfg=cfg, **kw: A.prefill_attention(*a, config=cfg, **kw)  # noqa: E731
+        for name, args in (("B1 S2048 fresh", (1, n(2048), n(8192), [0])),
+                           ("B1 S8192 fresh (full cache)", (1, n(8192), n(8192), [0])),
+                           ("B8 S1000 right-padded batch", (8, n(1000), n(4096), [0] * 8, 9)),
+                           ("B2 S777 chunked (cache_pos>0)", (2, n(777), n(8192), [n(3001), n(6000)])),
+                           ("B3 S512 past the cache end", (3, n(512), n(8192), [n(7900), 0, n(8100)]))):
+            rows.append(check(f"prefill {name}, {tag}", run, *args, config=tag))
+        if i == 0:
+            rows.append(check(f"prefill B2 S777 chunked, window 4096, {tag}", run, 2, n(777), n(8192),
+                              [n(3001), n(6000)], window=W, config=tag))
+    H, HKV, D = (25, 25, 64) if not smoke else (3, 3, 16)
+    for cfg in A.PREFILL_VARIANTS[("sm_90", 64)]:
+        tag = f"{variant_tag(cfg)} (D64 row)"
+        run = lambda *a, cfg=cfg, **kw: A.prefill_attention(*a, config=cfg, **kw)  # noqa: E731
+        rows.append(check(f"prefill B2 S{m(1000)} fresh, MHA {H}x{D}, {tag}", run, 2, m(1000), m(1024), [0, 0],
+                          config=tag))
+        rows.append(check(f"prefill B2 S{m(300)} chunked, MHA {H}x{D}, {tag}", run, 2, m(300), m(1024),
+                          [m(200), m(700)], config=tag))
     H, HKV, D = saved
     if not smoke:
         rows += check_op_dispatch()
         rows += check_cuda_graph()
     failed = [r["case"] for r in rows if not r["ok"]]
+    print("\nper launch config (\"default\": the table's and the other configs named in the case):")
+    for tag in dict.fromkeys(r.get("config", "default") for r in rows):
+        mine = [r for r in rows if r.get("config", "default") == tag]
+        bad = [r["case"] for r in mine if not r["ok"]]
+        print(f"  {tag:34s} {len(mine) - len(bad)}/{len(mine)} passed" + (f"; FAILED: {bad}" if bad else ""))
     print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed" + (f"; FAILED: {failed}" if failed else ""))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "check_attention_gpu.json").write_text(json.dumps(rows, indent=1))

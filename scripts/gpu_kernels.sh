@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 case "${1:-checks}" in
   checks)
     step check_kernels 100 python3 scripts/check_kernels_gpu.py
-    step check_attention 120 python3 scripts/check_attention_gpu.py
+    step check_attention 180 python3 scripts/check_attention_gpu.py
     TAIL=14 step bench_kernels 80 python3 scripts/bench_kernels.py
     TAIL=40 step bench_attention 265 python3 scripts/bench_attention.py --sweep
     ;;

@@ -5,6 +5,9 @@ is first imported, and other test files may import triton, so every case runs in
 process (this file run as a script) whose JSON report the parametrized tests read. A second
 child compiles the kernels for sm_90 (no GPU needed), which the interpreter cannot check.
 The interpreter's bf16 tl.dot is wrong (DESIGN.md): cases run in fp16 and fp32.
+Every prefill case also runs with the prefill variant's keys on (TMA descriptors, deferred
+p @ v: kernels/attention.py PREFILL_VARIANTS); the interpreter runs host TMA descriptors (zero
+fill past a tensor's end included) but not Hopper's asynchrony, so the sm_90 builds are checked too.
 """
 from __future__ import annotations
 
@@ -58,6 +61,9 @@ CASES = {
     # padded head_dim with full (unmasked) key tiles in both phases
     "prefill-d48-tiles": Case("prefill", 2, 4, 2, 37, 48, 61, (0, 19), config=SMALL_PREFILL),
     "prefill-s1": Case("prefill", 3, 6, 2, 1, 16, 37, (0, 17, 36), config=SMALL_PREFILL),
+    # several full (unmasked) key tiles in both phases: the variant's deferred p @ v loops run
+    # more than one iteration (prefix 50 = 3 full tiles + a partial one; up to 4 new full tiles)
+    "prefill-gqa2-long-loops": Case("prefill", 2, 4, 2, 75, 16, 160, (0, 50), config=SMALL_PREFILL),
     "prefill-table-config": Case("prefill", 2, 6, 2, 13, 32, 37, (0, 4)),
     # decode: one split (the kernel writes out itself, no reduce launch)
     "decode-one-split": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36)),
@@ -94,7 +100,20 @@ CASES = {
                                       num_splits=7, window=33),
 }
 DTYPES = ("float32", "float16")
+# the prefill variant's launch-config keys, each run on every prefill case (a windowed call runs
+# the default code: those cases check that the wrapper ignores the keys there)
+VARIANTS = {"tma": dict(TMA=True), "defer-pv": dict(DEFER_PV=True), "tma-defer-pv": dict(TMA=True, DEFER_PV=True)}
+PREFILL_CASES = [name for name, case in CASES.items() if case.kind == "prefill"]
 TOL = {"float32": 2e-5, "float16": 2e-3}  # max |kernel - fp32 reference| / max(1, |reference|)
+
+
+def with_variant(case: Case, flags: dict) -> Case:
+    """The case with the variant's keys added to its launch config (the table's if it has none)."""
+    from dataclasses import replace
+
+    from dsc.kernels import attention as A
+
+    return replace(case, config={**(case.config or A.attention_config("prefill", case.D, "default")), **flags})
 
 
 def run_case(case: Case, dtype: torch.dtype) -> str:
@@ -153,6 +172,14 @@ def _worker() -> None:
                 report[f"{name}/{dtype}"] = run_case(case, getattr(torch, dtype))
             except Exception as e:  # reported per case by the parent, not swallowed
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"
+    for name in PREFILL_CASES:
+        for variant, flags in VARIANTS.items():
+            for dtype in DTYPES:
+                try:
+                    report[f"{name}+{variant}/{dtype}"] = run_case(with_variant(CASES[name], flags),
+                                                                   getattr(torch, dtype))
+                except Exception as e:  # reported per case by the parent, not swallowed
+                    report[f"{name}+{variant}/{dtype}"] = f"raised {type(e).__name__}: {e}"
     # every split counter is back at 0 after the launches (the next step, or graph replay,
     # starts from there); the split cases above allocated them
     from dsc.kernels import launch
@@ -174,12 +201,15 @@ def _compile_sm90() -> None:
 
     def compile_(fn, ptr_types, consts, **options):
         consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+        # the prefill kernel's TMA descriptors: None (a constexpr) unless the build gives their types
+        consts |= {n: None for n in ("KD", "VD", "KCD", "VCD") if n in fn.arg_names and n not in ptr_types}
         sig = {n: "constexpr" if n in consts else ptr_types.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         # what a launch specializes on at Llama's shapes: 16-byte aligned pointers, strides that
         # are multiples of 16 elements (without it the loads are not vectorized, so not pipelined)
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                   if n in ptr_types or (n.startswith("s") and "_" in n and not n.startswith("sl_"))}
+                   if ptr_types.get(n, "").startswith("*")
+                   or (n.startswith("s") and "_" in n and not n.startswith("sl_"))}
         return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned),
                               target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -216,12 +246,25 @@ def _compile_sm90() -> None:
         # the decode kernel with PDL (kernels/launch.py): griddepcontrol.wait before any memory access
         jobs.update({f"{name}-pdl": (fn, ptrs, {**consts, "PDL": True}, options)
                      for name, (fn, ptrs, consts, options) in jobs.items() if name.startswith("decode")})
+        # the prefill variant's candidate rows: Llama's G = 4 at head_dim 128, GPT-2's G = 1 at 64
+        for (arch, head_dim), rows in A.PREFILL_VARIANTS.items():
+            for cfg in rows:
+                G = 4 if head_dim == 128 else 1
+                block = f"tensordesc<{dtype}[1, 1, {cfg['BLOCK_N']}, {head_dim}]>"
+                descs = {n: block for n in ("KD", "VD", "KCD", "VCD")}
+                jobs[variant_job(cfg, G)] = (
+                    A._prefill_kernel, t | (descs if cfg.get("TMA") else {}),
+                    dict(G=G, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                         WINDOWED=False, TMA=cfg.get("TMA", False), DEFER_PV=cfg.get("DEFER_PV", False)),
+                    dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
         for name, (fn, ptrs, consts, options) in jobs.items():
             try:
                 kernel = compile_(fn, ptrs, consts, **options)
                 report[f"{name}/{dtype}"] = "ok"
-                if name in ("prefill-window", "prefill-mha"):
+                if name in ("prefill-window", "prefill-mha") or name.startswith("prefill-mha-variant"):
                     report[f"{name}-pipelining/{dtype}"] = _check_no_store_in_pipelined_loop(kernel.asm["ttgir"])
+                if name == "prefill" or name.startswith(("prefill-variant", "prefill-mha-variant")):
+                    report[f"{name}-ptxas/{dtype}"] = _check_ptxas(kernel, allow_spills=name == "prefill")
                 if name.startswith("decode"):
                     report[f"{name}-gdc/{dtype}"] = pdl_check(kernel, consts.get("PDL", False))
             except Exception as e:  # reported per kernel by the parent
@@ -229,11 +272,43 @@ def _compile_sm90() -> None:
     print("REPORT " + json.dumps(report))
 
 
+def variant_job(cfg: dict, G: int) -> str:
+    """The sm_90 build name of a PREFILL_VARIANTS row, e.g. prefill-variant-128x64-w8-s3-tma-defer_pv."""
+    keys = "".join(f"-{k.lower()}" for k in ("TMA", "DEFER_PV") if cfg.get(k))
+    return (f"prefill-{'mha-' if G == 1 else ''}variant-{cfg['BLOCK_M']}x{cfg['BLOCK_N']}-w{cfg['num_warps']}"
+            f"-s{cfg['num_stages']}{keys}")
+
+
+def _check_ptxas(kernel, allow_spills: bool) -> str:
+    """"ok" unless ptxas (the one this triton runs for sm_90) serializes the build's wgmmas, or
+    spills registers (allow_spills: the default build spills 4 bytes).  Either undoes the point of
+    the prefill variant, and neither shows in the TTGIR: a register copy at a loop's back edge of
+    a wgmma still in flight (the look-ahead QK^T this variant first tried) makes ptxas wait after
+    every wgmma in the kernel."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.ptx").write_text(kernel.asm["ptx"])
+        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o",
+                               str(Path(d, "k.cubin"))], capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    problems = [ln.strip()[:200] for ln in log.splitlines() if "serialized" in ln][:1]
+    if proc.returncode:
+        problems.append(f"ptxas failed: {log[-300:]}")
+    if not allow_spills and any(int(n) for n in re.findall(r"(\d+) bytes spill stores", log)):
+        problems.append("register spills: " + "; ".join(ln.strip() for ln in log.splitlines() if "spill" in ln)[:200])
+    return "; ".join(problems) or "ok"
+
+
 def _check_no_store_in_pipelined_loop(ttgir: str) -> str:
-    """"ok" unless a software-pipelined loop (one issuing async global->shared copies) also
-    stores to global memory.  A K/V tile that feeds the async wgmma and is also stored (the
-    cache write fused into the attention loop) gets one shared-memory buffer too few from
-    Triton's pipeliner: the copy of tile i + num_stages - 1 overwrites tile i's V while the
+    """"ok" unless a software-pipelined loop (one issuing async global->shared copies, TMA ones
+    included) also stores to global memory.  A K/V tile that feeds the async wgmma and is also
+    stored (the cache write fused into the attention loop) gets one shared-memory buffer too few
+    from Triton's pipeliner: the copy of tile i + num_stages - 1 overwrites tile i's V while the
     p @ v wgmma still reads it (wrong outputs on an H200 in the windowed loop, which runs
     window / BLOCK_N tiles).  The interpreter cannot see this, so the compiled IR is checked."""
     lines = ttgir.splitlines()
@@ -247,7 +322,7 @@ def _check_no_store_in_pipelined_loop(ttgir: str) -> str:
                 break
             body.append(inner)
         text = "\n".join(body)
-        if "async_copy_global_to_local" in text and "tt.store" in text:
+        if ("async_copy_global_to_local" in text or "async_tma_copy_global_to_local" in text) and "tt.store" in text:
             return f"pipelined loop with a global store: {line.strip()[:160]}"
     return "ok"
 
@@ -282,6 +357,13 @@ def test_kernel_matches_reference(interpreter_report, case, dtype):
     assert interpreter_report[f"{case}/{dtype}"] == "ok"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_variant_matches_reference(interpreter_report, case, variant, dtype):
+    assert interpreter_report[f"{case}+{variant}/{dtype}"] == "ok"
+
+
 def test_split_counters_are_reset_by_each_launch(interpreter_report):
     assert interpreter_report["split-counters-reset"] == "ok"
 
@@ -309,6 +391,29 @@ def test_long_prefill_loops_store_outside_pipelined_loops(sm90_report, kernel, d
     2 tiles (a sliding window; one query head per kv head, G = 1): no cache store in a
     pipelined loop. (Llama's G = 4 keeps the write in its at most 2 masked tiles.)"""
     assert sm90_report[f"{kernel}-pipelining/{dtype}"] == "ok"
+
+
+def _variant_jobs():
+    from dsc.kernels.attention import PREFILL_VARIANTS
+
+    return [variant_job(cfg, 4 if head_dim == 128 else 1) for (_, head_dim), rows in PREFILL_VARIANTS.items()
+            for cfg in rows]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("kernel", _variant_jobs())
+def test_prefill_variant_compiles_for_sm90(sm90_report, kernel, dtype):
+    """Every candidate row of the prefill variant builds for sm_90, without register spills or
+    serialized wgmmas (ptxas); at G = 1 no cache store sits in a pipelined loop."""
+    assert sm90_report[f"{kernel}/{dtype}"] == "ok"
+    assert sm90_report[f"{kernel}-ptxas/{dtype}"] == "ok"
+    if "-mha-" in kernel:
+        assert sm90_report[f"{kernel}-pipelining/{dtype}"] == "ok"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_default_prefill_wgmmas_are_not_serialized(sm90_report, dtype):
+    assert sm90_report[f"prefill-ptxas/{dtype}"] == "ok"
 
 
 # ---- plain-python parts (no triton) ---------------------------------------------------------
@@ -355,6 +460,30 @@ def test_planner_reports_kernels_and_launches(seq, batch, splits):
     assert plan["config"].get("splits") == splits
     assert plan["name"] == ("triton.attention_decode" if seq == 1 else "triton.attention_prefill")
     assert "num_warps" in plan["config"]
+
+
+def test_variant_keys_are_off_in_the_table():
+    """The prefill variant runs only where a config asks for it (PREFILL_VARIANTS, tuning.json)."""
+    from dsc.kernels.attention import PREFILL_CONFIGS, attention_config
+
+    for arch, head_dim in PREFILL_CONFIGS:
+        cfg = attention_config("prefill", head_dim, arch)
+        assert not cfg.get("TMA") and not cfg.get("DEFER_PV"), (arch, head_dim, cfg)
+
+
+def test_tma_descriptors_need_16_byte_alignment():
+    """TMA addresses 16-byte aligned bases and strides only; otherwise the wrapper loads through
+    pointers (the default code), whatever the config asks."""
+    pytest.importorskip("triton")
+    from dsc.kernels.attention import _kv_descriptors
+
+    k, cache = torch.randn(2, 2, 5, 16, dtype=torch.float16), torch.randn(3, 2, 37, 16, dtype=torch.float16)
+    descs = _kv_descriptors(k, k, cache, cache, 16, 16)
+    assert descs is not None and descs[2].shape == [3, 2, 37, 16] and descs[0].block_shape == [1, 1, 16, 16]
+    odd = torch.randn(2, 2, 5, 20, dtype=torch.float16)  # rows of 40 bytes
+    assert _kv_descriptors(odd, odd, cache, cache, 16, 32) is None
+    shifted = torch.randn(2 * 2 * 5 * 16 + 1, dtype=torch.float16)[1:].view(2, 2, 5, 16)  # base 2 bytes off
+    assert _kv_descriptors(shifted, k, cache, cache, 16, 16) is None
 
 
 def test_reference_drops_writes_past_the_cache():
