@@ -107,3 +107,12 @@ def test_bench_of_a_tp_artifact_runs_every_rank_and_reports_each(compile_artifac
     res = json.loads(out.read_text())
     assert res["tp"] == 2 and res["all_reduce"] == "gloo" and res["rank"] == 0
     assert res["memory_per_rank"] == [None, None] and res["decode"]["1"]["ms_per_step"] > 0
+
+
+def test_profile_busy_time_is_the_union_of_overlapping_kernels():
+    """With PDL a kernel starts before its predecessor ends: busy time counts the overlap once."""
+    from dsc.runtime.profile import _union_us
+
+    assert _union_us([(0, 10), (5, 12), (20, 25)]) == 17
+    assert _union_us([(0, 5), (5, 6), (1, 2)]) == 6
+    assert _union_us([]) == 0
