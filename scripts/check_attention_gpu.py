@@ -12,8 +12,8 @@ must not read (NaN), runs the kernel, and checks
     nothing else touched (the poison is still there).
 Also: the `dsc::attention` op dispatches to the kernels on CUDA, and a decode step captured
 in a CUDA graph gives the right answer when replayed with new cache positions.  The prefill
-variant (kernels/attention.py PREFILL_VARIANTS, off by default) is checked at each of its
-candidate rows on the default's prefill cases; the summary counts failures per launch config.
+variant rows (kernels/attention.py PREFILL_VARIANTS: TMA and DEFER_PV at other tilings) are
+each checked on the default's prefill cases; the summary counts failures per launch config.
 Self-contained: loads kernels/attention.py by path (needs torch and triton only). Writes
 $OUT/check_attention_gpu.json when OUT is set.
 """

@@ -36,6 +36,7 @@ class Case:
     config: dict | None = field(default=None, hash=False)  # None: attention_config's table
     num_splits: int | None = None  # decode only; None: decode_num_splits's heuristic
     window: int = 0  # sliding window (0: none)
+    fused_qkv: bool = False  # q, k, v as the runtime passes them: transposed views of one [B, S, (H + 2 Hkv) D]
 
 
 SMALL_PREFILL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -65,6 +66,8 @@ CASES = {
     # more than one iteration (prefix 50 = 3 full tiles + a partial one; up to 4 new full tiles)
     "prefill-gqa2-long-loops": Case("prefill", 2, 4, 2, 75, 16, 160, (0, 50), config=SMALL_PREFILL),
     "prefill-table-config": Case("prefill", 2, 6, 2, 13, 32, 37, (0, 4)),
+    # q/k/v strided views of the fused projection's output (TMA descriptors take their strides)
+    "prefill-fused-qkv": Case("prefill", 2, 4, 2, 37, 16, 61, (0, 19), config=SMALL_PREFILL, fused_qkv=True),
     # decode: one split (the kernel writes out itself, no reduce launch)
     "decode-one-split": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36)),
     # split over the cache: pos 0 (no cached key), mid (2 of 3 splits used), last slot
@@ -124,7 +127,12 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     B, H, Hkv, S, D, Smax = case.B, case.H, case.Hkv, case.S, case.D, case.Smax
     Bmax = case.Bmax or B + 1
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
-    q, k, v = rand(B, H, S, D), rand(B, Hkv, S, D), rand(B, Hkv, S, D)
+    if case.fused_qkv:
+        qkv = rand(B, S, (H + 2 * Hkv) * D)
+        q, k, v = (qkv[..., a * D:(a + n) * D].view(B, S, n, D).transpose(1, 2)
+                   for a, n in ((0, H), (H, Hkv), (H + Hkv, Hkv)))
+    else:
+        q, k, v = rand(B, H, S, D), rand(B, Hkv, S, D), rand(B, Hkv, S, D)
     k_cache, v_cache = rand(Bmax, Hkv, Smax, D), rand(Bmax, Hkv, Smax, D)
     cache_pos = torch.tensor(case.cache_pos, dtype=torch.int64)
     # poison: cache slots no query of this call may read (past each sequence's last token, and
