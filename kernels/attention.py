@@ -633,10 +633,12 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
     grid = (_cdiv(S * G, cfg["BLOCK_M"]) * B * Hkv,)  # the kernel orders (sequence, row tile, kv head)
     BLOCK_D = max(16, next_power_of_2(D))
     # the variant's keys (kernel `_attend_full_tiles`) matter only in the unwindowed loops: a
-    # windowed call runs the default code, whatever the config says
+    # windowed call runs the default code, whatever the config says; TMA only for 16-bit q/k/v
+    # and caches (what the GPU runs measured: fp32 tiles are twice the bytes)
     defer_pv = bool(cfg.get("DEFER_PV", False)) and not window
+    sixteen = all(t.dtype in (torch.float16, torch.bfloat16) for t in (q, k, v, k_cache, v_cache))
     descs = _kv_descriptors(k, v, k_cache, v_cache, cfg["BLOCK_N"], BLOCK_D) \
-        if cfg.get("TMA", False) and not window else None
+        if cfg.get("TMA", False) and not window and sixteen else None
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, cache_pos, out, scale * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),

@@ -227,9 +227,11 @@ def _compile_sm90() -> None:
         f32 = {"PART_O": "*fp32", "PART_LSE": "*fp32", "LOCK": "*i32"}
         pre, dec = A.PREFILL_CONFIGS[("sm_90", 128)], A.DECODE_CONFIGS[("sm_90", 128)]
         pre64 = A.PREFILL_CONFIGS[("sm_90", 64)]
+        table_descs = {n: f"tensordesc<{dtype}[1, 1, {pre['BLOCK_N']}, 128]>" for n in ("KD", "VD", "KCD", "VCD")}
         jobs = {  # the sm_90 table entries at Llama-8B's shapes (G = 32 / 8), plus a padded head_dim
-            "prefill": (A._prefill_kernel, t, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=pre["BLOCK_M"],
-                                                   BLOCK_N=pre["BLOCK_N"], WINDOWED=False),
+            "prefill": (A._prefill_kernel, t | (table_descs if pre.get("TMA") else {}),
+                        dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=pre["BLOCK_M"], BLOCK_N=pre["BLOCK_N"],
+                             WINDOWED=False, TMA=pre.get("TMA", False), DEFER_PV=pre.get("DEFER_PV", False)),
                         dict(num_warps=pre["num_warps"], num_stages=pre["num_stages"])),
             # a 128-key tile (a --sweep candidate): 3 stages of K and V tiles fill the shared memory
             "prefill-n128": (A._prefill_kernel, t, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=128,
