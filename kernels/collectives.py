@@ -62,7 +62,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of
+from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
 from dsc.kernels.linear import _gemv_rows, gemv_config
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
@@ -482,7 +482,18 @@ def _gemv_push_config(s: _Symmetric | None, residual, x, weight, norm_weight) ->
     if not (x.numel() == k and residual.numel() == n and 0 < n <= MAX_N and n <= s.numel
             and x.dtype == weight.dtype == residual.dtype == norm_weight.dtype == s.dtype):
         return None
-    return gemv_config(n, k, arch_of(x.device))
+    return gemv_push_config(n, k, arch_of(x.device))
+
+
+def gemv_push_config(n: int, k: int, arch: str) -> dict | None:
+    """The GEMV push kernel's config for a weight [n, k]: the shape's GEMV row (None where
+    cuBLAS serves), with kernels/tuning.json's `gemv_push` row over it where one was measured
+    (more rows per program: fewer, larger stores to the peers)."""
+    cfg = gemv_config(n, k, arch)
+    row = tuning_table().get(arch, {}).get("gemv_push", {}).get(f"N{n}_K{k}")
+    if cfg is None or not row:
+        return cfg
+    return {**cfg, **{key: row[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "X_ROW") if key in row}}
 
 
 @torch.library.custom_op("dsc::linear_all_reduce_add_rmsnorm", mutates_args=())
@@ -546,6 +557,7 @@ def _plan_linear_all_reduce_add_rmsnorm(residual, x, weight, norm_weight, eps, *
     lin = _plan_linear(x, weight, arch=arch)
     cfg = {**lin["config"], "norm": norm_config("add_rmsnorm", weight.shape[0], arch)}
     if lin["name"] == "triton.gemv":
+        cfg.update(gemv_push_config(*weight.shape, arch))
         cfg["fallback"] = "triton.gemv + triton.all_reduce_add_rmsnorm"
         return {"name": "triton.gemv_push + triton.all_reduce_add_rmsnorm", "config": cfg, "launches": 2}
     return {"name": f"{lin['name']} + triton.all_reduce_add_rmsnorm", "config": cfg, "launches": lin["launches"] + 1}

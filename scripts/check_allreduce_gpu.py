@@ -58,13 +58,13 @@ def allreduce_env(mode):
 
 @contextlib.contextmanager
 def gemv_push_config(cfg):
-    """The GEMV push kernel with `cfg` instead of the tuned GEMV config (timing only)."""
-    orig = collectives.gemv_config
-    collectives.gemv_config = lambda n, k, arch, mode=None: dict(cfg)
+    """The GEMV push kernel with `cfg` instead of its table config (timing only)."""
+    orig = collectives.gemv_push_config
+    collectives.gemv_push_config = lambda n, k, arch: dict(cfg)
     try:
         yield
     finally:
-        collectives.gemv_config = orig
+        collectives.gemv_push_config = orig
 
 
 def graph_of(fn):

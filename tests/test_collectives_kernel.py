@@ -207,3 +207,16 @@ def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
 
 if __name__ == "__main__":
     {"interpret": run_interpreted, "aot": run_aot}[sys.argv[1]](sys.argv[2])
+
+
+def test_gemv_push_config_is_the_gemv_row_with_the_push_row_over_it():
+    """kernels/tuning.json's gemv_push row (measured at Llama-8B's tp=4 o_proj) overrides the
+    shape's GEMV tiles; other shapes push with their GEMV config; no GEMV row: cuBLAS, no push."""
+    from dsc.kernels.launch import tuning_table
+    from dsc.kernels.linear import gemv_config
+
+    push = tuning_table()["sm_90"]["gemv_push"]["N4096_K1024"]
+    got = C.gemv_push_config(4096, 1024, "sm_90")
+    assert got == {**gemv_config(4096, 1024, "sm_90"), **{k: push[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps")}}
+    assert C.gemv_push_config(4096, 3584, "sm_90") == gemv_config(4096, 3584, "sm_90") is not None
+    assert C.gemv_push_config(4096, 1000, "sm_90") is None  # untuned: cuBLAS, then the fused all-reduce
