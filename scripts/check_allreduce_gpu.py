@@ -26,11 +26,13 @@ one-shot and NCCL alone, and all-reduce + add + RMSNorm as the fused kernels (pu
 all-reduce + the add_rmsnorm kernel, and as NCCL + the add_rmsnorm kernel, in the same process;
 at one row also the linear before it: the GEMV then the push kernel (DSC_ALLREDUCE=push)
 against the GEMV pushing its rows (the default), with the tuned config and with more rows per
-program.
+program. GEMV_PUSH_SWEEP=1 also sweeps GEMV push configs at Llama-8B's row-parallel shapes for
+this tp and proposes kernels/tuning.json `gemv_push` rows (JSON key gemv_push_sweep).
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -174,6 +176,55 @@ def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False):
     return bad, rounds * sum(sizes.values())
 
 
+def time_linear(k, cfg=None, n=64, iters=50):
+    """us per call of a graph of n row-parallel linears [1, k] x [HIDDEN, k]^T + all-reduce + add +
+    RMSNorm at one row (dsc.linear_all_reduce_add_rmsnorm), with the GEMV push config `cfg`
+    (None: the table's)."""
+    xs = [torch.randn(1, k, device="cuda").to(torch.bfloat16) for _ in range(n)]
+    res = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
+    w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    lw = (torch.randn(HIDDEN, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+
+    def prog():
+        with collectives.program_scope(n):
+            return [torch.ops.dsc.linear_all_reduce_add_rmsnorm(res, x, lw, w, EPS) for x in xs]
+
+    with gemv_push_config(cfg) if cfg else contextlib.nullcontext():
+        g, _ = graph_of(prog)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters / n * 1e6
+
+
+def sweep_gemv_push(world):
+    """GEMV_PUSH_SWEEP=1: GEMV push configs at Llama-8B's row-parallel shapes for this tp (o_proj
+    [4096, 4096 / tp], down_proj [4096, 14336 / tp]), against the table's config and against the
+    GEMV then the push kernel (DSC_ALLREDUCE=push); the best per shape as a kernels/tuning.json
+    `gemv_push` row (its us and the table config's us kept, as scripts/tune_gemv.py keeps both)."""
+    out = {}
+    for k in (4096 // world, 14336 // world):
+        table_us = time_linear(k)
+        with allreduce_env("push"):
+            push_us = time_linear(k)
+        best, tried = (table_us, None), {}
+        for bn, bk, warps in itertools.product((1, 2, 4, 8), (128, 256, 512, 1024), (1, 2, 4)):
+            if not 8 <= bn * bk // (32 * warps) <= 64 or bk > k:  # elements per thread and K-block
+                continue
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
+            tried[f"bn{bn}_bk{bk}_w{warps}"] = us = time_linear(k, cfg)
+            if us < best[0]:
+                best = (us, cfg)
+        row = {**best[1], "us": round(best[0], 2), "gemv_config_us": round(table_us, 2)} if best[1] else None
+        out[f"N{HIDDEN}_K{k}"] = {"table_us": table_us, "gemv_then_push_us": push_us, "tried": tried, "row": row}
+    return out
+
+
 def time_graph(rows, n=64, iters=50, norm=False, linear=False):
     """us per call of a graph of n calls: all-reduces, or with norm all-reduce + add + RMSNorm
     (fused where the fused path is on, else the all-reduce and the add_rmsnorm kernel); with
@@ -256,6 +307,13 @@ def main():
     if symm is not None:
         symm.fused = kernels[0] if kernels else ""
     res["timing_bf16_x4096"] = timing
+    if kernels and os.environ.get("GEMV_PUSH_SWEEP"):  # timing only: a failure here fails no check
+        symm.fused = "push"
+        try:
+            res["gemv_push_sweep"] = sweep_gemv_push(world)
+        except Exception as e:  # noqa: BLE001
+            res["gemv_push_sweep"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+        symm.fused = kernels[0]
     # every rank's wrong count: a wrong sum on any rank is a failure
     wrong = [None] * world
     dist.all_gather_object(wrong, sum(v["wrong"] for k, v in res.items() if k.startswith("check_")) if kernels else None)

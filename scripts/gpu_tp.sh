@@ -16,7 +16,9 @@
 #    and DSC_ALLREDUCE=nccl, in the same run; the
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
 #    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off.
-#    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4").
+#    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"). GEMV_PUSH_SWEEP=1: the
+#    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
+#    `gemv_push` rows to merge by hand).
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
@@ -49,7 +51,7 @@ for A in $ARTS; do
 done
 for N in ${AR_CHECK_N:-2 4}; do
   [ "$NGPU" -ge $N ] && [ -z "${NO_AR_CHECK:-}" ] || continue
-  OUT=$OUT timeout 120 torchrun --nproc-per-node $N scripts/check_allreduce_gpu.py > "$OUT/allreduce-tp$N.log" 2>&1
+  OUT=$OUT timeout $([ -n "${GEMV_PUSH_SWEEP:-}" ] && echo 420 || echo 120) torchrun --nproc-per-node $N scripts/check_allreduce_gpu.py > "$OUT/allreduce-tp$N.log" 2>&1
   RC=$?
   echo "check_allreduce tp$N: rc=$RC $((SECONDS - T0)) s"
   python3 - "$OUT/allreduce-tp$N.json" <<'PY'
@@ -64,6 +66,10 @@ if os.path.exists(sys.argv[1]):
         print(f"  [1, 1024] x [4096, 1024]^T + all-reduce + add + RMSNorm: GEMV then push kernel "
               f"{t1['gemv_then_push_norm_us']:.2f} us, GEMV pushing its rows {t1['gemv_push_norm_us']:.2f} us; "
               + ", ".join(f"{k[18:]} {v:.2f}" for k, v in t1.items() if k.startswith("gemv_push_norm_us_")))
+    for shape, sw in (r.get("gemv_push_sweep") or {}).items():  # GEMV_PUSH_SWEEP=1
+        print(f"  GEMV push sweep {shape}: " + (str(sw) if shape == "error" else
+              f"table config {sw['table_us']:.2f} us, GEMV then push kernel {sw['gemv_then_push_us']:.2f} us, "
+              f"best row {json.dumps(sw['row'])}"))
     for rows, t in r["timing_bf16_x4096"].items():
         print(f"  [{rows}, 4096] bf16: one-shot {t.get('one_shot_us', nan):.2f} us, nccl {t['nccl_us']:.2f} us; "
               f"+ add + RMSNorm: fused push {t.get('fused_push_norm_us', nan):.2f}, pull "
