@@ -505,6 +505,11 @@ def linear_all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weigh
     its outputs into the peers' buffers as it computes them (`_gemv_push_kernel`): on 4 H200s
     6.8 us per call at Llama-8B's tp=4 o_proj against 8.5 us for the GEMV then the push kernel
     (scripts/check_allreduce_gpu.py). Elsewhere the two ops."""
+    return _linear_then_fused(residual, x, weight, norm_weight, eps)
+
+
+def _linear_then_fused(residual, x, weight, norm_weight, eps):
+    """The unfused pair: the linear's kernel, then the fused all-reduce + norm (takes a slot)."""
     return torch.ops.dsc.all_reduce_add_rmsnorm(residual, torch.ops.dsc.linear(x, weight), norm_weight, eps)
 
 
@@ -513,21 +518,21 @@ def _(residual, x, weight, norm_weight, eps):
     global _gemv_push_error
     s = _symm
     cfg = _gemv_push_config(s, residual, x, weight, norm_weight)
-    if cfg is not None:
-        slot = s.slot()
-        try:
-            _launch_gemv_push(s, slot, x, weight, cfg)
-        except Exception as e:  # noqa: BLE001  (a build failure: nothing was launched)
-            # this rank takes the unfused pair from here; its row reaches the same buffers in
-            # the same layout (the push kernel sends the GEMV's output), so ranks may differ
-            _gemv_push_error = f"{type(e).__name__}: {e}".splitlines()[0]
-            print(f"dsc: GEMV + all-reduce push kernel unavailable on rank {s.rank} ({_gemv_push_error}); "
-                  "using the GEMV and the push kernel", file=sys.stderr)
-            s.index -= 1  # the unfused pair below takes this slot again
-            return torch.ops.dsc.all_reduce_add_rmsnorm(residual, torch.ops.dsc.linear(x, weight), norm_weight, eps)
-        out_s, out_y = _launch_fused(s, "push", slot, residual, residual, norm_weight.contiguous(), eps, sent=True)
-        return out_s.view(residual.shape), out_y.view(residual.shape)
-    return torch.ops.dsc.all_reduce_add_rmsnorm(residual, torch.ops.dsc.linear(x, weight), norm_weight, eps)
+    if cfg is None:
+        return _linear_then_fused(residual, x, weight, norm_weight, eps)
+    slot = s.slot()
+    try:
+        _launch_gemv_push(s, slot, x, weight, cfg)
+    except Exception as e:  # noqa: BLE001  (a build failure: nothing was launched)
+        # this rank takes the unfused pair from here; its row reaches the same buffers in the
+        # same layout (the push kernel sends the GEMV's output), so ranks may differ
+        _gemv_push_error = f"{type(e).__name__}: {e}".splitlines()[0]
+        print(f"dsc: GEMV + all-reduce push kernel unavailable on rank {s.rank} ({_gemv_push_error}); "
+              "using the GEMV and the push kernel", file=sys.stderr)
+        s.index -= 1  # the unfused pair takes this slot again
+        return _linear_then_fused(residual, x, weight, norm_weight, eps)
+    out_s, out_y = _launch_fused(s, "push", slot, residual, residual, norm_weight.contiguous(), eps, sent=True)
+    return out_s.view(residual.shape), out_y.view(residual.shape)
 
 
 def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.Tensor, config: dict) -> None:

@@ -96,15 +96,8 @@ def select_weight(dev):
     return w
 
 
-class _Every:
-    """A linear weight used at every call (timing), not every third (checking)."""
-
-    def __init__(self, w):
-        self.w = w
-
-
 def linear_call(k, lin_weight):
-    return isinstance(lin_weight, _Every) or (lin_weight is not None and k % 3 == 2)
+    return lin_weight is not None and k % 3 == 2
 
 
 def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda k: k % 3 != 0, lin_weight=None):
@@ -118,8 +111,8 @@ def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda 
             if skew and k % world == rank:
                 torch.cuda._sleep(skew)
             if residual is not None and fused(k) and linear_call(k, lin_weight):
-                lw = lin_weight.w if isinstance(lin_weight, _Every) else lin_weight
-                outs.append(torch.ops.dsc.linear_all_reduce_add_rmsnorm(residual, x[..., :K_LIN], lw, weight, EPS))
+                outs.append(torch.ops.dsc.linear_all_reduce_add_rmsnorm(residual, x[..., :K_LIN], lin_weight, weight,
+                                                                        EPS))
             elif residual is not None and fused(k):
                 outs.append(torch.ops.dsc.all_reduce_add_rmsnorm(residual, x, weight, EPS))
             else:
@@ -191,6 +184,11 @@ def time_linear(k, cfg=None, n=64, iters=50):
 
     with gemv_push_config(cfg) if cfg else contextlib.nullcontext():
         g, _ = graph_of(prog)
+    return replay_us(g, n, iters)
+
+
+def replay_us(g, n, iters):
+    """us per call of graph g of n calls: warm-up, a barrier (every rank starts together), iters replays."""
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -225,27 +223,14 @@ def sweep_gemv_push(world):
     return out
 
 
-def time_graph(rows, n=64, iters=50, norm=False, linear=False):
+def time_graph(rows, n=64, iters=50, norm=False):
     """us per call of a graph of n calls: all-reduces, or with norm all-reduce + add + RMSNorm
-    (fused where the fused path is on, else the all-reduce and the add_rmsnorm kernel); with
-    linear each call is the row-parallel linear ([1, K_LIN] x [HIDDEN, K_LIN]) + all-reduce + add
-    + RMSNorm (the GEMV pushing its rows under DSC_ALLREDUCE=auto, GEMV then push kernel under
-    =push)."""
+    (fused where the fused path is on, else the all-reduce and the add_rmsnorm kernel)."""
     xs = [torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) for _ in range(n)]
     res = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) if norm else None
     w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
-    lw = (torch.randn(HIDDEN, K_LIN, device="cuda") / K_LIN ** 0.5).to(torch.bfloat16) if linear else None
-    g, _ = graph_of(lambda: program(xs, 0, 1, 0, res, w, fused=lambda k: True,
-                                    lin_weight=None if lw is None else _Every(lw)))
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters / n * 1e6
+    g, _ = graph_of(lambda: program(xs, 0, 1, 0, res, w, fused=lambda k: True))
+    return replay_us(g, n, iters)
 
 
 def main():
@@ -289,14 +274,13 @@ def main():
             if kernels and rows == 1:  # + the row-parallel linear before it
                 symm.fused = "push"
                 with allreduce_env("push"):  # the GEMV, then the push kernel
-                    row["gemv_then_push_norm_us"] = time_graph(rows, norm=True, linear=True)
+                    row["gemv_then_push_norm_us"] = time_linear(K_LIN)
                 with allreduce_env("auto"):
-                    row["gemv_push_norm_us"] = time_graph(rows, norm=True, linear=True)
+                    row["gemv_push_norm_us"] = time_linear(K_LIN)
                     # more rows per program: fewer, larger stores to the peers
                     for bn, warps in ((4, 1), (8, 1), (8, 2), (16, 4)):
                         cfg = {"BLOCK_N": bn, "BLOCK_K": 128, "num_warps": warps}
-                        with gemv_push_config(cfg):
-                            row[f"gemv_push_norm_us_bn{bn}_w{warps}"] = time_graph(rows, norm=True, linear=True)
+                        row[f"gemv_push_norm_us_bn{bn}_w{warps}"] = time_linear(K_LIN, cfg)
         collectives._symm = None
         row["nccl_us"] = time_graph(rows)
         row["nccl_then_norm_us"] = time_graph(rows, norm=True)
