@@ -72,7 +72,11 @@ MMA_DECODE_VARIANTS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, S
                                                    (32, 256, 4, 4, True, 1), (32, 256, 4, 4, True, 2), (32, 256, 2, 4, True, 4),
                                                    (16, 256, 2, 4, True, 4), (128, 128, 4, 4, True, 4), (64, 128, 4, 4, True, 4),
                                                    (32, 256, 4, 4, False, 2), (32, 256, 4, 4, False, 4), (64, 256, 4, 4, False, 4),
-                                                   (16, 512, 2, 3, False, 4), (64, 128, 4, 6, True, 8)]]
+                                                   (16, 512, 2, 3, False, 4), (64, 128, 4, 6, True, 8),
+                                                   # session 8 (H200): deeper split-K and pipelines
+                                                   (32, 512, 2, 3, True, 4), (32, 256, 2, 4, True, 8),
+                                                   (16, 512, 2, 3, True, 8), (32, 128, 2, 6, True, 4),
+                                                   (64, 256, 4, 4, True, 8), (32, 256, 4, 5, False, 1)]]
 # decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
 # the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
 # weight is read once

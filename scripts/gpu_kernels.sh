@@ -2,8 +2,8 @@
 # One GPU, issues 4 and 5 in one call: every kernel checked at real shapes, then measured.
 #   bash scripts/gpu_kernels.sh checks   # check_kernels_gpu, check_attention_gpu, bench_kernels,
 #                                        # bench_attention --sweep             (about 3 minutes)
-#   bash scripts/gpu_kernels.sh int8     # bench_int8: M=8 sweep of every W8A16 variant, then
-#                                        # all shapes with the defaults        (about 2 minutes)
+#   bash scripts/gpu_kernels.sh int8     # bench_int8: M=1 and M=8 sweep of every W8A16 variant
+#                                        # (M=8 only: INT8_M=8), then all shapes with the defaults
 #   bash scripts/gpu_kernels.sh int8-batch   # bench_int8 at M=32 and 64 (the batch-64 decode
 #                                        # path, slower than bf16 in session 5)
 # Each step has its own timeout so that one slow step cannot take the others' results; logs
@@ -31,9 +31,9 @@ case "${1:-checks}" in
     TAIL=40 step bench_attention 265 python3 scripts/bench_attention.py --sweep
     ;;
   int8)
-    TAIL=12 step bench_int8_m8 420 python3 scripts/bench_int8.py --decode-m 8 --no-prefill
-    mv "$R/bench_int8.json" "$R/bench_int8_m8_sweep.json" 2>/dev/null
-    mv "$R/tuning_int8.json" "$R/tuning_int8_m8.json" 2>/dev/null
+    TAIL=20 step bench_int8_sweep 440 python3 scripts/bench_int8.py --decode-m "${INT8_M:-1,8}" --no-prefill
+    mv "$R/bench_int8.json" "$R/bench_int8_sweep.json" 2>/dev/null
+    mv "$R/tuning_int8.json" "$R/tuning_int8_sweep.json" 2>/dev/null
     TAIL=14 step bench_int8_quick 120 python3 scripts/bench_int8.py --quick
     ;;
   int8-batch)
