@@ -127,7 +127,15 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
             continue
         prompt = [torch.randint(0, V, (n,), generator=g).tolist()]
         s = _time(lambda: engine.prefill(prompt), dev, max(3, iters // 10), warmup=1)
-        res["prefill"][n] = {"ms": s * 1e3, "tokens_per_s": n / s}
+        res["prefill"][n] = {"ms": s * 1e3, "tokens_per_s": n / s,
+                             "cuda_graph": engine._prefill.graphs and engine._prefill.padded(1, n)}
+        if res["prefill"][n]["cuda_graph"]:  # the baseline: the same program run eagerly at the exact length
+            args = (torch.tensor(prompt, device=dev)[None], torch.arange(n, device=dev)[None],
+                    torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([n - 1], device=dev))
+            e = _time(lambda: engine.run("prefill", *args), dev, max(3, iters // 10), warmup=1)
+            res["prefill"][n]["eager_ms"] = e * 1e3
+    if dev.type == "cuda" and res["prefill"]:
+        res["memory"]["peak_with_prefill"] = torch.cuda.max_memory_allocated(dev) - base_mem
     return res
 
 
@@ -150,7 +158,11 @@ def render(res: dict) -> str:
         lines.append(f"{b:>6} {d['ms_per_step']:>9.3f} {d['tokens_per_s']:>10.1f} {d['bytes'] / 1e6:>9.1f} "
                      f"{d['achieved_bw'] / 1e9:>8.1f} {100 * d['fraction_of_read_bw']:>14.1f}%")
     for n, d in res["prefill"].items():
-        lines.append(f"prefill {n:>5} tokens: {d['ms']:.2f} ms ({d['tokens_per_s']:.0f} tok/s)")
+        lines.append(f"prefill {n:>5} tokens: {d['ms']:.2f} ms ({d['tokens_per_s']:.0f} tok/s)"
+                     + (f", CUDA graph; eager {d['eager_ms']:.2f} ms ({d['eager_ms'] / d['ms']:.2f}x)"
+                        if "eager_ms" in d else ""))
+    if "peak_with_prefill" in res.get("memory", {}):
+        lines.append(f"GPU memory after the prefills: {res['memory']['peak_with_prefill'] / 2**30:.2f} GiB at peak")
     if res.get("profile"):
         from dsc.runtime.profile import render_profile
 

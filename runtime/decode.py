@@ -17,7 +17,11 @@ from typing import Callable
 
 import torch
 
-_RUNNERS: "weakref.WeakSet[DecodeRunner]" = weakref.WeakSet()
+_RUNNERS: weakref.WeakSet = weakref.WeakSet()  # decode and prefill runners (anything with release())
+
+
+def register_runner(runner) -> None:
+    _RUNNERS.add(runner)
 
 
 def release_cuda_graphs() -> None:
@@ -91,7 +95,7 @@ class DecodeRunner:
                 self.steps[b].capture(pool)
             torch.cuda.synchronize(device)
             self.captured = True
-            _RUNNERS.add(self)
+            register_runner(self)
 
     def release(self) -> None:
         if not self.captured:

@@ -21,6 +21,7 @@ from dsc.errors import UserError
 from dsc.kernels import collectives
 from dsc.runtime.artifact import Artifact, open_artifact
 from dsc.runtime.decode import DecodeRunner
+from dsc.runtime.prefill import PrefillRunner
 from dsc.runtime.plan import build_graph
 from dsc.runtime.sampling import sample
 
@@ -77,6 +78,7 @@ class Engine:
         self.all_reduce = self._enable_symmetric_all_reduce()
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
         self._decode = DecodeRunner(self._decode_program, self.buckets, device, cuda_graphs)
+        self._prefill = PrefillRunner(lambda *a: self._call("prefill", *a), self.max_seq, device, cuda_graphs)
 
     def _enable_symmetric_all_reduce(self) -> str:
         """On CUDA with tp > 1: the one-shot all-reduce (kernels/collectives.py) for tensors up
@@ -140,18 +142,17 @@ class Engine:
         Returns logits [B, vocab] (fp32) for the token at last_idx of each sequence."""
         return self._call(program, input_ids, position_ids, cache_pos, last_idx).float()
 
+    @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Write the prompts into KV-cache rows 0..B-1; return the last prompt token's logits."""
+        """Write the prompts into KV-cache rows 0..B-1; return the last prompt token's logits.
+        On GPU a replay of the (batch, prompt-length bucket)'s CUDA graph (runtime/prefill.py)."""
         lens = [len(p) for p in prompts]
         L = max(max(lens), 2)  # the prefill program is traced for seq >= 2
         ids = torch.zeros(len(prompts), L, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-        ids = ids.to(self.device)
-        pos = torch.arange(L, device=self.device).expand(len(prompts), L).contiguous()
-        zeros = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
-        last = torch.tensor(lens, device=self.device) - 1
-        return self.run("prefill", ids, pos, zeros, last)
+        last = torch.tensor(lens) - 1
+        return self._prefill(ids.to(self.device), last.to(self.device)).float()
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:

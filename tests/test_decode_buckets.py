@@ -104,3 +104,42 @@ def test_every_symbolic_size_in_the_plan_is_named(compile_artifact, max_batch):
             for d in shape:
                 assert isinstance(d, int) or not re.search(r"\bs\d+\b", str(d)), (program, n["name"], n["shape"])
     assert workspace_bytes(plan, "decode", max_batch) > 0
+
+
+def test_prefill_length_buckets():
+    from dsc.runtime.prefill import length_buckets
+
+    assert length_buckets(100) == (16, 32, 64, 100)
+    assert length_buckets(64) == (16, 32, 64)
+    assert length_buckets(10) == (10,)
+
+
+@pytest.mark.parametrize("shape", ["llama-odd", "gpt2-odd", "mistral-tiny"])
+def test_padded_prefill_equals_exact_length(compile_artifact, shape):
+    """The GPU's prefill path (prompts right-padded to a length bucket, runtime/prefill.py), run
+    eagerly on CPU: the last real tokens' logits and every real KV-cache slot equal those of the
+    prefill at the exact length, and greedy decoding afterwards gives the same tokens.
+    mistral-tiny has an 8-token sliding window, shorter than these prompts."""
+    import dsc
+    from dsc.runtime.prefill import PrefillRunner
+
+    art = compile_artifact(shape, dtype="fp32", max_batch=4, max_seq=64)
+    e = dsc.load(art, device="cpu")
+    g = torch.Generator().manual_seed(2)
+    lens = (19, 5, 12)  # the batch's longest (19) runs in bucket 32
+    prompts = [torch.randint(0, e.vocab_size, (n,), generator=g).tolist() for n in lens]
+    exact_tokens = e.generate(prompts, max_new_tokens=5, stop_tokens=[]).tokens
+    e.reset()
+    exact = e.prefill(prompts)
+    exact_cache = {k: v[:3].clone() for k, v in e.kv_cache.items()}
+
+    e._prefill = PrefillRunner(e._prefill.program, e.max_seq, e.device, cuda_graphs=False, buckets=True)
+    e.reset()
+    padded = e.prefill(prompts)
+    assert list(e._prefill.steps) == [(3, 32)]
+    torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-5)
+    for k, v in exact_cache.items():
+        for i, n in enumerate(lens):  # slots 0..n-1 of each live row; later ones hold padding
+            torch.testing.assert_close(e.kv_cache[k][i, :, :n], v[i, :, :n], rtol=1e-5, atol=1e-5)
+    assert e.generate(prompts, max_new_tokens=5, stop_tokens=[]).tokens == exact_tokens
+    assert list(e._prefill.steps) == [(3, 32)]  # the same shape again: the same static step

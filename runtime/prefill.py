@@ -1,0 +1,126 @@
+"""Prefill over static buffers, one per (batch, prompt-length bucket); replayed from CUDA graphs.
+
+A prefill program run eagerly costs its Python and launch overhead on every call: hundreds of
+ops per layer-stack, each a dispatcher call and a Triton launch, ~30 ms for a 32-layer model
+whatever the prompt length, several times the GPU time of a short prompt (and under tensor
+parallelism every all-reduce waits for the slowest rank's host). So on CUDA a prefill of B
+prompts whose longest has L tokens runs in the (B, Lb) graph, Lb the smallest length bucket
+>= L (powers of two from 16; max_seq last). Prompts are right-padded with token 0 to Lb, as
+they already are to L: attention is causal, so padding changes no real token's values; it
+writes KV-cache slots past each prompt's end, which a decode step overwrites (slot p) before
+any step reads it (a step at position p reads slots 0..p).
+
+Graphs are captured on first use of a shape (warm-up on a side stream, then capture, then
+replay: the first call of a shape costs about three eager runs) and share one memory pool of
+their own. Prefills of more than `max_graph_tokens` tokens (B x Lb) run eagerly at their
+exact length: their GPU time dwarfs the launch overhead, and their workspace would stay
+reserved in the pool. Under tensor parallelism every rank prefills the same shapes in the same
+order, so the ranks capture (and replay) their collectives in lockstep.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from dsc.runtime.decode import register_runner
+
+MIN_BUCKET = 16
+
+
+def length_buckets(max_seq: int) -> tuple[int, ...]:
+    """Powers of two from MIN_BUCKET below max_seq, then max_seq."""
+    out, n = [], MIN_BUCKET
+    while n < max_seq:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (max_seq,)
+
+
+class PrefillStep:
+    """Static inputs of one (batch, length) shape and its captured graph."""
+
+    def __init__(self, program: Callable, batch: int, length: int, device: torch.device):
+        self.program, self.device = program, device
+        self.ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+        self.pos = torch.arange(length, device=device).expand(batch, length).contiguous()
+        self.zeros = torch.zeros(batch, dtype=torch.long, device=device)  # cache_pos: a fresh prompt
+        self.last = torch.zeros(batch, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _forward(self) -> torch.Tensor:
+        return self.program(self.ids, self.pos, self.zeros, self.last)
+
+    def capture(self, pool) -> None:
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.logits = self._forward()
+        self.graph = graph
+
+    def __call__(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        self.ids.zero_()
+        self.ids[:, : ids.shape[1]].copy_(ids)
+        self.last.copy_(last)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits = self._forward()
+        return self.logits
+
+
+class PrefillRunner:
+    """prefill(ids [B, L], last [B]) -> logits [B, V] of each sequence's token at last."""
+
+    max_graph_tokens = 8192
+
+    def __init__(self, program: Callable, max_seq: int, device: torch.device, cuda_graphs: bool,
+                 buckets: bool | None = None):
+        """buckets: pad to length buckets (default: where graphs are captured, i.e. on CUDA with
+        cuda_graphs; tests pass True to run the padded path eagerly on CPU)."""
+        self.program, self.device = program, device
+        self.graphs = cuda_graphs and device.type == "cuda"
+        self.pad = self.graphs if buckets is None else buckets
+        self.buckets = length_buckets(max_seq)
+        self.steps: dict[tuple[int, int], PrefillStep] = {}
+        self._pool = None
+        register_runner(self)
+
+    def bucket(self, length: int) -> int:
+        return next(b for b in self.buckets if b >= length)
+
+    def padded(self, batch: int, length: int) -> bool:
+        """Whether a prefill of this shape runs in a length bucket (on CUDA: a graph)."""
+        return self.pad and batch * self.bucket(length) <= self.max_graph_tokens
+
+    def __call__(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        B, L = ids.shape
+        Lb = self.bucket(L)
+        if not self.padded(B, L):
+            pos = torch.arange(L, device=self.device).expand(B, L).contiguous()
+            return self.program(ids, pos, torch.zeros(B, dtype=torch.long, device=self.device), last)
+        step = self.steps.get((B, Lb))
+        if step is None:
+            step = self.steps[(B, Lb)] = PrefillStep(self.program, B, Lb, self.device)
+            if self.graphs:
+                step.ids[:, :L].copy_(ids)  # the warm-up runs compute this very prefill
+                step.last.copy_(last)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                step.capture(self._pool)
+        return step(ids, last)
+
+    def release(self) -> None:
+        """Drop the graphs (before a process group is torn down; see decode.release_cuda_graphs)."""
+        for step in self.steps.values():
+            if step.graph is not None:
+                torch.cuda.synchronize(step.device)
+                step.graph.reset()
+        self.steps.clear()
+        self.graphs = False
