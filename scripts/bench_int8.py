@@ -57,7 +57,11 @@ GEMV = [dict(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf, X_ROW=False, FAST_CVT=fc, num_
                                   (4, 1024, 2, False, True), (4, 2048, 4, False, True), (2, 2048, 2, False, True),
                                   (8, 2048, 8, False, True), (16, 1024, 8, False, True), (16, 512, 4, False, True),
                                   (8, 512, 4, True, True), (4, 512, 2, True, True), (8, 1024, 4, True, True),
-                                  (4, 1024, 2, True, True), (16, 512, 8, True, True), (2, 1024, 2, True, True)]]
+                                  (4, 1024, 2, True, True), (16, 512, 8, True, True), (2, 1024, 2, True, True),
+                                  # session 8: fewer, smaller programs (4096 x 14336 ran 1.7 waves at BLOCK_N 2)
+                                  (4, 512, 2, False, True), (4, 256, 1, False, True), (2, 256, 1, False, True),
+                                  (2, 512, 1, False, True), (1, 1024, 1, False, True), (4, 512, 4, False, True),
+                                  (8, 256, 2, False, True)]]
 MMA_DECODE = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, num_warps=w, num_stages=s)
               for bn, bk, w, s, fc in [(32, 256, 4, 4, False), (16, 256, 2, 4, True), (16, 512, 4, 3, True),
                                        (16, 512, 2, 4, True), (32, 512, 4, 3, True), (32, 128, 2, 5, True),
@@ -76,7 +80,13 @@ MMA_DECODE_VARIANTS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, S
                                                    # session 8 (H200): deeper split-K and pipelines
                                                    (32, 512, 2, 3, True, 4), (32, 256, 2, 4, True, 8),
                                                    (16, 512, 2, 3, True, 8), (32, 128, 2, 6, True, 4),
-                                                   (64, 256, 4, 4, True, 8), (32, 256, 4, 5, False, 1)]]
+                                                   (64, 256, 4, 4, True, 8), (32, 256, 4, 5, False, 1),
+                                                   # shallower pipelines: more programs per SM (4096 x 14336
+                                                   # at 4 stages ran 448 tiles on 396 slots)
+                                                   (32, 256, 4, 3, False, 1), (32, 256, 4, 2, False, 1),
+                                                   (16, 256, 2, 4, False, 1), (16, 512, 2, 3, False, 1),
+                                                   (32, 128, 4, 4, False, 1), (64, 128, 4, 3, False, 1),
+                                                   (32, 256, 2, 3, True, 4), (32, 128, 2, 4, True, 4)]]
 # decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
 # the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
 # weight is read once
