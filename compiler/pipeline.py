@@ -9,6 +9,8 @@ Why this order:
   fusions (options.fuse): projections first, so swiglu reads the fused gate_up output; the
   int8 pass after them, so it quantizes the fused weights;
   fold_position_tables after the fusions (fuse_rotary reads the cos/sin it replaces by lookups);
+  fuse_rotary_attention (a fusion, decode only) after sharding and fold_position_tables, so it
+  fuses the rank's final rotary + attention pair, with cos/sin already table lookups;
   decode_linears after every pass that matches aten.linear (it renames the decode program's);
   plan_kernels last, so it plans the ops every other pass left.
 """
@@ -29,6 +31,7 @@ from dsc.passes.fuse_activation import fuse_activation
 from dsc.passes.fuse_add_norm import fuse_add_norm
 from dsc.passes.fuse_projections import fuse_projections
 from dsc.passes.fuse_rotary import fuse_rotary
+from dsc.passes.fuse_rotary_attention import fuse_rotary_attention
 from dsc.passes.plan_kernels import plan_kernels
 from dsc.passes.quantize_int8 import quantize_int8
 from dsc.passes.shard_tensor_parallel import shard_tensor_parallel
@@ -45,6 +48,7 @@ def pipeline(options) -> list[tuple[str, Pass]]:
     ] + (FUSIONS if options.fuse else []) + [
         *([("quantize_int8", quantize_int8)] if options.int8 else []),
         ("fold_position_tables", fold_position_tables),
+        *([("fuse_rotary_attention", fuse_rotary_attention)] if options.fuse else []),
         ("decode_linears", decode_linears),
         ("plan_kernels", plan_kernels),
     ]

@@ -3,7 +3,7 @@
 Each op has a plain-torch reference (used on CPU and as the test oracle) and, where one
 exists, a Triton kernel used on CUDA devices.
 """
-from dsc.kernels import attention  # noqa: F401  (registers dsc::attention, dsc::causal_attention)
+from dsc.kernels import attention  # noqa: F401  (dsc::attention, dsc::causal_attention, dsc::rotary_attention)
 from dsc.kernels import collectives  # noqa: F401  (registers dsc::all_reduce)
 from dsc.kernels import norm  # noqa: F401  (dsc::rmsnorm, dsc::add_rmsnorm, dsc::add_layernorm)
 from dsc.kernels import activation  # noqa: F401  (dsc::swiglu, dsc::gelu)

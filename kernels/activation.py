@@ -26,12 +26,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, rows_of, tuned
+from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuned
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
 
 # -- Triton kernels -------------------------------------------------------------------------
+@device
+def _silu_mul(g, u, DT: tl.constexpr):
+    # silu(g) * u as dtype DT, from g and u in fp32: silu rounded to DT before the multiply, as
+    # the unfused `act_fn(gate) * up` rounds it in 16-bit. Shared by the swiglu kernel and the
+    # GEMV that computes gate and up itself (kernels/linear.py)
+    a = (g * tl.sigmoid(g)).to(DT).to(tl.float32)
+    return (a * u).to(DT)
+
+
 def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
         tl.extra.cuda.gdc_launch_dependents()
@@ -41,8 +50,7 @@ def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr
     mask = cols < N
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    a = (g * tl.sigmoid(g)).to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y + cols, _silu_mul(g, u, Y.dtype.element_ty), mask=mask)
 
 
 def _gelu_kernel(X, B, Y, stride_x, stride_y, N, APPROX_TANH: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -1,4 +1,5 @@
-"""Attention with a static KV cache: `dsc::attention` and its trace-time twin `dsc::causal_attention`.
+"""Attention with a static KV cache: `dsc::attention`, its trace-time twin `dsc::causal_attention`,
+and `dsc::rotary_attention` (the rotary embedding of q and k, then `attention`).
 
 Layouts
     q:        [B, H, S, D]     queries of the S new tokens of each sequence
@@ -42,11 +43,18 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   reads its sequence's position on the device and divides that sequence's keys evenly among
   the splits (at least MIN_SPLIT keys each; splits past the end return at once).  The split
   that holds position cache_pos writes the new k/v to the cache and attends to it from
-  registers.  With one split the kernel writes `out` itself; otherwise each split writes its
-  (output, log-sum-exp) pair and counts itself done on a per-(sequence, kv head) counter, and
-  the split that finishes last combines the pairs and writes `out` (one launch per decode
-  step; the separate reduce kernel this replaced cost a launch per layer, 1.7-2.2 us each at
-  batch 1 on an H200).
+  registers.  With one split, or when all of a sequence's keys fall in its first split
+  (a short context: every program can tell before its loop), that split writes `out` itself;
+  otherwise each split writes its (output, log-sum-exp) pair and counts itself done on a
+  per-(sequence, kv head) counter, and the split that finishes last combines the pairs and
+  writes `out` (one launch per decode step; the separate reduce kernel this replaced cost a
+  launch per layer, 1.7-2.2 us each at batch 1 on an H200).
+- `rotary_attention(q, k, v, cos, sin, k_cache, ...)`, made in the decode program by
+  passes/fuse_rotary_attention.py: q, k are dsc.rotary's inputs.  At S == 1 the decode kernel
+  with ROTARY rotates the group's query rows right after loading them and the new token's key
+  before writing it to the cache, each rounded to its dtype where dsc.rotary stores it (then k
+  to the cache's): the bits of the rotary kernel followed by the plain decode kernel, one
+  launch fewer.  Other S run those two kernels (kernels/rotary.py, then prefill).
 Launch configurations: PREFILL_CONFIGS / DECODE_CONFIGS below, shared with the plan_kernels
 pass through `attention_config` and the registered planner (scripts/bench_attention.py --sweep
 measures the candidates on a GPU).  The CPU implementation is the plain-torch reference.
@@ -59,7 +67,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, next_power_of_2, pdl_options, planner, split_counters, tuned
+from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
+from dsc.kernels.rotary import check_rotary, rotary_config, rotary_reference, rotary_triton, rotate
 
 
 def causal_attention_reference(q, k, v, cache_pos, scale, window=0):
@@ -95,6 +104,12 @@ def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
         q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous()
+
+
+def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0):
+    """dsc.rotary of q and k, then attention: the pair `fuse_rotary_attention` makes one op."""
+    q, k = rotary_reference(q, k, cos, sin)
+    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +215,7 @@ def _triton():
     module["tl"] = tl
     for name in _JIT_FUNCTIONS:
         module[name] = triton.jit(module[name])
+    module["rotate"] = jit(rotate)  # kernels/rotary.py's device function (launch.jit binds its `tl`)
     return triton
 
 
@@ -224,6 +240,14 @@ def _store_rows(ptrs, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.con
         tl.store(ptrs, x, mask=row_ok[:, None])
     else:
         tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@_jit_on_first_use
+def _rotated(x, x_half, cos, sin):
+    """dsc.rotary of x (any shape; fp32 cos / sin broadcast to it) in x's dtype, the bits
+    kernels/rotary.py stores: x_half[d] = x[(d + D/2) mod D], sin negated below D/2 (rotate_half's
+    sign).  A second load of x at the shifted columns (cache hits) instead of register shuffles."""
+    return rotate(x.to(tl.float32), cos, x_half.to(tl.float32), sin, x.dtype).to(x.dtype)
 
 
 @_jit_on_first_use
@@ -507,9 +531,10 @@ def _decode_kernel(
     sp_b, sp_h, sp_s,  # part_o [B, H, splits, D] fp32
     sl_b, sl_h,  # part_lse [B, H, splits] fp32
     Hkv, Smax, min_split, window,
+    COS, SIN, sc_b, ss_b,  # ROTARY: cos, sin [B, 1, D] (dsc.rotary's tables); else None
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
-    PDL: tl.constexpr = False,
+    ROTARY: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
         tl.extra.cuda.gdc_launch_dependents()
@@ -529,11 +554,20 @@ def _decode_kernel(
     if lo >= n_keys:  # this split is past the sequence's end
         return
     hi = tl.minimum(tl.minimum(lo + split_len, pos), Smax)  # cached keys of this split: [lo, hi)
+    n_written = tl.cdiv(n_keys - first, split_len)  # splits that did not return early
 
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * G + tl.arange(0, BLOCK_H)  # the group's query heads, padded to BLOCK_H rows
     head_ok = tl.arange(0, BLOCK_H) < G
-    q = _load_rows(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
+    q_rows = Q + b * sq_b + heads[:, None] * sq_h  # [BLOCK_H, 1]
+    q = _load_rows(q_rows + offs_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
+    if ROTARY:  # dsc.rotary's q (rounded to q's dtype), then its k below: one launch fewer per layer
+        half_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # rotate_half's partner column
+        cos = tl.load(COS + b * sc_b + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)  # [BLOCK_D]
+        sin = tl.load(SIN + b * ss_b + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+        sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
+        q = _rotated(q, _load_rows(q_rows + half_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D), cos[None, :],
+                     sin[None, :])
     k_cache = KC + b * skc_b + kvh * skc_h
     v_cache = VC + b * svc_b + kvh * svc_h
 
@@ -549,7 +583,10 @@ def _decode_kernel(
 
     if (pos < Smax) & (pos < lo + split_len):  # the new token's slot is in this split
         cache_ty = KC.dtype.element_ty
-        kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=offs_d < HEAD_DIM).to(cache_ty)  # [BLOCK_D]
+        kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=offs_d < HEAD_DIM)  # [BLOCK_D]
+        if ROTARY:  # in k's dtype first, as dsc.rotary stores it, then the cache's
+            kn = _rotated(kn, tl.load(K + b * sk_b + kvh * sk_h + half_d, mask=offs_d < HEAD_DIM), cos, sin)
+        kn = kn.to(cache_ty)
         vn = tl.load(V + b * sv_b + kvh * sv_h + offs_d, mask=offs_d < HEAD_DIM).to(cache_ty)
         tl.store(k_cache + pos * skc_s + offs_d, kn, mask=offs_d < HEAD_DIM)
         tl.store(v_cache + pos * svc_s + offs_d, vn, mask=offs_d < HEAD_DIM)
@@ -563,6 +600,16 @@ def _decode_kernel(
 
     out = acc / l_i[:, None]
     if SPLIT:
+        # a sequence whose keys all fall in one split (n_written == 1, e.g. a short context):
+        # that split writes `out` itself, as without splits; no partials, and the counter
+        # stays at 0 (only sequences with several splits take and reset it)
+        single = n_written == 1
+    else:
+        single = True
+    if single:
+        _store_rows(OUT + b * so_b + heads[:, None] * so_h + offs_d[None, :],
+                    out.to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)
+    else:
         part_o = PART_O + b * sp_b + heads[:, None] * sp_h + offs_d[None, :]  # + split * sp_s
         part_lse = PART_LSE + b * sl_b + heads * sl_h  # + split
         _store_rows(part_o + split * sp_s, out, head_ok, offs_d, HEAD_DIM, BLOCK_D)
@@ -571,7 +618,6 @@ def _decode_kernel(
         # barrier orders every thread's stores before the counter's release, and the acquire
         # makes the other splits' stores visible to the last one (no second kernel launch)
         tl.debug_barrier()
-        n_written = tl.cdiv(n_keys - first, split_len)  # splits that did not return early
         done = tl.atomic_add(LOCK + bh, 1, sem="acq_rel", scope="gpu")
         if done == n_written - 1:
             m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -590,9 +636,6 @@ def _decode_kernel(
             _store_rows(OUT + b * so_b + heads[:, None] * so_h + offs_d[None, :],
                         (o / l[:, None]).to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)
             tl.store(LOCK + bh, 0)  # ready for the next step (and the next graph replay)
-    else:
-        _store_rows(OUT + b * so_b + heads[:, None] * so_h + offs_d[None, :],
-                    out.to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -669,14 +712,21 @@ def _kv_descriptors(k, v, k_cache, v_cache, block_n: int, block_d: int):
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d]) for t in ts]
 
 
-def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, out=None, config=None,
-                     num_splits=None):
-    """`attention` for S == 1 (flash-decoding). The grid depends on shapes only."""
+def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, rotary=None, out=None,
+                     config=None, num_splits=None):
+    """`attention` for S == 1 (flash-decoding). The grid depends on shapes only.
+    rotary=(cos, sin): `rotary_attention`, q and k are dsc.rotary's inputs, rotated in the kernel."""
     _check(q, k, v, k_cache, v_cache, cache_pos)
     if q.shape[2] != 1:
         raise ValueError(f"decode_attention: one query per sequence, got S={q.shape[2]}")
+    if rotary is not None:
+        check_rotary(q, k, *rotary)
     _triton()
     q, k, v = _last_contiguous(q, k, v)
+    rot = (None,) * 4  # cos, sin [B, 1, D] and their batch strides; None (constexprs) in the plain kernel
+    if rotary is not None:
+        cos, sin = _last_contiguous(*rotary)
+        rot = (cos, sin, cos.stride(0), sin.stride(0))
     B, H, _, D = q.shape
     Hkv, Smax = k.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -700,8 +750,9 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, o
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         Hkv, Smax, cfg["MIN_SPLIT"], window,
+        *rot,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
-        BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0,
+        BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0, ROTARY=rotary is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device),
     )
     return out
@@ -716,10 +767,14 @@ def causal_attention(
     return causal_attention_reference(q, k, v, cache_pos, scale, window)
 
 
-@causal_attention.register_fake
-def _(q, k, v, cache_pos, scale, window=0):
+def _out_like(q):
     B, H, S, D = q.shape
     return q.new_empty(B, S, H, D)
+
+
+@causal_attention.register_fake
+def _(q, k, v, cache_pos, scale, window=0):
+    return _out_like(q)
 
 
 @torch.library.custom_op("dsc::attention", mutates_args=("k_cache", "v_cache"))
@@ -745,8 +800,7 @@ def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
 
 @attention.register_fake
 def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
-    B, H, S, D = q.shape
-    return q.new_empty(B, S, H, D)
+    return _out_like(q)
 
 
 @planner("dsc.attention.default")
@@ -763,3 +817,42 @@ def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, ar
         return {"name": "triton.attention_decode", "config": cfg, "launches": 1}
     cfg = {**attention_config("prefill", D, arch), "group": H // Hkv, **({"window": window} if window else {})}
     return {"name": "triton.attention_prefill", "config": cfg, "launches": 1}
+
+
+@torch.library.custom_op("dsc::rotary_attention", mutates_args=("k_cache", "v_cache"))
+def rotary_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_pos: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    return rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window)
+
+
+@rotary_attention.register_kernel("cuda")
+def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0):
+    if q.shape[2] == 1:
+        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, rotary=(cos, sin))
+    q, k = rotary_triton(q, k, cos, sin)  # the prefill kernel reads each key many times: rotate once
+    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+
+
+@rotary_attention.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0):
+    return _out_like(q)
+
+
+@planner("dsc.rotary_attention.default")
+def _plan_rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, *, arch):
+    """Decode: the decode kernel with ROTARY, one launch; otherwise the rotary kernel, then prefill."""
+    plan = _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, arch=arch)
+    if plan["name"] == "triton.attention_decode":
+        return {**plan, "name": "triton.rotary_attention_decode"}
+    return {"name": f"triton.rotary + {plan['name']}",
+            "config": {**plan["config"], "rotary": rotary_config(q.shape[-1], arch)}, "launches": 2}

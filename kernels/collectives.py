@@ -62,8 +62,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
-from dsc.kernels.linear import _gemv_rows, gemv_config
+from dsc.kernels.launch import arch_of, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
+from dsc.kernels.linear import _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
 tl = None  # triton.language, bound by launch.jit on first launch
@@ -539,12 +539,9 @@ def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.T
     """x (one row of K) @ weight [N, K].T into this rank's region of every rank's push buffer of
     `slot`, row 0, with the GEMV config `config` (kernels/linear.py's)."""
     n, k = weight.shape
-    cfg = {"X_ROW": False, **config}
-    num_warps = cfg.pop("num_warps")
-    jit(_gemv_push_kernel)[(cdiv(n, cfg["BLOCK_N"]),)](
-        x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
-        EVEN=n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0, WORLD=s.world, MARK=_MARK[s.dtype],
-        num_warps=num_warps, **cfg, **pdl_options(x.device))
+    grid, opts = gemv_launch(config, n, k, x.device)
+    jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
+                                 WORLD=s.world, MARK=_MARK[s.dtype], **opts)
 
 
 @linear_all_reduce_add_rmsnorm.register_fake

@@ -13,6 +13,16 @@ M = 1 torch adds an unfused bias as a copy kernel before the GEMV.
                    every SM's loads in flight at the shapes tuned).
 M > 1, and shapes without a tuned row, run F.linear (cuBLAS), as aten.linear would.
 
+`dsc::linear_swiglu(x, weight)` = swiglu of the two halves of F.linear(x, weight), weight the
+fused [gate; up] of an MLP (the decode_linears pass makes it of the gate_up `dsc::linear` and
+the `dsc::swiglu` that reads its halves):
+    _gemv_swiglu_kernel  M == 1 where the weight's shape has a tuned GEMV row: the GEMV loop
+                   (`_gemv_rows`) over a tile of the BLOCK_N gate rows and the BLOCK_N up rows
+                   of the same outputs, each result rounded to the dtype as the linear's output
+                   is, then activation.py's swiglu; one launch where the pair takes two, and the
+                   [.., 2N] gate_up output is never written or read back.
+Elsewhere the two ops (their kernels on CUDA), with the same values.
+
 Launch configurations come from kernels/tuning.json's "gemv" rows per shape class "N<n>_K<k>";
 scripts/tune_gemv.py writes a row only where the best config beat cuBLAS at that shape on the
 GPU it ran on (the row keeps both times). `plan_kernels` records the choice per node.
@@ -25,6 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from dsc.kernels.activation import _plan_swiglu, _silu_mul, swiglu_reference
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, tuning_table
 
 tl = None  # triton.language, bound by launch.jit on first launch
@@ -35,8 +46,8 @@ def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexp
                X_ROW: tl.constexpr, PDL: tl.constexpr):
     # y[n] = sum_k x[k] * w[n, k] for this program's rows offs_n, in fp32 ([BLOCK_N]); with PDL
     # it waits (gdc_wait) after the first weight tile's load and before any other access.
-    # Shared by the GEMV kernel and the GEMV that pushes its rows to the all-reduce
-    # (kernels/collectives.py)
+    # Shared by the GEMV kernel, the GEMV + swiglu (its rows: gate and up rows interleaved) and
+    # the GEMV that pushes its rows to the all-reduce (kernels/collectives.py)
     rows = offs_n.to(tl.int64) * K
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per-lane partial sums, reduced once
@@ -83,6 +94,26 @@ def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
+def _gemv_swiglu_kernel(X, W, Y, N, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        X_ROW: tl.constexpr, PDL: tl.constexpr = False):
+    # y[n] = silu(g[n]) * u[n], g[n] = w[n] . x, u[n] = w[N + n] . x     x: [K], w: [2N, K], y: [N]
+    if PDL:  # kernels/launch.py: the next kernel's programs may start now
+        tl.extra.cuda.gdc_launch_dependents()
+    # one tile of 2 BLOCK_N weight rows, gate and up interleaved (row 2i: gate of output n0 + i,
+    # row 2i + 1: its up), so one loop and one reduction serve both and a [BLOCK_N, 2] split
+    # pairs them
+    i = tl.arange(0, 2 * BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + i // 2
+    mask_n = offs_n < N
+    gu = _gemv_rows(X, W, offs_n + (i % 2) * N, mask_n, K, EVEN, 2 * BLOCK_N, BLOCK_K, X_ROW, PDL)  # [2 BLOCK_N]
+    g, u = tl.split(tl.reshape(gu, (BLOCK_N, 2)))  # [BLOCK_N] each
+    # rounded to the dtype as the unfused linear's output is, then the swiglu kernel's math
+    dt = Y.dtype.element_ty
+    y = _silu_mul(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), dt)
+    offs_y = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(Y + offs_y, y, mask=offs_y < N)
+
+
 # -- configs -----------------------------------------------------------------------------------
 GEMV_MODES = ("tuned", "off", "all")
 
@@ -110,29 +141,74 @@ def gemv_config(n: int, k: int, arch: str, mode: str | None = None) -> dict | No
     return {key: row[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "X_ROW") if key in row}
 
 
+def gemv_swiglu_config(n: int, k: int, arch: str, mode: str | None = None) -> dict | None:
+    """The fused GEMV + swiglu kernel's config for a gate_up weight [n, k] (n / 2 outputs), or
+    None where the shape's GEMV is not in use (`gemv_config`: no tuned row, DSC_GEMV=off), which
+    leaves cuBLAS and the swiglu kernel. From the GEMV row: a program reads the BLOCK_N gate rows
+    and the BLOCK_N up rows of its outputs, so half the GEMV's BLOCK_N (at least 1) keeps its
+    tuned [rows, BLOCK_K] tile and grid; where the GEMV streams one row per program (Llama's
+    gate_up shapes) the tile is 2 rows, and there are half as many programs. kernels/tuning.json's
+    `gemv_swiglu` row (BLOCK_N counting outputs) overrides that where one was measured."""
+    cfg = gemv_config(n, k, arch, mode)
+    if cfg is None or n % 2:
+        return None
+    row = tuning_table().get(arch, {}).get("gemv_swiglu", {}).get(f"N{n}_K{k}") or {}
+    return {**cfg, "BLOCK_N": max(1, cfg["BLOCK_N"] // 2),
+            **{key: row[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "X_ROW") if key in row}}
+
+
 def default_gemv_config(k: int) -> dict:
     """4 rows per program, K-blocks of up to 512, about 8 elements (16 bytes) per thread."""
     block_k = min(512, next_power_of_2(k))
     return {"BLOCK_N": 4, "BLOCK_K": block_k, "num_warps": max(1, min(4, 4 * block_k // 256))}
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict) -> torch.Tensor:
-    """x [K] or [1, K] (any leading dims of one row) -> [..., N] with the GEMV kernel."""
+def _check_one_row(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """ValueError unless x is one row of weight's dtype and weight [N, K] is contiguous."""
     n, k = weight.shape
     if x.numel() != k or x.dtype != weight.dtype:
-        raise ValueError(f"gemv: x {x.dtype}{list(x.shape)} does not match one row of weight "
+        raise ValueError(f"{op}: x {x.dtype}{list(x.shape)} does not match one row of weight "
                          f"{weight.dtype}{list(weight.shape)}")
     if weight.stride(1) != 1 or weight.stride(0) != k:
-        raise ValueError("gemv: the weight must be contiguous [N, K]")
+        raise ValueError(f"{op}: the weight must be contiguous [N, K]")
+
+
+def _is_one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """What the GEMV kernels take: x one row of weight's dtype, weight contiguous."""
+    return x.numel() == weight.shape[1] and x.dtype == weight.dtype and weight.is_contiguous()
+
+
+def gemv_launch(config: dict, n: int, k: int, device: torch.device) -> tuple[tuple[int], dict]:
+    """(grid, launch keywords) of a kernel built on `_gemv_rows` with `config`'s BLOCK_N outputs
+    per program, over n outputs and K = k: X_ROW off unless the config sets it, EVEN, PDL."""
+    cfg = {"X_ROW": False, **config}
+    even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
+    return (cdiv(n, cfg["BLOCK_N"]),), {**cfg, "EVEN": even, **pdl_options(device)}
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict) -> torch.Tensor:
+    """x [K] or [1, K] (any leading dims of one row) -> [..., N] with the GEMV kernel."""
+    _check_one_row("gemv", x, weight)
+    n, k = weight.shape
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"gemv: bias must be {x.dtype}[{n}], got {bias.dtype}{list(bias.shape)}")
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    cfg = {"X_ROW": False, **config}
-    num_warps = cfg.pop("num_warps")
-    even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
-    jit(_gemv_kernel)[(cdiv(n, cfg["BLOCK_N"]),)](
-        x.contiguous(), weight, bias if bias is not None else weight, y, n, k,
-        HAS_BIAS=bias is not None, EVEN=even, num_warps=num_warps, **cfg, **pdl_options(x.device))
+    grid, opts = gemv_launch(config, n, k, x.device)
+    jit(_gemv_kernel)[grid](x.contiguous(), weight, bias if bias is not None else weight, y, n, k,
+                            HAS_BIAS=bias is not None, **opts)
+    return y
+
+
+def gemv_swiglu(x: torch.Tensor, weight: torch.Tensor, config: dict) -> torch.Tensor:
+    """x [K] or [1, K] (any leading dims of one row), weight [2N, K] = [gate; up] -> silu(gate x)
+    * (up x) [..., N] with the fused kernel (`gemv_swiglu_config`: BLOCK_N counts outputs)."""
+    _check_one_row("gemv_swiglu", x, weight)
+    n2, k = weight.shape
+    if n2 % 2:
+        raise ValueError(f"gemv_swiglu: the weight [gate; up] must have an even number of rows, got {n2}")
+    y = torch.empty(*x.shape[:-1], n2 // 2, device=x.device, dtype=x.dtype)
+    grid, opts = gemv_launch(config, n2 // 2, k, x.device)
+    jit(_gemv_swiglu_kernel)[grid](x.contiguous(), weight, y, n2 // 2, k, **opts)
     return y
 
 
@@ -149,12 +225,38 @@ def _(x, weight, bias=None):
 
 @linear.register_kernel("cuda")
 def _(x, weight, bias=None):
-    n, k = weight.shape
-    if x.numel() == k and x.dtype == weight.dtype and weight.is_contiguous():
-        cfg = gemv_config(n, k, arch_of(x.device))
-        if cfg is not None:
-            return gemv(x, weight, bias, cfg)
-    return F.linear(x, weight, bias)
+    cfg = gemv_config(*weight.shape, arch_of(x.device)) if _is_one_row(x, weight) else None
+    return F.linear(x, weight, bias) if cfg is None else gemv(x, weight, bias, cfg)
+
+
+def _swiglu_halves(y: torch.Tensor, swiglu) -> torch.Tensor:
+    """swiglu(gate, up) of y [..., 2N] = [gate | up], the halves read in place: [..., N]."""
+    n = y.shape[-1] // 2
+    return swiglu(y[..., :n], y[..., n:])
+
+
+def linear_swiglu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _swiglu_halves(F.linear(x, weight), swiglu_reference)
+
+
+@torch.library.custom_op("dsc::linear_swiglu", mutates_args=())
+def linear_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dsc::swiglu of the halves of dsc::linear(x, weight), weight [2N, K] = [gate; up] (no bias):
+    the values of the two ops (the linear's output rounded to the dtype, then swiglu)."""
+    return linear_swiglu_reference(x, weight)
+
+
+@linear_swiglu.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+
+@linear_swiglu.register_kernel("cuda")
+def _(x, weight):
+    cfg = gemv_swiglu_config(*weight.shape, arch_of(x.device)) if _is_one_row(x, weight) else None
+    if cfg is None:  # the pair: cuBLAS (or the GEMV), then the swiglu kernel on the halves in place
+        return _swiglu_halves(torch.ops.dsc.linear(x, weight), torch.ops.dsc.swiglu)
+    return gemv_swiglu(x, weight, cfg)
 
 
 # -- planner (plan_kernels) ------------------------------------------------------------------------
@@ -169,3 +271,18 @@ def _plan_linear(x, weight, bias=None, *, arch):
         return {"name": "cublas.gemm", "config": {"N": n, "K": k, "bias": has_bias}, "launches": 2 if has_bias else 1}
     return {"name": "triton.gemv", "config": {"N": n, "K": k, "bias": has_bias, **cfg, "M>1": "cublas.gemm"},
             "launches": 1}
+
+
+@planner("dsc.linear_swiglu.default")
+def _plan_linear_swiglu(x, weight, *, arch):
+    """Counted at one row: the fused kernel where the gate_up shape's GEMV is tuned (1 launch),
+    else the linear's kernel and the swiglu kernel."""
+    n, k = weight.shape
+    cfg = gemv_swiglu_config(n, k, arch, mode="tuned")
+    if cfg is not None:
+        return {"name": "triton.gemv_swiglu",
+                "config": {"N": n, "K": k, **cfg, "M>1": "cublas.gemm + triton.swiglu"}, "launches": 1}
+    lin = _plan_linear(x, weight, arch=arch)
+    act = _plan_swiglu(torch.empty(n // 2, device="meta"), None, arch=arch)  # it reads the width
+    return {"name": f"{lin['name']} + {act['name']}", "config": {**lin["config"], "swiglu": act["config"]},
+            "launches": lin["launches"] + act["launches"]}

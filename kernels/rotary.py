@@ -15,12 +15,22 @@ from __future__ import annotations
 
 import torch
 
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, tuned
+from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, tuned
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
 
 # -- Triton kernel ----------------------------------------------------------------------------
+@device
+def rotate(x, cos, x_rot, sin, dt):
+    """x * cos + rotate_half(x) * sin, elementwise, fp32 in and out: x_rot * sin is rotate_half's
+    term (x_rot = -x[d + D/2] below D/2, x[d - D/2] from D/2 on; or x[(d + D/2) mod D] with sin
+    negated below D/2, the same bits). Each product is rounded to dt (the input dtype) and the
+    caller rounds the sum, as transformers' 16-bit ops do. Shared with the decode attention
+    kernel, which rotates q and k as it loads them (kernels/attention.py)."""
+    return (x * cos).to(dt).to(tl.float32) + (x_rot * sin).to(dt).to(tl.float32)
+
+
 def _rotary_kernel(Q, K, COS, SIN, QO, KO,
                    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sc_b, sc_s, ss_b, ss_s,
                    S, HQ, HK, HALF, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
@@ -59,8 +69,8 @@ def _rotary_kernel(Q, K, COS, SIN, QO, KO,
     dt = x1.dtype
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    o1 = rotate(x1, c1, -x2, s1, dt)
+    o2 = rotate(x2, c2, x1, s2, dt)
     op = o_row + h[:, None] * (S * 2 * HALF) + d[None, :]
     tl.store(op, o1.to(dt), mask=m)
     tl.store(op + HALF, o2.to(dt), mask=m)
@@ -74,7 +84,8 @@ def rotary_config(head_dim: int, arch: str) -> dict:
 
 
 # -- wrapper ----------------------------------------------------------------------------------
-def rotary_triton(q, k, cos, sin, config: dict | None = None):
+def check_rotary(q, k, cos, sin) -> None:
+    """The forms `rotary` takes (and `rotary_attention`, which rotates in the attention kernel)."""
     B, HQ, S, D = q.shape
     HK = k.shape[1]
     if k.shape != (B, HK, S, D) or cos.shape != (B, S, D) or sin.shape != (B, S, D) or D % 2:
@@ -82,6 +93,12 @@ def rotary_triton(q, k, cos, sin, config: dict | None = None):
                          f"sin {list(sin.shape)}: expected [B,Hq,S,D], [B,Hk,S,D], [B,S,D] x2, D even")
     if k.dtype != q.dtype:
         raise ValueError(f"rotary: q is {q.dtype}, k is {k.dtype}")
+
+
+def rotary_triton(q, k, cos, sin, config: dict | None = None):
+    check_rotary(q, k, cos, sin)
+    B, HQ, S, D = q.shape
+    HK = k.shape[1]
     q, k, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin))
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)

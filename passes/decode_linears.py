@@ -10,13 +10,23 @@ Matches / rewrites (counted under `decode_linears.gemv`):
   down_proj and the fused all-reduce + norm after it; on GPUs with the push all-reduce the
   GEMV stores its outputs straight into every rank's push buffer (kernels/collectives.py),
   elsewhere the same two ops.
+  and after fuse_activation (counted under `decode_linears.swiglu`):
+  dsc.swiglu(slice(y, -1, 0, h), slice(y, -1, h, 2h)), y = dsc.linear(x, W) with W [2h, K],
+  no bias, y read only by the two slices and each slice only by the swiglu
+  -> dsc.linear_swiglu(x, W): the MLP's fused gate_up projection and its activation; on GPUs
+  with a tuned GEMV for W's shape one kernel computes both halves' rows and the activation
+  (kernels/linear.py), elsewhere the same two ops. Under tensor parallelism W and the slices
+  are the rank's local ones: fuse_projections shards gate_up per member, so every rank holds
+  [gate_r; up_r] and its slices cut its own halves.
 Prefill keeps aten.linear (cuBLAS at M = batch x seq); int8 linears are already dsc ops.
 Requires: every pass that matches aten.linear ran (fusions, sharding, quantize_int8).
-Guarantees: same math as F.linear (fp32 accumulation in the GEMV); no other change.
+Guarantees: same math as F.linear (fp32 accumulation in the GEMV), and as the linear's output
+  rounded to the dtype then swiglu for linear_swiglu; no other change.
 """
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from dsc.compiler.ir import Model
 from dsc.passes._util import aten, is_call, replace_with
@@ -46,4 +56,40 @@ def decode_linears(model: Model) -> Model:
             n.target, n.args = torch.ops.dsc.linear_all_reduce_add_rmsnorm.default, (r, lin.args[0], lin.args[1], w, eps)
             graph.erase_node(lin)
             model.counters["decode_linears.all_reduce"] += 1
+    for n in list(graph.nodes):
+        lin = _gate_up_of(n)
+        if lin is not None:
+            halves = n.args
+            replace_with(n, torch.ops.dsc.linear_swiglu.default, (lin.args[0], lin.args[1]))
+            for dead in (*halves, lin):
+                graph.erase_node(dead)
+            model.counters["decode_linears.swiglu"] += 1
     return model
+
+
+def _gate_up_of(n: fx.Node) -> fx.Node | None:
+    """The bias-free dsc.linear(x, W), W [2h, K], whose output n = dsc.swiglu(gate, up) reads as
+    exactly its two halves, gate = y[..., :h] and up = y[..., h:], each slice read by n alone
+    and the linear by the two slices alone; else None."""
+    if not is_call(n, torch.ops.dsc.swiglu.default) or len(n.args) != 2 or n.kwargs:
+        return None
+    gate, up = n.args
+    if not (is_call(gate, aten.slice.Tensor) and is_call(up, aten.slice.Tensor)) or gate.kwargs or up.kwargs:
+        return None
+    lin = gate.args[0]
+    if (up.args[0] is not lin or not is_call(lin, torch.ops.dsc.linear.default) or lin.kwargs
+            or not (len(lin.args) == 2 or lin.args[2] is None) or set(lin.users) != {gate, up}
+            or list(gate.users) != [n] or list(up.users) != [n]):
+        return None
+    rows = lin.args[1].meta["val"].shape[0]  # the rank's local [gate; up] rows
+    y = lin.meta["val"]
+    if rows % 2 or y.shape[-1] != rows:
+        return None
+    return lin if _is_slice(gate, y.dim(), 0, rows // 2) and _is_slice(up, y.dim(), rows // 2, rows) else None
+
+
+def _is_slice(s: fx.Node, ndim: int, start: int, end: int) -> bool:
+    """s = aten.slice(y, last dim, start, end[, step 1]), every bound a plain int."""
+    dim, *rest = s.args[1:]
+    return (all(type(a) is int for a in (dim, *rest)) and dim in (-1, ndim - 1)
+            and tuple(rest) in ((start, end), (start, end, 1)))

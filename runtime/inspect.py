@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from dsc.runtime.artifact import open_artifact
+from dsc.runtime.plan import ATTENTION_OPS
 
 
 def _rank_header(path: Path) -> dict:
@@ -73,7 +74,7 @@ def describe(path: str | Path) -> dict:
         ranks[r] = {"tensors": len(h), "bytes": f.stat().st_size, "bytes_by_dtype": dict(sorted(by_dtype.items()))}
     from dsc.runtime.memory_plan import workspace_bytes
 
-    attn = [n for n in plan["programs"].get("decode", {"nodes": []})["nodes"] if n.get("op") == "dsc.attention.default"]
+    attn = [n for n in plan["programs"].get("decode", {"nodes": []})["nodes"] if n.get("op") in ATTENTION_OPS]
     windows = Counter((n.get("kernel") or {}).get("config", {}).get("window", 0) for n in attn)
     buckets = plan["limits"].get("decode_buckets") or [plan["limits"]["max_batch"]]
     workspace = {b: workspace_bytes(plan, "decode", b) for b in buckets}

@@ -24,6 +24,9 @@ import torch
 import torch.fx as fx
 
 _OPERATOR_FUNCS = {getattr(operator, n): n for n in dir(operator) if not n.startswith("_")}
+# the ops that attend over a layer's KV cache and write the new tokens into it (the decode
+# program's attention has the rotary embedding fused in: passes/fuse_rotary_attention.py)
+ATTENTION_OPS = ("dsc.attention.default", "dsc.rotary_attention.default")
 
 
 def op_name(target: Any) -> str:

@@ -19,6 +19,7 @@ from collections import defaultdict
 import torch
 
 from dsc.runtime.bench import READ_BW_H200
+from dsc.runtime.plan import ATTENTION_OPS
 
 
 def _weight_bytes(engine, node: dict, targets: dict[str, str]) -> int:
@@ -50,7 +51,7 @@ def _plan_launches(engine, batch: int, context: int) -> list[dict]:
             table = engine.weights.get(targets.get(n["args"][0].get("node"))) if isinstance(n["args"][0], dict) else None
             nbytes = batch * table[0].numel() * table.element_size() if table is not None else 0
         else:
-            nbytes = _weight_bytes(engine, n, targets) + (kv_layer if n["op"] == "dsc.attention.default" else 0)
+            nbytes = _weight_bytes(engine, n, targets) + (kv_layer if n["op"] in ATTENTION_OPS else 0)
         for i in range(launches):
             out.append({"node": n["name"], "kernel": k.get("name", n["op"]), "bytes": nbytes if i == 0 else 0})
     return out

@@ -5,8 +5,10 @@
 # on the GPUs; this reproduces such failures in seconds, before a GPU call).
 #   bash scripts/aot_other_triton.sh [VERSION]        (default 3.6.0; from the repository root,
 #                                                      in the venv: . .venv/bin/activate)
-# Uses the kernel test files' own sm_90 build modes; prints one line per file and exits non-zero
-# if any kernel failed to build (or a PDL variant touches memory before its griddepcontrol.wait).
+# Uses the kernel test files' own sm_90 build modes (test_linear_kernel.py's: the GEMV and the GEMV
+# + swiglu); prints one line per file and exits non-zero if any kernel failed to build (or a PDL
+# variant touches memory before its griddepcontrol.wait, or a build spills registers where the
+# file counts spills).
 set -uo pipefail
 V=${1:-3.6.0}
 T=/tmp/dsc-triton-$V
@@ -21,7 +23,8 @@ for f in fused_kernels int8_kernels linear_kernel; do
     python3 - "$L/$f.json" "$f" <<'PY' || fail=1
 import json, sys
 r = json.load(open(sys.argv[1]))
-bad = sorted(k for k, v in r.items() if not v.get("ok") or v.get("pdl", "ok") != "ok")  # pdl: tests/kernel_child.py
+bad = sorted(k for k, v in r.items()  # pdl, spill_bytes: tests/kernel_child.py
+             if not v.get("ok") or v.get("pdl", "ok") != "ok" or v.get("spill_bytes", 0))
 print(f"{sys.argv[2]}: {len(r) - len(bad)}/{len(r)} built" + (f"; FAILED: {bad}" if bad else ""))
 sys.exit(1 if bad else 0)
 PY

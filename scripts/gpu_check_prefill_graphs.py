@@ -73,7 +73,7 @@ def main() -> int:
         r["prefill_128_ms"] = {"graph": timed(lambda: graphs.prefill(p128)), "eager": timed(lambda: eager.prefill(p128))}
         report[dtype] = r
         print(dtype, json.dumps(r), flush=True)
-        del graphs, eager
+        graphs = eager = None  # free this dtype's engines before the next
         torch.cuda.empty_cache()
     report["ok"] = ok
     out = Path(os.environ.get("OUT", "."))

@@ -4,6 +4,10 @@
 #                                        # bench_attention --sweep             (about 3 minutes)
 #   bash scripts/gpu_kernels.sh int8     # bench_int8: M=1 and M=8 sweep of every W8A16 variant
 #                                        # (M=8 only: INT8_M=8), then all shapes with the defaults
+#   bash scripts/gpu_kernels.sh fusions  # the decode fusions at real shapes (check_fused_decode_gpu),
+#                                        # check_attention_gpu, the CUDA-graph prefill against eager
+#                                        # (gpu_check_prefill_graphs), the runtime on GPU vs CPU
+#                                        # (gpu_check_runtime, bf16 Llama-1B shape)
 #   bash scripts/gpu_kernels.sh int8-batch   # bench_int8 at M=32 and 64 (the batch-64 decode
 #                                        # path, slower than bf16 in session 5)
 # Each step has its own timeout so that one slow step cannot take the others' results; logs
@@ -35,6 +39,12 @@ case "${1:-checks}" in
     mv "$R/bench_int8.json" "$R/bench_int8_sweep.json" 2>/dev/null
     mv "$R/tuning_int8.json" "$R/tuning_int8_sweep.json" 2>/dev/null
     TAIL=14 step bench_int8_quick 120 python3 scripts/bench_int8.py --quick
+    ;;
+  fusions)
+    TAIL=8 step check_fused_decode 150 python3 scripts/check_fused_decode_gpu.py
+    TAIL=6 step check_attention 180 python3 scripts/check_attention_gpu.py
+    TAIL=6 step check_prefill_graphs 200 python3 scripts/gpu_check_prefill_graphs.py
+    TAIL=12 step check_runtime 240 python3 scripts/gpu_check_runtime.py --shape llama-1b --dtype bfloat16
     ;;
   int8-batch)
     TAIL=12 step bench_int8_batch 420 python3 scripts/bench_int8.py --decode-m 32,64 --no-prefill

@@ -15,7 +15,7 @@
 #    DSC_ALLREDUCE=pull (the pull kernel), DSC_ALLREDUCE=one_shot (no fused kernel)
 #    and DSC_ALLREDUCE=nccl, in the same run; the
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
-#    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off.
+#    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off (tp=4 profiled).
 #    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
 #    `gemv_push` rows to merge by hand).
@@ -121,14 +121,16 @@ if [ -z "${NO_GEN:-}" ]; then
 fi
 bench() {  # bench TAG ARTIFACT [env...]; PROFILE=1: also --profile
   local tag=$1 a=$2; shift 2
-  env "$@" timeout 150 python3 -m dsc bench "$W/$a" --batch 1 --batch 64 --prefill 128 --iters 30 \
+  env "$@" timeout 150 python3 -m dsc bench "$W/$a" --batch 1 --batch 64 --prefill 128 --prefill 1000 --iters 30 \
     ${PROFILE:+--profile} --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.txt" 2>&1
   grep -v -i warn "$OUT/bench-$tag.txt" | grep -v "^    model.layers" | tail -${TAIL:-9}
 }
 if [ -z "${NO_BENCH:-}" ]; then
   for A in $ARTS; do
     if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A" "$A"; else bench "$A" "$A"; fi
-    [ -n "${PDL_AB:-}" ] && bench "$A-nopdl" "$A" DSC_PDL=off
+    if [ -n "${PDL_AB:-}" ]; then  # tp=4 without PDL also profiled: a per-kernel split (PDL overlaps kernels)
+      if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A-nopdl" "$A" DSC_PDL=off; else bench "$A-nopdl" "$A" DSC_PDL=off; fi
+    fi
     if [[ $A != tp1* && $A != *int8 ]]; then
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-push" "$A" DSC_ALLREDUCE=push
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-pull" "$A" DSC_ALLREDUCE=pull

@@ -55,6 +55,21 @@ def pdl_check(kernel, pdl: bool, allowed_before_wait: frozenset[str] = frozenset
     return f"before the wait: {bad}" if bad else "ok"
 
 
+def spill_bytes(kernel) -> int:
+    """Bytes of registers an sm_90 build spills to local memory (stores), from `ptxas -v` (the
+    ptxas this triton runs) on the kernel's PTX: triton keeps the count only once a GPU loads it."""
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.ptx").write_text(kernel.asm["ptx"])
+        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o",
+                               str(Path(d, "k.cubin"))], capture_output=True, text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", proc.stdout + proc.stderr))
+
+
 def child_fixtures(script: str, prefix: str):
     """The `interpreted` and `compiled` (sm_90, no GPU) result fixtures of a kernel test file."""
     @pytest.fixture(scope="module")

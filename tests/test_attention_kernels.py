@@ -8,6 +8,9 @@ The interpreter's bf16 tl.dot is wrong (DESIGN.md): cases run in fp16 and fp32.
 Every prefill case also runs with the prefill variant's keys on (TMA descriptors, deferred
 p @ v: kernels/attention.py PREFILL_VARIANTS); the interpreter runs host TMA descriptors (zero
 fill past a tensor's end included) but not Hopper's asynchrony, so the sm_90 builds are checked too.
+The rotary decode cases run `dsc::rotary_attention`'s kernel (decode_attention with rotary=(cos, sin))
+against dsc.rotary's reference then attention's, and against the unfused kernels (rotary, then
+plain decode attention): the same bits, output and cache.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class Case:
     num_splits: int | None = None  # decode only; None: decode_num_splits's heuristic
     window: int = 0  # sliding window (0: none)
     fused_qkv: bool = False  # q, k, v as the runtime passes them: transposed views of one [B, S, (H + 2 Hkv) D]
+    rotary: bool = False  # dsc.rotary_attention: q and k are rotated in the kernel (decode only)
 
 
 SMALL_PREFILL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -101,6 +105,20 @@ CASES = {
     "decode-window-one-split": Case("decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), window=9),
     "decode-window-many-splits": Case("decode", 2, 4, 2, 1, 16, 70, (36, 69), config=SMALL_DECODE,
                                       num_splits=7, window=33),
+    # rotary fused into decode (random cos / sin, whose halves differ: a wrong partner column shows)
+    "decode-rotary-one-split": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), rotary=True),
+    # 3 splits: the keys of pos 0 and 13 fit in the first (the single-split path), 20's and 36's take 2 and 3
+    "decode-rotary-splits": Case("decode", 4, 6, 2, 1, 16, 37, (0, 13, 20, 36), config=SMALL_DECODE, num_splits=3,
+                                 rotary=True),
+    "decode-rotary-mha": Case("decode", 2, 3, 3, 1, 32, 37, (11, 30), config=SMALL_DECODE, num_splits=2, rotary=True),
+    "decode-rotary-mqa": Case("decode", 2, 8, 1, 1, 16, 37, (2, 35), config=SMALL_DECODE, num_splits=3, rotary=True),
+    "decode-rotary-d48": Case("decode", 2, 4, 2, 1, 48, 37, (9, 36), config=SMALL_DECODE, num_splits=3, rotary=True),
+    "decode-rotary-window": Case("decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), config=SMALL_DECODE, num_splits=3,
+                                 window=20, rotary=True),
+    "decode-rotary-overflow": Case("decode", 3, 6, 2, 1, 16, 37, (37, 50, 15), config=SMALL_DECODE, num_splits=3,
+                                   rotary=True),
+    "decode-rotary-fused-qkv": Case("decode", 2, 8, 2, 1, 32, 61, (5, 40), config=SMALL_DECODE, num_splits=2,
+                                    fused_qkv=True, rotary=True),
 }
 DTYPES = ("float32", "float16")
 # the prefill variant's launch-config keys, each run on every prefill case (a windowed call runs
@@ -135,6 +153,9 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
         q, k, v = rand(B, H, S, D), rand(B, Hkv, S, D), rand(B, Hkv, S, D)
     k_cache, v_cache = rand(Bmax, Hkv, Smax, D), rand(Bmax, Hkv, Smax, D)
     cache_pos = torch.tensor(case.cache_pos, dtype=torch.int64)
+    cos_sin = (rand(B, S, D).clamp(-1, 1), rand(B, S, D).clamp(-1, 1)) if case.rotary else None
+    # what attention sees: dsc.rotary's outputs (in q's dtype, as that kernel stores them)
+    q_in, k_in = A.rotary_reference(q, k, *cos_sin) if case.rotary else (q, k)
     # poison: cache slots no query of this call may read (past each sequence's last token, and
     # rows >= B) and the output; NaN anywhere they leak shows in the result
     end = cache_pos[:, None] + S  # [B, 1]
@@ -147,15 +168,16 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     out = torch.full((B, S, H, D), float("nan"), dtype=dtype)
 
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    A.write_kv_cache_reference(k, v, want_k, want_v, cache_pos)
-    ref = A.attention_reference(q.float(), k.float(), v.float(), k_cache.float().nan_to_num(),
+    twin_k, twin_v = k_cache.clone(), v_cache.clone()  # for the unfused kernels (rotary cases)
+    A.write_kv_cache_reference(k_in, v, want_k, want_v, cache_pos)
+    ref = A.attention_reference(q_in.float(), k_in.float(), v.float(), k_cache.float().nan_to_num(),
                                 v_cache.float().nan_to_num(), cache_pos, D**-0.5, case.window)
 
     if case.kind == "prefill":
         A.prefill_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, out=out,
                             config=case.config)
     else:
-        A.decode_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, out=out,
+        A.decode_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, rotary=cos_sin, out=out,
                            config=case.config, num_splits=case.num_splits)
     problems = []
     for name, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
@@ -164,6 +186,11 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
             problems.append(f"{name} differs from the reference write at [b, h, s, d] {bad}")
     if out.isnan().any():
         problems.append(f"out has NaN at [b, s, h, d] {out.isnan().nonzero()[:3].tolist()}")
+    if case.rotary:  # dsc.rotary's kernel, then the plain decode kernel: the same bits, out and cache
+        twin = A.decode_attention(*A.rotary_triton(q, k, *cos_sin), v, twin_k, twin_v, cache_pos, D**-0.5, case.window,
+                                  config=case.config, num_splits=case.num_splits)
+        if not (torch.equal(out, twin) and torch.equal(k_cache.nan_to_num(7.0), twin_k.nan_to_num(7.0))):
+            problems.append("out or k_cache differs from the unfused kernels' (rotary, then decode attention)")
     err = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1)).item()
     if not err <= TOL[str(dtype).removeprefix("torch.")]:
         problems.append(f"out: relative max error {err:.3g}")
@@ -194,7 +221,24 @@ def _worker() -> None:
     counters = list(launch.COUNTERS.values())
     report["split-counters-reset"] = "ok" if counters and all(bool((c == 0).all()) for c in counters) \
         else f"counters {[c.nonzero().flatten().tolist()[:8] for c in counters]}"
+    report["single-split-skips-counter"] = _single_split_skips_counter()
     print("REPORT " + json.dumps(report))
+
+
+def _single_split_skips_counter() -> str:
+    """Every sequence of the batch has all its keys in the first of 3 splits: that split writes
+    out itself and leaves the shared split counters alone. They are preset to 7 here, so a split
+    that took its counter would see done = 7, not n_written - 1 = 0, and never write out (NaN)."""
+    from dsc.kernels.launch import split_counters
+
+    case = Case("decode", 3, 6, 2, 1, 16, 37, (0, 9, 15), config=SMALL_DECODE, num_splits=3)
+    counters = split_counters(torch.device("cpu"), case.B * case.Hkv)
+    counters.fill_(7)
+    result = run_case(case, torch.float32)
+    if result == "ok" and not bool((counters == 7).all()):
+        result = f"counters changed: {counters[:case.B * case.Hkv].tolist()}"
+    counters.zero_()
+    return result
 
 
 def _compile_sm90() -> None:
@@ -209,15 +253,17 @@ def _compile_sm90() -> None:
 
     def compile_(fn, ptr_types, consts, **options):
         consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
-        # the prefill kernel's TMA descriptors: None (a constexpr) unless the build gives their types
-        consts |= {n: None for n in ("KD", "VD", "KCD", "VCD") if n in fn.arg_names and n not in ptr_types}
+        # the prefill kernel's TMA descriptors, the decode kernel's rotary tables and their strides:
+        # None (a constexpr) unless the build gives their types
+        consts |= {n: None for n in ("KD", "VD", "KCD", "VCD", "COS", "SIN", "sc_b", "ss_b")
+                   if n in fn.arg_names and n not in ptr_types}
         sig = {n: "constexpr" if n in consts else ptr_types.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
         # what a launch specializes on at Llama's shapes: 16-byte aligned pointers, strides that
         # are multiples of 16 elements (without it the loads are not vectorized, so not pipelined)
+        stride = lambda n: n.startswith("s") and "_" in n and not n.startswith("sl_")  # noqa: E731
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                   if ptr_types.get(n, "").startswith("*")
-                   or (n.startswith("s") and "_" in n and not n.startswith("sl_"))}
+                   if n not in consts and (ptr_types.get(n, "").startswith("*") or stride(n))}
         return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned),
                               target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -225,6 +271,7 @@ def _compile_sm90() -> None:
     for dtype in ("fp16", "bf16"):
         t = {n: f"*{dtype}" for n in ("Q", "K", "V", "KC", "VC", "OUT")} | {"POS": "*i64"}
         f32 = {"PART_O": "*fp32", "PART_LSE": "*fp32", "LOCK": "*i32"}
+        rot = {"COS": f"*{dtype}", "SIN": f"*{dtype}", "sc_b": "i32", "ss_b": "i32"}  # cos/sin [B, 1, 128]
         pre, dec = A.PREFILL_CONFIGS[("sm_90", 128)], A.DECODE_CONFIGS[("sm_90", 128)]
         pre64 = A.PREFILL_CONFIGS[("sm_90", 64)]
         table_descs = {n: f"tensordesc<{dtype}[1, 1, {pre['BLOCK_N']}, 128]>" for n in ("KD", "VD", "KCD", "VCD")}
@@ -248,6 +295,15 @@ def _compile_sm90() -> None:
             "decode-window": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
                                                               BLOCK_N=dec["BLOCK_N"], WINDOWED=True),
                               dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
+            # dsc.rotary_attention's decode kernel (Llama-8B: G = 4 at tp 1 and tp 4; Mistral's window)
+            "decode-rotary": (A._decode_kernel, t | f32 | rot,
+                              dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True, BLOCK_N=dec["BLOCK_N"],
+                                   WINDOWED=False, ROTARY=True),
+                              dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
+            "decode-rotary-window": (A._decode_kernel, t | f32 | rot,
+                                     dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
+                                          BLOCK_N=dec["BLOCK_N"], WINDOWED=True, ROTARY=True),
+                                     dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
             # one query head per kv head (GPT-2: head_dim 64): 128 row tokens span 3 key tiles of 64
             "prefill-mha": (A._prefill_kernel, t, dict(G=1, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=pre64["BLOCK_M"],
                                                        BLOCK_N=pre64["BLOCK_N"], WINDOWED=False),
@@ -277,6 +333,7 @@ def _compile_sm90() -> None:
                     report[f"{name}-ptxas/{dtype}"] = _check_ptxas(kernel, allow_spills=name == "prefill")
                 if name.startswith("decode"):
                     report[f"{name}-gdc/{dtype}"] = pdl_check(kernel, consts.get("PDL", False))
+                    report[f"{name}-ptxas/{dtype}"] = _check_ptxas(kernel, allow_spills=False)
             except Exception as e:  # reported per kernel by the parent
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"[:2000]
     print("REPORT " + json.dumps(report))
@@ -378,20 +435,34 @@ def test_split_counters_are_reset_by_each_launch(interpreter_report):
     assert interpreter_report["split-counters-reset"] == "ok"
 
 
-@pytest.mark.parametrize("kernel", ["prefill", "prefill-n128", "decode", "decode-d80", "prefill-window", "decode-window",
-                                    "prefill-mha", "decode-pdl", "decode-d80-pdl", "decode-window-pdl"])
+def test_single_split_writes_out_without_the_counter(interpreter_report):
+    assert interpreter_report["single-split-skips-counter"] == "ok"
+
+
+DECODE_BUILDS = ["decode", "decode-d80", "decode-window", "decode-rotary", "decode-rotary-window"]
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "prefill-n128", "prefill-window", "prefill-mha", *DECODE_BUILDS,
+                                    *(f"{name}-pdl" for name in DECODE_BUILDS)])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_kernel_compiles_for_sm90(sm90_report, kernel, dtype):
     assert sm90_report[f"{kernel}/{dtype}"] == "ok"
 
 
-@pytest.mark.parametrize("kernel", ["decode", "decode-d80", "decode-window"])
+@pytest.mark.parametrize("kernel", DECODE_BUILDS)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_decode_pdl_waits_before_any_memory_access(sm90_report, kernel, dtype):
-    """With PDL the decode kernel waits for the previous kernel before it reads cache_pos, q or
-    the cache and before any store; without PDL it has no griddepcontrol instruction."""
+    """With PDL the decode kernel waits for the previous kernel before it reads cache_pos, q, k,
+    cos / sin or the cache and before any store; without PDL it has no griddepcontrol instruction."""
     assert sm90_report[f"{kernel}-gdc/{dtype}"] == "ok"
     assert sm90_report[f"{kernel}-pdl-gdc/{dtype}"] == "ok"
+
+
+@pytest.mark.parametrize("kernel", [*DECODE_BUILDS, *(f"{name}-pdl" for name in DECODE_BUILDS)])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_decode_builds_do_not_spill(sm90_report, kernel, dtype):
+    """ptxas keeps every decode build (the rotary one's second q load and cos / sin included) in registers."""
+    assert sm90_report[f"{kernel}-ptxas/{dtype}"] == "ok"
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -468,8 +539,15 @@ def test_planner_reports_kernels_and_launches(seq, batch, splits):
     assert plan["launches"] == 1
     assert plan["name"] == ("triton.attention_decode" if seq == 1 else "triton.attention_prefill")
     assert plan["config"].get("splits") == splits
-    assert plan["name"] == ("triton.attention_decode" if seq == 1 else "triton.attention_prefill")
     assert "num_warps" in plan["config"]
+    with mode:
+        cos = torch.empty(B, seq, 128)
+        fused = PLANNERS["dsc.rotary_attention.default"](q, k, k, cos, cos, cache, cache, pos, 0.1, arch="sm_90")
+    # decode: the rotation runs in the attention kernel (one launch); prefill: the rotary kernel first
+    assert fused["launches"] == (1 if seq == 1 else 2)
+    assert fused["name"] == ("triton.rotary_attention_decode" if seq == 1
+                             else "triton.rotary + triton.attention_prefill")
+    assert fused["config"].items() >= plan["config"].items()
 
 
 def test_variant_keys_are_on_only_where_measured():
@@ -520,6 +598,22 @@ def test_cpu_op_is_the_reference():
     got = torch.ops.dsc.attention(q, k, v, caches[0], caches[1], pos, 0.25)
     want = attention_reference(q, k, v, caches[2], caches[3], pos, 0.25)
     assert torch.equal(got, want) and torch.equal(caches[0], caches[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rotary_attention_is_rotary_then_attention(dtype):
+    """The fused op's CPU implementation gives the unfused pair's bits: output and cache."""
+    import dsc.kernels  # noqa: F401
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, 1, 16, generator=g).to(dtype) for h in (6, 2, 2))
+    cos, sin = (torch.randn(2, 1, 16, generator=g).to(dtype) for _ in range(2))
+    caches = [torch.zeros(3, 2, 9, 16, dtype=dtype) for _ in range(4)]
+    pos = torch.tensor([0, 8])
+    got = torch.ops.dsc.rotary_attention(q, k, v, cos, sin, caches[0], caches[1], pos, 0.25, 3)
+    rq, rk = torch.ops.dsc.rotary(q, k, cos, sin)
+    want = torch.ops.dsc.attention(rq, rk, v, caches[2], caches[3], pos, 0.25, 3)
+    assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
 if __name__ == "__main__":

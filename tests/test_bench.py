@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 import dsc
 from dsc.cli import app
 from dsc.runtime.bench import decode_bytes
+from dsc.runtime.plan import ATTENTION_OPS
 from dsc.runtime.profile import _plan_launches, attribute
 
 
@@ -51,7 +52,7 @@ def test_bench_cli_writes_table_json_and_profile(compile_artifact, tmp_path):
     prof = res["profile"]
     layers = json.loads((art / "plan.json").read_text())["model"]["layers"]
     ops = {r["name"]: r for r in prof["by_name"]}
-    assert ops["dsc::attention"]["launches"] == layers  # one attention per layer per step
+    assert ops["dsc::rotary_attention"]["launches"] == layers  # one attention (rotary fused in) per layer per step
     assert 0 < prof["busy_us"] <= prof["step_us"] * 1.05
 
 
@@ -66,7 +67,7 @@ def test_profile_attributes_kernels_to_plan_nodes_only_when_they_line_up(compile
     rows = {r["node"]: r for r in attribute(kernels, plan, steps=2)}
     assert sum(r["us"] for r in rows.values()) == pytest.approx(sum(i + 1 for i in range(len(plan))))
     assert sum(r["bytes"] for r in rows.values()) == sum(p["bytes"] for p in plan)
-    attn = next(n for n in nodes if n.get("op") == "dsc.attention.default")
+    attn = next(n for n in nodes if n.get("op") in ATTENTION_OPS)
     kv = engine.plan["kv_cache"]
     assert rows[attn["name"]]["bytes"] == 2 * kv["shape"][1] * 9 * kv["shape"][3] * 4  # K and V of 9 positions
     lm_head = [r for r in rows.values() if r["bytes"] == engine.weights["lm_head.weight"].numel() * 4]

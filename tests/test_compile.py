@@ -23,6 +23,7 @@ import dsc
 from dsc.compiler.options import CompileOptions, make_options, options_from_config_file
 from dsc.compiler.verify import reference_greedy, reference_model, verify_artifact
 from dsc.errors import PassError, UserError
+from dsc.runtime.plan import ATTENTION_OPS
 
 SHAPES = ["llama-tiny", "llama-odd", "gpt2-tiny", "gpt2-odd"]  # GQA; non-power-of-two sizes
 MORE = ["opt-tiny", "opt-proj", "gptj-tiny", "gpt_neox-tiny", "phi-tiny", "gemma-tiny", "phi3-tiny"]
@@ -61,7 +62,7 @@ def test_fp32_generation_matches_transformers(shape, compile_artifact, make_chec
     assert report.max_abs_err <= FP32_ATOL, report.summary()
     layers = json.loads((art / "plan.json").read_text())["model"]["layers"]
     for program in ("prefill", "decode"):  # attention entered the graph as the dsc op, one per layer
-        assert plan_ops(art, program).count("dsc.attention.default") == layers
+        assert sum(plan_ops(art, program).count(op) for op in ATTENTION_OPS) == layers
 
 
 # Rotary variants real Llama-family configs use (Llama 3.1+/3.2: "llama3"). Their frequency tables
@@ -99,7 +100,7 @@ def test_sliding_window_generation_matches_transformers(shape, compile_artifact,
     art = compile_artifact(shape, dtype="fp32")
     plan = json.loads((art / "plan.json").read_text())
     for program in ("prefill", "decode"):
-        attn = [n for n in plan["programs"][program]["nodes"] if n.get("op") == "dsc.attention.default"]
+        attn = [n for n in plan["programs"][program]["nodes"] if n.get("op") in ATTENTION_OPS]
         assert [n["kernel"]["config"].get("window", 0) for n in attn] == WINDOWS[shape]
     from dsc.runtime.inspect import describe
 

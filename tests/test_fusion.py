@@ -37,13 +37,15 @@ GOLDEN = Path(__file__).parent / "golden"
 # (learned positions): those counters stay 0 there.
 FIRES = {
     "llama": {"fuse_projections.linear", "fuse_add_norm.add_rmsnorm", "fuse_add_norm.rmsnorm",
-              "fuse_rotary.rotary_qk", "fuse_activation.swiglu"},
+              "fuse_rotary.rotary_qk", "fuse_activation.swiglu", "fuse_rotary_attention.decode"},
     "gpt2": {"fuse_add_norm.add_layernorm", "fuse_activation.gelu_tanh", "fuse_add_norm.bias", "fuse_activation.bias"},
 }
 OPS = {
-    "llama": {"dsc.add_rmsnorm.default", "dsc.rmsnorm.default", "dsc.rotary.default", "dsc.swiglu.default"},
+    "llama": {"dsc.add_rmsnorm.default", "dsc.rmsnorm.default", "dsc.swiglu.default"},
     "gpt2": {"dsc.add_layernorm.default", "dsc.gelu.default"},
 }
+# Llama's rotary embedding: its own kernel in prefill; in decode the attention kernel applies it
+ROTARY_OPS = {"prefill": "dsc.rotary.default", "decode": "dsc.rotary_attention.default"}
 UNFUSED = {"aten.rsqrt.default", "aten.silu.default", "aten.tanh.default", "aten.neg.default",
            "aten.layer_norm.default", "aten.gelu.default"}
 
@@ -86,7 +88,8 @@ def test_fusions_fire_and_match_transformers(shape, ckpt_kwargs, compile_artifac
         assert plan["passes"].get(rule, 0) > 0, f"{rule} did not fire: {plan['passes']}"
     for program in ("prefill", "decode"):
         ops = set(call_ops(plan, program))
-        assert OPS[family(shape)] <= ops, OPS[family(shape)] - ops
+        want = OPS[family(shape)] | ({ROTARY_OPS[program]} if family(shape) == "llama" else set())
+        assert want <= ops, want - ops
         assert not ops & UNFUSED, ops & UNFUSED
         assert all("kernel" in n for n in plan["programs"][program]["nodes"] if n["kind"] == "call")
     report = verify_artifact(art, make_checkpoint(shape, **ckpt_kwargs), new_tokens=8)
@@ -156,6 +159,40 @@ def test_bf16_llama_decode_is_at_most_10_launches_per_layer(compile_artifact, ma
     assert float((got - want).abs().max()) <= BF16_REL_TOL * float(want.abs().max())
 
 
+@torch.no_grad()
+def test_bf16_llama_decode_fuses_gate_up_with_swiglu(tmp_path, make_checkpoint, monkeypatch):
+    """decode_linears' swiglu rule (dsc.linear_swiglu), compiled with and without it: where the
+    gate_up shape has a tuned GEMV (here a tuning row for llama-tiny's [352, 64]; the shipped
+    table has rows for real models only) the decode plan, as `dsc inspect` reads it, has one
+    launch fewer per layer; on CPU the tokens and every step's logits are bit-identical."""
+    from dsc.kernels import linear
+    from dsc.passes import decode_linears
+    from dsc.runtime.inspect import describe
+
+    table = json.loads(json.dumps(linear.tuning_table()))
+    table["sm_90"]["gemv"]["N352_K64"] = {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 1, "us": 1.0, "cublas_us": 2.0}
+    monkeypatch.setattr(linear, "tuning_table", lambda: table)
+    ckpt = make_checkpoint("llama-tiny")
+    fused = dsc.compile(str(ckpt), tmp_path / "fused", dtype="bf16")
+    monkeypatch.setattr(decode_linears, "_gate_up_of", lambda node: None)  # the rule off: the pair
+    pair = dsc.compile(str(ckpt), tmp_path / "pair", dtype="bf16")
+    assert plan_of(fused)["passes"]["decode_linears.swiglu"] == 2 and "decode_linears.swiglu" not in plan_of(pair)["passes"]
+    a, b = describe(fused)["programs"]["decode"], describe(pair)["programs"]["decode"]
+    assert a["launches_per_layer"] == b["launches_per_layer"] - 1, (a["layer_kernels"], b["layer_kernels"])
+    assert "triton.gemv_swiglu" in a["layer_kernels"]["kernels"] and "triton.swiglu" not in a["layer_kernels"]["kernels"]
+    assert {"triton.gemv", "triton.swiglu"} <= set(b["layer_kernels"]["kernels"])
+    ps, new = sample_prompts(512), 6
+    engines = [dsc.load(art, device="cpu") for art in (fused, pair)]
+    assert engines[0].generate(ps, max_new_tokens=new, stop_tokens=[]).tokens == \
+        engines[1].generate(ps, max_new_tokens=new, stop_tokens=[]).tokens
+    lens = torch.tensor([len(p) for p in ps])
+    logits = [e.prefill(ps) for e in engines]
+    for step in range(new):
+        nxt = logits[1].argmax(-1)
+        logits = [e.decode(nxt, lens + step) for e in engines]
+        assert torch.equal(logits[0], logits[1]), f"decode step {step}"
+
+
 def test_no_fuse_turns_the_fusions_off(compile_artifact):
     fused, plain = plan_of(compile_artifact("llama-tiny", dtype="bf16")), plan_of(compile_artifact("llama-tiny", dtype="bf16", fuse=False))
     assert not any(k.startswith("fuse_") for k in plain["passes"])
@@ -197,6 +234,41 @@ def test_rotary_cos_sin_become_position_tables(compile_artifact, make_checkpoint
 def test_no_position_table_without_rope(compile_artifact):
     plan = plan_of(compile_artifact("gpt2-tiny", dtype="fp32"))  # learned position embeddings
     assert "fold_position_tables.table" not in plan["passes"]
+
+
+@torch.no_grad()
+def test_decode_rotary_fuses_into_attention(tmp_path, make_checkpoint, monkeypatch):
+    """fuse_rotary_attention, compiled with and without it: each decode layer's dsc.rotary +
+    dsc.attention becomes one dsc.rotary_attention, one launch fewer per layer as `dsc inspect`
+    reads the plan; the prefill program is what the passes before it left; on CPU (where the op
+    is the pair's references) tokens and every decode step's logits are bit-identical."""
+    from dsc.passes import fuse_rotary_attention
+    from dsc.runtime.inspect import describe
+
+    ckpt = make_checkpoint("llama-tiny")
+    fused = dsc.compile(str(ckpt), tmp_path / "fused", dtype="fp32", dump_passes=tmp_path / "dump")
+    monkeypatch.setattr(fuse_rotary_attention, "_attention_reading", lambda node: None)  # the pass matches nothing
+    pair = dsc.compile(str(ckpt), tmp_path / "pair", dtype="fp32")
+    assert plan_of(fused)["passes"]["fuse_rotary_attention.decode"] == 2
+    assert "fuse_rotary_attention.decode" not in plan_of(pair)["passes"]
+    ops = call_ops(plan_of(fused), "decode")
+    assert ops.count("dsc.rotary_attention.default") == 2
+    assert "dsc.rotary.default" not in ops and "dsc.attention.default" not in ops
+    before, after = (json.loads(next((tmp_path / "dump").glob(f"*_{name}")).joinpath("plan.json").read_text())
+                     for name in ("fold_position_tables", "fuse_rotary_attention"))
+    assert after["programs"]["prefill"] == before["programs"]["prefill"]
+    a, b = describe(fused)["programs"]["decode"], describe(pair)["programs"]["decode"]
+    assert a["launches_per_layer"] == b["launches_per_layer"] - 1, (a["layer_kernels"], b["layer_kernels"])
+    assert "triton.rotary_attention_decode" in a["layer_kernels"]["kernels"]
+    assert not {"triton.rotary", "triton.attention_decode"} & set(a["layer_kernels"]["kernels"])
+    ps, new = sample_prompts(512), 6
+    engines = [dsc.load(art, device="cpu") for art in (fused, pair)]
+    lens = torch.tensor([len(p) for p in ps])
+    logits = [e.prefill(ps) for e in engines]
+    for step in range(new):
+        nxt = logits[1].argmax(-1)
+        logits = [e.decode(nxt, lens + step) for e in engines]
+        assert torch.equal(logits[0], logits[1]), f"decode step {step}"
 
 
 # -- golden plans ------------------------------------------------------------------------------------
@@ -305,7 +377,8 @@ def test_fusions_with_tp2(shape, compile_artifact, make_checkpoint, tmp_path):
         assert plan["passes"].get(rule, 0) > 0, f"{rule} did not fire under tp=2"
     if llama:
         assert plan["passes"]["fuse_add_norm.all_reduce"] == plan["passes"]["fuse_add_norm.add_rmsnorm"]
-    ops = OPS[family(shape)] - {"dsc.add_rmsnorm.default"} | ({"dsc.all_reduce_add_rmsnorm.default"} if llama else set())
+    ops = OPS[family(shape)] - {"dsc.add_rmsnorm.default"} | \
+        ({"dsc.all_reduce_add_rmsnorm.default", ROTARY_OPS["decode"]} if llama else set())
     assert ops <= set(call_ops(plan, "decode"))
     ckpt = make_checkpoint(shape)
     if family(shape) == "llama":  # each rank's fused weight is its own q, k, v (gate, up) rows
@@ -329,7 +402,7 @@ def test_fusions_with_int8(compile_artifact, make_checkpoint):
     for rule in FIRES["llama"]:
         assert plan["passes"].get(rule, 0) > 0, f"{rule} did not fire with --int8"
     ops = set(call_ops(plan, "decode"))
-    assert "dsc.linear_w8a16.default" in ops and OPS["llama"] <= ops
+    assert "dsc.linear_w8a16.default" in ops and OPS["llama"] | {ROTARY_OPS["decode"]} <= ops
     ps = sample_prompts(512)
     want = hf_last_logits(ckpt, ps)
     got = dsc.load(fused, device="cpu").prefill(ps)

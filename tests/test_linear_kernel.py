@@ -1,6 +1,7 @@
 """The decode GEMV (kernels/linear.py): dsc::linear against F.linear, the GEMV kernel in the
 Triton interpreter at small odd shapes (masked and unmasked tiles, bias, fp32 and fp16), its
-sm_90 build, the tuning-table choice, and the decode_linears pass.
+sm_90 build, the tuning-table choice, and the decode_linears pass; the same for the GEMV fused
+with SwiGLU (dsc::linear_swiglu) against the GEMV + swiglu pair.
 
 The kernel cases run in a child process (`python tests/test_linear_kernel.py interpret OUT`):
 TRITON_INTERPRET=1 must be set before triton is first imported (tests/kernel_child.py).
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
-from kernel_child import child_fixtures, pdl_check
+from kernel_child import child_fixtures, pdl_check, spill_bytes
 
+from dsc.compiler.random_checkpoint import SHAPES
 from dsc.kernels import launch
 from dsc.kernels import linear as L
 
@@ -30,6 +33,14 @@ KERNEL_CASES = {
     "N33K16-block-wider-than-k": (33, 16, False, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 1}),
     "N47K72-xrow-masked-bias": (47, 72, True, {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "X_ROW": True}),
     "N48K96-xrow-even": (48, 96, False, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 1, "X_ROW": True}),
+}
+# name: (outputs N (the weight is [2N, K]), K, config: BLOCK_N counts outputs, each program reads 2 BLOCK_N rows)
+SWIGLU_CASES = {
+    "N23K72-masked": (23, 72, {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1}),
+    "N24K96-even": (24, 96, {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1}),
+    "N5K200-one-output-per-program": (5, 200, {"BLOCK_N": 1, "BLOCK_K": 64, "num_warps": 1}),
+    "N23K72-xrow-masked": (23, 72, {"BLOCK_N": 2, "BLOCK_K": 32, "num_warps": 1, "X_ROW": True}),
+    "N9K16-block-wider-than-k": (9, 16, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 1}),
 }
 
 
@@ -50,15 +61,60 @@ def _case(name: str, dtype: torch.dtype) -> dict:
     return {"ok": True}
 
 
+def _swiglu_case(name: str, dtype: torch.dtype) -> dict:
+    """The fused kernel against the pair it replaces, the GEMV kernel (same rows per program,
+    the same fp32 sums) and then the swiglu kernel: bit for bit, so each half is rounded to the
+    dtype where the pair's linear output is; and against the fp32 reference."""
+    from dsc.kernels.activation import swiglu_triton
+
+    n, k, cfg = SWIGLU_CASES[name]
+    g = torch.Generator().manual_seed(len(name))
+    w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(dtype)  # [gate; up]
+    x = torch.randn(1, k, generator=g).to(dtype)
+    got = L.gemv_swiglu(x, w, cfg)
+    lin = L.gemv(x, w, None, {**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]})
+    pair = swiglu_triton(lin[..., :n], lin[..., n:])
+    ref = F.linear(x.float(), w.float())
+    want = F.silu(ref[..., :n]) * ref[..., n:]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    try:
+        assert got.dtype == dtype and got.shape == (1, n)
+        assert torch.equal(got, pair), f"differs from the GEMV + swiglu pair at {(got != pair).nonzero().tolist()}"
+        torch.testing.assert_close(got.float(), want, **tol)
+    except AssertionError as e:
+        return {"ok": False, "error": str(e)}
+    return {"ok": True}
+
+
 def run_interpreted(out: str) -> None:
     res = {f"{name}-{d}": _case(name, dt) for name in KERNEL_CASES for d, dt in DTYPES.items()}
+    res.update({f"swiglu-{name}-{d}": _swiglu_case(name, dt) for name in SWIGLU_CASES for d, dt in DTYPES.items()})
     Path(out).write_text(json.dumps(res, indent=1))
 
 
+def _aot(name: str, fn, types: dict, n: int, k: int, config: dict, const: dict, res: dict) -> None:
+    """Build fn for sm_90 at `config` over n outputs (EVEN as linear.gemv_launch sets it), with and
+    without PDL, specialized as a launch is: pointers, n and k (multiples of 16 in every case
+    here) aligned; an unspecialized build has scalar loads, and its masked variant spills."""
+    cfg = {"X_ROW": False, **config}
+    warps = cfg.pop("num_warps")
+    even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
+    for pdl in (False, True):
+        kern = launch.compile_for_arch(fn, types, {**const, "EVEN": even, **cfg, "PDL": pdl}, num_warps=warps,
+                                       aligned=tuple(types))
+        ptx = kern.asm.get("ptx", "")
+        res[name + ("-pdl" if pdl else "")] = {
+            "ok": bool(kern.asm.get("cubin")), "even": even, "spill_bytes": spill_bytes(kern),
+            "vector_loads": "ld.global.L1::no_allocate.L2::evict_first.v4" in ptx
+            or "ld.global.L2::evict_first.v4" in ptx or ".v4.b32" in ptx,
+            "pdl": pdl_check(kern, pdl, frozenset({"load w"}))}
+
+
 def run_aot(out: str) -> None:
-    """The GEMV at Llama-8B's o_proj and GPT-2-XL's c_attn shapes, built for sm_90 (no GPU), each
-    also with PDL (kernels/launch.py), specialized as a launch is (aligned pointers, N and K
-    multiples of 16): only the first weight tile may load before the wait."""
+    """The GEMV at Llama-8B's o_proj and GPT-2-XL's c_attn shapes, and the GEMV + swiglu at
+    Llama-8B's tp=2 gate_up ([14336, 4096]: its GEMV row's one row per program -> one output, a
+    2-row tile) and a shape masked along K, built for sm_90 (no GPU), each also with PDL
+    (kernels/launch.py): only the first weight tile may load before the wait."""
     res = {}
     for name, dtype, n, k, bias, cfg in (("bf16-even", "*bf16", 4096, 4096, False,
                                           {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}),
@@ -66,20 +122,15 @@ def run_aot(out: str) -> None:
                                           {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}),
                                          ("bf16-xrow", "*bf16", 4096, 4096, False,
                                           {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True})):
-        cfg = {"X_ROW": False, **cfg}
-        warps = cfg.pop("num_warps")
-        even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
-        for pdl in (False, True):
-            kern = launch.compile_for_arch(L._gemv_kernel, {"X": dtype, "W": dtype, "B": dtype, "Y": dtype,
-                                                            "N": "i32", "K": "i32"},
-                                           {"HAS_BIAS": bias, "EVEN": even, **cfg, "PDL": pdl}, num_warps=warps,
-                                           aligned=("X", "W", "B", "Y", "N", "K") if pdl else ())
-            ptx = kern.asm.get("ptx", "")
-            res[name + ("-pdl" if pdl else "")] = {
-                "ok": bool(kern.asm.get("cubin")), "even": even,
-                "vector_loads": "ld.global.L1::no_allocate.L2::evict_first.v4" in ptx
-                or "ld.global.L2::evict_first.v4" in ptx or ".v4.b32" in ptx,
-                "pdl": pdl_check(kern, pdl, frozenset({"load w"}))}
+        _aot(name, L._gemv_kernel, {"X": dtype, "W": dtype, "B": dtype, "Y": dtype, "N": "i32", "K": "i32"},
+             n, k, cfg, {"HAS_BIAS": bias}, res)
+    # (gemv_swiglu_config of the GEMV row N14336_K4096: BLOCK_N 1 -> 1)
+    for name, dtype, n, k, cfg in (("swiglu-bf16-even", "*bf16", 7168, 4096,
+                                    {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8}),
+                                   ("swiglu-fp16-masked", "*fp16", 2752, 1600,
+                                    {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True})):
+        _aot(name, L._gemv_swiglu_kernel, {"X": dtype, "W": dtype, "Y": dtype, "N": "i32", "K": "i32"},
+             n, k, cfg, {}, res)
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -93,15 +144,28 @@ def test_gemv_matches_f_linear_in_interpreter(case, dtype, interpreted):
     assert r["ok"], r.get("error")
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", list(SWIGLU_CASES))
+def test_gemv_swiglu_matches_the_gemv_swiglu_pair_in_interpreter(case, dtype, interpreted):
+    r = interpreted[f"swiglu-{case}-{dtype}"]
+    assert r["ok"], r.get("error")
+
+
 def test_gemv_compiles_for_sm90_with_vector_loads(compiled):
     assert compiled and all(v["ok"] for v in compiled.values()), compiled
-    assert compiled["bf16-even"]["even"] and compiled["bf16-even"]["vector_loads"], compiled
+    for name in ("bf16-even", "swiglu-bf16-even"):
+        assert compiled[name]["even"] and compiled[name]["vector_loads"], compiled
+
+
+def test_gemv_builds_spill_no_registers(compiled):
+    assert all(v["spill_bytes"] == 0 for v in compiled.values()), compiled
 
 
 def test_gemv_pdl_variant_waits_before_reading_x(compiled):
     """PDL=True: launch_dependents and wait in the PTX, only the weight tile loaded before the
-    wait; PDL=False: no griddepcontrol instruction at all."""
-    assert sum(name.endswith("-pdl") for name in compiled) == 3, compiled
+    wait; PDL=False: no griddepcontrol instruction at all (the GEMV's three builds and the GEMV
+    + swiglu's two)."""
+    assert sum(name.endswith("-pdl") for name in compiled) == 5, compiled
     assert all(v["pdl"] == "ok" for v in compiled.values()), compiled
 
 
@@ -121,6 +185,48 @@ def test_linear_op_is_f_linear_on_cpu_and_passes_opcheck():
     torch.testing.assert_close(torch.ops.dsc.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
     torch.testing.assert_close(torch.ops.dsc.linear(x, w), F.linear(x, w), rtol=0, atol=0)
     torch.library.opcheck(torch.ops.dsc.linear.default, (x, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_linear_swiglu_op_is_the_linear_swiglu_pair_on_cpu(dtype):
+    """The op's CPU path (its reference) gives the bits of dsc.linear then dsc.swiglu on the halves."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 5, 24, generator=g).to(dtype), torch.randn(2 * 37, 24, generator=g).to(dtype)
+    y = torch.ops.dsc.linear(x, w)
+    got = torch.ops.dsc.linear_swiglu(x, w)
+    assert got.shape == (3, 5, 37) and torch.equal(got, torch.ops.dsc.swiglu(y[..., :37], y[..., 37:]))
+    torch.library.opcheck(torch.ops.dsc.linear_swiglu.default, (x, w))
+
+
+def test_gemv_swiglu_rejects_what_it_cannot_run():
+    cfg = {"BLOCK_N": 2, "BLOCK_K": 16, "num_warps": 1}
+    with pytest.raises(ValueError, match="one row"):
+        L.gemv_swiglu(torch.zeros(2, 16), torch.zeros(8, 16), cfg)
+    with pytest.raises(ValueError, match="even number of rows"):
+        L.gemv_swiglu(torch.zeros(1, 16), torch.zeros(7, 16), cfg)
+
+
+def test_gemv_swiglu_config_follows_the_gemv_row(monkeypatch):
+    """Half the GEMV row's BLOCK_N (a program reads gate and up rows: the same tile), at least 1;
+    a gemv_swiglu row overrides; none without a GEMV row or with DSC_GEMV=off. The plan: one
+    launch where fused, else the linear's kernel and swiglu's."""
+    table = {"sm_90": {"gemv": {"N4096_K1024": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 1, "us": 1, "cublas_us": 2},
+                                "N28672_K4096": {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8, "us": 1, "cublas_us": 2},
+                                "N2048_K512": {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 1, "us": 1, "cublas_us": 2}},
+                       "gemv_swiglu": {"N2048_K512": {"BLOCK_N": 4, "num_warps": 2, "us": 1}}}}
+    monkeypatch.setattr(L, "tuning_table", lambda: table)
+    assert L.gemv_swiglu_config(4096, 1024, "sm_90") == {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 1}
+    assert L.gemv_swiglu_config(28672, 4096, "sm_90") == {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8}
+    assert L.gemv_swiglu_config(2048, 512, "sm_90") == {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 2}
+    assert L.gemv_swiglu_config(4096, 2048, "sm_90") is None and L.gemv_swiglu_config(4096, 1024, "default") is None
+    x = torch.empty(1, 1024)
+    p = L._plan_linear_swiglu(x, torch.empty(4096, 1024), arch="sm_90")
+    assert p["name"] == "triton.gemv_swiglu" and p["launches"] == 1 and p["config"]["BLOCK_N"] == 2
+    p = L._plan_linear_swiglu(x, torch.empty(352, 1024), arch="sm_90")
+    assert p["name"] == "cublas.gemm + triton.swiglu" and p["launches"] == 2 and p["config"]["swiglu"]["BLOCK"] == 256
+    monkeypatch.setenv("DSC_GEMV", "off")
+    assert L.gemv_swiglu_config(4096, 1024, "sm_90") is None
+    assert L._plan_linear_swiglu(x, torch.empty(4096, 1024), arch="sm_90")["name"] == "triton.gemv_swiglu"
 
 
 def test_gemv_row_only_where_tuned(monkeypatch):
@@ -176,9 +282,98 @@ def test_decode_linears_rewrites_only_decode_16bit_linears(compile_artifact):
     ops = {p: [n.get("op") for n in plan["programs"][p]["nodes"]] for p in ("prefill", "decode")}
     assert "dsc.linear.default" not in ops["prefill"] and "aten.linear.default" in ops["prefill"]
     assert "aten.linear.default" not in ops["decode"]
-    assert ops["decode"].count("dsc.linear.default") == ops["prefill"].count("aten.linear.default")
+    gemvs = ops["decode"].count("dsc.linear.default") + ops["decode"].count("dsc.linear_swiglu.default")
+    assert gemvs == ops["prefill"].count("aten.linear.default")
     counters = json.loads((art / "manifest.json").read_text())["passes"]
-    assert counters["decode_linears.gemv"] == ops["decode"].count("dsc.linear.default") > 0
+    assert counters["decode_linears.gemv"] == gemvs > 0
+
+
+def _ops(art: Path, program: str) -> list[str]:
+    plan = json.loads((art / "plan.json").read_text())
+    return [n["op"] for n in plan["programs"][program]["nodes"] if n["kind"] == "call"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decode_linears_fuses_gate_up_and_swiglu(tp, compile_artifact):
+    """16-bit Llama: every layer's decode gate_up GEMV and its swiglu become one
+    dsc.linear_swiglu over the rank's [gate; up] weight (tp=2: half of each); prefill keeps
+    the linear, the slices and the swiglu."""
+    art = compile_artifact("llama-tiny", dtype="fp16", tp=tp)
+    plan = json.loads((art / "plan.json").read_text())
+    layers, inter = plan["model"]["layers"], SHAPES["llama-tiny"][1]["intermediate_size"]
+    assert plan["passes"]["decode_linears.swiglu"] == layers
+    decode = {n["name"]: n for n in plan["programs"]["decode"]["nodes"]}
+    fused = [n for n in decode.values() if n.get("op") == "dsc.linear_swiglu.default"]
+    assert len(fused) == layers and "dsc.swiglu.default" not in _ops(art, "decode")
+    for n in fused:
+        weight = decode[n["args"][1]["node"]]
+        assert weight["target"].endswith("mlp.gate_up_proj.weight") and weight["shape"][0] == 2 * inter // tp
+        assert n["shape"][-1] == inter // tp and n["kernel"]["launches"] == 2  # tiny shapes: no tuned GEMV
+    prefill = _ops(art, "prefill")
+    assert prefill.count("dsc.swiglu.default") == layers and "dsc.linear_swiglu.default" not in prefill
+
+
+@pytest.mark.parametrize("options", [{"dtype": "fp32"}, {"dtype": "fp16", "int8": True}, {"dtype": "fp16", "fuse": False}],
+                         ids=["fp32", "int8", "no-fuse"])
+def test_decode_linears_leaves_other_mlps_alone(options, compile_artifact):
+    """fp32 (no dsc.linear), int8 (dsc.linear_w8a16) and --no-fuse (no dsc.swiglu): nothing to fuse."""
+    art = compile_artifact("llama-tiny", **options)
+    assert "decode_linears.swiglu" not in json.loads((art / "plan.json").read_text())["passes"]
+    assert "dsc.linear_swiglu.default" not in _ops(art, "decode")
+
+
+def _gate_up_graph(rows: int = 16, gate=(-1, 0, 8), up=(-1, 8, 16), bias: bool = False, swap: bool = False,
+                   linear_out: bool = False, slice_out: bool = False):
+    """A decode Model of y = dsc.linear(x, W[rows, 8][, b]); swiglu(y[gate], y[up]) (slice args:
+    dim, start, end[, step]); swap: swiglu(up, gate); *_out: the linear / the gate slice also
+    an output."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dsc.compiler.ir import Model, infer_val
+
+    mode = FakeTensorMode()
+    g = fx.Graph()
+    x, w, b = g.placeholder("x"), g.get_attr("mlp.gate_up_proj.weight"), g.get_attr("mlp.gate_up_proj.bias")
+    for node, shape in ((x, (2, 1, 8)), (w, (rows, 8)), (b, (rows,))):
+        node.meta["val"] = mode.from_tensor(torch.empty(shape, dtype=torch.float16))
+
+    def call(target, *args):
+        n = g.call_function(target, args)
+        infer_val(n)
+        return n
+
+    y = call(torch.ops.dsc.linear.default, x, w, *([b] if bias else []))
+    halves = [call(torch.ops.aten.slice.Tensor, y, *s) for s in (gate, up)]
+    out = call(torch.ops.dsc.swiglu.default, *(halves[::-1] if swap else halves))
+    g.output((out, *([y] if linear_out else []), *([halves[0]] if slice_out else [])))
+    return Model(programs={"decode": g}, weights={}, config={}, arch=None, options=None, fake_mode=mode)
+
+
+@pytest.mark.parametrize("case, kw, fires", [
+    ("halves", {}, True),
+    ("halves-dim-2", {"gate": (2, 0, 8), "up": (2, 8, 16, 1)}, True),
+    ("not-halves", {"gate": (-1, 0, 7), "up": (-1, 7, 16)}, False),
+    ("up-short", {"gate": (-1, 0, 6), "up": (-1, 8, 14)}, False),
+    ("strided", {"gate": (-1, 0, 8, 2), "up": (-1, 8, 16, 2)}, False),
+    ("other-dim", {"gate": (0, 0, 8), "up": (-1, 8, 16)}, False),
+    ("up-first", {"swap": True}, False),
+    ("bias", {"bias": True}, False),
+    ("linear-read-elsewhere", {"linear_out": True}, False),
+    ("slice-read-elsewhere", {"slice_out": True}, False),
+])
+def test_decode_linears_swiglu_rule_is_strict(case, kw, fires):
+    """Only swiglu(gate half, up half) of a bias-free dsc.linear that nothing else reads."""
+    from dsc.passes.decode_linears import decode_linears
+
+    model = decode_linears(_gate_up_graph(**kw))
+    ops = [n.target for n in model.programs["decode"].nodes if n.op == "call_function"]
+    assert (model.counters["decode_linears.swiglu"] == 1) == fires, ops
+    if fires:
+        assert ops == [torch.ops.dsc.linear_swiglu.default]
+        out = next(n for n in model.programs["decode"].nodes if n.op == "call_function")
+        assert out.meta["val"].shape == (2, 1, 8) and out.meta["val"].dtype == torch.float16
+    else:
+        assert torch.ops.dsc.linear_swiglu.default not in ops and torch.ops.dsc.swiglu.default in ops
 
 
 @pytest.mark.parametrize("int8", [False, True])

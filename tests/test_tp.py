@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 import dsc
 from dsc.errors import UserError
+from dsc.runtime.plan import ATTENTION_OPS
 from ranks import ENV, spawn_ranks
 
 PROMPTS = [[5, 17, 300, 42, 7, 99, 100, 3, 8, 250, 11], [11, 12], [400, 401, 402, 403, 9], [7]]
@@ -137,7 +138,7 @@ def test_plan_shows_collectives_and_local_shapes(shape, tp, compile_artifact):
         # decode: one fused kernel; prefill: NCCL (2) + the add_rmsnorm kernel
         assert kernels == ({} if not fused else {"triton.all_reduce_add_rmsnorm": 1} if name == "decode"
                            else {"nccl.all_reduce + triton.add_rmsnorm": 3}), name
-        attn = [n for n in prog["nodes"] if n.get("op") == "dsc.attention.default"]
+        attn = [n for n in prog["nodes"] if n.get("op") in ATTENTION_OPS]
         assert len(attn) == layers and all(n["shape"][2] == heads // tp for n in attn)
         by_name = {n["name"]: n for n in prog["nodes"]}
         logits = by_name[prog["nodes"][-1]["args"]["node"]]

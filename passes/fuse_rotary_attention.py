@@ -1,0 +1,60 @@
+"""fuse_rotary_attention: a decode step's rotary embedding moves into its attention kernel.
+
+Matches / rewrites (counted under `fuse_rotary_attention.decode`), in the decode program only:
+  q', k' = dsc.rotary(q, k, cos, sin)                 (its outputs read through getitem 0 / 1)
+  out = dsc.attention(q', k', v, k_cache, v_cache, cache_pos, scale[, window]), q' and k' read
+  by nothing else
+  -> out = dsc.rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale[, window])
+  On CUDA the decode attention kernel rotates the group's query rows as it loads them and the
+  new token's key before it writes it to the cache: one launch fewer per layer (the rotary
+  kernel's ~1.2 us at batch 1 on an H200). The prefill program keeps the pair: there the
+  attention kernel reads every key many times, and the rotary kernel is one launch per layer
+  over all of the prompt's tokens.
+Requires: fuse_rotary (it makes dsc.rotary); shard_tensor_parallel and fold_position_tables ran
+  (the graph is the rank's, cos / sin are the table lookups), so the pass sees the final pair.
+Guarantees: the same values as the pair (q' and k' rounded to their dtypes where dsc.rotary
+  stores them, k' then to the cache's); no other node changes.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from dsc.compiler.ir import Model
+from dsc.passes._util import is_call, replace_with
+
+dsc = torch.ops.dsc
+
+
+def _attention_reading(rotary: fx.Node) -> fx.Node | None:
+    """The dsc.attention whose q and k are `rotary`'s two outputs and that is their only reader."""
+    items = [u for u in rotary.users if is_call(u, operator.getitem)]
+    if len(items) != len(rotary.users) or sorted(i.args[1] for i in items) != [0, 1]:
+        return None
+    q, k = sorted(items, key=lambda i: i.args[1])
+    readers = set(q.users) | set(k.users)
+    attn = readers.pop() if len(readers) == 1 else None
+    if not is_call(attn, dsc.attention.default) or attn.kwargs or attn.args[0] is not q or attn.args[1] is not k \
+            or any(a is q or a is k for a in attn.args[2:]):
+        return None
+    return attn
+
+
+def fuse_rotary_attention(model: Model) -> Model:
+    graph = model.programs.get("decode")
+    if graph is None:
+        return model
+    for rotary in [n for n in graph.nodes if is_call(n, dsc.rotary.default)]:
+        attn = _attention_reading(rotary)
+        if attn is None:
+            continue
+        q, k, cos, sin = rotary.args
+        v, rest = attn.args[2], attn.args[3:]  # rest: k_cache, v_cache, cache_pos, scale[, window]
+        replace_with(attn, dsc.rotary_attention.default, (q, k, v, cos, sin, *rest))
+        for item in list(rotary.users):
+            graph.erase_node(item)
+        graph.erase_node(rotary)
+        model.counters["fuse_rotary_attention.decode"] += 1
+    return model

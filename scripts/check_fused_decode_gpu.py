@@ -1,0 +1,204 @@
+"""GPU check of the decode fusions at real shapes (run on a CUDA machine).
+
+1. `dsc::linear_swiglu` at one row (kernels/linear.py `gemv_swiglu`: the gate/up GEMV computing
+   silu(gate) * up in its epilogue) against the reference (F.linear, then swiglu) and against
+   the unfused GEMV + swiglu kernel pair, at the gate/up shapes of Llama-8B at tp 1/2/4 and
+   Llama-1B, bf16 and fp16.
+2. `dsc::rotary_attention` at decode (the decode attention kernel rotating q and the new k)
+   against the reference and against dsc.rotary's kernel followed by the plain decode kernel,
+   with Llama-8B's heads at tp 1 and 4 (32/8 and 8/2 heads, head_dim 128), contexts up to 8192,
+   batches with different positions (one split and several), bf16 and fp16; the KV cache after
+   the call too.
+3. Timing (CUDA graphs, bf16, one row): each fused kernel against the unfused pair, and a small
+   sweep of GEMV + swiglu configs per shape (`gemv_swiglu` rows for kernels/tuning.json).
+
+    python scripts/check_fused_decode_gpu.py [--no-timing]    # exit 1 on a failure; $OUT/check_fused_decode_gpu.json
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}  # max |difference| / max |reference|
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def check_linear_swiglu(dtype) -> list[dict]:
+    from dsc.kernels import linear
+    from dsc.kernels.launch import arch_of
+
+    rows = []
+    for n, k in [(28672, 4096), (14336, 4096), (7168, 4096), (16384, 2048)]:
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        x = torch.randn(1, k, device="cuda", generator=g).to(dtype)
+        w = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(dtype)
+        cfg = linear.gemv_swiglu_config(n, k, arch_of(x.device))
+        row = {"shape": [n, k], "dtype": str(dtype), "config": cfg}
+        if cfg is None:
+            row["skipped"] = "no gemv row for this shape: the op runs F.linear + swiglu"
+            rows.append(row)
+            continue
+        got = linear.gemv_swiglu(x, w, cfg)
+        ref = linear.linear_swiglu_reference(x, w)
+        g_cfg = linear.gemv_config(n, k, arch_of(x.device))
+        up = linear.gemv(x, w, None, g_cfg) if g_cfg else torch.nn.functional.linear(x, w)
+        unfused = torch.ops.dsc.swiglu(up[..., : n // 2], up[..., n // 2:])
+        op = torch.ops.dsc.linear_swiglu(x, w)
+        row.update(rel_vs_reference=rel(got, ref), rel_vs_unfused=rel(got, unfused),
+                   bit_equal_unfused=bool(torch.equal(got, unfused)), op_equals_kernel=bool(torch.equal(op, got)),
+                   finite=bool(torch.isfinite(got).all()))
+        row["ok"] = row["finite"] and row["rel_vs_reference"] <= REL_TOL[dtype] and row["op_equals_kernel"]
+        rows.append(row)
+    return rows
+
+
+def check_rotary_attention(dtype) -> list[dict]:
+    from dsc.kernels import attention as A, rotary as R
+
+    rows = []
+    D, Smax, theta = 128, 8192, 500000.0
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    for H, Hkv in [(32, 8), (8, 2)]:
+        for positions in ([127], [5000], [8191], [3, 700, 4100, 8000, 31, 1, 2047, 6000], [128] * 8):
+            B = len(positions)
+            g = torch.Generator(device="cuda").manual_seed(B * 7 + H)
+            pos = torch.tensor(positions, device="cuda")
+            ang = pos[:, None].float() * inv[None, :]
+            emb = torch.cat((ang, ang), -1)[:, None, :]  # [B, 1, D], as fold_position_tables indexes
+            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+            q = torch.randn(B, H, 1, D, device="cuda", generator=g).to(dtype)
+            k = torch.randn(B, Hkv, 1, D, device="cuda", generator=g).to(dtype)
+            v = torch.randn(B, Hkv, 1, D, device="cuda", generator=g).to(dtype)
+            kc = torch.randn(B + 1, Hkv, Smax, D, device="cuda", generator=g).to(dtype)
+            vc = torch.randn(B + 1, Hkv, Smax, D, device="cuda", generator=g).to(dtype)
+            kc2, vc2, kc3, vc3 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+            scale = D ** -0.5
+            got = A.decode_attention(q, k, v, kc, vc, pos, scale, rotary=(cos, sin))
+            ref = A.rotary_attention_reference(q, k, v, cos, sin, kc2, vc2, pos, scale)
+            qr, kr = R.rotary_triton(q, k, cos, sin)
+            unfused = A.decode_attention(qr, kr, v, kc3, vc3, pos, scale)
+            op = torch.ops.dsc.rotary_attention(q, k, v, cos, sin, kc3.clone(), vc3.clone(), pos, scale)
+            row = {"heads": [H, Hkv], "positions": positions, "dtype": str(dtype),
+                   "rel_vs_reference": rel(got, ref), "rel_vs_unfused": rel(got, unfused),
+                   "bit_equal_unfused": bool(torch.equal(got, unfused)), "cache_equal_unfused":
+                   bool(torch.equal(kc, kc3) and torch.equal(vc, vc3)),
+                   "cache_rel_vs_reference": max(rel(kc, kc2), rel(vc, vc2)),
+                   "op_close_to_kernel": rel(op, got) <= REL_TOL[dtype], "finite": bool(torch.isfinite(got).all())}
+            row["ok"] = (row["finite"] and row["rel_vs_reference"] <= REL_TOL[dtype]
+                         and row["cache_rel_vs_reference"] <= REL_TOL[dtype] and row["op_close_to_kernel"])
+            rows.append(row)
+    return rows
+
+
+def graph_us(fns, iters=30) -> float:
+    """us per call of fns (called in turn, each on its own weight copy) captured in one CUDA
+    graph, as a decode step replays them."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / iters / len(fns)
+
+
+def time_linear_swiglu() -> list[dict]:
+    """bf16, one row: the fused kernel with its derived config and a small sweep (rows for
+    kernels/tuning.json `gemv_swiglu`, BLOCK_N counting outputs) against the GEMV + swiglu pair.
+    Weight copies rotate past the 60 MiB L2, so every call reads its weight from HBM."""
+    from dsc.kernels import activation, linear
+    from dsc.kernels.launch import arch_of
+
+    out = []
+    for n, k in [(28672, 4096), (14336, 4096), (7168, 4096), (16384, 2048)]:
+        copies = max(2, math.ceil(3 * 60 * 2**20 / (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda").to(torch.bfloat16) / 64 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        arch = arch_of(x.device)
+        g_cfg, f_cfg = linear.gemv_config(n, k, arch), linear.gemv_swiglu_config(n, k, arch)
+        if g_cfg is None:
+            continue
+        row = {"shape": [n, k], "copies": copies, "gemv_config": g_cfg, "fused_config": f_cfg,
+               "gemv_then_swiglu_us": graph_us([lambda w=w: activation.swiglu_triton(*linear.gemv(x, w, None, g_cfg).chunk(2, -1))
+                                                for w in ws]),
+               "fused_us": graph_us([lambda w=w: linear.gemv_swiglu(x, w, f_cfg) for w in ws])}
+        tried = {}
+        for bn, bk, warps in itertools.product((1, 2, 4), (256, 512, 1024, 2048), (1, 2, 4, 8)):
+            if not 8 <= 2 * bn * bk // (32 * warps) <= 64 or bk > k:  # elements per thread
+                continue
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
+            tried[f"bn{bn}_bk{bk}_w{warps}"] = graph_us([lambda w=w: linear.gemv_swiglu(x, w, cfg) for w in ws])
+        best = min(tried, key=tried.get)
+        row.update(tried=tried, best=best, best_us=tried[best])
+        out.append(row)
+        print(f"linear_swiglu {n}x{k}: GEMV + swiglu {row['gemv_then_swiglu_us']:.2f} us, fused {row['fused_us']:.2f} us "
+              f"({f_cfg}), best {best} {tried[best]:.2f} us", flush=True)
+        del ws
+    return out
+
+
+def time_rotary_attention() -> list[dict]:
+    """bf16 decode at batch 1, context 128 and 4096: the fused kernel against dsc.rotary's kernel
+    then the decode kernel (Llama-8B heads at tp 1 and 4)."""
+    from dsc.kernels import attention as A, rotary as R
+
+    out, D = [], 128
+    for H, Hkv in [(32, 8), (8, 2)]:
+        for ctx in (128, 4096):
+            q = torch.randn(1, H, 1, D, device="cuda").to(torch.bfloat16)
+            k, v = (torch.randn(1, Hkv, 1, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+            cos, sin = (torch.rand(1, 1, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+            kc, vc = (torch.randn(2, Hkv, 8192, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+            pos = torch.tensor([ctx], device="cuda")
+            fused = graph_us([lambda: A.decode_attention(q, k, v, kc, vc, pos, D ** -0.5, rotary=(cos, sin))] * 16)
+            unfused = graph_us([lambda: A.decode_attention(*R.rotary_triton(q, k, cos, sin), v, kc, vc, pos, D ** -0.5)] * 16)
+            out.append({"heads": [H, Hkv], "context": ctx, "fused_us": fused, "rotary_then_attention_us": unfused})
+            print(f"rotary_attention heads {H}/{Hkv} context {ctx}: fused {fused:.2f} us, rotary + attention {unfused:.2f} us",
+                  flush=True)
+    return out
+
+
+def main() -> int:
+    import dsc.kernels  # noqa: F401  (registers the dsc ops)
+
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        rows += [dict(r, check="linear_swiglu") for r in check_linear_swiglu(dtype)]
+        rows += [dict(r, check="rotary_attention") for r in check_rotary_attention(dtype)]
+    timing = {}
+    if "--no-timing" not in sys.argv:
+        timing = {"linear_swiglu": time_linear_swiglu(), "rotary_attention": time_rotary_attention()}
+    for r in rows:
+        print(("ok  " if r.get("ok", True) else "FAIL") + " " + json.dumps(r), flush=True)
+    failed = [r for r in rows if not r.get("ok", True)]
+    checked = [r for r in rows if "ok" in r]
+    print(f"{len(checked) - len(failed)}/{len(checked)} passed ({len(rows) - len(checked)} skipped); "
+          f"bit-equal to the unfused kernels: {sum(r['bit_equal_unfused'] for r in checked)}/{len(checked)}")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "check_fused_decode_gpu.json").write_text(json.dumps({"checks": rows, "timing": timing}, indent=1))
+    return 1 if failed or not checked else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
