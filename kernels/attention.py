@@ -543,6 +543,21 @@ def _decode_kernel(
     split = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
     kvh = bh % Hkv
+    # q (and what rotates it) loads first, together with the position: at a short context the
+    # kernel is one program's chain of dependent loads, and a load behind the early return
+    # adds its latency (the new token's k and v load after the key loop: held across it, they
+    # made the windowed rotary build spill)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    heads = kvh * G + tl.arange(0, BLOCK_H)  # the group's query heads, padded to BLOCK_H rows
+    head_ok = tl.arange(0, BLOCK_H) < G
+    q_rows = Q + b * sq_b + heads[:, None] * sq_h  # [BLOCK_H, 1]
+    q = _load_rows(q_rows + offs_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
+    if ROTARY:  # dsc.rotary's q and k (rounded to their dtype): one launch fewer per layer
+        half_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # rotate_half's partner column
+        q_half = _load_rows(q_rows + half_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
+        cos = tl.load(COS + b * sc_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
+        sin = tl.load(SIN + b * ss_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     pos = tl.load(POS + b).to(tl.int32)  # the new token's position
     n_keys = tl.minimum(pos + 1, Smax)  # keys it sees: cache slots [first, n_keys)
     if WINDOWED:
@@ -556,18 +571,9 @@ def _decode_kernel(
     hi = tl.minimum(tl.minimum(lo + split_len, pos), Smax)  # cached keys of this split: [lo, hi)
     n_written = tl.cdiv(n_keys - first, split_len)  # splits that did not return early
 
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = kvh * G + tl.arange(0, BLOCK_H)  # the group's query heads, padded to BLOCK_H rows
-    head_ok = tl.arange(0, BLOCK_H) < G
-    q_rows = Q + b * sq_b + heads[:, None] * sq_h  # [BLOCK_H, 1]
-    q = _load_rows(q_rows + offs_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
-    if ROTARY:  # dsc.rotary's q (rounded to q's dtype), then its k below: one launch fewer per layer
-        half_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # rotate_half's partner column
-        cos = tl.load(COS + b * sc_b + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)  # [BLOCK_D]
-        sin = tl.load(SIN + b * ss_b + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+    if ROTARY:
         sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
-        q = _rotated(q, _load_rows(q_rows + half_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D), cos[None, :],
-                     sin[None, :])
+        q = _rotated(q, q_half, cos[None, :], sin[None, :])
     k_cache = KC + b * skc_b + kvh * skc_h
     v_cache = VC + b * svc_b + kvh * svc_h
 
@@ -583,13 +589,13 @@ def _decode_kernel(
 
     if (pos < Smax) & (pos < lo + split_len):  # the new token's slot is in this split
         cache_ty = KC.dtype.element_ty
-        kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=offs_d < HEAD_DIM)  # [BLOCK_D]
+        kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=d_ok)  # [BLOCK_D]
         if ROTARY:  # in k's dtype first, as dsc.rotary stores it, then the cache's
-            kn = _rotated(kn, tl.load(K + b * sk_b + kvh * sk_h + half_d, mask=offs_d < HEAD_DIM), cos, sin)
+            kn = _rotated(kn, tl.load(K + b * sk_b + kvh * sk_h + half_d, mask=d_ok), cos, sin)
         kn = kn.to(cache_ty)
-        vn = tl.load(V + b * sv_b + kvh * sv_h + offs_d, mask=offs_d < HEAD_DIM).to(cache_ty)
-        tl.store(k_cache + pos * skc_s + offs_d, kn, mask=offs_d < HEAD_DIM)
-        tl.store(v_cache + pos * svc_s + offs_d, vn, mask=offs_d < HEAD_DIM)
+        vn = tl.load(V + b * sv_b + kvh * sv_h + offs_d, mask=d_ok).to(cache_ty)
+        tl.store(k_cache + pos * skc_s + offs_d, kn, mask=d_ok)
+        tl.store(v_cache + pos * svc_s + offs_d, vn, mask=d_ok)
         s = tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_H]
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp2(m_i - m_new)
@@ -623,10 +629,10 @@ def _decode_kernel(
             m = tl.full([BLOCK_H], float("-inf"), tl.float32)
             l = tl.zeros([BLOCK_H], tl.float32)
             o = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-            d_ok = head_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+            o_ok = head_ok[:, None] & d_ok[None, :]
             for s in range(0, n_written):  # online log-sum-exp over the splits' partials
                 lse_s = tl.load(part_lse + s, mask=head_ok, other=0.0, cache_modifier=".cg")
-                o_s = tl.load(part_o + s * sp_s, mask=d_ok, other=0.0, cache_modifier=".cg")
+                o_s = tl.load(part_o + s * sp_s, mask=o_ok, other=0.0, cache_modifier=".cg")
                 m_new = tl.maximum(m, lse_s)
                 alpha = tl.exp2(m - m_new)
                 w = tl.exp2(lse_s - m_new)

@@ -80,6 +80,11 @@ PY
   if [ "$RC" != 0 ]; then echo "all-reduce check failed on $N GPUs: DSC_ALLREDUCE=one_shot from here"; export DSC_ALLREDUCE=one_shot; fi
 done
 wait
+for A in $ARTS; do  # the plan's decode launches per step and per layer
+  [ -f "$W/$A/plan.json" ] && python3 -m dsc inspect "$W/$A" --json 2>/dev/null | python3 -c "import json, sys
+d = json.load(sys.stdin)['notes']['kernels']['launches']['decode']
+print('$A decode launches: %(launches)d per step, %(launches_per_layer)d per layer x %(layers)d layers' % d)"
+done
 pack
 PROMPTS='--token-ids 1,2,3,4,5,6,7,8,9,10,11 --token-ids 20,21,22 --token-ids 30,31,32,33,34,35,36'
 gen() {  # gen TAG ARTIFACT [env...]
