@@ -163,13 +163,41 @@ MAX_SPLITS = 64  # splits per (sequence, kv head): bounds the partials the last 
 SM_COUNT = {"sm_90": 132, "default": 4}  # for planning; at run time the device says (H100/H200: 132)
 
 
-def attention_config(kind: str, head_dim: int, arch: str) -> dict:
-    """Launch config of the `kind` ("prefill" | "decode") kernel at this head_dim on `arch`."""
+SMEM_BUDGET = 160 * 1024  # bytes of q and pipelined k/v tiles a table row may stage (H100/H200: 227 KiB per
+#                          block; the rest for triton's own buffers)
+
+
+def staged_bytes(kind: str, cfg: dict, head_dim: int, itemsize: int) -> int:
+    """Shared memory a config's tiles take: q [BLOCK_M (decode: <= 16 query heads), D] and
+    num_stages buffers of a k and a v tile [BLOCK_N, D] (what triton's pipeliner allocates)."""
+    d = next_power_of_2(head_dim)
+    rows = cfg["BLOCK_M"] if kind == "prefill" else 16
+    return (rows + 2 * cfg["num_stages"] * cfg["BLOCK_N"]) * d * itemsize
+
+
+def attention_config(kind: str, head_dim: int, arch: str, itemsize: int = 2) -> dict:
+    """Launch config of the `kind` ("prefill" | "decode") kernel at this head_dim on `arch` for
+    q/k/v elements of `itemsize` bytes. The rows are measured for 16-bit tensors; fp32 tiles
+    take twice the shared memory (sm_90's head_dim-128 prefill row would need 256 KiB), so a
+    row over SMEM_BUDGET loses pipeline stages (down to 2), then rows (BLOCK_M to 64), then
+    keys per tile, then the last stage, until it fits."""
     table = PREFILL_CONFIGS if kind == "prefill" else DECODE_CONFIGS
     keys = [key for key in table if key[0] in (arch, "default")]
     fits = [key for key in keys if key[1] >= head_dim] or [max(keys, key=lambda key: key[1])]
     row = table[min(fits, key=lambda key: (key[1], key[0] == "default"))]
-    return tuned(f"attention_{kind}", f"D{next_power_of_2(head_dim)}", arch, dict(row))
+    cfg = tuned(f"attention_{kind}", f"D{next_power_of_2(head_dim)}", arch, dict(row))
+    while staged_bytes(kind, cfg, head_dim, itemsize) > SMEM_BUDGET:
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif kind == "prefill" and cfg["BLOCK_M"] > 64:
+            cfg["BLOCK_M"] //= 2
+        elif cfg["BLOCK_N"] > 32:
+            cfg["BLOCK_N"] //= 2
+        elif cfg["num_stages"] > 1:
+            cfg["num_stages"] -= 1
+        else:
+            break
+    return cfg
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -677,7 +705,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
     B, H, S, D = q.shape
     Hkv, Smax = k.shape[1], k_cache.shape[2]
     G = H // Hkv
-    cfg = config or attention_config("prefill", D, arch_of(q.device))
+    cfg = config or attention_config("prefill", D, arch_of(q.device), q.element_size())
     out = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device) if out is None else out
     grid = (_cdiv(S * G, cfg["BLOCK_M"]) * B * Hkv,)  # the kernel orders (sequence, row tile, kv head)
     BLOCK_D = max(16, next_power_of_2(D))
@@ -736,7 +764,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, r
     B, H, _, D = q.shape
     Hkv, Smax = k.shape[1], k_cache.shape[2]
     G = H // Hkv
-    cfg = config or attention_config("decode", D, arch_of(q.device))
+    cfg = config or attention_config("decode", D, arch_of(q.device), q.element_size())
     splits = num_splits or decode_num_splits(B, Hkv, Smax, cfg, sm_count(q.device))
     if splits > MAX_SPLITS:
         raise ValueError(f"decode_attention: {splits} splits exceed MAX_SPLITS={MAX_SPLITS}")
@@ -816,12 +844,12 @@ def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, ar
     B, H, S, D = q.shape
     Hkv, Smax = k.shape[1], k_cache.shape[2]
     if isinstance(S, int) and S == 1:
-        cfg = attention_config("decode", D, arch)
+        cfg = attention_config("decode", D, arch, q.element_size())
         batch = B if isinstance(B, int) else 1
         splits = decode_num_splits(batch, Hkv, Smax, cfg, SM_COUNT.get(arch, SM_COUNT["sm_90"]))
         cfg = {**cfg, "splits": splits, "splits_at_batch": batch, **({"window": window} if window else {})}
         return {"name": "triton.attention_decode", "config": cfg, "launches": 1}
-    cfg = {**attention_config("prefill", D, arch), "group": H // Hkv, **({"window": window} if window else {})}
+    cfg = {**attention_config("prefill", D, arch, q.element_size()), "group": H // Hkv, **({"window": window} if window else {})}
     return {"name": "triton.attention_prefill", "config": cfg, "launches": 1}
 
 

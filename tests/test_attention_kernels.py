@@ -336,6 +336,20 @@ def _compile_sm90() -> None:
                     report[f"{name}-ptxas/{dtype}"] = _check_ptxas(kernel, allow_spills=False)
             except Exception as e:  # reported per kernel by the parent
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"[:2000]
+    # fp32 at head_dim 128 (an 8B-shaped model compiled in fp32): the table's 16-bit rows need
+    # more shared memory than a block gets; attention_config shrinks them for 4-byte elements
+    t = {n: "*fp32" for n in ("Q", "K", "V", "KC", "VC", "OUT", "PART_O", "PART_LSE")} | {"POS": "*i64", "LOCK": "*i32"}
+    for kind, fn in (("prefill", A._prefill_kernel), ("decode", A._decode_kernel)):
+        cfg = A.attention_config(kind, 128, "sm_90", itemsize=4)
+        consts = dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=cfg["BLOCK_N"], WINDOWED=False)
+        consts |= dict(BLOCK_M=cfg["BLOCK_M"]) if kind == "prefill" else dict(BLOCK_H=16, SPLIT=True)
+        try:
+            kernel = compile_(fn, {k: v for k, v in t.items() if kind == "decode" or k not in ("PART_O", "PART_LSE", "LOCK")},
+                              consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            shared = kernel.metadata.shared
+            report[f"{kind}-fp32-d128-smem"] = "ok" if shared <= 232448 else f"{shared} bytes of shared memory > 227 KiB"
+        except Exception as e:
+            report[f"{kind}-fp32-d128-smem"] = f"raised {type(e).__name__}: {e}"[:2000]
     print("REPORT " + json.dumps(report))
 
 
@@ -548,6 +562,24 @@ def test_planner_reports_kernels_and_launches(seq, batch, splits):
     assert fused["name"] == ("triton.rotary_attention_decode" if seq == 1
                              else "triton.rotary + triton.attention_prefill")
     assert fused["config"].items() >= plan["config"].items()
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_fp32_configs_fit_shared_memory(sm90_report, kind):
+    """An fp32 model at head_dim 128 (sm_90's 16-bit prefill row would stage 256 KiB: an H200 ran
+    out of shared memory at load) gets a config whose sm_90 build fits a block's 227 KiB; the
+    16-bit rows are untouched."""
+    from dsc.kernels.attention import DECODE_CONFIGS, PREFILL_CONFIGS, SMEM_BUDGET, attention_config, staged_bytes
+
+    assert sm90_report[f"{kind}-fp32-d128-smem"] == "ok"
+    table = PREFILL_CONFIGS if kind == "prefill" else DECODE_CONFIGS
+    for arch, head_dim in table:
+        assert attention_config(kind, head_dim, arch) == attention_config(kind, head_dim, arch, itemsize=2)
+        assert staged_bytes(kind, attention_config(kind, head_dim, arch, itemsize=4), head_dim, 4) <= SMEM_BUDGET
+    if kind == "prefill":
+        assert attention_config(kind, 128, "sm_90", itemsize=2)["BLOCK_M"] == 128  # the measured row
+        assert {k: attention_config(kind, 128, "sm_90", itemsize=4)[k] for k in ("BLOCK_M", "BLOCK_N", "num_stages")} \
+            == {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
 
 
 def test_variant_keys_are_on_only_where_measured():
