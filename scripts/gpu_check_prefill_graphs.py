@@ -25,7 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BATCHES = [(700, 300, 1), (600, 2, 50), (5,), (16,), (17, 3), (128,)]
-TOL = {"float32": 1e-4, "bfloat16": 2e-2}  # max |difference| / max |logit|
+# max |difference| / max |logit|: padding changes the GEMMs' M, and with it cuBLAS's kernel and
+# fp32 summation order (an H200 measured 1.9e-4 in fp32, 0 in bf16, argmax equal everywhere)
+TOL = {"float32": 1e-3, "bfloat16": 2e-2}
 
 
 def timed(fn, n=10):
@@ -77,6 +79,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     report["ok"] = ok
     out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check_prefill_graphs.json").write_text(json.dumps(report, indent=1))
     print("OK" if ok else "MISMATCH", f"(tolerances {TOL})")
     return 0 if ok else 1

@@ -15,7 +15,7 @@
 #    DSC_ALLREDUCE=pull (the pull kernel), DSC_ALLREDUCE=one_shot (no fused kernel)
 #    and DSC_ALLREDUCE=nccl, in the same run; the
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
-#    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off (tp=4 profiled).
+#    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off (tp=4 profiled; PDL_AB="tp1 tp4": those only).
 #    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
 #    `gemv_push` rows to merge by hand).
@@ -133,7 +133,7 @@ bench() {  # bench TAG ARTIFACT [env...]; PROFILE=1: also --profile
 if [ -z "${NO_BENCH:-}" ]; then
   for A in $ARTS; do
     if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A" "$A"; else bench "$A" "$A"; fi
-    if [ -n "${PDL_AB:-}" ]; then  # tp=4 without PDL also profiled: a per-kernel split (PDL overlaps kernels)
+    if [ "${PDL_AB:-}" = 1 ] || [[ " ${PDL_AB:-} " == *" $A "* ]]; then  # tp=4 also profiled: per-kernel times
       if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A-nopdl" "$A" DSC_PDL=off; else bench "$A-nopdl" "$A" DSC_PDL=off; fi
     fi
     if [[ $A != tp1* && $A != *int8 ]]; then

@@ -218,5 +218,6 @@ def test_gemv_push_config_is_the_gemv_row_with_the_push_row_over_it():
     push = tuning_table()["sm_90"]["gemv_push"]["N4096_K1024"]
     got = C.gemv_push_config(4096, 1024, "sm_90")
     assert got == {**gemv_config(4096, 1024, "sm_90"), **{k: push[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps")}}
-    assert C.gemv_push_config(4096, 3584, "sm_90") == gemv_config(4096, 3584, "sm_90") is not None
+    assert "N4096_K14336" not in tuning_table()["sm_90"]["gemv_push"]  # a shape without a push row
+    assert C.gemv_push_config(4096, 14336, "sm_90") == gemv_config(4096, 14336, "sm_90") is not None
     assert C.gemv_push_config(4096, 1000, "sm_90") is None  # untuned: cuBLAS, then the fused all-reduce
