@@ -143,16 +143,17 @@ class Engine:
         return self._call(program, input_ids, position_ids, cache_pos, last_idx).float()
 
     @torch.inference_mode()
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    def prefill(self, prompts: Sequence[Sequence[int]], graphs: bool = True) -> torch.Tensor:
         """Write the prompts into KV-cache rows 0..B-1; return the last prompt token's logits.
-        On GPU a replay of the (batch, prompt-length bucket)'s CUDA graph (runtime/prefill.py)."""
+        On GPU a replay of the (batch, prompt-length bucket)'s CUDA graph (runtime/prefill.py);
+        graphs=False runs the program eagerly at the prompts' exact length (`dsc bench`'s baseline)."""
         lens = [len(p) for p in prompts]
         L = max(max(lens), 2)  # the prefill program is traced for seq >= 2
         ids = torch.zeros(len(prompts), L, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
         last = torch.tensor(lens) - 1
-        return self._prefill(ids.to(self.device), last.to(self.device)).float()
+        return self._prefill(ids.to(self.device), last.to(self.device), graphs=graphs).float()
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:

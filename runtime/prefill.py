@@ -99,10 +99,10 @@ class PrefillRunner:
         """Whether a prefill of this shape runs in a length bucket (on CUDA: a graph)."""
         return self.pad and batch * self.bucket(length) <= self.max_graph_tokens
 
-    def __call__(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, last: torch.Tensor, graphs: bool = True) -> torch.Tensor:
         B, L = ids.shape
         Lb = self.bucket(L)
-        if not self.padded(B, L):
+        if not graphs or not self.padded(B, L):
             pos = torch.arange(L, device=self.device).expand(B, L).contiguous()
             return self.program(ids, pos, torch.zeros(B, dtype=torch.long, device=self.device), last)
         step = self.steps.get((B, Lb))
