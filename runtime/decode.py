@@ -33,6 +33,21 @@ def release_cuda_graphs() -> None:
         runner.release()
 
 
+def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm `forward` up on a side stream (Triton JIT, cuBLAS handles), then capture it into a
+    CUDA graph in `pool`; returns the graph and the output tensor its replays write."""
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
 def choose_bucket(buckets: tuple[int, ...] | list[int], batch: int) -> int:
     """Smallest bucket that holds `batch` sequences."""
     i = bisect.bisect_left(list(buckets), batch)
@@ -56,16 +71,7 @@ class DecodeStep:
         return self.program(self.tokens, self.pos[:, None], self.pos, self.zeros)
 
     def capture(self, pool) -> None:
-        """Warm up on a side stream (Triton JIT, cuBLAS handles), then capture."""
-        s = torch.cuda.Stream(self.device)
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream(self.device).wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = self._forward()
+        self.graph, self.logits = capture_graph(self._forward, self.device, pool)
 
     def __call__(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
         """tokens, cache_pos: [B] with B <= bucket -> logits [B, V]."""

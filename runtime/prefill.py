@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from dsc.runtime.decode import register_runner
+from dsc.runtime.decode import capture_graph, register_runner
 
 MIN_BUCKET = 16
 
@@ -53,16 +53,7 @@ class PrefillStep:
         return self.program(self.ids, self.pos, self.zeros, self.last)
 
     def capture(self, pool) -> None:
-        s = torch.cuda.Stream(self.device)
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream(self.device).wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits = self._forward()
-        self.graph = graph
+        self.graph, self.logits = capture_graph(self._forward, self.device, pool)
 
     def __call__(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         self.ids.zero_()

@@ -160,6 +160,17 @@ def test_bf16_llama_decode_is_at_most_10_launches_per_layer(compile_artifact, ma
 
 
 @torch.no_grad()
+def assert_same_decode_logits(engines, prompts, steps: int = 6) -> None:
+    """Every engine gives bit-identical logits at each greedy decode step after the prefill (fed
+    the last engine's tokens): a fusion that must not change a bit on CPU."""
+    lens = torch.tensor([len(p) for p in prompts])
+    logits = [e.prefill(prompts) for e in engines]
+    for step in range(steps):
+        nxt = logits[-1].argmax(-1)
+        logits = [e.decode(nxt, lens + step) for e in engines]
+        assert all(torch.equal(x, logits[-1]) for x in logits), f"decode step {step}"
+
+
 def test_bf16_llama_decode_fuses_gate_up_with_swiglu(tmp_path, make_checkpoint, monkeypatch):
     """decode_linears' swiglu rule (dsc.linear_swiglu), compiled with and without it: where the
     gate_up shape has a tuned GEMV (here a tuning row for llama-tiny's [352, 64]; the shipped
@@ -181,16 +192,11 @@ def test_bf16_llama_decode_fuses_gate_up_with_swiglu(tmp_path, make_checkpoint, 
     assert a["launches_per_layer"] == b["launches_per_layer"] - 1, (a["layer_kernels"], b["layer_kernels"])
     assert "triton.gemv_swiglu" in a["layer_kernels"]["kernels"] and "triton.swiglu" not in a["layer_kernels"]["kernels"]
     assert {"triton.gemv", "triton.swiglu"} <= set(b["layer_kernels"]["kernels"])
-    ps, new = sample_prompts(512), 6
     engines = [dsc.load(art, device="cpu") for art in (fused, pair)]
-    assert engines[0].generate(ps, max_new_tokens=new, stop_tokens=[]).tokens == \
-        engines[1].generate(ps, max_new_tokens=new, stop_tokens=[]).tokens
-    lens = torch.tensor([len(p) for p in ps])
-    logits = [e.prefill(ps) for e in engines]
-    for step in range(new):
-        nxt = logits[1].argmax(-1)
-        logits = [e.decode(nxt, lens + step) for e in engines]
-        assert torch.equal(logits[0], logits[1]), f"decode step {step}"
+    ps = sample_prompts(512)
+    assert engines[0].generate(ps, max_new_tokens=6, stop_tokens=[]).tokens == \
+        engines[1].generate(ps, max_new_tokens=6, stop_tokens=[]).tokens
+    assert_same_decode_logits(engines, ps)
 
 
 def test_no_fuse_turns_the_fusions_off(compile_artifact):
@@ -261,14 +267,7 @@ def test_decode_rotary_fuses_into_attention(tmp_path, make_checkpoint, monkeypat
     assert a["launches_per_layer"] == b["launches_per_layer"] - 1, (a["layer_kernels"], b["layer_kernels"])
     assert "triton.rotary_attention_decode" in a["layer_kernels"]["kernels"]
     assert not {"triton.rotary", "triton.attention_decode"} & set(a["layer_kernels"]["kernels"])
-    ps, new = sample_prompts(512), 6
-    engines = [dsc.load(art, device="cpu") for art in (fused, pair)]
-    lens = torch.tensor([len(p) for p in ps])
-    logits = [e.prefill(ps) for e in engines]
-    for step in range(new):
-        nxt = logits[1].argmax(-1)
-        logits = [e.decode(nxt, lens + step) for e in engines]
-        assert torch.equal(logits[0], logits[1]), f"decode step {step}"
+    assert_same_decode_logits([dsc.load(art, device="cpu") for art in (fused, pair)], sample_prompts(512))
 
 
 # -- golden plans ------------------------------------------------------------------------------------
