@@ -72,9 +72,9 @@ def record(engine, prompts: Sequence[Sequence[int]], program: str = "prefill") -
     """Every call node's output (float32) for one run of `program` from a fresh KV cache."""
     values: dict[str, torch.Tensor] = {}
     engine.reset()
-    if program == "prefill":
+    if program == "prefill":  # eager at the exact length: a recording run cannot be a CUDA graph
         with _recording(engine, "prefill", values):
-            engine.prefill(prompts)
+            engine.prefill(prompts, graphs=False)
     else:
         engine.prefill([p[:-1] for p in prompts])
         last = torch.tensor([[p[-1]] for p in prompts], device=engine.device)  # [B, 1]

@@ -140,6 +140,15 @@ class Engine:
             cache_pos: torch.Tensor, last_idx: torch.Tensor) -> torch.Tensor:
         """One forward step. Shapes: input_ids/position_ids [B, S], cache_pos/last_idx [B].
         Returns logits [B, vocab] (fp32) for the token at last_idx of each sequence."""
+        if program not in self.programs:
+            raise ValueError(f"run: no program {program!r} (the artifact has {', '.join(self.programs)})")
+        if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
+            raise ValueError(f"run: input_ids and position_ids must both be [batch, seq], got "
+                             f"{list(input_ids.shape)} and {list(position_ids.shape)}")
+        B = input_ids.shape[0]
+        if cache_pos.shape != (B,) or last_idx.shape != (B,):
+            raise ValueError(f"run: cache_pos and last_idx must be [batch] = [{B}], got "
+                             f"{list(cache_pos.shape)} and {list(last_idx.shape)}")
         return self._call(program, input_ids, position_ids, cache_pos, last_idx).float()
 
     @torch.inference_mode()

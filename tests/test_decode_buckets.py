@@ -143,3 +143,21 @@ def test_padded_prefill_equals_exact_length(compile_artifact, shape):
             torch.testing.assert_close(e.kv_cache[k][i, :, :n], v[i, :, :n], rtol=1e-5, atol=1e-5)
     assert e.generate(prompts, max_new_tokens=5, stop_tokens=[]).tokens == exact_tokens
     assert list(e._prefill.steps) == [(3, 32)]  # the same shape again: the same static step
+
+
+def test_run_checks_its_input_shapes(compile_artifact):
+    """Engine.run takes [batch, seq] ids and positions and [batch] cache positions / last
+    indices: anything else is one clear ValueError, not a view error from inside the program
+    (a [1, 1, n] prompt once made a GPU bench fail that way)."""
+    import dsc
+
+    e = dsc.load(compile_artifact("llama-tiny", dtype="fp32"), device="cpu")
+    ids, zero = torch.tensor([[1, 2, 3]]), torch.zeros(1, dtype=torch.long)
+    pos = torch.arange(3)[None]
+    assert e.run("prefill", ids, pos, zero, torch.tensor([2])).shape == (1, e.vocab_size)
+    with pytest.raises(ValueError, match=r"input_ids and position_ids must both be \[batch, seq\], got \[1, 1, 3\]"):
+        e.run("prefill", ids[None], pos, zero, torch.tensor([2]))
+    with pytest.raises(ValueError, match=r"cache_pos and last_idx must be \[batch\] = \[1\]"):
+        e.run("prefill", ids, pos, zero, torch.tensor(2))
+    with pytest.raises(ValueError, match="no program 'decoder'"):
+        e.run("decoder", ids, pos, zero, torch.tensor([2]))
