@@ -15,10 +15,13 @@ replay: the first call of a shape costs about three eager runs) and share one me
 their own. Prefills of more than `max_graph_tokens` tokens (B x Lb) run eagerly at their
 exact length: their GPU time dwarfs the launch overhead, and their workspace would stay
 reserved in the pool. Under tensor parallelism every rank prefills the same shapes in the same
-order, so the ranks capture (and replay) their collectives in lockstep.
+order, so the ranks capture (and replay) their collectives in lockstep. A capture that raises
+(an op that cannot be captured) prints one line and turns the runner eager: a rank that falls
+back still issues the same collectives in the same order as its peers' replays.
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -104,7 +107,14 @@ class PrefillRunner:
                 step.last.copy_(last)
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
-                step.capture(self._pool)
+                try:
+                    step.capture(self._pool)
+                except Exception as e:  # e.g. an op that cannot be captured: say so, run eagerly
+                    print(f"dsc: capturing the prefill of {B} x {Lb} tokens failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); prefills run eagerly", file=sys.stderr)
+                    self.graphs = self.pad = False
+                    del self.steps[(B, Lb)]
+                    return self(ids, last)
         return step(ids, last)
 
     def release(self) -> None:

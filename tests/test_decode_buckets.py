@@ -161,3 +161,28 @@ def test_run_checks_its_input_shapes(compile_artifact):
         e.run("prefill", ids, pos, zero, torch.tensor(2))
     with pytest.raises(ValueError, match="no program 'decoder'"):
         e.run("decoder", ids, pos, zero, torch.tensor([2]))
+
+
+def test_prefill_capture_failure_falls_back_to_eager(compile_artifact, monkeypatch, capsys):
+    """A prefill whose CUDA-graph capture raises (an op that cannot be captured) says so in one
+    line and runs eagerly at its exact length from then on (simulated on CPU)."""
+    import dsc
+    from dsc.runtime.prefill import PrefillRunner, PrefillStep
+
+    e = dsc.load(compile_artifact("llama-tiny", dtype="fp32"), device="cpu")
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    want = e.prefill(prompts)
+    runner = PrefillRunner(e._prefill.program, e.max_seq, e.device, cuda_graphs=False, buckets=True)
+    runner.graphs = True  # as on CUDA
+    monkeypatch.setattr(runner, "_pool", object())
+
+    def fail(self, pool):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(PrefillStep, "capture", fail)
+    e._prefill = runner
+    e.reset()
+    torch.testing.assert_close(e.prefill(prompts), want, rtol=0, atol=0)
+    err = capsys.readouterr().err
+    assert "capturing the prefill of 2 x 16 tokens failed (RuntimeError: operation not permitted" in err
+    assert "more detail" not in err and not runner.steps and not runner.graphs
