@@ -162,13 +162,14 @@ class Engine:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
         last = torch.tensor(lens) - 1
-        return self._prefill(ids.to(self.device), last.to(self.device), graphs=graphs).float()
+        # a copy: a replay of the same graph overwrites its static output (fp32's .float() is no copy)
+        return self._prefill(ids.to(self.device), last.to(self.device), graphs=graphs).to(torch.float32, copy=True)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
         """tokens [B], cache_pos [B] (the position each token is written at) -> logits [B, V].
         Runs in the smallest decode bucket >= B (a CUDA-graph replay on GPU)."""
-        return self._decode(tokens, cache_pos).float()
+        return self._decode(tokens, cache_pos).to(torch.float32, copy=True)  # the graph's buffer is reused
 
     def check_batch(self, prompts: Sequence[Sequence[int]]) -> None:
         if not prompts:

@@ -186,3 +186,19 @@ def test_prefill_capture_failure_falls_back_to_eager(compile_artifact, monkeypat
     err = capsys.readouterr().err
     assert "capturing the prefill of 2 x 16 tokens failed (RuntimeError: operation not permitted" in err
     assert "more detail" not in err and not runner.steps and not runner.graphs
+
+
+def test_returned_logits_are_not_the_static_buffers(compile_artifact):
+    """fp32 logits from prefill and decode do not share memory with the static steps' outputs,
+    which a CUDA graph's next replay overwrites (fp32's .float() would return them as they are)."""
+    import dsc
+    from dsc.runtime.prefill import PrefillRunner
+
+    e = dsc.load(compile_artifact("llama-tiny", dtype="fp32"), device="cpu")
+    e._prefill = PrefillRunner(e._prefill.program, e.max_seq, e.device, cuda_graphs=False, buckets=True)
+    got = e.prefill([[1, 2, 3]])
+    static = e._prefill.steps[(1, 16)].logits
+    assert static.dtype == torch.float32 and got.untyped_storage().data_ptr() != static.untyped_storage().data_ptr()
+    got = e.decode(torch.tensor([7]), torch.tensor([3]))
+    static = e._decode.steps[1].logits
+    assert static.dtype == torch.float32 and got.untyped_storage().data_ptr() != static.untyped_storage().data_ptr()
