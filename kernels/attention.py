@@ -53,8 +53,8 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   passes/fuse_rotary_attention.py: q, k are dsc.rotary's inputs.  At S == 1 the decode kernel
   with ROTARY rotates the group's query rows right after loading them and the new token's key
   before writing it to the cache, each rounded to its dtype where dsc.rotary stores it (then k
-  to the cache's): the bits of the rotary kernel followed by the plain decode kernel, one
-  launch fewer.  Other S run those two kernels (kernels/rotary.py, then prefill).
+  to the cache's): the rotary kernel's arithmetic (bit-equal to it followed by the plain decode
+  kernel in the interpreter; within about an ulp on an H200), one launch fewer.  Other S run those two kernels (kernels/rotary.py, then prefill).
 Launch configurations: PREFILL_CONFIGS / DECODE_CONFIGS below, shared with the plan_kernels
 pass through `attention_config` and the registered planner (scripts/bench_attention.py --sweep
 measures the candidates on a GPU).  The CPU implementation is the plain-torch reference.
@@ -272,8 +272,8 @@ def _store_rows(ptrs, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.con
 
 @_jit_on_first_use
 def _rotated(x, x_half, cos, sin):
-    """dsc.rotary of x (any shape; fp32 cos / sin broadcast to it) in x's dtype, the bits
-    kernels/rotary.py stores: x_half[d] = x[(d + D/2) mod D], sin negated below D/2 (rotate_half's
+    """dsc.rotary of x (any shape; fp32 cos / sin broadcast to it) in x's dtype, rotary.py's
+    arithmetic (`rotate`): x_half[d] = x[(d + D/2) mod D], sin negated below D/2 (rotate_half's
     sign).  A second load of x at the shifted columns (cache hits) instead of register shuffles."""
     return rotate(x.to(tl.float32), cos, x_half.to(tl.float32), sin, x.dtype).to(x.dtype)
 
