@@ -59,8 +59,9 @@ class PrefillStep:
         self.graph, self.logits = capture_graph(self._forward, self.device, pool)
 
     def __call__(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        self.ids.zero_()
-        self.ids[:, : ids.shape[1]].copy_(ids)
+        L = ids.shape[1]
+        self.ids[:, :L].copy_(ids)
+        self.ids[:, L:].zero_()  # the padding (a no-op when L is the bucket)
         self.last.copy_(last)
         if self.graph is not None:
             self.graph.replay()
