@@ -2,6 +2,7 @@
 
     python scripts/bench_attention.py            # the tables (about a minute on an H200)
     python scripts/bench_attention.py --sweep    # + sweep the launch configs (adds about 2-3 min)
+    python scripts/bench_attention.py --short    # only: batch-1 decode configs at 128-512 keys
     TRITON_INTERPRET=1 python scripts/bench_attention.py --smoke   # the script's own test on CPU
 
 Shapes: Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), bf16.
@@ -305,6 +306,31 @@ def sweep(deadline):
                 prefill_variant_vs_default=variant_vs_default)
 
 
+def short_context_sweep():
+    """`--short`: batch-1 decode at the contexts a chat turn decodes at (128-512 keys, a cache of
+    1024 slots), Llama-8B heads at tp 1 and 4 (8 and 2 kv heads), graph-timed per call, for
+    every (BLOCK_N, MIN_SPLIT, num_stages): MIN_SPLIT decides how many programs share a short
+    context (at 128 keys and MIN_SPLIT 256 one program per kv head walks them all), and binds
+    only below the contexts the main sweep scores. Returns the rows; prints per config."""
+    global H, HKV
+    saved = H, HKV
+    table = A.attention_config("decode", D, A.arch_of(torch.device(DEVICE)))
+    cands = [table] + [dict(table, BLOCK_N=n, MIN_SPLIT=ms, num_stages=st)
+                       for n, ms, st in itertools.product((32, 64), (32, 64, 128, 256), (2, 3)) if ms >= n]
+    rows = []
+    print(f"decode at short contexts, B=1, Smax=1024, per call in a graph of 32 (us); table row {table}")
+    for hkv in (8, 2):
+        H, HKV = 4 * hkv, hkv
+        for cfg in cands:
+            t = {ctx: bench_decode(1, ctx, 1024, config=cfg, baselines=False, rep=40) for ctx in (128, 256, 512)}
+            us = {ctx: None if r.get("dsc_graph_ms") is None else 1e3 * r["dsc_graph_ms"] for ctx, r in t.items()}
+            rows.append(dict(Hkv=hkv, config=cfg, table=cfg is table, us=us))
+            print(f"  Hkv {hkv} {'table ' if cfg is table else ''}{cfg}: "
+                  + "  ".join(f"ctx {c} {fmt(v, '6.2f')}" for c, v in us.items()), flush=True)
+    H, HKV = saved
+    return rows
+
+
 def main():
     global H, HKV, D, DTYPE, DEVICE
     t0 = time.time()
@@ -317,6 +343,11 @@ def main():
         prefill_shapes = [(1, 2048), (8, 2048)]
         decode_shapes = [(B, ctx, None) for ctx in (1024, 2048, 4096, 8192) for B in (1, 8, 32, 64)]
         decode_shapes += [(B, ctx, 8192) for B in (8, 32) for ctx in (1024, 2048)]
+    if "--short" in sys.argv:  # only the short-context decode sweep
+        rows = short_context_sweep() if not SMOKE else []
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "bench_attention_short.json").write_text(json.dumps(rows, indent=1, default=str))
+        return
     prefill = [bench_prefill(B, S) for B, S in prefill_shapes]
     prefill += [bench_prefill(B, S, cfg, baselines=False, label="variant")
                 for cfg in variant_configs()[:1] for B, S in prefill_shapes]

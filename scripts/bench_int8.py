@@ -61,7 +61,10 @@ GEMV = [dict(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf, X_ROW=False, FAST_CVT=fc, num_
                                   # session 8: fewer, smaller programs (4096 x 14336 ran 1.7 waves at BLOCK_N 2)
                                   (4, 512, 2, False, True), (4, 256, 1, False, True), (2, 256, 1, False, True),
                                   (2, 512, 1, False, True), (1, 1024, 1, False, True), (4, 512, 4, False, True),
-                                  (8, 256, 2, False, True)]]
+                                  (8, 256, 2, False, True),
+                                  # session 9: a whole 4096-byte row per K step (one iteration at K = 4096)
+                                  (2, 4096, 2, False, True), (4, 4096, 4, False, True), (1, 4096, 1, False, True),
+                                  (2, 2048, 1, False, True), (4, 2048, 2, False, True)]]
 MMA_DECODE = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, num_warps=w, num_stages=s)
               for bn, bk, w, s, fc in [(32, 256, 4, 4, False), (16, 256, 2, 4, True), (16, 512, 4, 3, True),
                                        (16, 512, 2, 4, True), (32, 512, 4, 3, True), (32, 128, 2, 5, True),
@@ -86,7 +89,11 @@ MMA_DECODE_VARIANTS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, S
                                                    (32, 256, 4, 3, False, 1), (32, 256, 4, 2, False, 1),
                                                    (16, 256, 2, 4, False, 1), (16, 512, 2, 3, False, 1),
                                                    (32, 128, 4, 4, False, 1), (64, 128, 4, 3, False, 1),
-                                                   (32, 256, 2, 3, True, 4), (32, 128, 2, 4, True, 4)]]
+                                                   (32, 256, 2, 3, True, 4), (32, 128, 2, 4, True, 4),
+                                                   # session 9: longer K-blocks, 2-way splits
+                                                   (32, 512, 2, 3, True, 2), (16, 1024, 2, 2, True, 2),
+                                                   (32, 1024, 4, 2, True, 2), (16, 512, 2, 4, True, 2),
+                                                   (64, 512, 4, 3, True, 2), (16, 256, 1, 4, True, 4)]]
 # decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
 # the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
 # weight is read once

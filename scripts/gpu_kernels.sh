@@ -10,6 +10,8 @@
 #                                        # (gpu_check_runtime, bf16 Llama-1B shape)
 #   bash scripts/gpu_kernels.sh int8-batch   # bench_int8 at M=32 and 64 (the batch-64 decode
 #                                        # path, slower than bf16 in session 5)
+#   bash scripts/gpu_kernels.sh short    # batch-1 decode attention configs at 128-512 keys
+#                                        # (bench_attention --short; dsc bench decodes at 128)
 # Each step has its own timeout so that one slow step cannot take the others' results; logs
 # and JSON go to $OUT (packed into $OUT/results.tgz).
 set -uo pipefail
@@ -48,5 +50,8 @@ case "${1:-checks}" in
     ;;
   int8-batch)
     TAIL=12 step bench_int8_batch 420 python3 scripts/bench_int8.py --decode-m 32,64 --no-prefill
+    ;;
+  short)
+    TAIL=70 step bench_attention_short 200 python3 scripts/bench_attention.py --short
     ;;
 esac
