@@ -2,7 +2,7 @@
 
     python scripts/bench_attention.py            # the tables (about a minute on an H200)
     python scripts/bench_attention.py --sweep    # + sweep the launch configs (adds about 2-3 min)
-    python scripts/bench_attention.py --short    # only: batch-1 decode configs at 128-512 keys
+    python scripts/bench_attention.py --short    # only: batch-1 decode configs at 128-4096 keys
     TRITON_INTERPRET=1 python scripts/bench_attention.py --smoke   # the script's own test on CPU
 
 Shapes: Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), bf16.
@@ -307,22 +307,24 @@ def sweep(deadline):
 
 
 def short_context_sweep():
-    """`--short`: batch-1 decode at the contexts a chat turn decodes at (128-512 keys, a cache of
-    1024 slots), Llama-8B heads at tp 1 and 4 (8 and 2 kv heads), graph-timed per call, for
-    every (BLOCK_N, MIN_SPLIT, num_stages): MIN_SPLIT decides how many programs share a short
+    """`--short`: batch-1 decode at the contexts a chat turn decodes at (128-4096 keys, a cache of
+    SHORT_SMAX slots, default 4096), Llama-8B heads at tp 1 and 4 (8 and 2 kv heads), graph-timed per call, for
+    a few (BLOCK_N, MIN_SPLIT, num_stages) rows: MIN_SPLIT decides how many programs share a short
     context (at 128 keys and MIN_SPLIT 256 one program per kv head walks them all), and binds
     only below the contexts the main sweep scores. Returns the rows; prints per config."""
     global H, HKV
     saved = H, HKV
     table = A.attention_config("decode", D, A.arch_of(torch.device(DEVICE)))
     cands = [table] + [dict(table, BLOCK_N=n, MIN_SPLIT=ms, num_stages=st)
-                       for n, ms, st in itertools.product((32, 64), (32, 64, 128, 256), (2, 3)) if ms >= n]
+                       for n, ms, st in [(64, 64, 2), (64, 64, 3), (64, 128, 2), (64, 128, 3), (32, 64, 3), (32, 128, 3)]]
     rows = []
-    print(f"decode at short contexts, B=1, Smax=1024, per call in a graph of 32 (us); table row {table}")
+    smax = int(os.environ.get("SHORT_SMAX", "4096"))
+    print(f"decode at short contexts, B=1, Smax={smax}, per call in a graph of 32 (us); table row {table}")
     for hkv in (8, 2):
         H, HKV = 4 * hkv, hkv
         for cfg in cands:
-            t = {ctx: bench_decode(1, ctx, 1024, config=cfg, baselines=False, rep=40) for ctx in (128, 256, 512)}
+            t = {ctx: bench_decode(1, ctx, smax, config=cfg, baselines=False, rep=40)
+                 for ctx in (128, 256, 512, 1024, 2048, 4096) if ctx <= smax}
             us = {ctx: None if r.get("dsc_graph_ms") is None else 1e3 * r["dsc_graph_ms"] for ctx, r in t.items()}
             rows.append(dict(Hkv=hkv, config=cfg, table=cfg is table, us=us))
             print(f"  Hkv {hkv} {'table ' if cfg is table else ''}{cfg}: "

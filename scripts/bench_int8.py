@@ -94,6 +94,17 @@ MMA_DECODE_VARIANTS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, S
                                                    (32, 512, 2, 3, True, 2), (16, 1024, 2, 2, True, 2),
                                                    (32, 1024, 4, 2, True, 2), (16, 512, 2, 4, True, 2),
                                                    (64, 512, 4, 3, True, 2), (16, 256, 1, 4, True, 4)]]
+# session 9 (M = 8): num_stages 1 (register loads, many programs in flight: the M = 1 GEMV's
+# scheme, which reads the same weights 10-27% faster), and the I2F conversion (FAST_CVT off:
+# triton may convert in the dot operand's layout) with SWAP_AB and split-K
+MMA_DECODE_VARIANTS += [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, SWAP_AB=sw, SPLIT_K=sk, num_warps=w, num_stages=s)
+                        for bn, bk, w, s, sw, sk, fc in [
+                            (16, 256, 1, 1, True, 1, True), (16, 512, 1, 1, True, 1, True), (16, 1024, 2, 1, True, 1, True),
+                            (32, 256, 2, 1, True, 1, True), (32, 512, 2, 1, True, 1, True), (64, 256, 4, 1, True, 1, True),
+                            (16, 512, 1, 1, True, 2, True), (32, 512, 4, 1, True, 1, True), (32, 256, 2, 1, False, 1, True),
+                            (32, 256, 2, 4, True, 4, False), (16, 256, 2, 4, True, 4, False), (32, 256, 4, 3, False, 1, False),
+                            (64, 256, 4, 4, False, 1, False), (32, 512, 4, 3, False, 1, False), (32, 256, 4, 4, False, 2, False),
+                            (16, 256, 2, 4, False, 1, False), (32, 256, 2, 1, True, 1, False)]]
 # decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
 # the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
 # weight is read once

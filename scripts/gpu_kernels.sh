@@ -10,7 +10,7 @@
 #                                        # (gpu_check_runtime, bf16 Llama-1B shape)
 #   bash scripts/gpu_kernels.sh int8-batch   # bench_int8 at M=32 and 64 (the batch-64 decode
 #                                        # path, slower than bf16 in session 5)
-#   bash scripts/gpu_kernels.sh short    # batch-1 decode attention configs at 128-512 keys
+#   bash scripts/gpu_kernels.sh short    # batch-1 decode attention configs at 128-4096 keys
 #                                        # (bench_attention --short; dsc bench decodes at 128)
 # Each step has its own timeout so that one slow step cannot take the others' results; logs
 # and JSON go to $OUT (packed into $OUT/results.tgz).
