@@ -41,7 +41,8 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   (padded to 16 for tl.dot).  The number of splits comes from shapes only (B, Hkv, Smax, SM
   count), never from cache_pos, so a decode step can be captured in a CUDA graph; each program
   reads its sequence's position on the device and divides that sequence's keys evenly among
-  the splits (at least MIN_SPLIT keys each; splits past the end return at once).  The split
+  the splits (at least SPLIT_FLOOR keys each, MIN_SPLIT when a row has no SPLIT_FLOOR; splits
+  past the end return at once).  The split
   that holds position cache_pos writes the new k/v to the cache and attends to it from
   registers.  With one split, or when all of a sequence's keys fall in its first split
   (a short context: every program can tell before its loop), that split writes `out` itself;
@@ -122,7 +123,13 @@ def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, s
 # `scripts/bench_attention.py --sweep`; sm_80 rows: untested guesses.
 #   prefill: BLOCK_M packed (token, head) rows x BLOCK_N keys per tile.
 #   decode:  BLOCK_N keys per tile; enough splits per (sequence, kv head) for about
-#            PROGRAMS_PER_SM programs per SM, each split at least MIN_SPLIT keys long.
+#            PROGRAMS_PER_SM programs per SM and max_seq / MIN_SPLIT (the grid), and each
+#            sequence's keys shared among as many of them as give every split at least
+#            SPLIT_FLOOR keys (default MIN_SPLIT).  A short context thus spreads over a few
+#            programs instead of one walking it all, while a long one keeps MIN_SPLIT-key splits
+#            (H200, batch 1, Llama-8B heads, bench_attention.py --short: SPLIT_FLOOR 128 took
+#            256-1024 keys from 7.7-10.3 to 6.1-8.7 us at 8 kv heads and 6.3-8.1 to 5.6-7.4 us at
+#            2; 2048 keys +2-5%; a grid sized by MIN_SPLIT 128 instead cost 20% at 4096 keys).
 PREFILL_CONFIGS = {
     ("sm_90", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
     # TMA: K/V tiles of the full key loops through tensor descriptors; on an H200 (bench_attention
@@ -137,7 +144,7 @@ PREFILL_CONFIGS = {
     ("default", 256): dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
 }
 DECODE_CONFIGS = {
-    ("sm_90", 128): dict(BLOCK_N=64, num_warps=4, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
+    ("sm_90", 128): dict(BLOCK_N=64, num_warps=4, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256, SPLIT_FLOOR=128),
     ("sm_90", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("default", 128): dict(BLOCK_N=64, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("default", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
@@ -784,7 +791,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, r
         out.stride(0), out.stride(2),
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        Hkv, Smax, cfg["MIN_SPLIT"], window,
+        Hkv, Smax, cfg.get("SPLIT_FLOOR", cfg["MIN_SPLIT"]), window,
         *rot,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
         BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0, ROTARY=rotary is not None,

@@ -308,15 +308,16 @@ def sweep(deadline):
 
 def short_context_sweep():
     """`--short`: batch-1 decode at the contexts a chat turn decodes at (128-4096 keys, a cache of
-    SHORT_SMAX slots, default 4096), Llama-8B heads at tp 1 and 4 (8 and 2 kv heads), graph-timed per call, for
-    a few (BLOCK_N, MIN_SPLIT, num_stages) rows: MIN_SPLIT decides how many programs share a short
-    context (at 128 keys and MIN_SPLIT 256 one program per kv head walks them all), and binds
-    only below the contexts the main sweep scores. Returns the rows; prints per config."""
+    SHORT_SMAX slots, default 4096), Llama-8B heads at tp 1 and 4 (8 and 2 kv heads), graph-timed
+    per call, for a few (BLOCK_N, MIN_SPLIT, SPLIT_FLOOR, num_stages) rows: SPLIT_FLOOR decides
+    how many programs share a short context (at 256 keys and a floor of 256 one program per kv
+    head walks them all), MIN_SPLIT the grid. Returns the rows; prints per config."""
     global H, HKV
     saved = H, HKV
     table = A.attention_config("decode", D, A.arch_of(torch.device(DEVICE)))
-    cands = [table] + [dict(table, BLOCK_N=n, MIN_SPLIT=ms, num_stages=st)
-                       for n, ms, st in [(64, 64, 2), (64, 64, 3), (64, 128, 2), (64, 128, 3), (32, 64, 3), (32, 128, 3)]]
+    # the table's row, that row without SPLIT_FLOOR (session 8's), and grids of smaller splits
+    cands = [table] + [dict(table, BLOCK_N=n, MIN_SPLIT=ms, SPLIT_FLOOR=ms, num_stages=st)
+                       for n, ms, st in [(64, 256, 3), (64, 64, 3), (64, 128, 2), (64, 128, 3), (32, 128, 3)]]
     rows = []
     smax = int(os.environ.get("SHORT_SMAX", "4096"))
     print(f"decode at short contexts, B=1, Smax={smax}, per call in a graph of 32 (us); table row {table}")

@@ -79,6 +79,10 @@ CASES = {
     # MIN_SPLIT not a multiple of BLOCK_N: partial tiles inside splits
     "decode-split-unaligned": Case("decode", 3, 6, 2, 1, 32, 61, (5, 40, 60), num_splits=3,
                                    config=dict(SMALL_DECODE, MIN_SPLIT=24)),
+    # SPLIT_FLOOR below MIN_SPLIT (the sm_90 row's 128 / 256): a short context spreads over
+    # splits of 16 keys (3 of 4 at position 40), not MIN_SPLIT's 32 (2 of 4)
+    "decode-split-floor": Case("decode", 3, 6, 2, 1, 16, 64, (10, 20, 40), num_splits=4,
+                               config=dict(SMALL_DECODE, MIN_SPLIT=32, SPLIT_FLOOR=16)),
     "decode-overflow": Case("decode", 3, 6, 2, 1, 16, 37, (37, 50, 15), config=SMALL_DECODE, num_splits=3),
     "decode-mha": Case("decode", 2, 3, 3, 1, 32, 37, (11, 30), config=SMALL_DECODE, num_splits=2),
     "decode-mqa": Case("decode", 2, 8, 1, 1, 16, 37, (2, 35), config=SMALL_DECODE, num_splits=3),
