@@ -19,6 +19,7 @@
 #    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
 #    `gemv_push` rows to merge by hand).
+#    DURING_COMPILE="CMD": a one-GPU command run on GPU 0 while the artifacts compile.
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
@@ -42,6 +43,10 @@ if not (p / "config.json").exists():
     make_random_checkpoint(p, "$SHAPE", dtype="$DTYPE", device="${DEV:-cuda}", tokenizer=False)
 PY
 echo "checkpoint: $((SECONDS - T0)) s"
+# DURING_COMPILE="CMD": one-GPU work run on GPU 0 while the CPUs compile (the GPUs idle then),
+# logged to $OUT/during-compile.log; the generations start once both are done
+[ -n "${DURING_COMPILE:-}" ] && (OUT=$OUT CUDA_VISIBLE_DEVICES=0 timeout 360 bash -c "$DURING_COMPILE" > "$OUT/during-compile.log" 2>&1;
+  echo "during-compile: rc=$? $((SECONDS - T0)) s") &
 ARTS=${ARTS:-"tp1 tp2 tp4 tp1-int8 tp4-int8"}
 [ "$NGPU" -lt 4 ] && ARTS=$(for A in $ARTS; do [[ $A == tp4* ]] || echo -n "$A "; done)  # what fits
 for A in $ARTS; do
