@@ -127,9 +127,11 @@ def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, s
 #            sequence's keys shared among as many of them as give every split at least
 #            SPLIT_FLOOR keys (default MIN_SPLIT).  A short context thus spreads over a few
 #            programs instead of one walking it all, while a long one keeps MIN_SPLIT-key splits
-#            (H200, batch 1, Llama-8B heads, bench_attention.py --short: SPLIT_FLOOR 128 took
-#            256-1024 keys from 7.7-10.3 to 6.1-8.7 us at 8 kv heads and 6.3-8.1 to 5.6-7.4 us at
-#            2; 2048 keys +2-5%; a grid sized by MIN_SPLIT 128 instead cost 20% at 4096 keys).
+#            (H200, batch 1, Llama-8B heads, a 4096-slot cache, bench_attention.py --short, the
+#            two rows in one run: SPLIT_FLOOR 128 against 256 took 256 / 512 / 1024 keys from
+#            7.8 / 9.4 / 10.2 to 6.8 / 7.7 / 9.1 us at 8 kv heads and from 6.3 / 7.5 / 8.2 to
+#            5.6 / 6.2 / 7.4 us at 2; 2048 keys 2-4% slower, 128 and 4096 keys the same; a grid
+#            sized by MIN_SPLIT 128 instead cost 20% at 4096 keys).
 PREFILL_CONFIGS = {
     ("sm_90", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
     # TMA: K/V tiles of the full key loops through tensor descriptors; on an H200 (bench_attention
