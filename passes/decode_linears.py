@@ -12,7 +12,8 @@ Matches / rewrites (counted under `decode_linears.gemv`):
   elsewhere the same two ops.
   and after fuse_activation (counted under `decode_linears.swiglu`):
   dsc.swiglu(slice(y, -1, 0, h), slice(y, -1, h, 2h)), y = dsc.linear(x, W) with W [2h, K],
-  no bias, y read only by the two slices and each slice only by the swiglu
+  no bias, y read only by the two slices and each slice only by the swiglu (or the two halves
+  as chunk(y, 2, -1)[0] and [1]: Phi-3's checkpoint-fused gate_up_proj)
   -> dsc.linear_swiglu(x, W): the MLP's fused gate_up projection and its activation; on GPUs
   with a tuned GEMV for W's shape one kernel computes both halves' rows and the activation
   (kernels/linear.py), elsewhere the same two ops. Under tensor parallelism W and the slices
@@ -24,6 +25,8 @@ Guarantees: same math as F.linear (fp32 accumulation in the GEMV), and as the li
   rounded to the dtype then swiglu for linear_swiglu; no other change.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -57,35 +60,59 @@ def decode_linears(model: Model) -> Model:
             graph.erase_node(lin)
             model.counters["decode_linears.all_reduce"] += 1
     for n in list(graph.nodes):
-        lin = _gate_up_of(n)
-        if lin is not None:
-            halves = n.args
+        found = _gate_up_of(n)
+        if found is not None:
+            lin, dead = found
             replace_with(n, torch.ops.dsc.linear_swiglu.default, (lin.args[0], lin.args[1]))
-            for dead in (*halves, lin):
-                graph.erase_node(dead)
+            for d in dead:
+                graph.erase_node(d)
             model.counters["decode_linears.swiglu"] += 1
     return model
 
 
-def _gate_up_of(n: fx.Node) -> fx.Node | None:
-    """The bias-free dsc.linear(x, W), W [2h, K], whose output n = dsc.swiglu(gate, up) reads as
-    exactly its two halves, gate = y[..., :h] and up = y[..., h:], each slice read by n alone
-    and the linear by the two slices alone; else None."""
+def _gate_up_of(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(lin, the nodes the fusion leaves dead, each before its inputs) where lin is the bias-free
+    dsc.linear(x, W), W [2h, K], whose output n = dsc.swiglu(gate, up) reads as exactly its two
+    halves: gate = y[..., :h] and up = y[..., h:] as two slices, or as the two pieces of
+    chunk(y, 2, -1); each half read by n alone and y by the halves (the chunk) alone; else None."""
     if not is_call(n, torch.ops.dsc.swiglu.default) or len(n.args) != 2 or n.kwargs:
         return None
     gate, up = n.args
-    if not (is_call(gate, aten.slice.Tensor) and is_call(up, aten.slice.Tensor)) or gate.kwargs or up.kwargs:
+    if list(getattr(gate, "users", ())) != [n] or list(getattr(up, "users", ())) != [n]:
         return None
-    lin = gate.args[0]
-    if (up.args[0] is not lin or not is_call(lin, torch.ops.dsc.linear.default) or lin.kwargs
-            or not (len(lin.args) == 2 or lin.args[2] is None) or set(lin.users) != {gate, up}
-            or list(gate.users) != [n] or list(up.users) != [n]):
+    chunk = None
+    if is_call(gate, aten.slice.Tensor) and is_call(up, aten.slice.Tensor) and not gate.kwargs and not up.kwargs:
+        lin = gate.args[0]
+        if up.args[0] is not lin:
+            return None
+        readers = {gate, up}
+    elif _is_piece(gate, 0) and _is_piece(up, 1) and gate.args[0] is up.args[0]:
+        chunk = gate.args[0]
+        if not is_call(chunk, aten.chunk.default) or chunk.kwargs or set(chunk.users) != {gate, up}:
+            return None
+        lin, readers = chunk.args[0], {chunk}
+    else:
+        return None
+    if (not is_call(lin, torch.ops.dsc.linear.default) or lin.kwargs or not (len(lin.args) == 2 or lin.args[2] is None)
+            or set(lin.users) != readers):
         return None
     rows = lin.args[1].meta["val"].shape[0]  # the rank's local [gate; up] rows
     y = lin.meta["val"]
     if rows % 2 or y.shape[-1] != rows:
         return None
-    return lin if _is_slice(gate, y.dim(), 0, rows // 2) and _is_slice(up, y.dim(), rows // 2, rows) else None
+    if chunk is None:
+        ok = _is_slice(gate, y.dim(), 0, rows // 2) and _is_slice(up, y.dim(), rows // 2, rows)
+        dead = [gate, up, lin]
+    else:
+        parts, *dim = chunk.args[1:]
+        ok = parts == 2 and all(type(a) is int for a in (parts, *dim)) and (dim or [0])[0] in (-1, y.dim() - 1)
+        dead = [gate, up, chunk, lin]
+    return (lin, dead) if ok else None
+
+
+def _is_piece(g, i: int) -> bool:
+    """g = operator.getitem(node, i)."""
+    return getattr(g, "op", None) == "call_function" and g.target is operator.getitem and g.args[1:] == (i,)
 
 
 def _is_slice(s: fx.Node, ndim: int, start: int, end: int) -> bool:

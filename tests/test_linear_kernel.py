@@ -9,6 +9,7 @@ TRITON_INTERPRET=1 must be set before triton is first imported (tests/kernel_chi
 from __future__ import annotations
 
 import json
+import operator
 import sys
 from pathlib import Path
 
@@ -292,14 +293,15 @@ def _ops(art: Path, program: str) -> list[str]:
     return [n["op"] for n in plan["programs"][program]["nodes"] if n["kind"] == "call"]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_decode_linears_fuses_gate_up_and_swiglu(tp, compile_artifact):
+@pytest.mark.parametrize("shape, tp", [("llama-tiny", 1), ("llama-tiny", 2), ("phi3-tiny", 1)])
+def test_decode_linears_fuses_gate_up_and_swiglu(shape, tp, compile_artifact):
     """16-bit Llama: every layer's decode gate_up GEMV and its swiglu become one
     dsc.linear_swiglu over the rank's [gate; up] weight (tp=2: half of each); prefill keeps
-    the linear, the slices and the swiglu."""
-    art = compile_artifact("llama-tiny", dtype="fp16", tp=tp)
+    the linear, the slices and the swiglu. Phi-3 (its checkpoint's gate_up_proj, halved by
+    chunk) fuses the same way."""
+    art = compile_artifact(shape, dtype="fp16", tp=tp)
     plan = json.loads((art / "plan.json").read_text())
-    layers, inter = plan["model"]["layers"], SHAPES["llama-tiny"][1]["intermediate_size"]
+    layers, inter = plan["model"]["layers"], SHAPES[shape][1]["intermediate_size"]
     assert plan["passes"]["decode_linears.swiglu"] == layers
     decode = {n["name"]: n for n in plan["programs"]["decode"]["nodes"]}
     fused = [n for n in decode.values() if n.get("op") == "dsc.linear_swiglu.default"]
@@ -322,10 +324,10 @@ def test_decode_linears_leaves_other_mlps_alone(options, compile_artifact):
 
 
 def _gate_up_graph(rows: int = 16, gate=(-1, 0, 8), up=(-1, 8, 16), bias: bool = False, swap: bool = False,
-                   linear_out: bool = False, slice_out: bool = False):
+                   linear_out: bool = False, slice_out: bool = False, chunk=None, chunk_out: bool = False):
     """A decode Model of y = dsc.linear(x, W[rows, 8][, b]); swiglu(y[gate], y[up]) (slice args:
-    dim, start, end[, step]); swap: swiglu(up, gate); *_out: the linear / the gate slice also
-    an output."""
+    dim, start, end[, step]); swap: swiglu(up, gate); *_out: the linear / the gate half / the
+    chunk also an output. chunk=(parts, dim): the halves are chunk(y, parts, dim)[0] and [1]."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dsc.compiler.ir import Model, infer_val
@@ -342,9 +344,14 @@ def _gate_up_graph(rows: int = 16, gate=(-1, 0, 8), up=(-1, 8, 16), bias: bool =
         return n
 
     y = call(torch.ops.dsc.linear.default, x, w, *([b] if bias else []))
-    halves = [call(torch.ops.aten.slice.Tensor, y, *s) for s in (gate, up)]
+    if chunk is None:
+        halves = [call(torch.ops.aten.slice.Tensor, y, *s) for s in (gate, up)]
+    else:
+        pieces = call(torch.ops.aten.chunk.default, y, *chunk)
+        halves = [call(operator.getitem, pieces, i) for i in (0, 1)]
     out = call(torch.ops.dsc.swiglu.default, *(halves[::-1] if swap else halves))
-    g.output((out, *([y] if linear_out else []), *([halves[0]] if slice_out else [])))
+    g.output((out, *([y] if linear_out else []), *([halves[0]] if slice_out else []),
+              *([pieces] if chunk_out else [])))
     return Model(programs={"decode": g}, weights={}, config={}, arch=None, options=None, fake_mode=mode)
 
 
@@ -359,6 +366,15 @@ def _gate_up_graph(rows: int = 16, gate=(-1, 0, 8), up=(-1, 8, 16), bias: bool =
     ("bias", {"bias": True}, False),
     ("linear-read-elsewhere", {"linear_out": True}, False),
     ("slice-read-elsewhere", {"slice_out": True}, False),
+    # Phi-3: chunk(y, 2, -1)
+    ("chunk", {"chunk": (2, -1)}, True),
+    ("chunk-dim-2", {"chunk": (2, 2)}, True),
+    ("chunk-3", {"chunk": (3, -1), "rows": 24}, False),
+    ("chunk-other-dim", {"chunk": (2, 0), "rows": 16}, False),
+    ("chunk-up-first", {"chunk": (2, -1), "swap": True}, False),
+    ("chunk-read-elsewhere", {"chunk": (2, -1), "chunk_out": True}, False),
+    ("chunk-half-read-elsewhere", {"chunk": (2, -1), "slice_out": True}, False),
+    ("chunk-bias", {"chunk": (2, -1), "bias": True}, False),
 ])
 def test_decode_linears_swiglu_rule_is_strict(case, kw, fires):
     """Only swiglu(gate half, up half) of a bias-free dsc.linear that nothing else reads."""
