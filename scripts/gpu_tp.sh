@@ -16,6 +16,7 @@
 #    and DSC_ALLREDUCE=nccl, in the same run; the
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
 #    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off (tp=4 profiled; PDL_AB="tp1 tp4": those only).
+#    BENCH_CTX="512 2048": each artifact's batch-1 decode also at those contexts (tags -ctxC).
 #    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
 #    `gemv_push` rows to merge by hand).
@@ -131,13 +132,16 @@ if [ -z "${NO_GEN:-}" ]; then
 fi
 bench() {  # bench TAG ARTIFACT [env...]; PROFILE=1: also --profile
   local tag=$1 a=$2; shift 2
-  env "$@" timeout 150 python3 -m dsc bench "$W/$a" --batch 1 --batch 64 --prefill 128 --prefill 1000 --iters 30 \
+  env "$@" timeout 150 python3 -m dsc bench "$W/$a" ${BENCH_ARGS:---batch 1 --batch 64 --prefill 128 --prefill 1000} --iters 30 \
     ${PROFILE:+--profile} --json "$OUT/bench-$tag.json" > "$OUT/bench-$tag.txt" 2>&1
   grep -v -i warn "$OUT/bench-$tag.txt" | grep -v "^    model.layers" | tail -${TAIL:-9}
 }
 if [ -z "${NO_BENCH:-}" ]; then
   for A in $ARTS; do
     if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A" "$A"; else bench "$A" "$A"; fi
+    for C in ${BENCH_CTX:-}; do  # batch-1 decode again with C tokens in the cache (the default: 128)
+      BENCH_ARGS="--batch 1 --prefill 128 --context $C" bench "$A-ctx$C" "$A"
+    done
     if [ "${PDL_AB:-}" = 1 ] || [[ " ${PDL_AB:-} " == *" $A "* ]]; then  # tp=4 also profiled: per-kernel times
       if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A-nopdl" "$A" DSC_PDL=off; else bench "$A-nopdl" "$A" DSC_PDL=off; fi
     fi
@@ -158,12 +162,12 @@ rows = {}
 for f in sorted(os.listdir(out)):
     if f.startswith("bench-") and f.endswith(".json"):
         rows[f[6:-5]] = json.load(open(os.path.join(out, f)))
-order = sorted(rows, key=lambda t: ("int8" in t, int(t[2]), "nopdl" in t, "push" in t, "pull" in t, "oneshot" in t,
+order = sorted(rows, key=lambda t: ("int8" in t, "-ctx" in t, t.partition("-ctx")[2], int(t[2]), "nopdl" in t, "push" in t, "pull" in t, "oneshot" in t,
                                    "nccl" in t))
 print(f"{'artifact':>14} {'all-reduce':>18} {'pdl':>4} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
 for tag in order:
     r = rows[tag]
-    base = rows.get("tp1-int8" if "int8" in tag else "tp1")
+    base = rows.get("tp1-int8" if "int8" in tag else "tp1" + (tag[tag.index("-ctx"):] if "-ctx" in tag else ""))
     d1, d64 = r["decode"].get("1"), r["decode"].get("64")
     b1 = (base or {}).get("decode", {}).get("1")
     b64 = (base or {}).get("decode", {}).get("64")
