@@ -70,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
-from dsc.kernels.rotary import check_rotary, rotary_config, rotary_reference, rotary_triton, rotate
+from dsc.kernels.rotary import ROTATE_OPTIONS, check_rotary, rotary_config, rotary_reference, rotary_triton, rotate
 
 
 def causal_attention_reference(q, k, v, cache_pos, scale, window=0):
@@ -798,6 +798,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, r
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
         BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0, ROTARY=rotary is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device),
+        **ROTATE_OPTIONS,  # with or without ROTARY: one arithmetic for both (the rotary pair's bits)
     )
     return out
 

@@ -21,6 +21,15 @@ tl = None  # triton.language, bound by launch.jit on first launch
 
 
 # -- Triton kernel ----------------------------------------------------------------------------
+# Compile option of every kernel that calls `rotate`. Triton contracts floating-point ops by
+# default, and LLVM first narrows bf16(f32(a) * f32(b)) to a bf16 multiply and the sum of two
+# such products to a bf16 add, then fuses one multiply into the add: fma(x, cos, bf16(x_rot *
+# sin)) on an H200, one rounding fewer than written, different in the two kernels that rotate
+# (about 10% of elements an ulp apart; scripts/check_rotary_bits_gpu.py). Without contraction
+# both compute exactly `rotate`'s arithmetic, transformers' 16-bit one.
+ROTATE_OPTIONS = {"enable_fp_fusion": False}
+
+
 @device
 def rotate(x, cos, x_rot, sin, dt):
     """x * cos + rotate_half(x) * sin, elementwise, fp32 in and out: x_rot * sin is rotate_half's
@@ -109,7 +118,8 @@ def rotary_triton(q, k, cos, sin, config: dict | None = None):
         jit(_rotary_kernel)[grid](q, k, cos, sin, qo, ko,
                                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                   cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-                                  S, HQ, HK, D // 2, num_warps=num_warps, **cfg, **pdl_options(q.device))
+                                  S, HQ, HK, D // 2, num_warps=num_warps, **cfg, **pdl_options(q.device),
+                                  **ROTATE_OPTIONS)
     return qo, ko
 
 

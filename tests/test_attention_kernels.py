@@ -251,9 +251,14 @@ def _compile_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dsc.kernels import attention as A
+    import re
+
+    from dsc.kernels import attention as A, rotary as R
+    from dsc.kernels.launch import jit
+    from dsc.kernels.rotary import ROTATE_OPTIONS, rotary_config
 
     A._triton()
+    rotary_kernel = jit(R._rotary_kernel)  # the JITFunction rotary_triton launches
 
     def compile_(fn, ptr_types, consts, **options):
         consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
@@ -327,7 +332,14 @@ def _compile_sm90() -> None:
                     dict(G=G, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                          WINDOWED=False, TMA=cfg.get("TMA", False), DEFER_PV=cfg.get("DEFER_PV", False)),
                     dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        # dsc.rotary's kernel at Llama-8B's heads (32 / 8, 4 heads per program), as rotary_triton launches it
+        rcfg = rotary_config(128, "sm_90")
+        jobs["rotary"] = (rotary_kernel, {n: f"*{dtype}" for n in ("Q", "K", "COS", "SIN", "QO", "KO")}
+                          | {"sc_b": "i32", "ss_b": "i32"},  # (strides here, not the decode kernel's tables)
+                          dict(BLOCK_H=rcfg["BLOCK_H"], BLOCK_D=rcfg["BLOCK_D"]), dict(num_warps=rcfg["num_warps"]))
         for name, (fn, ptrs, consts, options) in jobs.items():
+            if name.startswith(("decode", "rotary")):  # the runtime's launch options (no FP contraction)
+                options = {**options, **ROTATE_OPTIONS}
             try:
                 kernel = compile_(fn, ptrs, consts, **options)
                 report[f"{name}/{dtype}"] = "ok"
@@ -338,6 +350,12 @@ def _compile_sm90() -> None:
                 if name.startswith("decode"):
                     report[f"{name}-gdc/{dtype}"] = pdl_check(kernel, consts.get("PDL", False))
                     report[f"{name}-ptxas/{dtype}"] = _check_ptxas(kernel, allow_spills=False)
+                if name.startswith(("decode", "rotary")):
+                    # a contracted mul + add: fma.rn.{f32,bf16,f16}[x2] (the ftz f32 FMAs are exp2's and
+                    # the division's own lowering, there without contraction too)
+                    fmas = sorted(set(re.findall(r"\bfma\.rn\.(?:bf16|f16|f32)(?:x2)?\b", kernel.asm["ptx"])))
+                    report[f"{name}-contract/{dtype}"] = "ok" if not fmas else f"contracted: {fmas}"
+
             except Exception as e:  # reported per kernel by the parent
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"[:2000]
     # fp32 at head_dim 128 (an 8B-shaped model compiled in fp32): the table's 16-bit rows need
@@ -460,7 +478,7 @@ def test_single_split_writes_out_without_the_counter(interpreter_report):
 DECODE_BUILDS = ["decode", "decode-d80", "decode-window", "decode-rotary", "decode-rotary-window"]
 
 
-@pytest.mark.parametrize("kernel", ["prefill", "prefill-n128", "prefill-window", "prefill-mha", *DECODE_BUILDS,
+@pytest.mark.parametrize("kernel", ["prefill", "prefill-n128", "prefill-window", "prefill-mha", "rotary", *DECODE_BUILDS,
                                     *(f"{name}-pdl" for name in DECODE_BUILDS)])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_kernel_compiles_for_sm90(sm90_report, kernel, dtype):
@@ -481,6 +499,16 @@ def test_decode_pdl_waits_before_any_memory_access(sm90_report, kernel, dtype):
 def test_decode_builds_do_not_spill(sm90_report, kernel, dtype):
     """ptxas keeps every decode build (the rotary one's second q load and cos / sin included) in registers."""
     assert sm90_report[f"{kernel}-ptxas/{dtype}"] == "ok"
+
+
+@pytest.mark.parametrize("kernel", ["rotary", *DECODE_BUILDS])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_rotation_is_not_contracted_on_sm90(sm90_report, kernel, dtype):
+    """dsc.rotary's kernel and the decode kernel (which rotates with ROTARY) build without FP
+    contraction: with it, LLVM turned rotate's bf16(bf16(x cos) + bf16(r sin)) into
+    fma.rn.bf16(x, cos, bf16(r sin)), and the two kernels fused different products (an H200 gave
+    an ulp's difference in ~10% of elements, scripts/check_rotary_bits_gpu.py). No fma in the PTX."""
+    assert sm90_report[f"{kernel}-contract/{dtype}"] == "ok"
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
