@@ -55,8 +55,9 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   with ROTARY rotates the group's query rows right after loading them and the new token's key
   before writing it to the cache, each rounded to its dtype where dsc.rotary stores it (then k
   to the cache's): the rotary kernel's arithmetic (bit-equal to it followed by the plain decode
-  kernel in the interpreter; within about an ulp on an H200), one launch fewer.  Other S run
-  those two kernels (kernels/rotary.py, then prefill).
+  kernel, in the interpreter and on an H200: both kernels build without FP contraction,
+  rotary.ROTATE_OPTIONS), one launch fewer.  Other S run those two kernels (kernels/rotary.py,
+  then prefill).
 Launch configurations: PREFILL_CONFIGS / DECODE_CONFIGS below, shared with the plan_kernels
 pass through `attention_config` and the registered planner (scripts/bench_attention.py --sweep
 measures the candidates on a GPU).  The CPU implementation is the plain-torch reference.

@@ -16,8 +16,8 @@ Matches / rewrites (counted under `fuse_rotary_attention.decode`), in the decode
 Requires: fuse_rotary (it makes dsc.rotary); shard_tensor_parallel and fold_position_tables ran
   (the graph is the rank's, cos / sin are the table lookups), so the pass sees the final pair.
 Guarantees: the pair's arithmetic (q' and k' rounded to their dtypes where dsc.rotary stores
-  them, k' then to the cache's): the same values on CPU and in the interpreter, within about an
-  ulp on an H200; no other node changes.
+  them, k' then to the cache's): the same values on CPU, in the interpreter and on an H200
+  (output and cache bit for bit, scripts/check_fused_decode_gpu.py); no other node changes.
 """
 from __future__ import annotations
 
