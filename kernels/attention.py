@@ -42,9 +42,8 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   count), never from cache_pos, so a decode step can be captured in a CUDA graph; each program
   reads its sequence's position on the device and divides that sequence's keys evenly among
   the splits (at least SPLIT_FLOOR keys each, MIN_SPLIT when a row has no SPLIT_FLOOR; splits
-  past the end return at once).  The split
-  that holds position cache_pos writes the new k/v to the cache and attends to it from
-  registers.  With one split, or when all of a sequence's keys fall in its first split
+  past the end return at once).  The split that holds position cache_pos writes the new k/v
+  to the cache and attends to it from registers.  With one split, or when all of a sequence's keys fall in its first split
   (a short context: every program can tell before its loop), that split writes `out` itself;
   otherwise each split writes its (output, log-sum-exp) pair and counts itself done on a
   per-(sequence, kv head) counter, and the split that finishes last combines the pairs and
