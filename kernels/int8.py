@@ -47,9 +47,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
+from dsc.kernels.launch import arch_of, cdiv, gluon_jit, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
 
 tl = None  # triton.language, bound by launch.jit on first launch
+gl = mma_v2 = None  # gluon's language and its mma.sync, bound by launch.gluon_jit on first launch
 SCALE_MIN = torch.finfo(torch.float32).tiny  # scales stay normal floats: x / scale never divides by 0
 
 # -- quantization (offline weights, dynamic activations) ----------------------------------
@@ -365,6 +366,86 @@ def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_y
         tl.store(Y + m_ax.to(tl.int64) * stride_ym + n_ax, acc.to(Y.dtype.element_ty), mask=mask)
 
 
+def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_ym,
+                       GROUP_K: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, CVT: gl.constexpr,
+                       SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                       KW: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr = False):
+    # Gluon (explicit layouts): y^T [N, M] = dequant(w) [N, K] @ x^T [K, M] on mma.sync m16n8k16,
+    # every operand loaded from global memory straight into the registers the MMA reads. The
+    # weight tile's layout is the A operand's with KW consecutive k per thread (KW = 16: one
+    # 16-byte load per thread and row), x^T's the B operand's with the same k order, so the
+    # products pair the same k without any shuffle: no shared memory, no barrier, and as many
+    # programs in flight per SM as registers allow (the M == 1 GEMV's scheme, with tensor cores
+    # doing the M-fold multiply). One warp owns 16 rows of N per MMA (BLOCK_N / 16 / WARPS
+    # repeats); BLOCK_M: 8 (m16n8) or more (repeats). SPLIT_K as in _w8a16_mma_kernel.
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    if PDL:  # kernels/launch.py
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
+    offs_m = gl.program_id(1) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_l))
+    k_w = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_l))
+    k_x = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_l))
+    mask_n = (offs_n < N)[:, None]
+    mask_m = (offs_m < M)[None, :]
+    w_rows = W + offs_n.to(gl.int64)[:, None] * K
+    x_rows = X + offs_m.to(gl.int64)[None, :] * stride_xm
+    k_len = gl.cdiv(gl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # K-blocks per split, whole blocks
+    k_lo = gl.program_id(2) * k_len
+    k_hi = gl.minimum(k_lo + k_len, K)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    if PREFETCH:  # the next K-block's weights load while this one is multiplied (registers)
+        w_next = gl.load(w_rows + k_lo + k_w[None, :], mask=mask_n & (k_lo + k_w < k_hi)[None, :], other=0,
+                         eviction_policy="evict_first")
+    if PDL:  # the weights above are read-only; x and the partials come after the wait
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if PREFETCH:
+            w8 = w_next
+            nk = k0 + BLOCK_K + k_w
+            w_next = gl.load(w_rows + nk[None, :], mask=mask_n & (nk < k_hi)[None, :], other=0,
+                             eviction_policy="evict_first")
+        else:
+            w8 = gl.load(w_rows + k0 + k_w[None, :], mask=mask_n & (k0 + k_w < k_hi)[None, :], other=0,
+                         eviction_policy="evict_first")
+        x = gl.load(x_rows + k0 + k_x[:, None], mask=mask_m & (k0 + k_x < k_hi)[:, None], other=0.0)
+        w = gl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=gl.float32, is_pure=True, pack=4)
+        if GROUP_K == 0:  # integers (w - z) are exact in 16-bit; the scale comes at the end
+            if HAS_ZERO:
+                w -= gl.load(Z + offs_n, mask=offs_n < N, other=0).to(gl.float32)[:, None]
+        else:  # GROUP_K % BLOCK_K == 0 (int8_config makes it so)
+            g = k0 // GROUP_K
+            if HAS_ZERO:
+                w -= gl.load(Z + offs_n * G + g, mask=offs_n < N, other=0).to(gl.float32)[:, None]
+            w *= gl.load(S + offs_n * G + g, mask=offs_n < N, other=0.0)[:, None]
+        acc = mma_v2(w.to(x.dtype), x, acc)
+    n_o = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    m_o = gl.program_id(1) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    if GROUP_K == 0:
+        acc *= gl.load(S + n_o, mask=n_o < N, other=0.0)[:, None]
+    mask = (n_o < N)[:, None] & (m_o < M)[None, :]
+    out = Y + m_o.to(gl.int64)[None, :] * stride_ym + n_o[:, None]
+    if SPLIT_K > 1:  # as _w8a16_mma_kernel: fp32 partials, the tile's last split sums them
+        part = P + m_o.to(gl.int64)[None, :] * N + n_o[:, None]
+        gl.store(part + (gl.program_id(2) * M).to(gl.int64) * N, acc, mask=mask)
+        tl.debug_barrier()  # (gluon spells it thread_barrier in triton 3.6, barrier in 3.9)
+        tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        done = gl.atomic_add(LOCK + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            acc = gl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT_K):
+                acc += gl.load(part + (s * M).to(gl.int64) * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += gl.load(B + n_o, mask=n_o < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+            gl.store(LOCK + tile, 0)  # ready for the next launch (and the next graph replay)
+    else:
+        if HAS_BIAS:
+            acc += gl.load(B + n_o, mask=n_o < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+
+
 def _quantize_rows_kernel(X, INV, Q, XS, K, stride_xm, HAS_SMOOTH: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per row: an amax pass, then a quantize pass (the row is in L2 the second time)
     row = tl.program_id(0).to(tl.int64)
@@ -462,16 +543,17 @@ def int8_kernel(mode: str, m: int) -> str:
     return "w8a8" if mode == "w8a8" else "w8a16_gemv" if m == 1 else "w8a16_mma"
 
 
-def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str) -> dict:
-    """Launch config of an int8 kernel: built-in default for the M bucket, then the tuning
-    table's entry for (kernel, "M<bucket>_N<n>_K<k>[_G<group>]"). A GEMM's BLOCK_K is shrunk
-    to a power of two dividing the group size, so each K-block meets one scale per row."""
+def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, table: bool = True) -> dict:
+    """Launch config of an int8 kernel: built-in default for the M bucket, then (`table`) the
+    tuning table's entry for (kernel, "M<bucket>_N<n>_K<k>[_G<group>]"). A GEMM's BLOCK_K is
+    shrunk to a power of two dividing the group size, so each K-block meets one scale per row.
+    A w8a16_mma row with "REGS": true runs the Gluon kernel (`_w8a16_regs_kernel`)."""
     b = m_bucket(m)
     d = _DEFAULTS[kernel]
     if kernel in ("w8a16_mma", "w8a8"):
         d = d[16] if b <= 16 else d[64] if b <= 64 else d[None]
     shape_class = f"M{b}_N{n}_K{k}" + (f"_G{group_k}" if group_k else "")
-    cfg = tuned(kernel, shape_class, arch, d)
+    cfg = tuned(kernel, shape_class, arch, d) if table else dict(d)
     if group_k and kernel in ("w8a16_mma", "w8a8") and group_k % 16 == 0:
         bk = cfg["BLOCK_K"]
         while group_k % bk:
@@ -525,6 +607,12 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     if m == 0:
         return y
     cfg = config or int8_config(kernel, m, n, k, gk, arch_of(x.device))
+    if kernel == "w8a16_mma" and cfg.get("REGS"):
+        if _regs_usable(x, gk, cfg):
+            return _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y)
+        if config:
+            raise ValueError("REGS (the Gluon kernel) needs a CUDA tensor in fp16/bf16 and BLOCK_K dividing the group size")
+        cfg = int8_config(kernel, m, n, k, gk, arch_of(x.device), table=False)
     defaults = {"w8a16_gemv": {"PREFETCH": False, "X_ROW": False}, "w8a16_mma": {"SWAP_AB": False, "SPLIT_K": 1}}
     const, opts = _split({"FAST_CVT": False, **defaults[kernel], **cfg}, x.device)
     flags = dict(GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None)
@@ -546,6 +634,32 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     jit(_w8a16_mma_kernel)[grid + (splits,)](
         x, qweight, scale, zero_, bias_, y, part, lock, m, n, k, g, x.stride(0), y.stride(0), **flags,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **const, **opts, **pdl_options(x.device))
+    return y
+
+
+def _regs_usable(x: torch.Tensor, gk: int, cfg: dict) -> bool:
+    """Whether the Gluon kernel can run this call: a CUDA GPU (no interpreter), 16-bit x (the
+    MMA's B operand as is), and grouped scales only a whole K-block apart."""
+    return (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
+            and (gk == 0 or gk % cfg["BLOCK_K"] == 0))
+
+
+def _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y):
+    m, k = x.shape
+    n = qweight.shape[0]
+    warps, bm, bn, bk = cfg["num_warps"], cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    kw, splits = cfg.get("KW", 16), cfg.get("SPLIT_K", 1)
+    if bn % (16 * warps) or bm % 8 or bk % (4 * kw) or splits < 1:
+        raise ValueError(f"REGS config {cfg}: BLOCK_N must be a multiple of 16 * num_warps, BLOCK_M of 8, "
+                         f"BLOCK_K of 4 * KW, SPLIT_K >= 1")
+    grid = (cdiv(n, bn), cdiv(m, bm), splits)
+    part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else y
+    lock = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else y
+    gluon_jit(_w8a16_regs_kernel)[grid](
+        x, qweight, scale, zero if zero is not None else qweight, bias if bias is not None else scale, y, part, lock,
+        m, n, k, g, x.stride(0), y.stride(0), GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
+        CVT=I8X4_TO_F32, SPLIT_K=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KW=kw, WARPS=warps,
+        PREFETCH=bool(cfg.get("PREFETCH", False)), num_warps=warps, **pdl_options(x.device))
     return y
 
 

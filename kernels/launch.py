@@ -64,6 +64,22 @@ def jit(fn: Callable):
     return _JITTED[fn]
 
 
+def gluon_jit(fn: Callable):
+    """`gluon.jit(fn)` made on first use, as `jit` (binds `gl`, gluon's mma.sync `mma_v2`, and
+    `tl` for the extras gluon shares, such as the PDL intrinsics). Gluon kernels place every
+    tensor in an explicit layout; they need a CUDA GPU (the Triton interpreter cannot run them)
+    or `compile_for_arch`."""
+    if fn not in _JITTED:
+        _, tl = _triton()
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+        fn.__globals__.update(gl=gl, mma_v2=mma_v2, tl=tl)
+        _JITTED[fn] = gluon.jit(fn)
+    return _JITTED[fn]
+
+
 def device(fn: Callable) -> Callable:
     """Mark a plain function as a Triton device function that kernels of its module call
     (one body for a step several kernels share); `jit` of a caller jits it."""
@@ -177,23 +193,24 @@ def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def compile_for_arch(fn: Callable, types: dict[str, str], constexprs: dict[str, Any],
-                     num_warps: int = 4, capability: int = 90, aligned: tuple[str, ...] = ()):
+                     num_warps: int = 4, capability: int = 90, aligned: tuple[str, ...] = (), gluon: bool = False):
     """Compile a kernel ahead of time for a GPU arch (no GPU needed): `types` gives the
     Triton type of every runtime argument ("*fp16", "i32", "fp32"), `constexprs` the values
     of the constexpr ones (those with a default, such as PDL, may be left out), `aligned` the
     arguments to specialize as multiples of 16, as a launch does for torch's pointers and
     such sizes (vectorized loads and software pipelining depend on it). Returns triton's
-    CompiledKernel (asm["cubin"] is the binary)."""
+    CompiledKernel (asm["cubin"] is the binary). gluon: fn is a Gluon kernel (`gluon_jit`)."""
     triton, _ = _triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = jit(fn)
+    kernel = gluon_jit(fn) if gluon else jit(fn)
     defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
     constexprs = {**defaults, **constexprs}
     signature = {**types, **{k: "constexpr" for k in constexprs}}
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = (GluonASTSource if gluon else ASTSource)(kernel, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
 
 

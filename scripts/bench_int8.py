@@ -105,6 +105,15 @@ MMA_DECODE_VARIANTS += [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, SW
                             (32, 256, 2, 4, True, 4, False), (16, 256, 2, 4, True, 4, False), (32, 256, 4, 3, False, 1, False),
                             (64, 256, 4, 4, False, 1, False), (32, 512, 4, 3, False, 1, False), (32, 256, 4, 4, False, 2, False),
                             (16, 256, 2, 4, False, 1, False), (32, 256, 2, 1, True, 1, False)]]
+# session 10 (M <= 16): the Gluon kernel (REGS; kernels/int8.py `_w8a16_regs_kernel`): weights
+# loaded straight into the MMA's operand registers, no shared memory. BLOCK_N rows per program
+# (16 per warp and repeat), register bytes per thread BLOCK_N * BLOCK_K / (32 * warps) <= 256
+# (<= 128 with PREFETCH's second buffer); split-K for the narrow shapes' grids.
+REGS_DECODE = [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=pf, num_warps=w)
+               for bn, w, bk in [(16, 1, 128), (16, 1, 256), (16, 1, 512), (32, 1, 128), (32, 1, 256), (32, 2, 256),
+                                 (32, 2, 512), (64, 2, 256), (64, 4, 256), (64, 4, 512)]
+               for sk in (1, 2, 4) for pf in (False, True) if not pf or bn * bk // (32 * w) <= 128]
+
 # decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
 # the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
 # weight is read once
@@ -341,7 +350,9 @@ def run(args) -> dict:
                     cands = pick([dict(c, kernel="w8a16_gemv") for c in GEMV])
                     cands += pick([dict(c, kernel="w8a16_mma") for c in MMA_DECODE[:6]])
                 elif m <= 16:
-                    cands = pick([dict(c, kernel="w8a16_mma") for c in MMA_DECODE_VARIANTS + MMA_DECODE])
+                    regs = [dict(c, kernel="w8a16_mma", BLOCK_M=max(8, 1 << (m - 1).bit_length())) for c in REGS_DECODE]
+                    cands = regs if args.regs else pick([dict(c, kernel="w8a16_mma")
+                                                         for c in MMA_DECODE_VARIANTS + MMA_DECODE] + regs)
                 else:  # decode batches of 17-256 rows (--decode-m 32,64): one row tile of x
                     cands = pick([dict(c, kernel="w8a16_mma") for c in MMA_BATCH])
             r = bench_w8a16(m, k, n, l2, cands)
@@ -469,6 +480,7 @@ def main() -> None:
     ap.add_argument("--aot", action="store_true", help="no GPU: build for sm_90 and print resource usage")
     ap.add_argument("--decode-m", default="", help="decode token counts to run, e.g. 8 (default: 1,8)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the W8A8 prefill shapes")
+    ap.add_argument("--regs", action="store_true", help="at 2-16 tokens sweep only the Gluon kernel's (REGS) configs")
     ap.add_argument("--smoke", action="store_true", help="no GPU: this script's logic on tiny shapes in the "
                     "Triton interpreter (set TRITON_INTERPRET=1); timings are meaningless")
     args = ap.parse_args()

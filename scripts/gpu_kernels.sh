@@ -8,6 +8,8 @@
 #                                        # check_attention_gpu, the CUDA-graph prefill against eager
 #                                        # (gpu_check_prefill_graphs), the runtime on GPU vs CPU
 #                                        # (gpu_check_runtime, bf16 Llama-1B shape)
+#   bash scripts/gpu_kernels.sh regs     # the Gluon W8A16 kernel (REGS configs): its GPU check
+#                                        # (check_int8_regs_gpu), then its M=8 sweep (INT8_M=...)
 #   bash scripts/gpu_kernels.sh int8-batch   # bench_int8 at M=32 and 64 (the batch-64 decode
 #                                        # path, slower than bf16 in session 5)
 #   bash scripts/gpu_kernels.sh short    # batch-1 decode attention configs at 128-4096 keys
@@ -47,6 +49,12 @@ case "${1:-checks}" in
     TAIL=6 step check_attention 180 python3 scripts/check_attention_gpu.py
     TAIL=6 step check_prefill_graphs 200 python3 scripts/gpu_check_prefill_graphs.py
     TAIL=12 step check_runtime 240 python3 scripts/gpu_check_runtime.py --shape llama-1b --dtype bfloat16
+    ;;
+  regs)
+    TAIL=12 step check_int8_regs 200 python3 scripts/check_int8_regs_gpu.py
+    TAIL=12 step bench_int8_regs 400 python3 scripts/bench_int8.py --decode-m "${INT8_M:-8}" --no-prefill --regs
+    mv "$R/bench_int8.json" "$R/bench_int8_regs.json" 2>/dev/null
+    mv "$R/tuning_int8.json" "$R/tuning_int8_regs.json" 2>/dev/null
     ;;
   int8-batch)
     TAIL=12 step bench_int8_batch 420 python3 scripts/bench_int8.py --decode-m 32,64 --no-prefill

@@ -10,6 +10,7 @@ imported triton already, so the kernel cases run in one subprocess: this file ru
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_child import child_fixtures, pdl_check
+from kernel_child import child_fixtures, pdl_check, spill_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -311,6 +312,24 @@ def run_aot(out: str) -> None:
                      "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx, "wants_fast_cvt": bool(const.get("CVT")),
                      "shared": k.metadata.shared,
                      "pdl": pdl_check(k, const.get("PDL", False), before_wait.get(fn, frozenset()))}
+    # the Gluon kernel (REGS configs; it cannot run in the interpreter, scripts/check_int8_regs_gpu.py
+    # checks its numbers on a GPU): built as a launch specializes it, with PDL
+    regs = dict(CVT=int8.I8X4_TO_F32, BLOCK_M=8, KW=16, HAS_BIAS=True, PDL=True)
+    for name, variant in (("regs-m8", dict(GROUP_K=0, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1,
+                                           PREFETCH=False, WARPS=1)),
+                          ("regs-prefetch-splitk4-g128-asym", dict(GROUP_K=128, HAS_ZERO=True, BLOCK_N=64, BLOCK_K=128,
+                                                                   SPLIT_K=4, PREFETCH=True, WARPS=4))):
+        aligned = tuple(a for a, t in mma_types.items() if t.startswith("*") or a in ("N", "K", "stride_xm", "stride_ym"))
+        k = compile_for_arch(int8._w8a16_regs_kernel, mma_types, {**regs, **variant}, num_warps=variant["WARPS"],
+                             aligned=aligned, gluon=True)
+        ptx = k.asm.get("ptx", "")
+        res[name] = {"ok": bool(k.asm.get("cubin")), "ptx_has_mma": "mma" in ptx, "ptx_has_wgmma": "wgmma" in ptx,
+                     "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx, "wants_fast_cvt": True,
+                     "mma_sync": ptx.count("mma.sync.aligned.m16n8k16"),
+                     "weight_loads_16B": len(re.findall(r"ld\.global\.L1::evict_first[.\w:]*\.v4\.b32", ptx)),
+                     "shared_ops": len(re.findall(r"\b(?:ld|st)\.shared", ptx)), "shared": k.metadata.shared,
+                     "spill_bytes": spill_bytes(k), "split_k": variant["SPLIT_K"],
+                     "pdl": pdl_check(k, True, frozenset({"load w_next"} if variant["PREFETCH"] else ()))}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -341,6 +360,55 @@ def test_kernels_compile_for_sm90(compiled):
     assert all(v["fast_cvt"] == v["wants_fast_cvt"] for v in compiled.values()), compiled
     assert compiled["gemv"]["fast_cvt"] and compiled["mma-decode"]["fast_cvt"]  # the sm_90 defaults
     assert compiled["mma-decode-swap64"]["ptx_has_wgmma"]  # 64-row weight tiles as wgmma's A operand
+
+
+def test_regs_kernel_builds_for_sm90_without_shared_memory(compiled):
+    """The Gluon kernel's point: 16-byte weight loads straight into mma.sync's operand registers,
+    no shared memory in the K loop (split-K's last-split election uses a few bytes), no spills,
+    and only read-only weights touched before the PDL wait."""
+    regs = {k: v for k, v in compiled.items() if k.startswith("regs")}
+    assert len(regs) == 2, list(compiled)
+    for name, r in regs.items():
+        assert r["ok"] and r["mma_sync"] > 0 and r["weight_loads_16B"] > 0 and r["spill_bytes"] == 0, (name, r)
+        assert r["pdl"] == "ok", (name, r)
+        if r["split_k"] == 1:
+            assert r["shared"] == 0 and r["shared_ops"] == 0, (name, r)
+        else:
+            assert r["shared"] <= 16, (name, r)
+
+
+def test_regs_configs_fall_back_off_gpu_and_refuse_bad_tiles(monkeypatch):
+    """A tuning row with REGS runs the Triton mma kernel where Gluon cannot (CPU, fp32 x); a
+    pinned REGS config there, or a tile the MMA layout cannot hold, is refused."""
+    from dsc.kernels import launch
+
+    row = {"REGS": True, "BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 1}
+    table = {"default": {"w8a16_mma": {"M8_N40_K64": row}}}
+    monkeypatch.setattr(launch, "tuning_table", lambda: table)
+    assert int8.int8_config("w8a16_mma", 8, 40, 64, 0, "default")["REGS"]
+    x, q, s, z, b, group = _op_args(8, 64, 40, None, True, False, torch.float32)
+    launched = []  # (kernel, grid, constexprs) of each launch, instead of running it (no interpreter here)
+
+    class Launcher:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((self.fn.__name__, grid, kw))
+
+    monkeypatch.setattr(int8, "jit", Launcher)
+    int8.w8a16_matmul(x, q, s, z, b, group)  # the built-in mma default instead of the row
+    d = int8._DEFAULTS["w8a16_mma"][16]
+    assert [(n, g) for n, g, _ in launched] == [("_w8a16_mma_kernel", (-(-40 // d["BLOCK_N"]), 1, 1))]
+    cfg = launched[0][2]
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]) == (d["BLOCK_M"], d["BLOCK_N"], d["BLOCK_K"], 1)
+    assert "REGS" not in cfg
+    with pytest.raises(ValueError, match="REGS"):
+        int8.w8a16_matmul(x, q, s, z, b, group, kernel="w8a16_mma", config=row)
+    assert int8._regs_usable(x.to(torch.bfloat16), 0, row) is False  # CPU
+    bad = {**row, "BLOCK_N": 16, "num_warps": 2}  # 16 rows cannot feed 2 warps' MMAs
+    with pytest.raises(ValueError, match="multiple of 16 \\* num_warps"):
+        int8._w8a16_regs(x, q, s, z, b, 0, 1, bad, torch.empty(8, 40))
 
 
 def test_w8a16_pdl_variants_read_only_weights_before_the_wait(compiled):
