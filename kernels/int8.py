@@ -369,81 +369,94 @@ def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_y
 def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_ym,
                        GROUP_K: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, CVT: gl.constexpr,
                        SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                       KW: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr = False):
+                       KW: gl.constexpr, WARPS_N: gl.constexpr, WARPS_K: gl.constexpr, PREFETCH: gl.constexpr,
+                       PDL: gl.constexpr = False):
     # Gluon (explicit layouts): y^T [N, M] = dequant(w) [N, K] @ x^T [K, M] on mma.sync m16n8k16,
     # every operand loaded from global memory straight into the registers the MMA reads. The
     # weight tile's layout is the A operand's with KW consecutive k per thread (KW = 16: one
     # 16-byte load per thread and row), x^T's the B operand's with the same k order, so the
-    # products pair the same k without any shuffle: no shared memory, no barrier, and as many
-    # programs in flight per SM as registers allow (the M == 1 GEMV's scheme, with tensor cores
-    # doing the M-fold multiply). One warp owns 16 rows of N per MMA (BLOCK_N / 16 / WARPS
-    # repeats); BLOCK_M: 8 (m16n8) or more (repeats). SPLIT_K as in _w8a16_mma_kernel.
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    # products pair the same k without any shuffle: no shared memory in the loop, no barrier,
+    # and many programs in flight per SM (the M == 1 GEMV's scheme, with tensor cores doing
+    # the M-fold multiply). The tiles are batched over WARPS_K parts of the program's K range
+    # (batch p: k in part p), each part on its own warps: a program keeps WARPS_K K-blocks in
+    # flight, and the parts are summed once at the end (through shared memory). A warp owns 16
+    # rows of N per MMA (BLOCK_N / 16 / WARPS_N repeats); BLOCK_M: 8 (m16n8) or more (repeats).
+    # SPLIT_K programs (grid axis 2) share K as in _w8a16_mma_kernel.
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_K, WARPS_N, 1],
+                                                  instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)  # [WARPS_K, BLOCK_N, BLOCK_K]
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)  # [WARPS_K, BLOCK_K, BLOCK_M]
     if PDL:  # kernels/launch.py
         tl.extra.cuda.gdc_launch_dependents()
-    offs_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
-    offs_m = gl.program_id(1) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_l))
-    k_w = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_l))
-    k_x = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_l))
-    mask_n = (offs_n < N)[:, None]
-    mask_m = (offs_m < M)[None, :]
-    w_rows = W + offs_n.to(gl.int64)[:, None] * K
-    x_rows = X + offs_m.to(gl.int64)[None, :] * stride_xm
-    k_len = gl.cdiv(gl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # K-blocks per split, whole blocks
+    k_len = gl.cdiv(gl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # this split's K range: whole K-blocks
     k_lo = gl.program_id(2) * k_len
     k_hi = gl.minimum(k_lo + k_len, K)
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    k_part = gl.cdiv(gl.cdiv(k_len, WARPS_K), BLOCK_K) * BLOCK_K  # one part's
+    # the operands' index vectors: parts p, rows n, k within a K-block, tokens m
+    p_w = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, a_l)))
+    n_w = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, a_l)))
+    k_w = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, a_l)))
+    p_x = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))
+    k_x = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_l)))
+    m_x = gl.program_id(1) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_l)))
+    lo_w = (k_lo + p_w * k_part)[:, None, None]  # [WARPS_K, 1, 1]: each part's first k
+    hi_w = gl.minimum(lo_w + k_part, k_hi)
+    lo_x = (k_lo + p_x * k_part)[:, None, None]
+    hi_x = gl.minimum(lo_x + k_part, k_hi)
+    n_ok = (n_w < N)[None, :, None]
+    w_ptrs = W + n_w.to(gl.int64)[None, :, None] * K + lo_w + k_w[None, None, :]
+    x_ptrs = X + m_x.to(gl.int64)[None, None, :] * stride_xm + lo_x + k_x[None, :, None]
+    x_ok = (m_x < M)[None, None, :]
+    acc = gl.zeros([WARPS_K, BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     if PREFETCH:  # the next K-block's weights load while this one is multiplied (registers)
-        w_next = gl.load(w_rows + k_lo + k_w[None, :], mask=mask_n & (k_lo + k_w < k_hi)[None, :], other=0,
-                         eviction_policy="evict_first")
+        w_next = gl.load(w_ptrs, mask=n_ok & (lo_w + k_w[None, None, :] < hi_w), other=0, eviction_policy="evict_first")
     if PDL:  # the weights above are read-only; x and the partials come after the wait
         tl.extra.cuda.gdc_wait()
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, k_part, BLOCK_K):
         if PREFETCH:
             w8 = w_next
-            nk = k0 + BLOCK_K + k_w
-            w_next = gl.load(w_rows + nk[None, :], mask=mask_n & (nk < k_hi)[None, :], other=0,
-                             eviction_policy="evict_first")
+            w_next = gl.load(w_ptrs + k0 + BLOCK_K, mask=n_ok & (lo_w + k0 + BLOCK_K + k_w[None, None, :] < hi_w),
+                             other=0, eviction_policy="evict_first")
         else:
-            w8 = gl.load(w_rows + k0 + k_w[None, :], mask=mask_n & (k0 + k_w < k_hi)[None, :], other=0,
+            w8 = gl.load(w_ptrs + k0, mask=n_ok & (lo_w + k0 + k_w[None, None, :] < hi_w), other=0,
                          eviction_policy="evict_first")
-        x = gl.load(x_rows + k0 + k_x[:, None], mask=mask_m & (k0 + k_x < k_hi)[:, None], other=0.0)
+        x = gl.load(x_ptrs + k0, mask=x_ok & (lo_x + k0 + k_x[None, :, None] < hi_x), other=0.0)
         w = gl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=gl.float32, is_pure=True, pack=4)
         if GROUP_K == 0:  # integers (w - z) are exact in 16-bit; the scale comes at the end
             if HAS_ZERO:
-                w -= gl.load(Z + offs_n, mask=offs_n < N, other=0).to(gl.float32)[:, None]
-        else:  # GROUP_K % BLOCK_K == 0 (int8_config makes it so)
-            g = k0 // GROUP_K
+                w -= gl.load(Z + n_w, mask=n_w < N, other=0).to(gl.float32)[None, :, None]
+        else:  # GROUP_K % BLOCK_K == 0 (int8_config makes it so): one group per part's K-block
+            sg = n_w[None, :] * G + ((k_lo + p_w * k_part + k0) // GROUP_K)[:, None]  # [WARPS_K, BLOCK_N]
+            sg = gl.minimum(sg, N * G - 1)  # a part past K (masked weights) still reads a valid scale
             if HAS_ZERO:
-                w -= gl.load(Z + offs_n * G + g, mask=offs_n < N, other=0).to(gl.float32)[:, None]
-            w *= gl.load(S + offs_n * G + g, mask=offs_n < N, other=0.0)[:, None]
+                w -= gl.load(Z + sg, mask=(n_w < N)[None, :], other=0).to(gl.float32)[:, :, None]
+            w *= gl.load(S + sg, mask=(n_w < N)[None, :], other=0.0)[:, :, None]
         acc = mma_v2(w.to(x.dtype), x, acc)
-    n_o = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    m_o = gl.program_id(1) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    y = gl.sum(acc, axis=0)  # [BLOCK_N, BLOCK_M]: the parts summed
+    n_o = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(0, mma)))
+    m_o = gl.program_id(1) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma)))
     if GROUP_K == 0:
-        acc *= gl.load(S + n_o, mask=n_o < N, other=0.0)[:, None]
+        y *= gl.load(S + n_o, mask=n_o < N, other=0.0)[:, None]
     mask = (n_o < N)[:, None] & (m_o < M)[None, :]
     out = Y + m_o.to(gl.int64)[None, :] * stride_ym + n_o[:, None]
     if SPLIT_K > 1:  # as _w8a16_mma_kernel: fp32 partials, the tile's last split sums them
         part = P + m_o.to(gl.int64)[None, :] * N + n_o[:, None]
-        gl.store(part + (gl.program_id(2) * M).to(gl.int64) * N, acc, mask=mask)
+        gl.store(part + (gl.program_id(2) * M).to(gl.int64) * N, y, mask=mask)
         tl.debug_barrier()  # (gluon spells it thread_barrier in triton 3.6, barrier in 3.9)
         tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
         done = gl.atomic_add(LOCK + tile, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:
-            acc = gl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            y = gl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
             for s in range(1, SPLIT_K):
-                acc += gl.load(part + (s * M).to(gl.int64) * N, mask=mask, other=0.0, cache_modifier=".cg")
+                y += gl.load(part + (s * M).to(gl.int64) * N, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
-                acc += gl.load(B + n_o, mask=n_o < N, other=0.0).to(gl.float32)[:, None]
-            gl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+                y += gl.load(B + n_o, mask=n_o < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(out, y.to(Y.dtype.element_ty), mask=mask)
             gl.store(LOCK + tile, 0)  # ready for the next launch (and the next graph replay)
     else:
         if HAS_BIAS:
-            acc += gl.load(B + n_o, mask=n_o < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+            y += gl.load(B + n_o, mask=n_o < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(out, y.to(Y.dtype.element_ty), mask=mask)
 
 
 def _quantize_rows_kernel(X, INV, Q, XS, K, stride_xm, HAS_SMOOTH: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -648,17 +661,17 @@ def _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y):
     m, k = x.shape
     n = qweight.shape[0]
     warps, bm, bn, bk = cfg["num_warps"], cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    kw, splits = cfg.get("KW", 16), cfg.get("SPLIT_K", 1)
-    if bn % (16 * warps) or bm % 8 or bk % (4 * kw) or splits < 1:
-        raise ValueError(f"REGS config {cfg}: BLOCK_N must be a multiple of 16 * num_warps, BLOCK_M of 8, "
-                         f"BLOCK_K of 4 * KW, SPLIT_K >= 1")
+    kw, splits, wk = cfg.get("KW", 16), cfg.get("SPLIT_K", 1), cfg.get("WARPS_K", 1)
+    if warps % wk or bn % (16 * (warps // wk)) or bm % 8 or bk % (4 * kw) or splits < 1:
+        raise ValueError(f"REGS config {cfg}: num_warps must be a multiple of WARPS_K, BLOCK_N of 16 * num_warps "
+                         f"/ WARPS_K, BLOCK_M of 8, BLOCK_K of 4 * KW, SPLIT_K >= 1")
     grid = (cdiv(n, bn), cdiv(m, bm), splits)
     part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else y
     lock = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else y
     gluon_jit(_w8a16_regs_kernel)[grid](
         x, qweight, scale, zero if zero is not None else qweight, bias if bias is not None else scale, y, part, lock,
         m, n, k, g, x.stride(0), y.stride(0), GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
-        CVT=I8X4_TO_F32, SPLIT_K=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KW=kw, WARPS=warps,
+        CVT=I8X4_TO_F32, SPLIT_K=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KW=kw, WARPS_N=warps // wk, WARPS_K=wk,
         PREFETCH=bool(cfg.get("PREFETCH", False)), num_warps=warps, **pdl_options(x.device))
     return y
 

@@ -109,10 +109,22 @@ MMA_DECODE_VARIANTS += [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, SW
 # loaded straight into the MMA's operand registers, no shared memory. BLOCK_N rows per program
 # (16 per warp and repeat), register bytes per thread BLOCK_N * BLOCK_K / (32 * warps) <= 256
 # (<= 128 with PREFETCH's second buffer); split-K for the narrow shapes' grids.
-REGS_DECODE = [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=pf, num_warps=w)
-               for bn, w, bk in [(16, 1, 128), (16, 1, 256), (16, 1, 512), (32, 1, 128), (32, 1, 256), (32, 2, 256),
-                                 (32, 2, 512), (64, 2, 256), (64, 4, 256), (64, 4, 512)]
-               for sk in (1, 2, 4) for pf in (False, True) if not pf or bn * bk // (32 * w) <= 128]
+# First sweep (H200): split-K 4 won everywhere, PREFETCH lost everywhere, and the kernel ran one
+# wave of programs, each K-block a full memory round trip (4096 x 4096: 1024 warps, ~1.4 us per
+# K-block): so more splits, up to every warp holding its whole share in one or two K-blocks.
+REGS_DECODE = [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, num_warps=w)
+               for bn, w in [(16, 1), (32, 2)] for bk in (128, 256) for sk in (4, 8, 16, 32)]
+REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=64, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, num_warps=4)
+                for bk in (128, 256) for sk in (8, 16)]
+REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=16, BLOCK_K=128, SPLIT_K=sk, PREFETCH=True, num_warps=1)
+                for sk in (8, 16)]
+# WARPS_K: a program's K range in WARPS_K parts on their own warps (no partials in memory)
+REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, num_warps=wk * bn // 16,
+                     WARPS_K=wk)
+                for bn, wk, bk, sk in [(16, 4, 128, 1), (16, 4, 256, 1), (16, 8, 128, 1), (16, 4, 128, 2), (16, 4, 256, 2),
+                                       (16, 8, 128, 2), (16, 4, 128, 4), (16, 8, 256, 1), (32, 4, 128, 1), (32, 4, 128, 2),
+                                       (32, 2, 256, 2), (16, 2, 256, 4), (16, 2, 128, 8), (16, 4, 64, 4), (16, 8, 64, 2),
+                                       (16, 16, 64, 1), (16, 16, 128, 1)]]
 
 # decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
 # the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
