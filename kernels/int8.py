@@ -408,24 +408,14 @@ def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_
     x_ptrs = X + m_x.to(gl.int64)[None, None, :] * stride_xm + lo_x + k_x[None, :, None]
     x_ok = (m_x < M)[None, None, :]
     acc = gl.zeros([WARPS_K, BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    # With PDL nothing but PREFETCH's first K-block is read before the wait. Tried on the H200
+    # and slower at the table's configs: the first K-block loaded into registers before the
+    # wait and each next one after the MMAs (4096 x 14336 at M = 8: 29.1 us against 20.8), and
+    # the first 1 KiB of each part's rows prefetched into L2 before the wait (26.3 us).
     if PREFETCH:  # the next K-block's weights load while this one is multiplied (registers)
         w_next = gl.load(w_ptrs, mask=n_ok & (lo_w + k_w[None, None, :] < hi_w), other=0, eviction_policy="evict_first")
-    if PDL:
-        # before the wait: the first 1 KiB of each part's weight rows requested into L2 (read-only;
-        # one prefetch per 128-byte line, addresses clamped into the part), so that with few
-        # K-blocks per warp much of the weight is on its way while the previous kernel finishes.
-        # (Loading the first K-block into registers there instead, and each next one after the
-        # MMAs, ran 10-40% slower on the H200.)
-        pf_l: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32, 1], [WARPS_K, WARPS_N, 1], [2, 1, 0])
-        p_l = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, pf_l)))
-        n_l = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, pf_l)))
-        j_l = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, pf_l))) * 128
-        lo_l = (k_lo + p_l * k_part)[:, None, None]
-        line = gl.minimum(lo_l + j_l[None, None, :], gl.minimum(lo_l + k_part, K) - 1)
-        lines = W + gl.minimum(n_l, N - 1).to(gl.int64)[None, :, None] * K + gl.minimum(line, K - 1)
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [lines], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        tl.extra.cuda.gdc_wait()  # x and the partials come after the wait
+    if PDL:  # the weights above are read-only; x and the partials come after the wait
+        tl.extra.cuda.gdc_wait()
     for k0 in range(0, k_part, BLOCK_K):
         if PREFETCH:
             w8 = w_next
