@@ -442,19 +442,23 @@ def run_aot() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dsc.kernels.launch import jit
+    from dsc.kernels.launch import gluon_jit, jit
 
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     div16 = {"N", "K", "stride_xm", "stride_ym"}
 
-    def build(fn, types, const, opts):
-        const = {**{p.name: p.default for p in jit(fn).params if p.is_constexpr and p.has_default}, **const}
+    def build(fn, types, const, opts, gluon=False):
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        kern = gluon_jit(fn) if gluon else jit(fn)
+        const = {**{p.name: p.default for p in kern.params if p.is_constexpr and p.has_default}, **const}
         sig = {**types, **{k: "constexpr" for k in const}}
-        names = [a for a in jit(fn).arg_names]
+        names = [a for a in kern.arg_names]
         sig = {a: sig[a] for a in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
                  if sig[a].startswith("*") or a in div16}
-        k = triton.compile(ASTSource(jit(fn), sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+        k = triton.compile((GluonASTSource if gluon else ASTSource)(kern, sig, const, attrs),
+                           target=GPUTarget("cuda", 90, 32), options=opts)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
@@ -474,8 +478,19 @@ def run_aot() -> None:
         kernels = {1: [("w8a16_gemv", {}), ("w8a16_gemv", dict(PDL=True))],
                    8: [("w8a16_mma", {}), ("w8a16_mma", dict(PDL=True))] + decode_variants}.get(m) or [("w8a8", {})]
         for kernel, variant in kernels:
-            cfg = {**({"SWAP_AB": False, "SPLIT_K": 1} if kernel == "w8a16_mma" else {}),
-                   **int8.int8_config(kernel, m, n, k, 0, "sm_90"), **variant}
+            row = int8.int8_config(kernel, m, n, k, 0, "sm_90")
+            if row.get("REGS"):  # the table runs the Gluon kernel here: it, and the mma kernel at its default
+                if set(variant) <= {"PDL"}:
+                    mma = {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", "P": "*fp32", "LOCK": "*i32",
+                           **i32("M N K G stride_xm stride_ym")}
+                    const = dict(GROUP_K=0, HAS_ZERO=False, HAS_BIAS=False, CVT=int8.I8X4_TO_F32, KW=16,
+                                 WARPS_N=row["num_warps"] // row["WARPS_K"], PDL=variant.get("PDL", False),
+                                 **{key: row[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "PREFETCH",
+                                                              "WARPS_K")})
+                    res = build(int8._w8a16_regs_kernel, mma, const, {"num_warps": row["num_warps"]}, gluon=True)
+                    print(f"w8a16_regs  M{m} K{k} N{n} {row} {variant}: {res}")
+                row = int8.int8_config(kernel, m, n, k, 0, "sm_90", table=False)
+            cfg = {**({"SWAP_AB": False, "SPLIT_K": 1} if kernel == "w8a16_mma" else {}), **row, **variant}
             const, opts = int8._split(cfg, torch.device("cuda"))
             flags = dict(GROUP_K=0, HAS_ZERO=False, HAS_BIAS=False)
             if kernel == "w8a16_gemv":

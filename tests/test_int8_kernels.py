@@ -286,7 +286,10 @@ def run_aot(out: str) -> None:
                                  ("mma-decode-swap64", 8, 0, {"SWAP_AB": True, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4}),
                                  ("mma-decode-splitk4-g128", 8, 128, {"SPLIT_K": 4}),
                                  ("mma-decode-swap-splitk2-g100", 8, 100, {"SWAP_AB": True, "SPLIT_K": 2})):
-        cfg = {"SWAP_AB": False, "SPLIT_K": 1, **int8.int8_config("w8a16_mma", m, 4096, 4096, gk, "sm_90"), **variant}
+        # M = 8 at 4096 -> 4096 is a REGS row (the Gluon kernel, below): the mma kernel's M = 8 row is 14336 -> 4096's
+        cfg = {"SWAP_AB": False, "SPLIT_K": 1, **int8.int8_config("w8a16_mma", m, 4096, 14336 if m == 8 else 4096, gk,
+                                                                   "sm_90"), **variant}
+        assert not cfg.get("REGS"), (name, cfg)
         cases[name] = (int8._w8a16_mma_kernel, mma_types, {**flags, "GROUP_K": gk, "PRECISION": "tf32", **cfg})
     for name, m, gk in (("w8a8-prefill", 2048, 0), ("w8a8-decode-g128", 8, 128)):
         cfg = int8.int8_config("w8a8", m, 4096, 4096, gk, "sm_90")
@@ -315,8 +318,13 @@ def run_aot(out: str) -> None:
     # the Gluon kernel (REGS configs; it cannot run in the interpreter, scripts/check_int8_regs_gpu.py
     # checks its numbers on a GPU): built as a launch specializes it, with PDL
     regs = dict(CVT=int8.I8X4_TO_F32, BLOCK_M=8, KW=16, HAS_BIAS=True, PDL=True)
+    row = int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90")  # the table's REGS row
+    assert row.get("REGS"), row
+    row = {k: row[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "PREFETCH")} | dict(
+        WARPS_N=row["num_warps"] // row["WARPS_K"], WARPS_K=row["WARPS_K"])
     for name, variant in (("regs-m8", dict(GROUP_K=0, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1,
                                            PREFETCH=False, WARPS_N=1, WARPS_K=1)),
+                          ("regs-table-row-m8", dict(GROUP_K=0, HAS_ZERO=False, **row)),
                           ("regs-prefetch-splitk4-g128-asym", dict(GROUP_K=128, HAS_ZERO=True, BLOCK_N=32, BLOCK_K=128,
                                                                    SPLIT_K=4, PREFETCH=True, WARPS_N=2, WARPS_K=2)),
                           ("regs-warpsk4", dict(GROUP_K=0, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1,
@@ -369,7 +377,7 @@ def test_regs_kernel_builds_for_sm90_without_shared_memory(compiled):
     no shared memory in the K loop (only the WARPS_K parts' final sum and split-K's last-split
     election use some), no spills, and only read-only weights touched before the PDL wait."""
     regs = {k: v for k, v in compiled.items() if k.startswith("regs")}
-    assert len(regs) == 3, list(compiled)
+    assert len(regs) == 4, list(compiled)
     for name, r in regs.items():
         assert r["ok"] and r["mma_sync"] > 0 and r["weight_loads_16B"] > 0 and r["spill_bytes"] == 0, (name, r)
         assert r["pdl"] == "ok", (name, r)
