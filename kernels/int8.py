@@ -560,15 +560,29 @@ def int8_kernel(mode: str, m: int) -> str:
     return "w8a8" if mode == "w8a8" else "w8a16_gemv" if m == 1 else "w8a16_mma"
 
 
+def regs_default(n: int) -> dict:
+    """The Gluon kernel's config for 2-8 tokens on sm_90 where the table has no row: 16 rows
+    and 4 K parts (4 warps) per program, split-K up to 4 until ~1024 programs. Every H200 sweep
+    at 2, 4 and 8 tokens (K x N 4096 x 4096, 4096 x 14336, 14336 x 4096) had its winner or a
+    config within 1% of it in this form, 1.7-1.8x bf16 where the mma kernel's default ran
+    0.9-1.4x; at 16 tokens this form lost to the mma default (the table's rows cover it)."""
+    return {"REGS": True, "BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 128, "WARPS_K": 4, "num_warps": 4, "PREFETCH": False,
+            "SPLIT_K": max(1, min(4, 1024 // cdiv(n, 16)))}
+
+
 def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, table: bool = True) -> dict:
     """Launch config of an int8 kernel: built-in default for the M bucket, then (`table`) the
     tuning table's entry for (kernel, "M<bucket>_N<n>_K<k>[_G<group>]"). A GEMM's BLOCK_K is
     shrunk to a power of two dividing the group size, so each K-block meets one scale per row.
-    A w8a16_mma row with "REGS": true runs the Gluon kernel (`_w8a16_regs_kernel`)."""
+    A w8a16_mma config with "REGS": true runs the Gluon kernel (`_w8a16_regs_kernel`): table
+    rows, and on sm_90 the default at 2-8 tokens (`regs_default`). table=False: the Triton
+    kernel's built-in default alone (what runs where the Gluon kernel cannot)."""
     b = m_bucket(m)
     d = _DEFAULTS[kernel]
     if kernel in ("w8a16_mma", "w8a8"):
         d = d[16] if b <= 16 else d[64] if b <= 64 else d[None]
+    if kernel == "w8a16_mma" and table and arch == "sm_90" and b <= 8:
+        d = regs_default(n)
     shape_class = f"M{b}_N{n}_K{k}" + (f"_G{group_k}" if group_k else "")
     cfg = tuned(kernel, shape_class, arch, d) if table else dict(d)
     if group_k and kernel in ("w8a16_mma", "w8a8") and group_k % 16 == 0:
@@ -656,9 +670,10 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
 
 def _regs_usable(x: torch.Tensor, gk: int, cfg: dict) -> bool:
     """Whether the Gluon kernel can run this call: a CUDA GPU (no interpreter), 16-bit x (the
-    MMA's B operand as is), and grouped scales only a whole K-block apart."""
+    MMA's B operand as is), grouped scales only a whole K-block apart, and K-blocks of at least
+    4 * KW (int8_config shrinks BLOCK_K to divide a group: groups of 32 do not fit)."""
     return (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
-            and (gk == 0 or gk % cfg["BLOCK_K"] == 0))
+            and (gk == 0 or gk % cfg["BLOCK_K"] == 0) and cfg["BLOCK_K"] % (4 * cfg.get("KW", 16)) == 0)
 
 
 def _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y):
@@ -721,15 +736,18 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zer
 # -- planners (plan_kernels) -----------------------------------------------------------------
 # M is the program's token count (symbolic at compile time): the plan records the config of
 # every M bucket the kernel may meet, as the runtime will choose it on this arch.
-_PLAN_BUCKETS = (1, 16, 64, 256)
+_PLAN_BUCKETS = (1, 8, 16, 64, 256)
 
 
 @planner("dsc.linear_w8a16.default")
 def _plan_w8a16(x, qweight, scale, zero, bias, group_size, *, arch):
     n, k = qweight.shape
     gk = 0 if scale.shape[1] == 1 else group_size
-    cfg = {f"M{b}": {"kernel": int8_kernel("w8a16", b), **int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch)}
-           for b in _PLAN_BUCKETS}
+    cfg = {}
+    for b in _PLAN_BUCKETS:
+        c = int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch)
+        # REGS: the Gluon kernel (on a GPU with 16-bit activations; else the mma kernel's default)
+        cfg[f"M{b}"] = {"kernel": "w8a16_regs" if c.get("REGS") else int8_kernel("w8a16", b), **c}
     return {"name": "triton.w8a16", "config": cfg, "launches": 1}
 
 

@@ -350,6 +350,8 @@ def run(args) -> dict:
     shapes, decode_m, prefill_m = (SHAPES, DECODE_M, PREFILL_M) if DEVICE == "cuda" else ([(256, 96), (96, 200)], (1, 8), 64)
     if args.decode_m:
         decode_m = tuple(int(m) for m in args.decode_m.split(","))
+    if args.shapes:
+        shapes = [tuple(int(v) for v in kn.split("x")) for kn in args.shapes.split(",")]
     sweep = not args.quick
     pick = (lambda c: c) if DEVICE == "cuda" else (lambda c: c[:2])
     res = {"device": name, "torch": torch.__version__, "triton": tv, "l2_bytes": l2,
@@ -374,6 +376,8 @@ def run(args) -> dict:
                                                          for c in MMA_DECODE_VARIANTS + MMA_DECODE] + regs)
                 else:  # decode batches of 17-256 rows (--decode-m 32,64): one row tile of x
                     cands = pick([dict(c, kernel="w8a16_mma") for c in MMA_BATCH])
+            elif args.vs_mma and 1 < m <= 16:  # the Triton mma kernel's built-in default next to the default
+                cands = [dict(int8.int8_config("w8a16_mma", m, n, k, 0, "sm_90", table=False), kernel="w8a16_mma")]
             r = bench_w8a16(m, k, n, l2, cands)
             res["results"].append(r)
             _print_row(r, n * k)
@@ -514,6 +518,9 @@ def main() -> None:
     ap.add_argument("--aot", action="store_true", help="no GPU: build for sm_90 and print resource usage")
     ap.add_argument("--decode-m", default="", help="decode token counts to run, e.g. 8 (default: 1,8)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the W8A8 prefill shapes")
+    ap.add_argument("--shapes", default="", help="K x N weight shapes, e.g. 4096x1536,1024x4096 (default: Llama-8B's)")
+    ap.add_argument("--vs-mma", action="store_true", help="with --quick: also time the Triton mma kernel's built-in "
+                    "default at 2-16 tokens (where the default is the Gluon kernel)")
     ap.add_argument("--regs", action="store_true", help="at 2-16 tokens sweep only the Gluon kernel's (REGS) configs")
     ap.add_argument("--smoke", action="store_true", help="no GPU: this script's logic on tiny shapes in the "
                     "Triton interpreter (set TRITON_INTERPRET=1); timings are meaningless")

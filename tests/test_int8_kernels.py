@@ -166,7 +166,12 @@ def test_int8_config_tuning_table_and_groups(monkeypatch):
     assert int8.int8_config("w8a16_gemv", 1, 4096, 4096, 0, "default")["BLOCK_N"] == 8
     # GEMM K-blocks shrink to divide the group size; buckets pick the tile family
     assert int8.int8_config("w8a8", 2048, 4096, 4096, 32, "sm_90")["BLOCK_K"] == 32
-    assert int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90")["BLOCK_M"] == 16
+    assert int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "default")["BLOCK_M"] == 16
+    assert int8.int8_config("w8a16_mma", 16, 4096, 4096, 0, "sm_90")["BLOCK_M"] == 16
+    # 2-8 tokens on sm_90 without a row: the Gluon kernel, split-K up to 4 until ~1024 programs
+    assert int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90") == int8.regs_default(4096)
+    assert [int8.regs_default(n)["SPLIT_K"] for n in (1024, 4096, 8192, 14336)] == [4, 4, 2, 1]
+    assert not int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90", table=False).get("REGS")
     assert int8.int8_config("w8a16_mma", 2048, 4096, 4096, 0, "sm_90")["BLOCK_M"] == 128
     assert [int8.int8_kernel("w8a16", m) for m in (1, 2)] == ["w8a16_gemv", "w8a16_mma"]
 
@@ -287,9 +292,10 @@ def run_aot(out: str) -> None:
                                  ("mma-decode-splitk4-g128", 8, 128, {"SPLIT_K": 4}),
                                  ("mma-decode-swap-splitk2-g100", 8, 100, {"SWAP_AB": True, "SPLIT_K": 2})):
         # M = 8 at 4096 -> 4096 is a REGS row (the Gluon kernel, below): the mma kernel's M = 8 row is 14336 -> 4096's
-        cfg = {"SWAP_AB": False, "SPLIT_K": 1, **int8.int8_config("w8a16_mma", m, 4096, 14336 if m == 8 else 4096, gk,
-                                                                   "sm_90"), **variant}
-        assert not cfg.get("REGS"), (name, cfg)
+        row = int8.int8_config("w8a16_mma", m, 4096, 14336 if m == 8 else 4096, gk, "sm_90")
+        if row.get("REGS"):  # 8 tokens without a row: the Gluon default; here the mma kernel's
+            row = int8.int8_config("w8a16_mma", m, 4096, 4096, gk, "sm_90", table=False)
+        cfg = {"SWAP_AB": False, "SPLIT_K": 1, **row, **variant}
         cases[name] = (int8._w8a16_mma_kernel, mma_types, {**flags, "GROUP_K": gk, "PRECISION": "tf32", **cfg})
     for name, m, gk in (("w8a8-prefill", 2048, 0), ("w8a8-decode-g128", 8, 128)):
         cfg = int8.int8_config("w8a8", m, 4096, 4096, gk, "sm_90")
