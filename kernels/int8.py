@@ -31,6 +31,12 @@ Kernels (CUDA, Triton via kernels/launch.py: triton is imported on the first lau
                         SPLIT_K programs (grid axis 2) a share of the K-blocks, fp32 partials,
                         and the tile's last split to finish (a per-tile counter) sums them and
                         writes y, in the same launch.
+    _w8a16_regs_kernel  2-16 tokens on CUDA (configs with "REGS": true), written in Gluon:
+                        the weight loaded from global memory straight into mma.sync's
+                        A-operand registers (16 bytes per thread and row), x^T into the B
+                        operand's, no shared memory in the K loop; WARPS_K parts of the K range
+                        on separate warps, summed at the end; split-K as above. Not runnable in
+                        the interpreter (scripts/check_int8_regs_gpu.py checks it on a GPU).
     _quantize_rows_kernel  per-token activation quantization (x * inv_smooth, amax, round).
     _w8a8_kernel        int8 tensor-core GEMM, int32 accumulation; the epilogue applies
                         weight and token scales (per K-block for grouped scales).
