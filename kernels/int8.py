@@ -568,10 +568,11 @@ def int8_kernel(mode: str, m: int) -> str:
 
 def regs_default(n: int) -> dict:
     """The Gluon kernel's config for 2-8 tokens on sm_90 where the table has no row: 16 rows
-    and 4 K parts (4 warps) per program, split-K up to 4 until ~1024 programs. Every H200 sweep
-    at 2, 4 and 8 tokens (K x N 4096 x 4096, 4096 x 14336, 14336 x 4096) had its winner or a
-    config within 1% of it in this form, 1.7-1.8x bf16 where the mma kernel's default ran
-    0.9-1.4x; at 16 tokens this form lost to the mma default (the table's rows cover it)."""
+    and 4 K parts (4 warps) per program, split-K up to 4 until ~1024 programs. In the H200
+    sweeps at 2, 4 and 8 tokens (K x N 4096 x 4096, 4096 x 14336, 14336 x 4096) this rule
+    picked the winner at 8 of the 9 (at 8 tokens, 14336 x 4096: 3.6% behind the mma kernel's
+    row), 1.7-1.8x bf16 where the mma kernel's default ran 0.9-1.4x; at 16 tokens this form
+    lost to the mma default (the table's rows cover it)."""
     return {"REGS": True, "BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 128, "WARPS_K": 4, "num_warps": 4, "PREFETCH": False,
             "SPLIT_K": max(1, min(4, 1024 // cdiv(n, 16)))}
 

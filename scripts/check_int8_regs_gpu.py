@@ -2,7 +2,7 @@
 `_w8a16_regs_kernel`) on a GPU: it cannot run in the Triton interpreter, so this is its
 correctness check.
 
-    python scripts/check_int8_regs_gpu.py        # about a minute on an H200; exit 1 on any failure
+    python scripts/check_int8_regs_gpu.py        # about two minutes on an H200 (mostly builds); exit 1 on any failure
 
 Every case runs the REGS kernel, the plain-torch reference (fp32) and the Triton mma kernel
 (the same arithmetic: 16-bit products summed in fp32) on the same inputs: batch 1-16, odd and
