@@ -675,12 +675,17 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     return y
 
 
+def _regs_fits(dtype: torch.dtype, gk: int, cfg: dict) -> bool:
+    """Whether the Gluon kernel takes these operands: 16-bit x (the MMA's B operand as is),
+    grouped scales only a whole K-block apart, and K-blocks of at least 4 * KW (int8_config
+    shrinks BLOCK_K to divide a group: groups of 32 do not fit)."""
+    return (dtype in (torch.float16, torch.bfloat16) and (gk == 0 or gk % cfg["BLOCK_K"] == 0)
+            and cfg["BLOCK_K"] % (4 * cfg.get("KW", 16)) == 0)
+
+
 def _regs_usable(x: torch.Tensor, gk: int, cfg: dict) -> bool:
-    """Whether the Gluon kernel can run this call: a CUDA GPU (no interpreter), 16-bit x (the
-    MMA's B operand as is), grouped scales only a whole K-block apart, and K-blocks of at least
-    4 * KW (int8_config shrinks BLOCK_K to divide a group: groups of 32 do not fit)."""
-    return (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
-            and (gk == 0 or gk % cfg["BLOCK_K"] == 0) and cfg["BLOCK_K"] % (4 * cfg.get("KW", 16)) == 0)
+    """Whether the Gluon kernel can run this call: `_regs_fits`, on a CUDA GPU (no interpreter)."""
+    return x.device.type == "cuda" and _regs_fits(x.dtype, gk, cfg)
 
 
 def _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y):
@@ -753,7 +758,8 @@ def _plan_w8a16(x, qweight, scale, zero, bias, group_size, *, arch):
     cfg = {}
     for b in _PLAN_BUCKETS:
         c = int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch)
-        # REGS: the Gluon kernel (on a GPU with 16-bit activations; else the mma kernel's default)
+        if c.get("REGS") and not _regs_fits(x.dtype, gk, c):  # what w8a16_matmul runs instead
+            c = int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch, table=False)
         cfg[f"M{b}"] = {"kernel": "w8a16_regs" if c.get("REGS") else int8_kernel("w8a16", b), **c}
     return {"name": "triton.w8a16", "config": cfg, "launches": 1}
 

@@ -190,6 +190,20 @@ def test_int8_artifact_plan_weights_and_report(shape, compile_artifact):
     assert rep["logits"]["top1_agreement"] >= 0.75 and 0 <= rep["logits"]["kl_div"] < 0.05
 
 
+def test_plan_records_the_gluon_kernel_where_it_runs(compile_artifact):
+    """plan.json's W8A16 configs per token bucket, for sm_90: the Gluon kernel (`w8a16_regs`) at
+    2-8 tokens for 16-bit activations, the Triton kernels elsewhere; an fp32 model, which the
+    Gluon kernel cannot take, records the mma kernel's default there, as w8a16_matmul runs."""
+    for dtype, want in (("fp16", "w8a16_regs"), ("fp32", "w8a16_mma")):
+        plan = json.loads((Path(compile_artifact("llama-tiny", dtype=dtype, int8=True)) / "plan.json").read_text())
+        cfgs = [n["kernel"]["config"] for prog in plan["programs"].values() for n in prog["nodes"]
+                if n.get("op") == "dsc.linear_w8a16.default"]
+        assert cfgs and plan["notes"]["kernels"]["arch"] == "sm_90"
+        for c in cfgs:
+            assert [c[b]["kernel"] for b in ("M1", "M8", "M16", "M64")] == ["w8a16_gemv", want, "w8a16_mma", "w8a16_mma"]
+            assert bool(c["M8"].get("REGS")) == (want == "w8a16_regs")
+
+
 def test_report_measures_what_the_runtime_runs(compile_artifact, reference):
     """The report's logits SQNR (compile-time, in-process) equals the SQNR of the artifact
     run by the runtime on the same prompts and tokens."""
