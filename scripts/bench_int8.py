@@ -120,12 +120,14 @@ REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=16, BLOCK_K=128, SPLIT_K=sk, 
                 for sk in (8, 16)]
 # WARPS_K: a program's K range in WARPS_K parts on their own warps (no partials in memory).
 # Second sweep (H200): WARPS_K 4 won 4096 -> 4096 (8.97 us, split-K 4) and 4096 -> 14336 (20.9 us,
-# split-K 1): so more rows per warp (one x operand for 32-64 rows: half the x traffic) and 64-wide
-# K-blocks (tuples: BLOCK_N, WARPS_K, BLOCK_K, SPLIT_K; one warp column, num_warps = WARPS_K)
+# split-K 1). Third sweep's additions, here: more rows per warp (one x operand for 32-64 rows:
+# half the x traffic) and 64-wide K-blocks (tuples: BLOCK_N, WARPS_K, BLOCK_K, SPLIT_K; one warp
+# column, num_warps = WARPS_K). Neither won.
 REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, num_warps=wk, WARPS_K=wk)
                 for bn, wk, bk, sk in [(32, 4, 128, 1), (32, 4, 128, 2), (32, 4, 128, 4), (32, 2, 128, 4), (32, 2, 128, 8),
                                        (64, 4, 64, 2), (64, 4, 64, 4), (32, 8, 64, 1), (32, 8, 64, 2), (16, 4, 64, 8),
                                        (16, 2, 64, 8), (16, 4, 128, 4), (32, 4, 64, 4), (64, 2, 64, 8), (32, 4, 256, 1)]]
+# the second sweep's WARPS_K candidates (BLOCK_N / 16 warp columns, one 16-row MMA tile each)
 REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, num_warps=wk * bn // 16,
                      WARPS_K=wk)
                 for bn, wk, bk, sk in [(16, 4, 128, 1), (16, 4, 256, 1), (16, 8, 128, 1), (16, 4, 128, 2), (16, 4, 256, 2),
