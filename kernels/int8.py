@@ -688,22 +688,32 @@ def _regs_usable(x: torch.Tensor, gk: int, cfg: dict) -> bool:
     return x.device.type == "cuda" and _regs_fits(x.dtype, gk, cfg)
 
 
-def _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y):
-    m, k = x.shape
-    n = qweight.shape[0]
+def regs_constexprs(cfg: dict) -> dict:
+    """The Gluon kernel's tile constexprs (all but GROUP_K, HAS_ZERO, HAS_BIAS, PDL) from a REGS
+    config, which gives num_warps and WARPS_K where the kernel takes WARPS_N and WARPS_K; raises
+    for a tile its MMA layout cannot hold. The launch, the sm_90 build tests and
+    `bench_int8.py --aot` all build from it."""
     warps, bm, bn, bk = cfg["num_warps"], cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     kw, splits, wk = cfg.get("KW", 16), cfg.get("SPLIT_K", 1), cfg.get("WARPS_K", 1)
     if warps % wk or bn % (16 * (warps // wk)) or bm % 8 or bk % (4 * kw) or splits < 1:
         raise ValueError(f"REGS config {cfg}: num_warps must be a multiple of WARPS_K, BLOCK_N of 16 * num_warps "
                          f"/ WARPS_K, BLOCK_M of 8, BLOCK_K of 4 * KW, SPLIT_K >= 1")
-    grid = (cdiv(n, bn), cdiv(m, bm), splits)
+    return dict(CVT=I8X4_TO_F32, SPLIT_K=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KW=kw, WARPS_N=warps // wk,
+                WARPS_K=wk, PREFETCH=bool(cfg.get("PREFETCH", False)))
+
+
+def _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y):
+    m, k = x.shape
+    n = qweight.shape[0]
+    const = regs_constexprs(cfg)
+    splits = const["SPLIT_K"]
+    grid = (cdiv(n, const["BLOCK_N"]), cdiv(m, const["BLOCK_M"]), splits)
     part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else y
     lock = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else y
     gluon_jit(_w8a16_regs_kernel)[grid](
         x, qweight, scale, zero if zero is not None else qweight, bias if bias is not None else scale, y, part, lock,
         m, n, k, g, x.stride(0), y.stride(0), GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
-        CVT=I8X4_TO_F32, SPLIT_K=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KW=kw, WARPS_N=warps // wk, WARPS_K=wk,
-        PREFETCH=bool(cfg.get("PREFETCH", False)), num_warps=warps, **pdl_options(x.device))
+        **const, num_warps=cfg["num_warps"], **pdl_options(x.device))
     return y
 
 

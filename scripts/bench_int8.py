@@ -489,10 +489,8 @@ def run_aot() -> None:
                 if set(variant) <= {"PDL"}:
                     mma = {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", "P": "*fp32", "LOCK": "*i32",
                            **i32("M N K G stride_xm stride_ym")}
-                    const = dict(GROUP_K=0, HAS_ZERO=False, HAS_BIAS=False, CVT=int8.I8X4_TO_F32, KW=16,
-                                 WARPS_N=row["num_warps"] // row["WARPS_K"], PDL=variant.get("PDL", False),
-                                 **{key: row[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "PREFETCH",
-                                                              "WARPS_K")})
+                    const = dict(GROUP_K=0, HAS_ZERO=False, HAS_BIAS=False, PDL=variant.get("PDL", False),
+                                 **int8.regs_constexprs(row))
                     res = build(int8._w8a16_regs_kernel, mma, const, {"num_warps": row["num_warps"]}, gluon=True)
                     print(f"w8a16_regs  M{m} K{k} N{n} {row} {variant}: {res}")
                 row = int8.int8_config(kernel, m, n, k, 0, "sm_90", table=False)

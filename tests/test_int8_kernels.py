@@ -326,8 +326,7 @@ def run_aot(out: str) -> None:
     regs = dict(CVT=int8.I8X4_TO_F32, BLOCK_M=8, KW=16, HAS_BIAS=True, PDL=True)
     row = int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90")  # the table's REGS row
     assert row.get("REGS"), row
-    row = {k: row[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "PREFETCH")} | dict(
-        WARPS_N=row["num_warps"] // row["WARPS_K"], WARPS_K=row["WARPS_K"])
+    row = int8.regs_constexprs(row)  # as the launch builds it
     for name, variant in (("regs-m8", dict(GROUP_K=0, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1,
                                            PREFETCH=False, WARPS_N=1, WARPS_K=1)),
                           ("regs-table-row-m8", dict(GROUP_K=0, HAS_ZERO=False, **row)),
