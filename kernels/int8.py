@@ -414,23 +414,27 @@ def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_
     x_ptrs = X + m_x.to(gl.int64)[None, None, :] * stride_xm + lo_x + k_x[None, :, None]
     x_ok = (m_x < M)[None, None, :]
     acc = gl.zeros([WARPS_K, BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    # With PDL nothing but PREFETCH's first K-block is read before the wait. Tried on the H200
-    # and slower at the table's configs: the first K-block loaded into registers before the
-    # wait and each next one after the MMAs (4096 x 14336 at M = 8: 29.1 us against 20.8), and
-    # the first 1 KiB of each part's rows prefetched into L2 before the wait (26.3 us).
-    if PREFETCH:  # the next K-block's weights load while this one is multiplied (registers)
-        w_next = gl.load(w_ptrs, mask=n_ok & (lo_w + k_w[None, None, :] < hi_w), other=0, eviction_policy="evict_first")
-    if PDL:  # the weights above are read-only; x and the partials come after the wait
+    # With PDL nothing is read before the wait. Tried on the H200 and slower at the table's
+    # configs: the first K-block loaded into registers before the wait and each next one after
+    # the MMAs (4096 x 14336 at M = 8: 29.1 us against 20.8), and the first 1 KiB of each part's
+    # rows prefetched into L2 before the wait (26.3 us).
+    if PDL:
         tl.extra.cuda.gdc_wait()
+    if PREFETCH:  # software-pipelined: K-block i + 1's weights and x load before K-block i's MMA
+        w_next = gl.load(w_ptrs, mask=n_ok & (lo_w + k_w[None, None, :] < hi_w), other=0, eviction_policy="evict_first")
+        x_next = gl.load(x_ptrs, mask=x_ok & (lo_x + k_x[None, :, None] < hi_x), other=0.0)
     for k0 in range(0, k_part, BLOCK_K):
         if PREFETCH:
             w8 = w_next
+            x = x_next
             w_next = gl.load(w_ptrs + k0 + BLOCK_K, mask=n_ok & (lo_w + k0 + BLOCK_K + k_w[None, None, :] < hi_w),
                              other=0, eviction_policy="evict_first")
+            x_next = gl.load(x_ptrs + k0 + BLOCK_K, mask=x_ok & (lo_x + k0 + BLOCK_K + k_x[None, :, None] < hi_x),
+                             other=0.0)
         else:
             w8 = gl.load(w_ptrs + k0, mask=n_ok & (lo_w + k0 + k_w[None, None, :] < hi_w), other=0,
                          eviction_policy="evict_first")
-        x = gl.load(x_ptrs + k0, mask=x_ok & (lo_x + k0 + k_x[None, :, None] < hi_x), other=0.0)
+            x = gl.load(x_ptrs + k0, mask=x_ok & (lo_x + k0 + k_x[None, :, None] < hi_x), other=0.0)
         w = gl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=gl.float32, is_pure=True, pack=4)
         if GROUP_K == 0:  # integers (w - z) are exact in 16-bit; the scale comes at the end
             if HAS_ZERO:

@@ -27,7 +27,7 @@ from dsc.kernels import int8
 CFGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH, num_warps, WARPS_K
     (8, 16, 256, 1, False, 1, 1), (8, 32, 128, 2, True, 1, 1), (16, 64, 256, 4, False, 4, 1), (8, 64, 512, 1, True, 2, 1),
     (16, 16, 64, 3, False, 1, 1), (8, 32, 256, 4, True, 2, 1), (8, 16, 128, 1, False, 4, 4), (8, 32, 256, 8, False, 4, 2),
-    (16, 16, 64, 2, True, 8, 8),
+    (16, 16, 64, 2, True, 8, 8), (8, 16, 128, 4, True, 4, 4),
 ]
 SHAPES = [  # M, K, N, group size (None: per channel), symmetric, bias
     (8, 4096, 4096, None, True, False), (8, 4096, 14336, None, True, False), (8, 14336, 4096, None, True, False),
