@@ -105,10 +105,14 @@ def tuning_table() -> dict:
     return json.loads(TUNING_FILE.read_text())
 
 
+def tuning_row(kernel: str, shape_class: str, arch: str) -> dict:
+    """The table's entry for (arch, kernel, shape_class), {} if none."""
+    return tuning_table().get(arch, {}).get(kernel, {}).get(shape_class, {})
+
+
 def tuned(kernel: str, shape_class: str, arch: str, default: dict) -> dict:
     """`default` overridden by the table's entry for (arch, kernel, shape_class), if any."""
-    entry = tuning_table().get(arch, {}).get(kernel, {}).get(shape_class, {})
-    return {**default, **entry}
+    return {**default, **tuning_row(kernel, shape_class, arch)}
 
 
 PDL_MODES = ("auto", "off")

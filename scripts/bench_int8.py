@@ -134,13 +134,10 @@ REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, P
                                        (16, 8, 128, 2), (16, 4, 128, 4), (16, 8, 256, 1), (32, 4, 128, 1), (32, 4, 128, 2),
                                        (32, 2, 256, 2), (16, 2, 256, 4), (16, 2, 128, 8), (16, 4, 64, 4), (16, 8, 64, 2),
                                        (16, 16, 64, 1), (16, 16, 128, 1)]]
-# Session 11: PREFETCH moved after the PDL wait and made to load x too (the K loop software-
-# pipelined by hand: two K-blocks' loads in flight per warp); the table's neighbours with it
-REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=16, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=True, num_warps=wk, WARPS_K=wk)
-                for wk, bk, sk in [(4, 128, 4), (4, 128, 2), (4, 128, 1), (8, 128, 1), (8, 128, 2), (2, 128, 8),
-                                   (2, 128, 4), (4, 64, 4), (4, 64, 8), (8, 64, 2), (8, 64, 4), (2, 256, 4), (4, 256, 2),
-                                   (1, 128, 16), (1, 256, 8)]]
-REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=16, BLOCK_K=256, SPLIT_K=4, PREFETCH=False, num_warps=4, WARPS_K=4)]
+# Session 11 (H200): PREFETCH moved after the PDL wait and made to load x too (two K-blocks'
+# loads in flight per warp): 15 such neighbours of the table's rows ran 1.3-1.9x slower than
+# the rows at every shape and 4 / 8 tokens (docs/results/s11-h200/regs-prefetch); not kept in
+# the sweep. Nor BLOCK_K 256 at the table's tiles (+7% to +30%).
 
 # decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
 # the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the

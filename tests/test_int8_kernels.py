@@ -174,6 +174,33 @@ def test_int8_config_tuning_table_and_groups(monkeypatch):
     assert not int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90", table=False).get("REGS")
     assert int8.int8_config("w8a16_mma", 2048, 4096, 4096, 0, "sm_90")["BLOCK_M"] == 128
     assert [int8.int8_kernel("w8a16", m) for m in (1, 2)] == ["w8a16_gemv", "w8a16_mma"]
+    # a row for the Triton mma kernel at 2-8 tokens keeps that kernel (not the Gluon default's keys)
+    table["sm_90"]["w8a16_mma"] = {"M8_N4096_K14336": {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 2, "SWAP_AB": True}}
+    cfg = int8.int8_config("w8a16_mma", 8, 4096, 14336, 0, "sm_90")
+    assert cfg == {**int8._DEFAULTS["w8a16_mma"][16], **table["sm_90"]["w8a16_mma"]["M8_N4096_K14336"]}
+
+
+def test_every_int8_tuning_row_builds_its_kernel():
+    """Each row of the checked-in table, as int8_config returns it, is a config its kernel
+    takes: REGS rows (and the Gluon default) pass regs_constexprs, the others carry no Gluon key."""
+    from dsc.kernels.launch import tuning_table
+
+    seen = 0
+    for arch, kernels in tuning_table().items():
+        for kernel in ("w8a16_mma", "w8a16_gemv", "w8a8"):
+            rows = kernels.get(kernel, {}) if isinstance(kernels, dict) else {}  # (skips comments)
+            for shape_class, row in rows.items():
+                m, n, k = (int(p[1:]) for p in shape_class.split("_")[:3])
+                g = int(shape_class.split("_G")[1]) if "_G" in shape_class else 0
+                cfg = int8.int8_config(kernel, m, n, k, g, arch)
+                assert {key: cfg[key] for key in row if key != "BLOCK_K" or not g} == \
+                    {key: v for key, v in row.items() if key != "BLOCK_K" or not g}, (arch, kernel, shape_class)
+                if cfg.get("REGS"):
+                    int8.regs_constexprs(cfg)
+                else:
+                    assert not {"REGS", "WARPS_K"} & set(cfg), (arch, kernel, shape_class, cfg)
+                seen += 1
+    assert seen >= 17
 
 
 @pytest.mark.parametrize("kernel, config, match", [
