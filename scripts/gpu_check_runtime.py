@@ -7,6 +7,7 @@
 3. Reports ms/token at batch 1 with and without graphs.
 
     python scripts/gpu_check_runtime.py --shape llama-1b --dtype bfloat16
+    python scripts/gpu_check_runtime.py --shape llama-8b --layers 2 --batch 6 --int8   # 8-row bucket
 """
 from __future__ import annotations
 
@@ -29,17 +30,20 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--work", default=None)
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's)")
+    ap.add_argument("--batch", type=int, default=3, help="prompts decoded together (3: a 4-row bucket)")
     ap.add_argument("--cpu-check", action="store_true", help="also run the artifact on CPU and compare")
     args, extra = ap.parse_known_args()
     import dsc
     from dsc.compiler.random_checkpoint import make_random_checkpoint
 
     work = Path(args.work or tempfile.mkdtemp(prefix="dsc-gpu-"))
-    ckpt = work / f"ckpt-{args.shape}"
+    ckpt = work / (f"ckpt-{args.shape}" + (f"-{args.layers}l" if args.layers else ""))
     art = work / f"art-{args.shape}"
     t = time.perf_counter()
     if not (ckpt / "config.json").exists():
-        make_random_checkpoint(ckpt, args.shape, dtype=args.dtype, device="cuda")
+        layers = {"num_hidden_layers": args.layers} if args.layers else {}
+        make_random_checkpoint(ckpt, args.shape, dtype=args.dtype, device="cuda", **layers)
     print(f"checkpoint {time.perf_counter() - t:.1f}s", flush=True)
     t = time.perf_counter()
     opts = dict(max_batch=8, max_seq=256)
@@ -52,13 +56,15 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     eng = dsc.load(art, device="cuda")
     V = eng.vocab_size
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (37, 5, 20)]
+    lengths = [(37, 5, 20)[i % 3] + i // 3 for i in range(args.batch)]
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
     res_graph = eng.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=[]).tokens
     eager = dsc.load(art, device="cuda", cuda_graphs=False)
     res_eager = eager.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=[]).tokens
     ok_graph = res_graph == res_eager
     print(f"graph replay == eager tokens: {ok_graph}", flush=True)
-    report = {"shape": args.shape, "dtype": args.dtype, "options": opts, "graph_equals_eager": ok_graph,
+    report = {"shape": args.shape, "layers": args.layers or None, "batch": args.batch, "dtype": args.dtype,
+              "options": opts, "graph_equals_eager": ok_graph,
               "device": torch.cuda.get_device_name()}
 
     # ms/token at batch 1 (greedy decode loop incl. sampling and host readback)
@@ -93,7 +99,8 @@ def main() -> int:
               f"prefill logits max abs err {err:.3g} (relative {rel:.3g})", flush=True)
     out = os.environ.get("OUT")
     if out:
-        Path(out, f"gpu_check_{args.shape}.json").write_text(json.dumps(report, indent=1))
+        name = args.shape + (f"-{args.layers}l" if args.layers else "") + (f"-b{args.batch}" if args.batch != 3 else "")
+        Path(out, f"gpu_check_{name}.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
     return 0 if ok_graph else 1
 

@@ -10,6 +10,8 @@
 #                                        # (gpu_check_runtime, bf16 Llama-1B shape)
 #   bash scripts/gpu_kernels.sh regs     # the Gluon W8A16 kernel (REGS configs): its GPU check
 #                                        # (check_int8_regs_gpu), then its M=8 sweep (INT8_M=...)
+#   bash scripts/gpu_kernels.sh int8-check   # int8 end to end: check_int8_regs_gpu, the runtime at
+#                                        # Llama-8B dims (2 layers, int8) with 6 prompts, bench_int8 --quick
 #   bash scripts/gpu_kernels.sh int8-batch   # bench_int8 at M=32 and 64 (the batch-64 decode
 #                                        # path, slower than bf16 in session 5)
 #   bash scripts/gpu_kernels.sh short    # batch-1 decode attention configs at 128-4096 keys
@@ -55,6 +57,14 @@ case "${1:-checks}" in
     TAIL=12 step bench_int8_regs 400 python3 scripts/bench_int8.py --decode-m "${INT8_M:-8}" --no-prefill --regs
     mv "$R/bench_int8.json" "$R/bench_int8_regs.json" 2>/dev/null
     mv "$R/tuning_int8.json" "$R/tuning_int8_regs.json" 2>/dev/null
+    ;;
+  int8-check)  # the int8 paths end to end: the Gluon kernel's check (its through-op cases run
+               # every table row), the runtime at Llama-8B's dims in int8 with 6 prompts (the
+               # 8-row decode bucket: the table's rows of both W8A16 kernels), the bench's defaults
+    TAIL=6 step check_int8_regs 200 python3 scripts/check_int8_regs_gpu.py
+    TAIL=8 step check_runtime_8b_int8 240 python3 scripts/gpu_check_runtime.py --shape llama-8b --layers 2 --batch 6 \
+      --dtype bfloat16 --int8
+    TAIL=14 step bench_int8_quick 120 python3 scripts/bench_int8.py --quick --no-prefill
     ;;
   int8-batch)
     TAIL=12 step bench_int8_batch 420 python3 scripts/bench_int8.py --decode-m 32,64 --no-prefill
