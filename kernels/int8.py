@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import (arch_of, cdiv, gluon_jit, jit, next_power_of_2, pdl_options, planner, split_counters,
+from dsc.kernels.launch import (arch_of, cdiv, gluon_device, gluon_jit, jit, next_power_of_2, pdl_options, planner, split_counters,
                                tuned, tuning_row)
 
 tl = None  # triton.language, bound by launch.jit on first launch
@@ -373,6 +373,24 @@ def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_y
         tl.store(Y + m_ax.to(tl.int64) * stride_ym + n_ax, acc.to(Y.dtype.element_ty), mask=mask)
 
 
+@gluon_device
+def _regs_k_block(w8, x, acc, Z, S, n_w, N, G, k_at, GROUP_K: gl.constexpr, HAS_ZERO: gl.constexpr,
+                  CVT: gl.constexpr):
+    # one K-block of `_w8a16_regs_kernel`: int8 -> fp32 on the ALU, zero point and group scale
+    # (k_at: [WARPS_K] each part's first k of this block), then the MMA into acc
+    w = gl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=gl.float32, is_pure=True, pack=4)
+    if GROUP_K == 0:  # integers (w - z) are exact in 16-bit; the scale comes at the end
+        if HAS_ZERO:
+            w -= gl.load(Z + n_w, mask=n_w < N, other=0).to(gl.float32)[None, :, None]
+    else:  # GROUP_K % BLOCK_K == 0 (int8_config makes it so): one group per part's K-block
+        sg = n_w[None, :] * G + (k_at // GROUP_K)[:, None]  # [WARPS_K, BLOCK_N]
+        sg = gl.minimum(sg, N * G - 1)  # a part past K (masked weights) still reads a valid scale
+        if HAS_ZERO:
+            w -= gl.load(Z + sg, mask=(n_w < N)[None, :], other=0).to(gl.float32)[:, :, None]
+        w *= gl.load(S + sg, mask=(n_w < N)[None, :], other=0.0)[:, :, None]
+    return mma_v2(w.to(x.dtype), x, acc)
+
+
 def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_ym,
                        GROUP_K: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, CVT: gl.constexpr,
                        SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -418,36 +436,25 @@ def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_
     # With PDL nothing is read before the wait. Tried on the H200 and slower at the table's
     # configs: the first K-block loaded into registers before the wait and each next one after
     # the MMAs (4096 x 14336 at M = 8: 29.1 us against 20.8), and the first 1 KiB of each part's
-    # rows prefetched into L2 before the wait (26.3 us).
+    # rows prefetched into L2 before the wait (26.3 us); and (session 11) the next K-block's
+    # operands carried across loop iterations (registers doubled: int8 tensors carried a byte
+    # per register; 1.3-1.9x slower).
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if PREFETCH:  # software-pipelined: K-block i + 1's weights and x load before K-block i's MMA
-        # (1.3-1.9x slower than without on the H200 at every table shape, 4 and 8 tokens)
-        w_next = gl.load(w_ptrs, mask=n_ok & (lo_w + k_w[None, None, :] < hi_w), other=0, eviction_policy="evict_first")
-        x_next = gl.load(x_ptrs, mask=x_ok & (lo_x + k_x[None, :, None] < hi_x), other=0.0)
-    for k0 in range(0, k_part, BLOCK_K):
+    k_at = k_lo + p_w * k_part  # [WARPS_K]: each part's first k
+    for k0 in range(0, k_part, BLOCK_K * (2 if PREFETCH else 1)):
+        # PREFETCH: two K-blocks per iteration, both loaded before either is multiplied
+        w8 = gl.load(w_ptrs + k0, mask=n_ok & (lo_w + k0 + k_w[None, None, :] < hi_w), other=0,
+                     eviction_policy="evict_first")
+        x = gl.load(x_ptrs + k0, mask=x_ok & (lo_x + k0 + k_x[None, :, None] < hi_x), other=0.0)
         if PREFETCH:
-            w8 = w_next
-            x = x_next
-            w_next = gl.load(w_ptrs + k0 + BLOCK_K, mask=n_ok & (lo_w + k0 + BLOCK_K + k_w[None, None, :] < hi_w),
-                             other=0, eviction_policy="evict_first")
-            x_next = gl.load(x_ptrs + k0 + BLOCK_K, mask=x_ok & (lo_x + k0 + BLOCK_K + k_x[None, :, None] < hi_x),
-                             other=0.0)
-        else:
-            w8 = gl.load(w_ptrs + k0, mask=n_ok & (lo_w + k0 + k_w[None, None, :] < hi_w), other=0,
-                         eviction_policy="evict_first")
-            x = gl.load(x_ptrs + k0, mask=x_ok & (lo_x + k0 + k_x[None, :, None] < hi_x), other=0.0)
-        w = gl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=gl.float32, is_pure=True, pack=4)
-        if GROUP_K == 0:  # integers (w - z) are exact in 16-bit; the scale comes at the end
-            if HAS_ZERO:
-                w -= gl.load(Z + n_w, mask=n_w < N, other=0).to(gl.float32)[None, :, None]
-        else:  # GROUP_K % BLOCK_K == 0 (int8_config makes it so): one group per part's K-block
-            sg = n_w[None, :] * G + ((k_lo + p_w * k_part + k0) // GROUP_K)[:, None]  # [WARPS_K, BLOCK_N]
-            sg = gl.minimum(sg, N * G - 1)  # a part past K (masked weights) still reads a valid scale
-            if HAS_ZERO:
-                w -= gl.load(Z + sg, mask=(n_w < N)[None, :], other=0).to(gl.float32)[:, :, None]
-            w *= gl.load(S + sg, mask=(n_w < N)[None, :], other=0.0)[:, :, None]
-        acc = mma_v2(w.to(x.dtype), x, acc)
+            k1 = k0 + BLOCK_K
+            w8b = gl.load(w_ptrs + k1, mask=n_ok & (lo_w + k1 + k_w[None, None, :] < hi_w), other=0,
+                          eviction_policy="evict_first")
+            xb = gl.load(x_ptrs + k1, mask=x_ok & (lo_x + k1 + k_x[None, :, None] < hi_x), other=0.0)
+        acc = _regs_k_block(w8, x, acc, Z, S, n_w, N, G, k_at + k0, GROUP_K, HAS_ZERO, CVT)
+        if PREFETCH:
+            acc = _regs_k_block(w8b, xb, acc, Z, S, n_w, N, G, k_at + k0 + BLOCK_K, GROUP_K, HAS_ZERO, CVT)
     y = gl.sum(acc, axis=0)  # [BLOCK_N, BLOCK_M]: the parts summed
     n_o = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(0, mma)))
     m_o = gl.program_id(1) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma)))

@@ -76,6 +76,10 @@ def gluon_jit(fn: Callable):
         from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
         fn.__globals__.update(gl=gl, mma_v2=mma_v2, tl=tl)
+        for name in fn.__code__.co_names:
+            callee = fn.__globals__.get(name)
+            if getattr(callee, "dsc_gluon_device", False):
+                fn.__globals__[name] = gluon_jit(callee)
         _JITTED[fn] = gluon.jit(fn)
     return _JITTED[fn]
 
@@ -84,6 +88,13 @@ def device(fn: Callable) -> Callable:
     """Mark a plain function as a Triton device function that kernels of its module call
     (one body for a step several kernels share); `jit` of a caller jits it."""
     fn.dsc_device = True
+    return fn
+
+
+def gluon_device(fn: Callable) -> Callable:
+    """`device` for Gluon kernels: `gluon_jit` of a caller jits it with gluon.jit (a function
+    serves one dialect: jitting binds the module-level name to that dialect's function)."""
+    fn.dsc_gluon_device = True
     return fn
 
 
