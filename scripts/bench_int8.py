@@ -134,13 +134,11 @@ REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, P
                                        (16, 8, 128, 2), (16, 4, 128, 4), (16, 8, 256, 1), (32, 4, 128, 1), (32, 4, 128, 2),
                                        (32, 2, 256, 2), (16, 2, 256, 4), (16, 2, 128, 8), (16, 4, 64, 4), (16, 8, 64, 2),
                                        (16, 16, 64, 1), (16, 16, 128, 1)]]
-# Session 11 (H200): PREFETCH as the next K-block's operands carried across iterations ran
-# 1.3-1.9x slower than the table's rows at every shape (int8 carried a byte per register:
-# docs/results/s11-h200/regs-prefetch); now it is two K-blocks per iteration, both loaded
-# before either's MMA. Its candidates, the table's neighbours (BLOCK_N, WARPS_K, BLOCK_K, SPLIT_K):
-REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=True, num_warps=wk, WARPS_K=wk)
-                for bn, wk, bk, sk in [(16, 4, 128, 4), (16, 4, 128, 2), (16, 4, 128, 1), (16, 8, 128, 1), (16, 2, 128, 8),
-                                       (16, 4, 64, 4), (16, 4, 64, 8), (16, 8, 64, 2), (16, 2, 64, 16), (16, 1, 128, 16)]]
+# Session 11 (H200), PREFETCH: the next K-block's operands carried across iterations ran 1.3-1.9x
+# slower than the table's rows at every shape (int8 carried a byte per register:
+# docs/results/s11-h200/regs-prefetch); two K-blocks per iteration, both loaded before either's
+# MMA (the kernel's PREFETCH now), 5-7% slower at the rows' tiles (regs-prefetch-unrolled).
+# Neither is in the sweep.
 
 # decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
 # the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
