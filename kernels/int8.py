@@ -395,7 +395,7 @@ def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_
                        GROUP_K: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, CVT: gl.constexpr,
                        SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                        KW: gl.constexpr, WARPS_N: gl.constexpr, WARPS_K: gl.constexpr, PREFETCH: gl.constexpr,
-                       PDL: gl.constexpr = False):
+                       EARLY: gl.constexpr = False, PDL: gl.constexpr = False):
     # Gluon (explicit layouts): y^T [N, M] = dequant(w) [N, K] @ x^T [K, M] on mma.sync m16n8k16,
     # every operand loaded from global memory straight into the registers the MMA reads. The
     # weight tile's layout is the A operand's with KW consecutive k per thread (KW = 16: one
@@ -433,16 +433,22 @@ def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_
     x_ptrs = X + m_x.to(gl.int64)[None, None, :] * stride_xm + lo_x + k_x[None, :, None]
     x_ok = (m_x < M)[None, None, :]
     acc = gl.zeros([WARPS_K, BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    # With PDL nothing is read before the wait. Tried on the H200 and slower at the table's
-    # configs: the first K-block loaded into registers before the wait and each next one after
-    # the MMAs (4096 x 14336 at M = 8: 29.1 us against 20.8), and the first 1 KiB of each part's
-    # rows prefetched into L2 before the wait (26.3 us); and (session 11) the next K-block's
-    # operands carried across loop iterations (registers doubled: int8 tensors carried a byte
-    # per register; 1.3-1.9x slower).
+    # With PDL, only EARLY's first K-block of weights (read-only) loads before the wait, while
+    # the previous kernel finishes. Tried on the H200 and slower: the first K-block loaded
+    # before the wait as a value carried into the loop (4096 x 14336 at M = 8: 29.1 us against
+    # 20.8; int8 tensors carried across iterations take a register per byte), and the first
+    # 1 KiB of each part's rows prefetched into L2 before the wait (26.3 us). EARLY peels the
+    # first K-block off the loop instead.
+    k_at = k_lo + p_w * k_part  # [WARPS_K]: each part's first k
+    if EARLY:
+        w8_first = gl.load(w_ptrs, mask=n_ok & (lo_w + k_w[None, None, :] < hi_w), other=0,
+                           eviction_policy="evict_first")
     if PDL:
         tl.extra.cuda.gdc_wait()
-    k_at = k_lo + p_w * k_part  # [WARPS_K]: each part's first k
-    for k0 in range(0, k_part, BLOCK_K * (2 if PREFETCH else 1)):
+    if EARLY:
+        x = gl.load(x_ptrs, mask=x_ok & (lo_x + k_x[None, :, None] < hi_x), other=0.0)
+        acc = _regs_k_block(w8_first, x, acc, Z, S, n_w, N, G, k_at, GROUP_K, HAS_ZERO, CVT)
+    for k0 in range(BLOCK_K if EARLY else 0, k_part, BLOCK_K * (2 if PREFETCH else 1)):
         # PREFETCH: two K-blocks per iteration, both loaded before either is multiplied (5-7% slower
         # than without at the table's tiles on the H200; no row uses it)
         w8 = gl.load(w_ptrs + k0, mask=n_ok & (lo_w + k0 + k_w[None, None, :] < hi_w), other=0,
@@ -715,7 +721,7 @@ def regs_constexprs(cfg: dict) -> dict:
         raise ValueError(f"REGS config {cfg}: num_warps must be a multiple of WARPS_K, BLOCK_N of 16 * num_warps "
                          f"/ WARPS_K, BLOCK_M of 8, BLOCK_K of 4 * KW, SPLIT_K >= 1")
     return dict(CVT=I8X4_TO_F32, SPLIT_K=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KW=kw, WARPS_N=warps // wk,
-                WARPS_K=wk, PREFETCH=bool(cfg.get("PREFETCH", False)))
+                WARPS_K=wk, PREFETCH=bool(cfg.get("PREFETCH", False)), EARLY=bool(cfg.get("EARLY", False)))
 
 
 def _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y):

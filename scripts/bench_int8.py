@@ -140,6 +140,14 @@ REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, P
 # MMA (the kernel's PREFETCH now), 5-7% slower at the rows' tiles (regs-prefetch-unrolled).
 # Neither is in the sweep.
 
+# Session 11: EARLY, the first K-block's weights loaded before the PDL wait with that block
+# peeled off the loop (no value carried into it), at the REGS rows' tiles (BLOCK_N, WARPS_K,
+# BLOCK_K, SPLIT_K)
+REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, EARLY=True,
+                     num_warps=wk * bn // 16, WARPS_K=wk)
+                for bn, wk, bk, sk in [(16, 4, 128, 4), (16, 4, 128, 1), (16, 4, 128, 2), (16, 8, 128, 1), (16, 2, 128, 8),
+                                       (16, 8, 256, 1), (16, 4, 64, 4), (16, 4, 256, 1), (32, 4, 128, 1), (16, 4, 256, 4)]]
+
 # decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
 # the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
 # weight is read once

@@ -6,7 +6,7 @@ correctness check.
 
 Every case runs the REGS kernel, the plain-torch reference (fp32) and the Triton mma kernel
 (the same arithmetic: 16-bit products summed in fp32) on the same inputs: batch 1-16, odd and
-Llama-8B sizes, per-channel and grouped scales, zero points, bias, split-K, K parts over warps (WARPS_K), register prefetch,
+Llama-8B sizes, per-channel and grouped scales, zero points, bias, split-K, K parts over warps (WARPS_K), register prefetch, EARLY,
 bf16 and fp16. Pass: SQNR against the reference >= 40 dB, and the REGS output within 2 ulps of
 the output dtype (of max |y|) of the mma kernel's. Also: split-K replayed from a CUDA graph
 with new inputs (its counters reset), and the table's configs through `dsc::linear_w8a16`.
@@ -24,10 +24,12 @@ import torch
 
 from dsc.kernels import int8
 
-CFGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH, num_warps, WARPS_K
+CFGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH, num_warps, WARPS_K[, EARLY]
     (8, 16, 256, 1, False, 1, 1), (8, 32, 128, 2, True, 1, 1), (16, 64, 256, 4, False, 4, 1), (8, 64, 512, 1, True, 2, 1),
     (16, 16, 64, 3, False, 1, 1), (8, 32, 256, 4, True, 2, 1), (8, 16, 128, 1, False, 4, 4), (8, 32, 256, 8, False, 4, 2),
     (16, 16, 64, 2, True, 8, 8), (8, 16, 128, 4, True, 4, 4),
+    # EARLY (8th field): the first K-block's weights before the PDL wait
+    (8, 16, 128, 4, False, 4, 4, True), (16, 16, 64, 2, True, 8, 8, True), (8, 32, 256, 1, False, 2, 1, True),
 ]
 SHAPES = [  # M, K, N, group size (None: per channel), symmetric, bias
     (8, 4096, 4096, None, True, False), (8, 4096, 14336, None, True, False), (8, 14336, 4096, None, True, False),
@@ -49,8 +51,9 @@ def case(m, k, n, gs, sym, bias, dtype, cfg, g) -> str:
     b = torch.randn(n, generator=g, device="cuda").to(dtype) if bias else None
     x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
     ref = int8.linear_w8a16_reference(x.float(), p["qweight"], p["scale"], z, None if b is None else b.float(), gs or k)
-    bm, bn, bk, sk, pf, warps, wk = cfg
-    regs = dict(REGS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=pf, num_warps=warps, WARPS_K=wk)
+    bm, bn, bk, sk, pf, warps, wk, *early = cfg
+    regs = dict(REGS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=pf, num_warps=warps, WARPS_K=wk,
+                EARLY=bool(early and early[0]))
     if gs and gs % bk:
         return "skip"
     got = int8.w8a16_matmul(x, p["qweight"], p["scale"], z, b, gs or k, kernel="w8a16_mma", config=regs)
