@@ -142,7 +142,9 @@ REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, P
 
 # Session 11: EARLY, the first K-block's weights loaded before the PDL wait with that block
 # peeled off the loop (no value carried into it), at the REGS rows' tiles (BLOCK_N, WARPS_K,
-# BLOCK_K, SPLIT_K)
+# BLOCK_K, SPLIT_K). H200: with 256-wide K-blocks it won Llama-8B's q/k/v shapes (4096 x 6144 /
+# 3072 / 1536 at 2-8 tokens, 15-30% under regs_default) and 4096 x 14336 (2%); it lost with
+# split-K at 14336 x 4096 and tied at 4096 x 4096 (docs/results/s11-h200/regs-early*)
 REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, EARLY=True,
                      num_warps=wk * bn // 16, WARPS_K=wk)
                 for bn, wk, bk, sk in [(16, 4, 128, 4), (16, 4, 128, 1), (16, 4, 128, 2), (16, 8, 128, 1), (16, 2, 128, 8),
