@@ -586,15 +586,34 @@ def int8_kernel(mode: str, m: int) -> str:
     return "w8a8" if mode == "w8a8" else "w8a16_gemv" if m == 1 else "w8a16_mma"
 
 
-def regs_default(n: int) -> dict:
-    """The Gluon kernel's config for 2-8 tokens on sm_90 where the table has no row: 16 rows
-    and 4 K parts (4 warps) per program, split-K up to 4 until ~1024 programs. In the H200
-    sweeps at 2, 4 and 8 tokens (K x N 4096 x 4096, 4096 x 14336, 14336 x 4096) this rule
-    picked the winner at 8 of the 9 (at 8 tokens, 14336 x 4096: 3.6% behind the mma kernel's
-    row), 1.7-1.8x bf16 where the mma kernel's default ran 0.9-1.4x; at 16 tokens this form
-    lost to the mma default (the table's rows cover it)."""
-    return {"REGS": True, "BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 128, "WARPS_K": 4, "num_warps": 4, "PREFETCH": False,
-            "SPLIT_K": max(1, min(4, 1024 // cdiv(n, 16)))}
+def regs_default(n: int, k: int) -> dict:
+    """The Gluon kernel's config for 2-8 tokens on sm_90 where the table has no row, by the
+    weight's 16-row tiles (t = N / 16) and K; every program has 16 rows, and all but the long-K
+    form load their first weight block before the PDL wait (EARLY):
+      K > 4096, t <= 384  4 K parts of 128-wide blocks, split-K up to 4 until ~1024 programs
+      K <= 1024           4 K parts of one 256-wide block each
+      t < 128             4 K parts of 256, split-K 4 (few rows, long K)
+      t <= 384            8 K parts of 256 (8 warps; one wave of programs on 132 SMs)
+      t <= 512            8 K parts of 128
+      else                4 K parts of 128
+    Fitted on session 11's H200 sweep at 8 tokens over 16 shapes (Llama-8B and -1B layers, their
+    fused and tp 2 / 4 shards): it is the winner, or within 1.3% of it, at each, up to 31% under
+    the previous rule (16 rows, 4 K parts of 128, split-K by t alone; still the first form).
+    At 2 and 4 tokens the tiles are the same (8-wide) and so were the winners where measured."""
+    t = cdiv(n, 16)
+    wk, bk, splits, early = 4, 128, 1, True
+    if k > 4096 and t <= 384:
+        splits, early = max(1, min(4, 1024 // t)), False
+    elif k <= 1024:
+        bk = 256
+    elif t < 128:
+        bk, splits = 256, 4
+    elif t <= 384:
+        wk, bk = 8, 256
+    elif t <= 512:
+        wk = 8
+    return {"REGS": True, "BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": bk, "WARPS_K": wk, "num_warps": wk, "PREFETCH": False,
+            "EARLY": early, "SPLIT_K": splits}
 
 
 def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, table: bool = True) -> dict:
@@ -612,7 +631,7 @@ def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, ta
     shape_class = f"M{b}_N{n}_K{k}" + (f"_G{group_k}" if group_k else "")
     row = tuning_row(kernel, shape_class, arch) if table else None
     if kernel == "w8a16_mma" and table and arch == "sm_90" and b <= 8 and (not row or row.get("REGS")):
-        d = regs_default(n)  # (a row for the Triton kernel stays over the Triton kernel's default)
+        d = regs_default(n, k)  # (a row for the Triton kernel stays over the Triton kernel's default)
     cfg = tuned(kernel, shape_class, arch, d) if table else dict(d)
     if group_k and kernel in ("w8a16_mma", "w8a8") and group_k % 16 == 0:
         bk = cfg["BLOCK_K"]

@@ -169,8 +169,14 @@ def test_int8_config_tuning_table_and_groups(monkeypatch):
     assert int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "default")["BLOCK_M"] == 16
     assert int8.int8_config("w8a16_mma", 16, 4096, 4096, 0, "sm_90")["BLOCK_M"] == 16
     # 2-8 tokens on sm_90 without a row: the Gluon kernel, split-K up to 4 until ~1024 programs
-    assert int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90") == int8.regs_default(4096)
-    assert [int8.regs_default(n)["SPLIT_K"] for n in (1024, 4096, 8192, 14336)] == [4, 4, 2, 1]
+    assert int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90") == int8.regs_default(4096, 4096)
+    form = lambda n, k: tuple(int8.regs_default(n, k)[key] for key in ("WARPS_K", "BLOCK_K", "SPLIT_K", "EARLY"))  # noqa: E731
+    assert [form(4096, k) for k in (14336, 8192, 1024)] == [(4, 128, 4, False), (4, 128, 4, False), (4, 256, 1, True)]
+    assert [form(n, 4096) for n in (1536, 2048, 6144, 7168, 14336)] == [
+        (4, 256, 4, True), (8, 256, 1, True), (8, 256, 1, True), (8, 128, 1, True), (4, 128, 1, True)]
+    assert form(2048, 8192) == (4, 128, 4, False) and form(28672, 8192) == (4, 128, 1, True)
+    for n, k in ((1536, 4096), (2048, 2048), (6144, 4096), (4096, 1024), (7168, 14336), (100, 3000)):
+        int8.regs_constexprs(int8.regs_default(n, k))  # a tile the kernel takes
     assert not int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90", table=False).get("REGS")
     assert int8.int8_config("w8a16_mma", 2048, 4096, 4096, 0, "sm_90")["BLOCK_M"] == 128
     assert [int8.int8_kernel("w8a16", m) for m in (1, 2)] == ["w8a16_gemv", "w8a16_mma"]
@@ -363,7 +369,9 @@ def run_aot(out: str) -> None:
                                                 PREFETCH=False, WARPS_N=1, WARPS_K=4)),
                           ("regs-early-splitk4-g128", dict(GROUP_K=128, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=128,
                                                            SPLIT_K=4, PREFETCH=False, EARLY=True, WARPS_N=1,
-                                                           WARPS_K=4))):
+                                                           WARPS_K=4)),
+                          ("regs-default-n6144", dict(GROUP_K=0, HAS_ZERO=False,
+                                                      **int8.regs_constexprs(int8.regs_default(6144, 4096))))):
         aligned = tuple(a for a, t in mma_types.items() if t.startswith("*") or a in ("N", "K", "stride_xm", "stride_ym"))
         k = compile_for_arch(int8._w8a16_regs_kernel, mma_types, {**regs, **variant},
                              num_warps=variant["WARPS_N"] * variant["WARPS_K"], aligned=aligned, gluon=True)
@@ -413,7 +421,7 @@ def test_regs_kernel_builds_for_sm90_without_shared_memory(compiled):
     election use some), no spills, and nothing but EARLY's first weight block (read-only)
     touched before the PDL wait."""
     regs = {k: v for k, v in compiled.items() if k.startswith("regs")}
-    assert len(regs) == 5, list(compiled)
+    assert len(regs) == 6, list(compiled)
     for name, r in regs.items():
         assert r["ok"] and r["mma_sync"] > 0 and r["weight_loads_16B"] > 0 and r["spill_bytes"] == 0, (name, r)
         assert r["pdl"] == "ok", (name, r)
