@@ -92,9 +92,13 @@ def graph_replay(g) -> str:
 
 
 def through_op(g) -> str:
-    """`dsc::linear_w8a16` at M = 8 on the table's config (REGS where a row says so)."""
+    """`dsc::linear_w8a16` at M = 8 on the table's config (REGS where a row says so), and at
+    shapes without a row on each form of `regs_default` (K x N 4096 x 6144: 8 K parts of 256;
+    4096 x 1536: split-K 4; 1024 x 4096: one 256-wide block per part; 8192 x 2048: the long-K
+    form; 4096 x 7168: 8 parts of 128; 2048 x 16384: 4 parts of 128)."""
     out = []
-    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
+    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 6144), (4096, 1536), (1024, 4096), (8192, 2048),
+                 (4096, 7168), (2048, 16384)):
         cfg = int8.int8_config("w8a16_mma", 8, n, k, 0, "sm_90")
         p = int8.quantize_weight(torch.randn(n, k, generator=g, device="cuda") / math.sqrt(k))
         x = torch.randn(2, 4, k, generator=g, device="cuda").to(torch.bfloat16)

@@ -65,6 +65,10 @@ case "${1:-checks}" in
     TAIL=8 step check_runtime_8b_int8 240 python3 scripts/gpu_check_runtime.py --shape llama-8b --layers 2 --batch 6 \
       --dtype bfloat16 --int8
     TAIL=14 step bench_int8_quick 120 python3 scripts/bench_int8.py --quick --no-prefill
+    mv "$R/bench_int8.json" "$R/bench_int8_quick.json" 2>/dev/null
+    # the default (regs_default) at the Llama-8B / -1B layer shapes without a table row
+    TAIL=40 step bench_int8_defaults 200 python3 scripts/bench_int8.py --quick --no-prefill --decode-m 2,8 \
+      --shapes 4096x6144,4096x3072,4096x1536,4096x28672,4096x7168,1024x4096,3584x4096,2048x4096,7168x4096,2048x3072,2048x2048,2048x16384,8192x2048
     ;;
   int8-batch)
     TAIL=12 step bench_int8_batch 420 python3 scripts/bench_int8.py --decode-m 32,64 --no-prefill
