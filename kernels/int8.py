@@ -621,18 +621,23 @@ def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, ta
     tuning table's entry for (kernel, "M<bucket>_N<n>_K<k>[_G<group>]"). A GEMM's BLOCK_K is
     shrunk to a power of two dividing the group size, so each K-block meets one scale per row.
     A w8a16_mma config with "REGS": true runs the Gluon kernel (`_w8a16_regs_kernel`): table
-    rows, and on sm_90 the default at 2-8 tokens (`regs_default`) where the shape has no row
-    (a row without REGS is the Triton kernel's and overrides that kernel's default). table=False: the Triton
-    kernel's built-in default alone (what runs where the Gluon kernel cannot)."""
+    rows, taken whole (a key a REGS row lacks means the kernel's own default, as
+    `regs_constexprs` reads it: no other default's keys leak in), and on sm_90 the default at
+    2-8 tokens (`regs_default`) where the shape has no row (a row without REGS is the Triton
+    kernel's and overrides that kernel's default). table=False: the Triton kernel's built-in
+    default alone (what runs where the Gluon kernel cannot)."""
     b = m_bucket(m)
     d = _DEFAULTS[kernel]
     if kernel in ("w8a16_mma", "w8a8"):
         d = d[16] if b <= 16 else d[64] if b <= 64 else d[None]
     shape_class = f"M{b}_N{n}_K{k}" + (f"_G{group_k}" if group_k else "")
     row = tuning_row(kernel, shape_class, arch) if table else None
-    if kernel == "w8a16_mma" and table and arch == "sm_90" and b <= 8 and (not row or row.get("REGS")):
-        d = regs_default(n, k)  # (a row for the Triton kernel stays over the Triton kernel's default)
-    cfg = tuned(kernel, shape_class, arch, d) if table else dict(d)
+    if kernel == "w8a16_mma" and row and row.get("REGS"):
+        cfg = dict(row)
+    elif kernel == "w8a16_mma" and table and arch == "sm_90" and b <= 8 and not row:
+        cfg = regs_default(n, k)
+    else:
+        cfg = tuned(kernel, shape_class, arch, d) if table else dict(d)
     if group_k and kernel in ("w8a16_mma", "w8a8") and group_k % 16 == 0:
         bk = cfg["BLOCK_K"]
         while group_k % bk:
