@@ -497,3 +497,21 @@ def test_fast_int8_conversion_arithmetic():
 
 if __name__ == "__main__":
     {"interpret": run_interpreted, "aot": run_aot}[sys.argv[1]](sys.argv[2])
+
+
+def test_bench_int8_smoke_runs_every_default(tmp_path):
+    """scripts/bench_int8.py --smoke in the interpreter: the benchmark's code path at tiny shapes
+    (1 and 8 tokens, W8A8), each default config run and checked against the reference, the JSON
+    written (on CPU the launch takes the built-in defaults: the sm_90 Gluon rows cannot run)."""
+    import os
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_int8.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OUT": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "failed" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "bench_int8.json").read_text())
+    assert not res["correctness_errors"]
+    assert sorted({(r["op"], r["M"]) for r in res["results"]}) == [("w8a16", 1), ("w8a16", 8), ("w8a8", 64)]
+    assert all(r["default"]["ms"] > 0 and r["default"]["sqnr_vs_ref_db"] > 30 for r in res["results"])
