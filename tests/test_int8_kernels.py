@@ -10,7 +10,9 @@ imported triton already, so the kernel cases run in one subprocess: this file ru
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -168,7 +170,7 @@ def test_int8_config_tuning_table_and_groups(monkeypatch):
     assert int8.int8_config("w8a8", 2048, 4096, 4096, 32, "sm_90")["BLOCK_K"] == 32
     assert int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "default")["BLOCK_M"] == 16
     assert int8.int8_config("w8a16_mma", 16, 4096, 4096, 0, "sm_90")["BLOCK_M"] == 16
-    # 2-8 tokens on sm_90 without a row: the Gluon kernel, split-K up to 4 until ~1024 programs
+    # 2-8 tokens on sm_90 without a row: the Gluon kernel, its form by 16-row tiles and K (regs_default)
     assert int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90") == int8.regs_default(4096, 4096)
     form = lambda n, k: tuple(int8.regs_default(n, k)[key] for key in ("WARPS_K", "BLOCK_K", "SPLIT_K", "EARLY"))  # noqa: E731
     assert [form(4096, k) for k in (14336, 8192, 1024)] == [(4, 128, 4, False), (4, 128, 4, False), (4, 256, 1, True)]
@@ -495,17 +497,10 @@ def test_fast_int8_conversion_arithmetic():
         assert np.array_equal(np.array(got, np.float32), v.astype(np.float32)), pos
 
 
-if __name__ == "__main__":
-    {"interpret": run_interpreted, "aot": run_aot}[sys.argv[1]](sys.argv[2])
-
-
 def test_bench_int8_smoke_runs_every_default(tmp_path):
     """scripts/bench_int8.py --smoke in the interpreter: the benchmark's code path at tiny shapes
     (1 and 8 tokens, W8A8), each default config run and checked against the reference, the JSON
     written (on CPU the launch takes the built-in defaults: the sm_90 Gluon rows cannot run)."""
-    import os
-    import subprocess
-
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_int8.py"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OUT": str(tmp_path)}
     proc = subprocess.run([sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True,
@@ -515,3 +510,8 @@ def test_bench_int8_smoke_runs_every_default(tmp_path):
     assert not res["correctness_errors"]
     assert sorted({(r["op"], r["M"]) for r in res["results"]}) == [("w8a16", 1), ("w8a16", 8), ("w8a8", 64)]
     assert all(r["default"]["ms"] > 0 and r["default"]["sqnr_vs_ref_db"] > 30 for r in res["results"])
+
+
+if __name__ == "__main__":
+    {"interpret": run_interpreted, "aot": run_aot}[sys.argv[1]](sys.argv[2])
+
