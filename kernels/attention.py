@@ -166,6 +166,7 @@ PREFILL_VARIANTS = {
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True),  # 2 programs per SM
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, TMA=True),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),  # +6% in session 7
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, TMA=True),
     ],
     ("sm_90", 64): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, DEFER_PV=True)],  # 4 warps spill
 }

@@ -3,6 +3,7 @@
     python scripts/bench_attention.py            # the tables (about a minute on an H200)
     python scripts/bench_attention.py --sweep    # + sweep the launch configs (adds about 2-3 min)
     python scripts/bench_attention.py --short    # only: batch-1 decode configs at 128-4096 keys
+    python scripts/bench_attention.py --prefill-variants  # only: the prefill table row and every variant row
     TRITON_INTERPRET=1 python scripts/bench_attention.py --smoke   # the script's own test on CPU
 
 Shapes: Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), bf16.
@@ -350,6 +351,14 @@ def main():
         rows = short_context_sweep() if not SMOKE else []
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "bench_attention_short.json").write_text(json.dumps(rows, indent=1, default=str))
+        return
+    if "--prefill-variants" in sys.argv:  # the table's prefill row and every variant row, side by side
+        rows = [bench_prefill(B, S) for B, S in prefill_shapes]
+        rows += [bench_prefill(B, S, cfg, baselines=False, label="variant") for cfg in variant_configs()
+                 for B, S in prefill_shapes]
+        print_prefill(rows)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "bench_prefill_variants.json").write_text(json.dumps(rows, indent=1, default=str))
         return
     prefill = [bench_prefill(B, S) for B, S in prefill_shapes]
     prefill += [bench_prefill(B, S, cfg, baselines=False, label="variant")
