@@ -166,8 +166,8 @@ PREFILL_VARIANTS = {
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True),  # 2 programs per SM
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, TMA=True),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),  # +6% in session 7
-        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, TMA=True),
-    ],
+    ],  # (session 11: TMA at 128 x 128 / 8 warps / 2 stages built without spills and measured 315 / 353
+    #      TFLOP/s at B1 / B8, under the table's row: s11-h200/prefill-variants)
     ("sm_90", 64): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, DEFER_PV=True)],  # 4 warps spill
 }
 MAX_SPLITS = 64  # splits per (sequence, kv head): bounds the partials the last split combines
