@@ -35,14 +35,16 @@ Kernels (CUDA, Triton via kernels/launch.py: triton is imported on the first lau
                         the weight loaded from global memory straight into mma.sync's
                         A-operand registers (16 bytes per thread and row), x^T into the B
                         operand's, no shared memory in the K loop; WARPS_K parts of the K range
-                        on separate warps, summed at the end; split-K as above. Not runnable in
+                        on separate warps, summed at the end; split-K as above; EARLY loads
+                        the first K-block's weights before the PDL wait. Not runnable in
                         the interpreter (scripts/check_int8_regs_gpu.py checks it on a GPU).
     _quantize_rows_kernel  per-token activation quantization (x * inv_smooth, amax, round).
     _w8a8_kernel        int8 tensor-core GEMM, int32 accumulation; the epilogue applies
                         weight and token scales (per K-block for grouped scales).
 Launch configurations (`int8_config`) come from kernels/tuning.json per (kernel, shape class
-M<bucket>_N<n>_K<k>[_G<group>]) over built-in defaults; a row's keys are the kernel's
-constexprs and launch options. scripts/bench_int8.py sweeps candidates on a GPU and prints the
+M<bucket>_N<n>_K<k>[_G<group>]) over built-in defaults (a REGS row stands alone; on sm_90 at
+2-8 tokens the default is `regs_default(n, k)`); a row's keys are the kernel's constexprs and
+launch options. scripts/bench_int8.py sweeps candidates on a GPU and prints the
 rows to add. `plan_kernels` records them in plan.json.
 
 The plain-torch references are the CPU implementation and the test oracle. Rounding is
