@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import (arch_of, cdiv, gluon_device, gluon_jit, jit, next_power_of_2, pdl_options, planner, split_counters,
-                               tuned, tuning_row)
+                               tuning_row)
 
 tl = None  # triton.language, bound by launch.jit on first launch
 gl = mma_v2 = None  # gluon's language and its mma.sync, bound by launch.gluon_jit on first launch
@@ -639,7 +639,7 @@ def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, ta
     elif kernel == "w8a16_mma" and table and arch == "sm_90" and b <= 8 and not row:
         cfg = regs_default(n, k)
     else:
-        cfg = tuned(kernel, shape_class, arch, d) if table else dict(d)
+        cfg = {**d, **(row or {})}  # the table's row (looked up once, above) over the default
     if group_k and kernel in ("w8a16_mma", "w8a8") and group_k % 16 == 0:
         bk = cfg["BLOCK_K"]
         while group_k % bk:

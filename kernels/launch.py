@@ -56,10 +56,7 @@ def jit(fn: Callable):
     if fn not in _JITTED:
         triton, tl = _triton()
         fn.__globals__["tl"] = tl
-        for name in fn.__code__.co_names:
-            callee = fn.__globals__.get(name)
-            if getattr(callee, "dsc_device", False):
-                fn.__globals__[name] = jit(callee)
+        _jit_callees(fn, "dsc_device", jit)
         _JITTED[fn] = triton.jit(fn)
     return _JITTED[fn]
 
@@ -76,12 +73,18 @@ def gluon_jit(fn: Callable):
         from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
         fn.__globals__.update(gl=gl, mma_v2=mma_v2, tl=tl)
-        for name in fn.__code__.co_names:
-            callee = fn.__globals__.get(name)
-            if getattr(callee, "dsc_gluon_device", False):
-                fn.__globals__[name] = gluon_jit(callee)
+        _jit_callees(fn, "dsc_gluon_device", gluon_jit)
         _JITTED[fn] = gluon.jit(fn)
     return _JITTED[fn]
+
+
+def _jit_callees(fn: Callable, marker: str, jitter: Callable) -> None:
+    """Rebind, in fn's module, each function fn calls that carries `marker` (`device`,
+    `gluon_device`) to its jitted form, so that the kernel's dialect inlines it."""
+    for name in fn.__code__.co_names:
+        callee = fn.__globals__.get(name)
+        if getattr(callee, marker, False):
+            fn.__globals__[name] = jitter(callee)
 
 
 def device(fn: Callable) -> Callable:
