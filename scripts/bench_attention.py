@@ -4,6 +4,8 @@
     python scripts/bench_attention.py --sweep    # + sweep the launch configs (adds about 2-3 min)
     python scripts/bench_attention.py --short    # only: batch-1 decode configs at 128-4096 keys
     python scripts/bench_attention.py --prefill-variants  # only: the prefill table row and every variant row
+    python scripts/bench_attention.py --prefill-variants '{"BLOCK_M": 256, "BLOCK_N": 32, "num_warps": 16, "num_stages": 3, "TMA": true}'
+                                      # ... and these rows too (JSON configs, one per argument)
     TRITON_INTERPRET=1 python scripts/bench_attention.py --smoke   # the script's own test on CPU
 
 Shapes: Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), bf16.
@@ -201,7 +203,8 @@ def print_prefill(rows):
               f"{fmt(r['dsc_tflops'], '8.1f')} {fmt(pct, '5.1f')}% "
               f"{met:>6} | "
               f"{fmt(r.get('sdpa_flash_ms'), '8.4f')} {fmt(r.get('sdpa_flash_tflops'), '8.1f')} | "
-              f"{fmt(r.get('sdpa_cudnn_ms'), '8.4f')} {fmt(r.get('sdpa_cudnn_tflops'), '8.1f')}")
+              f"{fmt(r.get('sdpa_cudnn_ms'), '8.4f')} {fmt(r.get('sdpa_cudnn_tflops'), '8.1f')}"
+              + (f"  {json.dumps(r['config'])}" if r.get("label") == "variant" else ""))
 
 
 def print_decode(rows):
@@ -353,8 +356,10 @@ def main():
             Path(os.environ["OUT"], "bench_attention_short.json").write_text(json.dumps(rows, indent=1, default=str))
         return
     if "--prefill-variants" in sys.argv:  # the table's prefill row and every variant row, side by side
+        extra = [json.loads(a) for a in sys.argv[1:] if a.startswith("{")]
+        bench_prefill(*prefill_shapes[0], baselines=False)  # warm-up: the first timed B1 run read low before
         rows = [bench_prefill(B, S) for B, S in prefill_shapes]
-        rows += [bench_prefill(B, S, cfg, baselines=False, label="variant") for cfg in variant_configs()
+        rows += [bench_prefill(B, S, cfg, baselines=False, label="variant") for cfg in variant_configs() + extra
                  for B, S in prefill_shapes]
         print_prefill(rows)
         if os.environ.get("OUT"):
