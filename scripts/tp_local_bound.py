@@ -1,0 +1,92 @@
+"""What tensor parallelism could reach if its collectives cost nothing, measured on one GPU.
+
+    python3 scripts/tp_local_bound.py ART_TP1 ART_TP2 [ART_TP4 ...] [--iters 50] [--context 128]
+
+Loads rank 0 of each artifact in this one process, without a process group, and replaces its
+collectives with local stand-ins of no communication:
+- all-reduce + add + RMSNorm (`dsc::all_reduce_add_rmsnorm`) -> the add + RMSNorm kernel alone,
+  the one tp=1 runs in its place;
+- the row-parallel linear + all-reduce + norm (`dsc::linear_all_reduce_add_rmsnorm`) -> the
+  linear's kernel, then that add + RMSNorm (tp=1's two launches);
+- the logits' all-gather (`dsc::all_gather`) -> rank 0's shard repeated (one copy kernel);
+- `dsc::all_reduce` (the embedding's, once per step) stays the identity it is without a group
+  (a copy).
+The results are wrong numbers computed at the shard's shapes: every kernel a tp rank runs,
+with every wait for a peer and every NVLink transfer removed. Its batch-1 decode step (CUDA
+graphs, PDL as configured, the context `dsc bench` uses) is a lower bound on that tp's step
+on real GPUs, so its ratio to tp=1 (timed here the same way) bounds what any all-reduce
+could achieve. Prints a table; writes $OUT/tp_local_bound.json when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _stand_ins(device_type: str) -> None:
+    from dsc.kernels import collectives as C
+
+    def add_norm(residual, x, weight, eps):
+        return torch.ops.dsc.add_rmsnorm(x, residual, weight, eps)
+
+    def linear_add_norm(residual, x, weight, norm_weight, eps):
+        s, y = torch.ops.dsc.add_rmsnorm(torch.ops.dsc.linear(x, weight), residual, norm_weight, eps)
+        return s.view(residual.shape), y.view(residual.shape)
+
+    C.all_reduce_add_rmsnorm.register_kernel(device_type)(add_norm)
+    C.linear_all_reduce_add_rmsnorm.register_kernel(device_type)(linear_add_norm)
+    C.all_gather.register_kernel(device_type)(lambda x, dim, world: torch.cat([x] * world, dim))
+
+
+def step_ms(path: str, iters: int, context: int, dev: torch.device) -> dict:
+    from dsc.runtime.artifact import open_artifact
+    from dsc.runtime.bench import _time, decode_bytes
+    from dsc.runtime.engine import Engine
+
+    art = open_artifact(path, ranks=[0], verify=False)
+    engine = Engine(art, 0, art.tp, dev, cuda_graphs=dev.type == "cuda")
+    g = torch.Generator().manual_seed(0)
+    engine.reset()
+    engine.prefill([torch.randint(0, engine.vocab_size, (context,), generator=g).tolist()])
+    tok = torch.randint(0, engine.vocab_size, (1,), generator=g).to(dev)
+    pos = torch.full((1,), context, dtype=torch.long, device=dev)
+    s = _time(lambda: engine._decode(tok, pos), dev, iters)
+    nbytes = decode_bytes(engine, 1, context + 1)["total"]
+    out = {"artifact": path, "tp": art.tp, "ms_per_step": s * 1e3, "bytes": nbytes, "tb_per_s": nbytes / s / 1e12,
+           "cuda_graphs": engine._decode.captured}
+    del engine
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifacts", nargs="+", help="artifacts of one model at several tp (tp=1 first)")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--device", default="cuda", help="cpu: the script's own check (the times mean nothing)")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("tp_local_bound.py: no CUDA GPU here (--device cpu runs the script's own check)")
+    _stand_ins(dev.type)
+    rows = [step_ms(p, args.iters, args.context, dev) for p in args.artifacts]
+    base = next((r for r in rows if r["tp"] == 1), None)
+    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; batch-1 decode at context {args.context}, rank 0, collectives local")
+    print(f"{'tp':>3} {'ms/step':>8} {'TB/s':>6} {'x tp1':>6}  artifact")
+    for r in rows:
+        r["x_tp1"] = r["ms_per_step"] / base["ms_per_step"] if base else None
+        print(f"{r['tp']:>3} {r['ms_per_step']:8.3f} {r['tb_per_s']:6.2f} "
+              f"{'-' if r['x_tp1'] is None else format(r['x_tp1'], '6.3f'):>6}  {r['artifact']}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "tp_local_bound.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
