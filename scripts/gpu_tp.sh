@@ -21,6 +21,10 @@
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
 #    `gemv_push` rows to merge by hand).
 #    DURING_COMPILE="CMD": a one-GPU command run on GPU 0 while the artifacts compile.
+#    PROFILE_ARTS="tp2 tp4": the artifacts whose benches (and -nopdl benches) profile a batch-1
+#    step (default tp4). BOUND_ARTS="tp1 tp2 tp4": also compiled (tp4 too on 2 GPUs), then rank 0
+#    of each decoded on GPU 0 with local stand-ins for its collectives (scripts/tp_local_bound.py:
+#    the step each tp would take if its all-reduces were free), after the benches.
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
@@ -50,7 +54,7 @@ echo "checkpoint: $((SECONDS - T0)) s"
   echo "during-compile: rc=$? $((SECONDS - T0)) s") &
 ARTS=${ARTS:-"tp1 tp2 tp4 tp1-int8 tp4-int8"}
 [ "$NGPU" -lt 4 ] && ARTS=$(for A in $ARTS; do [[ $A == tp4* ]] || echo -n "$A "; done)  # what fits
-for A in $ARTS; do
+for A in $(echo $ARTS ${BOUND_ARTS:-} | tr ' ' '\n' | sort -u); do
   TP=${A#tp}; TP=${TP%-int8}; INT8=""; [[ $A == *int8 ]] && INT8="--int8"
   [ -f "$W/$A/manifest.json" ] || (OMP_NUM_THREADS=12 python3 -m dsc compile "$W/ckpt" -o "$W/$A" --tp "$TP" $INT8 \
       --max-batch 64 --max-seq 1024 > "$OUT/compile-$A.log" 2>&1; echo "compiled $A: rc=$? $((SECONDS - T0)) s") &
@@ -138,12 +142,13 @@ bench() {  # bench TAG ARTIFACT [env...]; PROFILE=1: also --profile
 }
 if [ -z "${NO_BENCH:-}" ]; then
   for A in $ARTS; do
-    if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A" "$A"; else bench "$A" "$A"; fi
+    PROF=""; [[ " ${PROFILE_ARTS:-tp4} " == *" $A "* ]] && PROF=1
+    if [ -n "$PROF" ]; then PROFILE=1 TAIL=40 bench "$A" "$A"; else bench "$A" "$A"; fi
     for C in ${BENCH_CTX:-}; do  # batch-1 decode again with C tokens in the cache (the default: 128)
       BENCH_ARGS="--batch 1 --prefill 128 --context $C" bench "$A-ctx$C" "$A"
     done
     if [ "${PDL_AB:-}" = 1 ] || [[ " ${PDL_AB:-} " == *" $A "* ]]; then  # tp=4 also profiled: per-kernel times
-      if [ "$A" = tp4 ]; then PROFILE=1 TAIL=40 bench "$A-nopdl" "$A" DSC_PDL=off; else bench "$A-nopdl" "$A" DSC_PDL=off; fi
+      if [ -n "$PROF" ]; then PROFILE=1 TAIL=40 bench "$A-nopdl" "$A" DSC_PDL=off; else bench "$A-nopdl" "$A" DSC_PDL=off; fi
     fi
     if [[ $A != tp1* && $A != *int8 ]]; then
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-push" "$A" DSC_ALLREDUCE=push
@@ -155,6 +160,12 @@ if [ -z "${NO_BENCH:-}" ]; then
   done
 fi
 echo "bench done: $((SECONDS - T0)) s"
+if [ -n "${BOUND_ARTS:-}" ]; then
+  OUT=$OUT CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/tp_local_bound.py $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) \
+    2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound.txt"
+  echo "bound done: $((SECONDS - T0)) s"
+  pack
+fi
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
