@@ -15,7 +15,8 @@
 #    DSC_ALLREDUCE=pull (the pull kernel), DSC_ALLREDUCE=one_shot (no fused kernel)
 #    and DSC_ALLREDUCE=nccl, in the same run; the
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
-#    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off (tp=4 profiled; PDL_AB="tp1 tp4": those only).
+#    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off (tp=4 profiled; PDL_AB="tp1 tp4": those only;
+#    AB_ROUNDS=3: two more rounds of PDL on / off at batch 1, tags -rN and -nopdl-rN).
 #    BENCH_CTX="512 2048": each artifact's batch-1 decode also at those contexts (tags -ctxC).
 #    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
@@ -149,6 +150,10 @@ if [ -z "${NO_BENCH:-}" ]; then
     done
     if [ "${PDL_AB:-}" = 1 ] || [[ " ${PDL_AB:-} " == *" $A "* ]]; then  # tp=4 also profiled: per-kernel times
       if [ -n "$PROF" ]; then PROFILE=1 TAIL=40 bench "$A-nopdl" "$A" DSC_PDL=off; else bench "$A-nopdl" "$A" DSC_PDL=off; fi
+      for R in $(seq 2 "${AB_ROUNDS:-1}"); do  # AB_ROUNDS=N: N rounds of PDL on / off, batch 1 only
+        BENCH_ARGS="--batch 1" TAIL=3 bench "$A-r$R" "$A"
+        BENCH_ARGS="--batch 1" TAIL=3 bench "$A-nopdl-r$R" "$A" DSC_PDL=off
+      done
     fi
     if [[ $A != tp1* && $A != *int8 ]]; then
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-push" "$A" DSC_ALLREDUCE=push
