@@ -23,7 +23,7 @@
   finished and its writes are visible), and reads activations, caches and counters, and writes
   anything, only after it: the runtime's memory plan reuses buffers, so a write before the wait
   could clobber what the previous kernel still reads. Without PDL the kernels compile to what
-  they were before. `DSC_PDL=auto|off` (`pdl_enabled`).
+  they were before. `DSC_PDL=auto|on|off` (`pdl_enabled`; auto: off under tensor parallelism).
 """
 from __future__ import annotations
 
@@ -129,11 +129,11 @@ def tuned(kernel: str, shape_class: str, arch: str, default: dict) -> dict:
     return {**default, **tuning_row(kernel, shape_class, arch)}
 
 
-PDL_MODES = ("auto", "off")
+PDL_MODES = ("auto", "on", "off")
 
 
 def pdl_mode() -> str:
-    """DSC_PDL (read at each call; CUDA graphs read it at capture): "auto" (default) or "off"."""
+    """DSC_PDL (read at each call; CUDA graphs read it at capture): "auto" (default), "on" or "off"."""
     mode = os.environ.get("DSC_PDL", "auto")
     if mode not in PDL_MODES:
         raise ValueError(f"DSC_PDL must be one of {', '.join(PDL_MODES)}, got {mode!r}")
@@ -141,12 +141,24 @@ def pdl_mode() -> str:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: DSC_PDL=auto on an NVIDIA GPU of capability
-    >= 9.0 (Hopper) with a triton that has the griddepcontrol intrinsics; never on CPU or in
-    the Triton interpreter (it cannot run inline PTX)."""
-    if pdl_mode() == "off" or device.type != "cuda" or _interpreting():
+    """Whether kernels on `device` launch with PDL: on an NVIDIA GPU of capability >= 9.0
+    (Hopper) with a triton that has the griddepcontrol intrinsics, never on CPU or in the Triton
+    interpreter (it cannot run inline PTX). DSC_PDL=on: wherever it can; auto (the default):
+    likewise, except in a tensor-parallel process (a torch.distributed group of more than one
+    rank), where Llama-8B's batch-1 decode step ran faster without it on H200s (session 12, one
+    artifact each, PDL on / off: tp=2 2.792 / 2.555 ms on 2 GPUs, 2.671 / 2.589 and 2.662 /
+    2.568 on 4; tp=4 1.784 / 1.830 and 1.836 / 1.752, a wash; tp=1 4.153 / 4.122 and 4.078 /
+    4.147; docs/results/s12-h200x4/tp-pdl-ab)."""
+    mode = pdl_mode()
+    if mode == "off" or device.type != "cuda" or _interpreting() or (mode == "auto" and _tensor_parallel()):
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _tensor_parallel() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def pdl_options(device: torch.device) -> dict:

@@ -28,6 +28,10 @@ at one row also the linear before it: the GEMV then the push kernel (DSC_ALLREDU
 against the GEMV pushing its rows (the default), with the tuned config and with more rows per
 program. GEMV_PUSH_SWEEP=1 also sweeps GEMV push configs at Llama-8B's row-parallel shapes for
 this tp and proposes kernels/tuning.json `gemv_push` rows (JSON key gemv_push_sweep).
+
+The kernels launch as the runtime's would: without PDL under tensor parallelism (DSC_PDL=auto,
+kernels/launch.py); DSC_PDL=on checks and times their PDL variants (the default through
+session 11).
 """
 from __future__ import annotations
 

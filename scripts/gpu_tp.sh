@@ -15,14 +15,15 @@
 #    DSC_ALLREDUCE=pull (the pull kernel), DSC_ALLREDUCE=one_shot (no fused kernel)
 #    and DSC_ALLREDUCE=nccl, in the same run; the
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
-#    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with DSC_PDL=off (tp=4 profiled; PDL_AB="tp1 tp4": those only;
-#    AB_ROUNDS=3: two more rounds of PDL on / off at batch 1, tags -rN and -nopdl-rN).
+#    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with the other PDL
+#    setting than the default's (DSC_PDL=off at tp=1, on at tp > 1; tags -pdloff / -pdlon; PDL_AB="tp1 tp4": those only;
+#    AB_ROUNDS=3: two more rounds of both at batch 1, tags -rN and -pdl{on,off}-rN).
 #    BENCH_CTX="512 2048": each artifact's batch-1 decode also at those contexts (tags -ctxC).
 #    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
 #    `gemv_push` rows to merge by hand).
 #    DURING_COMPILE="CMD": a one-GPU command run on GPU 0 while the artifacts compile.
-#    PROFILE_ARTS="tp2 tp4": the artifacts whose benches (and -nopdl benches) profile a batch-1
+#    PROFILE_ARTS="tp2 tp4": the artifacts whose benches (and -pdl{on,off} benches) profile a batch-1
 #    step (default tp4). BOUND_ARTS="tp1 tp2 tp4": also compiled (tp4 too on 2 GPUs), then rank 0
 #    of each decoded on GPU 0 with local stand-ins for its collectives (scripts/tp_local_bound.py:
 #    the step each tp would take if its all-reduces were free), after the benches.
@@ -148,11 +149,12 @@ if [ -z "${NO_BENCH:-}" ]; then
     for C in ${BENCH_CTX:-}; do  # batch-1 decode again with C tokens in the cache (the default: 128)
       BENCH_ARGS="--batch 1 --prefill 128 --context $C" bench "$A-ctx$C" "$A"
     done
-    if [ "${PDL_AB:-}" = 1 ] || [[ " ${PDL_AB:-} " == *" $A "* ]]; then  # tp=4 also profiled: per-kernel times
-      if [ -n "$PROF" ]; then PROFILE=1 TAIL=40 bench "$A-nopdl" "$A" DSC_PDL=off; else bench "$A-nopdl" "$A" DSC_PDL=off; fi
-      for R in $(seq 2 "${AB_ROUNDS:-1}"); do  # AB_ROUNDS=N: N rounds of PDL on / off, batch 1 only
+    if [ "${PDL_AB:-}" = 1 ] || [[ " ${PDL_AB:-} " == *" $A "* ]]; then  # the other PDL setting than the default's
+      ALT=off; [[ $A == tp1* ]] || ALT=on  # DSC_PDL=auto: on at tp=1, off under tensor parallelism
+      if [ -n "$PROF" ]; then PROFILE=1 TAIL=40 bench "$A-pdl$ALT" "$A" DSC_PDL=$ALT; else bench "$A-pdl$ALT" "$A" DSC_PDL=$ALT; fi
+      for R in $(seq 2 "${AB_ROUNDS:-1}"); do  # AB_ROUNDS=N: N rounds of default / other, batch 1 only
         BENCH_ARGS="--batch 1" TAIL=3 bench "$A-r$R" "$A"
-        BENCH_ARGS="--batch 1" TAIL=3 bench "$A-nopdl-r$R" "$A" DSC_PDL=off
+        BENCH_ARGS="--batch 1" TAIL=3 bench "$A-pdl$ALT-r$R" "$A" DSC_PDL=$ALT
       done
     fi
     if [[ $A != tp1* && $A != *int8 ]]; then
@@ -178,7 +180,7 @@ rows = {}
 for f in sorted(os.listdir(out)):
     if f.startswith("bench-") and f.endswith(".json"):
         rows[f[6:-5]] = json.load(open(os.path.join(out, f)))
-order = sorted(rows, key=lambda t: ("int8" in t, "-ctx" in t, t.partition("-ctx")[2], int(t[2]), "nopdl" in t, "push" in t, "pull" in t, "oneshot" in t,
+order = sorted(rows, key=lambda t: ("int8" in t, "-ctx" in t, t.partition("-ctx")[2], int(t[2]), "-pdl" in t, "push" in t, "pull" in t, "oneshot" in t,
                                    "nccl" in t))
 print(f"{'artifact':>14} {'all-reduce':>18} {'pdl':>4} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
 for tag in order:

@@ -40,13 +40,29 @@ def test_dsc_pdl_is_read_at_each_call(hopper, monkeypatch):
     assert not launch.pdl_enabled(CUDA)
     monkeypatch.setenv("DSC_PDL", "auto")
     assert launch.pdl_enabled(CUDA)
+    monkeypatch.setenv("DSC_PDL", "on")
+    assert launch.pdl_enabled(CUDA)
 
 
-@pytest.mark.parametrize("value", ["on", "bogus", ""])
+def test_auto_turns_pdl_off_under_tensor_parallelism(hopper, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for world, auto in ((1, True), (2, False), (4, False)):
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None, world=world: world)
+        monkeypatch.setenv("DSC_PDL", "auto")
+        assert launch.pdl_enabled(CUDA) is auto and launch.pdl_options(CUDA)["launch_pdl"] is auto
+        monkeypatch.setenv("DSC_PDL", "on")  # on: wherever the GPU can, tensor parallel or not
+        assert launch.pdl_enabled(CUDA)
+        monkeypatch.setenv("DSC_PDL", "off")
+        assert not launch.pdl_enabled(CUDA)
+
+
+@pytest.mark.parametrize("value", ["yes", "bogus", ""])
 def test_bad_dsc_pdl_is_a_clear_error_on_every_device(value, monkeypatch):
     monkeypatch.setenv("DSC_PDL", value)
     for dev in (CPU, CUDA):
-        with pytest.raises(ValueError, match=f"DSC_PDL must be one of auto, off, got {value!r}"):
+        with pytest.raises(ValueError, match=f"DSC_PDL must be one of auto, on, off, got {value!r}"):
             launch.pdl_enabled(dev)
 
 
