@@ -117,3 +117,26 @@ def test_profile_busy_time_is_the_union_of_overlapping_kernels():
     assert _union_us([(0, 10), (5, 12), (20, 25)]) == 17
     assert _union_us([(0, 5), (5, 6), (1, 2)]) == 6
     assert _union_us([]) == 0
+
+
+def test_tp_local_bound_runs_each_rank_0_with_local_collectives(compile_artifact, tmp_path):
+    """scripts/tp_local_bound.py (the lower bound of a tp's decode step, timed on one GPU) on CPU:
+    rank 0 of a tp=2 artifact runs without a process group, its all-gather, all-reduce + norm and
+    row-parallel linear + all-reduce + norm replaced by local stand-ins (without them the
+    all-gather raises: it needs a group), and the table has a row per artifact against tp=1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tp1, tp2 = compile_artifact("llama-tiny", dtype="fp16"), compile_artifact("llama-tiny", dtype="fp16", tp=2)
+    ops = {n.get("op") for n in json.loads((tp2 / "plan.json").read_text())["programs"]["decode"]["nodes"]}
+    assert {"dsc.all_gather.default", "dsc.linear_all_reduce_add_rmsnorm.default"} <= ops  # what the stand-ins replace
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tp_local_bound.py"
+    r = subprocess.run([sys.executable, str(script), str(tp1), str(tp2), "--device", "cpu", "--iters", "1",
+                        "--context", "8"], capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "tp_local_bound.json").read_text())
+    assert [row["tp"] for row in rows] == [1, 2] and rows[0]["x_tp1"] == 1.0
+    assert all(row["ms_per_step"] > 0 and row["bytes"] > 0 for row in rows)
+    assert rows[1]["bytes"] < rows[0]["bytes"]  # rank 0 reads its shard only
