@@ -70,6 +70,25 @@ def decode_bytes(engine, batch: int, context: int) -> dict[str, int]:
     return {"weights": weights, "kv_cache": kvb, "total": weights + kvb}
 
 
+def generate_ms_per_token(engine, context: int, device, g: torch.Generator, short: int = 8, long: int = 40) -> dict:
+    """Batch-1 greedy `engine.generate` from a `context`-token prompt, per generated token:
+    (time of `long` tokens - time of `short`) / (long - short), the best of 3 each, so the
+    prefill and the loop's start cancel. Sampling, the read-back of each token, the stop checks
+    and every launch are in it: what a caller of generate sees, next to the decode step alone."""
+    prompt = [torch.randint(0, engine.vocab_size, (context,), generator=g).tolist()]
+
+    def run(n: int) -> float:
+        _sync(device)
+        t = time.perf_counter()
+        engine.generate(prompt, max_new_tokens=n, stop_tokens=[])
+        _sync(device)
+        return time.perf_counter() - t
+
+    run(short)  # warm-up
+    ta, tb = min(run(short) for _ in range(3)), min(run(long) for _ in range(3))
+    return {"tokens": [short, long], "ms_per_token": (tb - ta) / (long - short) * 1e3}
+
+
 def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), prefill_lens=(128, 2048),
           context: int = 128, iters: int = 50, cuda_graphs: bool = True, profile: bool = False) -> dict:
     import dsc
@@ -118,6 +137,8 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
         res["decode"][b] = {"ms_per_step": s * 1e3, "tokens_per_s": b / s, "bytes": nbytes["total"],
                             "weight_bytes": nbytes["weights"], "kv_bytes": nbytes["kv_cache"],
                             "achieved_bw": nbytes["total"] / s, "fraction_of_read_bw": nbytes["total"] / s / READ_BW_H200}
+    if 1 in res["decode"] and context + 41 < engine.max_seq:
+        res["generate"] = generate_ms_per_token(engine, context, dev, g)
     if profile and res["decode"]:
         from dsc.runtime.profile import profile_decode
 
@@ -158,6 +179,9 @@ def render(res: dict) -> str:
     for b, d in res["decode"].items():
         lines.append(f"{b:>6} {d['ms_per_step']:>9.3f} {d['tokens_per_s']:>10.1f} {d['bytes'] / 1e6:>9.1f} "
                      f"{d['achieved_bw'] / 1e9:>8.1f} {100 * d['fraction_of_read_bw']:>14.1f}%")
+    if res.get("generate") and 1 in res["decode"]:
+        lines.append(f"generate, batch 1, greedy: {res['generate']['ms_per_token']:.3f} ms/token "
+                     f"(the decode step alone: {res['decode'][1]['ms_per_step']:.3f} ms)")
     for n, d in res["prefill"].items():
         lines.append(f"prefill {n:>5} tokens: {d['ms']:.2f} ms ({d['tokens_per_s']:.0f} tok/s)"
                      + (f", CUDA graph; eager {d['eager_ms']:.2f} ms ({d['eager_ms'] / d['ms']:.2f}x)"

@@ -42,8 +42,22 @@ def _check_environment() -> None:
         gemv_mode()
         pdl_mode()
         collectives.allreduce_mode()
+        pipeline_mode()
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+PIPELINE_MODES = ("on", "off")
+
+
+def pipeline_mode() -> str:
+    """DSC_PIPELINE (read at each generate call): "on" (default) queues each decode step before
+    the host reads the previous step's tokens; "off" reads them first (the loop before session 12;
+    for comparison)."""
+    mode = os.environ.get("DSC_PIPELINE", "on")
+    if mode not in PIPELINE_MODES:
+        raise ValueError(f"DSC_PIPELINE must be one of {', '.join(PIPELINE_MODES)}, got {mode!r}")
+    return mode
 
 
 ALL_REDUCE_OPS = ("dsc.all_reduce.default", "dsc.all_reduce_add_rmsnorm.default",
@@ -196,7 +210,15 @@ class Engine:
         Greedy when temperature == 0, else sampled (top-k, top-p, seeded). Stops a sequence at
         any of `stop_tokens` (default: the model's eos ids), at max_new_tokens or at max_seq.
         `callback(step, tokens)` is called after every step with each sequence's new token
-        (None for sequences already finished)."""
+        (None for sequences already finished).
+
+        Pipelined: step t + 1's decode and sampling are queued on the device (from step t's
+        tokens, which never leave it) before the host reads step t's tokens, so on a GPU the
+        host's per-step work (the read-back, stop checks, callback, the next launches) runs
+        while the GPU decodes, and under tensor parallelism no rank waits for another's host
+        between steps. The tokens, sampled ones included, are those of the unpipelined loop;
+        when every sequence stops, the one step already queued is discarded. DSC_PIPELINE=off
+        reads each step's tokens before queuing the next (`pipeline_mode`)."""
         prompts = [list(p) for p in prompts]
         self.check_batch(prompts)
         stops = set(self.eos_token_ids if stop_tokens is None else stop_tokens)
@@ -210,13 +232,32 @@ class Engine:
         reasons = ["length"] * B
         done = [False] * B
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
-        logits = self.prefill(prompts)
-        for step in range(max_new_tokens):
+        cuda = self.device.type == "cuda"
+        host_tok = torch.empty(B, dtype=torch.long, pin_memory=cuda)  # step t's tokens, read back
+        read = torch.cuda.Event() if cuda else None
+
+        def next_tokens(logits: torch.Tensor) -> torch.Tensor:
             tok = sample(logits, temperature, top_k, top_p, gen)
             if self.world > 1:  # keep ranks in lockstep even when sampling
                 import torch.distributed as dist
                 dist.broadcast(tok, src=0)
-            host = tok.tolist()
+            return tok
+
+        def queue(step: int) -> torch.Tensor:  # step + 1's tokens, from step's (on the device)
+            # finished rows keep decoding (static batch) at a clamped position; results ignored
+            return next_tokens(self.decode(tok, torch.clamp(lens + step, max=self.max_seq - 1)))
+
+        pipelined = pipeline_mode() == "on"
+        tok = next_tokens(self.prefill(prompts))
+        for step in range(max_new_tokens):
+            host_tok.copy_(tok, non_blocking=cuda)
+            if cuda:
+                read.record()
+            if pipelined and step < max_new_tokens - 1:  # queue step + 1 before reading step's tokens
+                queued = queue(step)
+            if cuda:
+                read.synchronize()
+            host = host_tok.tolist()
             emitted: list[int | None] = []
             for i, t in enumerate(host):
                 if done[i]:
@@ -232,9 +273,7 @@ class Engine:
                 callback(step, emitted)
             if all(done) or step == max_new_tokens - 1:
                 break
-            # finished rows keep decoding (static batch) at a clamped position; results ignored
-            pos = torch.clamp(lens + step, max=self.max_seq - 1)
-            logits = self.decode(tok, pos)
+            tok = queued if pipelined else queue(step)
         return GenerateResult(out, reasons)
 
 

@@ -4,7 +4,8 @@
    tokens and logits match the same artifact run on the CPU.
 2. CUDA-graph replay gives exactly the tokens of the eager runtime, for a batch of prompts of
    mixed lengths (bucket padding included).
-3. Reports ms/token at batch 1 with and without graphs.
+3. Reports ms/token at batch 1 with and without graphs, and with graphs with the generate loop
+   unpipelined (DSC_PIPELINE=off: each step's tokens read back before the next is queued).
 
     python scripts/gpu_check_runtime.py --shape llama-1b --dtype bfloat16
     python scripts/gpu_check_runtime.py --shape llama-8b --layers 2 --batch 6 --int8   # 8-row bucket
@@ -67,8 +68,10 @@ def main() -> int:
               "options": opts, "graph_equals_eager": ok_graph,
               "device": torch.cuda.get_device_name()}
 
-    # ms/token at batch 1 (greedy decode loop incl. sampling and host readback)
-    for name, e in (("graphs", eng), ("eager", eager)):
+    # ms/token at batch 1 (greedy decode loop incl. sampling and host readback); "graphs-unpipelined":
+    # DSC_PIPELINE=off, each step's tokens read back before the next step is queued
+    for name, e in (("graphs", eng), ("graphs-unpipelined", eng), ("eager", eager)):
+        os.environ["DSC_PIPELINE"] = "off" if name.endswith("unpipelined") else "on"
         e.generate([prompts[0]], max_new_tokens=4, stop_tokens=[])
         torch.cuda.synchronize()
         n = 64
@@ -83,6 +86,7 @@ def main() -> int:
         ms = (t1 - t2) / (n - 8) * 1e3
         report[f"ms_per_token_{name}"] = ms
         print(f"{name}: {ms:.3f} ms/token (batch 1, generate loop)", flush=True)
+    os.environ.pop("DSC_PIPELINE")
 
     if args.cpu_check:
         cpu = dsc.load(art, device="cpu")

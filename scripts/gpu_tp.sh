@@ -7,7 +7,9 @@
 #    (NO_AR_CHECK=1 skips it);
 # 2. greedy tokens of every tp against tp=1 (torchrun + NCCL, decode steps replayed from CUDA
 #    graphs with the all-reduces captured), tp=4 also with DSC_ALLREDUCE=nccl (NO_GEN=1 skips;
-#    GEN_MODES="push pull": every tp > 1 artifact again under those modes, against the default);
+#    GEN_MODES="push pull": every tp > 1 artifact again under those modes, against the default;
+#    PIPE_AB="tp1 tp2": those artifacts again with DSC_PIPELINE=off, the unpipelined generate loop,
+#    against the default, in the generates (same tokens) and the benches (tag -nopipe));
 # 3. `dsc bench` per artifact: batch-1 ms/token, batch-64 tokens/s, per-rank GPU memory; tp=2/4
 #    five times (bf16): the default (the row-parallel GEMVs push their rows, the fused
 #    all-reduce + RMSNorm push kernel, the one-shot all-reduce), DSC_ALLREDUCE=push (the GEMV,
@@ -132,6 +134,7 @@ if [ -z "${NO_GEN:-}" ]; then
   done
   [[ " $ARTS " == *" tp4 "* ]] && same tp4-nccl tp4
   for M in ${GEN_MODES:-}; do for A in $ARTS; do [[ $A == tp1* ]] || same "$A" "$A-$M"; done; done
+  for A in ${PIPE_AB:-}; do gen "$A-nopipe" "$A" DSC_PIPELINE=off; same "$A" "$A-nopipe"; done
   [[ " $ARTS " == *" tp1-int8 "* ]] && same tp1 tp1-int8
   grep -h "one-shot\|fused\|unavailable" "$OUT"/generate-*.log | sort | uniq -c | head -5
   pack
@@ -157,6 +160,7 @@ if [ -z "${NO_BENCH:-}" ]; then
         BENCH_ARGS="--batch 1" TAIL=3 bench "$A-pdl$ALT-r$R" "$A" DSC_PDL=$ALT
       done
     fi
+    [[ " ${PIPE_AB:-} " == *" $A "* ]] && BENCH_ARGS="--batch 1" bench "$A-nopipe" "$A" DSC_PIPELINE=off
     if [[ $A != tp1* && $A != *int8 ]]; then
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-push" "$A" DSC_ALLREDUCE=push
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-pull" "$A" DSC_ALLREDUCE=pull

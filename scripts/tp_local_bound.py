@@ -59,10 +59,7 @@ def step_ms(path: str, iters: int, context: int, dev: torch.device) -> dict:
     nbytes = decode_bytes(engine, 1, context + 1)["total"]
     out = {"artifact": path, "tp": art.tp, "ms_per_step": s * 1e3, "bytes": nbytes, "tb_per_s": nbytes / s / 1e12,
            "cuda_graphs": engine._decode.captured}
-    del engine
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
+    return out  # the engine goes with this frame: main() empties the cache before the next
 
 
 def main() -> None:
@@ -76,7 +73,11 @@ def main() -> None:
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("tp_local_bound.py: no CUDA GPU here (--device cpu runs the script's own check)")
     _stand_ins(dev.type)
-    rows = [step_ms(p, args.iters, args.context, dev) for p in args.artifacts]
+    rows = []
+    for p in args.artifacts:
+        rows.append(step_ms(p, args.iters, args.context, dev))
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     base = next((r for r in rows if r["tp"] == 1), None)
     print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; batch-1 decode at context {args.context}, rank 0, collectives local")
     print(f"{'tp':>3} {'ms/step':>8} {'TB/s':>6} {'x tp1':>6}  artifact")

@@ -210,7 +210,8 @@ def test_inspect_of_a_folder_that_is_not_an_artifact(tmp_path):
     assert_one_line_error(run_dsc("inspect", str(tmp_path)), "manifest.json")
 
 
-@pytest.mark.parametrize("var, value", [("DSC_GEMV", "fastest"), ("DSC_ALLREDUCE", "ring"), ("DSC_PDL", "yes")])
+@pytest.mark.parametrize("var, value", [("DSC_GEMV", "fastest"), ("DSC_ALLREDUCE", "ring"), ("DSC_PDL", "yes"),
+                                        ("DSC_PIPELINE", "maybe")])
 def test_bad_runtime_switch_is_one_line_at_load(var, value, small_artifact, monkeypatch):
     # the kernels read these only on CUDA; load checks them everywhere
     monkeypatch.setenv(var, value)

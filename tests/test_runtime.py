@@ -129,6 +129,46 @@ def test_streaming_callback_sees_every_token_as_it_is_made(engine, greedy):
         assert all(t is None for t in column[len(toks):])  # nothing after a sequence finished
 
 
+def _unpipelined(engine, prompts, n, stop, **kw):
+    """generate() as a plain loop: sample, read the tokens back, then decode the next step."""
+    gen = torch.Generator().manual_seed(kw.pop("seed")) if kw.get("temperature", 0) > 0 else None
+    engine.reset()
+    out, done, lens = [[] for _ in prompts], [False] * len(prompts), torch.tensor([len(p) for p in prompts])
+    logits = engine.prefill(prompts)
+    for step in range(n):
+        tok = sample(logits, generator=gen, **kw)
+        for i, t in enumerate(tok.tolist()):
+            if not done[i]:
+                out[i].append(t)
+                done[i] = t in stop
+        if all(done) or step == n - 1:
+            return out, step + 1
+        logits = engine.decode(tok, lens + step)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.9, top_k=50, top_p=0.9, seed=5)])
+def test_pipelined_generate_gives_the_plain_loops_tokens_and_one_step_more_at_most(engine, greedy, kw, mode,
+                                                                                    monkeypatch):
+    """generate() queues step t + 1 before it reads step t's tokens (DSC_PIPELINE=on, the
+    default): the same tokens (sampled ones too: the generator is drawn in the same order), and
+    when every sequence has stopped early it has decoded one step more than the plain loop,
+    never more. DSC_PIPELINE=off is the plain loop."""
+    monkeypatch.setenv("DSC_PIPELINE", mode)
+    stop = [greedy[0][2], greedy[1][4], greedy[2][3], greedy[3][5]] if not kw else []
+    want, steps = _unpipelined(engine, PROMPTS, 9, set(stop), **dict(kw))
+    calls = []
+    decode = engine.decode
+    monkeypatch.setattr(engine, "decode", lambda tok, pos: calls.append(1) or decode(tok, pos))
+    got = engine.generate(PROMPTS, max_new_tokens=9, stop_tokens=stop, **kw)
+    assert got.tokens == want
+    if stop:
+        assert steps < 9 and all(t[-1] in stop for t in got.tokens)  # every sequence stopped early
+        assert len(calls) == steps - (mode == "off")  # the plain loop's steps - 1 decodes (+ the one queued)
+    else:
+        assert len(calls) == 8  # max_new_tokens - 1: nothing queued past the last step
+
+
 @pytest.mark.parametrize("n", [1, 5])
 def test_max_new_tokens(engine, greedy, n):
     res = engine.generate(PROMPTS, max_new_tokens=n, stop_tokens=[])
