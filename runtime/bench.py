@@ -86,7 +86,9 @@ def generate_ms_per_token(engine, context: int, device, g: torch.Generator, shor
 
     run(short)  # warm-up
     ta, tb = min(run(short) for _ in range(3)), min(run(long) for _ in range(3))
-    return {"tokens": [short, long], "ms_per_token": (tb - ta) / (long - short) * 1e3}
+    from dsc.runtime.engine import pipeline_mode
+
+    return {"tokens": [short, long], "ms_per_token": (tb - ta) / (long - short) * 1e3, "pipeline": pipeline_mode()}
 
 
 def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), prefill_lens=(128, 2048),
@@ -181,7 +183,8 @@ def render(res: dict) -> str:
                      f"{d['achieved_bw'] / 1e9:>8.1f} {100 * d['fraction_of_read_bw']:>14.1f}%")
     if res.get("generate") and 1 in res["decode"]:
         lines.append(f"generate, batch 1, greedy: {res['generate']['ms_per_token']:.3f} ms/token "
-                     f"(the decode step alone: {res['decode'][1]['ms_per_step']:.3f} ms)")
+                     f"(the decode step alone: {res['decode'][1]['ms_per_step']:.3f} ms; "
+                     f"pipeline {res['generate'].get('pipeline', 'on')})")
     for n, d in res["prefill"].items():
         lines.append(f"prefill {n:>5} tokens: {d['ms']:.2f} ms ({d['tokens_per_s']:.0f} tok/s)"
                      + (f", CUDA graph; eager {d['eager_ms']:.2f} ms ({d['eager_ms'] / d['ms']:.2f}x)"

@@ -108,6 +108,9 @@ def test_bench_of_a_tp_artifact_runs_every_rank_and_reports_each(compile_artifac
     res = json.loads(out.read_text())
     assert res["tp"] == 2 and res["all_reduce"] == "gloo" and res["rank"] == 0
     assert res["memory_per_rank"] == [None, None] and res["decode"]["1"]["ms_per_step"] > 0
+    # batch 1: engine.generate per token too, pipelined, every rank in its loop (the token broadcast)
+    assert res["generate"]["ms_per_token"] > 0 and res["generate"]["pipeline"] == "on"
+    assert "generate, batch 1, greedy:" in r.stdout
 
 
 def test_profile_busy_time_is_the_union_of_overlapping_kernels():
