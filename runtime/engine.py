@@ -251,8 +251,8 @@ class Engine:
         tok = next_tokens(self.prefill(prompts))
         for step in range(max_new_tokens):
             host_tok.copy_(tok, non_blocking=cuda)
-            if cuda:
-                read.record()
+            if cuda:  # on the stream the copy went to (the engine's device, not necessarily the current one)
+                read.record(torch.cuda.current_stream(self.device))
             if pipelined and step < max_new_tokens - 1:  # queue step + 1 before reading step's tokens
                 queued = queue(step)
             if cuda:
