@@ -7,9 +7,6 @@ and the GPU memory split into weights, KV cache and workspace.
 """
 from __future__ import annotations
 
-import json
-import math
-import struct
 import time
 from pathlib import Path
 
