@@ -33,7 +33,10 @@
 set -uo pipefail
 SHAPE=${1:-llama-8b}
 DTYPE=${2:-bfloat16}
-W=${WORK:-/tmp/dsc-tp}
+# a fresh folder unless WORK names one: the lent hosts keep /tmp between sessions, and an
+# artifact left there by another checkout would be benched instead of compiled (session 12
+# found another run's checkpoint and results in /tmp/dsc-tp)
+W=${WORK:-$(mktemp -d /tmp/dsc-tp.XXXXXX)}
 FINAL=${OUT:-$W/out}
 OUT=$W/results
 mkdir -p "$W" "$OUT" "$FINAL"
