@@ -70,20 +70,12 @@ def main() -> int:
 
     # ms/token at batch 1 (greedy decode loop incl. sampling and host readback); "graphs-unpipelined":
     # DSC_PIPELINE=off, each step's tokens read back before the next step is queued
+    # (`dsc bench`'s measure: (64 tokens - 8 tokens) / 56 from a prompt of the first prompt's length)
+    from dsc.runtime.bench import generate_ms_per_token
+
     for name, e in (("graphs", eng), ("graphs-unpipelined", eng), ("eager", eager)):
         os.environ["DSC_PIPELINE"] = "off" if name.endswith("unpipelined") else "on"
-        e.generate([prompts[0]], max_new_tokens=4, stop_tokens=[])
-        torch.cuda.synchronize()
-        n = 64
-        t = time.perf_counter()
-        e.generate([prompts[0]], max_new_tokens=n, stop_tokens=[])
-        torch.cuda.synchronize()
-        t1 = time.perf_counter() - t
-        t = time.perf_counter()
-        e.generate([prompts[0]], max_new_tokens=8, stop_tokens=[])
-        torch.cuda.synchronize()
-        t2 = time.perf_counter() - t
-        ms = (t1 - t2) / (n - 8) * 1e3
+        ms = generate_ms_per_token(e, len(prompts[0]), torch.device("cuda"), g, long=64)["ms_per_token"]
         report[f"ms_per_token_{name}"] = ms
         print(f"{name}: {ms:.3f} ms/token (batch 1, generate loop)", flush=True)
     os.environ.pop("DSC_PIPELINE")
