@@ -442,15 +442,25 @@ def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_
     # 1 KiB of each part's rows prefetched into L2 before the wait (26.3 us). EARLY peels the
     # first K-block off the loop instead.
     k_at = k_lo + p_w * k_part  # [WARPS_K]: each part's first k
+    # EARLY 2: the second K-block too (a part of one or two blocks then loads all its weights
+    # before the wait, overlapping the previous kernel's tail)
     if EARLY:
         w8_first = gl.load(w_ptrs, mask=n_ok & (lo_w + k_w[None, None, :] < hi_w), other=0,
                            eviction_policy="evict_first")
+    if EARLY >= 2:
+        w8_second = gl.load(w_ptrs + BLOCK_K, mask=n_ok & (lo_w + BLOCK_K + k_w[None, None, :] < hi_w), other=0,
+                            eviction_policy="evict_first")
     if PDL:
         tl.extra.cuda.gdc_wait()
     if EARLY:
         x = gl.load(x_ptrs, mask=x_ok & (lo_x + k_x[None, :, None] < hi_x), other=0.0)
+    if EARLY >= 2:
+        x_second = gl.load(x_ptrs + BLOCK_K, mask=x_ok & (lo_x + BLOCK_K + k_x[None, :, None] < hi_x), other=0.0)
+    if EARLY:
         acc = _regs_k_block(w8_first, x, acc, Z, S, n_w, N, G, k_at, GROUP_K, HAS_ZERO, CVT)
-    for k0 in range(BLOCK_K if EARLY else 0, k_part, BLOCK_K * (2 if PREFETCH else 1)):
+    if EARLY >= 2:
+        acc = _regs_k_block(w8_second, x_second, acc, Z, S, n_w, N, G, k_at + BLOCK_K, GROUP_K, HAS_ZERO, CVT)
+    for k0 in range(BLOCK_K * EARLY, k_part, BLOCK_K * (2 if PREFETCH else 1)):
         # PREFETCH: two K-blocks per iteration, both loaded before either is multiplied (5-7% slower
         # than without at the table's tiles on the H200; no row uses it)
         w8 = gl.load(w_ptrs + k0, mask=n_ok & (lo_w + k0 + k_w[None, None, :] < hi_w), other=0,
@@ -747,7 +757,7 @@ def regs_constexprs(cfg: dict) -> dict:
         raise ValueError(f"REGS config {cfg}: num_warps must be a multiple of WARPS_K, BLOCK_N of 16 * num_warps "
                          f"/ WARPS_K, BLOCK_M of 8, BLOCK_K of 4 * KW, SPLIT_K >= 1")
     return dict(CVT=I8X4_TO_F32, SPLIT_K=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KW=kw, WARPS_N=warps // wk,
-                WARPS_K=wk, PREFETCH=bool(cfg.get("PREFETCH", False)), EARLY=bool(cfg.get("EARLY", False)))
+                WARPS_K=wk, PREFETCH=bool(cfg.get("PREFETCH", False)), EARLY=int(cfg.get("EARLY", 0)))
 
 
 def _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y):

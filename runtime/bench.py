@@ -1,7 +1,8 @@
 """`dsc bench`: time an artifact with the runtime alone.
 
 Measures load + CUDA-graph capture, decode step time per batch bucket (ms/token at batch 1,
-tokens/s at larger batches), prefill time per prompt length, the bytes a decode step must
+tokens/s at larger batches; each step timed alone from an idle GPU, and steps queued back to
+back as `generate` runs them), batch-1 `generate` per token, prefill time per prompt length, the bytes a decode step must
 read (matmul weights + the KV cache up to the current context) and the achieved bandwidth,
 and the GPU memory split into weights, KV cache and workspace.
 """
@@ -39,6 +40,33 @@ def _time(fn, device, iters: int, warmup: int = 3) -> float:
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _time_queued(fn, device, reps: int = 10, samples: int = 7) -> float:
+    """Median seconds per call over `samples` runs of `reps` calls queued back to back, one host
+    sync per run: the step a loop that does not wait for each step runs at (the pipelined
+    `generate`). `_time` syncs after every call, so each of its steps starts from an idle GPU;
+    under tensor parallelism the ranks' processes then launch each step at slightly different
+    times, and a step also absorbs that skew (its first collective waits for the latest rank)."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(samples):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(reps):
+                fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3 / reps)
+        else:
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t) / reps)
     times.sort()
     return times[len(times) // 2]
 
@@ -132,8 +160,10 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
         pos = torch.full((b,), context, dtype=torch.long, device=dev)
         step = lambda: engine._decode(tok, pos)  # noqa: E731
         s = _time(step, dev, iters)
+        q = _time_queued(step, dev, *((10, 7) if dev.type == "cuda" else (2, 3)))
         nbytes = decode_bytes(engine, b, context + 1)
-        res["decode"][b] = {"ms_per_step": s * 1e3, "tokens_per_s": b / s, "bytes": nbytes["total"],
+        res["decode"][b] = {"ms_per_step": s * 1e3, "ms_per_step_queued": q * 1e3, "tokens_per_s": b / s,
+                            "bytes": nbytes["total"],
                             "weight_bytes": nbytes["weights"], "kv_bytes": nbytes["kv_cache"],
                             "achieved_bw": nbytes["total"] / s, "fraction_of_read_bw": nbytes["total"] / s / READ_BW_H200}
     if 1 in res["decode"] and context + 41 < engine.max_seq:
@@ -174,10 +204,15 @@ def render(res: dict) -> str:
         if m:
             lines.append(f"  rank {r}: weights {m['weights'] / 2**30:.2f} GiB, KV cache {m['kv_cache'] / 2**30:.2f} GiB, "
                          f"workspace {m['workspace'] / 2**20:.1f} MiB")
-    lines.append(f"{'batch':>6} {'ms/step':>9} {'tok/s':>10} {'MB read':>9} {'GB/s':>8} {'% of 4.33 TB/s':>15}")
+    lines.append(f"{'batch':>6} {'ms/step':>9} {'queued':>8} {'tok/s':>10} {'MB read':>9} {'GB/s':>8} "
+                 f"{'% of 4.33 TB/s':>15}")
     for b, d in res["decode"].items():
-        lines.append(f"{b:>6} {d['ms_per_step']:>9.3f} {d['tokens_per_s']:>10.1f} {d['bytes'] / 1e6:>9.1f} "
+        queued = f"{d['ms_per_step_queued']:>8.3f}" if "ms_per_step_queued" in d else f"{'-':>8}"
+        lines.append(f"{b:>6} {d['ms_per_step']:>9.3f} {queued} {d['tokens_per_s']:>10.1f} {d['bytes'] / 1e6:>9.1f} "
                      f"{d['achieved_bw'] / 1e9:>8.1f} {100 * d['fraction_of_read_bw']:>14.1f}%")
+    if res["decode"]:
+        lines.append("  (ms/step: one step from an idle GPU, synced after each; queued: steps queued back to back, "
+                     "as generate runs them)")
     if res.get("generate") and 1 in res["decode"]:
         lines.append(f"generate, batch 1, greedy: {res['generate']['ms_per_token']:.3f} ms/token "
                      f"(the decode step alone: {res['decode'][1]['ms_per_step']:.3f} ms; "

@@ -392,7 +392,9 @@ def run(args) -> dict:
     for m in decode_m:
         for k, n in shapes:
             cands = None
-            if sweep:
+            if args.configs and 1 < m <= 16:  # the given rows only, next to the default
+                cands = [dict(json.loads(c), kernel="w8a16_mma") for c in args.configs]
+            elif sweep:
                 if m == 1:  # and the tensor-core kernel at M = 1, for comparison
                     cands = pick([dict(c, kernel="w8a16_gemv") for c in GEMV])
                     cands += pick([dict(c, kernel="w8a16_mma") for c in MMA_DECODE[:6]])
@@ -407,6 +409,9 @@ def run(args) -> dict:
             r = bench_w8a16(m, k, n, l2, cands)
             res["results"].append(r)
             _print_row(r, n * k)
+            for row in r["candidates"][1:] if args.configs else ():
+                got = f"{row['ms'] * 1e3:7.2f} us ({r['bf16_ms'] / row['ms']:.2f}x bf16)" if "ms" in row else row.get("error")
+                print(f"    {got}  {json.dumps(row['config'])}")
     for k, n in shapes if not args.no_prefill else ():
         r = bench_w8a8(prefill_m, k, n, l2, pick([dict(c) for c in W8A8_PREFILL]) if sweep else None)
         res["results"].append(r)
@@ -549,6 +554,8 @@ def main() -> None:
     ap.add_argument("--vs-mma", action="store_true", help="with --quick: also time the Triton mma kernel's built-in "
                     "default at 2-16 tokens (where the default is the Gluon kernel)")
     ap.add_argument("--regs", action="store_true", help="at 2-16 tokens sweep only the Gluon kernel's (REGS) configs")
+    ap.add_argument("--configs", nargs="*", default=[], help="at 2-16 tokens time these configs (JSON objects, e.g. "
+                    "'{\"REGS\": true, \"BLOCK_M\": 8, ...}') next to the default, each printed, instead of a sweep")
     ap.add_argument("--smoke", action="store_true", help="no GPU: this script's logic on tiny shapes in the "
                     "Triton interpreter (set TRITON_INTERPRET=1); timings are meaningless")
     args = ap.parse_args()

@@ -30,6 +30,8 @@ CFGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH, num_warps, WARPS_K[, E
     (16, 16, 64, 2, True, 8, 8), (8, 16, 128, 4, True, 4, 4),
     # EARLY (8th field): the first K-block's weights before the PDL wait
     (8, 16, 128, 4, False, 4, 4, True), (16, 16, 64, 2, True, 8, 8, True), (8, 32, 256, 1, False, 2, 1, True),
+    # EARLY 2: the first two K-blocks (parts of 1, 2 and 4 blocks)
+    (8, 16, 128, 4, False, 4, 4, 2), (8, 16, 256, 1, False, 8, 8, 2), (16, 16, 64, 2, False, 8, 8, 2),
 ]
 SHAPES = [  # M, K, N, group size (None: per channel), symmetric, bias
     (8, 4096, 4096, None, True, False), (8, 4096, 14336, None, True, False), (8, 14336, 4096, None, True, False),
@@ -53,7 +55,7 @@ def case(m, k, n, gs, sym, bias, dtype, cfg, g) -> str:
     ref = int8.linear_w8a16_reference(x.float(), p["qweight"], p["scale"], z, None if b is None else b.float(), gs or k)
     bm, bn, bk, sk, pf, warps, wk, *early = cfg
     regs = dict(REGS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=pf, num_warps=warps, WARPS_K=wk,
-                EARLY=bool(early and early[0]))
+                EARLY=int(early[0]) if early else 0)
     if gs and gs % bk:
         return "skip"
     got = int8.w8a16_matmul(x, p["qweight"], p["scale"], z, b, gs or k, kernel="w8a16_mma", config=regs)

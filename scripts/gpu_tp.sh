@@ -19,7 +19,8 @@
 #    default tp=4 run also profiles a batch-1 step (--profile). NO_BENCH=1 skips all benches,
 #    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with the other PDL
 #    setting than the default's (DSC_PDL=off at tp=1, on at tp > 1; tags -pdloff / -pdlon; PDL_AB="tp1 tp4": those only;
-#    AB_ROUNDS=3: two more rounds of both at batch 1, tags -rN and -pdl{on,off}-rN).
+#    AB_ROUNDS=3: two more rounds of both at batch 1, tags -rN and -pdl{on,off}-rN). ROUNDS=3: two
+#    more batch-1 benches of every artifact as it is (tags -rN; not with AB_ROUNDS).
 #    BENCH_CTX="512 2048": each artifact's batch-1 decode also at those contexts (tags -ctxC).
 #    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
@@ -164,6 +165,9 @@ if [ -z "${NO_BENCH:-}" ]; then
       done
     fi
     [[ " ${PIPE_AB:-} " == *" $A "* ]] && BENCH_ARGS="--batch 1" bench "$A-nopipe" "$A" DSC_PIPELINE=off
+    for R in $(seq 2 "${ROUNDS:-1}"); do  # ROUNDS=N: N - 1 more batch-1 benches of the default (tags -rN)
+      BENCH_ARGS="--batch 1 --prefill 128" TAIL=4 bench "$A-r$R" "$A"
+    done
     if [[ $A != tp1* && $A != *int8 ]]; then
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-push" "$A" DSC_ALLREDUCE=push
       [ -n "${NO_MODE_BENCH:-}" ] || bench "$A-pull" "$A" DSC_ALLREDUCE=pull
@@ -189,17 +193,23 @@ for f in sorted(os.listdir(out)):
         rows[f[6:-5]] = json.load(open(os.path.join(out, f)))
 order = sorted(rows, key=lambda t: ("int8" in t, "-ctx" in t, t.partition("-ctx")[2], int(t[2]), "-pdl" in t, "push" in t, "pull" in t, "oneshot" in t,
                                    "nccl" in t))
-print(f"{'artifact':>14} {'all-reduce':>18} {'pdl':>4} {'b1 ms/tok':>10} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
+# batch 1, ms: the step alone (synced after each: the issue's ratio since session 4), steps queued
+# back to back (`dsc bench`'s queued column), and generate per token (pipelined, everything in)
+print(f"{'artifact':>14} {'all-reduce':>18} {'pdl':>4} {'b1 ms/tok':>10} {'vs tp1':>7} {'queued':>7} {'vs tp1':>7} "
+      f"{'generate':>8} {'vs tp1':>7} {'b64 tok/s':>10} {'vs tp1':>7} {'weights/rank GiB':>17}")
+def ratio(a, b):
+    return f"{a / b:>6.3f}x" if a and b else f"{'-':>7}"
 for tag in order:
     r = rows[tag]
-    base = rows.get("tp1-int8" if "int8" in tag else "tp1" + (tag[tag.index("-ctx"):] if "-ctx" in tag else ""))
-    d1, d64 = r["decode"].get("1"), r["decode"].get("64")
-    b1 = (base or {}).get("decode", {}).get("1")
-    b64 = (base or {}).get("decode", {}).get("64")
+    base = rows.get("tp1-int8" if "int8" in tag else "tp1" + (tag[tag.index("-ctx"):] if "-ctx" in tag else "")) or {}
+    d1, d64 = r["decode"].get("1") or {}, r["decode"].get("64") or {}
+    b1, b64 = base.get("decode", {}).get("1") or {}, base.get("decode", {}).get("64") or {}
+    g, bg = (r.get("generate") or {}).get("ms_per_token"), (base.get("generate") or {}).get("ms_per_token")
     mem = r.get("memory_per_rank") or [r.get("memory")]
     w = "/".join(f"{m['weights'] / 2**30:.2f}" for m in mem if m)
-    print(f"{tag:>14} {r.get('all_reduce', '-'):>18} {r.get('pdl', '-'):>4} {d1['ms_per_step'] if d1 else 0:>10.3f} "
-          f"{d1['ms_per_step'] / b1['ms_per_step'] if d1 and b1 else 0:>6.2f}x "
-          f"{d64['tokens_per_s'] if d64 else 0:>10.0f} {(d64['tokens_per_s'] / b64['tokens_per_s']) if d64 and b64 else 0:>6.2f}x {w:>17}")
+    print(f"{tag:>14} {r.get('all_reduce', '-'):>18} {r.get('pdl', '-'):>4} {d1.get('ms_per_step', 0):>10.3f} "
+          f"{ratio(d1.get('ms_per_step'), b1.get('ms_per_step'))} {d1.get('ms_per_step_queued', 0):>7.3f} "
+          f"{ratio(d1.get('ms_per_step_queued'), b1.get('ms_per_step_queued'))} {g or 0:>8.3f} {ratio(g, bg)} "
+          f"{d64.get('tokens_per_s', 0):>10.0f} {ratio(d64.get('tokens_per_s'), b64.get('tokens_per_s'))} {w:>17}")
 PY
 pack

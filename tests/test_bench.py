@@ -49,6 +49,8 @@ def test_bench_cli_writes_table_json_and_profile(compile_artifact, tmp_path):
     assert set(res["decode"]) == {"1", "2"} and set(res["prefill"]) == {"8"}
     for d in res["decode"].values():
         assert d["ms_per_step"] > 0 and d["tokens_per_s"] > 0 and d["bytes"] == d["weight_bytes"] + d["kv_bytes"]
+        assert d["ms_per_step_queued"] > 0
+    assert "queued" in r.output
     prof = res["profile"]
     layers = json.loads((art / "plan.json").read_text())["model"]["layers"]
     ops = {r["name"]: r for r in prof["by_name"]}
@@ -76,6 +78,24 @@ def test_profile_attributes_kernels_to_plan_nodes_only_when_they_line_up(compile
     assert rows[emb["name"]]["bytes"] == engine.weights["model.embed_tokens.weight"][0].numel() * 4  # one row
     assert attribute(kernels[:-1], plan, steps=2) is None  # a launch the plan does not know of: no guessing
     assert attribute([], plan, steps=2) is None
+
+
+def test_queued_timing_runs_every_step_it_divides_by():
+    """`_time_queued`: one warm-up call, then `samples` runs of `reps` calls; the median run's
+    seconds per call (each call here sleeps 2 ms, so no run can be shorter)."""
+    import time
+
+    from dsc.runtime.bench import _time_queued
+
+    calls = []
+
+    def step():
+        calls.append(1)
+        time.sleep(0.002)
+
+    s = _time_queued(step, torch.device("cpu"), reps=4, samples=3)
+    assert len(calls) == 1 + 4 * 3
+    assert 0.002 <= s < 0.05
 
 
 def test_bench_on_a_missing_artifact_is_one_clear_line(tmp_path):
@@ -108,6 +128,7 @@ def test_bench_of_a_tp_artifact_runs_every_rank_and_reports_each(compile_artifac
     res = json.loads(out.read_text())
     assert res["tp"] == 2 and res["all_reduce"] == "gloo" and res["rank"] == 0
     assert res["memory_per_rank"] == [None, None] and res["decode"]["1"]["ms_per_step"] > 0
+    assert res["decode"]["1"]["ms_per_step_queued"] > 0  # every rank queued the same steps (no hang)
     # batch 1: engine.generate per token too, pipelined, every rank in its loop (the token broadcast)
     assert res["generate"]["ms_per_token"] > 0 and res["generate"]["pipeline"] == "on"
     assert "generate, batch 1, greedy:" in r.stdout
