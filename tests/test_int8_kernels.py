@@ -374,6 +374,10 @@ def run_aot(out: str) -> None:
                           ("regs-early-splitk4-g128", dict(GROUP_K=128, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=128,
                                                            SPLIT_K=4, PREFETCH=False, EARLY=True, WARPS_N=1,
                                                            WARPS_K=4)),
+                          ("regs-early2-k256-warpsk8", dict(GROUP_K=0, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1,
+                                                            PREFETCH=False, EARLY=2, WARPS_N=1, WARPS_K=8)),
+                          ("regs-early2-splitk4-g128-asym", dict(GROUP_K=128, HAS_ZERO=True, BLOCK_N=16, BLOCK_K=128,
+                                                                 SPLIT_K=4, PREFETCH=False, EARLY=2, WARPS_N=1, WARPS_K=4)),
                           ("regs-default-n6144", dict(GROUP_K=0, HAS_ZERO=False,
                                                       **int8.regs_constexprs(int8.regs_default(6144, 4096))))):
         aligned = tuple(a for a, t in mma_types.items() if t.startswith("*") or a in ("N", "K", "stride_xm", "stride_ym"))
@@ -425,7 +429,7 @@ def test_regs_kernel_builds_for_sm90_without_shared_memory(compiled):
     election use some), no spills, and nothing but EARLY's first weight block (read-only)
     touched before the PDL wait (EARLY 2: the first two)."""
     regs = {k: v for k, v in compiled.items() if k.startswith("regs")}
-    assert len(regs) == 6, list(compiled)
+    assert len(regs) == 8, list(compiled)
     for name, r in regs.items():
         assert r["ok"] and r["mma_sync"] > 0 and r["weight_loads_16B"] > 0 and r["spill_bytes"] == 0, (name, r)
         assert r["pdl"] == "ok", (name, r)
