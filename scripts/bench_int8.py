@@ -152,6 +152,10 @@ REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, P
 # 16 K parts per program, or 8 with split-K 2 (EARLY): at 4096 x 4096 none beat the table's
 # row by more than 1.5% at 2-8 tokens (8.89 against 8.93 us at 8; s11-h200/regs-4096-parts);
 # not kept in the sweep.
+# Session 13: EARLY 2 (the first two K-blocks before the wait): at 4096 x 4096 the 16 x 256 tile
+# in 8 parts of two blocks, no split-K, 8.34 against 8.97 us at 8 tokens (the table's rows since);
+# slower at 4096 x 14336 / 6144 / 3072 / 28672 and no better than the mma kernel at 14336 x 4096
+# (docs/results/s13-h200/int8-early2; `bash scripts/gpu_int8_early.sh`, `--configs` rows).
 
 # decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
 # the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
