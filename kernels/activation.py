@@ -43,8 +43,7 @@ def _silu_mul(g, u, DT: tl.constexpr):
 
 def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -57,8 +56,7 @@ def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr
 def _gelu_kernel(X, B, Y, stride_x, stride_y, N, APPROX_TANH: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

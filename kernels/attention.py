@@ -576,8 +576,7 @@ def _decode_kernel(
     ROTARY: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     split = tl.program_id(1)

@@ -303,8 +303,7 @@ def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, 
     mask = cols < N
     dt = S.dtype.element_ty
     if PDL:  # kernels/launch.py: the next kernel may start; only the norm weight is read before the wait
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -350,8 +349,7 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     dt = S.dtype.element_ty
     it = tl.int16 if dt.primitive_bitwidth == 16 else tl.int32
     if PDL:  # as the pull kernel: the next kernel may start (its own wait orders it after this one)
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -398,8 +396,7 @@ def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, EVEN: tl.constexpr, BLOCK_
     # normalizes. The peers' copies start as soon as each program has its rows, while the
     # others still stream the weight.
     if PDL:
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL)

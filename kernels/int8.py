@@ -228,8 +228,7 @@ def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
                        PDL: tl.constexpr = False):
     # y[n] = sum_k x[k] * (w[n, k] - z[n, g(k)]) * s[n, g(k)]        x: [K], w: [N, K], y: [N]
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64) * K
@@ -299,8 +298,7 @@ def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_y
     # Every index below is an axis vector (m_ax, n_ax, k_w, k_x) of the tile it addresses, so one
     # body serves both orientations. SPLIT_K: program_id(2) sums its share of the K-blocks.
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -416,8 +414,7 @@ def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)  # [WARPS_K, BLOCK_N, BLOCK_K]
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)  # [WARPS_K, BLOCK_K, BLOCK_M]
     if PDL:  # kernels/launch.py
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     k_len = gl.cdiv(gl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # this split's K range: whole K-blocks
     k_lo = gl.program_id(2) * k_len
     k_hi = gl.minimum(k_lo + k_len, K)

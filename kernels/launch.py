@@ -129,13 +129,11 @@ def tuned(kernel: str, shape_class: str, arch: str, default: dict) -> dict:
     return {**default, **tuning_row(kernel, shape_class, arch)}
 
 
-PDL_MODES = ("auto", "on", "off", "exit")
+PDL_MODES = ("auto", "on", "off")
 
 
 def pdl_mode() -> str:
-    """DSC_PDL (read at each call; CUDA graphs read it at capture): "auto" (default), "on", "off"
-    or "exit" (as "on", but no kernel triggers its dependents early: the next kernel launches
-    once this one's programs have all exited, and its wait covers only the memory flush)."""
+    """DSC_PDL (read at each call; CUDA graphs read it at capture): "auto" (default), "on" or "off"."""
     mode = os.environ.get("DSC_PDL", "auto")
     if mode not in PDL_MODES:
         raise ValueError(f"DSC_PDL must be one of {', '.join(PDL_MODES)}, got {mode!r}")
@@ -167,7 +165,7 @@ def pdl_options(device: torch.device) -> dict:
     """Launch keywords of a PDL-capable kernel: the `PDL` constexpr and triton's `launch_pdl`,
     always equal (a kernel launched with PDL but compiled without the wait would race)."""
     on = pdl_enabled(device)
-    return {"PDL": 2 if on and pdl_mode() == "exit" else on, "launch_pdl": on}
+    return {"PDL": on, "launch_pdl": on}
 
 
 def _interpreting() -> bool:

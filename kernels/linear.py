@@ -85,8 +85,7 @@ def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, PDL: tl.constexpr = False):
     # y[n] = sum_k x[k] * w[n, k] (+ b[n])            x: [K], w: [N, K], y: [N]
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL)  # [BLOCK_N]
@@ -99,8 +98,7 @@ def _gemv_swiglu_kernel(X, W, Y, N, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr
                         X_ROW: tl.constexpr, PDL: tl.constexpr = False):
     # y[n] = silu(g[n]) * u[n], g[n] = w[n] . x, u[n] = w[N + n] . x     x: [K], w: [2N, K], y: [N]
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     # one tile of 2 BLOCK_N weight rows, gate and up interleaved (row 2i: gate of output n0 + i,
     # row 2i + 1: its up), so one loop and one reduction serve both and a [BLOCK_N, 2] split
     # pairs them

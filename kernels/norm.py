@@ -29,8 +29,7 @@ MAX_N = 65536
 def _rmsnorm_kernel(X, R, W, S, Y, stride_x, stride_r, stride_s, stride_y, N, eps,
                     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -51,8 +50,7 @@ def _layernorm_kernel(X, R, W, B, XB, S, Y, stride_x, stride_r, stride_s, stride
                       HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_XBIAS: tl.constexpr,
                       BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)

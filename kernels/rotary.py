@@ -44,8 +44,7 @@ def _rotary_kernel(Q, K, COS, SIN, QO, KO,
                    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sc_b, sc_s, ss_b, ss_s,
                    S, HQ, HK, HALF, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
-        if PDL == 1:  # DSC_PDL=exit builds PDL 2: no early trigger (kernels/launch.py)
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)  # token = b * S + s
     hb = tl.program_id(1)

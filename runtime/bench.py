@@ -119,7 +119,7 @@ def generate_ms_per_token(engine, context: int, device, g: torch.Generator, shor
 def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), prefill_lens=(128, 2048),
           context: int = 128, iters: int = 50, cuda_graphs: bool = True, profile: bool = False) -> dict:
     import dsc
-    from dsc.kernels.launch import pdl_enabled, pdl_mode
+    from dsc.kernels.launch import pdl_enabled
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
@@ -132,7 +132,7 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
     res: dict = {"artifact": str(path), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "dtype": engine.plan["model"]["dtype"], "tp": engine.world, "load_and_capture_s": load_s,
                  "cuda_graphs": engine._decode.captured, "all_reduce": engine.all_reduce,
-                 "pdl": ("exit" if pdl_mode() == "exit" else "on") if pdl_enabled(dev) else "off", "decode": {}, "prefill": {}}
+                 "pdl": "on" if pdl_enabled(dev) else "off", "decode": {}, "prefill": {}}
     if dev.type == "cuda":
         w = sum(t.numel() * t.element_size() for t in engine.weights.values())
         kv = sum(t.numel() * t.element_size() for t in engine.kv_cache.values())

@@ -44,21 +44,6 @@ def test_dsc_pdl_is_read_at_each_call(hopper, monkeypatch):
     assert launch.pdl_enabled(CUDA)
 
 
-def test_pdl_exit_launches_with_pdl_but_builds_without_the_early_trigger(hopper, monkeypatch):
-    """DSC_PDL=exit: launched with PDL wherever "on" would be (tensor parallel too), but the
-    kernels get PDL 2, whose builds wait (griddepcontrol.wait) and never trigger their dependents
-    early (no griddepcontrol.launch_dependents: the next kernel launches as this one's programs
-    exit). The sm_90 builds are checked in tests/test_linear_kernel.py."""
-    import torch.distributed as dist
-
-    monkeypatch.setenv("DSC_PDL", "exit")
-    assert launch.pdl_options(CUDA) == {"PDL": 2, "launch_pdl": True}
-    assert launch.pdl_options(CPU) == {"PDL": False, "launch_pdl": False}
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    assert launch.pdl_options(CUDA) == {"PDL": 2, "launch_pdl": True}
-
-
 def test_auto_turns_pdl_off_under_tensor_parallelism(hopper, monkeypatch):
     import torch.distributed as dist
 
@@ -77,7 +62,7 @@ def test_auto_turns_pdl_off_under_tensor_parallelism(hopper, monkeypatch):
 def test_bad_dsc_pdl_is_a_clear_error_on_every_device(value, monkeypatch):
     monkeypatch.setenv("DSC_PDL", value)
     for dev in (CPU, CUDA):
-        with pytest.raises(ValueError, match=f"DSC_PDL must be one of auto, on, off, exit, got {value!r}"):
+        with pytest.raises(ValueError, match=f"DSC_PDL must be one of auto, on, off, got {value!r}"):
             launch.pdl_enabled(dev)
 
 
