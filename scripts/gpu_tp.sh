@@ -29,8 +29,8 @@
 #    PROFILE_ARTS="tp2 tp4": the artifacts whose benches (and -pdl{on,off} benches) profile a batch-1
 #    step (default tp4). BOUND_ARTS="tp1 tp2 tp4": also compiled (tp4 too on 2 GPUs), then rank 0
 #    of each decoded on GPU 0 with local stand-ins for its collectives (scripts/tp_local_bound.py:
-#    the step each tp would take if its all-reduces were free), after the benches; BOUND_PDL_AB=1:
-#    the bound again with DSC_PDL=off.
+#    the step each tp would take if its all-reduces were free), after the benches; BOUND_PDL_MODES=
+#    "off on": the bound again under those DSC_PDL modes (BOUND_PDL_AB=1: "off").
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
@@ -182,11 +182,12 @@ echo "bench done: $((SECONDS - T0)) s"
 if [ -n "${BOUND_ARTS:-}" ]; then
   OUT=$OUT CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/tp_local_bound.py $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) \
     2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound.txt"
-  if [ -n "${BOUND_PDL_AB:-}" ]; then  # the bound again without PDL (as tp > 1 runs by default)
-    mkdir -p "$OUT/bound-pdloff"
-    OUT=$OUT/bound-pdloff DSC_PDL=off CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/tp_local_bound.py \
-      $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) 2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound-pdloff.txt"
-  fi
+  # BOUND_PDL_MODES="off on": the bound again under those DSC_PDL modes (BOUND_PDL_AB=1: "off")
+  for M in ${BOUND_PDL_MODES:-${BOUND_PDL_AB:+off}}; do
+    mkdir -p "$OUT/bound-pdl$M"
+    OUT=$OUT/bound-pdl$M DSC_PDL=$M CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/tp_local_bound.py \
+      $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) 2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound-pdl$M.txt"
+  done
   echo "bound done: $((SECONDS - T0)) s"
   pack
 fi
