@@ -20,7 +20,8 @@
 #    NO_NCCL_BENCH=1 the NCCL ones, NO_MODE_BENCH=1 all but the default; PDL_AB=1 benches every artifact again with the other PDL
 #    setting than the default's (DSC_PDL=off at tp=1, on at tp > 1; tags -pdloff / -pdlon; PDL_AB="tp1 tp4": those only;
 #    AB_ROUNDS=3: two more rounds of both at batch 1, tags -rN and -pdl{on,off}-rN). ROUNDS=3: two
-#    more batch-1 benches of every artifact as it is (tags -rN; not with AB_ROUNDS).
+#    more batch-1 benches of every artifact as it is (tags -rN; not with AB_ROUNDS). ENV_AB="VAR=value":
+#    every tp > 1 artifact benched again with that environment (tag -envab; AB_ROUNDS rounds).
 #    BENCH_CTX="512 2048": each artifact's batch-1 decode also at those contexts (tags -ctxC).
 #    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
@@ -166,6 +167,13 @@ if [ -z "${NO_BENCH:-}" ]; then
       done
     fi
     [[ " ${PIPE_AB:-} " == *" $A "* ]] && BENCH_ARGS="--batch 1" bench "$A-nopipe" "$A" DSC_PIPELINE=off
+    if [ -n "${ENV_AB:-}" ] && [[ $A != tp1* ]]; then  # ENV_AB="VAR=value": tp > 1 again with it (tag -envab),
+      bench "$A-envab" "$A" $ENV_AB                    # AB_ROUNDS=N: N rounds of both, batch 1
+      for R in $(seq 2 "${AB_ROUNDS:-1}"); do
+        BENCH_ARGS="--batch 1 --prefill 128" TAIL=4 bench "$A-r$R" "$A"
+        BENCH_ARGS="--batch 1 --prefill 128" TAIL=4 bench "$A-envab-r$R" "$A" $ENV_AB
+      done
+    fi
     for R in $(seq 2 "${ROUNDS:-1}"); do  # ROUNDS=N: N - 1 more batch-1 benches of the default (tags -rN)
       BENCH_ARGS="--batch 1 --prefill 128" TAIL=4 bench "$A-r$R" "$A"
     done
