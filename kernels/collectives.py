@@ -339,7 +339,7 @@ def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, 
 def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, rank, region,
                                 N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr,
                                 BLOCK_N: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False,
-                                SENT: tl.constexpr = False, RELOAD: tl.constexpr = False):
+                                SENT: tl.constexpr = False):
     # BUFS: [WORLD] addresses of every rank's push buffer (this call's slot), read as integers of
     # the dtype's width; sender q's rows start at q * region in every buffer. MARK: -0.0's bits.
     # SENT: the previous kernel (`_gemv_push_kernel`) already pushed this rank's row; X unused
@@ -364,33 +364,24 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     # wait until every sender's row has fully arrived in this rank's buffer: poll (volatile
     # loads, all senders at once) until no element holds the marker. The loop carries only a
-    # scalar (triton 3.6 fails to compile a loop-carried tensor in such a loop); the iteration
-    # whose load finds no marker sums, normalizes and resets from the rows it loaded (RELOAD,
-    # until session 13: the rows loaded once more after the loop, a memory round trip more).
+    # scalar (triton 3.6 fails to compile a loop-carried tensor in such a loop: hence a name per
+    # load); the load that finds no marker is the one summed, normalized and reset. (Until
+    # session 13 the rows were loaded once more after the loop: 2 H200s, Llama-8B tp=2, 2-20 us
+    # per step slower, docs/results/s13-h200x2/ar-no-reload.)
     mine = tl.multiple_of(tl.load(BUFS + rank).to(tl.pointer_type(it)), 16)
     senders = tl.arange(0, BLOCK_W)[:, None]
     ptrs = mine + (senders.to(tl.int64) * region + row * N) + cols[None, :]
     m2 = (senders < WORLD) & mask[None, :]
-    if RELOAD:
-        pending = tl.sum(tl.sum((tl.load(ptrs, mask=m2, other=0, volatile=True) == MARK).to(tl.int32), axis=1),
-                         axis=0)
-        while pending != 0:
-            pending = tl.sum(tl.sum((tl.load(ptrs, mask=m2, other=0, volatile=True) == MARK).to(tl.int32), axis=1),
-                             axis=0)
-        _push_sum_norm(tl.load(ptrs, mask=m2, other=0, volatile=True), ptrs, m2, senders, r, w, S, Y, row, cols,
-                       mask, eps, N, WORLD, BLOCK_W, BLOCK_N, MARK)
-    else:  # (a name per load, so that no tensor is carried into the loop)
-        first = tl.load(ptrs, mask=m2, other=0, volatile=True)
-        pending = tl.sum(tl.sum((first == MARK).to(tl.int32), axis=1), axis=0)
-        if pending == 0:  # the same on every thread (a block-wide sum): no divergent barrier
-            _push_sum_norm(first, ptrs, m2, senders, r, w, S, Y, row, cols, mask, eps, N, WORLD, BLOCK_W,
-                           BLOCK_N, MARK)
-        while pending != 0:
-            again = tl.load(ptrs, mask=m2, other=0, volatile=True)
-            pending = tl.sum(tl.sum((again == MARK).to(tl.int32), axis=1), axis=0)
-            if pending == 0:
-                _push_sum_norm(again, ptrs, m2, senders, r, w, S, Y, row, cols, mask, eps, N, WORLD, BLOCK_W,
-                               BLOCK_N, MARK)
+    first = tl.load(ptrs, mask=m2, other=0, volatile=True)
+    pending = tl.sum(tl.sum((first == MARK).to(tl.int32), axis=1), axis=0)
+    if pending == 0:  # the same on every thread (a block-wide sum): no divergent barrier
+        _push_sum_norm(first, ptrs, m2, senders, r, w, S, Y, row, cols, mask, eps, N, WORLD, BLOCK_W, BLOCK_N, MARK)
+    while pending != 0:
+        again = tl.load(ptrs, mask=m2, other=0, volatile=True)
+        pending = tl.sum(tl.sum((again == MARK).to(tl.int32), axis=1), axis=0)
+        if pending == 0:
+            _push_sum_norm(again, ptrs, m2, senders, r, w, S, Y, row, cols, mask, eps, N, WORLD, BLOCK_W, BLOCK_N,
+                           MARK)
 
 
 @device
@@ -449,7 +440,7 @@ def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residu
     if kernel == "push":
         jit(_ar_push_add_rmsnorm_kernel)[(rows,)](
             x, residual, weight, out_s, out_y, s.push_ptrs[slot], sx, sr, eps, s.rank, s.numel,
-            MARK=_MARK[s.dtype], SENT=sent, RELOAD=os.environ.get("DSC_AR_RELOAD") == "1", **common)
+            MARK=_MARK[s.dtype], SENT=sent, **common)
     else:
         jit(_ar_add_rmsnorm_kernel)[(rows,)](
             x, residual, weight, out_s, out_y, s.buffer_ptrs[slot], s.flag_ptrs, sx, sr, eps,
