@@ -28,10 +28,10 @@ synchronisation point of its own.
 The fused all-reduce + add + RMSNorm (one launch where the unfused ops take two; one program
 per row). Two kernels:
 - push (`_ar_push_add_rmsnorm_kernel`, the default): every rank writes its row straight into
-  its own slot of every rank's "push" buffer over NVLink, then polls its own buffer until no
-  element of the row holds the marker value (-0.0; a real -0.0 is sent as +0.0, which changes
-  no sum), loads the rows, writes the marker back, and sums in fp32 in rank order (every rank
-  gets the same bits). No flags, no fences and no remote reads: a peer's data is its own
+  its own slot of every rank's "push" buffer over NVLink, then polls its own buffer until a
+  load finds no element of the row holding the marker value (-0.0; a real -0.0 is sent as +0.0,
+  which changes no sum), writes the marker back, and sums the rows that load read in fp32 in
+  rank order (every rank gets the same bits). No flags, no fences and no remote reads: a peer's data is its own
   arrival signal, so the call costs one NVLink write latency. A push buffer holds the marker
   everywhere outside a call. Reuse: a rank writes into buffer b again only two all-reduces
   later, having first received every rank's data (or passed a barrier) for the all-reduce in
