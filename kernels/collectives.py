@@ -31,8 +31,8 @@ per row). Two kernels:
   its own slot of every rank's "push" buffer over NVLink, then polls its own buffer until a
   load finds no element of the row holding the marker value (-0.0; a real -0.0 is sent as +0.0,
   which changes no sum), writes the marker back, and sums the rows that load read in fp32 in
-  rank order (every rank gets the same bits). No flags, no fences and no remote reads: a peer's data is its own
-  arrival signal, so the call costs one NVLink write latency. A push buffer holds the marker
+  rank order (every rank gets the same bits). No flags, no fences and no remote reads: a
+  peer's data is its own arrival signal, so the call costs one NVLink write latency. A push buffer holds the marker
   everywhere outside a call. Reuse: a rank writes into buffer b again only two all-reduces
   later, having first received every rank's data (or passed a barrier) for the all-reduce in
   between, which each rank sends only after its kernel that read and reset buffer b finished.

@@ -2,9 +2,9 @@
 
 Measures load + CUDA-graph capture, decode step time per batch bucket (ms/token at batch 1,
 tokens/s at larger batches; each step timed alone from an idle GPU, and steps queued back to
-back as `generate` runs them), batch-1 `generate` per token, prefill time per prompt length, the bytes a decode step must
-read (matmul weights + the KV cache up to the current context) and the achieved bandwidth,
-and the GPU memory split into weights, KV cache and workspace.
+back as `generate` runs them), batch-1 `generate` per token, prefill time per prompt length,
+the bytes a decode step must read (matmul weights + the KV cache up to the current context)
+and the achieved bandwidth, and the GPU memory split into weights, KV cache and workspace.
 """
 from __future__ import annotations
 
