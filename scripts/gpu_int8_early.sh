@@ -3,8 +3,10 @@
 # weights loaded before the PDL wait) against each shape's current config (a tuning row or
 # `regs_default`) and that config with EARLY 2, at Llama-8B's decode shapes, after the kernel
 # check (scripts/check_int8_regs_gpu.py). Tuples: BLOCK_M BLOCK_N BLOCK_K SPLIT_K WARPS_K num_warps EARLY.
-# Session 13's first run (4096 x 4096 only, 8 and 4 tokens: docs/results/s13-h200x4/) found the
-# tile 16 x 256, 8 K parts, no split-K, EARLY 2 1.07x faster than the table's row at 8 tokens.
+# Session 13's first run (4096 x 4096 only, 8 and 4 tokens: docs/results/s13-h200x4/tp-queued/
+# during-compile.log) found the tile 16 x 256, 8 K parts, no split-K, EARLY 2 1.07x faster than
+# the table's row at 8 tokens; it is that shape's row at 2-8 tokens since. Results of this
+# version: docs/results/s13-h200/int8-early2/early2.log.
 set -uo pipefail
 python3 scripts/check_int8_regs_gpu.py 2>&1 | tail -3
 cfg() { echo "{\"REGS\": true, \"PREFETCH\": false, \"BLOCK_M\": $1, \"BLOCK_N\": $2, \"BLOCK_K\": $3, \"SPLIT_K\": $4, \"WARPS_K\": $5, \"num_warps\": $6, \"EARLY\": $7}"; }
