@@ -211,8 +211,8 @@ def render(res: dict) -> str:
         lines.append(f"{b:>6} {d['ms_per_step']:>9.3f} {queued} {d['tokens_per_s']:>10.1f} {d['bytes'] / 1e6:>9.1f} "
                      f"{d['achieved_bw'] / 1e9:>8.1f} {100 * d['fraction_of_read_bw']:>14.1f}%")
     if res["decode"]:
-        lines.append("  (ms/step: one step from an idle GPU, synced after each; queued: steps queued back to back, "
-                     "as generate runs them)")
+        lines.append("  (ms/step: each step alone, synced after it; queued: steps queued back to back, as generate "
+                     "runs them)")
     if res.get("generate") and 1 in res["decode"]:
         lines.append(f"generate, batch 1, greedy: {res['generate']['ms_per_token']:.3f} ms/token "
                      f"(the decode step alone: {res['decode'][1]['ms_per_step']:.3f} ms; "
