@@ -50,25 +50,13 @@ def _time_queued(fn, device, reps: int = 10, samples: int = 7) -> float:
     `generate`). `_time` syncs after every call, so each of its steps starts from an idle GPU;
     under tensor parallelism the ranks' processes then launch each step at slightly different
     times, and a step also absorbs that skew (its first collective waits for the latest rank)."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(samples):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3 / reps)
-        else:
-            t = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            times.append((time.perf_counter() - t) / reps)
-    times.sort()
-    return times[len(times) // 2]
+    fn()  # the warm-up: one call
+
+    def queued():
+        for _ in range(reps):
+            fn()
+
+    return _time(queued, device, samples, warmup=0) / reps
 
 
 def decode_bytes(engine, batch: int, context: int) -> dict[str, int]:
