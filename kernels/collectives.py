@@ -67,7 +67,7 @@ from dsc.kernels.linear import _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
 tl = None  # triton.language, bound by launch.jit on first launch
-ALLREDUCE_MODES = ("auto", "push", "pull", "one_shot", "nccl")  # auto: GEMV push, the push kernel, the one-shot
+ALLREDUCE_MODES = ("auto", "gemv_push", "push", "pull", "one_shot", "nccl")  # auto: GEMV push + norm, the push kernel, the one-shot
 _MARK = {torch.bfloat16: -32768, torch.float16: -32768, torch.float32: -2147483648}  # -0.0's bits
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -106,6 +106,7 @@ class _Symmetric:
             ptrs.append(symm_mem.rendezvous(buf, group).buffer_ptrs)
             self.push.append(buf)
         self.push_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)  # [3, world] addresses
+        self.counter = torch.zeros(1, dtype=torch.int32, device=device)  # `_gemv_push_kernel`'s, with NORM_N
         torch.cuda.synchronize(device)
         dist.barrier()  # every rank's flags are zero and push buffers marked before any rank writes
         self.fused = ""  # "push" / "pull": set by enable_symmetric after the probe, the same on every rank
@@ -136,8 +137,8 @@ def allreduce_mode() -> str:
 
 
 def _label(s: _Symmetric) -> str:
-    if s.fused == "push" and allreduce_mode() == "auto":
-        return "symm_mem+norm+gemv_push"
+    if s.fused == "push" and allreduce_mode() in ("auto", "gemv_push"):
+        return {"auto": "symm_mem+norm+gemv_push_norm", "gemv_push": "symm_mem+norm+gemv_push"}[allreduce_mode()]
     return {"push": "symm_mem+norm", "pull": "symm_mem+pull_norm"}.get(s.fused, "symm_mem")
 
 
@@ -279,16 +280,29 @@ def _(x):
 
 # -- all-reduce + residual add + RMSNorm ----------------------------------------------------
 @device
-def _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N: tl.constexpr):
-    # the fused kernels' last step, as the unfused ops round: acc (the ranks' fp32 sum) becomes
-    # the all-reduce's output in the dtype, then s = residual + it, y = RMSNorm(s) * weight
+def _add_row(acc, r, S, cols, mask):
+    # acc (the ranks' fp32 sum) becomes the all-reduce's output in the dtype, then
+    # s = residual + it, rounded and stored as the unfused ops round; returns s in fp32
     dt = S.dtype.element_ty
     s = (acc.to(dt).to(tl.float32) + r).to(dt)
-    tl.store(S + row.to(tl.int64) * N + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
+    tl.store(S + cols, s, mask=mask)
+    return s.to(tl.float32)
+
+
+@device
+def _norm_row(sf, rstd, w, Y, cols, mask):
+    # y = RMSNorm(s) * weight, rounded as `dsc::add_rmsnorm` rounds
+    dt = Y.dtype.element_ty
     y = (sf * rstd).to(dt).to(tl.float32)
-    tl.store(Y + row.to(tl.int64) * N + cols, (w * y).to(dt), mask=mask)
+    tl.store(Y + cols, (w * y).to(dt), mask=mask)
+
+
+@device
+def _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N: tl.constexpr):
+    # the fused kernels' last step on a whole row: `_add_row`, then the norm
+    sf = _add_row(acc, r, S + row.to(tl.int64) * N, cols, mask)
+    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
+    _norm_row(sf, rstd, w, Y + row.to(tl.int64) * N, cols, mask)
 
 
 def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, rank, flag_base,
@@ -362,12 +376,23 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
             buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(it)), 16)
             tl.store(buf + at + cols, bits, mask=mask)
     r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-    # wait until every sender's row has fully arrived in this rank's buffer: poll (volatile
-    # loads, all senders at once) until no element holds the marker. The loop carries only a
-    # scalar (triton 3.6 fails to compile a loop-carried tensor in such a loop: hence a name per
-    # load); the load that finds no marker is the one summed, normalized and reset. (Until
-    # session 13 the rows were loaded once more after the loop: 2 H200s, Llama-8B tp=2, 2-20 us
-    # per step slower, docs/results/s13-h200x2/ar-no-reload.)
+    _push_wait_sum_norm(BUFS, r, w, S, Y, row, rank, region, eps, N, WORLD, BLOCK_W, BLOCK_N, MARK)
+
+
+@device
+def _push_wait_sum_norm(BUFS, r, w, S, Y, row, rank, region, eps, N: tl.constexpr, WORLD: tl.constexpr,
+                        BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, MARK: tl.constexpr):
+    # the push kernel's end on row `row`, in one piece (BLOCK_N >= N; r, w: its residual and
+    # the norm weight, loaded): wait until every sender's row has fully arrived in this rank's
+    # buffer: poll (volatile loads, all senders at once) until no element holds the marker. The
+    # loop carries only a scalar (triton 3.6 fails to compile a loop-carried tensor in such a
+    # loop: hence a name per load); the load that finds no marker is the one summed, normalized
+    # and reset. (Until session 13 the rows were loaded once more after the loop: 2 H200s,
+    # Llama-8B tp=2, 2-20 us per step slower, docs/results/s13-h200x2/ar-no-reload.)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    dt = S.dtype.element_ty
+    it = tl.int16 if dt.primitive_bitwidth == 16 else tl.int32
     mine = tl.multiple_of(tl.load(BUFS + rank).to(tl.pointer_type(it)), 16)
     senders = tl.arange(0, BLOCK_W)[:, None]
     ptrs = mine + (senders.to(tl.int64) * region + row * N) + cols[None, :]
@@ -375,41 +400,87 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     first = tl.load(ptrs, mask=m2, other=0, volatile=True)
     pending = tl.sum(tl.sum((first == MARK).to(tl.int32), axis=1), axis=0)
     if pending == 0:  # the same on every thread (a block-wide sum): no divergent barrier
-        _push_sum_norm(first, ptrs, m2, senders, r, w, S, Y, row, cols, mask, eps, N, WORLD, BLOCK_W, BLOCK_N, MARK)
+        _add_rmsnorm_row(_push_sum(first, ptrs, m2, senders, WORLD, MARK, dt), r, w, S, Y, row, cols, mask, eps, N)
     while pending != 0:
         again = tl.load(ptrs, mask=m2, other=0, volatile=True)
         pending = tl.sum(tl.sum((again == MARK).to(tl.int32), axis=1), axis=0)
         if pending == 0:
-            _push_sum_norm(again, ptrs, m2, senders, r, w, S, Y, row, cols, mask, eps, N, WORLD, BLOCK_W, BLOCK_N,
-                           MARK)
+            _add_rmsnorm_row(_push_sum(again, ptrs, m2, senders, WORLD, MARK, dt), r, w, S, Y, row, cols, mask,
+                             eps, N)
 
 
 @device
-def _push_sum_norm(rows, ptrs, m2, senders, r, w, S, Y, row, cols, mask, eps, N: tl.constexpr,
-                   WORLD: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, MARK: tl.constexpr):
-    # the push kernel's end, from the senders' rows as loaded (every one arrived): back to the
-    # marker for this buffer's next use, through the same pointers (each element's load and
-    # reset in one thread, in order; no sender writes here again before this rank's next
-    # all-reduce has started, i.e. before this kernel has finished), then the sum in rank order
-    # (the same on every rank; x + 0.0 is exact) and the add + norm
-    dt = S.dtype.element_ty
-    tl.store(ptrs, tl.full([BLOCK_W, BLOCK_N], MARK, rows.dtype), mask=m2)
+def _push_sum(rows, ptrs, m2, senders, WORLD: tl.constexpr, MARK: tl.constexpr, dt: tl.constexpr):
+    # the senders' rows as loaded (every one arrived) -> their fp32 sum in rank order (the same
+    # on every rank; x + 0.0 is exact), after writing the marker back for this buffer's next use
+    # through the same pointers (each element's load and reset in one thread, in order; no
+    # sender writes here again before this rank's next all-reduce has started, i.e. before
+    # this kernel has finished)
+    tl.store(ptrs, tl.full(rows.shape, MARK, rows.dtype), mask=m2)
     vals = rows.to(dt, bitcast=True).to(tl.float32)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for q in tl.static_range(WORLD):
+    acc = tl.sum(tl.where(senders == 0, vals, 0.0), axis=0)
+    for q in tl.static_range(1, WORLD):
         acc += tl.sum(tl.where(senders == q, vals, 0.0), axis=0)
-    _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N)
+    return acc
 
 
-def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, WORLD: tl.constexpr, MARK: tl.constexpr,
-                      PDL: tl.constexpr = False):
+@device
+def _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, N: tl.constexpr, WORLD: tl.constexpr,
+                                BLOCK_W: tl.constexpr, CHUNK: tl.constexpr, MARK: tl.constexpr):
+    # `_push_wait_sum_norm` on row 0 in chunks of CHUNK columns, for a GEMV's program of few
+    # warps (the whole row at once would not fit its registers). Pass 1, chunk by chunk: wait
+    # for it, reset, sum, add the residual and store s, summing s^2 (a scalar: what the poll
+    # loops may carry). Pass 2: the norm of the s this program stored (after a barrier: a
+    # thread may read what another stored)
+    cols0 = tl.arange(0, CHUNK)
+    dt = S.dtype.element_ty
+    it = tl.int16 if dt.primitive_bitwidth == 16 else tl.int32
+    mine = tl.multiple_of(tl.load(BUFS + rank).to(tl.pointer_type(it)), 16)
+    senders = tl.arange(0, BLOCK_W)[:, None]
+    sq = eps * 0.0
+    for c0 in tl.static_range(0, N, CHUNK):
+        cols = c0 + cols0
+        mask = cols < N
+        ptrs = mine + senders.to(tl.int64) * region + cols[None, :]
+        m2 = (senders < WORLD) & mask[None, :]
+        r = tl.load(R + cols, mask=mask, other=0.0).to(tl.float32)
+        first = tl.load(ptrs, mask=m2, other=0, volatile=True)
+        pending = tl.sum(tl.sum((first == MARK).to(tl.int32), axis=1), axis=0)
+        part = eps * 0.0
+        if pending == 0:
+            sf = _add_row(_push_sum(first, ptrs, m2, senders, WORLD, MARK, dt), r, S, cols, mask)
+            part = tl.sum(sf * sf, axis=0)
+        while pending != 0:
+            again = tl.load(ptrs, mask=m2, other=0, volatile=True)
+            pending = tl.sum(tl.sum((again == MARK).to(tl.int32), axis=1), axis=0)
+            if pending == 0:
+                sf = _add_row(_push_sum(again, ptrs, m2, senders, WORLD, MARK, dt), r, S, cols, mask)
+                part = tl.sum(sf * sf, axis=0)
+        sq += part
+    rstd = tl.rsqrt(sq / N + eps)
+    tl.debug_barrier()
+    for c0 in tl.static_range(0, N, CHUNK):
+        cols = c0 + cols0
+        mask = cols < N
+        sf = tl.load(S + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(NW + cols, mask=mask, other=0.0).to(tl.float32)
+        _norm_row(sf, rstd, w, Y, cols, mask)
+
+
+def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, CNT, eps, EVEN: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, WORLD: tl.constexpr,
+                      MARK: tl.constexpr, PDL: tl.constexpr = False, NORM_N: tl.constexpr = 0,
+                      BLOCK_W: tl.constexpr = 1, CHUNK: tl.constexpr = 1):
     # the row-parallel linear before a fused all-reduce + norm, at one row: kernels/linear.py's
     # GEMV, whose programs store their outputs, rounded to the dtype, straight into this rank's
     # region of every rank's push buffer (as the push kernel would, -0.0 sent as +0.0) instead
-    # of into a tensor; `_ar_push_add_rmsnorm_kernel` with SENT then only waits, sums and
-    # normalizes. The peers' copies start as soon as each program has its rows, while the
+    # of into a tensor. The peers' copies start as soon as each program has its rows, while the
     # others still stream the weight.
+    # NORM_N = N > 0 (R, NW, S, Y, CNT, eps used): the program that finishes last (CNT, an int32 at 0
+    # between launches, counts the finished ones) then ends the all-reduce as the push kernel
+    # does (`_push_wait_sum_norm_chunked`: wait, sum, reset, add, norm; s and y of the N
+    # outputs into S and Y) and sets CNT back to 0: one launch where the GEMV and the push
+    # kernel with SENT take two. Else that push kernel follows.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -422,6 +493,12 @@ def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, EVEN: tl.constexpr, BLOCK_
     for p in tl.static_range(WORLD):
         buf = tl.load(BUFS + p).to(tl.pointer_type(it))
         tl.store(buf + at, bits, mask=mask_n)
+    if NORM_N > 0:
+        # (the counter orders nothing: the last program waits for every row, its own rank's
+        # included, through the markers, as the push kernel does)
+        if tl.atomic_add(CNT, 1, sem="relaxed") == tl.num_programs(0) - 1:
+            tl.store(CNT, 0)  # the next launch's programs start after this kernel has finished
+            _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, NORM_N, WORLD, BLOCK_W, CHUNK, MARK)
 
 
 def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residual: torch.Tensor,
@@ -490,7 +567,8 @@ def _gemv_push_config(s: _Symmetric | None, residual, x, weight, norm_weight) ->
     """The GEMV config when this call takes `_gemv_push_kernel` + the push kernel (SENT): the
     push kernel on and DSC_ALLREDUCE=auto, one row, operands of the buffers' dtype, a tuned GEMV
     for the weight's shape; else None (the linear's kernel, then the fused all-reduce + norm)."""
-    if (s is None or s.fused != "push" or not s.count or allreduce_mode() != "auto" or _gemv_push_error
+    if (s is None or s.fused != "push" or not s.count or allreduce_mode() not in ("auto", "gemv_push")
+            or _gemv_push_error
             or not weight.is_contiguous()):
         return None
     n, k = weight.shape
@@ -536,8 +614,9 @@ def _(residual, x, weight, norm_weight, eps):
     if cfg is None:
         return _linear_then_fused(residual, x, weight, norm_weight, eps)
     slot = s.slot()
+    norm = (residual, norm_weight.contiguous(), eps) if allreduce_mode() == "auto" else None
     try:
-        _launch_gemv_push(s, slot, x, weight, cfg)
+        out = _launch_gemv_push(s, slot, x, weight, cfg, norm)
     except Exception as e:  # noqa: BLE001  (a build failure: nothing was launched)
         # this rank takes the unfused pair from here; its row reaches the same buffers in the
         # same layout (the push kernel sends the GEMV's output), so ranks may differ
@@ -546,17 +625,51 @@ def _(residual, x, weight, norm_weight, eps):
               "using the GEMV and the push kernel", file=sys.stderr)
         s.index -= 1  # the unfused pair takes this slot again
         return _linear_then_fused(residual, x, weight, norm_weight, eps)
-    out_s, out_y = _launch_fused(s, "push", slot, residual, residual, norm_weight.contiguous(), eps, sent=True)
-    return out_s.view(residual.shape), out_y.view(residual.shape)
+    if out is None:  # DSC_ALLREDUCE=gemv_push: the push kernel waits, sums and normalizes
+        out = _launch_fused(s, "push", slot, residual, residual, norm_weight.contiguous(), eps, sent=True)
+    return out[0].view(residual.shape), out[1].view(residual.shape)
 
 
-def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.Tensor, config: dict) -> None:
+def gemv_push_norm_config(config: dict, n: int) -> dict:
+    """`_gemv_push_kernel`'s launch config with the all-reduce's end (NORM_N = n) from the GEMV
+    push config: at least 4 warps (BLOCK_N scaled with them, so a warp's share of the weight
+    tile is the tuned one), since the last program polls, sums and normalizes the whole row."""
+    cfg = dict(config)
+    warps = cfg["num_warps"]
+    if warps < 4 and n % (cfg["BLOCK_N"] * 4 // warps) == 0:
+        cfg.update(BLOCK_N=cfg["BLOCK_N"] * 4 // warps, num_warps=4)
+    return {**cfg, "NORM_N": n}
+
+
+def _norm_chunk(config: dict, n: int, block_w: int) -> int:
+    """Columns per pass of the all-reduce's end in `_gemv_push_kernel`: `config`'s CHUNK, else
+    at most 64 elements of the senders' rows per thread (the push kernel's load at 8 warps and 4
+    ranks)."""
+    return config.get("CHUNK") or min(next_power_of_2(n), 64 * 32 * config["num_warps"] // block_w)
+
+
+def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.Tensor, config: dict,
+                      norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """x (one row of K) @ weight [N, K].T into this rank's region of every rank's push buffer of
-    `slot`, row 0, with the GEMV config `config` (kernels/linear.py's)."""
+    `slot`, row 0, with the GEMV config `config` (kernels/linear.py's). norm = (residual,
+    norm_weight, eps): the same launch ends the all-reduce and returns (s, y) as
+    `_launch_fused` does; None: returns None, the push kernel (SENT) to follow."""
     n, k = weight.shape
-    grid, opts = gemv_launch(config, n, k, x.device)
+    if norm is None:
+        grid, opts = gemv_launch(config, n, k, x.device)
+        jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
+                                     x, x, x, x, s.counter, 0.0, WORLD=s.world, MARK=_MARK[s.dtype], **opts)
+        return None
+    residual, norm_weight, eps = norm
+    out_s = torch.empty(n, dtype=residual.dtype, device=x.device)
+    out_y = torch.empty_like(out_s)
+    cfg = gemv_push_norm_config(config, n)
+    block_w = next_power_of_2(s.world)
+    grid, opts = gemv_launch({**cfg, "BLOCK_W": block_w, "CHUNK": _norm_chunk(cfg, n, block_w)}, n, k, x.device)
     jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
+                                 residual.contiguous(), norm_weight, out_s, out_y, s.counter, eps,
                                  WORLD=s.world, MARK=_MARK[s.dtype], **opts)
+    return out_s, out_y
 
 
 @linear_all_reduce_add_rmsnorm.register_fake
@@ -566,17 +679,18 @@ def _(residual, x, weight, norm_weight, eps):
 
 @planner("dsc.linear_all_reduce_add_rmsnorm.default")
 def _plan_linear_all_reduce_add_rmsnorm(residual, x, weight, norm_weight, eps, *, arch):
-    """The decode program's (batch 1): where the GEMV is tuned for the shape, the GEMV pushing its
-    rows, then the push kernel's wait, sum and norm; else the linear's kernel (cuBLAS), then the
-    fused all-reduce + norm. Two launches either way."""
+    """The decode program's (batch 1): where the GEMV is tuned for the shape, one launch, the
+    GEMV pushing its rows and its last program waiting, summing and normalizing
+    (DSC_ALLREDUCE=auto on the target); else the linear's kernel (cuBLAS), then the fused
+    all-reduce + norm."""
     from dsc.kernels.linear import _plan_linear
 
     lin = _plan_linear(x, weight, arch=arch)
     cfg = {**lin["config"], "norm": norm_config("add_rmsnorm", weight.shape[0], arch)}
     if lin["name"] == "triton.gemv":
-        cfg.update(gemv_push_config(*weight.shape, arch))
+        cfg.update(gemv_push_norm_config(gemv_push_config(*weight.shape, arch), weight.shape[0]))
         cfg["fallback"] = "triton.gemv + triton.all_reduce_add_rmsnorm"
-        return {"name": "triton.gemv_push + triton.all_reduce_add_rmsnorm", "config": cfg, "launches": 2}
+        return {"name": "triton.gemv_push_add_rmsnorm", "config": cfg, "launches": 1}
     return {"name": f"{lin['name']} + triton.all_reduce_add_rmsnorm", "config": cfg, "launches": lin["launches"] + 1}
 
 

@@ -15,8 +15,9 @@ with the exact sum; the fused op's sum + residual must be exact too, and its nor
 equal to dsc.add_rmsnorm's of the exact sum within one bf16 rounding. This runs once with the
 push kernel (the default) and once with the pull kernel (DSC_ALLREDUCE=pull), then at one row
 with every third call the row-parallel linear + all-reduce + add + RMSNorm
-(dsc.linear_all_reduce_add_rmsnorm: its GEMV pushes its rows; the
-weight selects x's columns, so the sums stay exact). The same run with one
+(dsc.linear_all_reduce_add_rmsnorm: its GEMV pushes its rows; the weight selects x's columns,
+so the sums stay exact), twice: the GEMV's last program ending the all-reduce (the default),
+and the GEMV then the push kernel (DSC_ALLREDUCE=gemv_push). The same run with one
 buffer for every call (the order the double buffering prevents) is reported too, as a control
 of whether skew exposes reuse.
 
@@ -24,8 +25,9 @@ Timing: graphs of 64 back-to-back all-reduces of [rows, 4096] bf16 (rows 1, 8, 6
 batch 1/8/64 of a 4096-wide model) and [2048, 4096] (prefill, NCCL only), us per all-reduce:
 one-shot and NCCL alone, and all-reduce + add + RMSNorm as the fused kernels (push, pull), as the one-shot
 all-reduce + the add_rmsnorm kernel, and as NCCL + the add_rmsnorm kernel, in the same process;
-at one row also the linear before it: the GEMV then the push kernel (DSC_ALLREDUCE=push)
-against the GEMV pushing its rows (the default), with the tuned config and with more rows per
+at one row also the linear before it: the GEMV then the push kernel (DSC_ALLREDUCE=push), the
+GEMV pushing its rows then the push kernel (DSC_ALLREDUCE=gemv_push), and the GEMV pushing its
+rows and ending the all-reduce (the default), with the tuned config and with more rows per
 program. GEMV_PUSH_SWEEP=1 also sweeps GEMV push configs at Llama-8B's row-parallel shapes for
 this tp and proposes kernels/tuning.json `gemv_push` rows (JSON key gemv_push_sweep).
 
@@ -251,12 +253,12 @@ def main():
             symm.fused = kernel
             bad, total = check(rank, world, dev)
             res[f"check_{kernel or 'one_shot'}"] = {"wrong": bad, "all_reduces": total}
-        if kernels:  # one row, every third call the linear whose GEMV pushes its rows
-            symm.fused = "push"
-            with allreduce_env("auto"):
-                bad, total = check(rank, world, dev, rows=1, linear=True)
-            res["check_gemv_push"] = {"wrong": bad, "all_reduces": total,
-                                      "gemv_push_error": collectives._gemv_push_error}
+        if kernels:  # one row, every third call the linear whose GEMV pushes its rows: the GEMV
+            symm.fused = "push"  # ending the all-reduce (default), then the GEMV and the push kernel
+            for mode, key in (("auto", "check_gemv_push_norm"), ("gemv_push", "check_gemv_push")):
+                with allreduce_env(mode):
+                    bad, total = check(rank, world, dev, rows=1, linear=True)
+                res[key] = {"wrong": bad, "all_reduces": total, "gemv_push_error": collectives._gemv_push_error}
         # control: one buffer for every call, plain all-reduces only (the fused kernels would
         # hang on a reused buffer or flag, not give a wrong sum)
         slot = collectives._Symmetric.slot
@@ -279,10 +281,12 @@ def main():
                 symm.fused = "push"
                 with allreduce_env("push"):  # the GEMV, then the push kernel
                     row["gemv_then_push_norm_us"] = time_linear(K_LIN)
-                with allreduce_env("auto"):
+                with allreduce_env("gemv_push"):  # the GEMV pushing its rows, then the push kernel
+                    row["gemv_push_then_norm_us"] = time_linear(K_LIN)
+                with allreduce_env("auto"):  # one launch: the GEMV pushing its rows ends the all-reduce
                     row["gemv_push_norm_us"] = time_linear(K_LIN)
                     # more rows per program: fewer, larger stores to the peers
-                    for bn, warps in ((4, 1), (8, 1), (8, 2), (16, 4)):
+                    for bn, warps in ((4, 4), (8, 4), (16, 4), (16, 8)):
                         cfg = {"BLOCK_N": bn, "BLOCK_K": 128, "num_warps": warps}
                         row[f"gemv_push_norm_us_bn{bn}_w{warps}"] = time_linear(K_LIN, cfg)
         collectives._symm = None

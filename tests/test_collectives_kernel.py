@@ -89,9 +89,10 @@ def _pull(world: int, rank: int, dtype: torch.dtype) -> dict:
             "own_row_in_own_buffer": torch.equal(bufs[rank][: ROWS * N].view(ROWS, N), xs[rank])}
 
 
-def _gemv_push(world: int, rank: int, dtype: torch.dtype) -> dict:
+def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int = 0) -> dict:
     """The row-parallel linear + all-reduce + norm at one row: this rank's GEMV pushes x @ W.T
-    into every rank's buffer, then the push kernel (SENT) waits, sums and normalizes."""
+    into every rank's buffer, then the push kernel (SENT) waits, sums and normalizes; with
+    `chunk`, the GEMV's last program does that itself, `chunk` columns per pass (NORM_N)."""
     numel, bits, mark, k = CAP * N, C._BITS[dtype], C._MARK[dtype], 37
     g = torch.Generator().manual_seed(100 + world * 10 + rank)
     xs = [torch.randn(1, N, generator=g).to(dtype) for _ in range(world)]  # every rank's linear output
@@ -116,10 +117,23 @@ def _gemv_push(world: int, rank: int, dtype: torch.dtype) -> dict:
     slot = 2
     ptrs = torch.zeros(3, world, dtype=torch.int64)
     ptrs[slot] = torch.tensor([b.data_ptr() for b in bufs])
-    s = types.SimpleNamespace(world=world, rank=rank, numel=numel, rows=CAP, dtype=dtype, push_ptrs=ptrs)
-    C._launch_gemv_push(s, slot, x_in, wl, {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 1})
-    delivered = [bufs[q][rank * numel: rank * numel + N].clone() for q in range(world)]
-    got_s, got_y = C._launch_fused(s, "push", slot, res, res, w, EPS, sent=True)
+    counter = torch.zeros(1, dtype=torch.int32)
+    s = types.SimpleNamespace(world=world, rank=rank, numel=numel, rows=CAP, dtype=dtype, push_ptrs=ptrs,
+                              counter=counter)
+    cfg = {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 1}
+    if chunk:
+        bufs_before = [b.clone() for b in bufs]
+        got_s, got_y = C._launch_gemv_push(s, slot, x_in, wl, {**cfg, "CHUNK": chunk}, (res, w, EPS))
+        delivered = [bufs[q][rank * numel: rank * numel + N].clone() for q in range(world)]
+        # the pushes are the only change to the peers' buffers (their reset is their own kernel's)
+        untouched = all(torch.equal(torch.cat([b[: rank * numel], b[rank * numel + N:]]).view(bits),
+                                    torch.cat([o[: rank * numel], o[rank * numel + N:]]).view(bits))
+                        for q, (b, o) in enumerate(zip(bufs, bufs_before)) if q != rank)
+    else:
+        assert C._launch_gemv_push(s, slot, x_in, wl, cfg) is None
+        delivered = [bufs[q][rank * numel: rank * numel + N].clone() for q in range(world)]
+        got_s, got_y = C._launch_fused(s, "push", slot, res, res, w, EPS, sent=True)
+        untouched = True
     sent = mine.masked_fill(mine == 0, 0.0).flatten()
     return {"sum_err": float((got_s.float() - want_s.float()).abs().max()),
             "norm_err": float((got_y.float() - want_y.float()).abs().max()),
@@ -128,19 +142,22 @@ def _gemv_push(world: int, rank: int, dtype: torch.dtype) -> dict:
                                    for q, d in enumerate(delivered) if q != rank),
             "no_negative_zero_sent": all(not bool((d.view(bits) == mark).any()) for q, d in enumerate(delivered)
                                          if q != rank),
-            "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all())}
+            "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all()),
+            "peers_untouched": untouched, "counter_reset": int(counter) == 0}
 
 
 def run_interpreted(out: str) -> None:
-    res = {f"{k}-{name}-{d}": fn(world, rank, dt) for k, fn in (("push", _push), ("pull", _pull),
-                                                              ("gemv_push", _gemv_push))
+    kinds = (("push", _push), ("pull", _pull), ("gemv_push", _gemv_push),
+             ("gemv_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16)),  # 3 passes, the last partial
+             ("gemv_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64)))  # one pass
+    res = {f"{k}-{name}-{d}": fn(world, rank, dt) for k, fn in kinds
            for name, (world, rank) in CASES.items() for d, dt in DTYPES.items()}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
 # -- ahead-of-time for sm_90 (no GPU): both kernels at tp 2 and 4, with and without PDL ------------
 def run_aot(out: str) -> None:
-    from kernel_child import pdl_check
+    from kernel_child import pdl_check, spill_bytes
 
     from dsc.kernels.launch import compile_for_arch
 
@@ -160,12 +177,26 @@ def run_aot(out: str) -> None:
                     "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"}))}
             # the GEMV that pushes its rows, at the tuned sm_90 config of Llama-8B's o_proj at
             # tp=4 ([4096, 1024]): only its first weight tile loads before the wait
-            k = compile_for_arch(C._gemv_push_kernel, {"X": "*bf16", "W": "*bf16", "BUFS": "*i64", "N": "i32",
-                                                       "K": "i32", "rank": "i32", "region": "i32"},
-                                 {"EVEN": True, "BLOCK_N": 2, "BLOCK_K": 128, "X_ROW": False, "WORLD": world,
-                                  "MARK": -32768, "PDL": pdl}, num_warps=1, aligned=("X", "W", "N", "K"))
+            gemv = {"X": "*bf16", "W": "*bf16", "BUFS": "*i64", "N": "i32", "K": "i32", "rank": "i32",
+                    "region": "i32", "R": "*bf16", "NW": "*bf16", "S": "*bf16", "Y": "*bf16", "CNT": "*i32",
+                    "eps": "fp32"}
+            const = {"EVEN": True, "X_ROW": False, "WORLD": world, "MARK": -32768, "PDL": pdl}
+            k = compile_for_arch(C._gemv_push_kernel, gemv, {**const, "BLOCK_N": 2, "BLOCK_K": 128}, num_warps=1,
+                                 aligned=("X", "W", "N", "K"))
             res[f"gemv_push-w{world}{'-pdl' if pdl else ''}"] = {
                 "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"}))}
+            # with the all-reduce's end (NORM_N), at the launch configs of Llama-8B's down_proj at
+            # this tp (the GEMV push rows of [4096, 7168] and [4096, 3584], raised to 4 warps)
+            push_row = {2: {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 2},
+                        4: {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 1}}[world]
+            cfg = C.gemv_push_norm_config(push_row, 4096)
+            warps = cfg.pop("num_warps")
+            cfg.update(BLOCK_W=world, CHUNK=C._norm_chunk({**cfg, "num_warps": warps}, 4096, world))
+            k = compile_for_arch(C._gemv_push_kernel, gemv, {**const, **cfg}, num_warps=warps,
+                                 aligned=("X", "W", "N", "K", "region", "R", "NW", "S", "Y"))
+            res[f"gemv_push_norm-w{world}{'-pdl' if pdl else ''}"] = {
+                "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
+                "spills": spill_bytes(k), "warps": warps, "chunk": cfg["CHUNK"]}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -199,10 +230,26 @@ def test_gemv_push_then_push_kernel_sums_and_resets(case, dtype, interpreted):
     assert r["delivered_close"] and r["no_negative_zero_sent"] and r["own_buffer_reset"], r
 
 
+@pytest.mark.parametrize("kind", ["gemv_push_norm", "gemv_push_norm1"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_push_with_norm_ends_the_all_reduce_in_its_last_program(kind, case, dtype, interpreted):
+    """One launch (NORM_N): the GEMV delivers its rows as above, and its last program waits,
+    sums, adds and normalizes, in column chunks (16 of 40: three passes) or in one, resets this
+    rank's buffer and the program counter, and writes nothing else into the peers' buffers."""
+    r = interpreted[f"{kind}-{case}-{dtype}"]
+    tol = 1e-5 if dtype == "fp32" else 2e-3
+    assert r["sum_err"] <= tol and r["norm_err"] < tol, r
+    assert r["delivered_close"] and r["no_negative_zero_sent"] and r["own_buffer_reset"], r
+    assert r["peers_untouched"] and r["counter_reset"], r
+
+
 def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
-    assert len(compiled) == 12 and sum(k.endswith("-pdl") for k in compiled) == 6, list(compiled)
-    bad = {k: v for k, v in compiled.items() if not v["ok"] or v["pdl"] != "ok"}
+    assert len(compiled) == 16 and sum(k.endswith("-pdl") for k in compiled) == 8, list(compiled)
+    bad = {k: v for k, v in compiled.items() if not v["ok"] or v["pdl"] != "ok" or v.get("spills", 0)}
     assert not bad, bad
+    # the GEMV + all-reduce end runs 4 warps at tp 2 and 4, the row in one pass at tp 2
+    assert [compiled[f"gemv_push_norm-w{w}"]["chunk"] for w in (2, 4)] == [4096, 2048], compiled
 
 
 if __name__ == "__main__":

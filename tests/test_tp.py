@@ -561,8 +561,10 @@ def test_all_reduce_mode_is_checked(monkeypatch):
     assert collectives.allreduce_mode() == "one_shot"
     monkeypatch.setenv("DSC_ALLREDUCE", "pull")
     assert collectives.allreduce_mode() == "pull"
+    monkeypatch.setenv("DSC_ALLREDUCE", "gemv_push")
+    assert collectives.allreduce_mode() == "gemv_push"
     monkeypatch.setenv("DSC_ALLREDUCE", "fast")
-    with pytest.raises(ValueError, match="DSC_ALLREDUCE must be one of auto, push, pull, one_shot, nccl"):
+    with pytest.raises(ValueError, match="DSC_ALLREDUCE must be one of auto, gemv_push, push, pull, one_shot, nccl"):
         collectives.allreduce_mode()
     # no process group or no GPU: NCCL/gloo, nothing allocated
     monkeypatch.delenv("DSC_ALLREDUCE")
