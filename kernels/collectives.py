@@ -62,7 +62,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dsc.kernels.launch import arch_of, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
+from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
 from dsc.kernels.linear import _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
@@ -106,7 +106,6 @@ class _Symmetric:
             ptrs.append(symm_mem.rendezvous(buf, group).buffer_ptrs)
             self.push.append(buf)
         self.push_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)  # [3, world] addresses
-        self.counter = torch.zeros(1, dtype=torch.int32, device=device)  # `_gemv_push_kernel`'s, with NORM_N
         torch.cuda.synchronize(device)
         dist.barrier()  # every rank's flags are zero and push buffers marked before any rank writes
         self.fused = ""  # "push" / "pull": set by enable_symmetric after the probe, the same on every rank
@@ -173,7 +172,7 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
 
     err, fused_err = _try(set_up), "DSC_ALLREDUCE=one_shot"  # any failure: fall back on every rank
     kernel = "pull" if mode == "pull" else "push"
-    if state is not None and mode in ("auto", "push", "pull"):
+    if state is not None and mode in ("auto", "gemv_push", "push", "pull"):
         fused_err = _try(lambda: _probe_fused(state, kernel, compile_only=True))
     ok = _agree(device, err, fused_err)  # no rank launches the probe unless every rank compiled it
     if ok[0] and ok[1]:  # every rank has the kernel built: all launch the probe, none is left waiting
@@ -181,7 +180,7 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
         ok = _agree(device, err, fused_err)
     if ok[0]:
         state.fused = kernel if ok[1] else ""
-        if not state.fused and mode in ("auto", "push", "pull") and dist.get_rank() == 0:
+        if not state.fused and mode in ("auto", "gemv_push", "push", "pull") and dist.get_rank() == 0:
             print(f"dsc: fused all-reduce + RMSNorm unavailable ({fused_err or 'on another rank'}); "
                   "using the one-shot all-reduce and a separate norm", file=sys.stderr)
         _symm = state
@@ -467,7 +466,7 @@ def _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, N: tl.cons
         _norm_row(sf, rstd, w, Y, cols, mask)
 
 
-def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, CNT, eps, EVEN: tl.constexpr,
+def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, eps, EVEN: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, WORLD: tl.constexpr,
                       MARK: tl.constexpr, PDL: tl.constexpr = False, NORM_N: tl.constexpr = 0,
                       BLOCK_W: tl.constexpr = 1, CHUNK: tl.constexpr = 1):
@@ -476,11 +475,13 @@ def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, CNT, eps, EVE
     # region of every rank's push buffer (as the push kernel would, -0.0 sent as +0.0) instead
     # of into a tensor. The peers' copies start as soon as each program has its rows, while the
     # others still stream the weight.
-    # NORM_N = N > 0 (R, NW, S, Y, CNT, eps used): the program that finishes last (CNT, an int32 at 0
-    # between launches, counts the finished ones) then ends the all-reduce as the push kernel
-    # does (`_push_wait_sum_norm_chunked`: wait, sum, reset, add, norm; s and y of the N
-    # outputs into S and Y) and sets CNT back to 0: one launch where the GEMV and the push
-    # kernel with SENT take two. Else that push kernel follows.
+    # NORM_N = N > 0 (R, NW, S, Y, eps used): the last program (the last to start) then ends the
+    # all-reduce as the push kernel does (wait, sum, reset, add, norm; s and y of the N outputs
+    # into S and Y): one launch where the GEMV and the push kernel with SENT take two. Else that
+    # push kernel follows. Its wait is the markers' (every row, its own rank's from the other
+    # programs included), so no counter orders it: one program polls while the others run or
+    # have run. (A counter of finished programs, one atomic each on one address, made
+    # Llama-8B's tp=2 step 3 us per all-reduce slower on H200s.)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -494,11 +495,16 @@ def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, CNT, eps, EVE
         buf = tl.load(BUFS + p).to(tl.pointer_type(it))
         tl.store(buf + at, bits, mask=mask_n)
     if NORM_N > 0:
-        # (the counter orders nothing: the last program waits for every row, its own rank's
-        # included, through the markers, as the push kernel does)
-        if tl.atomic_add(CNT, 1, sem="relaxed") == tl.num_programs(0) - 1:
-            tl.store(CNT, 0)  # the next launch's programs start after this kernel has finished
-            _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, NORM_N, WORLD, BLOCK_W, CHUNK, MARK)
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            if CHUNK >= NORM_N:  # the row in one piece: the push kernel's end, r and w loaded first
+                cols = tl.arange(0, CHUNK)
+                r = tl.load(R + cols, mask=cols < NORM_N, other=0.0).to(tl.float32)
+                w = tl.load(NW + cols, mask=cols < NORM_N, other=0.0).to(tl.float32)
+                _push_wait_sum_norm(BUFS, r, w, S, Y, tl.full([], 0, tl.int32), rank, region, eps, NORM_N, WORLD,
+                                    BLOCK_W, CHUNK, MARK)
+            else:
+                _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, NORM_N, WORLD, BLOCK_W, CHUNK,
+                                            MARK)
 
 
 def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residual: torch.Tensor,
@@ -630,22 +636,21 @@ def _(residual, x, weight, norm_weight, eps):
     return out[0].view(residual.shape), out[1].view(residual.shape)
 
 
-def gemv_push_norm_config(config: dict, n: int) -> dict:
+def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
     """`_gemv_push_kernel`'s launch config with the all-reduce's end (NORM_N = n) from the GEMV
-    push config: at least 4 warps (BLOCK_N scaled with them, so a warp's share of the weight
-    tile is the tuned one), since the last program polls, sums and normalizes the whole row."""
+    push config. The last program polls, sums and normalizes the whole row, at most 64 elements
+    of the senders' rows per thread (the push kernel's load at 8 warps and 4 ranks): enough
+    warps that the row fits in one pass (4 at 2 ranks and 4096 columns, 8 at 4 ranks; at most
+    8), BLOCK_N scaled with them, so a warp's share of the weight tile stays the tuned one;
+    CHUNK the columns per pass (`config`'s, if it sets one)."""
     cfg = dict(config)
+    block_w = next_power_of_2(world)
     warps = cfg["num_warps"]
-    if warps < 4 and n % (cfg["BLOCK_N"] * 4 // warps) == 0:
-        cfg.update(BLOCK_N=cfg["BLOCK_N"] * 4 // warps, num_warps=4)
-    return {**cfg, "NORM_N": n}
-
-
-def _norm_chunk(config: dict, n: int, block_w: int) -> int:
-    """Columns per pass of the all-reduce's end in `_gemv_push_kernel`: `config`'s CHUNK, else
-    at most 64 elements of the senders' rows per thread (the push kernel's load at 8 warps and 4
-    ranks)."""
-    return config.get("CHUNK") or min(next_power_of_2(n), 64 * 32 * config["num_warps"] // block_w)
+    want = min(8, max(warps, next_power_of_2(cdiv(block_w * n, 64 * 32))))
+    if want > warps and n % (cfg["BLOCK_N"] * want // warps) == 0:
+        cfg.update(BLOCK_N=cfg["BLOCK_N"] * want // warps, num_warps=want)
+    chunk = min(next_power_of_2(n), 64 * 32 * cfg["num_warps"] // block_w)
+    return {"CHUNK": chunk, **cfg, "NORM_N": n, "BLOCK_W": block_w}
 
 
 def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.Tensor, config: dict,
@@ -658,16 +663,14 @@ def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.T
     if norm is None:
         grid, opts = gemv_launch(config, n, k, x.device)
         jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
-                                     x, x, x, x, s.counter, 0.0, WORLD=s.world, MARK=_MARK[s.dtype], **opts)
+                                     x, x, x, x, 0.0, WORLD=s.world, MARK=_MARK[s.dtype], **opts)
         return None
     residual, norm_weight, eps = norm
     out_s = torch.empty(n, dtype=residual.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
-    cfg = gemv_push_norm_config(config, n)
-    block_w = next_power_of_2(s.world)
-    grid, opts = gemv_launch({**cfg, "BLOCK_W": block_w, "CHUNK": _norm_chunk(cfg, n, block_w)}, n, k, x.device)
+    grid, opts = gemv_launch(gemv_push_norm_config(config, n, s.world), n, k, x.device)
     jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
-                                 residual.contiguous(), norm_weight, out_s, out_y, s.counter, eps,
+                                 residual.contiguous(), norm_weight, out_s, out_y, eps,
                                  WORLD=s.world, MARK=_MARK[s.dtype], **opts)
     return out_s, out_y
 
@@ -688,7 +691,8 @@ def _plan_linear_all_reduce_add_rmsnorm(residual, x, weight, norm_weight, eps, *
     lin = _plan_linear(x, weight, arch=arch)
     cfg = {**lin["config"], "norm": norm_config("add_rmsnorm", weight.shape[0], arch)}
     if lin["name"] == "triton.gemv":
-        cfg.update(gemv_push_norm_config(gemv_push_config(*weight.shape, arch), weight.shape[0]))
+        # the launch raises the warps (and BLOCK_N with them) with the ranks: gemv_push_norm_config
+        cfg.update(gemv_push_config(*weight.shape, arch), NORM_N=weight.shape[0])
         cfg["fallback"] = "triton.gemv + triton.all_reduce_add_rmsnorm"
         return {"name": "triton.gemv_push_add_rmsnorm", "config": cfg, "launches": 1}
     return {"name": f"{lin['name']} + triton.all_reduce_add_rmsnorm", "config": cfg, "launches": lin["launches"] + 1}
