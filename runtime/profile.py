@@ -3,6 +3,8 @@
 Runs `steps` decode steps (replayed from their CUDA graph where the engine captured one) under
 torch.profiler and reports, per step:
   - every kernel (GPU) or op (CPU) by name: launches, microseconds, share of the step;
+  - on GPU also each kernel's exposed time: how far it moves the step's end past the kernels
+    before it (equal to its own time without overlap; what PDL's early start hides is not in it);
   - busy time (the time at least one kernel ran) against the step's wall time: the difference
     is the time the GPU sat between kernels (launch latency, dependencies), which no faster
     kernel can recover; with PDL kernels overlap (one that starts early counts its wait), which
@@ -115,10 +117,16 @@ def profile_decode(engine, batch: int = 1, context: int = 128, steps: int = 20) 
     res: dict = {"batch": batch, "context": context, "steps": steps, "step_us": step_us,
                  "device": "cuda" if cuda else "cpu", "graphs": engine._decode.captured}
     by_name: dict[str, list[float]] = defaultdict(list)
+    exposed: dict[str, float] = defaultdict(float)
     if cuda:
         evs = _device_events(prof)
+        end = float("-inf")
         for e in evs:
             by_name[e.name].append(e.time_range.elapsed_us())
+            # exposed: how far this kernel moves the step's end past every earlier kernel's (with
+            # PDL a kernel's own time includes its wait for the one before; this does not)
+            exposed[e.name] += max(0.0, e.time_range.end - max(end, e.time_range.start))
+            end = max(end, e.time_range.end)
         res["kernels_per_step"] = len(evs) / steps
         if not evs:
             res["note"] = "the profiler saw no kernels; run with --no-cuda-graphs to profile eager steps"
@@ -142,7 +150,8 @@ def profile_decode(engine, batch: int = 1, context: int = 128, steps: int = 20) 
             if "::" in e.key and e.count >= steps:
                 by_name[e.key] = [e.self_cpu_time_total / e.count] * e.count
         res["busy_us"] = sum(sum(v) for v in by_name.values()) / steps
-    res["by_name"] = sorted(({"name": k, "launches": len(v) / steps, "us": sum(v) / steps}
+    res["by_name"] = sorted(({"name": k, "launches": len(v) / steps, "us": sum(v) / steps,
+                              **({"exposed_us": exposed[k] / steps} if cuda else {})}
                              for k, v in by_name.items()), key=lambda r: -r["us"])
     return res
 
@@ -171,9 +180,11 @@ def render_profile(res: dict, top: int = 25) -> str:
                      f"{res['plan_launches_per_step']} launches)")
     if res.get("note"):
         lines.append(f"  {res['note']}")
-    lines.append(f"  {'us/step':>9} {'%step':>6} {'n/step':>7}  {what}")
+    gpu = res["device"] == "cuda"
+    lines.append(f"  {'us/step':>9} {'%step':>6} {'n/step':>7}{'  exposed' if gpu else ''}  {what}")
     for r in res["by_name"][:top]:
-        lines.append(f"  {r['us']:>9.1f} {100 * r['us'] / step:>5.1f}% {r['launches']:>7.1f}  {r['name'][:100]}")
+        lines.append(f"  {r['us']:>9.1f} {100 * r['us'] / step:>5.1f}% {r['launches']:>7.1f}"
+                     f"{format(r.get('exposed_us', 0.0), '9.1f') if gpu else ''}  {r['name'][:100]}")
     if res.get("nodes"):
         lines.append(f"  per plan node (slowest first): {'us':>8} {'MB read':>8} {'GB/s':>7} {'% of 4.33 TB/s':>15}")
         for r in sorted(res["nodes"], key=lambda r: -r["us"])[:top]:

@@ -31,7 +31,8 @@
 #    step (default tp4). BOUND_ARTS="tp1 tp2 tp4": also compiled (tp4 too on 2 GPUs), then rank 0
 #    of each decoded on GPU 0 with local stand-ins for its collectives (scripts/tp_local_bound.py:
 #    the step each tp would take if its all-reduces were free), after the benches; BOUND_PDL_MODES=
-#    "off on": the bound again under those DSC_PDL modes (BOUND_PDL_AB=1: "off").
+#    "off on": the bound again under those DSC_PDL modes (BOUND_PDL_AB=1: "off"); BOUND_ARGS: more
+#    arguments for tp_local_bound.py ("--profile").
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
@@ -188,13 +189,14 @@ if [ -z "${NO_BENCH:-}" ]; then
 fi
 echo "bench done: $((SECONDS - T0)) s"
 if [ -n "${BOUND_ARTS:-}" ]; then
+  # BOUND_ARGS="--profile": also each artifact's profile, with exposed times
   OUT=$OUT CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/tp_local_bound.py $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) \
-    2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound.txt"
+    ${BOUND_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound.txt"
   # BOUND_PDL_MODES="off on": the bound again under those DSC_PDL modes (BOUND_PDL_AB=1: "off")
   for M in ${BOUND_PDL_MODES:-${BOUND_PDL_AB:+off}}; do
     mkdir -p "$OUT/bound-pdl$M"
     OUT=$OUT/bound-pdl$M DSC_PDL=$M CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/tp_local_bound.py \
-      $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) 2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound-pdl$M.txt"
+      $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) ${BOUND_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound-pdl$M.txt"
   done
   echo "bound done: $((SECONDS - T0)) s"
   pack

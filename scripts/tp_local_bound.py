@@ -44,7 +44,7 @@ def _stand_ins(device_type: str) -> None:
     C.all_gather.register_kernel(device_type)(lambda x, dim, world: torch.cat([x] * world, dim))
 
 
-def step_ms(path: str, iters: int, context: int, dev: torch.device) -> dict:
+def step_ms(path: str, iters: int, context: int, dev: torch.device, profile: bool = False) -> dict:
     from dsc.runtime.artifact import open_artifact
     from dsc.runtime.bench import _time, decode_bytes
     from dsc.runtime.engine import Engine
@@ -60,6 +60,12 @@ def step_ms(path: str, iters: int, context: int, dev: torch.device) -> dict:
     nbytes = decode_bytes(engine, 1, context + 1)["total"]
     out = {"artifact": path, "tp": art.tp, "ms_per_step": s * 1e3, "bytes": nbytes, "tb_per_s": nbytes / s / 1e12,
            "cuda_graphs": engine._decode.captured}
+    if profile:
+        from dsc.runtime.profile import profile_decode, render_profile
+
+        prof = profile_decode(engine, 1, context)
+        print(f"tp={art.tp} ({path}):\n{render_profile(prof)}")
+        out["profile"] = prof
     return out  # the engine goes with this frame: main() empties the cache before the next
 
 
@@ -69,6 +75,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--device", default="cuda", help="cpu: the script's own check (the times mean nothing)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile each artifact's step (`dsc bench --profile`'s table, with exposed times)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -76,7 +84,7 @@ def main() -> None:
     _stand_ins(dev.type)
     rows = []
     for p in args.artifacts:
-        rows.append(step_ms(p, args.iters, args.context, dev))
+        rows.append(step_ms(p, args.iters, args.context, dev, args.profile))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     base = next((r for r in rows if r["tp"] == 1), None)

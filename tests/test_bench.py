@@ -158,9 +158,11 @@ def test_tp_local_bound_runs_each_rank_0_with_local_collectives(compile_artifact
     assert {"dsc.all_gather.default", "dsc.linear_all_reduce_add_rmsnorm.default"} <= ops  # what the stand-ins replace
     script = Path(__file__).resolve().parents[1] / "scripts" / "tp_local_bound.py"
     r = subprocess.run([sys.executable, str(script), str(tp1), str(tp2), "--device", "cpu", "--iters", "1",
-                        "--context", "8"], capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)})
+                        "--context", "8", "--profile"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "tp_local_bound.json").read_text())
+    assert all(row["profile"]["by_name"] for row in rows) and "tp=2 (" in r.stdout  # --profile: each step's table
     assert [row["tp"] for row in rows] == [1, 2] and rows[0]["x_tp1"] == 1.0
     assert all(row["ms_per_step"] > 0 and row["bytes"] > 0 for row in rows)
     assert rows[1]["bytes"] < rows[0]["bytes"]  # rank 0 reads its shard only
