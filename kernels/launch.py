@@ -144,21 +144,23 @@ def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: on an NVIDIA GPU of capability >= 9.0
     (Hopper) with a triton that has the griddepcontrol intrinsics, never on CPU or in the Triton
     interpreter (it cannot run inline PTX). DSC_PDL=on: wherever it can; auto (the default):
-    likewise, except in a tensor-parallel process (a torch.distributed group of more than one
-    rank), where Llama-8B's batch-1 decode step ran faster without it on H200s (session 12, one
-    artifact each, PDL on / off: tp=2 2.792 / 2.555 ms on 2 GPUs, 2.671 / 2.589 and 2.662 /
-    2.568 on 4; tp=4 1.784 / 1.830 and 1.836 / 1.752, a wash; tp=1 4.153 / 4.122 and 4.078 /
-    4.147; docs/results/s12-h200x4/tp-pdl-ab)."""
+    likewise, except in a tensor-parallel process of exactly 2 ranks, where Llama-8B's batch-1
+    decode step runs faster without it on H200s. Session 14, 4 H200s, the GEMV's last program
+    ending the all-reduce, steps queued back to back, two rounds each, PDL on / off: tp=2
+    2.583 / 2.487 and 2.587 / 2.500 ms; tp=4 1.622 / 1.666 and 1.625 / 1.672 ms
+    (docs/results/s14-h200x4/pdl-ab). Session 12 had turned it off at every tp > 1 (tp=2
+    2.79 / 2.56 ms; tp=4 then a wash). Other tp sizes keep it, like tp=4 (not measured)."""
     mode = pdl_mode()
-    if mode == "off" or device.type != "cuda" or _interpreting() or (mode == "auto" and _tensor_parallel()):
+    if mode == "off" or device.type != "cuda" or _interpreting() or (mode == "auto" and _tp_world() == 2):
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _tensor_parallel() -> bool:
+def _tp_world() -> int:
+    """The size of this process's torch.distributed group (1 without one)."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def pdl_options(device: torch.device) -> dict:

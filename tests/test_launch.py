@@ -44,11 +44,11 @@ def test_dsc_pdl_is_read_at_each_call(hopper, monkeypatch):
     assert launch.pdl_enabled(CUDA)
 
 
-def test_auto_turns_pdl_off_under_tensor_parallelism(hopper, monkeypatch):
+def test_auto_turns_pdl_off_at_tp2_only(hopper, monkeypatch):
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    for world, auto in ((1, True), (2, False), (4, False)):
+    for world, auto in ((1, True), (2, False), (4, True), (8, True)):
         monkeypatch.setattr(dist, "get_world_size", lambda group=None, world=world: world)
         monkeypatch.setenv("DSC_PDL", "auto")
         assert launch.pdl_enabled(CUDA) is auto and launch.pdl_options(CUDA)["launch_pdl"] is auto
