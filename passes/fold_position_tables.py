@@ -81,12 +81,28 @@ def _evaluate(pure: list[fx.Node], pos: fx.Node, positions: torch.Tensor, model:
     return env
 
 
+def _read_sizes_from_positions(graph: fx.Graph, pos: fx.Node) -> None:
+    """sym_size(x, d) of another input whose size export proved to be one of position_ids' ->
+    sym_size(position_ids, d'): the same value, so a chain that sizes itself by the batch
+    (transformers 5.17's RoPE expands inv_freq to `position_ids.shape[0]`, which export may read
+    off `last_idx`) depends on the positions alone and folds."""
+    dims = pos.meta.get("val")
+    if not isinstance(dims, torch.Tensor):
+        return
+    syms = {str(d): i for i, d in enumerate(dims.shape) if isinstance(d, torch.SymInt)}
+    for n in graph.nodes:
+        if (n.op == "call_function" and n.target is aten.sym_size.int and n.args[0] is not pos
+                and isinstance(v := n.meta.get("val"), torch.SymInt) and str(v) in syms):
+            n.args = (pos, syms[str(v)])
+
+
 def fold_position_tables(model: Model) -> Model:
     max_seq = model.options.max_seq
     for _, graph in model.graphs():
         pos = next((n for n in graph.nodes if n.op == "placeholder" and n.name == "position_ids"), None)
         if pos is None:
             continue
+        _read_sizes_from_positions(graph, pos)
         pure, from_pos = _position_only(graph, pos, model)
         pure_set = set(pure)
         frontier = [n for n in pure if n in from_pos and any(u not in pure_set for u in n.users)]

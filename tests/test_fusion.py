@@ -237,6 +237,41 @@ def test_rotary_cos_sin_become_position_tables(compile_artifact, make_checkpoint
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def _rope_forward_5_17(self, x, position_ids):
+    """transformers 5.17's LlamaRotaryEmbedding.forward (the GPU hosts' version; 5.24 multiplies
+    instead): inv_freq expanded to the batch, then a matmul by the positions."""
+    inv = self.inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1).to(dtype=torch.float, device=x.device)
+    freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def test_rotary_tables_fold_when_rope_sizes_itself_by_the_batch(make_checkpoint, tmp_path, monkeypatch):
+    """With 5.17's RoPE, export reads the batch size for the expand off another input (last_idx);
+    the chain still depends on the positions alone and folds (Llama-8B's decode step ran its 7
+    kernels on the GPU hosts until session 14), into tables equal to what that forward computes."""
+    import dsc
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    monkeypatch.setattr(LlamaRotaryEmbedding, "forward", _rope_forward_5_17)
+    ckpt = make_checkpoint("llama-tiny", dtype="bfloat16")
+    art = dsc.compile(str(ckpt), tmp_path / "art", max_seq=96)
+    plan = plan_of(art)
+    assert plan["passes"]["fold_position_tables.table"] == 4, plan["passes"]
+    for program in ("prefill", "decode"):
+        ops = call_ops(plan, program)
+        assert not {"aten.cos.default", "aten.sin.default", "aten.matmul.default"} & set(ops), program
+    cfg = AutoConfig.from_pretrained(ckpt)
+    cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 96, cfg.hidden_size, dtype=torch.bfloat16),
+                                         torch.arange(96)[None])
+    with safe_open(str(art / "rank0.safetensors"), "pt") as f:
+        tables = sorted((f.get_tensor(k) for k in f.keys() if k.endswith(".table")),
+                        key=lambda t: float(t[1:].abs().sum()))
+    for g, w in zip(tables, sorted([cos[0], sin[0]], key=lambda t: float(t[1:].abs().sum())), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_no_position_table_without_rope(compile_artifact):
     plan = plan_of(compile_artifact("gpt2-tiny", dtype="fp32"))  # learned position embeddings
     assert "fold_position_tables.table" not in plan["passes"]
