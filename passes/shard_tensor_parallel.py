@@ -18,7 +18,7 @@ Rewrites (each counted under `shard_tensor_parallel.<rule>`, per program)
   shape     view/reshape sizes and split sizes along a sharded dim -> the rank's local sizes.
   kv_cache  the cache tensors hold the local kv heads (model.kv_cache["shape"][1]).
   vocab     when tp divides the vocabulary, the token embedding and lm_head are vocab-parallel:
-            a masked lookup of the rank's rows + dsc.all_reduce, and the rank's logits +
+            the rank's rows looked up (dsc.vocab_embedding: zeros for others' ids) + dsc.all_reduce, and the rank's logits +
             dsc.all_gather; otherwise both are replicated. model.notes["tp"] says which and why.
 Requires canonicalize (every matmul against a weight is aten.linear) and bind_kv_cache
          (attention is dsc.attention with its cache); sizes checked by compiler/validate.py.
@@ -542,24 +542,17 @@ def _call(g: fx.Graph, like: fx.Node, target, *args) -> fx.Node:
 
 
 def _split_embedding(model: Model, emb: fx.Node, world: int) -> None:
-    """embedding(W, ids) -> all_reduce(where(inside, embedding(W_r, clamp(ids - start)), 0))."""
+    """embedding(W, ids) -> all_reduce(dsc.vocab_embedding(W_r, ids, start)): the rank's rows
+    looked up where the id is the rank's, zeros elsewhere (one launch, kernels/embedding.py)."""
     g, w, ids = emb.graph, emb.args[0], emb.args[1]
-    rows = model.weights[w.target].shape[0] // world
     with g.inserting_before(emb):
         start = g.get_attr(_vocab_start_weight(model, w.target, world))
         with _fake_mode(model, ids):
             start.meta["val"] = torch.empty(1, dtype=torch.int64)
-        local = _call(g, emb, aten.sub.Tensor, ids, start)  # [B, S]
-        inside = _call(g, emb, aten.bitwise_and.Tensor, _call(g, emb, aten.ge.Scalar, local, 0),
-                       _call(g, emb, aten.lt.Scalar, local, rows))
-        idx = _call(g, emb, aten.clamp.default, local, 0, rows - 1)
-    emb.args = (w, idx, *emb.args[2:])
-    infer_val(emb)
-    with g.inserting_before(emb.next):
-        mask = _call(g, emb, aten.unsqueeze.default, inside, -1)  # [B, S, 1]
-        kept = _call(g, emb, aten.where.ScalarOther, mask, emb, 0.0)  # [B, S, E]
-        red = _call(g, emb, torch.ops.dsc.all_reduce.default, kept)
-    emb.replace_all_uses_with(red, delete_user_cb=lambda u: u is not kept)
+        local = _call(g, emb, torch.ops.dsc.vocab_embedding.default, w, ids, start)  # [B, S, E]
+        red = _call(g, emb, torch.ops.dsc.all_reduce.default, local)
+    emb.replace_all_uses_with(red)
+    g.erase_node(emb)
     model.counters["shard_tensor_parallel.vocab_embedding"] += 1
 
 

@@ -1,4 +1,4 @@
-"""The fused Triton kernels (kernels/norm.py, activation.py, rotary.py) against their
+"""The fused Triton kernels (kernels/norm.py, activation.py, rotary.py, embedding.py) against their
 plain-torch references, on CPU in the Triton interpreter, at small odd shapes, fp32 and fp16;
 and every kernel compiled ahead of time for sm_90 (Triton builds the cubin without a GPU).
 
@@ -86,6 +86,20 @@ def _rotary(B, S, HQ, HK, D):
     return case
 
 
+def _vocab_embedding(B, S, rows, H, block_h):
+    def case(dt, g):
+        from dsc.kernels import embedding
+
+        w = _t(g, rows, H, dtype=dt)
+        start = torch.tensor([7])
+        ids = torch.randint(0, 7 + rows + 6, (B, S), generator=g)  # below, inside and above the rank's rows
+        edges = torch.tensor([6, 7, 7 + rows - 1, 7 + rows])[: ids.numel()]  # each side of both edges
+        ids.view(-1)[: edges.numel()] = edges
+        got = embedding.vocab_embedding_triton(w, ids, start, {"BLOCK_H": block_h, "num_warps": 2})
+        return [got], [embedding.vocab_embedding_reference(w, ids, start)]
+    return case
+
+
 CASES = {
     "rmsnorm-7x72": _norm("rms", (7, 72), residual=False, bias=False),
     "add_rmsnorm-7x200": _norm("rms", (7, 200), residual=True, bias=False),
@@ -106,6 +120,8 @@ CASES = {
     "rotary-prefill-B2S3-H6/2-D12": _rotary(2, 3, 6, 2, 12),
     "rotary-decode-B3S1-H4/2-D16": _rotary(3, 1, 4, 2, 16),
     "rotary-B1S5-H5/1-D72": _rotary(1, 5, 5, 1, 72),
+    "vocab_embedding-B3S5-11x200": _vocab_embedding(3, 5, 11, 200, 64),  # 4 column blocks, the last partial
+    "vocab_embedding-B4S1-5x72": _vocab_embedding(4, 1, 5, 72, 128),
 }
 
 
@@ -151,7 +167,7 @@ def run_interpreted(out: str) -> None:
 
 # -- ahead-of-time compilation for sm_90: kernel, runtime argument types, constexprs, warps --------
 def aot_cases():
-    from dsc.kernels import activation, norm, rotary
+    from dsc.kernels import activation, embedding, norm, rotary
 
     ptr = lambda names, ty: {n: ty for n in names.split()}  # noqa: E731
     ints = lambda names: {n: "i32" for n in names.split()}  # noqa: E731
@@ -175,6 +191,9 @@ def aot_cases():
         rot_args = {**ptr("Q K COS SIN QO KO", ty),
                     **ints("sq_b sq_h sq_s sk_b sk_h sk_s sc_b sc_s ss_b ss_s S HQ HK HALF")}
         out[f"rotary-{t}"] = (rotary._rotary_kernel, rot_args, dict(BLOCK_H=8, BLOCK_D=64), 4)
+        out[f"vocab_embedding-{t}"] = (embedding._vocab_embedding_kernel,
+                                       {"W": ty, "IDS": "*i64", "START": "*i64", "OUT": ty, **ints("rows H")},
+                                       dict(BLOCK_H=1024), 4)
     # every kernel also with PDL (kernels/launch.py): griddepcontrol.wait before any memory access
     return {**out, **{f"{name}-pdl": (fn, types, {**const, "PDL": True}, warps)
                       for name, (fn, types, const, warps) in out.items()}}
