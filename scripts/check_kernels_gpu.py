@@ -1,4 +1,4 @@
-"""Check the fused Triton kernels (norm, activation, rotary) against their references on a GPU
+"""Check the fused Triton kernels (norm, activation, rotary, vocab embedding) against their references on a GPU
 at real shapes: Llama-3-8B (hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate
 14336) and GPT-2-XL (hidden 1600) widths, bf16 and fp16, decode and prefill row counts,
 contexts up to 8192.
@@ -32,17 +32,17 @@ DEVICE = "cpu" if SMOKE else "cuda"
 
 
 def load_kernels():
-    """dsc.kernels.{norm,activation,rotary} from this checkout without installing dsc: `dsc` and
+    """dsc.kernels.{norm,activation,rotary,embedding} from this checkout without installing dsc: `dsc` and
     `dsc.kernels` become bare packages over the checkout's folders."""
     for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
         if name not in sys.modules:
             pkg = types.ModuleType(name)
             pkg.__path__ = [str(folder)]
             sys.modules[name] = pkg
-    return [importlib.import_module(f"dsc.kernels.{m}") for m in ("norm", "activation", "rotary")]
+    return [importlib.import_module(f"dsc.kernels.{m}") for m in ("norm", "activation", "rotary", "embedding")]
 
 
-NORM, ACT, ROT = load_kernels()
+NORM, ACT, ROT, EMB = load_kernels()
 
 
 def s(n: int, small: int) -> int:
@@ -109,6 +109,17 @@ def cases(dtype):
             cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
             return ROT.rotary_triton(q, k, cos, sin), ROT.rotary_reference(q, k, cos, sin)
         out[f"rotary B={B} S={S} H={H}/{HKV} D={D}"] = rotary
+    V = s(128256, 98)  # Llama-3's vocabulary, split over 2 ranks: rank 1's rows
+    w_emb = {}
+    for B, S in ((1, 1), (64, 1), (2, s(2048, 5))):
+        def vocab_embedding(g, B=B, S=S):
+            if "w" not in w_emb:  # one [V/2, E] table (0.5 GB in bf16) for every case
+                w_emb["w"] = rand(g, V // 2, E, dtype=dtype)
+            ids = torch.randint(0, V, (B, S), generator=g, device=DEVICE)
+            start = torch.tensor([V // 2], device=DEVICE)
+            return ((EMB.vocab_embedding_triton(w_emb["w"], ids, start),),
+                    (EMB.vocab_embedding_reference(w_emb["w"], ids, start),))
+        out[f"vocab_embedding B={B} S={S} rows={V // 2} E={E}"] = vocab_embedding
     return out
 
 
@@ -160,6 +171,8 @@ def check_dispatch_and_graphs(dtype) -> dict:
     q = qkv[..., :4096].view(8, 1, 32, 128).transpose(1, 2)
     k = qkv[..., 4096:5120].view(8, 1, 8, 128).transpose(1, 2)
     cs = rand(g, 8, 1, 128, dtype=dtype)
+    table, ids, start = rand(g, 1000, E, dtype=dtype), torch.randint(0, 2000, (8, 1), generator=g, device=DEVICE), \
+        torch.tensor([1000], device=DEVICE)
     ops = {
         "add_rmsnorm": (lambda: torch.ops.dsc.add_rmsnorm(x, r, w, 1e-5), lambda: NORM.add_norm_triton("rms", x, r, w, None, 1e-5)),
         "rmsnorm": (lambda: (torch.ops.dsc.rmsnorm(x, w, 1e-5),), lambda: NORM.add_norm_triton("rms", x, None, w, None, 1e-5)[1:]),
@@ -167,6 +180,8 @@ def check_dispatch_and_graphs(dtype) -> dict:
         "swiglu": (lambda: (torch.ops.dsc.swiglu(gu[:, :I], gu[:, I:]),), lambda: (ACT.swiglu_triton(gu[:, :I], gu[:, I:]),)),
         "gelu": (lambda: (torch.ops.dsc.gelu(x, "tanh"),), lambda: (ACT.gelu_triton(x, "tanh"),)),
         "rotary": (lambda: torch.ops.dsc.rotary(q, k, cs, cs), lambda: ROT.rotary_triton(q, k, cs, cs)),
+        "vocab_embedding": (lambda: (torch.ops.dsc.vocab_embedding(table, ids, start),),
+                            lambda: (EMB.vocab_embedding_triton(table, ids, start),)),
     }
     res = {}
     for name, (op, wrapper) in ops.items():
@@ -179,6 +194,7 @@ def check_dispatch_and_graphs(dtype) -> dict:
             outs = op()
         for t in (x, r, gu, qkv):  # new inputs, same buffers
             t.copy_(torch.randn(t.shape, generator=g, device=DEVICE).to(dtype))
+        ids.copy_(torch.randint(0, 2000, ids.shape, generator=g, device=DEVICE))
         graph.replay()
         replay_equal = all(torch.equal(a, b) for a, b in zip(outs, wrapper()))
         res[f"dispatch+graph {name}"] = {"ok": dispatch_equal and replay_equal, "dispatch_equal": dispatch_equal,
