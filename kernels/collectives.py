@@ -44,7 +44,9 @@ per row). Two kernels:
 - GEMV push (the default with the push kernel; DSC_ALLREDUCE=push turns it off):
   `dsc::linear_all_reduce_add_rmsnorm` is the row-parallel o_proj / down_proj with the
   all-reduce + norm after it; at one row the GEMV's programs store their outputs into every
-  rank's push buffer themselves, and the push kernel (SENT) only waits, sums and normalizes.
+  rank's push buffer themselves, and the GEMV's last program then waits, sums and normalizes
+  as the push kernel does (NORM_N: one launch); DSC_ALLREDUCE=gemv_push runs the push kernel
+  (SENT) for that after the GEMV instead.
 Both then round the sum to the dtype as the all-reduce's output is, add the residual and
 normalize as `dsc::add_rmsnorm` does. With PDL (kernels/launch.py) they read only the norm
 weight before `gdc_wait()`; since every PDL kernel waits before it exits, the wait returning
@@ -144,10 +146,11 @@ def _label(s: _Symmetric) -> str:
 def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows: int = 1) -> str:
     """Collective: every rank calls it with the same arguments, before any CUDA graph capture.
     `numel`: the largest decode all-reduce; `rows`: its rows (max_batch). Returns
-    "symm_mem+norm+gemv_push" when the one-shot all-reduce and the fused all-reduce + norm (push
-    kernel) are on for all ranks, the row-parallel linears' GEMVs pushing their rows
-    (`linear_all_reduce_add_rmsnorm`); "symm_mem+norm" with DSC_ALLREDUCE=push (the GEMV, then
-    the push kernel), "symm_mem+pull_norm" with DSC_ALLREDUCE=pull, "symm_mem" when only the
+    "symm_mem+norm+gemv_push_norm" when the one-shot all-reduce and the fused all-reduce + norm
+    (push kernel) are on for all ranks, the row-parallel linears' GEMVs pushing their rows and
+    ending the all-reduce (`linear_all_reduce_add_rmsnorm`); "symm_mem+norm+gemv_push" with
+    DSC_ALLREDUCE=gemv_push (the GEMV pushing its rows, then the push kernel); "symm_mem+norm"
+    with DSC_ALLREDUCE=push (the GEMV, then the push kernel), "symm_mem+pull_norm" with DSC_ALLREDUCE=pull, "symm_mem" when only the
     one-shot is on, else "nccl" (with the reason on stderr from rank 0). DSC_ALLREDUCE=one_shot
     turns the fused kernels off, DSC_ALLREDUCE=nccl all of them."""
     global _symm
@@ -600,10 +603,12 @@ def linear_all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weigh
                                   norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """all_reduce_add_rmsnorm(residual, x @ weight.T, norm_weight, eps): a row-parallel linear
     (no bias) and the all-reduce + add + RMSNorm after it (the decode_linears pass makes it of
-    the two). On CUDA at one row with the push kernel on (DSC_ALLREDUCE=auto), its GEMV pushes
-    its outputs into the peers' buffers as it computes them (`_gemv_push_kernel`): on 4 H200s
-    6.8 us per call at Llama-8B's tp=4 o_proj against 8.5 us for the GEMV then the push kernel
-    (scripts/check_allreduce_gpu.py). Elsewhere the two ops."""
+    the two). On CUDA at one row with the push kernel on, its GEMV pushes its outputs into the
+    peers' buffers as it computes them (`_gemv_push_kernel`) and, with DSC_ALLREDUCE=auto, its
+    last program ends the all-reduce; DSC_ALLREDUCE=gemv_push leaves that to the push kernel. On
+    4 H200s at Llama-8B's tp=4 o_proj shape, us per call in a CUDA graph without PDL: 6.50 (one
+    launch), 6.47 (the GEMV push, then the push kernel), 8.12 (the GEMV, then the push kernel;
+    scripts/check_allreduce_gpu.py, session 14). Elsewhere the two ops."""
     return _linear_then_fused(residual, x, weight, norm_weight, eps)
 
 
