@@ -69,7 +69,8 @@ from dsc.kernels.linear import _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
 tl = None  # triton.language, bound by launch.jit on first launch
-ALLREDUCE_MODES = ("auto", "gemv_push", "push", "pull", "one_shot", "nccl")  # auto: GEMV push + norm, the push kernel, the one-shot
+# auto: the GEMV pushing its rows and ending the all-reduce, the push kernel, the one-shot
+ALLREDUCE_MODES = ("auto", "gemv_push", "push", "pull", "one_shot", "nccl")
 _MARK = {torch.bfloat16: -32768, torch.float16: -32768, torch.float32: -2147483648}  # -0.0's bits
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -150,9 +151,10 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
     (push kernel) are on for all ranks, the row-parallel linears' GEMVs pushing their rows and
     ending the all-reduce (`linear_all_reduce_add_rmsnorm`); "symm_mem+norm+gemv_push" with
     DSC_ALLREDUCE=gemv_push (the GEMV pushing its rows, then the push kernel); "symm_mem+norm"
-    with DSC_ALLREDUCE=push (the GEMV, then the push kernel), "symm_mem+pull_norm" with DSC_ALLREDUCE=pull, "symm_mem" when only the
-    one-shot is on, else "nccl" (with the reason on stderr from rank 0). DSC_ALLREDUCE=one_shot
-    turns the fused kernels off, DSC_ALLREDUCE=nccl all of them."""
+    with DSC_ALLREDUCE=push (the GEMV, then the push kernel), "symm_mem+pull_norm" with
+    DSC_ALLREDUCE=pull, "symm_mem" when only the one-shot is on, else "nccl" (with the reason on
+    stderr from rank 0). DSC_ALLREDUCE=one_shot turns the fused kernels off, DSC_ALLREDUCE=nccl
+    all of them."""
     global _symm
     if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() == 1:
         return "nccl"
@@ -429,8 +431,8 @@ def _push_sum(rows, ptrs, m2, senders, WORLD: tl.constexpr, MARK: tl.constexpr, 
 @device
 def _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, N: tl.constexpr, WORLD: tl.constexpr,
                                 BLOCK_W: tl.constexpr, CHUNK: tl.constexpr, MARK: tl.constexpr):
-    # `_push_wait_sum_norm` on row 0 in chunks of CHUNK columns, for a GEMV's program of few
-    # warps (the whole row at once would not fit its registers). Pass 1, chunk by chunk: wait
+    # `_push_wait_sum_norm` on row 0 in chunks of CHUNK columns, where the whole row would not
+    # fit a GEMV program's registers (`gemv_push_norm_config`). Pass 1, chunk by chunk: wait
     # for it, reset, sum, add the residual and store s, summing s^2 (a scalar: what the poll
     # loops may carry). Pass 2: the norm of the s this program stored (after a barrier: a
     # thread may read what another stored)
@@ -573,12 +575,12 @@ _gemv_push_error = ""  # why the GEMV push kernel failed to build here (then: th
 
 
 def _gemv_push_config(s: _Symmetric | None, residual, x, weight, norm_weight) -> dict | None:
-    """The GEMV config when this call takes `_gemv_push_kernel` + the push kernel (SENT): the
-    push kernel on and DSC_ALLREDUCE=auto, one row, operands of the buffers' dtype, a tuned GEMV
-    for the weight's shape; else None (the linear's kernel, then the fused all-reduce + norm)."""
+    """The GEMV config when this call takes `_gemv_push_kernel` (ending the all-reduce, or
+    followed by the push kernel with SENT): the push kernel on and DSC_ALLREDUCE=auto or
+    gemv_push, one row, operands of the buffers' dtype, a tuned GEMV for the weight's shape; else
+    None (the linear's kernel, then the fused all-reduce + norm)."""
     if (s is None or s.fused != "push" or not s.count or allreduce_mode() not in ("auto", "gemv_push")
-            or _gemv_push_error
-            or not weight.is_contiguous()):
+            or _gemv_push_error or not weight.is_contiguous()):
         return None
     n, k = weight.shape
     if not (x.numel() == k and residual.numel() == n and 0 < n <= MAX_N and n <= s.numel

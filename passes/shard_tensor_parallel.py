@@ -18,8 +18,9 @@ Rewrites (each counted under `shard_tensor_parallel.<rule>`, per program)
   shape     view/reshape sizes and split sizes along a sharded dim -> the rank's local sizes.
   kv_cache  the cache tensors hold the local kv heads (model.kv_cache["shape"][1]).
   vocab     when tp divides the vocabulary, the token embedding and lm_head are vocab-parallel:
-            the rank's rows looked up (dsc.vocab_embedding: zeros for others' ids) + dsc.all_reduce, and the rank's logits +
-            dsc.all_gather; otherwise both are replicated. model.notes["tp"] says which and why.
+            the rank's rows looked up (dsc.vocab_embedding: zeros for others' ids) + dsc.all_reduce,
+            and the rank's logits + dsc.all_gather; otherwise both are replicated.
+            model.notes["tp"] says which and why.
 Requires canonicalize (every matmul against a weight is aten.linear) and bind_kv_cache
          (attention is dsc.attention with its cache); sizes checked by compiler/validate.py.
 Guarantees (tp > 1) every dsc.attention is inside a region; node vals show per-rank shapes;
