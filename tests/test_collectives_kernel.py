@@ -193,6 +193,14 @@ def run_aot(out: str) -> None:
             res[f"gemv_push_norm-w{world}{'-pdl' if pdl else ''}"] = {
                 "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
                 "spills": spill_bytes(k), "warps": warps, "chunk": cfg["CHUNK"]}
+            if world == 4:  # an 8192-wide row (a 70B-class hidden size) at 4 ranks: two passes
+                cfg = C.gemv_push_norm_config({"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 1}, 8192, world)
+                warps = cfg.pop("num_warps")
+                k = compile_for_arch(C._gemv_push_kernel, gemv, {**const, **cfg}, num_warps=warps,
+                                     aligned=("X", "W", "N", "K", "region", "R", "NW", "S", "Y"))
+                res[f"gemv_push_norm_chunked-w{world}{'-pdl' if pdl else ''}"] = {
+                    "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
+                    "spills": spill_bytes(k), "warps": warps, "chunk": cfg["CHUNK"]}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -241,12 +249,13 @@ def test_gemv_push_with_norm_ends_the_all_reduce_in_its_last_program(kind, case,
 
 
 def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
-    assert len(compiled) == 16 and sum(k.endswith("-pdl") for k in compiled) == 8, list(compiled)
+    assert len(compiled) == 18 and sum(k.endswith("-pdl") for k in compiled) == 9, list(compiled)
     bad = {k: v for k, v in compiled.items() if not v["ok"] or v["pdl"] != "ok" or v.get("spills", 0)}
     assert not bad, bad
-    # the GEMV + all-reduce end: the row in one pass, at 4 warps at tp 2 and 8 at tp 4
-    assert [(compiled[f"gemv_push_norm-w{w}"]["warps"], compiled[f"gemv_push_norm-w{w}"]["chunk"])
-            for w in (2, 4)] == [(4, 4096), (8, 4096)], compiled
+    # the GEMV + all-reduce end: a 4096-wide row in one pass, at 4 warps at tp 2 and 8 at tp 4;
+    # an 8192-wide one at tp 4 in two
+    assert [(compiled[f"gemv_push_norm{c}-w{w}"]["warps"], compiled[f"gemv_push_norm{c}-w{w}"]["chunk"])
+            for c, w in (("", 2), ("", 4), ("_chunked", 4))] == [(4, 4096), (8, 4096), (8, 4096)], compiled
 
 
 if __name__ == "__main__":
