@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from dsc.runtime.plan import GATHER_OPS
+
 READ_BW_H200 = 4.33e12  # bytes/s, measured device read bandwidth (DESIGN.md)
 
 
@@ -65,9 +67,8 @@ def decode_bytes(engine, batch: int, context: int) -> dict[str, int]:
     per layer."""
     nodes = engine.plan["programs"]["decode"]["nodes"]
     targets = {n["name"]: n["target"] for n in nodes if n["kind"] == "weight"}
-    gathered = {targets[n["args"][0]["node"]] for n in nodes
-                if n["kind"] == "call" and n["op"] == "aten.embedding.default"}
-    matmul = {targets[a["node"]] for n in nodes if n["kind"] == "call" and "embedding" not in n["op"]
+    gathered = {targets[n["args"][0]["node"]] for n in nodes if n["kind"] == "call" and n["op"] in GATHER_OPS}
+    matmul = {targets[a["node"]] for n in nodes if n["kind"] == "call" and n["op"] not in GATHER_OPS
               for a in n["args"] if isinstance(a, dict) and a.get("node") in targets}
     weights = 0
     for name, t in engine.weights.items():

@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 
 from dsc.runtime.bench import READ_BW_H200
-from dsc.runtime.plan import ATTENTION_OPS
+from dsc.runtime.plan import ATTENTION_OPS, GATHER_OPS
 
 
 def _weight_bytes(engine, node: dict, targets: dict[str, str]) -> int:
@@ -49,7 +49,7 @@ def _plan_launches(engine, batch: int, context: int) -> list[dict]:
         launches = int(k.get("launches", 0)) if n["kind"] == "call" else 0
         if not launches:
             continue
-        if n["op"] == "aten.embedding.default":  # a gather of `batch` rows, not the table
+        if n["op"] in GATHER_OPS:  # a gather of `batch` rows, not the table
             table = engine.weights.get(targets.get(n["args"][0].get("node"))) if isinstance(n["args"][0], dict) else None
             nbytes = batch * table[0].numel() * table.element_size() if table is not None else 0
         else:

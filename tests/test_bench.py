@@ -37,6 +37,30 @@ def test_decode_bytes_counts_every_matmul_weight_once_and_gathered_rows(compile_
     assert sizes[emb] == vocab * hidden * 4
 
 
+def test_decode_bytes_counts_a_vocab_parallel_ranks_embedding_as_gathered_rows(compile_artifact):
+    """At tp=2 the embedding is `dsc.vocab_embedding` of the rank's rows: a step reads at most a
+    row per token of it (as of a replicated embedding), not the shard; in the profile's per-node
+    bytes too."""
+    from dsc.runtime.artifact import open_artifact
+    from dsc.runtime.engine import Engine
+    from dsc.runtime.profile import _plan_launches
+
+    art_path = compile_artifact("llama-tiny", dtype="fp32", tp=2)
+    art = open_artifact(str(art_path), ranks=[0], verify=False)
+    engine = Engine(art, 0, art.tp, torch.device("cpu"), cuda_graphs=False)
+    emb = "model.embed_tokens.weight"
+    assert any(n.get("op") == "dsc.vocab_embedding.default" for n in engine.plan["programs"]["decode"]["nodes"])
+    sizes = _rank_bytes(art_path)
+    rows, hidden = engine.weights[emb].shape
+    assert sizes[emb] == rows * hidden * 4
+    kv = decode_bytes(engine, 2, 10)["kv_cache"]
+    assert decode_bytes(engine, 2, 10)["weights"] == sum(sizes.values()) - sizes[emb] + 2 * hidden * 4
+    plan = _plan_launches(engine, 2, 10)
+    nodes = {n["name"]: n for n in engine.plan["programs"]["decode"]["nodes"]}
+    lookup = [p for p in plan if nodes[p["node"]]["op"] == "dsc.vocab_embedding.default"]
+    assert [p["bytes"] for p in lookup] == [2 * hidden * 4] and kv > 0
+
+
 def test_bench_cli_writes_table_json_and_profile(compile_artifact, tmp_path):
     art = compile_artifact("llama-tiny", dtype="fp32")
     out = tmp_path / "bench.json"
