@@ -183,22 +183,16 @@ def run_aot(out: str) -> None:
             res[f"gemv_push-w{world}{'-pdl' if pdl else ''}"] = {
                 "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"}))}
             # with the all-reduce's end (NORM_N), at the launch configs of Llama-8B's down_proj at
-            # this tp (the GEMV push rows of [4096, 7168] and [4096, 3584], raised to 4 and 8 warps)
+            # this tp (the GEMV push rows of [4096, 7168] and [4096, 3584], raised to 4 and 8
+            # warps); at tp=4 also an 8192-wide row (a 70B-class hidden size): two passes
             push_row = {2: {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 2},
                         4: {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 1}}[world]
-            cfg = C.gemv_push_norm_config(push_row, 4096, world)
-            warps = cfg.pop("num_warps")
-            k = compile_for_arch(C._gemv_push_kernel, gemv, {**const, **cfg}, num_warps=warps,
-                                 aligned=("X", "W", "N", "K", "region", "R", "NW", "S", "Y"))
-            res[f"gemv_push_norm-w{world}{'-pdl' if pdl else ''}"] = {
-                "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
-                "spills": spill_bytes(k), "warps": warps, "chunk": cfg["CHUNK"]}
-            if world == 4:  # an 8192-wide row (a 70B-class hidden size) at 4 ranks: two passes
-                cfg = C.gemv_push_norm_config({"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 1}, 8192, world)
+            for name, n in (("gemv_push_norm", 4096), ("gemv_push_norm_chunked", 8192))[: 1 + (world == 4)]:
+                cfg = C.gemv_push_norm_config(push_row, n, world)
                 warps = cfg.pop("num_warps")
                 k = compile_for_arch(C._gemv_push_kernel, gemv, {**const, **cfg}, num_warps=warps,
                                      aligned=("X", "W", "N", "K", "region", "R", "NW", "S", "Y"))
-                res[f"gemv_push_norm_chunked-w{world}{'-pdl' if pdl else ''}"] = {
+                res[f"{name}-w{world}{'-pdl' if pdl else ''}"] = {
                     "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
                     "spills": spill_bytes(k), "warps": warps, "chunk": cfg["CHUNK"]}
     Path(out).write_text(json.dumps(res, indent=1))
