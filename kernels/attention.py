@@ -40,8 +40,9 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   per (sequence, kv head, split of the cache); the group's query heads are the rows of one tile
   (padded to 16 for tl.dot).  The number of splits comes from shapes only (B, Hkv, Smax, SM
   count), never from cache_pos, so a decode step can be captured in a CUDA graph; each program
-  reads its sequence's position on the device and divides that sequence's keys evenly among
-  the splits (at least SPLIT_FLOOR keys each, MIN_SPLIT when a row has no SPLIT_FLOOR; splits
+  reads its sequence's position on the device and divides that sequence's keys evenly, in
+  whole tiles, among as many splits as its key count over SPLIT_FLOOR rounds to (MIN_SPLIT when
+  a row has no SPLIT_FLOOR; no sliver of a split whose combine costs more than its keys; splits
   past the end return at once).  The split that holds position cache_pos writes the new k/v
   to the cache and attends to it from registers.  With one split, or when all of a sequence's keys fall in its first split
   (a short context: every program can tell before its loop), that split writes `out` itself;
@@ -553,9 +554,13 @@ def _prefill_kernel(
 
 
 @_jit_on_first_use
-def _split_len(n_keys, num_splits, min_split, BLOCK_N: tl.constexpr):
-    # keys per split for a sequence with n_keys keys: an even share, whole tiles, >= min_split
-    return tl.maximum(tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N, min_split)
+def _split_len(n_keys, num_splits, floor, BLOCK_N: tl.constexpr):
+    # keys per split for a sequence with n_keys keys: an even share in whole tiles among as
+    # many splits as n_keys / floor rounds to (at least 1, at most num_splits), so that no split
+    # is left a sliver: 129-191 keys at a floor of 128 take one split, not 128 + a few keys
+    # whose combine costs more than walking them
+    active = tl.minimum(tl.maximum((2 * n_keys + floor) // (2 * floor), 1), num_splits)
+    return tl.cdiv(tl.cdiv(n_keys, active), BLOCK_N) * BLOCK_N
 
 
 @_jit_on_first_use
@@ -569,23 +574,23 @@ def _decode_kernel(
     so_b, so_h,  # out [B, 1, H, D]
     sp_b, sp_h, sp_s,  # part_o [B, H, splits, D] fp32
     sl_b, sl_h,  # part_lse [B, H, splits] fp32
-    Hkv, Smax, min_split, window,
+    Hkv, Smax, split_floor, window,
     COS, SIN, sc_b, ss_b,  # ROTARY: cos, sin [B, 1, D] (dsc.rotary's tables); else None
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
     ROTARY: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:  # kernels/launch.py: wait for the previous kernel before any access; the next one
+        # is let start only after the key loop (below)
         tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
     kvh = bh % Hkv
-    # q (and what rotates it) loads first, together with the position: at a short context the
-    # kernel is one program's chain of dependent loads, and a load behind the early return
-    # adds its latency (the new token's k and v load after the key loop: held across it, they
-    # made the windowed rotary build spill)
+    # q (and what rotates it) loads first, together with the position and the new token's k
+    # and v: at a short context the kernel is one program's chain of dependent loads, and a
+    # load behind the early return or the key loop adds its latency (with a window the new k
+    # and v load after the loop: held across it, they made the windowed rotary build spill)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     heads = kvh * G + tl.arange(0, BLOCK_H)  # the group's query heads, padded to BLOCK_H rows
@@ -598,12 +603,19 @@ def _decode_kernel(
         cos = tl.load(COS + b * sc_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
         sin = tl.load(SIN + b * ss_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     pos = tl.load(POS + b).to(tl.int32)  # the new token's position
+    k_new = K + b * sk_b + kvh * sk_h
+    v_new = V + b * sv_b + kvh * sv_h
+    if not WINDOWED:
+        k_in = tl.load(k_new + offs_d, mask=d_ok)  # [BLOCK_D]
+        v_in = tl.load(v_new + offs_d, mask=d_ok)
+        if ROTARY:
+            k_in_half = tl.load(k_new + half_d, mask=d_ok)
     n_keys = tl.minimum(pos + 1, Smax)  # keys it sees: cache slots [first, n_keys)
     if WINDOWED:
         first = tl.maximum(pos + 1 - window, 0)
     else:
         first = 0
-    split_len = _split_len(n_keys - first, tl.num_programs(1), min_split, BLOCK_N)
+    split_len = _split_len(n_keys - first, tl.num_programs(1), split_floor, BLOCK_N)
     lo = first + split * split_len
     if lo >= n_keys:  # this split is past the sequence's end
         return
@@ -626,13 +638,22 @@ def _decode_kernel(
         v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
 
+    if PDL:  # the next kernel may start now, not at the top: its programs' early weight
+        # loads would compete with this chain of the key loop's
+        tl.extra.cuda.gdc_launch_dependents()
+
     if (pos < Smax) & (pos < lo + split_len):  # the new token's slot is in this split
         cache_ty = KC.dtype.element_ty
-        kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=d_ok)  # [BLOCK_D]
+        if WINDOWED:
+            k_in = tl.load(k_new + offs_d, mask=d_ok)
+            v_in = tl.load(v_new + offs_d, mask=d_ok)
+            if ROTARY:
+                k_in_half = tl.load(k_new + half_d, mask=d_ok)
+        kn = k_in
         if ROTARY:  # in k's dtype first, as dsc.rotary stores it, then the cache's
-            kn = _rotated(kn, tl.load(K + b * sk_b + kvh * sk_h + half_d, mask=d_ok), cos, sin)
+            kn = _rotated(kn, k_in_half, cos, sin)
         kn = kn.to(cache_ty)
-        vn = tl.load(V + b * sv_b + kvh * sv_h + offs_d, mask=d_ok).to(cache_ty)
+        vn = v_in.to(cache_ty)
         tl.store(k_cache + pos * skc_s + offs_d, kn, mask=d_ok)
         tl.store(v_cache + pos * svc_s + offs_d, vn, mask=d_ok)
         s = tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_H]

@@ -32,7 +32,8 @@
 #    of each decoded on GPU 0 with local stand-ins for its collectives (scripts/tp_local_bound.py:
 #    the step each tp would take if its all-reduces were free), after the benches; BOUND_PDL_MODES=
 #    "off on": the bound again under those DSC_PDL modes (BOUND_PDL_AB=1: "off"); BOUND_ARGS: more
-#    arguments for tp_local_bound.py ("--profile").
+#    arguments for tp_local_bound.py ("--profile"); BOUND_BASE=DIR: every bound again with the code
+#    of the tree DIR (before / after a kernel change on the same artifacts; tags -base).
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
@@ -198,6 +199,19 @@ if [ -n "${BOUND_ARTS:-}" ]; then
     OUT=$OUT/bound-pdl$M DSC_PDL=$M CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/tp_local_bound.py \
       $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) ${BOUND_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound-pdl$M.txt"
   done
+  # BOUND_BASE=DIR: each of those bounds again, after them, with the code of another tree
+  # (e.g. `git archive` of the commit before a kernel change) imported as dsc, on the same
+  # artifacts (the runtime compiles kernels at load): before and after in one call (-base tags)
+  if [ -n "${BOUND_BASE:-}" ]; then
+    mkdir -p /tmp/dsc-base-pkg && ln -sfn "$(realpath "$BOUND_BASE")" /tmp/dsc-base-pkg/dsc
+    for M in default ${BOUND_PDL_MODES:-${BOUND_PDL_AB:+off}}; do
+      mkdir -p "$OUT/bound-base-$M"
+      env $([ "$M" != default ] && echo DSC_PDL=$M) PYTHONPATH="/tmp/dsc-base-pkg:${PYTHONPATH:-}" OUT=$OUT/bound-base-$M \
+        CUDA_VISIBLE_DEVICES=0 timeout 300 python3 "$BOUND_BASE/scripts/tp_local_bound.py" \
+        $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) ${BOUND_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound-base-$M.txt"
+      pack
+    done
+  fi
   echo "bound done: $((SECONDS - T0)) s"
   pack
 fi

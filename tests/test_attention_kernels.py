@@ -76,11 +76,11 @@ CASES = {
     "decode-one-split": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36)),
     # split over the cache: pos 0 (no cached key), mid (2 of 3 splits used), last slot
     "decode-splits": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), config=SMALL_DECODE, num_splits=3),
-    # MIN_SPLIT not a multiple of BLOCK_N: partial tiles inside splits
+    # MIN_SPLIT (the floor here) not a multiple of BLOCK_N: splits stay whole tiles
     "decode-split-unaligned": Case("decode", 3, 6, 2, 1, 32, 61, (5, 40, 60), num_splits=3,
                                    config=dict(SMALL_DECODE, MIN_SPLIT=24)),
     # SPLIT_FLOOR below MIN_SPLIT (the sm_90 row's 128 / 256): a short context spreads over
-    # splits of 16 keys (3 of 4 at position 40), not MIN_SPLIT's 32 (2 of 4)
+    # splits of 16 keys (3 of 4 at position 40), not MIN_SPLIT's 32 (one split of 48 there)
     "decode-split-floor": Case("decode", 3, 6, 2, 1, 16, 64, (10, 20, 40), num_splits=4,
                                config=dict(SMALL_DECODE, MIN_SPLIT=32, SPLIT_FLOOR=16)),
     "decode-overflow": Case("decode", 3, 6, 2, 1, 16, 37, (37, 50, 15), config=SMALL_DECODE, num_splits=3),
@@ -225,17 +225,20 @@ def _worker() -> None:
     counters = list(launch.COUNTERS.values())
     report["split-counters-reset"] = "ok" if counters and all(bool((c == 0).all()) for c in counters) \
         else f"counters {[c.nonzero().flatten().tolist()[:8] for c in counters]}"
-    report["single-split-skips-counter"] = _single_split_skips_counter()
+    report["single-split-skips-counter"] = _single_split_skips_counter((0, 9, 15))
+    # 17-23 keys at a floor of 16: the sliver past the first 16 joins the first split
+    report["sliver-joins-first-split"] = _single_split_skips_counter((16, 20, 22))
     print("REPORT " + json.dumps(report))
 
 
-def _single_split_skips_counter() -> str:
-    """Every sequence of the batch has all its keys in the first of 3 splits: that split writes
-    out itself and leaves the shared split counters alone. They are preset to 7 here, so a split
-    that took its counter would see done = 7, not n_written - 1 = 0, and never write out (NaN)."""
+def _single_split_skips_counter(positions: tuple[int, ...]) -> str:
+    """Every sequence of the batch (at `positions`) has all its keys in the first of 3 splits:
+    that split writes out itself and leaves the shared split counters alone. They are preset to
+    7 here, so a split that took its counter would see done = 7, not n_written - 1 = 0, and
+    never write out (NaN)."""
     from dsc.kernels.launch import split_counters
 
-    case = Case("decode", 3, 6, 2, 1, 16, 37, (0, 9, 15), config=SMALL_DECODE, num_splits=3)
+    case = Case("decode", 3, 6, 2, 1, 16, 37, positions, config=SMALL_DECODE, num_splits=3)
     counters = split_counters(torch.device("cpu"), case.B * case.Hkv)
     counters.fill_(7)
     result = run_case(case, torch.float32)
@@ -473,6 +476,10 @@ def test_split_counters_are_reset_by_each_launch(interpreter_report):
 
 def test_single_split_writes_out_without_the_counter(interpreter_report):
     assert interpreter_report["single-split-skips-counter"] == "ok"
+
+
+def test_a_sliver_of_keys_joins_the_first_split(interpreter_report):
+    assert interpreter_report["sliver-joins-first-split"] == "ok"
 
 
 DECODE_BUILDS = ["decode", "decode-d80", "decode-window", "decode-rotary", "decode-rotary-window"]
