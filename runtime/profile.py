@@ -121,12 +121,16 @@ def profile_decode(engine, batch: int = 1, context: int = 128, steps: int = 20) 
     if cuda:
         evs = _device_events(prof)
         end = float("-inf")
+        exposed_each = []
         for e in evs:
             by_name[e.name].append(e.time_range.elapsed_us())
             # exposed: how far this kernel moves the step's end past every earlier kernel's (with
             # PDL a kernel's own time includes its wait for the one before; this does not)
-            exposed[e.name] += max(0.0, e.time_range.end - max(end, e.time_range.start))
+            exposed_each.append(max(0.0, e.time_range.end - max(end, e.time_range.start)))
+            exposed[e.name] += exposed_each[-1]
             end = max(end, e.time_range.end)
+        if evs and len(evs) % steps == 0:
+            res["launches"] = _per_launch(evs, exposed_each, steps)
         res["kernels_per_step"] = len(evs) / steps
         if not evs:
             res["note"] = "the profiler saw no kernels; run with --no-cuda-graphs to profile eager steps"
@@ -154,6 +158,21 @@ def profile_decode(engine, batch: int = 1, context: int = 128, steps: int = 20) 
                               **({"exposed_us": exposed[k] / steps} if cuda else {})}
                              for k, v in by_name.items()), key=lambda r: -r["us"])
     return res
+
+
+def _per_launch(evs: list, exposed_each: list[float], steps: int) -> list[dict]:
+    """The step's kernels in launch order, each averaged over the steps (every step launched the
+    same number): name, start (us after the step's first kernel started), own and exposed time.
+    Finds which launch of a layer a change moved, where `by_name` sums all of one kernel's."""
+    n = len(evs) // steps
+    rows = []
+    for i in range(n):
+        ks = range(i, len(evs), n)
+        rows.append({"i": i, "name": evs[i].name,
+                     "start_us": sum(evs[k].time_range.start - evs[k - i].time_range.start for k in ks) / steps,
+                     "us": sum(evs[k].time_range.elapsed_us() for k in ks) / steps,
+                     "exposed_us": sum(exposed_each[k] for k in ks) / steps})
+    return rows
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:

@@ -167,6 +167,25 @@ def test_profile_busy_time_is_the_union_of_overlapping_kernels():
     assert _union_us([]) == 0
 
 
+def test_profile_averages_each_launch_of_the_step_in_order():
+    """`launches`: the i-th kernel of every step averaged (start after the step's first kernel,
+    own time, exposed time), so one launch of a layer can be told from the others of its kernel."""
+    from types import SimpleNamespace
+
+    from dsc.runtime.profile import _per_launch
+
+    def ev(name, a, b):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=a, end=b, elapsed_us=lambda: b - a))
+
+    # two steps of [gemv, attention, gemv]; the second gemv starts before attention ends (PDL)
+    evs = [ev("g", 0, 10), ev("a", 10, 14), ev("g", 13, 20), ev("g", 100, 112), ev("a", 112, 118), ev("g", 117, 126)]
+    rows = _per_launch(evs, [10, 4, 6, 12, 6, 8], steps=2)
+    assert [r["name"] for r in rows] == ["g", "a", "g"]
+    assert [r["start_us"] for r in rows] == [0, 11, 15]
+    assert [r["us"] for r in rows] == [11, 5, 8]
+    assert [r["exposed_us"] for r in rows] == [11, 5, 7]
+
+
 def test_tp_local_bound_runs_each_rank_0_with_local_collectives(compile_artifact, tmp_path):
     """scripts/tp_local_bound.py (the lower bound of a tp's decode step, timed on one GPU) on CPU:
     rank 0 of a tp=2 artifact runs without a process group, its all-gather, all-reduce + norm and
