@@ -602,14 +602,6 @@ def _decode_kernel(
         q_half = _load_rows(q_rows + half_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
         cos = tl.load(COS + b * sc_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
         sin = tl.load(SIN + b * ss_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    k_cache = KC + b * skc_b + kvh * skc_h
-    v_cache = VC + b * svc_b + kvh * svc_h
-    offs_n = tl.arange(0, BLOCK_N)
-    if not WINDOWED:  # split 0 starts at slot 0 whatever the position: its first key tile loads
-        # now, not after the position it would wait on (stale slots past the split are masked)
-        first_ok = offs_n < tl.where(split == 0, Smax, 0)  # no load in the other splits
-        k_first = _load_rows(k_cache + offs_n[:, None] * skc_s + offs_d[None, :], first_ok, offs_d, HEAD_DIM, BLOCK_D)
-        v_first = _load_rows(v_cache + offs_n[:, None] * svc_s + offs_d[None, :], first_ok, offs_d, HEAD_DIM, BLOCK_D)
     pos = tl.load(POS + b).to(tl.int32)  # the new token's position
     k_new = K + b * sk_b + kvh * sk_h
     v_new = V + b * sv_b + kvh * sv_h
@@ -633,20 +625,14 @@ def _decode_kernel(
     if ROTARY:
         sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
         q = _rotated(q, q_half, cos[None, :], sin[None, :])
+    k_cache = KC + b * skc_b + kvh * skc_h
+    v_cache = VC + b * svc_b + kvh * svc_h
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    j_start = lo
-    if not WINDOWED:
-        if split == 0:  # (lo = 0) the tile loaded above
-            ok = offs_n < hi
-            v_first = tl.where(ok[:, None], v_first, 0.0)  # a stale slot's NaN would survive p = 0
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_first.to(q.dtype), v_first.to(q.dtype), ok[None, :],
-                                         qk_scale, True)
-            j_start = lo + BLOCK_N
-    for j0 in range(j_start, hi, BLOCK_N):
-        offs_j = j0 + offs_n
+    for j0 in range(lo, hi, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
         ok = offs_j < hi
         k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
         v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
