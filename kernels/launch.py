@@ -18,12 +18,12 @@
   kernels (GEMVs, int8 matmuls, norms, activations, rotary, decode attention, the fused
   all-reduce + norm) take a `PDL` constexpr and are launched with `launch_pdl` (both from
   `pdl_options`). With PDL, each program calls `gdc_launch_dependents()` first (the next
-  kernel may be scheduled), may read read-only
+  kernel may be scheduled; decode attention calls it after its key loop), may read read-only
   data (weights, scales) before `gdc_wait()` (which returns once the previous kernel has
   finished and its writes are visible), and reads activations, caches and counters, and writes
   anything, only after it: the runtime's memory plan reuses buffers, so a write before the wait
   could clobber what the previous kernel still reads. Without PDL the kernels compile to what
-  they were before. `DSC_PDL=auto|on|off` (`pdl_enabled`; auto: off under tensor parallelism).
+  they were before. `DSC_PDL=auto|on|off` (`pdl_enabled`; auto: off at tp=2 only).
 """
 from __future__ import annotations
 

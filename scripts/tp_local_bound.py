@@ -13,10 +13,10 @@ collectives with local stand-ins of no communication:
   (a copy).
 The results are wrong numbers computed at the shard's shapes: every kernel a tp rank runs,
 with every wait for a peer and every NVLink transfer removed. Its batch-1 decode step (CUDA
-graphs, the context `dsc bench` uses; PDL as DSC_PDL says for a process without a group: on,
-by default, where the tp ranks now run without it) is a lower bound on that tp's step
-on real GPUs, so its ratio to tp=1 (timed here the same way) bounds what any all-reduce
-could achieve. Prints a table; writes $OUT/tp_local_bound.json when OUT is set.
+graphs, the context `dsc bench` uses; PDL as DSC_PDL says for a process without a group: on
+by default, where tp=2's ranks run without it) is a lower bound on that tp's step on real GPUs,
+so its ratio to tp=1 (timed here the same way, steps queued back to back) bounds what any
+all-reduce could achieve. Prints a table; writes $OUT/tp_local_bound.json when OUT is set.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _stand_ins(device_type: str) -> None:
 
 def step_ms(path: str, iters: int, context: int, dev: torch.device, profile: bool = False) -> dict:
     from dsc.runtime.artifact import open_artifact
-    from dsc.runtime.bench import _time, decode_bytes
+    from dsc.runtime.bench import _time, _time_queued, decode_bytes
     from dsc.runtime.engine import Engine
 
     art = open_artifact(path, ranks=[0], verify=False)
@@ -57,9 +57,10 @@ def step_ms(path: str, iters: int, context: int, dev: torch.device, profile: boo
     tok = torch.randint(0, engine.vocab_size, (1,), generator=g).to(dev)
     pos = torch.full((1,), context, dtype=torch.long, device=dev)
     s = _time(lambda: engine._decode(tok, pos), dev, iters)
+    q = _time_queued(lambda: engine._decode(tok, pos), dev, *((10, 7) if dev.type == "cuda" else (2, 3)))
     nbytes = decode_bytes(engine, 1, context + 1)["total"]
-    out = {"artifact": path, "tp": art.tp, "ms_per_step": s * 1e3, "bytes": nbytes, "tb_per_s": nbytes / s / 1e12,
-           "cuda_graphs": engine._decode.captured}
+    out = {"artifact": path, "tp": art.tp, "ms_per_step": s * 1e3, "ms_per_step_queued": q * 1e3, "bytes": nbytes,
+           "tb_per_s": nbytes / q / 1e12, "cuda_graphs": engine._decode.captured}
     if profile:
         from dsc.runtime.profile import profile_decode, render_profile
 
@@ -89,10 +90,13 @@ def main() -> None:
             torch.cuda.empty_cache()
     base = next((r for r in rows if r["tp"] == 1), None)
     print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; batch-1 decode at context {args.context}, rank 0, collectives local")
-    print(f"{'tp':>3} {'ms/step':>8} {'TB/s':>6} {'x tp1':>6}  artifact")
+    # queued (steps back to back, as `generate` and `dsc bench`'s queued column run them) is the
+    # steadier figure and the ratio's; a step alone, synced after it, scattered by 150-250 us at
+    # tp=2 across runs (session 14)
+    print(f"{'tp':>3} {'ms/step':>8} {'queued':>7} {'TB/s':>6} {'x tp1':>6}  artifact")
     for r in rows:
-        r["x_tp1"] = r["ms_per_step"] / base["ms_per_step"] if base else None
-        print(f"{r['tp']:>3} {r['ms_per_step']:8.3f} {r['tb_per_s']:6.2f} "
+        r["x_tp1"] = r["ms_per_step_queued"] / base["ms_per_step_queued"] if base else None
+        print(f"{r['tp']:>3} {r['ms_per_step']:8.3f} {r['ms_per_step_queued']:7.3f} {r['tb_per_s']:6.2f} "
               f"{'-' if r['x_tp1'] is None else format(r['x_tp1'], '6.3f'):>6}  {r['artifact']}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "tp_local_bound.json").write_text(json.dumps(rows, indent=1))

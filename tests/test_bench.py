@@ -207,5 +207,5 @@ def test_tp_local_bound_runs_each_rank_0_with_local_collectives(compile_artifact
     rows = json.loads((tmp_path / "tp_local_bound.json").read_text())
     assert all(row["profile"]["by_name"] for row in rows) and "tp=2 (" in r.stdout  # --profile: each step's table
     assert [row["tp"] for row in rows] == [1, 2] and rows[0]["x_tp1"] == 1.0
-    assert all(row["ms_per_step"] > 0 and row["bytes"] > 0 for row in rows)
+    assert all(row["ms_per_step"] > 0 and row["ms_per_step_queued"] > 0 and row["bytes"] > 0 for row in rows)
     assert rows[1]["bytes"] < rows[0]["bytes"]  # rank 0 reads its shard only
