@@ -57,6 +57,7 @@ followed by `dsc::add_rmsnorm`, with the same values.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import warnings
@@ -719,6 +720,11 @@ def all_gather(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
 
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.12
     g = funcol.wait_tensor(gather(x.contiguous(), 0, dist.group.WORLD))  # [world * x.shape[0], ...]
+    dim %= x.dim()
+    if math.prod(x.shape[:dim]) == 1:  # (batch-1 decode's logits) the ranks' blocks already lie
+        shape = list(x.shape)          # in `dim`'s order: a view, no cat kernel
+        shape[dim] *= world
+        return g.view(shape)
     return torch.cat(g.chunk(world, 0), dim)
 
 

@@ -9,6 +9,7 @@ the tp=1 artifact of the same checkpoint (fp32): greedy tokens, and teacher-forc
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -183,6 +184,31 @@ def test_16bit_decode_fuses_the_row_parallel_linear_into_the_all_reduce(compile_
         assert torch.equal(got_r, torch.as_tensor(got[0]))  # every rank: the same logits
         err = (got_r - want).abs().max() / want.abs().max()
         assert err < 1e-2, float(err)  # fp16: partial sums rounded per rank before the sum
+
+
+def _gather_shapes(rank, jobs):
+    from dsc.kernels.collectives import all_gather
+
+    out = {}
+    for shape, dim in jobs:
+        x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + 1000 * rank
+        g = all_gather(x, dim, 2)
+        out[(shape, dim)] = (g, g._base is not None)  # a view of the gathered buffer
+    return out
+
+
+def test_all_gather_concatenates_in_rank_order_with_or_without_a_copy():
+    """dsc.all_gather over 2 gloo ranks equals torch.cat of the ranks' tensors along dim; where
+    nothing precedes dim but ones (batch-1 logits) it is a view of the gathered buffer, no cat."""
+    jobs = [((1, 5), 1), ((1, 5), -1), ((1, 1, 4), 2), ((3, 5), 1), ((2, 3), 0), ((2, 1, 4), 2)]
+    got = spawn_ranks(2, _gather_shapes, jobs)
+    for shape, dim in jobs:
+        x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        want = torch.cat([x, x + 1000], dim)
+        for r in (0, 1):
+            g, view = got[r][(shape, dim)]
+            assert torch.equal(g, want), (shape, dim)
+            assert view == (math.prod(shape[:dim % len(shape)]) == 1), (shape, dim)
 
 
 def test_pass_is_a_noop_for_tp1(compile_artifact):
