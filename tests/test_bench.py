@@ -186,6 +186,31 @@ def test_profile_averages_each_launch_of_the_step_in_order():
     assert [r["exposed_us"] for r in rows] == [11, 5, 7]
 
 
+def test_launch_slots_folds_the_layers_and_sums_each_slot(tmp_path):
+    """scripts/launch_slots.py: a step of an embedding, 3 layers of [norm, gemv, attention, gemv]
+    and an lm_head, back to back with a 1 us gap before each launch: each slot sums its 3
+    layers' exposed time + gap, and what is outside the layers is listed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    names = ["embed"] + ["norm", "gemv", "_decode_kernel", "gemv"] * 3 + ["lm_head"]
+    us = {"embed": 2.0, "norm": 1.0, "gemv": 5.0, "_decode_kernel": 3.0, "lm_head": 10.0}
+    t, launches = 0.0, []
+    for i, n in enumerate(names):
+        t += 1.0 if i else 0.0  # the gap before every launch but the first
+        launches.append({"i": i, "name": n, "start_us": t, "us": us[n], "exposed_us": us[n]})
+        t += us[n]
+    (tmp_path / "run.json").write_text(json.dumps({"profile": {"step_us": t, "launches": launches}}))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "launch_slots.py"
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "run.json")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line[:2].strip().isdigit()]
+    assert [(row[1], float(row[2])) for row in rows] == [("norm", 6.0), ("gemv", 18.0), ("_decode_kernel", 12.0),
+                                                         ("gemv", 18.0)]
+    assert "embed 2.0, lm_head 11.0" in r.stdout
+
+
 def test_tp_local_bound_runs_each_rank_0_with_local_collectives(compile_artifact, tmp_path):
     """scripts/tp_local_bound.py (the lower bound of a tp's decode step, timed on one GPU) on CPU:
     rank 0 of a tp=2 artifact runs without a process group, its all-gather, all-reduce + norm and
