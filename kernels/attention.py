@@ -125,8 +125,9 @@ def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, s
 #   prefill: BLOCK_M packed (token, head) rows x BLOCK_N keys per tile.
 #   decode:  BLOCK_N keys per tile; enough splits per (sequence, kv head) for about
 #            PROGRAMS_PER_SM programs per SM and max_seq / MIN_SPLIT (the grid), and each
-#            sequence's keys shared among as many of them as give every split at least
-#            SPLIT_FLOOR keys (default MIN_SPLIT).  A short context thus spreads over a few
+#            sequence's keys shared among as many of them as its key count over SPLIT_FLOOR
+#            (default MIN_SPLIT) rounds to (`_split_len`; session 15: 129-191 keys at a floor of
+#            128 take one split, not 128 keys and a sliver).  A short context thus spreads over a few
 #            programs instead of one walking it all, while a long one keeps MIN_SPLIT-key splits
 #            (H200, batch 1, Llama-8B heads, a 4096-slot cache, bench_attention.py --short, the
 #            two rows in one run: SPLIT_FLOOR 128 against 256 took 256 / 512 / 1024 keys from
