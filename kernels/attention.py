@@ -555,6 +555,19 @@ def _prefill_kernel(
 
 
 @_jit_on_first_use
+def _new_kv(k_new, v_new, offs_d, d_ok, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+    """The new token's k and v rows [BLOCK_D] and, with ROTARY, k at rotate_half's partner
+    columns (else k again, unused)."""
+    k = tl.load(k_new + offs_d, mask=d_ok)
+    v = tl.load(v_new + offs_d, mask=d_ok)
+    if ROTARY:
+        k_half = tl.load(k_new + (offs_d + HEAD_DIM // 2) % HEAD_DIM, mask=d_ok)
+    else:
+        k_half = k
+    return k, v, k_half
+
+
+@_jit_on_first_use
 def _split_len(n_keys, num_splits, floor, BLOCK_N: tl.constexpr):
     # keys per split for a sequence with n_keys keys: an even share in whole tiles among as
     # many splits as n_keys / floor rounds to (at least 1, at most num_splits), so that no split
@@ -607,10 +620,7 @@ def _decode_kernel(
     k_new = K + b * sk_b + kvh * sk_h
     v_new = V + b * sv_b + kvh * sv_h
     if not WINDOWED:
-        k_in = tl.load(k_new + offs_d, mask=d_ok)  # [BLOCK_D]
-        v_in = tl.load(v_new + offs_d, mask=d_ok)
-        if ROTARY:
-            k_in_half = tl.load(k_new + half_d, mask=d_ok)
+        k_in, v_in, k_in_half = _new_kv(k_new, v_new, offs_d, d_ok, HEAD_DIM, ROTARY)
     n_keys = tl.minimum(pos + 1, Smax)  # keys it sees: cache slots [first, n_keys)
     if WINDOWED:
         first = tl.maximum(pos + 1 - window, 0)
@@ -647,10 +657,7 @@ def _decode_kernel(
     if (pos < Smax) & (pos < lo + split_len):  # the new token's slot is in this split
         cache_ty = KC.dtype.element_ty
         if WINDOWED:
-            k_in = tl.load(k_new + offs_d, mask=d_ok)
-            v_in = tl.load(v_new + offs_d, mask=d_ok)
-            if ROTARY:
-                k_in_half = tl.load(k_new + half_d, mask=d_ok)
+            k_in, v_in, k_in_half = _new_kv(k_new, v_new, offs_d, d_ok, HEAD_DIM, ROTARY)
         kn = k_in
         if ROTARY:  # in k's dtype first, as dsc.rotary stores it, then the cache's
             kn = _rotated(kn, k_in_half, cos, sin)
