@@ -190,14 +190,17 @@ if [ -z "${NO_BENCH:-}" ]; then
 fi
 echo "bench done: $((SECONDS - T0)) s"
 if [ -n "${BOUND_ARTS:-}" ]; then
+  bound() {  # bound DIR TXT TREE [VAR=value...]: TREE's tp_local_bound.py over the BOUND_ARTS, JSON in DIR
+    local dir=$1 txt=$2 tree=$3; shift 3
+    mkdir -p "$dir"
+    env "$@" OUT=$dir CUDA_VISIBLE_DEVICES=0 timeout 300 python3 "$tree/scripts/tp_local_bound.py" \
+      $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) ${BOUND_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/$txt"
+  }
   # BOUND_ARGS="--profile": also each artifact's profile, with exposed times
-  OUT=$OUT CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/tp_local_bound.py $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) \
-    ${BOUND_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound.txt"
+  bound "$OUT" tp_local_bound.txt .
   # BOUND_PDL_MODES="off on": the bound again under those DSC_PDL modes (BOUND_PDL_AB=1: "off")
   for M in ${BOUND_PDL_MODES:-${BOUND_PDL_AB:+off}}; do
-    mkdir -p "$OUT/bound-pdl$M"
-    OUT=$OUT/bound-pdl$M DSC_PDL=$M CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/tp_local_bound.py \
-      $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) ${BOUND_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound-pdl$M.txt"
+    bound "$OUT/bound-pdl$M" "tp_local_bound-pdl$M.txt" . DSC_PDL=$M
   done
   # BOUND_BASE=DIR: each of those bounds again, after them, with the code of another tree
   # (e.g. `git archive` of the commit before a kernel change) imported as dsc, on the same
@@ -205,10 +208,8 @@ if [ -n "${BOUND_ARTS:-}" ]; then
   if [ -n "${BOUND_BASE:-}" ]; then
     mkdir -p /tmp/dsc-base-pkg && ln -sfn "$(realpath "$BOUND_BASE")" /tmp/dsc-base-pkg/dsc
     for M in default ${BOUND_PDL_MODES:-${BOUND_PDL_AB:+off}}; do
-      mkdir -p "$OUT/bound-base-$M"
-      env $([ "$M" != default ] && echo DSC_PDL=$M) PYTHONPATH="/tmp/dsc-base-pkg:${PYTHONPATH:-}" OUT=$OUT/bound-base-$M \
-        CUDA_VISIBLE_DEVICES=0 timeout 300 python3 "$BOUND_BASE/scripts/tp_local_bound.py" \
-        $(for A in $BOUND_ARTS; do echo -n "$W/$A "; done) ${BOUND_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/tp_local_bound-base-$M.txt"
+      bound "$OUT/bound-base-$M" "tp_local_bound-base-$M.txt" "$BOUND_BASE" \
+        PYTHONPATH="/tmp/dsc-base-pkg:${PYTHONPATH:-}" $([ "$M" != default ] && echo DSC_PDL=$M)
       pack
     done
   fi
