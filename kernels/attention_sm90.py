@@ -43,8 +43,8 @@ hopper = None  # triton.experimental.gluon.language.nvidia.hopper, bound by `_bi
 
 BLOCK_M = 128  # rows per program: two consumer warpgroups of 64 (wgmma's M per warpgroup)
 WS_CONFIGS = {  # head_dim -> keys per tile, ring slots, producer registers
-    128: dict(BLOCK_N=128, STAGES=2, PRODUCER_REGS=24, CONSUMER_REGS=216),
-    64: dict(BLOCK_N=128, STAGES=3, PRODUCER_REGS=24, CONSUMER_REGS=216),
+    128: dict(BLOCK_N=128, STAGES=2, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True),
+    64: dict(BLOCK_N=128, STAGES=3, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True),
 }
 
 
@@ -68,7 +68,28 @@ def _store_own_kv(SRC, DST, s_s, d_s, j_lo, j_hi, start, HEAD_DIM: gl.constexpr,
 
 
 @gluon_device
-def _consumer(WG: gl.constexpr, Q, K, V, KC, VC, OUT, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+def _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale, BLOCK_N: gl.constexpr,
+                  P_DTYPE: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    # tile t's scores -> (p in the p @ v operand's layout and dtype, alpha in acc's row layout,
+    # m, l): the mask where the tile needs one, then the online softmax in base 2
+    j0 = (t - n_old_tiles) * BLOCK_N  # new tiles: first key; old tiles: < 0
+    if t < n_old_tiles:
+        first = n_old - (t + 1) * BLOCK_N  # old tile: positions first + cols; < 0 is no key
+        if first < 0:
+            qk = gl.where((first + cols >= 0)[None, :], qk, float("-inf"))
+    elif j0 + BLOCK_N > free:
+        j = j0 + cols
+        qk = gl.where((j[None, :] <= qi[:, None]) & (j < n_fit)[None, :], qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    p = gl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    p16 = gl.convert_layout(p.to(P_DTYPE), p_layout)
+    return p16, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_new, l_i
+
+
+@gluon_device
+def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, Q, K, V, KC, VC, OUT, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
               b, kvh, pid_m, start, n_old, n_fit, hi, n_old_tiles, n_tiles, S, qk_scale,
               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
               so_b, so_s, so_h, G):
@@ -115,34 +136,54 @@ def _consumer(WG: gl.constexpr, Q, K, V, KC, VC, OUT, q_smem, k_bufs, v_bufs, k_
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     qk_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    for t in range(n_tiles):
-        slot = t % STAGES
-        phase = (t // STAGES) & 1
-        hopper.mbarrier.wait(k_ready.index(slot), phase)
-        k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-        qk = hopper.warpgroup_mma(q_smem, k_t, qk_zero, use_acc=False, is_async=True)
+    if OVERLAP:
+        # each tile's p @ v and the next tile's QK^T go to the tensor cores back to back, and
+        # one wait covers both (nothing is in flight across the loop's back edge: ptxas would
+        # serialize every wgmma if a loop-carried accumulator were still being written there)
+        hopper.mbarrier.wait(k_ready.index(0), 0)
+        qk = hopper.warpgroup_mma(q_smem, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
+                                  use_acc=False, is_async=True)
         qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        for t in range(n_tiles - 1):
+            slot = t % STAGES
+            hopper.mbarrier.arrive(k_empty.index(slot), count=1)
+            p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
+                                                 BLOCK_N, Q.dtype.element_ty, p_layout, o_layout)
+            hopper.mbarrier.wait(v_ready.index(slot), (t // STAGES) & 1)
+            acc = hopper.warpgroup_mma(p16, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc * alpha[:, None],
+                                       is_async=True)
+            hopper.mbarrier.wait(k_ready.index((t + 1) % STAGES), ((t + 1) // STAGES) & 1)
+            # (its accumulator input, ignored, is tile t's raw scores: registers a wgmma defined)
+            qk = hopper.warpgroup_mma(q_smem, k_bufs.index((t + 1) % STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                                      qk, use_acc=False, is_async=True)
+            qk, acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc))
+            hopper.mbarrier.arrive(v_empty.index(slot), count=1)
+        t = n_tiles - 1
+        slot = t % STAGES
         hopper.mbarrier.arrive(k_empty.index(slot), count=1)
-        j0 = (t - n_old_tiles) * BLOCK_N  # new tiles: first key; old tiles: < 0
-        if t < n_old_tiles:
-            first = n_old - (t + 1) * BLOCK_N  # old tile: positions first + cols; < 0 is no key
-            if first < 0:
-                qk = gl.where((first + cols >= 0)[None, :], qk, float("-inf"))
-        elif j0 + BLOCK_N > free:
-            j = j0 + cols
-            qk = gl.where((j[None, :] <= qi[:, None]) & (j < n_fit)[None, :], qk, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-        p = gl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p16 = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
-        hopper.mbarrier.wait(v_ready.index(slot), phase)
-        v_t = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        acc = hopper.warpgroup_mma(p16, v_t, acc, is_async=True)
+        p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
+                                             BLOCK_N, Q.dtype.element_ty, p_layout, o_layout)
+        hopper.mbarrier.wait(v_ready.index(slot), (t // STAGES) & 1)
+        acc = hopper.warpgroup_mma(p16, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc * alpha[:, None],
+                                   is_async=True)
         acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         hopper.mbarrier.arrive(v_empty.index(slot), count=1)
+    else:
+        for t in range(n_tiles):
+            slot = t % STAGES
+            phase = (t // STAGES) & 1
+            hopper.mbarrier.wait(k_ready.index(slot), phase)
+            qk = hopper.warpgroup_mma(q_smem, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
+                                      use_acc=False, is_async=True)
+            qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+            hopper.mbarrier.arrive(k_empty.index(slot), count=1)
+            p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
+                                                 BLOCK_N, Q.dtype.element_ty, p_layout, o_layout)
+            hopper.mbarrier.wait(v_ready.index(slot), phase)
+            acc = hopper.warpgroup_mma(p16, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc * alpha[:, None],
+                                       is_async=True)
+            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            hopper.mbarrier.arrive(v_empty.index(slot), count=1)
 
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     r_o = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
@@ -156,8 +197,8 @@ def _consumer(WG: gl.constexpr, Q, K, V, KC, VC, OUT, q_smem, k_bufs, v_bufs, k_
 def _consumer0(Q, K, V, KC, VC, OUT, q_smem0, q_smem1, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                b, kvh, pid_m, start, n_old, n_fit, hi, n_old_tiles, n_tiles, S, qk_scale,
                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
-               so_b, so_s, so_h, KD, VD, KCD, VCD, G):
-    _consumer(0, Q, K, V, KC, VC, OUT, q_smem0, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+               so_b, so_s, so_h, KD, VD, KCD, VCD, G, OVERLAP: gl.constexpr):
+    _consumer(0, OVERLAP, Q, K, V, KC, VC, OUT, q_smem0, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
               b, kvh, pid_m, start, n_old, n_fit, hi, n_old_tiles, n_tiles, S, qk_scale,
               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
               so_b, so_s, so_h, G)
@@ -167,8 +208,8 @@ def _consumer0(Q, K, V, KC, VC, OUT, q_smem0, q_smem1, k_bufs, v_bufs, k_ready, 
 def _consumer1(Q, K, V, KC, VC, OUT, q_smem0, q_smem1, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                b, kvh, pid_m, start, n_old, n_fit, hi, n_old_tiles, n_tiles, S, qk_scale,
                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
-               so_b, so_s, so_h, KD, VD, KCD, VCD, G):
-    _consumer(1, Q, K, V, KC, VC, OUT, q_smem1, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+               so_b, so_s, so_h, KD, VD, KCD, VCD, G, OVERLAP: gl.constexpr):
+    _consumer(1, OVERLAP, Q, K, V, KC, VC, OUT, q_smem1, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
               b, kvh, pid_m, start, n_old, n_fit, hi, n_old_tiles, n_tiles, S, qk_scale,
               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
               so_b, so_s, so_h, G)
@@ -178,7 +219,7 @@ def _consumer1(Q, K, V, KC, VC, OUT, q_smem0, q_smem1, k_bufs, v_bufs, k_ready, 
 def _producer(Q, K, V, KC, VC, OUT, q_smem0, q_smem1, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
               b, kvh, pid_m, start, n_old, n_fit, hi, n_old_tiles, n_tiles, S, qk_scale,
               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
-              so_b, so_s, so_h, KD, VD, KCD, VCD, G):
+              so_b, so_s, so_h, KD, VD, KCD, VCD, G, OVERLAP: gl.constexpr):
     STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     # tile t < n_old_tiles: cached positions n_old - (t + 1) * BLOCK_N ..; then new keys from 0
@@ -210,7 +251,7 @@ def _prefill_ws_kernel(
     Hkv, S, Smax,
     KD, VD, KCD, VCD,  # tensor descriptors of k, v, k_cache, v_cache: blocks [1, 1, BLOCK_N, HEAD_DIM]
     G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of ROWS
     ROWS: gl.constexpr = 64
@@ -245,7 +286,7 @@ def _prefill_ws_kernel(
     args = (Q, K, V, KC, VC, OUT, q_smem0, q_smem1, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
             b, kvh, pid_m, start, n_old, n_fit, hi, n_old_tiles, n_tiles, S, qk_scale,
             sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
-            so_b, so_s, so_h, KD, VD, KCD, VCD, G)
+            so_b, so_s, so_h, KD, VD, KCD, VCD, G, OVERLAP)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -291,6 +332,6 @@ def prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, config=None):
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         Hkv, S, Smax, *descs,
         G=G, HEAD_DIM=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
+        CONSUMER_REGS=cfg["CONSUMER_REGS"], OVERLAP=cfg["OVERLAP"], num_warps=4,
     )
     return out
