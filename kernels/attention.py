@@ -170,6 +170,7 @@ PREFILL_VARIANTS = {
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),  # +6% in session 7
         # the warp-specialized Gluon kernel (kernels/attention_sm90.py) at its table's tile and two others
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_PINGPONG=False),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_OVERLAP=False),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_BLOCK_N=64, WS_STAGES=4),
     ],  # (session 11: TMA at 128 x 128 / 8 warps / 2 stages built without spills and measured 315 / 353
@@ -759,7 +760,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
         from dsc.kernels.attention_sm90 import prefill_ws, prefill_ws_supported
 
         if prefill_ws_supported(q, k, v, k_cache, v_cache, window):
-            ws = {key[3:]: cfg[key] for key in ("WS_BLOCK_N", "WS_STAGES", "WS_OVERLAP") if key in cfg}
+            ws = {key[3:]: cfg[key] for key in ("WS_BLOCK_N", "WS_STAGES", "WS_OVERLAP", "WS_PINGPONG") if key in cfg}
             if prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, ws) is not None:
                 return out
     grid = (_cdiv(S * G, cfg["BLOCK_M"]) * B * Hkv,)  # the kernel orders (sequence, row tile, kv head)

@@ -46,8 +46,8 @@ hopper = None  # triton.experimental.gluon.language.nvidia.hopper, bound by `_bi
 
 CHUNK = 32  # rows of the cache write's staging buffers
 WS_CONFIGS = {  # head_dim -> keys per tile, ring slots, producer registers
-    128: dict(BLOCK_N=128, STAGES=2, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True),
-    64: dict(BLOCK_N=128, STAGES=3, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True),
+    128: dict(BLOCK_N=128, STAGES=2, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True, PINGPONG=True),
+    64: dict(BLOCK_N=128, STAGES=3, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True, PINGPONG=True),
 }
 
 
@@ -81,8 +81,8 @@ def _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk
 
 
 @gluon_device
-def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, OUT, so_b, so_s, so_h, q_smem, k_bufs, v_bufs, q_ready, k_ready,
-              v_ready, k_empty, v_empty, b, kvh, pid_m, n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale):
+def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, OUT, so_b, so_s, so_h, q_smem, k_bufs,
+              v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty, turn, b, kvh, pid_m, n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale):
     # one warpgroup's 64 rows: T tokens of each of the G query heads of kv head kvh
     STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -110,22 +110,33 @@ def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, OUT, so_b, so_s, so_h, q_
         # each tile's p @ v and the next tile's QK^T go to the tensor cores back to back, and
         # one wait covers both (nothing is in flight across the loop's back edge: ptxas would
         # serialize every wgmma if a loop-carried accumulator were still being written there)
+        # PINGPONG: the two warpgroups take turns at issuing (`turn` barriers: issue e of
+        # warpgroup 1 waits for issue e of warpgroup 0, which waits for issue e - 1 of
+        # warpgroup 1), so each one's softmax runs while the tensor cores do the other's wgmmas
         hopper.mbarrier.wait(k_ready.index(0), 0)
+        if PINGPONG:
+            hopper.mbarrier.wait(turn.index(WG), 1 - WG)
         qk = hopper.warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
                                   use_acc=False, is_async=True)
+        if PINGPONG:
+            hopper.mbarrier.arrive(turn.index(1 - WG), count=1)
         qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         for t in range(n_tiles - 1):
             slot = t % STAGES
             hopper.mbarrier.arrive(k_empty.index(slot), count=1)
             p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
                                                  BLOCK_N, q_smem.dtype, p_layout, o_layout)
+            acc = acc * alpha[:, None]
             hopper.mbarrier.wait(v_ready.index(slot), (t // STAGES) & 1)
-            acc = hopper.warpgroup_mma(p16, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc * alpha[:, None],
-                                       is_async=True)
             hopper.mbarrier.wait(k_ready.index((t + 1) % STAGES), ((t + 1) // STAGES) & 1)
+            if PINGPONG:
+                hopper.mbarrier.wait(turn.index(WG), ((t + 1) & 1) ^ (1 - WG))
+            acc = hopper.warpgroup_mma(p16, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             # (its accumulator input, ignored, is tile t's raw scores: registers a wgmma defined)
             qk = hopper.warpgroup_mma(q, k_bufs.index((t + 1) % STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                                       qk, use_acc=False, is_async=True)
+            if PINGPONG:
+                hopper.mbarrier.arrive(turn.index(1 - WG), count=1)
             qk, acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc))
             hopper.mbarrier.arrive(v_empty.index(slot), count=1)
         t = n_tiles - 1
@@ -133,9 +144,13 @@ def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, OUT, so_b, so_s, so_h, q_
         hopper.mbarrier.arrive(k_empty.index(slot), count=1)
         p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
                                              BLOCK_N, q_smem.dtype, p_layout, o_layout)
+        acc = acc * alpha[:, None]
         hopper.mbarrier.wait(v_ready.index(slot), (t // STAGES) & 1)
-        acc = hopper.warpgroup_mma(p16, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc * alpha[:, None],
-                                   is_async=True)
+        if PINGPONG:
+            hopper.mbarrier.wait(turn.index(WG), ((t + 1) & 1) ^ (1 - WG))
+        acc = hopper.warpgroup_mma(p16, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        if PINGPONG:
+            hopper.mbarrier.arrive(turn.index(1 - WG), count=1)
         acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         hopper.mbarrier.arrive(v_empty.index(slot), count=1)
     else:
@@ -166,24 +181,24 @@ def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, OUT, so_b, so_s, so_h, q_
 
 @gluon_device
 def _consumer0(OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, v_stage, q_ready, k_ready, v_ready,
-               k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start, n_old,
-               n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP: gl.constexpr):
-    _consumer(0, OVERLAP, OUT, so_b, so_s, so_h, q_smem0, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
-              b, kvh, pid_m, n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale)
+               k_empty, v_empty, turn, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start,
+               n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(0, OVERLAP, PINGPONG, OUT, so_b, so_s, so_h, q_smem0, k_bufs, v_bufs, q_ready, k_ready, v_ready,
+              k_empty, v_empty, turn, b, kvh, pid_m, n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale)
 
 
 @gluon_device
 def _consumer1(OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, v_stage, q_ready, k_ready, v_ready,
-               k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start, n_old,
-               n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP: gl.constexpr):
-    _consumer(1, OVERLAP, OUT, so_b, so_s, so_h, q_smem1, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
-              b, kvh, pid_m, n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale)
+               k_empty, v_empty, turn, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start,
+               n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(1, OVERLAP, PINGPONG, OUT, so_b, so_s, so_h, q_smem1, k_bufs, v_bufs, q_ready, k_ready, v_ready,
+              k_empty, v_empty, turn, b, kvh, pid_m, n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale)
 
 
 @gluon_device
 def _producer(OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, v_stage, q_ready, k_ready, v_ready,
-              k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start, n_old,
-              n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP: gl.constexpr):
+              k_empty, v_empty, turn, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start,
+              n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     G: gl.constexpr = q_smem0.shape[1]
@@ -239,6 +254,7 @@ def _prefill_ws_kernel(
     KSD, VSD,  # k, v again: blocks [1, 1, CHUNK, D], unswizzled (the cache write's staging)
     KRD, VRD,  # k_cache, v_cache again: blocks [1, 1, 1, D], unswizzled (the cache write, a row a copy)
     STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
     G: gl.constexpr = QD.block_type.shape[1]
     T: gl.constexpr = QD.block_type.shape[2]
@@ -268,6 +284,9 @@ def _prefill_ws_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     stage_bar = gl.allocate_shared_memory(gl.int64, [1], bar)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    hopper.mbarrier.init(turn.index(0), count=1)
+    hopper.mbarrier.init(turn.index(1), count=1)
     hopper.mbarrier.init(q_ready.index(0), count=1)
     hopper.mbarrier.init(q_ready.index(1), count=1)
     hopper.mbarrier.init(stage_bar, count=1)
@@ -278,8 +297,8 @@ def _prefill_ws_kernel(
         hopper.mbarrier.init(v_empty.index(i), count=2)
 
     args = (OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, v_stage, q_ready, k_ready, v_ready,
-            k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start, n_old,
-            n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP)
+            k_empty, v_empty, turn, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start, n_old,
+            n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP, PINGPONG)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -332,6 +351,6 @@ def prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, config=None):
     gluon_jit(_prefill_ws_kernel)[grid](
         out, cache_pos, scale * math.log2(math.e), out.stride(0), out.stride(1), out.stride(2), Hkv, S, Smax, *descs,
         STAGES=cfg["STAGES"], PRODUCER_REGS=cfg["PRODUCER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
-        OVERLAP=cfg["OVERLAP"], num_warps=4,
+        OVERLAP=cfg["OVERLAP"], PINGPONG=cfg["PINGPONG"] and cfg["OVERLAP"], num_warps=4,
     )
     return out
