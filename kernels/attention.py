@@ -168,11 +168,13 @@ PREFILL_VARIANTS = {
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True),  # 2 programs per SM
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, TMA=True),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),  # +6% in session 7
-        # the warp-specialized Gluon kernel (kernels/attention_sm90.py) at its table's tile and two others
+        # the warp-specialized Gluon kernel (kernels/attention_sm90.py) at its table's row and others
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_K_STAGES=2),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_PINGPONG=False),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_OVERLAP=False),
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_BLOCK_N=64, WS_STAGES=4),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_BLOCK_N=64, WS_K_STAGES=6,
+             WS_V_STAGES=4),
     ],  # (session 11: TMA at 128 x 128 / 8 warps / 2 stages built without spills and measured 315 / 353
     #      TFLOP/s at B1 / B8, under the table's row: s11-h200/prefill-variants)
     ("sm_90", 64): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, DEFER_PV=True),  # 4 warps spill
@@ -760,7 +762,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
         from dsc.kernels.attention_sm90 import prefill_ws, prefill_ws_supported
 
         if prefill_ws_supported(q, k, v, k_cache, v_cache, window):
-            ws = {key[3:]: cfg[key] for key in ("WS_BLOCK_N", "WS_STAGES", "WS_OVERLAP", "WS_PINGPONG") if key in cfg}
+            ws = {key[3:]: value for key, value in cfg.items() if key.startswith("WS_")}
             if prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, ws) is not None:
                 return out
     grid = (_cdiv(S * G, cfg["BLOCK_M"]) * B * Hkv,)  # the kernel orders (sequence, row tile, kv head)

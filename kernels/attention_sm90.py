@@ -46,8 +46,8 @@ hopper = None  # triton.experimental.gluon.language.nvidia.hopper, bound by `_bi
 
 CHUNK = 32  # rows of the cache write's staging buffers
 WS_CONFIGS = {  # head_dim -> keys per tile, ring slots, producer registers
-    128: dict(BLOCK_N=128, STAGES=2, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True, PINGPONG=True),
-    64: dict(BLOCK_N=128, STAGES=3, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True, PINGPONG=True),
+    128: dict(BLOCK_N=128, K_STAGES=3, V_STAGES=2, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True, PINGPONG=True),
+    64: dict(BLOCK_N=128, K_STAGES=3, V_STAGES=3, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True, PINGPONG=True),
 }
 
 
@@ -84,7 +84,8 @@ def _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk
 def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, OUT, so_b, so_s, so_h, q_smem, k_bufs,
               v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty, turn, b, kvh, pid_m, n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale):
     # one warpgroup's 64 rows: T tokens of each of the G query heads of kv head kvh
-    STAGES: gl.constexpr = k_bufs.shape[0]
+    KS: gl.constexpr = k_bufs.shape[0]  # K and V ring slots
+    VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     HEAD_DIM: gl.constexpr = k_bufs.shape[4]
     G: gl.constexpr = q_smem.shape[1]
@@ -122,53 +123,49 @@ def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, O
             hopper.mbarrier.arrive(turn.index(1 - WG), count=1)
         qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         for t in range(n_tiles - 1):
-            slot = t % STAGES
-            hopper.mbarrier.arrive(k_empty.index(slot), count=1)
+            hopper.mbarrier.arrive(k_empty.index(t % KS), count=1)
             p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
                                                  BLOCK_N, q_smem.dtype, p_layout, o_layout)
             acc = acc * alpha[:, None]
-            hopper.mbarrier.wait(v_ready.index(slot), (t // STAGES) & 1)
-            hopper.mbarrier.wait(k_ready.index((t + 1) % STAGES), ((t + 1) // STAGES) & 1)
+            hopper.mbarrier.wait(v_ready.index(t % VS), (t // VS) & 1)
+            hopper.mbarrier.wait(k_ready.index((t + 1) % KS), ((t + 1) // KS) & 1)
             if PINGPONG:
                 hopper.mbarrier.wait(turn.index(WG), ((t + 1) & 1) ^ (1 - WG))
-            acc = hopper.warpgroup_mma(p16, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc = hopper.warpgroup_mma(p16, v_bufs.index(t % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             # (its accumulator input, ignored, is tile t's raw scores: registers a wgmma defined)
-            qk = hopper.warpgroup_mma(q, k_bufs.index((t + 1) % STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+            qk = hopper.warpgroup_mma(q, k_bufs.index((t + 1) % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                                       qk, use_acc=False, is_async=True)
             if PINGPONG:
                 hopper.mbarrier.arrive(turn.index(1 - WG), count=1)
             qk, acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc))
-            hopper.mbarrier.arrive(v_empty.index(slot), count=1)
+            hopper.mbarrier.arrive(v_empty.index(t % VS), count=1)
         t = n_tiles - 1
-        slot = t % STAGES
-        hopper.mbarrier.arrive(k_empty.index(slot), count=1)
+        hopper.mbarrier.arrive(k_empty.index(t % KS), count=1)
         p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
                                              BLOCK_N, q_smem.dtype, p_layout, o_layout)
         acc = acc * alpha[:, None]
-        hopper.mbarrier.wait(v_ready.index(slot), (t // STAGES) & 1)
+        hopper.mbarrier.wait(v_ready.index(t % VS), (t // VS) & 1)
         if PINGPONG:
             hopper.mbarrier.wait(turn.index(WG), ((t + 1) & 1) ^ (1 - WG))
-        acc = hopper.warpgroup_mma(p16, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc = hopper.warpgroup_mma(p16, v_bufs.index(t % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         if PINGPONG:
             hopper.mbarrier.arrive(turn.index(1 - WG), count=1)
         acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        hopper.mbarrier.arrive(v_empty.index(slot), count=1)
+        hopper.mbarrier.arrive(v_empty.index(t % VS), count=1)
     else:
         for t in range(n_tiles):
-            slot = t % STAGES
-            phase = (t // STAGES) & 1
-            hopper.mbarrier.wait(k_ready.index(slot), phase)
-            qk = hopper.warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
+            hopper.mbarrier.wait(k_ready.index(t % KS), (t // KS) & 1)
+            qk = hopper.warpgroup_mma(q, k_bufs.index(t % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
                                       use_acc=False, is_async=True)
             qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-            hopper.mbarrier.arrive(k_empty.index(slot), count=1)
+            hopper.mbarrier.arrive(k_empty.index(t % KS), count=1)
             p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
                                                  BLOCK_N, q_smem.dtype, p_layout, o_layout)
-            hopper.mbarrier.wait(v_ready.index(slot), phase)
-            acc = hopper.warpgroup_mma(p16, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc * alpha[:, None],
+            hopper.mbarrier.wait(v_ready.index(t % VS), (t // VS) & 1)
+            acc = hopper.warpgroup_mma(p16, v_bufs.index(t % VS).reshape([BLOCK_N, HEAD_DIM]), acc * alpha[:, None],
                                        is_async=True)
             acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            hopper.mbarrier.arrive(v_empty.index(slot), count=1)
+            hopper.mbarrier.arrive(v_empty.index(t % VS), count=1)
 
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
@@ -199,7 +196,8 @@ def _consumer1(OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage,
 def _producer(OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, v_stage, q_ready, k_ready, v_ready,
               k_empty, v_empty, turn, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start,
               n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-    STAGES: gl.constexpr = k_bufs.shape[0]
+    KS: gl.constexpr = k_bufs.shape[0]
+    VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     G: gl.constexpr = q_smem0.shape[1]
     T: gl.constexpr = q_smem0.shape[2]
@@ -212,9 +210,8 @@ def _producer(OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, 
                                                q_smem0 if wg == 0 else q_smem1)
     # K / V tiles: t < n_old_tiles: cached positions n_old - (t + 1) * BLOCK_N ..; then new keys from 0
     for t in range(n_tiles):
-        slot = t % STAGES
-        phase = ((t // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
-        hopper.mbarrier.wait(k_empty.index(slot), phase)
+        slot = t % KS  # (a fresh barrier's previous phase counts as complete: ^ 1)
+        hopper.mbarrier.wait(k_empty.index(slot), ((t // KS) & 1) ^ 1)
         hopper.mbarrier.expect(k_ready.index(slot), KD.block_type.nbytes)
         if t < n_old_tiles:
             hopper.tma.async_copy_global_to_shared(KCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0], k_ready.index(slot),
@@ -222,7 +219,8 @@ def _producer(OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, 
         else:
             hopper.tma.async_copy_global_to_shared(KD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0], k_ready.index(slot),
                                                    k_bufs.index(slot))
-        hopper.mbarrier.wait(v_empty.index(slot), phase)
+        slot = t % VS
+        hopper.mbarrier.wait(v_empty.index(slot), ((t // VS) & 1) ^ 1)
         hopper.mbarrier.expect(v_ready.index(slot), VD.block_type.nbytes)
         if t < n_old_tiles:
             hopper.tma.async_copy_global_to_shared(VCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0], v_ready.index(slot),
@@ -253,7 +251,7 @@ def _prefill_ws_kernel(
     KD, VD, KCD, VCD,  # k, v, k_cache, v_cache: blocks [1, 1, BLOCK_N, D]
     KSD, VSD,  # k, v again: blocks [1, 1, CHUNK, D], unswizzled (the cache write's staging)
     KRD, VRD,  # k_cache, v_cache again: blocks [1, 1, 1, D], unswizzled (the cache write, a row a copy)
-    STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr,
+    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr,
     PINGPONG: gl.constexpr,
 ):
     G: gl.constexpr = QD.block_type.shape[1]
@@ -273,16 +271,16 @@ def _prefill_ws_kernel(
 
     q_smem0 = gl.allocate_shared_memory(QD.dtype, QD.block_type.shape, QD.layout)
     q_smem1 = gl.allocate_shared_memory(QD.dtype, QD.block_type.shape, QD.layout)
-    k_bufs = gl.allocate_shared_memory(KD.dtype, [STAGES] + KD.block_type.shape, KD.layout)
-    v_bufs = gl.allocate_shared_memory(VD.dtype, [STAGES] + VD.block_type.shape, VD.layout)
+    k_bufs = gl.allocate_shared_memory(KD.dtype, [K_STAGES] + KD.block_type.shape, KD.layout)
+    v_bufs = gl.allocate_shared_memory(VD.dtype, [V_STAGES] + VD.block_type.shape, VD.layout)
     k_stage = gl.allocate_shared_memory(KSD.dtype, KSD.block_type.shape, KSD.layout)
     v_stage = gl.allocate_shared_memory(VSD.dtype, VSD.block_type.shape, VSD.layout)
     bar: gl.constexpr = hopper.mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar)
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar)
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar)
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar)
     stage_bar = gl.allocate_shared_memory(gl.int64, [1], bar)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
     hopper.mbarrier.init(turn.index(0), count=1)
@@ -290,10 +288,11 @@ def _prefill_ws_kernel(
     hopper.mbarrier.init(q_ready.index(0), count=1)
     hopper.mbarrier.init(q_ready.index(1), count=1)
     hopper.mbarrier.init(stage_bar, count=1)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(K_STAGES):
         hopper.mbarrier.init(k_ready.index(i), count=1)
-        hopper.mbarrier.init(v_ready.index(i), count=1)
         hopper.mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups hand each slot back
+    for i in gl.static_range(V_STAGES):
+        hopper.mbarrier.init(v_ready.index(i), count=1)
         hopper.mbarrier.init(v_empty.index(i), count=2)
 
     args = (OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, v_stage, q_ready, k_ready, v_ready,
@@ -350,7 +349,7 @@ def prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, config=None):
     grid = (-(-S // (2 * (64 // G))) * B * Hkv,)
     gluon_jit(_prefill_ws_kernel)[grid](
         out, cache_pos, scale * math.log2(math.e), out.stride(0), out.stride(1), out.stride(2), Hkv, S, Smax, *descs,
-        STAGES=cfg["STAGES"], PRODUCER_REGS=cfg["PRODUCER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
+        K_STAGES=cfg["K_STAGES"], V_STAGES=cfg["V_STAGES"], PRODUCER_REGS=cfg["PRODUCER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
         OVERLAP=cfg["OVERLAP"], PINGPONG=cfg["PINGPONG"] and cfg["OVERLAP"], num_warps=4,
     )
     return out

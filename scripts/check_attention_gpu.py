@@ -87,7 +87,7 @@ def rel_err(x, ref):
 def variant_tag(cfg):
     """A launch config in a few characters: M128 N64 w8 s3 +tma+defer_pv."""
     keys = "".join(f" +{k.lower()}" for k in ("TMA", "DEFER_PV", "WS") if cfg.get(k))
-    ws = "".join(f" {k.lower()}={cfg[k]}" for k in ("WS_BLOCK_N", "WS_STAGES", "WS_OVERLAP", "WS_PINGPONG") if k in cfg)
+    ws = "".join(f" {k[3:].lower()}={v}" for k, v in cfg.items() if k.startswith("WS_"))
     return f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}{keys}{ws}"
 
 
