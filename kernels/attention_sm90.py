@@ -1,34 +1,40 @@
-"""`dsc::attention`'s prefill on Hopper (sm_90: H100, H200): a warp-specialized Gluon kernel.
+"""`dsc::attention`'s prefill on Hopper (sm_90: H100, H200): a warp-specialized, persistent
+Gluon kernel.
 
 kernels/attention.py's `_prefill_kernel` (Triton) runs every warp through the same loop: load a
 K/V tile, QK^T on the tensor cores, the softmax on the ALUs, p @ v on the tensor cores.  Its
 two warpgroups share the pipeline's buffers through CTA-wide barriers, so they move in step,
 and the tensor cores idle while both do their softmax (46-50% of the H200's bf16 rate at 2048
-tokens).  Here the work of one program is split by role, FlashAttention-3 style:
+tokens).  Here the work is split by role, FlashAttention-3 style:
 
-- a producer warp only issues TMA copies of K and V tiles into a ring of STAGES shared-memory
-  slots (`k_ready` / `v_ready` barriers complete on the copies' bytes);
-- two consumer warpgroups of 64 rows each run QK^T, softmax and p @ v on their rows, and hand
-  each slot back (`k_empty` after QK^T, `v_empty` after p @ v; both consumers must arrive).
-Nothing else synchronizes the consumers, so while one runs its softmax the other's wgmma has
-the tensor cores: they settle out of phase.
+- a producer warp takes work items (sequence, 128-row tile, kv head) from a global counter,
+  longest row tiles of a sequence first (so the items spread over the SMs as the hardware
+  would spread programs, but a CTA goes on to its next item without a relaunch), and only
+  issues TMA copies: each item's queries, then its K and V tiles into rings of K_STAGES /
+  V_STAGES shared-memory slots (`k_ready` / `v_ready` complete on the copies' bytes);
+- two consumer warpgroups of 64 rows each run QK^T, softmax and p @ v on their rows and hand
+  each slot back (`k_empty` after QK^T, `v_empty` after p @ v; both must arrive), with OVERLAP
+  the p @ v of a tile and the next tile's QK^T issued back to back.  Nothing else synchronizes
+  them, so while one runs its softmax the other's wgmma has the tensor cores.
+The producer passes each item's index to the consumers through shared memory (`tile_ready` /
+`tile_empty`); an index past the last item ends every partition.  The CTA whose producer
+finishes last resets the counter (kernels/launch.py `split_counters`: launches on one stream
+run one after another).
 
-The rows, the program order and the masking are `_prefill_kernel`'s (see attention.py):
-program = (sequence, 128-row tile, kv head), rows = (token, query head of the group), longest
-row tiles first.  Keys come from two tensor descriptors:
+Rows and masking are `_prefill_kernel`'s (see attention.py), but a warpgroup's 64 rows are the
+G query heads x T = 64 / G tokens of one TMA box of q (row r: token r % T, head r // T).  Keys
+come from two tensor descriptors:
 - the cached prefix, positions [0, n_old), in tiles that end at n_old and go down (the last
   one starts below 0: the copy reads zeros there and the rows mask it), so no tile reads a
-  cache slot >= n_old (stale, or being written by another program);
+  cache slot >= n_old (stale, or being written by another item);
 - the new tokens, keys [0, hi), from k / v (a tile past S reads zeros); tiles that reach the
   diagonal (or past the cache's end) are masked.
-The producer also loads each warpgroup's queries (one TMA box: the G heads x 64 / G tokens of
-its rows, so a warpgroup's row r is token r % T of head r // T, T = 64 / G) and, once its K/V
-copies are issued, writes the program's own tokens' k / v into the cache (TMA copies through a
-staging buffer, a row a copy, rows past S skipped; no program reads a cache slot >= cache_pos).
-The consumers touch global memory only to store their output rows.
+The producer also writes each item's own tokens' k / v into the cache once its K/V copies are
+issued (TMA copies through a staging buffer, a row a copy, rows past S skipped; no item reads
+a cache slot >= cache_pos).  The consumers touch global memory only to store their output.
 
 Used by attention.prefill_attention on sm_90 for 16-bit q / k / v / caches of one dtype, head_dim
-64 or 128, no sliding window, TMA-addressable tensors (`prefill_ws_supported`); the table row
+64 or 128, G in 1, 2, 4, 8, no sliding window, TMA-addressable tensors (`prefill_ws_supported`);
 WS_CONFIGS gives the tile.  Gluon has no interpreter: CPU tests build it for sm_90
 (tests/test_attention_kernels.py), scripts/check_attention_gpu.py checks it on a GPU and
 scripts/bench_attention.py times it.
@@ -39,15 +45,15 @@ import math
 
 import torch
 
-from dsc.kernels.launch import gluon_device, gluon_jit
+from dsc.kernels.launch import gluon_device, gluon_jit, split_counters
 
 gl = tl = mma_v2 = None  # gluon's language (and triton's), bound by launch.gluon_jit on first use
 hopper = None  # triton.experimental.gluon.language.nvidia.hopper, bound by `_bind`
 
 CHUNK = 32  # rows of the cache write's staging buffers
-WS_CONFIGS = {  # head_dim -> keys per tile, ring slots, producer registers
-    128: dict(BLOCK_N=128, K_STAGES=3, V_STAGES=2, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True, PINGPONG=True),
-    64: dict(BLOCK_N=128, K_STAGES=3, V_STAGES=3, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True, PINGPONG=True),
+WS_CONFIGS = {  # head_dim -> keys per tile, ring slots, registers per thread of each role, OVERLAP
+    128: dict(BLOCK_N=128, K_STAGES=2, V_STAGES=2, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True),
+    64: dict(BLOCK_N=128, K_STAGES=3, V_STAGES=3, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True),
 }
 
 
@@ -81,213 +87,261 @@ def _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk
 
 
 @gluon_device
-def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, OUT, so_b, so_s, so_h, q_smem, k_bufs,
-              v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty, turn, b, kvh, pid_m, n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale):
-    # one warpgroup's 64 rows: T tokens of each of the G query heads of kv head kvh
+def _item(w, n_m, Hkv, POS, S, Smax, T: gl.constexpr, BLOCK_N: gl.constexpr):
+    # work item w -> (b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_tiles): items go sequence
+    # by sequence, a sequence's longest (last) row tiles first, every kv head's at once
+    b = w // (n_m * Hkv)
+    pid_m = n_m - 1 - (w % (n_m * Hkv)) // Hkv
+    kvh = w % Hkv
+    start = gl.load(POS + b).to(gl.int32)  # cache_pos[b]: position of token 0
+    n_old = gl.minimum(start, Smax)
+    n_fit = Smax - start  # new tokens j < n_fit have a cache slot
+    hi = gl.maximum(gl.minimum(gl.minimum(pid_m * (2 * T) + 2 * T, S), n_fit), 0)  # new keys [0, hi)
+    n_old_tiles = gl.cdiv(n_old, BLOCK_N)
+    return b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_old_tiles + gl.cdiv(hi, BLOCK_N)
+
+
+@gluon_device
+def _next_item(tile_smem, tile_ready, tile_empty, i, layout: gl.constexpr):
+    # a consumer's i-th item index, from the producer
+    hopper.mbarrier.wait(tile_ready.index(i % 2), (i // 2) & 1)
+    w = gl.sum(tile_smem.index(i % 2).load(layout), 0)
+    hopper.mbarrier.arrive(tile_empty.index(i % 2), count=1)
+    return w
+
+
+@gluon_device
+def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items,
+              qk_scale, q_bufs, k_bufs, v_bufs, tile_smem, tile_ready, tile_empty, q_ready, q_empty, k_ready, v_ready,
+              k_empty, v_empty):
     KS: gl.constexpr = k_bufs.shape[0]  # K and V ring slots
     VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     HEAD_DIM: gl.constexpr = k_bufs.shape[4]
-    G: gl.constexpr = q_smem.shape[1]
-    T: gl.constexpr = q_smem.shape[2]
+    G: gl.constexpr = q_bufs.shape[2]
+    T: gl.constexpr = q_bufs.shape[3]
     ROWS: gl.constexpr = G * T
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
-    tok0 = pid_m * (2 * T) + WG * T  # this warpgroup's first token; row r is token tok0 + r % T, head r // T
-    qi = tok0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)) % T
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    rows_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    free = gl.minimum(tok0 + 1, n_fit)  # new keys < free are visible to every row here
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    qk_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    hopper.mbarrier.wait(q_ready.index(WG), 0)
-    q = q_smem.reshape([ROWS, HEAD_DIM])
-    if OVERLAP:
-        # each tile's p @ v and the next tile's QK^T go to the tensor cores back to back, and
-        # one wait covers both (nothing is in flight across the loop's back edge: ptxas would
-        # serialize every wgmma if a loop-carried accumulator were still being written there)
-        # PINGPONG: the two warpgroups take turns at issuing (`turn` barriers: issue e of
-        # warpgroup 1 waits for issue e of warpgroup 0, which waits for issue e - 1 of
-        # warpgroup 1), so each one's softmax runs while the tensor cores do the other's wgmmas
-        hopper.mbarrier.wait(k_ready.index(0), 0)
-        if PINGPONG:
-            hopper.mbarrier.wait(turn.index(WG), 1 - WG)
-        qk = hopper.warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
-                                  use_acc=False, is_async=True)
-        if PINGPONG:
-            hopper.mbarrier.arrive(turn.index(1 - WG), count=1)
-        qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-        for t in range(n_tiles - 1):
-            hopper.mbarrier.arrive(k_empty.index(t % KS), count=1)
-            p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
-                                                 BLOCK_N, q_smem.dtype, p_layout, o_layout)
-            acc = acc * alpha[:, None]
-            hopper.mbarrier.wait(v_ready.index(t % VS), (t // VS) & 1)
-            hopper.mbarrier.wait(k_ready.index((t + 1) % KS), ((t + 1) // KS) & 1)
-            if PINGPONG:
-                hopper.mbarrier.wait(turn.index(WG), ((t + 1) & 1) ^ (1 - WG))
-            acc = hopper.warpgroup_mma(p16, v_bufs.index(t % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            # (its accumulator input, ignored, is tile t's raw scores: registers a wgmma defined)
-            qk = hopper.warpgroup_mma(q, k_bufs.index((t + 1) % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                                      qk, use_acc=False, is_async=True)
-            if PINGPONG:
-                hopper.mbarrier.arrive(turn.index(1 - WG), count=1)
-            qk, acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc))
-            hopper.mbarrier.arrive(v_empty.index(t % VS), count=1)
-        t = n_tiles - 1
-        hopper.mbarrier.arrive(k_empty.index(t % KS), count=1)
-        p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
-                                             BLOCK_N, q_smem.dtype, p_layout, o_layout)
-        acc = acc * alpha[:, None]
-        hopper.mbarrier.wait(v_ready.index(t % VS), (t // VS) & 1)
-        if PINGPONG:
-            hopper.mbarrier.wait(turn.index(WG), ((t + 1) & 1) ^ (1 - WG))
-        acc = hopper.warpgroup_mma(p16, v_bufs.index(t % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-        if PINGPONG:
-            hopper.mbarrier.arrive(turn.index(1 - WG), count=1)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        hopper.mbarrier.arrive(v_empty.index(t % VS), count=1)
-    else:
-        for t in range(n_tiles):
-            hopper.mbarrier.wait(k_ready.index(t % KS), (t // KS) & 1)
-            qk = hopper.warpgroup_mma(q, k_bufs.index(t % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
-                                      use_acc=False, is_async=True)
-            qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-            hopper.mbarrier.arrive(k_empty.index(t % KS), count=1)
-            p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
-                                                 BLOCK_N, q_smem.dtype, p_layout, o_layout)
-            hopper.mbarrier.wait(v_ready.index(t % VS), (t // VS) & 1)
-            acc = hopper.warpgroup_mma(p16, v_bufs.index(t % VS).reshape([BLOCK_N, HEAD_DIM]), acc * alpha[:, None],
-                                       is_async=True)
-            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            hopper.mbarrier.arrive(v_empty.index(t % VS), count=1)
-
-    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    qi_o = tok0 + r_o % T
-    qh_o = kvh * G + r_o // T
-    gl.store(OUT + b.to(gl.int64) * so_b + qi_o[:, None] * so_s + qh_o[:, None] * so_h + d_o[None, :],
-             out.to(OUT.dtype.element_ty), mask=(qi_o < S)[:, None])
+    qk_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    i = 0  # items done
+    c = 0  # K/V tiles consumed over all items (the rings' slots and phases)
+    w = _next_item(tile_smem, tile_ready, tile_empty, i, one)
+    while w < n_items:
+        b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_tiles = _item(w, n_m, Hkv, POS, S, Smax, T, BLOCK_N)
+        tok0 = pid_m * (2 * T) + WG * T  # this warpgroup's first token
+        qi = tok0 + rows_s % T
+        free = gl.minimum(tok0 + 1, n_fit)  # new keys < free are visible to every row here
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        hopper.mbarrier.wait(q_ready.index(i % 2), (i // 2) & 1)
+        q = q_bufs.index(i % 2).reshape([ROWS, HEAD_DIM])
+        if OVERLAP:
+            # each tile's p @ v and the next tile's QK^T go to the tensor cores back to back,
+            # and one wait covers both (nothing is in flight across the loop's back edge:
+            # ptxas serializes every wgmma if a loop-carried accumulator is written there)
+            hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
+            qk = hopper.warpgroup_mma(q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
+                                      use_acc=False, is_async=True)
+            qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+            for t in range(n_tiles - 1):
+                hopper.mbarrier.arrive(k_empty.index(c % KS), count=1)
+                p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit,
+                                                     qk_scale, BLOCK_N, q_bufs.dtype, p_layout, o_layout)
+                acc = acc * alpha[:, None]
+                hopper.mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
+                hopper.mbarrier.wait(k_ready.index((c + 1) % KS), ((c + 1) // KS) & 1)
+                acc = hopper.warpgroup_mma(p16, v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                # (its accumulator input, ignored, is tile t's raw scores: registers a wgmma defined)
+                qk = hopper.warpgroup_mma(q, k_bufs.index((c + 1) % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                                          qk, use_acc=False, is_async=True)
+                qk, acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc))
+                hopper.mbarrier.arrive(v_empty.index(c % VS), count=1)
+                c += 1
+            hopper.mbarrier.arrive(k_empty.index(c % KS), count=1)
+            hopper.mbarrier.arrive(q_empty.index(i % 2), count=1)  # the item's last QK^T is done
+            p16, alpha, m_i, l_i = _softmax_step(qk, n_tiles - 1, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit,
+                                                 qk_scale, BLOCK_N, q_bufs.dtype, p_layout, o_layout)
+            acc = acc * alpha[:, None]
+            hopper.mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
+            acc = hopper.warpgroup_mma(p16, v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            hopper.mbarrier.arrive(v_empty.index(c % VS), count=1)
+            c += 1
+        else:
+            for t in range(n_tiles):
+                hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
+                qk = hopper.warpgroup_mma(q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                                          qk_zero, use_acc=False, is_async=True)
+                qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+                hopper.mbarrier.arrive(k_empty.index(c % KS), count=1)
+                p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit,
+                                                     qk_scale, BLOCK_N, q_bufs.dtype, p_layout, o_layout)
+                hopper.mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
+                acc = hopper.warpgroup_mma(p16, v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]),
+                                           acc * alpha[:, None], is_async=True)
+                acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                hopper.mbarrier.arrive(v_empty.index(c % VS), count=1)
+                c += 1
+            hopper.mbarrier.arrive(q_empty.index(i % 2), count=1)
+
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        qi_o = tok0 + r_o % T
+        qh_o = kvh * G + r_o // T
+        gl.store(OUT + b.to(gl.int64) * so_b + qi_o[:, None] * so_s + qh_o[:, None] * so_h + d_o[None, :],
+                 out.to(OUT.dtype.element_ty), mask=(qi_o < S)[:, None])
+        i += 1
+        w = _next_item(tile_smem, tile_ready, tile_empty, i, one)
 
 
 @gluon_device
-def _consumer0(OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, v_stage, q_ready, k_ready, v_ready,
-               k_empty, v_empty, turn, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start,
-               n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(0, OVERLAP, PINGPONG, OUT, so_b, so_s, so_h, q_smem0, k_bufs, v_bufs, q_ready, k_ready, v_ready,
-              k_empty, v_empty, turn, b, kvh, pid_m, n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale)
+def _consumer0(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
+               k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
+               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD,
+               OVERLAP: gl.constexpr):
+    _consumer(0, OVERLAP, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, k_bufs, v_bufs,
+              tile_smem, tile_ready, tile_empty0, q_ready0, q_empty0, k_ready, v_ready, k_empty, v_empty)
 
 
 @gluon_device
-def _consumer1(OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, v_stage, q_ready, k_ready, v_ready,
-               k_empty, v_empty, turn, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start,
-               n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(1, OVERLAP, PINGPONG, OUT, so_b, so_s, so_h, q_smem1, k_bufs, v_bufs, q_ready, k_ready, v_ready,
-              k_empty, v_empty, turn, b, kvh, pid_m, n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale)
+def _consumer1(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
+               k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
+               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD,
+               OVERLAP: gl.constexpr):
+    _consumer(1, OVERLAP, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs1, k_bufs, v_bufs,
+              tile_smem, tile_ready, tile_empty1, q_ready1, q_empty1, k_ready, v_ready, k_empty, v_empty)
 
 
 @gluon_device
-def _producer(OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, v_stage, q_ready, k_ready, v_ready,
-              k_empty, v_empty, turn, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start,
-              n_old, n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+def _producer(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
+              k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
+              q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD,
+              OVERLAP: gl.constexpr):
     KS: gl.constexpr = k_bufs.shape[0]
     VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    G: gl.constexpr = q_smem0.shape[1]
-    T: gl.constexpr = q_smem0.shape[2]
+    G: gl.constexpr = q_bufs0.shape[2]
+    T: gl.constexpr = q_bufs0.shape[3]
     CHUNK: gl.constexpr = k_stage.shape[2]
-    tok0 = pid_m * (2 * T)
-    # the two warpgroups' queries: G heads x T tokens each (tokens past S read zeros)
-    for wg in gl.static_range(2):
-        hopper.mbarrier.expect(q_ready.index(wg), QD.block_type.nbytes)
-        hopper.tma.async_copy_global_to_shared(QD, [b, kvh * G, tok0 + wg * T, 0], q_ready.index(wg),
-                                               q_smem0 if wg == 0 else q_smem1)
-    # K / V tiles: t < n_old_tiles: cached positions n_old - (t + 1) * BLOCK_N ..; then new keys from 0
-    for t in range(n_tiles):
-        slot = t % KS  # (a fresh barrier's previous phase counts as complete: ^ 1)
-        hopper.mbarrier.wait(k_empty.index(slot), ((t // KS) & 1) ^ 1)
-        hopper.mbarrier.expect(k_ready.index(slot), KD.block_type.nbytes)
-        if t < n_old_tiles:
-            hopper.tma.async_copy_global_to_shared(KCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0], k_ready.index(slot),
-                                                   k_bufs.index(slot))
-        else:
-            hopper.tma.async_copy_global_to_shared(KD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0], k_ready.index(slot),
-                                                   k_bufs.index(slot))
-        slot = t % VS
-        hopper.mbarrier.wait(v_empty.index(slot), ((t // VS) & 1) ^ 1)
-        hopper.mbarrier.expect(v_ready.index(slot), VD.block_type.nbytes)
-        if t < n_old_tiles:
-            hopper.tma.async_copy_global_to_shared(VCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0], v_ready.index(slot),
-                                                   v_bufs.index(slot))
-        else:
-            hopper.tma.async_copy_global_to_shared(VD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0], v_ready.index(slot),
-                                                   v_bufs.index(slot))
-    # this program's own tokens j in [tok0, tok0 + 2 T) to cache slots start + j, CHUNK rows at a
-    # time through the staging buffers, one row per copy (rows j >= S are not written; slots past
-    # the cache's end drop out of the copy); no program reads a cache slot >= start
-    j_end = gl.minimum(tok0 + 2 * T, S)
-    for c in range(tok0, j_end, CHUNK):
-        phase = ((c - tok0) // CHUNK) & 1
-        hopper.mbarrier.expect(stage_bar, 2 * KSD.block_type.nbytes)
-        hopper.tma.async_copy_global_to_shared(KSD, [b, kvh, c, 0], stage_bar, k_stage)
-        hopper.tma.async_copy_global_to_shared(VSD, [b, kvh, c, 0], stage_bar, v_stage)
-        hopper.mbarrier.wait(stage_bar, phase)
-        for r in gl.static_range(CHUNK):
-            if c + r < j_end:
-                hopper.tma.async_copy_shared_to_global(KRD, [b, kvh, start + c + r, 0], k_stage.slice(r, 1, dim=2))
-                hopper.tma.async_copy_shared_to_global(VRD, [b, kvh, start + c + r, 0], v_stage.slice(r, 1, dim=2))
-        hopper.tma.store_wait(pendings=0)  # the staging buffers are read before the next chunk's copy
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    i = 0  # items taken
+    c = 0  # K/V tiles issued over all items
+    n_chunks = 0  # cache-write chunks over all items (stage_bar's phase)
+    w = gl.atomic_add(CTR, 1)
+    while w < n_items:
+        # hand the item to the consumers (the slot is free once both read the item before last)
+        hopper.mbarrier.wait(tile_empty0.index(i % 2), ((i // 2) & 1) ^ 1)  # (a fresh barrier's
+        hopper.mbarrier.wait(tile_empty1.index(i % 2), ((i // 2) & 1) ^ 1)  # previous phase is complete)
+        tile_smem.index(i % 2).store(gl.full([1], w, gl.int32, layout=one))
+        hopper.mbarrier.arrive(tile_ready.index(i % 2), count=1)
+        b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_tiles = _item(w, n_m, Hkv, POS, S, Smax, T, BLOCK_N)
+        tok0 = pid_m * (2 * T)
+        # the two warpgroups' queries: G heads x T tokens each (tokens past S read zeros)
+        hopper.mbarrier.wait(q_empty0.index(i % 2), ((i // 2) & 1) ^ 1)
+        hopper.mbarrier.expect(q_ready0.index(i % 2), QD.block_type.nbytes)
+        hopper.tma.async_copy_global_to_shared(QD, [b, kvh * G, tok0, 0], q_ready0.index(i % 2), q_bufs0.index(i % 2))
+        hopper.mbarrier.wait(q_empty1.index(i % 2), ((i // 2) & 1) ^ 1)
+        hopper.mbarrier.expect(q_ready1.index(i % 2), QD.block_type.nbytes)
+        hopper.tma.async_copy_global_to_shared(QD, [b, kvh * G, tok0 + T, 0], q_ready1.index(i % 2),
+                                               q_bufs1.index(i % 2))
+        # K / V tiles: t < n_old_tiles: cached positions n_old - (t + 1) * BLOCK_N ..; then new keys from 0
+        for t in range(n_tiles):
+            hopper.mbarrier.wait(k_empty.index(c % KS), ((c // KS) & 1) ^ 1)
+            hopper.mbarrier.expect(k_ready.index(c % KS), KD.block_type.nbytes)
+            if t < n_old_tiles:
+                hopper.tma.async_copy_global_to_shared(KCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0],
+                                                       k_ready.index(c % KS), k_bufs.index(c % KS))
+            else:
+                hopper.tma.async_copy_global_to_shared(KD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0],
+                                                       k_ready.index(c % KS), k_bufs.index(c % KS))
+            hopper.mbarrier.wait(v_empty.index(c % VS), ((c // VS) & 1) ^ 1)
+            hopper.mbarrier.expect(v_ready.index(c % VS), VD.block_type.nbytes)
+            if t < n_old_tiles:
+                hopper.tma.async_copy_global_to_shared(VCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0],
+                                                       v_ready.index(c % VS), v_bufs.index(c % VS))
+            else:
+                hopper.tma.async_copy_global_to_shared(VD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0],
+                                                       v_ready.index(c % VS), v_bufs.index(c % VS))
+            c += 1
+        # the item's own tokens j in [tok0, tok0 + 2 T) to cache slots start + j, CHUNK rows at a
+        # time through the staging buffers, one row per copy (rows j >= S are not written; slots
+        # past the cache's end drop out of the copy); no item reads a cache slot >= start
+        j_end = gl.minimum(tok0 + 2 * T, S)
+        for j0 in range(tok0, j_end, CHUNK):
+            hopper.mbarrier.expect(stage_bar, 2 * KSD.block_type.nbytes)
+            hopper.tma.async_copy_global_to_shared(KSD, [b, kvh, j0, 0], stage_bar, k_stage)
+            hopper.tma.async_copy_global_to_shared(VSD, [b, kvh, j0, 0], stage_bar, v_stage)
+            hopper.mbarrier.wait(stage_bar, n_chunks & 1)
+            for r in gl.static_range(CHUNK):
+                if j0 + r < j_end:
+                    hopper.tma.async_copy_shared_to_global(KRD, [b, kvh, start + j0 + r, 0], k_stage.slice(r, 1, dim=2))
+                    hopper.tma.async_copy_shared_to_global(VRD, [b, kvh, start + j0 + r, 0], v_stage.slice(r, 1, dim=2))
+            hopper.tma.store_wait(pendings=0)  # the staging buffers are read before the next chunk's copy
+            n_chunks += 1
+        i += 1
+        w = gl.atomic_add(CTR, 1)
+    # no item left: an index past the last ends the consumers
+    hopper.mbarrier.wait(tile_empty0.index(i % 2), ((i // 2) & 1) ^ 1)
+    hopper.mbarrier.wait(tile_empty1.index(i % 2), ((i // 2) & 1) ^ 1)
+    tile_smem.index(i % 2).store(gl.full([1], n_items, gl.int32, layout=one))
+    hopper.mbarrier.arrive(tile_ready.index(i % 2), count=1)
+    # the last CTA out resets the counters for the next launch (every CTA has taken its last item)
+    if gl.atomic_add(CTR + 1, 1) == gl.num_programs(0) - 1:
+        gl.store(CTR, 0)
+        gl.store(CTR + 1, 0)
 
 
 def _prefill_ws_kernel(
-    OUT, POS, qk_scale, so_b, so_s, so_h, Hkv, S, Smax,
+    OUT, POS, CTR, qk_scale, so_b, so_s, so_h, Hkv, S, Smax, n_items,
     QD,  # q [B, H, S, D]: blocks [1, G, T, D] (T = 64 / G tokens of the G heads: one warpgroup's rows)
     KD, VD, KCD, VCD,  # k, v, k_cache, v_cache: blocks [1, 1, BLOCK_N, D]
     KSD, VSD,  # k, v again: blocks [1, 1, CHUNK, D], unswizzled (the cache write's staging)
     KRD, VRD,  # k_cache, v_cache again: blocks [1, 1, 1, D], unswizzled (the cache write, a row a copy)
-    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, OVERLAP: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
-    G: gl.constexpr = QD.block_type.shape[1]
+    # CTR: two int32 counters at 0 (items taken, CTAs done); grid: at most one CTA per SM
     T: gl.constexpr = QD.block_type.shape[2]
-    BLOCK_N: gl.constexpr = KD.block_type.shape[2]
-    n_m = gl.cdiv(S, 2 * T)  # programs per (sequence, kv head): 2 T tokens (128 rows) each
-    pid = gl.program_id(0)
-    b = pid // (n_m * Hkv)
-    pid_m = n_m - 1 - (pid % (n_m * Hkv)) // Hkv
-    kvh = pid % Hkv
-    start = gl.load(POS + b).to(gl.int32)  # cache_pos[b]: position of token 0
-    n_old = gl.minimum(start, Smax)
-    n_fit = Smax - start  # new tokens j < n_fit have a cache slot
-    hi = gl.maximum(gl.minimum(gl.minimum(pid_m * (2 * T) + 2 * T, S), n_fit), 0)  # new keys [0, hi)
-    n_old_tiles = gl.cdiv(n_old, BLOCK_N)
-    n_tiles = n_old_tiles + gl.cdiv(hi, BLOCK_N)
-
-    q_smem0 = gl.allocate_shared_memory(QD.dtype, QD.block_type.shape, QD.layout)
-    q_smem1 = gl.allocate_shared_memory(QD.dtype, QD.block_type.shape, QD.layout)
+    n_m = gl.cdiv(S, 2 * T)  # items per (sequence, kv head): 2 T tokens (128 rows) each
+    q_bufs0 = gl.allocate_shared_memory(QD.dtype, [2] + QD.block_type.shape, QD.layout)  # two items' queries
+    q_bufs1 = gl.allocate_shared_memory(QD.dtype, [2] + QD.block_type.shape, QD.layout)  # per warpgroup
     k_bufs = gl.allocate_shared_memory(KD.dtype, [K_STAGES] + KD.block_type.shape, KD.layout)
     v_bufs = gl.allocate_shared_memory(VD.dtype, [V_STAGES] + VD.block_type.shape, VD.layout)
     k_stage = gl.allocate_shared_memory(KSD.dtype, KSD.block_type.shape, KSD.layout)
     v_stage = gl.allocate_shared_memory(VSD.dtype, VSD.block_type.shape, VSD.layout)
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bar: gl.constexpr = hopper.mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    tile_empty0 = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    tile_empty1 = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    q_ready0 = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    q_ready1 = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    q_empty0 = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    q_empty1 = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar)
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar)
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar)
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar)
     stage_bar = gl.allocate_shared_memory(gl.int64, [1], bar)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    hopper.mbarrier.init(turn.index(0), count=1)
-    hopper.mbarrier.init(turn.index(1), count=1)
-    hopper.mbarrier.init(q_ready.index(0), count=1)
-    hopper.mbarrier.init(q_ready.index(1), count=1)
     hopper.mbarrier.init(stage_bar, count=1)
+    for i in gl.static_range(2):
+        hopper.mbarrier.init(tile_ready.index(i), count=1)
+        hopper.mbarrier.init(tile_empty0.index(i), count=1)
+        hopper.mbarrier.init(tile_empty1.index(i), count=1)
+        hopper.mbarrier.init(q_ready0.index(i), count=1)
+        hopper.mbarrier.init(q_ready1.index(i), count=1)
+        hopper.mbarrier.init(q_empty0.index(i), count=1)
+        hopper.mbarrier.init(q_empty1.index(i), count=1)
     for i in gl.static_range(K_STAGES):
         hopper.mbarrier.init(k_ready.index(i), count=1)
         hopper.mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups hand each slot back
@@ -295,9 +349,9 @@ def _prefill_ws_kernel(
         hopper.mbarrier.init(v_ready.index(i), count=1)
         hopper.mbarrier.init(v_empty.index(i), count=2)
 
-    args = (OUT, so_b, so_s, so_h, q_smem0, q_smem1, k_bufs, v_bufs, k_stage, v_stage, q_ready, k_ready, v_ready,
-            k_empty, v_empty, turn, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, b, kvh, pid_m, start, n_old,
-            n_fit, n_old_tiles, n_tiles, S, qk_scale, OVERLAP, PINGPONG)
+    args = (OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
+            k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0, q_empty1,
+            k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, OVERLAP)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -338,6 +392,8 @@ def prefill_ws_supported(q, k, v, k_cache, v_cache, window: int) -> bool:
 def prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, config=None):
     """The warp-specialized prefill into out [B, S, H, D]; None where TMA cannot address the
     tensors (the caller then runs `_prefill_kernel`)."""
+    from dsc.kernels.attention import sm_count
+
     _bind()
     B, H, S, D = q.shape
     Hkv, Smax = k.shape[1], k_cache.shape[2]
@@ -346,10 +402,12 @@ def prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, config=None):
     if descs is None:
         return None
     G = H // Hkv
-    grid = (-(-S // (2 * (64 // G))) * B * Hkv,)
+    n_items = -(-S // (2 * (64 // G))) * B * Hkv
+    grid = (min(n_items, sm_count(q.device)),)
     gluon_jit(_prefill_ws_kernel)[grid](
-        out, cache_pos, scale * math.log2(math.e), out.stride(0), out.stride(1), out.stride(2), Hkv, S, Smax, *descs,
-        K_STAGES=cfg["K_STAGES"], V_STAGES=cfg["V_STAGES"], PRODUCER_REGS=cfg["PRODUCER_REGS"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
-        OVERLAP=cfg["OVERLAP"], PINGPONG=cfg["PINGPONG"] and cfg["OVERLAP"], num_warps=4,
+        out, cache_pos, split_counters(q.device, 2), scale * math.log2(math.e), out.stride(0), out.stride(1),
+        out.stride(2), Hkv, S, Smax, n_items, *descs,
+        K_STAGES=cfg["K_STAGES"], V_STAGES=cfg["V_STAGES"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
+        CONSUMER_REGS=cfg["CONSUMER_REGS"], OVERLAP=cfg["OVERLAP"], num_warps=4,
     )
     return out
