@@ -146,7 +146,38 @@ def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, OUT, so_b, so_s, so_h, PO
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         hopper.mbarrier.wait(q_ready.index(i % 2), (i // 2) & 1)
         q = q_bufs.index(i % 2).reshape([ROWS, HEAD_DIM])
-        if OVERLAP:
+        if OVERLAP == 2:
+            # tile t's QK^T and tile t - 1's p @ v go to the tensor cores together, and tile t's
+            # softmax runs while the p @ v does (FlashAttention-3's intra-warpgroup overlap)
+            hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
+            qk = hopper.warpgroup_mma(q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
+                                      use_acc=False, is_async=True)
+            qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+            hopper.mbarrier.arrive(k_empty.index(c % KS), count=1)
+            p16, alpha, m_i, l_i = _softmax_step(qk, 0, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
+                                                 BLOCK_N, q_bufs.dtype, p_layout, o_layout)
+            for t in range(1, n_tiles):
+                hopper.mbarrier.wait(k_ready.index((c + 1) % KS), ((c + 1) // KS) & 1)
+                qk = hopper.warpgroup_mma(q, k_bufs.index((c + 1) % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                                          qk, use_acc=False, is_async=True)
+                hopper.mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
+                acc = hopper.warpgroup_mma(p16, v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                qk = hopper.warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # the QK^T (issued first) is done
+                hopper.mbarrier.arrive(k_empty.index((c + 1) % KS), count=1)
+                p16_next, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit,
+                                                          qk_scale, BLOCK_N, q_bufs.dtype, p_layout, o_layout)
+                acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                hopper.mbarrier.arrive(v_empty.index(c % VS), count=1)
+                acc = acc * alpha[:, None]
+                p16 = p16_next
+                c += 1
+            hopper.mbarrier.arrive(q_empty.index(i % 2), count=1)  # the item's last QK^T is done
+            hopper.mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
+            acc = hopper.warpgroup_mma(p16, v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            hopper.mbarrier.arrive(v_empty.index(c % VS), count=1)
+            c += 1
+        elif OVERLAP:
             # each tile's p @ v and the next tile's QK^T go to the tensor cores back to back,
             # and one wait covers both (nothing is in flight across the loop's back edge:
             # ptxas serializes every wgmma if a loop-carried accumulator is written there)
