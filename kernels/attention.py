@@ -170,8 +170,6 @@ PREFILL_VARIANTS = {
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),  # +6% in session 7
         # the warp-specialized Gluon kernel (kernels/attention_sm90.py) at its table's row and others
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True),
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_OVERLAP=2),
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_OVERLAP=False),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_BLOCK_N=64, WS_K_STAGES=4,
              WS_V_STAGES=4),
     ],  # (session 11: TMA at 128 x 128 / 8 warps / 2 stages built without spills and measured 315 / 353

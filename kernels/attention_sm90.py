@@ -13,9 +13,12 @@ tokens).  Here the work is split by role, FlashAttention-3 style:
   issues TMA copies: each item's queries, then its K and V tiles into rings of K_STAGES /
   V_STAGES shared-memory slots (`k_ready` / `v_ready` complete on the copies' bytes);
 - two consumer warpgroups of 64 rows each run QK^T, softmax and p @ v on their rows and hand
-  each slot back (`k_empty` after QK^T, `v_empty` after p @ v; both must arrive), with OVERLAP
-  the p @ v of a tile and the next tile's QK^T issued back to back.  Nothing else synchronizes
-  them, so while one runs its softmax the other's wgmma has the tensor cores.
+  each slot back (`k_empty` after QK^T, `v_empty` after p @ v; both must arrive).  Nothing
+  else synchronizes them, so while one runs its softmax the other's wgmma has the tensor
+  cores.  (Tried on an H200, no faster: issuing a tile's p @ v and the next QK^T back to back,
+  the softmax during the previous p @ v (FA3's intra-warpgroup overlap), and turns between the
+  consumers (FA3's ping-pong): s16-h200/prefill-ws.)  A warpgroup's last (diagonal) tile is
+  multiplied over its first half only when no row of the warpgroup sees a key in the second.
 The producer passes each item's index to the consumers through shared memory (`tile_ready` /
 `tile_empty`); an index past the last item ends every partition.  The CTA whose producer
 finishes last resets the counter (kernels/launch.py `split_counters`: launches on one stream
@@ -51,9 +54,9 @@ gl = tl = mma_v2 = None  # gluon's language (and triton's), bound by launch.gluo
 hopper = None  # triton.experimental.gluon.language.nvidia.hopper, bound by `_bind`
 
 CHUNK = 32  # rows of the cache write's staging buffers
-WS_CONFIGS = {  # head_dim -> keys per tile, ring slots, registers per thread of each role, OVERLAP
-    128: dict(BLOCK_N=128, K_STAGES=2, V_STAGES=2, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True),
-    64: dict(BLOCK_N=128, K_STAGES=3, V_STAGES=3, PRODUCER_REGS=24, CONSUMER_REGS=216, OVERLAP=True),
+WS_CONFIGS = {  # head_dim -> keys per tile, ring slots, registers per thread of each role
+    128: dict(BLOCK_N=128, K_STAGES=2, V_STAGES=2, PRODUCER_REGS=24, CONSUMER_REGS=216),
+    64: dict(BLOCK_N=128, K_STAGES=3, V_STAGES=3, PRODUCER_REGS=24, CONSUMER_REGS=216),
 }
 
 
@@ -66,24 +69,43 @@ def _bind():
 
 
 @gluon_device
-def _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale, BLOCK_N: gl.constexpr,
-                  P_DTYPE: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
-    # tile t's scores -> (p in the p @ v operand's layout and dtype, alpha in acc's row layout,
-    # m, l): the mask where the tile needs one, then the online softmax in base 2
+def _attend_tile(q, k_tile, v_tile, qk_in, acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_free,
+                 v_ready, v_phase, v_free, T: gl.constexpr, BLOCK_N: gl.constexpr, N: gl.constexpr,
+                 row_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One warpgroup's rows against key tile t (its first N keys: k_tile / v_tile [N, D] in shared
+    memory): QK^T, the mask where the tile needs one, the online softmax in base 2, p @ v.
+    qk_in: a [64, N] register tensor for the QK^T's accumulator input, ignored (the previous
+    tile's scores: registers a wgmma defined, so no zeros are moved into them).  Hands the K
+    slot back after the QK^T and the V slot after the p @ v.  m_i / l_i in row_layout.
+    Returns (acc, m_i, l_i, this tile's raw scores)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    qk_raw = hopper.warpgroup_mma(q, k_tile.permute((1, 0)), qk_in, use_acc=False, is_async=True)
+    qk_raw = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk_raw, ))
+    hopper.mbarrier.arrive(k_free, count=1)
+    qk = qk_raw
+    cols = gl.arange(0, N, layout=gl.SliceLayout(0, s_layout))
     j0 = (t - n_old_tiles) * BLOCK_N  # new tiles: first key; old tiles: < 0
     if t < n_old_tiles:
         first = n_old - (t + 1) * BLOCK_N  # old tile: positions first + cols; < 0 is no key
         if first < 0:
             qk = gl.where((first + cols >= 0)[None, :], qk, float("-inf"))
-    elif j0 + BLOCK_N > free:
+    elif j0 + N > free:
         j = j0 + cols
+        qi = tok0 + gl.arange(0, q.shape[0], layout=gl.SliceLayout(1, s_layout)) % T
         qk = gl.where((j[None, :] <= qi[:, None]) & (j < n_fit)[None, :], qk, float("-inf"))
+    m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     p = gl.exp2(qk * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    p16 = gl.convert_layout(p.to(P_DTYPE), p_layout)
-    return p16, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_new, l_i
+    l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout)) * alpha + gl.sum(p, 1)
+    p16 = gl.convert_layout(p.to(q.dtype), p_layout)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    hopper.mbarrier.wait(v_ready, v_phase)
+    acc = hopper.warpgroup_mma(p16, v_tile, acc, is_async=True)
+    acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    hopper.mbarrier.arrive(v_free, count=1)
+    return acc, gl.convert_layout(m_new, row_layout), gl.convert_layout(l_i, row_layout), qk_raw
 
 
 @gluon_device
@@ -111,120 +133,66 @@ def _next_item(tile_smem, tile_ready, tile_empty, i, layout: gl.constexpr):
 
 
 @gluon_device
-def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items,
-              qk_scale, q_bufs, k_bufs, v_bufs, tile_smem, tile_ready, tile_empty, q_ready, q_empty, k_ready, v_ready,
-              k_empty, v_empty):
+def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs, k_bufs,
+              v_bufs, tile_smem, tile_ready, tile_empty, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty):
     KS: gl.constexpr = k_bufs.shape[0]  # K and V ring slots
     VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    HALF: gl.constexpr = BLOCK_N // 2
     HEAD_DIM: gl.constexpr = k_bufs.shape[4]
     G: gl.constexpr = q_bufs.shape[2]
     T: gl.constexpr = q_bufs.shape[3]
     ROWS: gl.constexpr = G * T
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
+    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    rows_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    qk_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
 
     i = 0  # items done
     c = 0  # K/V tiles consumed over all items (the rings' slots and phases)
     w = _next_item(tile_smem, tile_ready, tile_empty, i, one)
     while w < n_items:
         b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_tiles = _item(w, n_m, Hkv, POS, S, Smax, T, BLOCK_N)
-        tok0 = pid_m * (2 * T) + WG * T  # this warpgroup's first token
-        qi = tok0 + rows_s % T
+        tok0 = pid_m * (2 * T) + WG * T  # this warpgroup's first token; row r: token tok0 + r % T, head r // T
         free = gl.minimum(tok0 + 1, n_fit)  # new keys < free are visible to every row here
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
         hopper.mbarrier.wait(q_ready.index(i % 2), (i // 2) & 1)
         q = q_bufs.index(i % 2).reshape([ROWS, HEAD_DIM])
-        if OVERLAP == 2:
-            # tile t's QK^T and tile t - 1's p @ v go to the tensor cores together, and tile t's
-            # softmax runs while the p @ v does (FlashAttention-3's intra-warpgroup overlap)
+        for t in range(n_tiles - 1):
             hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
-            qk = hopper.warpgroup_mma(q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
-                                      use_acc=False, is_async=True)
-            qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-            hopper.mbarrier.arrive(k_empty.index(c % KS), count=1)
-            p16, alpha, m_i, l_i = _softmax_step(qk, 0, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit, qk_scale,
-                                                 BLOCK_N, q_bufs.dtype, p_layout, o_layout)
-            for t in range(1, n_tiles):
-                hopper.mbarrier.wait(k_ready.index((c + 1) % KS), ((c + 1) // KS) & 1)
-                qk = hopper.warpgroup_mma(q, k_bufs.index((c + 1) % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                                          qk, use_acc=False, is_async=True)
-                hopper.mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
-                acc = hopper.warpgroup_mma(p16, v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                qk = hopper.warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # the QK^T (issued first) is done
-                hopper.mbarrier.arrive(k_empty.index((c + 1) % KS), count=1)
-                p16_next, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit,
-                                                          qk_scale, BLOCK_N, q_bufs.dtype, p_layout, o_layout)
-                acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                hopper.mbarrier.arrive(v_empty.index(c % VS), count=1)
-                acc = acc * alpha[:, None]
-                p16 = p16_next
-                c += 1
-            hopper.mbarrier.arrive(q_empty.index(i % 2), count=1)  # the item's last QK^T is done
-            hopper.mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
-            acc = hopper.warpgroup_mma(p16, v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            hopper.mbarrier.arrive(v_empty.index(c % VS), count=1)
+            acc, m_i, l_i, qk = _attend_tile(
+                q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]), v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]),
+                qk, acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_empty.index(c % KS),
+                v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N, BLOCK_N, row_layout, o_layout)
             c += 1
-        elif OVERLAP:
-            # each tile's p @ v and the next tile's QK^T go to the tensor cores back to back,
-            # and one wait covers both (nothing is in flight across the loop's back edge:
-            # ptxas serializes every wgmma if a loop-carried accumulator is written there)
-            hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
-            qk = hopper.warpgroup_mma(q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), qk_zero,
-                                      use_acc=False, is_async=True)
-            qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-            for t in range(n_tiles - 1):
-                hopper.mbarrier.arrive(k_empty.index(c % KS), count=1)
-                p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit,
-                                                     qk_scale, BLOCK_N, q_bufs.dtype, p_layout, o_layout)
-                acc = acc * alpha[:, None]
-                hopper.mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
-                hopper.mbarrier.wait(k_ready.index((c + 1) % KS), ((c + 1) // KS) & 1)
-                acc = hopper.warpgroup_mma(p16, v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                # (its accumulator input, ignored, is tile t's raw scores: registers a wgmma defined)
-                qk = hopper.warpgroup_mma(q, k_bufs.index((c + 1) % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                                          qk, use_acc=False, is_async=True)
-                qk, acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc))
-                hopper.mbarrier.arrive(v_empty.index(c % VS), count=1)
-                c += 1
-            hopper.mbarrier.arrive(k_empty.index(c % KS), count=1)
-            hopper.mbarrier.arrive(q_empty.index(i % 2), count=1)  # the item's last QK^T is done
-            p16, alpha, m_i, l_i = _softmax_step(qk, n_tiles - 1, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit,
-                                                 qk_scale, BLOCK_N, q_bufs.dtype, p_layout, o_layout)
-            acc = acc * alpha[:, None]
-            hopper.mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
-            acc = hopper.warpgroup_mma(p16, v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            hopper.mbarrier.arrive(v_empty.index(c % VS), count=1)
-            c += 1
+        # the last tile: the diagonal one (items are 2 T tokens, aligned to 2 T, and 2 T divides
+        # BLOCK_N).  When none of this warpgroup's rows sees a key in its second half, only
+        # its first half is multiplied (the QK^T, softmax and p @ v of half a tile saved)
+        t = n_tiles - 1
+        hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
+        k_tile = k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM])
+        v_tile = v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM])
+        if (t >= n_old_tiles) & ((t - n_old_tiles) * BLOCK_N + HALF >= gl.minimum(tok0 + T, n_fit)):
+            acc, m_i, l_i, _h = _attend_tile(
+                q, k_tile.slice(0, HALF), v_tile.slice(0, HALF), gl.zeros([ROWS, HALF], gl.float32, layout=h_layout),
+                acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_empty.index(c % KS),
+                v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N, HALF, row_layout, o_layout)
         else:
-            for t in range(n_tiles):
-                hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
-                qk = hopper.warpgroup_mma(q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                                          qk_zero, use_acc=False, is_async=True)
-                qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-                hopper.mbarrier.arrive(k_empty.index(c % KS), count=1)
-                p16, alpha, m_i, l_i = _softmax_step(qk, t, m_i, l_i, qi, cols, free, n_old, n_old_tiles, n_fit,
-                                                     qk_scale, BLOCK_N, q_bufs.dtype, p_layout, o_layout)
-                hopper.mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
-                acc = hopper.warpgroup_mma(p16, v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]),
-                                           acc * alpha[:, None], is_async=True)
-                acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                hopper.mbarrier.arrive(v_empty.index(c % VS), count=1)
-                c += 1
-            hopper.mbarrier.arrive(q_empty.index(i % 2), count=1)
+            acc, m_i, l_i, _f = _attend_tile(
+                q, k_tile, v_tile, qk, acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale,
+                k_empty.index(c % KS), v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N,
+                BLOCK_N, row_layout, o_layout)
+        c += 1
+        hopper.mbarrier.arrive(q_empty.index(i % 2), count=1)  # the item's last QK^T is done
 
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         qi_o = tok0 + r_o % T
@@ -238,26 +206,23 @@ def _consumer(WG: gl.constexpr, OVERLAP: gl.constexpr, OUT, so_b, so_s, so_h, PO
 @gluon_device
 def _consumer0(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
                k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
-               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD,
-               OVERLAP: gl.constexpr):
-    _consumer(0, OVERLAP, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, k_bufs, v_bufs,
+               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
+    _consumer(0, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, k_bufs, v_bufs,
               tile_smem, tile_ready, tile_empty0, q_ready0, q_empty0, k_ready, v_ready, k_empty, v_empty)
 
 
 @gluon_device
 def _consumer1(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
                k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
-               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD,
-               OVERLAP: gl.constexpr):
-    _consumer(1, OVERLAP, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs1, k_bufs, v_bufs,
+               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
+    _consumer(1, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs1, k_bufs, v_bufs,
               tile_smem, tile_ready, tile_empty1, q_ready1, q_empty1, k_ready, v_ready, k_empty, v_empty)
 
 
 @gluon_device
 def _producer(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
               k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
-              q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD,
-              OVERLAP: gl.constexpr):
+              q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
     KS: gl.constexpr = k_bufs.shape[0]
     VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -339,7 +304,6 @@ def _prefill_ws_kernel(
     KSD, VSD,  # k, v again: blocks [1, 1, CHUNK, D], unswizzled (the cache write's staging)
     KRD, VRD,  # k_cache, v_cache again: blocks [1, 1, 1, D], unswizzled (the cache write, a row a copy)
     K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    OVERLAP: gl.constexpr,
 ):
     # CTR: two int32 counters at 0 (items taken, CTAs done); grid: at most one CTA per SM
     T: gl.constexpr = QD.block_type.shape[2]
@@ -382,7 +346,7 @@ def _prefill_ws_kernel(
 
     args = (OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
             k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0, q_empty1,
-            k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD, OVERLAP)
+            k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -439,6 +403,6 @@ def prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, config=None):
         out, cache_pos, split_counters(q.device, 2), scale * math.log2(math.e), out.stride(0), out.stride(1),
         out.stride(2), Hkv, S, Smax, n_items, *descs,
         K_STAGES=cfg["K_STAGES"], V_STAGES=cfg["V_STAGES"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        CONSUMER_REGS=cfg["CONSUMER_REGS"], OVERLAP=cfg["OVERLAP"], num_warps=4,
+        CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
     )
     return out
