@@ -139,7 +139,11 @@ PREFILL_CONFIGS = {
     # TMA: K/V tiles of the full key loops through tensor descriptors; on an H200 (bench_attention
     # --sweep, 2048 tokens, Llama-8B heads) 367.8 / 400.0 TFLOP/s at batch 1 / 8 against 344.8 /
     # 373.8 without, and check_attention_gpu passed at this row
-    ("sm_90", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True),
+    # WS: 16-bit prefills without a window run the warp-specialized Gluon kernel
+    # (kernels/attention_sm90.py, its own tile); the other keys are the Triton kernel's, which
+    # runs the rest.  H200, 2048 tokens, graph-replayed, same run (s16-h200/prefill-ws): 401-405
+    # / 436-448 TFLOP/s at batch 1 / 8 against 366-369 / 394-398 for the Triton kernel
+    ("sm_90", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True),
     ("sm_90", 256): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
     ("sm_80", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
     ("sm_80", 128): dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
@@ -162,20 +166,21 @@ DECODE_CONFIGS = {
 # kernels/tuning.json "sm_90" / "attention_prefill" / "D128".
 # DEFER_PV without TMA is legal but ptxas serializes that build's wgmmas (no candidate has it).
 PREFILL_VARIANTS = {
-    ("sm_90", 128): [  # TMA at other tilings (the table's row is TMA at 128 x 64, 8 warps, 3 stages)
+    ("sm_90", 128): [  # the Triton kernel at the table's row (first: the bench's table times it
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True),  # next to the row), then
+        # TMA at other tilings
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, TMA=True),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, TMA=True),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True),  # 2 programs per SM
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, TMA=True),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),  # +6% in session 7
-        # the warp-specialized Gluon kernel (kernels/attention_sm90.py) at its table's row and others
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True),
+        # the warp-specialized kernel at 64-key tiles (4 slots each): 383 / 421 TFLOP/s at B1 / B8
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_BLOCK_N=64, WS_K_STAGES=4,
              WS_V_STAGES=4),
     ],  # (session 11: TMA at 128 x 128 / 8 warps / 2 stages built without spills and measured 315 / 353
     #      TFLOP/s at B1 / B8, under the table's row: s11-h200/prefill-variants)
     ("sm_90", 64): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, DEFER_PV=True),  # 4 warps spill
-                    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True)],
+                    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True)],  # not timed yet
 }
 MAX_SPLITS = 64  # splits per (sequence, kv head): bounds the partials the last split combines
 SM_COUNT = {"sm_90": 132, "default": 4}  # for planning; at run time the device says (H100/H200: 132)
@@ -905,7 +910,15 @@ def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, ar
         splits = decode_num_splits(batch, Hkv, Smax, cfg, SM_COUNT.get(arch, SM_COUNT["sm_90"]))
         cfg = {**cfg, "splits": splits, "splits_at_batch": batch, **({"window": window} if window else {})}
         return {"name": "triton.attention_decode", "config": cfg, "launches": 1}
-    cfg = {**attention_config("prefill", D, arch, q.element_size()), "group": H // Hkv, **({"window": window} if window else {})}
+    cfg = attention_config("prefill", D, arch, q.element_size())
+    if cfg.get("WS") and arch == "sm_90":
+        from dsc.kernels.attention_sm90 import WS_CONFIGS, prefill_ws_supported
+
+        if prefill_ws_supported(q, k, v, k_cache, v_cache, window):
+            return {"name": "gluon.attention_prefill_ws", "config": {**WS_CONFIGS[D], "group": H // Hkv},
+                    "launches": 1}
+    cfg = {key: value for key, value in cfg.items() if key != "WS"}
+    cfg = {**cfg, "group": H // Hkv, **({"window": window} if window else {})}
     return {"name": "triton.attention_prefill", "config": cfg, "launches": 1}
 
 

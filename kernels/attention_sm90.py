@@ -17,8 +17,7 @@ tokens).  Here the work is split by role, FlashAttention-3 style:
   else synchronizes them, so while one runs its softmax the other's wgmma has the tensor
   cores.  (Tried on an H200, no faster: issuing a tile's p @ v and the next QK^T back to back,
   the softmax during the previous p @ v (FA3's intra-warpgroup overlap), and turns between the
-  consumers (FA3's ping-pong): s16-h200/prefill-ws.)  A warpgroup's last (diagonal) tile is
-  multiplied over its first half only when no row of the warpgroup sees a key in the second.
+  consumers (FA3's ping-pong): s16-h200/prefill-ws.)
 The producer passes each item's index to the consumers through shared memory (`tile_ready` /
 `tile_empty`); an index past the last item ends every partition.  The CTA whose producer
 finishes last resets the counter (kernels/launch.py `split_counters`: launches on one stream
@@ -52,6 +51,7 @@ from dsc.kernels.launch import gluon_device, gluon_jit, split_counters
 
 gl = tl = mma_v2 = None  # gluon's language (and triton's), bound by launch.gluon_jit on first use
 hopper = None  # triton.experimental.gluon.language.nvidia.hopper, bound by `_bind`
+tma_load = tma_store = None  # its TMA copies (triton 3.6: async_copy_*; later: async_load / async_store)
 
 CHUNK = 32  # rows of the cache write's staging buffers
 WS_CONFIGS = {  # head_dim -> keys per tile, ring slots, registers per thread of each role
@@ -61,51 +61,51 @@ WS_CONFIGS = {  # head_dim -> keys per tile, ring slots, registers per thread of
 
 
 def _bind():
-    global hopper
+    global hopper, tma_load, tma_store
     if hopper is None:
         from triton.experimental.gluon.language.nvidia import hopper as h
 
         hopper = h
+        tma_load = getattr(h.tma, "async_load", None) or h.tma.async_copy_global_to_shared
+        tma_store = getattr(h.tma, "async_store", None) or h.tma.async_copy_shared_to_global
 
 
 @gluon_device
-def _attend_tile(q, k_tile, v_tile, qk_in, acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_free,
-                 v_ready, v_phase, v_free, T: gl.constexpr, BLOCK_N: gl.constexpr, N: gl.constexpr,
-                 row_layout: gl.constexpr, o_layout: gl.constexpr):
-    """One warpgroup's rows against key tile t (its first N keys: k_tile / v_tile [N, D] in shared
-    memory): QK^T, the mask where the tile needs one, the online softmax in base 2, p @ v.
-    qk_in: a [64, N] register tensor for the QK^T's accumulator input, ignored (the previous
-    tile's scores: registers a wgmma defined, so no zeros are moved into them).  Hands the K
-    slot back after the QK^T and the V slot after the p @ v.  m_i / l_i in row_layout.
-    Returns (acc, m_i, l_i, this tile's raw scores)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+def _attend_tile(q, k_tile, v_tile, acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_free, v_ready,
+                 v_phase, v_free, T: gl.constexpr, BLOCK_N: gl.constexpr, o_layout: gl.constexpr):
+    """One warpgroup's rows (q [64, D] in shared memory) against key tile t (k_tile / v_tile
+    [BLOCK_N, D] in shared memory): QK^T, the mask where the tile needs one, the online softmax
+    in base 2, p @ v.  Hands the K slot back after the QK^T (k_free) and the V slot after the
+    p @ v (v_free).  m_i / l_i in the scores' row layout.  Returns (acc, m_i, l_i)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    qk_raw = hopper.warpgroup_mma(q, k_tile.permute((1, 0)), qk_in, use_acc=False, is_async=True)
-    qk_raw = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk_raw, ))
+    ROWS: gl.constexpr = q.shape[0]
+    qk = hopper.warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
+                              use_acc=False, is_async=True)
+    qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     hopper.mbarrier.arrive(k_free, count=1)
-    qk = qk_raw
-    cols = gl.arange(0, N, layout=gl.SliceLayout(0, s_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     j0 = (t - n_old_tiles) * BLOCK_N  # new tiles: first key; old tiles: < 0
     if t < n_old_tiles:
         first = n_old - (t + 1) * BLOCK_N  # old tile: positions first + cols; < 0 is no key
         if first < 0:
             qk = gl.where((first + cols >= 0)[None, :], qk, float("-inf"))
-    elif j0 + N > free:
+    elif j0 + BLOCK_N > free:
         j = j0 + cols
-        qi = tok0 + gl.arange(0, q.shape[0], layout=gl.SliceLayout(1, s_layout)) % T
+        qi = tok0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)) % T
         qk = gl.where((j[None, :] <= qi[:, None]) & (j < n_fit)[None, :], qk, float("-inf"))
-    m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     p = gl.exp2(qk * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout)) * alpha + gl.sum(p, 1)
+    l_i = l_i * alpha + gl.sum(p, 1)
     p16 = gl.convert_layout(p.to(q.dtype), p_layout)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     hopper.mbarrier.wait(v_ready, v_phase)
     acc = hopper.warpgroup_mma(p16, v_tile, acc, is_async=True)
     acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     hopper.mbarrier.arrive(v_free, count=1)
-    return acc, gl.convert_layout(m_new, row_layout), gl.convert_layout(l_i, row_layout), qk_raw
+    return acc, m_new, l_i
 
 
 @gluon_device
@@ -138,15 +138,12 @@ def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n
     KS: gl.constexpr = k_bufs.shape[0]  # K and V ring slots
     VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    HALF: gl.constexpr = BLOCK_N // 2
     HEAD_DIM: gl.constexpr = k_bufs.shape[4]
     G: gl.constexpr = q_bufs.shape[2]
     T: gl.constexpr = q_bufs.shape[3]
     ROWS: gl.constexpr = G * T
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -164,34 +161,15 @@ def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
         hopper.mbarrier.wait(q_ready.index(i % 2), (i // 2) & 1)
         q = q_bufs.index(i % 2).reshape([ROWS, HEAD_DIM])
-        for t in range(n_tiles - 1):
+        for t in range(n_tiles):
             hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
-            acc, m_i, l_i, qk = _attend_tile(
+            acc, m_i, l_i = _attend_tile(
                 q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]), v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]),
-                qk, acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_empty.index(c % KS),
-                v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N, BLOCK_N, row_layout, o_layout)
-            c += 1
-        # the last tile: the diagonal one (items are 2 T tokens, aligned to 2 T, and 2 T divides
-        # BLOCK_N).  When none of this warpgroup's rows sees a key in its second half, only
-        # its first half is multiplied (the QK^T, softmax and p @ v of half a tile saved)
-        t = n_tiles - 1
-        hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
-        k_tile = k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM])
-        v_tile = v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM])
-        if (t >= n_old_tiles) & ((t - n_old_tiles) * BLOCK_N + HALF >= gl.minimum(tok0 + T, n_fit)):
-            acc, m_i, l_i, _h = _attend_tile(
-                q, k_tile.slice(0, HALF), v_tile.slice(0, HALF), gl.zeros([ROWS, HALF], gl.float32, layout=h_layout),
                 acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_empty.index(c % KS),
-                v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N, HALF, row_layout, o_layout)
-        else:
-            acc, m_i, l_i, _f = _attend_tile(
-                q, k_tile, v_tile, qk, acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale,
-                k_empty.index(c % KS), v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N,
-                BLOCK_N, row_layout, o_layout)
-        c += 1
+                v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N, o_layout)
+            c += 1
         hopper.mbarrier.arrive(q_empty.index(i % 2), count=1)  # the item's last QK^T is done
 
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
@@ -245,28 +223,28 @@ def _producer(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_sc
         # the two warpgroups' queries: G heads x T tokens each (tokens past S read zeros)
         hopper.mbarrier.wait(q_empty0.index(i % 2), ((i // 2) & 1) ^ 1)
         hopper.mbarrier.expect(q_ready0.index(i % 2), QD.block_type.nbytes)
-        hopper.tma.async_copy_global_to_shared(QD, [b, kvh * G, tok0, 0], q_ready0.index(i % 2), q_bufs0.index(i % 2))
+        tma_load(QD, [b, kvh * G, tok0, 0], q_ready0.index(i % 2), q_bufs0.index(i % 2))
         hopper.mbarrier.wait(q_empty1.index(i % 2), ((i // 2) & 1) ^ 1)
         hopper.mbarrier.expect(q_ready1.index(i % 2), QD.block_type.nbytes)
-        hopper.tma.async_copy_global_to_shared(QD, [b, kvh * G, tok0 + T, 0], q_ready1.index(i % 2),
+        tma_load(QD, [b, kvh * G, tok0 + T, 0], q_ready1.index(i % 2),
                                                q_bufs1.index(i % 2))
         # K / V tiles: t < n_old_tiles: cached positions n_old - (t + 1) * BLOCK_N ..; then new keys from 0
         for t in range(n_tiles):
             hopper.mbarrier.wait(k_empty.index(c % KS), ((c // KS) & 1) ^ 1)
             hopper.mbarrier.expect(k_ready.index(c % KS), KD.block_type.nbytes)
             if t < n_old_tiles:
-                hopper.tma.async_copy_global_to_shared(KCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0],
+                tma_load(KCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0],
                                                        k_ready.index(c % KS), k_bufs.index(c % KS))
             else:
-                hopper.tma.async_copy_global_to_shared(KD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0],
+                tma_load(KD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0],
                                                        k_ready.index(c % KS), k_bufs.index(c % KS))
             hopper.mbarrier.wait(v_empty.index(c % VS), ((c // VS) & 1) ^ 1)
             hopper.mbarrier.expect(v_ready.index(c % VS), VD.block_type.nbytes)
             if t < n_old_tiles:
-                hopper.tma.async_copy_global_to_shared(VCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0],
+                tma_load(VCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0],
                                                        v_ready.index(c % VS), v_bufs.index(c % VS))
             else:
-                hopper.tma.async_copy_global_to_shared(VD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0],
+                tma_load(VD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0],
                                                        v_ready.index(c % VS), v_bufs.index(c % VS))
             c += 1
         # the item's own tokens j in [tok0, tok0 + 2 T) to cache slots start + j, CHUNK rows at a
@@ -275,13 +253,13 @@ def _producer(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_sc
         j_end = gl.minimum(tok0 + 2 * T, S)
         for j0 in range(tok0, j_end, CHUNK):
             hopper.mbarrier.expect(stage_bar, 2 * KSD.block_type.nbytes)
-            hopper.tma.async_copy_global_to_shared(KSD, [b, kvh, j0, 0], stage_bar, k_stage)
-            hopper.tma.async_copy_global_to_shared(VSD, [b, kvh, j0, 0], stage_bar, v_stage)
+            tma_load(KSD, [b, kvh, j0, 0], stage_bar, k_stage)
+            tma_load(VSD, [b, kvh, j0, 0], stage_bar, v_stage)
             hopper.mbarrier.wait(stage_bar, n_chunks & 1)
             for r in gl.static_range(CHUNK):
                 if j0 + r < j_end:
-                    hopper.tma.async_copy_shared_to_global(KRD, [b, kvh, start + j0 + r, 0], k_stage.slice(r, 1, dim=2))
-                    hopper.tma.async_copy_shared_to_global(VRD, [b, kvh, start + j0 + r, 0], v_stage.slice(r, 1, dim=2))
+                    tma_store(KRD, [b, kvh, start + j0 + r, 0], k_stage.slice(r, 1, dim=2))
+                    tma_store(VRD, [b, kvh, start + j0 + r, 0], v_stage.slice(r, 1, dim=2))
             hopper.tma.store_wait(pendings=0)  # the staging buffers are read before the next chunk's copy
             n_chunks += 1
         i += 1
@@ -406,3 +384,32 @@ def prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, config=None):
         CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
     )
     return out
+
+
+def compile_for_sm90(dtype: str = "bf16", G: int = 4, head_dim: int = 128, config: dict | None = None):
+    """`_prefill_ws_kernel` built for sm_90 without a GPU (launch.compile_for_arch), with the
+    argument types a launch at these shapes gives it (dtype "bf16" | "fp16"; G query heads per
+    kv head; config: WS_CONFIGS overrides); tests check the build (spills, register split)."""
+    from triton.experimental.gluon import language as gluon_language
+
+    from dsc.kernels.launch import compile_for_arch
+
+    _bind()
+    cfg = {**WS_CONFIGS[head_dim], **(config or {})}
+    element = getattr(gluon_language, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
+
+    def desc(block, swizzled=True):
+        layout = (gluon_language.NVMMASharedLayout.get_default_for(block, element) if swizzled else
+                  gluon_language.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=len(block)))
+        return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
+
+    chunk = min(2 * (64 // G), CHUNK)
+    types = {"OUT": f"*{dtype}", "POS": "*i64", "CTR": "*i32", "qk_scale": "fp32",
+             **{n: "i32" for n in ("so_b", "so_s", "so_h", "Hkv", "S", "Smax", "n_items")},
+             "QD": desc([1, G, 64 // G, head_dim]),
+             **{n: desc([1, 1, cfg["BLOCK_N"], head_dim]) for n in ("KD", "VD", "KCD", "VCD")},
+             **{n: desc([1, 1, chunk, head_dim], False) for n in ("KSD", "VSD")},
+             **{n: desc([1, 1, 1, head_dim], False) for n in ("KRD", "VRD")}}
+    constexprs = {k: cfg[k] for k in ("K_STAGES", "V_STAGES", "PRODUCER_REGS", "CONSUMER_REGS")}
+    return compile_for_arch(_prefill_ws_kernel, types, constexprs, num_warps=4,
+                            aligned=("OUT", "POS", "CTR", "so_b", "so_s", "so_h"), gluon=True)

@@ -256,7 +256,7 @@ def _compile_sm90() -> None:
 
     import re
 
-    from dsc.kernels import attention as A, rotary as R
+    from dsc.kernels import attention as A, attention_sm90 as W, rotary as R
     from dsc.kernels.launch import jit
     from dsc.kernels.rotary import ROTATE_OPTIONS, rotary_config
 
@@ -327,6 +327,8 @@ def _compile_sm90() -> None:
         # the prefill variant's candidate rows: Llama's G = 4 at head_dim 128, GPT-2's G = 1 at 64
         for (arch, head_dim), rows in A.PREFILL_VARIANTS.items():
             for cfg in rows:
+                if cfg.get("WS"):  # the warp-specialized kernel's rows: the prefill-ws builds below
+                    continue
                 G = 4 if head_dim == 128 else 1
                 block = f"tensordesc<{dtype}[1, 1, {cfg['BLOCK_N']}, {head_dim}]>"
                 descs = {n: block for n in ("KD", "VD", "KCD", "VCD")}
@@ -361,6 +363,15 @@ def _compile_sm90() -> None:
 
             except Exception as e:  # reported per kernel by the parent
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"[:2000]
+        # the warp-specialized Gluon prefill (kernels/attention_sm90.py) at its table's tiles
+        for name, (G, head_dim, config) in WS_BUILDS.items():
+            try:
+                kernel = W.compile_for_sm90(dtype, G, head_dim, config)
+                report[f"{name}/{dtype}"] = "ok"
+                report[f"{name}-ptxas/{dtype}"] = _check_ptxas(kernel, allow_spills=False)
+                report[f"{name}-regs/{dtype}"] = _check_register_split(kernel.asm["ptx"])
+            except Exception as e:
+                report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"[:2000]
     # fp32 at head_dim 128 (an 8B-shaped model compiled in fp32): the table's 16-bit rows need
     # more shared memory than a block gets; attention_config shrinks them for 4-byte elements
     t = {n: "*fp32" for n in ("Q", "K", "V", "KC", "VC", "OUT", "PART_O", "PART_LSE")} | {"POS": "*i64", "LOCK": "*i32"}
@@ -376,6 +387,30 @@ def _compile_sm90() -> None:
         except Exception as e:
             report[f"{kind}-fp32-d128-smem"] = f"raised {type(e).__name__}: {e}"[:2000]
     print("REPORT " + json.dumps(report))
+
+
+# the warp-specialized prefill's sm_90 builds: (G, head_dim, config overrides); Llama-8B's
+# 32 / 8 heads, a GQA of 8, GPT-2's one head per kv head at 64, and the 64-key variant row
+WS_BUILDS = {"prefill-ws": (4, 128, None), "prefill-ws-g8": (8, 128, None), "prefill-ws-mha-d64": (1, 64, None),
+             "prefill-ws-n64": (4, 128, dict(BLOCK_N=64, K_STAGES=4, V_STAGES=4))}
+
+
+def _check_register_split(ptx: str) -> str:
+    """"ok" if the build hands registers from the producer to the two consumer warpgroups
+    (setmaxnreg: the producer down to a few, the consumers up past the even split of the CTA's
+    registers) and the three together fit what the CTA is launched with (.maxnreg x .reqntid):
+    a setmaxnreg.inc that cannot be served waits forever."""
+    import re
+
+    counts = {(op, int(n)) for op, n in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    even = int(re.search(r"\.maxnreg\s+(\d+)", ptx).group(1))
+    budget = even * int(re.search(r"\.reqntid\s+(\d+)", ptx).group(1)) // 128  # per thread of a warpgroup
+    up = sorted(n for op, n in counts if op == "inc" and n > even)
+    down = sorted(n for op, n in counts if op == "dec" and n < 64)
+    if not up or not down:
+        return f"no register split: setmaxnreg {sorted(counts)}"
+    used = up[-1] + (up[-2] if len(up) > 1 else up[-1]) + down[0]
+    return "ok" if used <= budget else f"{used} registers per warpgroup thread > {budget}: {sorted(counts)}"
 
 
 def variant_job(cfg: dict, G: int) -> str:
@@ -531,7 +566,7 @@ def _variant_jobs():
     from dsc.kernels.attention import PREFILL_VARIANTS
 
     return [variant_job(cfg, 4 if head_dim == 128 else 1) for (_, head_dim), rows in PREFILL_VARIANTS.items()
-            for cfg in rows]
+            for cfg in rows if not cfg.get("WS")]
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -543,6 +578,17 @@ def test_prefill_variant_compiles_for_sm90(sm90_report, kernel, dtype):
     assert sm90_report[f"{kernel}-ptxas/{dtype}"] == "ok"
     if "-mha-" in kernel:
         assert sm90_report[f"{kernel}-pipelining/{dtype}"] == "ok"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("kernel", list(WS_BUILDS))
+def test_warp_specialized_prefill_builds_for_sm90(sm90_report, kernel, dtype):
+    """The Gluon prefill (no interpreter can run it; scripts/check_attention_gpu.py checks its
+    numbers on a GPU) builds for sm_90 with triton's current Gluon API: no spills, no serialized
+    wgmmas, and the producer's registers handed to the two consumer warpgroups."""
+    assert sm90_report[f"{kernel}/{dtype}"] == "ok"
+    assert sm90_report[f"{kernel}-ptxas/{dtype}"] == "ok"
+    assert sm90_report[f"{kernel}-regs/{dtype}"] == "ok"
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -689,3 +735,45 @@ def test_cpu_rotary_attention_is_rotary_then_attention(dtype):
 
 if __name__ == "__main__":
     {"interpret": _worker, "compile-sm90": _compile_sm90}[sys.argv[1]]()
+
+
+def _meta_attention(dtype=torch.bfloat16, H=32, Hkv=8, D=128, S=2048, Smax=4096):
+    q = torch.empty(1, H, S, D, dtype=dtype, device="meta")
+    k, v = (torch.empty(1, Hkv, S, D, dtype=dtype, device="meta") for _ in range(2))
+    kc, vc = (torch.empty(1, Hkv, Smax, D, dtype=dtype, device="meta") for _ in range(2))
+    return q, k, v, kc, vc, torch.zeros(1, dtype=torch.int64, device="meta")
+
+
+@pytest.mark.parametrize("change, runs_ws", [
+    ({}, True), (dict(dtype=torch.float16), True), (dict(H=8, Hkv=8), True), (dict(H=64, Hkv=8), True),
+    (dict(dtype=torch.float32), False), (dict(H=24, Hkv=8), False), (dict(H=32, Hkv=2), False),
+    (dict(D=80), False), (dict(D=256), False)])
+def test_which_prefills_the_warp_specialized_kernel_takes(change, runs_ws):
+    """16-bit tensors of one dtype, head_dim 64 or 128, 1, 2, 4 or 8 query heads per kv head,
+    no sliding window: the Gluon kernel's (a warpgroup's 64 rows are 64 / G tokens of each head,
+    a multiple of 8); anything else runs the Triton kernel."""
+    from dsc.kernels.attention_sm90 import prefill_ws_supported
+
+    q, k, v, kc, vc, _ = _meta_attention(**change)
+    assert prefill_ws_supported(q, k, v, kc, vc, 0) is runs_ws
+    assert prefill_ws_supported(q, k, v, kc, vc, 4096) is False  # a sliding window
+    if runs_ws:  # a cache of another dtype
+        assert prefill_ws_supported(q, k, v, kc.to(torch.float32), vc.to(torch.float32), 0) is False
+
+
+def test_the_plan_names_the_kernel_a_prefill_runs():
+    """plan.json / dsc inspect: on sm_90 a bf16 Llama-8B prefill runs the warp-specialized kernel
+    (its own tile), with a window or in fp32 the Triton kernel (the table's row without WS); off
+    sm_90 the Triton kernel."""
+    from dsc.kernels.attention import _plan_attention
+    from dsc.kernels.attention_sm90 import WS_CONFIGS
+
+    q, k, v, kc, vc, pos = _meta_attention()
+    plan = _plan_attention(q, k, v, kc, vc, pos, 0.1, arch="sm_90")
+    assert plan == {"name": "gluon.attention_prefill_ws", "config": {**WS_CONFIGS[128], "group": 4}, "launches": 1}
+    windowed = _plan_attention(q, k, v, kc, vc, pos, 0.1, 4096, arch="sm_90")
+    assert windowed["name"] == "triton.attention_prefill" and "WS" not in windowed["config"]
+    assert windowed["config"]["window"] == 4096 and windowed["config"]["TMA"] is True
+    fp32 = _plan_attention(*_meta_attention(dtype=torch.float32), 0.1, arch="sm_90")
+    assert fp32["name"] == "triton.attention_prefill"
+    assert _plan_attention(q, k, v, kc, vc, pos, 0.1, arch="default")["name"] == "triton.attention_prefill"
