@@ -20,6 +20,9 @@ not written (they do not fit); such a token attends to the whole cache.
 `bind_kv_cache` pass turns every such node into `attention` with the layer's cache tensors.
 
 On CUDA, `attention` runs Triton kernels that also write the cache (no separate write kernel):
+- prefill (S > 1) on Hopper, 16-bit, no window, head_dim 128 (the sm_90 row's `WS`):
+  kernels/attention_sm90.py's warp-specialized persistent Gluon kernel (same rows, masks and
+  cache write; see there).  Everything else:
 - prefill (S > 1), `_prefill_kernel`: flash attention (online softmax over BLOCK_N-key tiles).
   One program owns BLOCK_M rows of one (sequence, kv head); the rows are the G = H / Hkv query
   heads of the group packed together, row r = (token r // G, head r % G), so each K/V tile is
