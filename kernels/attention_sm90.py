@@ -52,7 +52,6 @@ from dsc.kernels.launch import gluon_device, gluon_jit, split_counters
 gl = tl = mma_v2 = None  # gluon's language (and triton's), bound by launch.gluon_jit on first use
 hopper = None  # triton.experimental.gluon.language.nvidia.hopper, bound by `_bind`
 tma_load = tma_store = None  # its TMA copies (triton 3.6: async_copy_*; later: async_load / async_store)
-_half_view = None  # `_half_view_36` or `_half_view_39`, by this triton's shared-memory API
 
 CHUNK = 32  # rows of the cache write's staging buffers
 WS_CONFIGS = {  # head_dim -> keys per tile, ring slots, registers per thread of each role
@@ -69,70 +68,50 @@ def _bind():
         hopper = h
         tma_load = getattr(h.tma, "async_load", None) or h.tma.async_copy_global_to_shared
         tma_store = getattr(h.tma, "async_store", None) or h.tma.async_copy_shared_to_global
-        from triton.experimental.gluon.language._core import shared_memory_descriptor
-
-        global _half_view
-        _half_view = _half_view_39 if hasattr(shared_memory_descriptor, "reinterpret") else _half_view_36
-
-
-@gluon_device
-def _half_view_36(buf, desc):
-    # a K/V slot [1, 1, BLOCK_N, D] seen as the [1, 1, BLOCK_N / 2, D] box of desc, a half-tile copy's
-    return buf._reinterpret(buf.dtype, desc.block_type.shape, desc.layout)
-
-
-@gluon_device
-def _half_view_39(buf, desc):
-    return buf.reinterpret(buf.dtype, desc.block_type.shape, desc.layout)
 
 
 @gluon_device
 def _attend_tile(q, k_tile, v_tile, acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_free, v_ready,
-                 v_phase, v_free, T: gl.constexpr, BLOCK_N: gl.constexpr, N: gl.constexpr, row_layout: gl.constexpr,
-                 o_layout: gl.constexpr):
-    """One warpgroup's rows (q [64, D] in shared memory) against the first N keys of key tile t
-    (k_tile / v_tile [N, D] in shared memory; N = BLOCK_N, or half of it for a diagonal tile
-    whose second half no row sees): QK^T, the mask where the tile needs one, the online softmax
+                 v_phase, v_free, T: gl.constexpr, BLOCK_N: gl.constexpr, o_layout: gl.constexpr):
+    """One warpgroup's rows (q [64, D] in shared memory) against key tile t (k_tile / v_tile
+    [BLOCK_N, D] in shared memory): QK^T, the mask where the tile needs one, the online softmax
     in base 2, p @ v.  Hands the K slot back after the QK^T (k_free) and the V slot after the
-    p @ v (v_free).  m_i / l_i in row_layout.  Returns (acc, m_i, l_i)."""
+    p @ v (v_free).  m_i / l_i in the scores' row layout.  Returns (acc, m_i, l_i)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, N, 16])
+                                                       instr_shape=[16, BLOCK_N, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     ROWS: gl.constexpr = q.shape[0]
-    qk = hopper.warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([ROWS, N], gl.float32, layout=s_layout),
+    qk = hopper.warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
                               use_acc=False, is_async=True)
     qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     hopper.mbarrier.arrive(k_free, count=1)
-    cols = gl.arange(0, N, layout=gl.SliceLayout(0, s_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     j0 = (t - n_old_tiles) * BLOCK_N  # new tiles: first key; old tiles: < 0
     if t < n_old_tiles:
         first = n_old - (t + 1) * BLOCK_N  # old tile: positions first + cols; < 0 is no key
         if first < 0:
             qk = gl.where((first + cols >= 0)[None, :], qk, float("-inf"))
-    elif j0 + N > free:
+    elif j0 + BLOCK_N > free:
         j = j0 + cols
         qi = tok0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)) % T
         qk = gl.where((j[None, :] <= qi[:, None]) & (j < n_fit)[None, :], qk, float("-inf"))
-    m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     p = gl.exp2(qk * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout)) * alpha + gl.sum(p, 1)
+    l_i = l_i * alpha + gl.sum(p, 1)
     p16 = gl.convert_layout(p.to(q.dtype), p_layout)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     hopper.mbarrier.wait(v_ready, v_phase)
     acc = hopper.warpgroup_mma(p16, v_tile, acc, is_async=True)
     acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     hopper.mbarrier.arrive(v_free, count=1)
-    return acc, gl.convert_layout(m_new, row_layout), gl.convert_layout(l_i, row_layout)
+    return acc, m_new, l_i
 
 
 @gluon_device
 def _item(w, n_m, Hkv, POS, S, Smax, T: gl.constexpr, BLOCK_N: gl.constexpr):
-    # work item w -> (b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_tiles, half): items go
-    # sequence by sequence, a sequence's longest (last) row tiles first, every kv head's at once.
-    # half: the item's last tile is a new-key tile whose second half no row of the item sees
-    # (items are 2 T tokens aligned to 2 T, and 2 T divides BLOCK_N: it is the diagonal tile)
+    # work item w -> (b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_tiles): items go sequence
+    # by sequence, a sequence's longest (last) row tiles first, every kv head's at once
     b = w // (n_m * Hkv)
     pid_m = n_m - 1 - (w % (n_m * Hkv)) // Hkv
     kvh = w % Hkv
@@ -141,8 +120,7 @@ def _item(w, n_m, Hkv, POS, S, Smax, T: gl.constexpr, BLOCK_N: gl.constexpr):
     n_fit = Smax - start  # new tokens j < n_fit have a cache slot
     hi = gl.maximum(gl.minimum(gl.minimum(pid_m * (2 * T) + 2 * T, S), n_fit), 0)  # new keys [0, hi)
     n_old_tiles = gl.cdiv(n_old, BLOCK_N)
-    half = (hi > 0) & ((gl.cdiv(hi, BLOCK_N) - 1) * BLOCK_N + BLOCK_N // 2 >= hi)
-    return b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_old_tiles + gl.cdiv(hi, BLOCK_N), half
+    return b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_old_tiles + gl.cdiv(hi, BLOCK_N)
 
 
 @gluon_device
@@ -156,7 +134,7 @@ def _next_item(tile_smem, tile_ready, tile_empty, i, layout: gl.constexpr):
 
 @gluon_device
 def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs, k_bufs,
-              v_bufs, tile_smem, tile_ready, tile_empty, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, KDH, VDH):
+              v_bufs, tile_smem, tile_ready, tile_empty, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty):
     KS: gl.constexpr = k_bufs.shape[0]  # K and V ring slots
     VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -177,7 +155,7 @@ def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n
     c = 0  # K/V tiles consumed over all items (the rings' slots and phases)
     w = _next_item(tile_smem, tile_ready, tile_empty, i, one)
     while w < n_items:
-        b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_tiles, half = _item(w, n_m, Hkv, POS, S, Smax, T, BLOCK_N)
+        b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_tiles = _item(w, n_m, Hkv, POS, S, Smax, T, BLOCK_N)
         tok0 = pid_m * (2 * T) + WG * T  # this warpgroup's first token; row r: token tok0 + r % T, head r // T
         free = gl.minimum(tok0 + 1, n_fit)  # new keys < free are visible to every row here
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
@@ -187,20 +165,10 @@ def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n
         q = q_bufs.index(i % 2).reshape([ROWS, HEAD_DIM])
         for t in range(n_tiles):
             hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
-            if half & (t == n_tiles - 1):  # the producer copied the first half only (see _item)
-                acc, m_i, l_i = _attend_tile(
-                    q, _half_view(k_bufs.index(c % KS), KDH).reshape([BLOCK_N // 2, HEAD_DIM]),
-                    _half_view(v_bufs.index(c % VS), VDH).reshape([BLOCK_N // 2, HEAD_DIM]),
-                    acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_empty.index(c % KS),
-                    v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N, BLOCK_N // 2, row_layout,
-                    o_layout)
-            else:
-                acc, m_i, l_i = _attend_tile(
-                    q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]),
-                    v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]),
-                    acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_empty.index(c % KS),
-                    v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N, BLOCK_N, row_layout,
-                    o_layout)
+            acc, m_i, l_i = _attend_tile(
+                q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]), v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]),
+                acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_empty.index(c % KS),
+                v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N, o_layout)
             c += 1
         hopper.mbarrier.arrive(q_empty.index(i % 2), count=1)  # the item's last QK^T is done
 
@@ -216,23 +184,23 @@ def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n
 @gluon_device
 def _consumer0(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
                k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
-               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KDH, VDH, KSD, VSD, KRD, VRD):
+               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
     _consumer(0, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, k_bufs, v_bufs,
-              tile_smem, tile_ready, tile_empty0, q_ready0, q_empty0, k_ready, v_ready, k_empty, v_empty, KDH, VDH)
+              tile_smem, tile_ready, tile_empty0, q_ready0, q_empty0, k_ready, v_ready, k_empty, v_empty)
 
 
 @gluon_device
 def _consumer1(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
                k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
-               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KDH, VDH, KSD, VSD, KRD, VRD):
+               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
     _consumer(1, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs1, k_bufs, v_bufs,
-              tile_smem, tile_ready, tile_empty1, q_ready1, q_empty1, k_ready, v_ready, k_empty, v_empty, KDH, VDH)
+              tile_smem, tile_ready, tile_empty1, q_ready1, q_empty1, k_ready, v_ready, k_empty, v_empty)
 
 
 @gluon_device
 def _producer(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
               k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
-              q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KDH, VDH, KSD, VSD, KRD, VRD):
+              q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
     KS: gl.constexpr = k_bufs.shape[0]
     VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -250,7 +218,7 @@ def _producer(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_sc
         hopper.mbarrier.wait(tile_empty1.index(i % 2), ((i // 2) & 1) ^ 1)  # previous phase is complete)
         tile_smem.index(i % 2).store(gl.full([1], w, gl.int32, layout=one))
         hopper.mbarrier.arrive(tile_ready.index(i % 2), count=1)
-        b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_tiles, half = _item(w, n_m, Hkv, POS, S, Smax, T, BLOCK_N)
+        b, pid_m, kvh, start, n_old, n_fit, n_old_tiles, n_tiles = _item(w, n_m, Hkv, POS, S, Smax, T, BLOCK_N)
         tok0 = pid_m * (2 * T)
         # the two warpgroups' queries: G heads x T tokens each (tokens past S read zeros)
         hopper.mbarrier.wait(q_empty0.index(i % 2), ((i // 2) & 1) ^ 1)
@@ -258,31 +226,26 @@ def _producer(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_sc
         tma_load(QD, [b, kvh * G, tok0, 0], q_ready0.index(i % 2), q_bufs0.index(i % 2))
         hopper.mbarrier.wait(q_empty1.index(i % 2), ((i // 2) & 1) ^ 1)
         hopper.mbarrier.expect(q_ready1.index(i % 2), QD.block_type.nbytes)
-        tma_load(QD, [b, kvh * G, tok0 + T, 0], q_ready1.index(i % 2), q_bufs1.index(i % 2))
-        # K / V tiles: t < n_old_tiles: cached positions n_old - (t + 1) * BLOCK_N ..; then new
-        # keys from 0, the last one's first half only where no row sees its second (`half`)
+        tma_load(QD, [b, kvh * G, tok0 + T, 0], q_ready1.index(i % 2),
+                                               q_bufs1.index(i % 2))
+        # K / V tiles: t < n_old_tiles: cached positions n_old - (t + 1) * BLOCK_N ..; then new keys from 0
         for t in range(n_tiles):
-            j0 = (t - n_old_tiles) * BLOCK_N
             hopper.mbarrier.wait(k_empty.index(c % KS), ((c // KS) & 1) ^ 1)
+            hopper.mbarrier.expect(k_ready.index(c % KS), KD.block_type.nbytes)
             if t < n_old_tiles:
-                hopper.mbarrier.expect(k_ready.index(c % KS), KD.block_type.nbytes)
-                tma_load(KCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0], k_ready.index(c % KS), k_bufs.index(c % KS))
-            elif half & (t == n_tiles - 1):
-                hopper.mbarrier.expect(k_ready.index(c % KS), KDH.block_type.nbytes)
-                tma_load(KDH, [b, kvh, j0, 0], k_ready.index(c % KS), _half_view(k_bufs.index(c % KS), KDH))
+                tma_load(KCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0],
+                                                       k_ready.index(c % KS), k_bufs.index(c % KS))
             else:
-                hopper.mbarrier.expect(k_ready.index(c % KS), KD.block_type.nbytes)
-                tma_load(KD, [b, kvh, j0, 0], k_ready.index(c % KS), k_bufs.index(c % KS))
+                tma_load(KD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0],
+                                                       k_ready.index(c % KS), k_bufs.index(c % KS))
             hopper.mbarrier.wait(v_empty.index(c % VS), ((c // VS) & 1) ^ 1)
+            hopper.mbarrier.expect(v_ready.index(c % VS), VD.block_type.nbytes)
             if t < n_old_tiles:
-                hopper.mbarrier.expect(v_ready.index(c % VS), VD.block_type.nbytes)
-                tma_load(VCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0], v_ready.index(c % VS), v_bufs.index(c % VS))
-            elif half & (t == n_tiles - 1):
-                hopper.mbarrier.expect(v_ready.index(c % VS), VDH.block_type.nbytes)
-                tma_load(VDH, [b, kvh, j0, 0], v_ready.index(c % VS), _half_view(v_bufs.index(c % VS), VDH))
+                tma_load(VCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0],
+                                                       v_ready.index(c % VS), v_bufs.index(c % VS))
             else:
-                hopper.mbarrier.expect(v_ready.index(c % VS), VD.block_type.nbytes)
-                tma_load(VD, [b, kvh, j0, 0], v_ready.index(c % VS), v_bufs.index(c % VS))
+                tma_load(VD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0],
+                                                       v_ready.index(c % VS), v_bufs.index(c % VS))
             c += 1
         # the item's own tokens j in [tok0, tok0 + 2 T) to cache slots start + j, CHUNK rows at a
         # time through the staging buffers, one row per copy (rows j >= S are not written; slots
@@ -316,7 +279,6 @@ def _prefill_ws_kernel(
     OUT, POS, CTR, qk_scale, so_b, so_s, so_h, Hkv, S, Smax, n_items,
     QD,  # q [B, H, S, D]: blocks [1, G, T, D] (T = 64 / G tokens of the G heads: one warpgroup's rows)
     KD, VD, KCD, VCD,  # k, v, k_cache, v_cache: blocks [1, 1, BLOCK_N, D]
-    KDH, VDH,  # k, v again: blocks [1, 1, BLOCK_N / 2, D] (a diagonal tile's first half)
     KSD, VSD,  # k, v again: blocks [1, 1, CHUNK, D], unswizzled (the cache write's staging)
     KRD, VRD,  # k_cache, v_cache again: blocks [1, 1, 1, D], unswizzled (the cache write, a row a copy)
     K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -362,7 +324,7 @@ def _prefill_ws_kernel(
 
     args = (OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
             k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0, q_empty1,
-            k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KDH, VDH, KSD, VSD, KRD, VRD)
+            k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -388,7 +350,7 @@ def ws_descriptors(q, k, v, k_cache, v_cache, block_n: int):
 
     chunk = min(2 * (64 // G), CHUNK)
     return ([desc(q, [1, G, 64 // G, D])] + [desc(t, [1, 1, block_n, D]) for t in (k, v, k_cache, v_cache)]
-            + [desc(t, [1, 1, block_n // 2, D]) for t in (k, v)] + [desc(t, [1, 1, chunk, D], False) for t in (k, v)] + [desc(t, [1, 1, 1, D], False) for t in (k_cache, v_cache)])
+            + [desc(t, [1, 1, chunk, D], False) for t in (k, v)] + [desc(t, [1, 1, 1, D], False) for t in (k_cache, v_cache)])
 
 
 def prefill_ws_supported(q, k, v, k_cache, v_cache, window: int) -> bool:
@@ -446,7 +408,6 @@ def compile_for_sm90(dtype: str = "bf16", G: int = 4, head_dim: int = 128, confi
              **{n: "i32" for n in ("so_b", "so_s", "so_h", "Hkv", "S", "Smax", "n_items")},
              "QD": desc([1, G, 64 // G, head_dim]),
              **{n: desc([1, 1, cfg["BLOCK_N"], head_dim]) for n in ("KD", "VD", "KCD", "VCD")},
-             **{n: desc([1, 1, cfg["BLOCK_N"] // 2, head_dim]) for n in ("KDH", "VDH")},
              **{n: desc([1, 1, chunk, head_dim], False) for n in ("KSD", "VSD")},
              **{n: desc([1, 1, 1, head_dim], False) for n in ("KRD", "VRD")}}
     constexprs = {k: cfg[k] for k in ("K_STAGES", "V_STAGES", "PRODUCER_REGS", "CONSUMER_REGS")}
