@@ -182,25 +182,9 @@ def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n
 
 
 @gluon_device
-def _consumer0(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
-               k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
-               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
-    _consumer(0, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, k_bufs, v_bufs,
-              tile_smem, tile_ready, tile_empty0, q_ready0, q_empty0, k_ready, v_ready, k_empty, v_empty)
-
-
-@gluon_device
-def _consumer1(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
-               k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
-               q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
-    _consumer(1, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs1, k_bufs, v_bufs,
-              tile_smem, tile_ready, tile_empty1, q_ready1, q_empty1, k_ready, v_ready, k_empty, v_empty)
-
-
-@gluon_device
-def _producer(OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
-              k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0,
-              q_empty1, k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
+def _producer(POS, CTR, n_m, Hkv, S, Smax, n_items, q_bufs0, q_bufs1, k_bufs, v_bufs, k_stage, v_stage, tile_smem,
+              tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0, q_empty1, k_ready, v_ready, k_empty,
+              v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
     KS: gl.constexpr = k_bufs.shape[0]
     VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -322,10 +306,14 @@ def _prefill_ws_kernel(
         hopper.mbarrier.init(v_ready.index(i), count=1)
         hopper.mbarrier.init(v_empty.index(i), count=2)
 
-    args = (OUT, so_b, so_s, so_h, POS, CTR, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, q_bufs1, k_bufs, v_bufs,
-            k_stage, v_stage, tile_smem, tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0, q_empty1,
-            k_ready, v_ready, k_empty, v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD)
-    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, 1],
+    consumer0 = (0, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, k_bufs, v_bufs, tile_smem,
+                 tile_ready, tile_empty0, q_ready0, q_empty0, k_ready, v_ready, k_empty, v_empty)
+    consumer1 = (1, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs1, k_bufs, v_bufs, tile_smem,
+                 tile_ready, tile_empty1, q_ready1, q_empty1, k_ready, v_ready, k_empty, v_empty)
+    producer = (POS, CTR, n_m, Hkv, S, Smax, n_items, q_bufs0, q_bufs1, k_bufs, v_bufs, k_stage, v_stage, tile_smem,
+                tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0, q_empty1, k_ready, v_ready, k_empty,
+                v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD)
+    gl.warp_specialize([(_consumer, consumer0), (_consumer, consumer1), (_producer, producer)], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])
 
 
