@@ -182,11 +182,24 @@ def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n
 
 
 @gluon_device
+def _copy_tile(bufs, ready, empty, c, new, cached, b, kvh, t, n_old, n_old_tiles):
+    # the c-th K (or V) tile copy into its ring slot, once both consumers handed the slot back:
+    # tile t < n_old_tiles: cached positions n_old - (t + 1) * BLOCK_N .. (the last one starts
+    # below 0 and reads zeros there); then the new keys from 0 (past S: zeros)
+    SLOTS: gl.constexpr = bufs.shape[0]
+    BLOCK_N: gl.constexpr = bufs.shape[3]
+    hopper.mbarrier.wait(empty.index(c % SLOTS), ((c // SLOTS) & 1) ^ 1)  # (a fresh barrier's previous phase
+    hopper.mbarrier.expect(ready.index(c % SLOTS), new.block_type.nbytes)  # counts as complete)
+    if t < n_old_tiles:
+        tma_load(cached, [b, kvh, n_old - (t + 1) * BLOCK_N, 0], ready.index(c % SLOTS), bufs.index(c % SLOTS))
+    else:
+        tma_load(new, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0], ready.index(c % SLOTS), bufs.index(c % SLOTS))
+
+
+@gluon_device
 def _producer(POS, CTR, n_m, Hkv, S, Smax, n_items, q_bufs0, q_bufs1, k_bufs, v_bufs, k_stage, v_stage, tile_smem,
               tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0, q_empty1, k_ready, v_ready, k_empty,
               v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
-    KS: gl.constexpr = k_bufs.shape[0]
-    VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     G: gl.constexpr = q_bufs0.shape[2]
     T: gl.constexpr = q_bufs0.shape[3]
@@ -210,26 +223,10 @@ def _producer(POS, CTR, n_m, Hkv, S, Smax, n_items, q_bufs0, q_bufs1, k_bufs, v_
         tma_load(QD, [b, kvh * G, tok0, 0], q_ready0.index(i % 2), q_bufs0.index(i % 2))
         hopper.mbarrier.wait(q_empty1.index(i % 2), ((i // 2) & 1) ^ 1)
         hopper.mbarrier.expect(q_ready1.index(i % 2), QD.block_type.nbytes)
-        tma_load(QD, [b, kvh * G, tok0 + T, 0], q_ready1.index(i % 2),
-                                               q_bufs1.index(i % 2))
-        # K / V tiles: t < n_old_tiles: cached positions n_old - (t + 1) * BLOCK_N ..; then new keys from 0
-        for t in range(n_tiles):
-            hopper.mbarrier.wait(k_empty.index(c % KS), ((c // KS) & 1) ^ 1)
-            hopper.mbarrier.expect(k_ready.index(c % KS), KD.block_type.nbytes)
-            if t < n_old_tiles:
-                tma_load(KCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0],
-                                                       k_ready.index(c % KS), k_bufs.index(c % KS))
-            else:
-                tma_load(KD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0],
-                                                       k_ready.index(c % KS), k_bufs.index(c % KS))
-            hopper.mbarrier.wait(v_empty.index(c % VS), ((c // VS) & 1) ^ 1)
-            hopper.mbarrier.expect(v_ready.index(c % VS), VD.block_type.nbytes)
-            if t < n_old_tiles:
-                tma_load(VCD, [b, kvh, n_old - (t + 1) * BLOCK_N, 0],
-                                                       v_ready.index(c % VS), v_bufs.index(c % VS))
-            else:
-                tma_load(VD, [b, kvh, (t - n_old_tiles) * BLOCK_N, 0],
-                                                       v_ready.index(c % VS), v_bufs.index(c % VS))
+        tma_load(QD, [b, kvh * G, tok0 + T, 0], q_ready1.index(i % 2), q_bufs1.index(i % 2))
+        for t in range(n_tiles):  # K and V tiles
+            _copy_tile(k_bufs, k_ready, k_empty, c, KD, KCD, b, kvh, t, n_old, n_old_tiles)
+            _copy_tile(v_bufs, v_ready, v_empty, c, VD, VCD, b, kvh, t, n_old, n_old_tiles)
             c += 1
         # the item's own tokens j in [tok0, tok0 + 2 T) to cache slots start + j, CHUNK rows at a
         # time through the staging buffers, one row per copy (rows j >= S are not written; slots
