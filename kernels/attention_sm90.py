@@ -44,6 +44,7 @@ scripts/bench_attention.py times it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -315,28 +316,42 @@ def _prefill_ws_kernel(
                        [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def ws_descriptors(q, k, v, k_cache, v_cache, block_n: int):
-    """The kernel's Gluon TMA descriptors (see `_prefill_ws_kernel`), or None where TMA cannot
-    address one of the tensors (a base not 16-byte aligned, or a stride that is not a multiple
-    of 16 bytes)."""
+DESCRIPTORS = ("QD", "KD", "VD", "KCD", "VCD", "KSD", "VSD", "KRD", "VRD")  # the kernel's, in order
+
+
+def _boxes(G: int, head_dim: int, block_n: int) -> list[tuple[tuple[int, ...], bool]]:
+    """(TMA box, swizzled) of each of DESCRIPTORS: a warpgroup's queries, K / V tiles of new keys
+    and of the cache, the cache write's staging chunks and rows (unswizzled: row copies)."""
+    chunk = min(2 * (64 // G), CHUNK)
+    return ([((1, G, 64 // G, head_dim), True)] + [((1, 1, block_n, head_dim), True)] * 4
+            + [((1, 1, chunk, head_dim), False)] * 2 + [((1, 1, 1, head_dim), False)] * 2)
+
+
+@functools.cache
+def _box_layout(block: tuple[int, ...], dtype: str, swizzled: bool):
+    """The shared-memory layout of a TMA box of 16-bit `dtype` ("bf16" | "fp16"): swizzled as
+    the wgmma reads it, or plain rows."""
     from triton.experimental.gluon import language as gluon_language
+
+    if not swizzled:
+        return gluon_language.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=len(block))
+    element = getattr(gluon_language, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
+    return gluon_language.NVMMASharedLayout.get_default_for(list(block), element)
+
+
+def ws_descriptors(q, k, v, k_cache, v_cache, block_n: int):
+    """The kernel's Gluon TMA descriptors (DESCRIPTORS), or None where TMA cannot address one of
+    the tensors (a base not 16-byte aligned, or a stride that is not a multiple of 16 bytes)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     ts = (q, k, v, k_cache, v_cache)
     if any(t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]) for t in ts):
         return None
-    D = q.shape[-1]
-    G = q.shape[1] // k.shape[1]
-    dtype = {torch.bfloat16: gluon_language.bfloat16, torch.float16: gluon_language.float16}[q.dtype]
-
-    def desc(t, block, swizzled=True):
-        layout = (gluon_language.NVMMASharedLayout.get_default_for(block, dtype) if swizzled else
-                  gluon_language.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=len(block)))
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-    chunk = min(2 * (64 // G), CHUNK)
-    return ([desc(q, [1, G, 64 // G, D])] + [desc(t, [1, 1, block_n, D]) for t in (k, v, k_cache, v_cache)]
-            + [desc(t, [1, 1, chunk, D], False) for t in (k, v)] + [desc(t, [1, 1, 1, D], False) for t in (k_cache, v_cache)])
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
+    tensors = (q, k, v, k_cache, v_cache, k, v, k_cache, v_cache)
+    boxes = _boxes(q.shape[1] // k.shape[1], q.shape[-1], block_n)
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _box_layout(block, dtype, swizzled))
+            for t, (block, swizzled) in zip(tensors, boxes)]
 
 
 def prefill_ws_supported(q, k, v, k_cache, v_cache, window: int) -> bool:
@@ -376,26 +391,14 @@ def compile_for_sm90(dtype: str = "bf16", G: int = 4, head_dim: int = 128, confi
     """`_prefill_ws_kernel` built for sm_90 without a GPU (launch.compile_for_arch), with the
     argument types a launch at these shapes gives it (dtype "bf16" | "fp16"; G query heads per
     kv head; config: WS_CONFIGS overrides); tests check the build (spills, register split)."""
-    from triton.experimental.gluon import language as gluon_language
-
     from dsc.kernels.launch import compile_for_arch
 
     _bind()
     cfg = {**WS_CONFIGS[head_dim], **(config or {})}
-    element = getattr(gluon_language, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
-
-    def desc(block, swizzled=True):
-        layout = (gluon_language.NVMMASharedLayout.get_default_for(block, element) if swizzled else
-                  gluon_language.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=len(block)))
-        return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
-
-    chunk = min(2 * (64 // G), CHUNK)
     types = {"OUT": f"*{dtype}", "POS": "*i64", "CTR": "*i32", "qk_scale": "fp32",
              **{n: "i32" for n in ("so_b", "so_s", "so_h", "Hkv", "S", "Smax", "n_items")},
-             "QD": desc([1, G, 64 // G, head_dim]),
-             **{n: desc([1, 1, cfg["BLOCK_N"], head_dim]) for n in ("KD", "VD", "KCD", "VCD")},
-             **{n: desc([1, 1, chunk, head_dim], False) for n in ("KSD", "VSD")},
-             **{n: desc([1, 1, 1, head_dim], False) for n in ("KRD", "VRD")}}
+             **{name: f"tensordesc<{dtype}[{', '.join(map(str, block))}],{_box_layout(block, dtype, swizzled)!r}>"
+                for name, (block, swizzled) in zip(DESCRIPTORS, _boxes(G, head_dim, cfg["BLOCK_N"]))}}
     constexprs = {k: cfg[k] for k in ("K_STAGES", "V_STAGES", "PRODUCER_REGS", "CONSUMER_REGS")}
     return compile_for_arch(_prefill_ws_kernel, types, constexprs, num_warps=4,
                             aligned=("OUT", "POS", "CTR", "so_b", "so_s", "so_h"), gluon=True)
