@@ -144,8 +144,9 @@ PREFILL_CONFIGS = {
     # 373.8 without, and check_attention_gpu passed at this row
     # WS: 16-bit prefills without a window run the warp-specialized Gluon kernel
     # (kernels/attention_sm90.py, its own tile); the other keys are the Triton kernel's, which
-    # runs the rest.  H200, 2048 tokens, graph-replayed, same run (s16-h200/prefill-ws): 401-405
-    # / 436-448 TFLOP/s at batch 1 / 8 against 366-369 / 394-398 for the Triton kernel
+    # runs the rest.  H200, 2048 tokens, graph-replayed, two runs (s16-h200/final, final-recheck):
+    # 408.9 / 446.3 and 408.2 / 443.6 TFLOP/s at batch 1 / 8 against 364.8 / 396.6 and 365.4 /
+    # 395.8 for the Triton kernel at this row in the same runs
     ("sm_90", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True),
     ("sm_90", 256): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
     ("sm_80", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -763,7 +764,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
     out = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device) if out is None else out
     if cfg.get("WS") and q.is_cuda and arch_of(q.device) == "sm_90":
         # the warp-specialized Gluon kernel (kernels/attention_sm90.py) where it applies; its
-        # tile comes from its own table (WS_BLOCK_N / WS_STAGES in a config override it)
+        # tile comes from its own table, WS_CONFIGS (a config's WS_<key> entries override it)
         from dsc.kernels.attention_sm90 import prefill_ws, prefill_ws_supported
 
         if prefill_ws_supported(q, k, v, k_cache, v_cache, window):
