@@ -242,7 +242,8 @@ def print_prefill(rows):
           f"target >= {100 * PREFILL_TARGET:.0f}% ({goal:.0f} TFLOP/s)")
     print("  eager: do_bench of the call as launched from Python (host launch cost included when the")
     print("  host is slower than the GPU's L2 flush); graph: the call replayed from a CUDA graph (the")
-    print("  kernel's GPU time; target judged here); host: launch microseconds per call")
+    print("  kernel's GPU time; target judged here; the SDPA baselines' columns are graph-replayed too);")
+    print("  host: launch microseconds per call")
     print(f"{'B':>3} {'S':>6} {'config':>8} | {'eager ms':>8} {'TFLOP/s':>8} | {'graph ms':>8} {'TFLOP/s':>8} "
           f"{'%peak':>6} {'target':>6} {'host us':>7} | {'flash ms':>8} {'TFLOP/s':>8} | {'cudnn ms':>8} {'TFLOP/s':>8}")
     for r in rows:
