@@ -4,6 +4,7 @@
     python scripts/bench_attention.py --sweep    # + sweep the launch configs (adds about 2-3 min)
     python scripts/bench_attention.py --short    # only: batch-1 decode configs at 128-4096 keys
     python scripts/bench_attention.py --prefill-variants  # only: the prefill table row and every variant row
+    python scripts/bench_attention.py --prefill-variants --heads 25,25,64  # ... at other heads (default 32,8,128)
     python scripts/bench_attention.py --prefill-variants '{"BLOCK_M": 256, "BLOCK_N": 32, "num_warps": 16, "num_stages": 3, "TMA": true}'
                                       # ... and these rows too (JSON configs, one per argument)
     TRITON_INTERPRET=1 python scripts/bench_attention.py --smoke   # the script's own test on CPU
@@ -398,8 +399,10 @@ def main():
         H, HKV, D, DTYPE, DEVICE = 6, 2, 16, torch.float16, "cpu"
         prefill_shapes, decode_shapes = [(1, 40), (2, 33)], [(1, 64, None), (3, 40, None), (3, 16, 64)]
     else:
+        if "--heads" in sys.argv:  # e.g. --heads 25,25,64: GPT-2-XL's heads (one per kv head, head_dim 64)
+            H, HKV, D = (int(n) for n in sys.argv[sys.argv.index("--heads") + 1].split(","))
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {A._triton().__version__}  "
-              f"SMs {A.sm_count(torch.device('cuda'))}")
+              f"SMs {A.sm_count(torch.device('cuda'))}  heads {H} / kv heads {HKV} / head_dim {D}")
         prefill_shapes = [(1, 2048), (8, 2048)]
         decode_shapes = [(B, ctx, None) for ctx in (1024, 2048, 4096, 8192) for B in (1, 8, 32, 64)]
         decode_shapes += [(B, ctx, 8192) for B in (8, 32) for ctx in (1024, 2048)]
