@@ -36,7 +36,8 @@ issued (TMA copies through a staging buffer, a row a copy, rows past S skipped; 
 a cache slot >= cache_pos).  The consumers touch global memory only to store their output.
 
 Used by attention.prefill_attention on sm_90 where the launch config has `WS` (the head_dim 128
-row; head_dim 64 only as a PREFILL_VARIANTS row, checked but not timed) for 16-bit q / k / v /
+row; head_dim 64 only as a PREFILL_VARIANTS row: correct, but slower than the Triton kernel at
+GPT-2-XL's heads) for 16-bit q / k / v /
 caches of one dtype, G in 1, 2, 4, 8, no sliding window, TMA-addressable tensors
 (`prefill_ws_supported`); WS_CONFIGS gives the tile.  Gluon has no interpreter: CPU tests build it for sm_90
 (tests/test_attention_kernels.py), scripts/check_attention_gpu.py checks it on a GPU and
