@@ -33,7 +33,7 @@ p @ v, at tilings the table does not use), and --sweep times the table's own row
 the variant rows and the table's tiles without the variant keys, and prints each against the
 table's row at the same shapes.
 Writes $OUT/bench_attention.json when OUT is set. Self-contained: loads kernels/attention.py
-by path.
+(and runtime/decode.py's graph capture) by path.
 """
 from __future__ import annotations
 
@@ -60,17 +60,18 @@ SMOKE = "--smoke" in sys.argv
 
 
 def load_attention():
-    """dsc.kernels.attention from this checkout, without installing dsc or importing the other
-    kernel files: `dsc` and `dsc.kernels` become bare packages over the checkout's folders."""
-    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
+    """dsc.kernels.attention and dsc.runtime.decode (its `capture_graph`) from this checkout,
+    without installing dsc or importing the other kernel and runtime files: `dsc`,
+    `dsc.kernels` and `dsc.runtime` become bare packages over the checkout's folders."""
+    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels"), ("dsc.runtime", ROOT / "runtime")):
         if name not in sys.modules:
             pkg = types.ModuleType(name)
             pkg.__path__ = [str(folder)]
             sys.modules[name] = pkg
-    return importlib.import_module("dsc.kernels.attention")
+    return importlib.import_module("dsc.kernels.attention"), importlib.import_module("dsc.runtime.decode")
 
 
-A = load_attention()
+A, DECODE = load_attention()
 
 
 def bench_ms(fn, rep=100):
@@ -95,15 +96,7 @@ def graph_ms(fn, rep=100):
     whenever the host takes longer to launch the call than the GPU takes to flush the L2."""
     if SMOKE:
         return bench_ms(fn, rep)
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = DECODE.capture_graph(fn, torch.device(DEVICE), None)
     return bench_ms(graph.replay, rep)
 
 
@@ -212,19 +205,9 @@ def bench_decode_graph(q, k, v, pos, B, Smax, config, rep):
     per_layer = 2 * B * HKV * Smax * D * DTYPE.itemsize
     layers = int(max(2, min(32, (8 << 30) // per_layer)))
     caches = [(rand(B, HKV, Smax, D), rand(B, HKV, Smax, D)) for _ in range(layers)]
-    call = lambda kc, vc: A.decode_attention(q, k, v, kc, vc, pos, D**-0.5, config=config)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call(*caches[0])
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for kc, vc in caches:
-            call(kc, vc)
-    ms = bench_ms(g.replay, rep) / layers
-    del g, caches
-    return ms
+    g, _ = DECODE.capture_graph(lambda: [A.decode_attention(q, k, v, kc, vc, pos, D**-0.5, config=config)
+                                         for kc, vc in caches], torch.device(DEVICE), None)
+    return bench_ms(g.replay, rep) / layers  # (the graph and the caches go with the frame)
 
 
 # ---- tables ---------------------------------------------------------------------------------
