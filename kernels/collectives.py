@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
-from dsc.kernels.linear import _gemv_rows, gemv_config, gemv_launch
+from dsc.kernels.linear import CONFIG_KEYS, _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
 
 tl = None  # triton.language, bound by launch.jit on first launch
@@ -475,7 +475,7 @@ def _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, N: tl.cons
 def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, eps, EVEN: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, WORLD: tl.constexpr,
                       MARK: tl.constexpr, PDL: tl.constexpr = False, NORM_N: tl.constexpr = 0,
-                      BLOCK_W: tl.constexpr = 1, CHUNK: tl.constexpr = 1):
+                      BLOCK_W: tl.constexpr = 1, CHUNK: tl.constexpr = 1, EARLY: tl.constexpr = 0):
     # the row-parallel linear before a fused all-reduce + norm, at one row: kernels/linear.py's
     # GEMV, whose programs store their outputs, rounded to the dtype, straight into this rank's
     # region of every rank's push buffer (as the push kernel would, -0.0 sent as +0.0) instead
@@ -492,7 +492,7 @@ def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, eps, EVEN: tl
         tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL)
+    y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY)
     it = tl.int16 if X.dtype.element_ty.primitive_bitwidth == 16 else tl.int32
     bits = y.to(X.dtype.element_ty).to(it, bitcast=True)
     bits = tl.where(bits == MARK, 0, bits)
@@ -598,7 +598,7 @@ def gemv_push_config(n: int, k: int, arch: str) -> dict | None:
     row = tuning_table().get(arch, {}).get("gemv_push", {}).get(f"N{n}_K{k}")
     if cfg is None or not row:
         return cfg
-    return {**cfg, **{key: row[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "X_ROW") if key in row}}
+    return {**cfg, **{key: row[key] for key in CONFIG_KEYS if key in row}}
 
 
 @torch.library.custom_op("dsc::linear_all_reduce_add_rmsnorm", mutates_args=())
@@ -669,14 +669,14 @@ def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.T
     `_launch_fused` does; None: returns None, the push kernel (SENT) to follow."""
     n, k = weight.shape
     if norm is None:
-        grid, opts = gemv_launch(config, n, k, x.device)
+        grid, opts = gemv_launch(config, n, k, x.device, kind="push")
         jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
                                      x, x, x, x, 0.0, WORLD=s.world, MARK=_MARK[s.dtype], **opts)
         return None
     residual, norm_weight, eps = norm
     out_s = torch.empty(n, dtype=residual.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
-    grid, opts = gemv_launch(gemv_push_norm_config(config, n, s.world), n, k, x.device)
+    grid, opts = gemv_launch(gemv_push_norm_config(config, n, s.world), n, k, x.device, kind="push")
     jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
                                  residual.contiguous(), norm_weight, out_s, out_y, eps,
                                  WORLD=s.world, MARK=_MARK[s.dtype], **opts)

@@ -43,23 +43,49 @@ tl = None  # triton.language, bound by launch.jit on first launch
 
 @device
 def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               X_ROW: tl.constexpr, PDL: tl.constexpr):
+               X_ROW: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = 0):
     # y[n] = sum_k x[k] * w[n, k] for this program's rows offs_n, in fp32 ([BLOCK_N]); with PDL
     # it waits (gdc_wait) after the first weight tile's load and before any other access.
+    # EARLY > 0 (a multiple of BLOCK_K, at most K): the first EARLY columns of the rows are one
+    # tile, loaded before the wait, so that more of the weight streams in while the previous
+    # kernel ends (`gemv_launch`); the loop then starts at EARLY.
     # Shared by the GEMV kernel, the GEMV + swiglu (its rows: gate and up rows interleaved) and
     # the GEMV that pushes its rows to the all-reduce (kernels/collectives.py)
     rows = offs_n.to(tl.int64) * K
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per-lane partial sums, reduced once
-    for k0 in range(0, K, BLOCK_K):
+    start = 0
+    early = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if EARLY > 0:
+        offs_e = tl.arange(0, EARLY)
+        if EVEN:
+            we = tl.load(W + rows[:, None] + offs_e[None, :], eviction_policy="evict_first")
+        else:
+            mask_e = mask_n[:, None] & (offs_e < K)[None, :]
+            we = tl.load(W + rows[:, None] + offs_e[None, :], mask=mask_e, other=0.0, eviction_policy="evict_first")
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if EVEN:  # x as the loop reads it (below)
+            if X_ROW:
+                xe = tl.load(X + offs_e)[None, :]
+            else:
+                xe = tl.load(X + offs_e[None, :] + 0 * rows[:, None])
+        else:
+            if X_ROW:
+                xe = tl.load(X + offs_e, mask=offs_e < K, other=0.0)[None, :]
+            else:
+                xe = tl.load(X + offs_e[None, :] + 0 * rows[:, None], mask=mask_e, other=0.0)
+        early = tl.sum(we.to(tl.float32) * xe.to(tl.float32), axis=1)
+        start = EARLY
+    for k0 in range(start, K, BLOCK_K):
         offs_k = k0 + cols
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks, plain vector loads
             w = tl.load(W + rows[:, None] + offs_k[None, :], eviction_policy="evict_first")
         else:
             mask = mask_n[:, None] & (offs_k < K)[None, :]
             w = tl.load(W + rows[:, None] + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        if PDL:  # only the first weight tile (read-only) loads before the wait, while the previous
-            if k0 == 0:  # kernel finishes (a wait in the loop: it is not software-pipelined)
+        if PDL and EARLY == 0:  # only the first weight tile (read-only) loads before the wait, while
+            if k0 == 0:  # the previous kernel finishes (a wait in the loop: it is not software-pipelined)
                 tl.extra.cuda.gdc_wait()
         # x read as a [BLOCK_N, BLOCK_K] broadcast in w's layout: each thread loads only the
         # x values its lanes need, and the loop has no layout conversion (no barrier)
@@ -75,27 +101,28 @@ def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexp
             else:
                 x = tl.load(X + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)
-    if PDL:  # K == 0: no K-block waited above
+    if PDL and EARLY == 0:  # K == 0: no K-block waited above
         if K == 0:
             tl.extra.cuda.gdc_wait()
-    return tl.sum(acc, axis=1)
+    return early + tl.sum(acc, axis=1)
 
 
 def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, PDL: tl.constexpr = False,
+                 EARLY: tl.constexpr = 0):
     # y[n] = sum_k x[k] * w[n, k] (+ b[n])            x: [K], w: [N, K], y: [N]
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
         tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL)  # [BLOCK_N]
+    y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
 def _gemv_swiglu_kernel(X, W, Y, N, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        X_ROW: tl.constexpr, PDL: tl.constexpr = False):
+                        X_ROW: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = 0):
     # y[n] = silu(g[n]) * u[n], g[n] = w[n] . x, u[n] = w[N + n] . x     x: [K], w: [2N, K], y: [N]
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
         tl.extra.cuda.gdc_launch_dependents()
@@ -105,7 +132,7 @@ def _gemv_swiglu_kernel(X, W, Y, N, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr
     i = tl.arange(0, 2 * BLOCK_N)
     offs_n = tl.program_id(0) * BLOCK_N + i // 2
     mask_n = offs_n < N
-    gu = _gemv_rows(X, W, offs_n + (i % 2) * N, mask_n, K, EVEN, 2 * BLOCK_N, BLOCK_K, X_ROW, PDL)  # [2 BLOCK_N]
+    gu = _gemv_rows(X, W, offs_n + (i % 2) * N, mask_n, K, EVEN, 2 * BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY)  # [2 BLOCK_N]
     g, u = tl.split(tl.reshape(gu, (BLOCK_N, 2)))  # [BLOCK_N] each
     # rounded to the dtype as the unfused linear's output is, then the swiglu kernel's math
     dt = Y.dtype.element_ty
@@ -116,6 +143,7 @@ def _gemv_swiglu_kernel(X, W, Y, N, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr
 
 # -- configs -----------------------------------------------------------------------------------
 GEMV_MODES = ("tuned", "off", "all")
+CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "X_ROW", "EARLY")  # what a tuning row sets
 
 
 def gemv_mode() -> str:
@@ -138,7 +166,7 @@ def gemv_config(n: int, k: int, arch: str, mode: str | None = None) -> dict | No
     row = tuning_table().get(arch, {}).get("gemv", {}).get(f"N{n}_K{k}")
     if not row:
         return default_gemv_config(k) if mode == "all" else None
-    return {key: row[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "X_ROW") if key in row}
+    return {key: row[key] for key in CONFIG_KEYS if key in row}
 
 
 def gemv_swiglu_config(n: int, k: int, arch: str, mode: str | None = None) -> dict | None:
@@ -154,7 +182,7 @@ def gemv_swiglu_config(n: int, k: int, arch: str, mode: str | None = None) -> di
         return None
     row = tuning_table().get(arch, {}).get("gemv_swiglu", {}).get(f"N{n}_K{k}") or {}
     return {**cfg, "BLOCK_N": max(1, cfg["BLOCK_N"] // 2),
-            **{key: row[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "X_ROW") if key in row}}
+            **{key: row[key] for key in CONFIG_KEYS if key in row}}
 
 
 def default_gemv_config(k: int) -> dict:
@@ -178,11 +206,48 @@ def _is_one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.numel() == weight.shape[1] and x.dtype == weight.dtype and weight.is_contiguous()
 
 
-def gemv_launch(config: dict, n: int, k: int, device: torch.device) -> tuple[tuple[int], dict]:
+GEMV_KINDS = ("gemv", "swiglu", "push")  # the kernels built on `_gemv_rows` (DSC_GEMV_EARLY's keys)
+
+
+def early_override(kind: str) -> int | None:
+    """DSC_GEMV_EARLY (read at each launch; CUDA graphs read it at capture): K-blocks each GEMV
+    program loads before the PDL wait, over the configs' EARLY, for measuring: "4" (every
+    kernel built on `_gemv_rows`) or "swiglu=4,push=2" (per kind: gemv, swiglu, push)."""
+    spec = os.environ.get("DSC_GEMV_EARLY", "").strip()
+    if not spec:
+        return None
+    try:
+        if "=" not in spec:
+            return int(spec)
+        parts = dict(item.split("=") for item in spec.split(","))
+        if not set(parts) <= set(GEMV_KINDS):
+            raise ValueError(f"kinds {sorted(set(parts) - set(GEMV_KINDS))}")
+        return int(parts[kind]) if kind in parts else None
+    except ValueError as e:
+        raise ValueError(f"DSC_GEMV_EARLY must be a count of K-blocks or kind=count pairs of "
+                         f"{', '.join(GEMV_KINDS)}, got {spec!r} ({e})") from None
+
+
+def early_columns(blocks: int, block_k: int, k: int) -> int:
+    """The EARLY constexpr of `blocks` K-blocks of block_k columns: 0 (no peeled tile: the loop's
+    first K-block loads before the wait) for one block or fewer; else blocks * block_k rounded
+    down to a power of two (a tile) and to at most k."""
+    if blocks <= 1:
+        return 0
+    cols = block_k * (1 << (blocks.bit_length() - 1))
+    while cols > k and cols > block_k:
+        cols //= 2
+    return cols if cols > block_k else 0
+
+
+def gemv_launch(config: dict, n: int, k: int, device: torch.device, kind: str = "gemv") -> tuple[tuple[int], dict]:
     """(grid, launch keywords) of a kernel built on `_gemv_rows` with `config`'s BLOCK_N outputs
-    per program, over n outputs and K = k: X_ROW off unless the config sets it, EVEN, PDL."""
+    per program, over n outputs and K = k: X_ROW off unless the config sets it, EVEN, PDL, and
+    EARLY from the config's K-block count (`early_columns`; DSC_GEMV_EARLY overrides it)."""
     cfg = {"X_ROW": False, **config}
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
+    blocks = early_override(kind)
+    cfg["EARLY"] = early_columns(cfg.get("EARLY", 1) if blocks is None else blocks, cfg["BLOCK_K"], k)
     return (cdiv(n, cfg["BLOCK_N"]),), {**cfg, "EVEN": even, **pdl_options(device)}
 
 
@@ -207,7 +272,7 @@ def gemv_swiglu(x: torch.Tensor, weight: torch.Tensor, config: dict) -> torch.Te
     if n2 % 2:
         raise ValueError(f"gemv_swiglu: the weight [gate; up] must have an even number of rows, got {n2}")
     y = torch.empty(*x.shape[:-1], n2 // 2, device=x.device, dtype=x.dtype)
-    grid, opts = gemv_launch(config, n2 // 2, k, x.device)
+    grid, opts = gemv_launch(config, n2 // 2, k, x.device, kind="swiglu")
     jit(_gemv_swiglu_kernel)[grid](x.contiguous(), weight, y, n2 // 2, k, **opts)
     return y
 

@@ -33,7 +33,8 @@
 #    the step each tp would take if its all-reduces were free), after the benches; BOUND_PDL_MODES=
 #    "off on": the bound again under those DSC_PDL modes (BOUND_PDL_AB=1: "off"); BOUND_ARGS: more
 #    arguments for tp_local_bound.py ("--profile"); BOUND_BASE=DIR: every bound again with the code
-#    of the tree DIR (before / after a kernel change on the same artifacts; tags -base).
+#    of the tree DIR (before / after a kernel change on the same artifacts; tags -base); BOUND_ENVS=
+#    "VAR=1|VAR=2 OTHER=x": every bound again under each of those environments (tags -envN).
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
@@ -201,6 +202,16 @@ if [ -n "${BOUND_ARTS:-}" ]; then
   # BOUND_PDL_MODES="off on": the bound again under those DSC_PDL modes (BOUND_PDL_AB=1: "off")
   for M in ${BOUND_PDL_MODES:-${BOUND_PDL_AB:+off}}; do
     bound "$OUT/bound-pdl$M" "tp_local_bound-pdl$M.txt" . DSC_PDL=$M
+  done
+  # BOUND_ENVS="A=1|A=2 B=off": the bound again under each '|'-separated environment (tags -env1, -env2, ...)
+  i=0
+  IFS='|' read -ra BOUND_ENV_LIST <<< "${BOUND_ENVS:-}"
+  for E in "${BOUND_ENV_LIST[@]}"; do
+    i=$((i + 1))
+    echo "bound env$i: $E" | tee -a "$OUT/bound-envs.txt"
+    # shellcheck disable=SC2086  # E: VAR=value words
+    bound "$OUT/bound-env$i" "tp_local_bound-env$i.txt" . $E
+    pack
   done
   # BOUND_BASE=DIR: each of those bounds again, after them, with the code of another tree
   # (e.g. `git archive` of the commit before a kernel change) imported as dsc, on the same

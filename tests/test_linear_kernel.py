@@ -34,6 +34,11 @@ KERNEL_CASES = {
     "N33K16-block-wider-than-k": (33, 16, False, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 1}),
     "N47K72-xrow-masked-bias": (47, 72, True, {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "X_ROW": True}),
     "N48K96-xrow-even": (48, 96, False, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 1, "X_ROW": True}),
+    # EARLY: the first K-blocks as one peeled tile (loaded before the PDL wait on a GPU)
+    "N48K128-early2-even": (48, 128, False, {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "EARLY": 2}),
+    "N47K200-early4-masked-bias": (47, 200, True, {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "EARLY": 4}),
+    "N48K96-early3-xrow": (48, 96, False, {"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 1, "X_ROW": True, "EARLY": 3}),
+    "N47K72-early8-past-k": (47, 72, True, {"BLOCK_N": 2, "BLOCK_K": 16, "num_warps": 1, "EARLY": 8}),
 }
 # name: (outputs N (the weight is [2N, K]), K, config: BLOCK_N counts outputs, each program reads 2 BLOCK_N rows)
 SWIGLU_CASES = {
@@ -42,6 +47,8 @@ SWIGLU_CASES = {
     "N5K200-one-output-per-program": (5, 200, {"BLOCK_N": 1, "BLOCK_K": 64, "num_warps": 1}),
     "N23K72-xrow-masked": (23, 72, {"BLOCK_N": 2, "BLOCK_K": 32, "num_warps": 1, "X_ROW": True}),
     "N9K16-block-wider-than-k": (9, 16, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 1}),
+    "N24K128-early4-even": (24, 128, {"BLOCK_N": 2, "BLOCK_K": 32, "num_warps": 1, "EARLY": 4}),
+    "N23K200-early2-masked": (23, 200, {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "EARLY": 2}),
 }
 
 
@@ -108,27 +115,34 @@ def _aot(name: str, fn, types: dict, n: int, k: int, config: dict, const: dict, 
             "ok": bool(kern.asm.get("cubin")), "even": even, "spill_bytes": spill_bytes(kern),
             "vector_loads": "ld.global.L1::no_allocate.L2::evict_first.v4" in ptx
             or "ld.global.L2::evict_first.v4" in ptx or ".v4.b32" in ptx,
-            "pdl": pdl_check(kern, pdl, frozenset({"load w"}))}
+            "pdl": pdl_check(kern, pdl, frozenset({"load w", "load we"}))}
 
 
 def run_aot(out: str) -> None:
     """The GEMV at Llama-8B's o_proj and GPT-2-XL's c_attn shapes, and the GEMV + swiglu at
     Llama-8B's tp=2 gate_up ([14336, 4096]: its GEMV row's one row per program -> one output, a
     2-row tile) and a shape masked along K, built for sm_90 (no GPU), each also with PDL
-    (kernels/launch.py): only the first weight tile may load before the wait."""
+    (kernels/launch.py): only the first weight tile may load before the wait (with EARLY, the
+    peeled tile of several K-blocks: a GEMV and a GEMV + swiglu)."""
     res = {}
     for name, dtype, n, k, bias, cfg in (("bf16-even", "*bf16", 4096, 4096, False,
                                           {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}),
                                          ("fp16-bias-masked", "*fp16", 4800, 1600, True,
                                           {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}),
                                          ("bf16-xrow", "*bf16", 4096, 4096, False,
-                                          {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True})):
+                                          {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True}),
+                                         # 4 K-blocks (1024 columns) before the wait, at the tp=2 down_proj's row
+                                         ("bf16-early", "*bf16", 4096, 7168, False,
+                                          {**L.gemv_config(4096, 7168, "sm_90"), "EARLY": 1024})):
         _aot(name, L._gemv_kernel, {"X": dtype, "W": dtype, "B": dtype, "Y": dtype, "N": "i32", "K": "i32"},
              n, k, cfg, {"HAS_BIAS": bias}, res)
     # the table's config for Llama-8B's tp=2 gate_up [14336, 4096] (7168 outputs)
     for name, dtype, n, k, cfg in (("swiglu-bf16-even", "*bf16", 7168, 4096, L.gemv_swiglu_config(14336, 4096, "sm_90")),
                                    ("swiglu-fp16-masked", "*fp16", 2752, 1600,
-                                    {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True})):
+                                    {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True}),
+                                   # half of K before the wait at the tp=4 gate_up's row
+                                   ("swiglu-bf16-early", "*bf16", 3584, 4096,
+                                    {**L.gemv_swiglu_config(7168, 4096, "sm_90"), "EARLY": 2048})):
         _aot(name, L._gemv_swiglu_kernel, {"X": dtype, "W": dtype, "Y": dtype, "N": "i32", "K": "i32"},
              n, k, cfg, {}, res)
     Path(out).write_text(json.dumps(res, indent=1))
@@ -163,9 +177,9 @@ def test_gemv_builds_spill_no_registers(compiled):
 
 def test_gemv_pdl_variant_waits_before_reading_x(compiled):
     """PDL=True: launch_dependents and wait in the PTX, only the weight tile loaded before the
-    wait; PDL=False: no griddepcontrol instruction at all (the GEMV's three builds and the GEMV
-    + swiglu's two)."""
-    assert sum(name.endswith("-pdl") for name in compiled) == 5, compiled
+    wait (or the EARLY tile); PDL=False: no griddepcontrol instruction at all (the GEMV's four
+    builds and the GEMV + swiglu's three)."""
+    assert sum(name.endswith("-pdl") for name in compiled) == 7, compiled
     assert all(v["pdl"] == "ok" for v in compiled.values()), compiled
 
 
