@@ -661,6 +661,31 @@ def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
     return {"CHUNK": chunk, **cfg, "NORM_N": n, "BLOCK_W": block_w}
 
 
+def push_norm_override(cfg: dict, n: int, device: torch.device) -> dict:
+    """DSC_PUSH_NORM (for measuring; read at each launch, CUDA graphs read it at capture):
+    "chunk=1024,maxnreg=wave" sets the GEMV push + norm kernel's CHUNK and its register cap
+    (triton's maxnreg: a number, or "wave": the most that keeps every program resident at
+    once, ceil(programs / SMs) per SM, in multiples of 8)."""
+    spec = os.environ.get("DSC_PUSH_NORM", "").strip()
+    if not spec:
+        return cfg
+    cfg = dict(cfg)
+    for item in spec.split(","):
+        key, _, val = item.partition("=")
+        if key == "chunk":
+            cfg["CHUNK"] = int(val)
+        elif key == "maxnreg" and val == "wave":
+            from dsc.kernels.attention import sm_count
+
+            per_sm = cdiv(cdiv(n, cfg["BLOCK_N"]), sm_count(device))
+            cfg["maxnreg"] = min(255, 65536 // (per_sm * 32 * cfg["num_warps"]) // 8 * 8)
+        elif key == "maxnreg":
+            cfg["maxnreg"] = int(val)
+        else:
+            raise ValueError(f"DSC_PUSH_NORM: unknown key {key!r} in {spec!r} (chunk=N, maxnreg=N|wave)")
+    return cfg
+
+
 def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.Tensor, config: dict,
                       norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """x (one row of K) @ weight [N, K].T into this rank's region of every rank's push buffer of
@@ -676,7 +701,8 @@ def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.T
     residual, norm_weight, eps = norm
     out_s = torch.empty(n, dtype=residual.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
-    grid, opts = gemv_launch(gemv_push_norm_config(config, n, s.world), n, k, x.device, kind="push")
+    cfg = push_norm_override(gemv_push_norm_config(config, n, s.world), n, x.device)
+    grid, opts = gemv_launch(cfg, n, k, x.device, kind="push")
     jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
                                  residual.contiguous(), norm_weight, out_s, out_y, eps,
                                  WORLD=s.world, MARK=_MARK[s.dtype], **opts)

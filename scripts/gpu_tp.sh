@@ -74,7 +74,8 @@ for A in $(echo $ARTS ${BOUND_ARTS:-} | tr ' ' '\n' | sort -u); do
 done
 for N in ${AR_CHECK_N:-2 4}; do
   [ "$NGPU" -ge $N ] && [ -z "${NO_AR_CHECK:-}" ] || continue
-  OUT=$OUT timeout $([ -n "${GEMV_PUSH_SWEEP:-}" ] && echo 420 || echo 120) torchrun --nproc-per-node $N scripts/check_allreduce_gpu.py > "$OUT/allreduce-tp$N.log" 2>&1
+  # shellcheck disable=SC2086  # AR_CHECK_ENV="VAR=value ...": the check under that environment
+  env ${AR_CHECK_ENV:-} OUT=$OUT timeout $([ -n "${GEMV_PUSH_SWEEP:-}" ] && echo 420 || echo 120) torchrun --nproc-per-node $N scripts/check_allreduce_gpu.py > "$OUT/allreduce-tp$N.log" 2>&1
   RC=$?
   echo "check_allreduce tp$N: rc=$RC $((SECONDS - T0)) s"
   python3 - "$OUT/allreduce-tp$N.json" <<'PY'
@@ -187,6 +188,27 @@ if [ -z "${NO_BENCH:-}" ]; then
       [ -n "${NO_NCCL_BENCH:-}${NO_MODE_BENCH:-}" ] || bench "$A-nccl" "$A" DSC_ALLREDUCE=nccl
     fi
     pack
+  done
+fi
+# BENCH_ENVS="tp2,tp4:DSC_PDL=on|DSC_GEMV_EARLY=4": batch-1 benches under each '|'-separated
+# environment ("tp2,tp4:" first: those artifacts only; else every one of ARTS), ENV_ROUNDS rounds
+# (default 1), each round of an artifact the default first: tags -eR-0 (default), -eR-1, ...
+# (runs with NO_BENCH=1 too)
+if [ -n "${BENCH_ENVS:-}" ]; then
+  IFS='|' read -ra ENV_LIST <<< "$BENCH_ENVS"
+  for R in $(seq 1 "${ENV_ROUNDS:-1}"); do
+    for A in $ARTS; do
+      BENCH_ARGS="--batch 1" TAIL=3 bench "$A-e$R-0" "$A"
+      i=0
+      for E in "${ENV_LIST[@]}"; do
+        i=$((i + 1)); arts=$ARTS; vars=$E
+        if [[ $E == *:* ]]; then arts=${E%%:*}; arts=${arts//,/ }; vars=${E#*:}; fi
+        [ "$R$A" = "1$(echo $ARTS | cut -d' ' -f1)" ] && echo "env $i: $vars (on $arts)" | tee -a "$OUT/bench-envs.txt"
+        # shellcheck disable=SC2086  # vars: VAR=value words
+        [[ " $arts " == *" $A "* ]] && BENCH_ARGS="--batch 1" TAIL=3 bench "$A-e$R-$i" "$A" $vars
+      done
+      pack
+    done
   done
 fi
 echo "bench done: $((SECONDS - T0)) s"
