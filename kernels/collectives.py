@@ -650,7 +650,10 @@ def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
     of the senders' rows per thread (the push kernel's load at 8 warps and 4 ranks): enough
     warps that the row fits in one pass (4 at 2 ranks and 4096 columns, 8 at 4 ranks; at most
     8), BLOCK_N scaled with them, so a warp's share of the weight tile stays the tuned one;
-    CHUNK the columns per pass (`config`'s, if it sets one)."""
+    CHUNK the columns per pass (`config`'s, if it sets one). Every program holds the norm code's
+    registers (152-161 per thread at Llama-8B's tp=2 and tp=4 shapes: 2-2.6 waves of programs);
+    capping them (maxnreg, 1024-column chunks) took a call at tp=4's o_proj shape to 27 us (session
+    14: 6.5) and tp=4's step 1.4 ms slower (session 17, docs/results/s17-h200x4/early-pushnorm)."""
     cfg = dict(config)
     block_w = next_power_of_2(world)
     warps = cfg["num_warps"]
@@ -659,31 +662,6 @@ def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
         cfg.update(BLOCK_N=cfg["BLOCK_N"] * want // warps, num_warps=want)
     chunk = min(next_power_of_2(n), 64 * 32 * cfg["num_warps"] // block_w)
     return {"CHUNK": chunk, **cfg, "NORM_N": n, "BLOCK_W": block_w}
-
-
-def push_norm_override(cfg: dict, n: int, device: torch.device) -> dict:
-    """DSC_PUSH_NORM (for measuring; read at each launch, CUDA graphs read it at capture):
-    "chunk=1024,maxnreg=wave" sets the GEMV push + norm kernel's CHUNK and its register cap
-    (triton's maxnreg: a number, or "wave": the most that keeps every program resident at
-    once, ceil(programs / SMs) per SM, in multiples of 8)."""
-    spec = os.environ.get("DSC_PUSH_NORM", "").strip()
-    if not spec:
-        return cfg
-    cfg = dict(cfg)
-    for item in spec.split(","):
-        key, _, val = item.partition("=")
-        if key == "chunk":
-            cfg["CHUNK"] = int(val)
-        elif key == "maxnreg" and val == "wave":
-            from dsc.kernels.attention import sm_count
-
-            per_sm = cdiv(cdiv(n, cfg["BLOCK_N"]), sm_count(device))
-            cfg["maxnreg"] = min(255, 65536 // (per_sm * 32 * cfg["num_warps"]) // 8 * 8)
-        elif key == "maxnreg":
-            cfg["maxnreg"] = int(val)
-        else:
-            raise ValueError(f"DSC_PUSH_NORM: unknown key {key!r} in {spec!r} (chunk=N, maxnreg=N|wave)")
-    return cfg
 
 
 def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.Tensor, config: dict,
@@ -701,8 +679,7 @@ def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.T
     residual, norm_weight, eps = norm
     out_s = torch.empty(n, dtype=residual.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
-    cfg = push_norm_override(gemv_push_norm_config(config, n, s.world), n, x.device)
-    grid, opts = gemv_launch(cfg, n, k, x.device, kind="push")
+    grid, opts = gemv_launch(gemv_push_norm_config(config, n, s.world), n, k, x.device, kind="push")
     jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
                                  residual.contiguous(), norm_weight, out_s, out_y, eps,
                                  WORLD=s.world, MARK=_MARK[s.dtype], **opts)

@@ -23,7 +23,7 @@
   finished and its writes are visible), and reads activations, caches and counters, and writes
   anything, only after it: the runtime's memory plan reuses buffers, so a write before the wait
   could clobber what the previous kernel still reads. Without PDL the kernels compile to what
-  they were before. `DSC_PDL=auto|on|off` (`pdl_enabled`; auto: off at tp=2 only).
+  they were before. `DSC_PDL=auto|on|off` (`pdl_enabled`; auto, the default, is on).
 """
 from __future__ import annotations
 
@@ -143,24 +143,17 @@ def pdl_mode() -> str:
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: on an NVIDIA GPU of capability >= 9.0
     (Hopper) with a triton that has the griddepcontrol intrinsics, never on CPU or in the Triton
-    interpreter (it cannot run inline PTX). DSC_PDL=on: wherever it can; auto (the default):
-    likewise, except in a tensor-parallel process of exactly 2 ranks, where Llama-8B's batch-1
-    decode step runs faster without it on H200s. Session 14, 4 H200s, the GEMV's last program
-    ending the all-reduce, steps queued back to back, two rounds each, PDL on / off: tp=2
-    2.583 / 2.487 and 2.587 / 2.500 ms; tp=4 1.622 / 1.666 and 1.625 / 1.672 ms
-    (docs/results/s14-h200x4/pdl-ab). Session 12 had turned it off at every tp > 1 (tp=2
-    2.79 / 2.56 ms; tp=4 then a wash). Other tp sizes keep it, like tp=4 (not measured)."""
+    interpreter (it cannot run inline PTX). DSC_PDL=on or auto (the default): wherever it can;
+    off: never. Until session 17 auto was off in a tensor-parallel process of exactly 2 ranks
+    (sessions 12 and 14 measured Llama-8B's tp=2 step 30-95 us faster without it on H200s).
+    Session 17's GEMVs load more of their weight before the wait at that model's tp=1 and tp=2
+    shapes (kernels/tuning.json "EARLY"), and the tp=2 step became faster with PDL than without:
+    4 H200s, steps queued back to back, two rounds, PDL on / off 2.446 / 2.484 and 2.432 / 2.493
+    ms (docs/results/s17-h200x4/early-confirm); tp=4 stays 3% faster with it (session 14)."""
     mode = pdl_mode()
-    if mode == "off" or device.type != "cuda" or _interpreting() or (mode == "auto" and _tp_world() == 2):
+    if mode == "off" or device.type != "cuda" or _interpreting():
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _tp_world() -> int:
-    """The size of this process's torch.distributed group (1 without one)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def pdl_options(device: torch.device) -> dict:

@@ -31,9 +31,8 @@ rows and ending the all-reduce (the default), with the tuned config and with mor
 program. GEMV_PUSH_SWEEP=1 also sweeps GEMV push configs at Llama-8B's row-parallel shapes for
 this tp and proposes kernels/tuning.json `gemv_push` rows (JSON key gemv_push_sweep).
 
-The kernels launch as the runtime's would: without PDL under tensor parallelism (DSC_PDL=auto,
-kernels/launch.py); DSC_PDL=on checks and times their PDL variants (the default through
-session 11).
+The kernels launch as the runtime's would: with PDL (DSC_PDL=auto, kernels/launch.py; sessions
+12-16 ran tp=2 without it); DSC_PDL=off checks and times the variants without it.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ collectives with local stand-ins of no communication:
   (a copy).
 The results are wrong numbers computed at the shard's shapes: every kernel a tp rank runs,
 with every wait for a peer and every NVLink transfer removed. Its batch-1 decode step (CUDA
-graphs, the context `dsc bench` uses; PDL as DSC_PDL says for a process without a group: on
-by default, where tp=2's ranks run without it) is a lower bound on that tp's step on real GPUs,
+graphs, the context `dsc bench` uses; PDL as DSC_PDL says: on by default, as in tp ranks
+since session 17) is a lower bound on that tp's step on real GPUs,
 so its ratio to tp=1 (timed here the same way, steps queued back to back) bounds what any
 all-reduce could achieve. Prints a table; writes $OUT/tp_local_bound.json when OUT is set.
 """

@@ -44,16 +44,16 @@ def test_dsc_pdl_is_read_at_each_call(hopper, monkeypatch):
     assert launch.pdl_enabled(CUDA)
 
 
-def test_auto_turns_pdl_off_at_tp2_only(hopper, monkeypatch):
+def test_auto_keeps_pdl_on_at_every_tp(hopper, monkeypatch):
+    """auto is on in tensor-parallel processes too (until session 17 it was off at tp=2)."""
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    for world, auto in ((1, True), (2, False), (4, True), (8, True)):
+    for world in (1, 2, 4, 8):
         monkeypatch.setattr(dist, "get_world_size", lambda group=None, world=world: world)
-        monkeypatch.setenv("DSC_PDL", "auto")
-        assert launch.pdl_enabled(CUDA) is auto and launch.pdl_options(CUDA)["launch_pdl"] is auto
-        monkeypatch.setenv("DSC_PDL", "on")  # on: wherever the GPU can, tensor parallel or not
-        assert launch.pdl_enabled(CUDA)
+        for mode in ("auto", "on"):
+            monkeypatch.setenv("DSC_PDL", mode)
+            assert launch.pdl_enabled(CUDA) and launch.pdl_options(CUDA)["launch_pdl"]
         monkeypatch.setenv("DSC_PDL", "off")
         assert not launch.pdl_enabled(CUDA)
 

@@ -275,6 +275,28 @@ def test_gemv_modes(monkeypatch):
         L.gemv_config(64, 64, "sm_90")
 
 
+def test_early_columns_and_override(monkeypatch):
+    """EARLY K-blocks -> the peeled tile's columns: a power of two, at most K, 0 where it would be
+    one block (the loop's own first block waits); DSC_GEMV_EARLY overrides per kernel kind and a
+    bad value names the variable. The shipped tp=2 down_proj row reaches the launch as 2048
+    columns (8 blocks of 256)."""
+    assert [L.early_columns(b, 256, 7168) for b in (0, 1, 2, 3, 4, 8, 64)] == [0, 0, 512, 512, 1024, 2048, 4096]
+    assert L.early_columns(8, 2048, 4096) == 4096 and L.early_columns(8, 1024, 1024) == 0
+    monkeypatch.delenv("DSC_GEMV_EARLY", raising=False)
+    cfg = L.gemv_config(4096, 7168, "sm_90")
+    assert cfg["EARLY"] == 8 and L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"))[1]["EARLY"] == 2048
+    assert L.gemv_launch({"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1}, 4096, 7168, torch.device("cpu"))[1]["EARLY"] == 0
+    monkeypatch.setenv("DSC_GEMV_EARLY", "1")
+    assert L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"))[1]["EARLY"] == 0
+    monkeypatch.setenv("DSC_GEMV_EARLY", "swiglu=4,push=2")
+    assert L.early_override("swiglu") == 4 and L.early_override("push") == 2 and L.early_override("gemv") is None
+    assert L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"), kind="swiglu")[1]["EARLY"] == 1024
+    for bad in ("many", "mlp=2", "gemv=x"):
+        monkeypatch.setenv("DSC_GEMV_EARLY", bad)
+        with pytest.raises(ValueError, match="DSC_GEMV_EARLY must be"):
+            L.early_override("gemv")
+
+
 def test_shipped_gemv_rows_beat_cublas():
     """Every row in kernels/tuning.json was written by scripts/tune_gemv.py with both times."""
     rows = launch.tuning_table().get("sm_90", {}).get("gemv", {})
