@@ -48,6 +48,37 @@ tl = None  # triton.language, bound by launch.jit on first launch
 
 
 @device
+def _w_tile(W, rows, offs, mask_n, K, EVEN: tl.constexpr):
+    # the weight tile [rows, columns offs] of `_gemv_rows` (masked unless EVEN), streamed past L2
+    if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks, plain vector loads
+        w = tl.load(W + rows[:, None] + offs[None, :], eviction_policy="evict_first")
+    else:
+        mask = mask_n[:, None] & (offs < K)[None, :]
+        w = tl.load(W + rows[:, None] + offs[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    return w
+
+
+@device
+def _x_tile(X, rows, offs, mask_n, K, EVEN: tl.constexpr, X_ROW: tl.constexpr):
+    # x at columns offs, read as a [rows, columns] broadcast in the weight tile's layout: each
+    # thread loads only the x values its lanes need, and the loop has no layout conversion (no
+    # barrier) (X_ROW: x read once as [columns] and broadcast over the rows, fewer loads at
+    # BLOCK_N > 1)
+    if EVEN:
+        if X_ROW:
+            x = tl.load(X + offs)[None, :]
+        else:
+            x = tl.load(X + offs[None, :] + 0 * rows[:, None])
+    else:
+        if X_ROW:
+            x = tl.load(X + offs, mask=offs < K, other=0.0)[None, :]
+        else:
+            mask = mask_n[:, None] & (offs < K)[None, :]
+            x = tl.load(X + offs[None, :] + 0 * rows[:, None], mask=mask, other=0.0)
+    return x
+
+
+@device
 def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                X_ROW: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = 0):
     # y[n] = sum_k x[k] * w[n, k] for this program's rows offs_n, in fp32 ([BLOCK_N]); with PDL
@@ -64,48 +95,19 @@ def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexp
     early = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if EARLY > 0:
         offs_e = tl.arange(0, EARLY)
-        if EVEN:
-            we = tl.load(W + rows[:, None] + offs_e[None, :], eviction_policy="evict_first")
-        else:
-            mask_e = mask_n[:, None] & (offs_e < K)[None, :]
-            we = tl.load(W + rows[:, None] + offs_e[None, :], mask=mask_e, other=0.0, eviction_policy="evict_first")
+        we = _w_tile(W, rows, offs_e, mask_n, K, EVEN)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        if EVEN:  # x as the loop reads it (below)
-            if X_ROW:
-                xe = tl.load(X + offs_e)[None, :]
-            else:
-                xe = tl.load(X + offs_e[None, :] + 0 * rows[:, None])
-        else:
-            if X_ROW:
-                xe = tl.load(X + offs_e, mask=offs_e < K, other=0.0)[None, :]
-            else:
-                xe = tl.load(X + offs_e[None, :] + 0 * rows[:, None], mask=mask_e, other=0.0)
+        xe = _x_tile(X, rows, offs_e, mask_n, K, EVEN, X_ROW)
         early = tl.sum(we.to(tl.float32) * xe.to(tl.float32), axis=1)
         start = EARLY
     for k0 in range(start, K, BLOCK_K):
         offs_k = k0 + cols
-        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks, plain vector loads
-            w = tl.load(W + rows[:, None] + offs_k[None, :], eviction_policy="evict_first")
-        else:
-            mask = mask_n[:, None] & (offs_k < K)[None, :]
-            w = tl.load(W + rows[:, None] + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        w = _w_tile(W, rows, offs_k, mask_n, K, EVEN)
         if PDL and EARLY == 0:  # only the first weight tile (read-only) loads before the wait, while
             if k0 == 0:  # the previous kernel finishes (a wait in the loop: it is not software-pipelined)
                 tl.extra.cuda.gdc_wait()
-        # x read as a [BLOCK_N, BLOCK_K] broadcast in w's layout: each thread loads only the
-        # x values its lanes need, and the loop has no layout conversion (no barrier)
-        # (X_ROW: x read once as [BLOCK_K] and broadcast over the rows, fewer loads at BLOCK_N > 1)
-        if EVEN:
-            if X_ROW:
-                x = tl.load(X + offs_k)[None, :]
-            else:
-                x = tl.load(X + offs_k[None, :] + 0 * rows[:, None])
-        else:
-            if X_ROW:
-                x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)[None, :]
-            else:
-                x = tl.load(X + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0)
+        x = _x_tile(X, rows, offs_k, mask_n, K, EVEN, X_ROW)
         acc += w.to(tl.float32) * x.to(tl.float32)
     if PDL and EARLY == 0:  # K == 0: no K-block waited above
         if K == 0:
