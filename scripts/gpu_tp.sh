@@ -250,7 +250,7 @@ if [ -n "${BOUND_ARTS:-}" ]; then
   pack
 fi
 python3 - "$OUT" <<'PY'
-import json, os, sys
+import json, os, re, sys
 out = sys.argv[1]
 rows = {}
 for f in sorted(os.listdir(out)):
@@ -267,6 +267,10 @@ def ratio(a, b):
 for tag in order:
     r = rows[tag]
     base = rows.get("tp1-int8" if "int8" in tag else "tp1" + (tag[tag.index("-ctx"):] if "-ctx" in tag else "")) or {}
+    env = re.match(r"tp\d+(-int8)?-e(\d+)-(\d+)$", tag)  # BENCH_ENVS: tp1 of the same round, same env or default
+    if env:
+        t1 = f"tp1{env[1] or ''}-e{env[2]}"
+        base = rows.get(f"{t1}-{env[3]}") or rows.get(f"{t1}-0") or {}
     d1, d64 = r["decode"].get("1") or {}, r["decode"].get("64") or {}
     b1, b64 = base.get("decode", {}).get("1") or {}, base.get("decode", {}).get("64") or {}
     g, bg = (r.get("generate") or {}).get("ms_per_token"), (base.get("generate") or {}).get("ms_per_token")
