@@ -35,6 +35,9 @@
 #    arguments for tp_local_bound.py ("--profile"); BOUND_BASE=DIR: every bound again with the code
 #    of the tree DIR (before / after a kernel change on the same artifacts; tags -base); BOUND_ENVS=
 #    "VAR=1|VAR=2 OTHER=x": every bound again under each of those environments (tags -envN).
+#    BENCH_ENVS="tp2,tp4:DSC_PDL=on|DSC_GEMV_EARLY=4": batch-1 benches of the artifacts under each
+#    environment, ENV_ROUNDS rounds, the default first in each (tags -eR-N; see below; with
+#    NO_BENCH=1 only these). AR_CHECK_ENV="VAR=value": the all-reduce check under it.
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
@@ -226,15 +229,17 @@ if [ -n "${BOUND_ARTS:-}" ]; then
     bound "$OUT/bound-pdl$M" "tp_local_bound-pdl$M.txt" . DSC_PDL=$M
   done
   # BOUND_ENVS="A=1|A=2 B=off": the bound again under each '|'-separated environment (tags -env1, -env2, ...)
-  i=0
-  IFS='|' read -ra BOUND_ENV_LIST <<< "${BOUND_ENVS:-}"
-  for E in "${BOUND_ENV_LIST[@]}"; do
-    i=$((i + 1))
-    echo "bound env$i: $E" | tee -a "$OUT/bound-envs.txt"
-    # shellcheck disable=SC2086  # E: VAR=value words
-    bound "$OUT/bound-env$i" "tp_local_bound-env$i.txt" . $E
-    pack
-  done
+  if [ -n "${BOUND_ENVS:-}" ]; then
+    i=0
+    IFS='|' read -ra BOUND_ENV_LIST <<< "$BOUND_ENVS"
+    for E in "${BOUND_ENV_LIST[@]}"; do
+      i=$((i + 1))
+      echo "bound env$i: $E" | tee -a "$OUT/bound-envs.txt"
+      # shellcheck disable=SC2086  # E: VAR=value words
+      bound "$OUT/bound-env$i" "tp_local_bound-env$i.txt" . $E
+      pack
+    done
+  fi
   # BOUND_BASE=DIR: each of those bounds again, after them, with the code of another tree
   # (e.g. `git archive` of the commit before a kernel change) imported as dsc, on the same
   # artifacts (the runtime compiles kernels at load): before and after in one call (-base tags)
