@@ -475,7 +475,7 @@ def _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, N: tl.cons
 def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, eps, EVEN: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, WORLD: tl.constexpr,
                       MARK: tl.constexpr, PDL: tl.constexpr = False, NORM_N: tl.constexpr = 0,
-                      BLOCK_W: tl.constexpr = 1, CHUNK: tl.constexpr = 1, EARLY: tl.constexpr = 0):
+                      BLOCK_W: tl.constexpr = 1, CHUNK: tl.constexpr = 1, EARLY_K: tl.constexpr = 0):
     # the row-parallel linear before a fused all-reduce + norm, at one row: kernels/linear.py's
     # GEMV, whose programs store their outputs, rounded to the dtype, straight into this rank's
     # region of every rank's push buffer (as the push kernel would, -0.0 sent as +0.0) instead
@@ -492,7 +492,7 @@ def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, eps, EVEN: tl
         tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY)
+    y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY_K)
     it = tl.int16 if X.dtype.element_ty.primitive_bitwidth == 16 else tl.int32
     bits = y.to(X.dtype.element_ty).to(it, bitcast=True)
     bits = tl.where(bits == MARK, 0, bits)

@@ -80,12 +80,12 @@ def _x_tile(X, rows, offs, mask_n, K, EVEN: tl.constexpr, X_ROW: tl.constexpr):
 
 @device
 def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               X_ROW: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = 0):
+               X_ROW: tl.constexpr, PDL: tl.constexpr, EARLY_K: tl.constexpr = 0):
     # y[n] = sum_k x[k] * w[n, k] for this program's rows offs_n, in fp32 ([BLOCK_N]); with PDL
     # it waits (gdc_wait) after the first weight tile's load and before any other access.
-    # EARLY > 0 (a multiple of BLOCK_K, at most K): the first EARLY columns of the rows are one
+    # EARLY_K > 0 (a multiple of BLOCK_K, at most K): the first EARLY_K columns of the rows are one
     # tile, loaded before the wait, so that more of the weight streams in while the previous
-    # kernel ends (`gemv_launch`); the loop then starts at EARLY.
+    # kernel ends (`gemv_launch`); the loop then starts at EARLY_K.
     # Shared by the GEMV kernel, the GEMV + swiglu (its rows: gate and up rows interleaved) and
     # the GEMV that pushes its rows to the all-reduce (kernels/collectives.py)
     rows = offs_n.to(tl.int64) * K
@@ -93,23 +93,23 @@ def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexp
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per-lane partial sums, reduced once
     start = 0
     early = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if EARLY > 0:
-        offs_e = tl.arange(0, EARLY)
+    if EARLY_K > 0:
+        offs_e = tl.arange(0, EARLY_K)
         we = _w_tile(W, rows, offs_e, mask_n, K, EVEN)
         if PDL:
             tl.extra.cuda.gdc_wait()
         xe = _x_tile(X, rows, offs_e, mask_n, K, EVEN, X_ROW)
         early = tl.sum(we.to(tl.float32) * xe.to(tl.float32), axis=1)
-        start = EARLY
+        start = EARLY_K
     for k0 in range(start, K, BLOCK_K):
         offs_k = k0 + cols
         w = _w_tile(W, rows, offs_k, mask_n, K, EVEN)
-        if PDL and EARLY == 0:  # only the first weight tile (read-only) loads before the wait, while
+        if PDL and EARLY_K == 0:  # only the first weight tile (read-only) loads before the wait, while
             if k0 == 0:  # the previous kernel finishes (a wait in the loop: it is not software-pipelined)
                 tl.extra.cuda.gdc_wait()
         x = _x_tile(X, rows, offs_k, mask_n, K, EVEN, X_ROW)
         acc += w.to(tl.float32) * x.to(tl.float32)
-    if PDL and EARLY == 0:  # K == 0: no K-block waited above
+    if PDL and EARLY_K == 0:  # K == 0: no K-block waited above
         if K == 0:
             tl.extra.cuda.gdc_wait()
     return early + tl.sum(acc, axis=1)
@@ -117,20 +117,20 @@ def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexp
 
 def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, PDL: tl.constexpr = False,
-                 EARLY: tl.constexpr = 0):
+                 EARLY_K: tl.constexpr = 0):
     # y[n] = sum_k x[k] * w[n, k] (+ b[n])            x: [K], w: [N, K], y: [N]
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
         tl.extra.cuda.gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY)  # [BLOCK_N]
+    y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY_K)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
 def _gemv_swiglu_kernel(X, W, Y, N, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        X_ROW: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = 0):
+                        X_ROW: tl.constexpr, PDL: tl.constexpr = False, EARLY_K: tl.constexpr = 0):
     # y[n] = silu(g[n]) * u[n], g[n] = w[n] . x, u[n] = w[N + n] . x     x: [K], w: [2N, K], y: [N]
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
         tl.extra.cuda.gdc_launch_dependents()
@@ -140,7 +140,7 @@ def _gemv_swiglu_kernel(X, W, Y, N, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr
     i = tl.arange(0, 2 * BLOCK_N)
     offs_n = tl.program_id(0) * BLOCK_N + i // 2
     mask_n = offs_n < N
-    gu = _gemv_rows(X, W, offs_n + (i % 2) * N, mask_n, K, EVEN, 2 * BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY)  # [2 BLOCK_N]
+    gu = _gemv_rows(X, W, offs_n + (i % 2) * N, mask_n, K, EVEN, 2 * BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY_K)  # [2 BLOCK_N]
     g, u = tl.split(tl.reshape(gu, (BLOCK_N, 2)))  # [BLOCK_N] each
     # rounded to the dtype as the unfused linear's output is, then the swiglu kernel's math
     dt = Y.dtype.element_ty
@@ -237,7 +237,7 @@ def early_override(kind: str) -> int | None:
 
 
 def early_columns(blocks: int, block_k: int, k: int) -> int:
-    """The EARLY constexpr of `blocks` K-blocks of block_k columns: 0 (no peeled tile: the loop's
+    """The EARLY_K constexpr (columns) of `blocks` K-blocks of block_k columns: 0 (no peeled tile: the loop's
     first K-block loads before the wait) for one block or fewer; else blocks * block_k rounded
     down to a power of two (a tile) and to at most k."""
     if blocks <= 1:
@@ -251,11 +251,12 @@ def early_columns(blocks: int, block_k: int, k: int) -> int:
 def gemv_launch(config: dict, n: int, k: int, device: torch.device, kind: str = "gemv") -> tuple[tuple[int], dict]:
     """(grid, launch keywords) of a kernel built on `_gemv_rows` with `config`'s BLOCK_N outputs
     per program, over n outputs and K = k: X_ROW off unless the config sets it, EVEN, PDL, and
-    EARLY from the config's K-block count (`early_columns`; DSC_GEMV_EARLY overrides it)."""
+    EARLY_K, the columns of the config's EARLY K-blocks (`early_columns`; DSC_GEMV_EARLY overrides
+    the blocks)."""
     cfg = {"X_ROW": False, **config}
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
-    blocks = early_override(kind)
-    cfg["EARLY"] = early_columns(cfg.get("EARLY", 1) if blocks is None else blocks, cfg["BLOCK_K"], k)
+    row_blocks, blocks = cfg.pop("EARLY", 1), early_override(kind)
+    cfg["EARLY_K"] = early_columns(row_blocks if blocks is None else blocks, cfg["BLOCK_K"], k)
     return (cdiv(n, cfg["BLOCK_N"]),), {**cfg, "EVEN": even, **pdl_options(device)}
 
 

@@ -199,16 +199,19 @@ fi
 # (runs with NO_BENCH=1 too)
 if [ -n "${BENCH_ENVS:-}" ]; then
   IFS='|' read -ra ENV_LIST <<< "$BENCH_ENVS"
+  ENV_ARTS=() ENV_VARS=()  # per environment i (from 1): the artifacts it applies to, its VAR=value words
+  for E in "${ENV_LIST[@]}"; do
+    arts=$ARTS; vars=$E
+    if [[ $E == *:* ]]; then arts=${E%%:*}; arts=${arts//,/ }; vars=${E#*:}; fi
+    ENV_ARTS+=("$arts"); ENV_VARS+=("$vars")
+    echo "env ${#ENV_VARS[@]}: $vars (on $arts)" | tee -a "$OUT/bench-envs.txt"
+  done
   for R in $(seq 1 "${ENV_ROUNDS:-1}"); do
     for A in $ARTS; do
       BENCH_ARGS="--batch 1" TAIL=3 bench "$A-e$R-0" "$A"
-      i=0
-      for E in "${ENV_LIST[@]}"; do
-        i=$((i + 1)); arts=$ARTS; vars=$E
-        if [[ $E == *:* ]]; then arts=${E%%:*}; arts=${arts//,/ }; vars=${E#*:}; fi
-        [ "$R$A" = "1$(echo $ARTS | cut -d' ' -f1)" ] && echo "env $i: $vars (on $arts)" | tee -a "$OUT/bench-envs.txt"
-        # shellcheck disable=SC2086  # vars: VAR=value words
-        [[ " $arts " == *" $A "* ]] && BENCH_ARGS="--batch 1" TAIL=3 bench "$A-e$R-$i" "$A" $vars
+      for i in "${!ENV_VARS[@]}"; do
+        # shellcheck disable=SC2086  # VAR=value words
+        [[ " ${ENV_ARTS[$i]} " == *" $A "* ]] && BENCH_ARGS="--batch 1" TAIL=3 bench "$A-e$R-$((i + 1))" "$A" ${ENV_VARS[$i]}
       done
       pack
     done

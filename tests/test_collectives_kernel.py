@@ -190,7 +190,7 @@ def run_aot(out: str) -> None:
             # (tp=2 also with 4 K-blocks, 4096 columns, loaded before the wait: kernels/tuning.json's
             # EARLY row at that shape)
             cases = (("gemv_push_norm", 4096, {}), ("gemv_push_norm_chunked", 8192, {}),
-                     ("gemv_push_norm_early", 4096, {"EARLY": 4096}))
+                     ("gemv_push_norm_early", 4096, {"EARLY_K": 4096}))
             for name, n, extra in cases[: 1 + (world == 4)] + cases[2:] * (world == 2):
                 cfg = {**C.gemv_push_norm_config(push_row, n, world), **extra}
                 warps = cfg.pop("num_warps")

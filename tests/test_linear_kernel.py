@@ -106,6 +106,7 @@ def _aot(name: str, fn, types: dict, n: int, k: int, config: dict, const: dict, 
     here) aligned; an unspecialized build has scalar loads, and its masked variant spills."""
     cfg = {"X_ROW": False, **config}
     warps = cfg.pop("num_warps")
+    cfg["EARLY_K"] = L.early_columns(cfg.pop("EARLY", 1), cfg["BLOCK_K"], k)  # as gemv_launch converts it
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
     for pdl in (False, True):
         kern = launch.compile_for_arch(fn, types, {**const, "EVEN": even, **cfg, "PDL": pdl}, num_warps=warps,
@@ -131,9 +132,8 @@ def run_aot(out: str) -> None:
                                           {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}),
                                          ("bf16-xrow", "*bf16", 4096, 4096, False,
                                           {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True}),
-                                         # 4 K-blocks (1024 columns) before the wait, at the tp=2 down_proj's row
-                                         ("bf16-early", "*bf16", 4096, 7168, False,
-                                          {**L.gemv_config(4096, 7168, "sm_90"), "EARLY": 1024})):
+                                         # the tp=2 down_proj's row: 8 K-blocks (2048 columns) before the wait
+                                         ("bf16-early", "*bf16", 4096, 7168, False, L.gemv_config(4096, 7168, "sm_90"))):
         _aot(name, L._gemv_kernel, {"X": dtype, "W": dtype, "B": dtype, "Y": dtype, "N": "i32", "K": "i32"},
              n, k, cfg, {"HAS_BIAS": bias}, res)
     # the table's config for Llama-8B's tp=2 gate_up [14336, 4096] (7168 outputs)
@@ -142,7 +142,7 @@ def run_aot(out: str) -> None:
                                     {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True}),
                                    # half of K before the wait at the tp=4 gate_up's row
                                    ("swiglu-bf16-early", "*bf16", 3584, 4096,
-                                    {**L.gemv_swiglu_config(7168, 4096, "sm_90"), "EARLY": 2048})):
+                                    {**L.gemv_swiglu_config(7168, 4096, "sm_90"), "EARLY": 4})):
         _aot(name, L._gemv_swiglu_kernel, {"X": dtype, "W": dtype, "Y": dtype, "N": "i32", "K": "i32"},
              n, k, cfg, {}, res)
     Path(out).write_text(json.dumps(res, indent=1))
@@ -284,13 +284,14 @@ def test_early_columns_and_override(monkeypatch):
     assert L.early_columns(8, 2048, 4096) == 4096 and L.early_columns(8, 1024, 1024) == 0
     monkeypatch.delenv("DSC_GEMV_EARLY", raising=False)
     cfg = L.gemv_config(4096, 7168, "sm_90")
-    assert cfg["EARLY"] == 8 and L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"))[1]["EARLY"] == 2048
-    assert L.gemv_launch({"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1}, 4096, 7168, torch.device("cpu"))[1]["EARLY"] == 0
+    launch_opts = L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"))[1]
+    assert cfg["EARLY"] == 8 and launch_opts["EARLY_K"] == 2048 and "EARLY" not in launch_opts
+    assert L.gemv_launch({"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1}, 4096, 7168, torch.device("cpu"))[1]["EARLY_K"] == 0
     monkeypatch.setenv("DSC_GEMV_EARLY", "1")
-    assert L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"))[1]["EARLY"] == 0
+    assert L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"))[1]["EARLY_K"] == 0
     monkeypatch.setenv("DSC_GEMV_EARLY", "swiglu=4,push=2")
     assert L.early_override("swiglu") == 4 and L.early_override("push") == 2 and L.early_override("gemv") is None
-    assert L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"), kind="swiglu")[1]["EARLY"] == 1024
+    assert L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"), kind="swiglu")[1]["EARLY_K"] == 1024
     for bad in ("many", "mlp=2", "gemv=x"):
         monkeypatch.setenv("DSC_GEMV_EARLY", bad)
         with pytest.raises(ValueError, match="DSC_GEMV_EARLY must be"):
