@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -242,6 +243,24 @@ def sm_count(device: torch.device) -> int:
 @functools.cache
 def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_preload(cfg: dict) -> dict:
+    """The decode kernel's PRE_N (keys of each split's first tile loaded before the PDL wait; 0:
+    none) and num_warps: the config's. DSC_ATTN_PRE (read at each launch; CUDA graphs read it at
+    capture) overrides them for measuring: "128" (PRE_N) or "128:8" (and the warps). PRE_N is
+    0 or a power of two of at least 16."""
+    out = {"PRE_N": cfg.get("PRE_N", 0), "num_warps": cfg["num_warps"]}
+    spec = os.environ.get("DSC_ATTN_PRE", "").strip()
+    if not spec:
+        return out
+    pre, _, warps = spec.partition(":")
+    n = int(pre) if pre.isdigit() else -1
+    w = int(warps) if warps.isdigit() else (out["num_warps"] if not warps else -1)
+    if (n != 0 and (n < 16 or n & (n - 1))) or w not in (1, 2, 4, 8, 16):
+        raise ValueError(f"DSC_ATTN_PRE must be PRE_N or PRE_N:num_warps, PRE_N 0 or a power of two of at "
+                         f"least 16, got {spec!r}")
+    return {"PRE_N": n, "num_warps": w}
 
 
 def decode_num_splits(batch: int, kv_heads: int, max_seq: int, cfg: dict, n_sm: int) -> int:
@@ -608,21 +627,46 @@ def _decode_kernel(
     COS, SIN, sc_b, ss_b,  # ROTARY: cos, sin [B, 1, D] (dsc.rotary's tables); else None
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
-    ROTARY: tl.constexpr = False, PDL: tl.constexpr = False,
+    ROTARY: tl.constexpr = False, PDL: tl.constexpr = False, PRE_N: tl.constexpr = 0,
 ):
-    if PDL:  # kernels/launch.py: wait for the previous kernel before any access; the next one
-        # is let start only after the key loop (below)
-        tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
     kvh = bh % Hkv
-    # q (and what rotates it) loads first, together with the position and the new token's k
-    # and v: at a short context the kernel is one program's chain of dependent loads, and a
-    # load behind the early return or the key loop adds its latency (with a window the new k
-    # and v load after the loop: held across it, they made the windowed rotary build spill)
+    # the split's key range [lo, hi) comes from the position alone, and so does its first PRE_N
+    # keys' tile (PRE_N > 0), loaded here: with PDL before the wait, while the previous kernel
+    # (the qkv projection) still runs. What this reads was written before that kernel started:
+    # POS by the runtime before the step (a copy that is not a PDL launch, so it finished before
+    # any later kernel began), and cache slots below the position by this layer's attention in an
+    # earlier step or by the prefill. Those finished before this kernel starts: the previous
+    # layer's decode attention lets its dependents launch only after its own wait, and that wait
+    # returns only once every kernel before it has finished (every PDL kernel waits before it
+    # exits). At a short context the kernel is a chain of dependent loads (position, keys,
+    # output); this takes the first two off the chain after the wait.
+    pos = tl.load(POS + b).to(tl.int32)  # the new token's position
+    n_keys = tl.minimum(pos + 1, Smax)  # keys it sees: cache slots [first, n_keys)
+    if WINDOWED:
+        first = tl.maximum(pos + 1 - window, 0)
+    else:
+        first = 0
+    split_len = _split_len(n_keys - first, tl.num_programs(1), split_floor, BLOCK_N)
+    lo = first + split * split_len
+    hi = tl.minimum(tl.minimum(lo + split_len, pos), Smax)  # cached keys of this split: [lo, hi)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    k_cache = KC + b * skc_b + kvh * skc_h
+    v_cache = VC + b * svc_b + kvh * svc_h
+    if PRE_N > 0:  # (none where the split is past the sequence's end: then hi <= lo)
+        offs_p = lo + tl.arange(0, PRE_N)
+        ok_p = offs_p < hi
+        k_pre = _load_rows(k_cache + offs_p[:, None] * skc_s + offs_d[None, :], ok_p, offs_d, HEAD_DIM, BLOCK_D)
+        v_pre = _load_rows(v_cache + offs_p[:, None] * svc_s + offs_d[None, :], ok_p, offs_d, HEAD_DIM, BLOCK_D)
+    if PDL:  # kernels/launch.py: wait for the previous kernel before reading what it wrote (q, k,
+        # v); the next one is let start only after the key loop (below)
+        tl.extra.cuda.gdc_wait()
+    # q (and what rotates it) loads first, together with the new token's k and v: a load behind
+    # the early return or the key loop adds its latency (with a window the new k and v load
+    # after the loop: held across it, they made the windowed rotary build spill)
     heads = kvh * G + tl.arange(0, BLOCK_H)  # the group's query heads, padded to BLOCK_H rows
     head_ok = tl.arange(0, BLOCK_H) < G
     q_rows = Q + b * sq_b + heads[:, None] * sq_h  # [BLOCK_H, 1]
@@ -632,33 +676,28 @@ def _decode_kernel(
         q_half = _load_rows(q_rows + half_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
         cos = tl.load(COS + b * sc_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
         sin = tl.load(SIN + b * ss_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    pos = tl.load(POS + b).to(tl.int32)  # the new token's position
     k_new = K + b * sk_b + kvh * sk_h
     v_new = V + b * sv_b + kvh * sv_h
     if not WINDOWED:
         k_in, v_in, k_in_half = _new_kv(k_new, v_new, offs_d, d_ok, HEAD_DIM, ROTARY)
-    n_keys = tl.minimum(pos + 1, Smax)  # keys it sees: cache slots [first, n_keys)
-    if WINDOWED:
-        first = tl.maximum(pos + 1 - window, 0)
-    else:
-        first = 0
-    split_len = _split_len(n_keys - first, tl.num_programs(1), split_floor, BLOCK_N)
-    lo = first + split * split_len
     if lo >= n_keys:  # this split is past the sequence's end
         return
-    hi = tl.minimum(tl.minimum(lo + split_len, pos), Smax)  # cached keys of this split: [lo, hi)
     n_written = tl.cdiv(n_keys - first, split_len)  # splits that did not return early
 
     if ROTARY:
         sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
         q = _rotated(q, q_half, cos[None, :], sin[None, :])
-    k_cache = KC + b * skc_b + kvh * skc_h
-    v_cache = VC + b * svc_b + kvh * svc_h
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for j0 in range(lo, hi, BLOCK_N):
+    if PRE_N > 0:  # the preloaded tile (PRE_N == BLOCK_N: the loop's first tile, the same sums).
+        # With no cached key here (hi == lo: the new token opens the split) it is all masked:
+        # its columns score -1e30 and carry zero values, and the new token's alpha of 0 then
+        # clears them, as it clears -inf's running sums
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_pre.to(q.dtype), v_pre.to(q.dtype), ok_p[None, :],
+                                     qk_scale, True)
+    for j0 in range(lo + PRE_N, hi, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         ok = offs_j < hi
         k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
@@ -853,7 +892,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, r
         *rot,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
         BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0, ROTARY=rotary is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device),
+        num_stages=cfg["num_stages"], **decode_preload(cfg), **pdl_options(q.device),
         **ROTATE_OPTIONS,  # with or without ROTARY: one arithmetic for both (the rotary pair's bits)
     )
     return out

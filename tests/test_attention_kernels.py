@@ -123,6 +123,21 @@ CASES = {
                                    rotary=True),
     "decode-rotary-fused-qkv": Case("decode", 2, 8, 2, 1, 32, 61, (5, 40), config=SMALL_DECODE, num_splits=2,
                                     fused_qkv=True, rotary=True),
+    # PRE_N: each split's first keys as one tile loaded before the PDL wait (the interpreter has
+    # no PDL; the tile is the same with and without it). A loop tile's size (pos 0: the new token
+    # opens the split, the tile all masked), two loop tiles' (longer than some splits: pos 20's
+    # 2 splits of 16 keys), a window, rotary, past the cache's end, the single-split path
+    "decode-preload-tile": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), config=dict(SMALL_DECODE, PRE_N=16),
+                                num_splits=3),
+    "decode-preload-two-tiles": Case("decode", 3, 6, 2, 1, 16, 61, (0, 20, 60), config=dict(SMALL_DECODE, PRE_N=32),
+                                     num_splits=3),
+    "decode-preload-window-rotary": Case("decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), num_splits=3, window=20,
+                                         config=dict(SMALL_DECODE, PRE_N=32), rotary=True),
+    "decode-preload-overflow": Case("decode", 3, 6, 2, 1, 16, 37, (37, 50, 15), num_splits=3,
+                                    config=dict(SMALL_DECODE, PRE_N=32)),
+    "decode-preload-one-split": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), rotary=True,
+                                     config=dict(BLOCK_N=16, num_warps=4, num_stages=1, MIN_SPLIT=64, PROGRAMS_PER_SM=2,
+                                                 PRE_N=32)),
 }
 DTYPES = ("float32", "float16")
 # the prefill variant's launch-config keys, each run on every prefill case (a windowed call runs
@@ -228,7 +243,27 @@ def _worker() -> None:
     report["single-split-skips-counter"] = _single_split_skips_counter((0, 9, 15))
     # 17-23 keys at a floor of 16: the sliver past the first 16 joins the first split
     report["sliver-joins-first-split"] = _single_split_skips_counter((16, 20, 22))
+    report["preload-of-a-loop-tile-same-bits"] = _preload_same_bits()
     print("REPORT " + json.dumps(report))
+
+
+def _preload_same_bits() -> str:
+    """A preloaded tile of BLOCK_N keys (PRE_N == BLOCK_N) is the loop's first tile: out and the
+    cache are bit-equal to the kernel's without it (3 splits, positions 0 / 20 / 36, fp16)."""
+    from dsc.kernels import attention as A
+
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(torch.float16)  # noqa: E731
+    q, k, v = rand(3, 6, 1, 16), rand(3, 2, 1, 16), rand(3, 2, 1, 16)
+    caches = rand(4, 2, 37, 16), rand(4, 2, 37, 16)
+    pos = torch.tensor([0, 20, 36])
+    got = []
+    for pre in (0, SMALL_DECODE["BLOCK_N"]):
+        kc, vc = caches[0].clone(), caches[1].clone()
+        out = A.decode_attention(q, k, v, kc, vc, pos, 0.25, config=dict(SMALL_DECODE, PRE_N=pre), num_splits=3)
+        got.append((out, kc, vc))
+    same = all(torch.equal(a, b) for a, b in zip(*got))
+    return "ok" if same else "out or the caches differ with the first tile preloaded"
 
 
 def _single_split_skips_counter(positions: tuple[int, ...]) -> str:
@@ -286,6 +321,7 @@ def _compile_sm90() -> None:
         rot = {"COS": f"*{dtype}", "SIN": f"*{dtype}", "sc_b": "i32", "ss_b": "i32"}  # cos/sin [B, 1, 128]
         pre, dec = A.PREFILL_CONFIGS[("sm_90", 128)], A.DECODE_CONFIGS[("sm_90", 128)]
         pre64 = A.PREFILL_CONFIGS[("sm_90", 64)]
+        dec_pre = dec.get("PRE_N", 0)
         table_descs = {n: f"tensordesc<{dtype}[1, 1, {pre['BLOCK_N']}, 128]>" for n in ("KD", "VD", "KCD", "VCD")}
         jobs = {  # the sm_90 table entries at Llama-8B's shapes (G = 32 / 8), plus a padded head_dim
             "prefill": (A._prefill_kernel, t | (table_descs if pre.get("TMA") else {}),
@@ -296,8 +332,12 @@ def _compile_sm90() -> None:
             "prefill-n128": (A._prefill_kernel, t, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=128,
                                                         WINDOWED=False), dict(num_warps=8, num_stages=3)),
             "decode": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
-                                                       BLOCK_N=dec["BLOCK_N"], WINDOWED=False),
+                                                       BLOCK_N=dec["BLOCK_N"], WINDOWED=False, PRE_N=dec_pre),
                        dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
+            # the kernel without the preloaded tile (DSC_ATTN_PRE=0)
+            "decode-pre0": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
+                                                            BLOCK_N=dec["BLOCK_N"], WINDOWED=False, PRE_N=0),
+                            dict(num_warps=4, num_stages=dec["num_stages"])),
             "decode-d80": (A._decode_kernel, t | f32, dict(G=1, HEAD_DIM=80, BLOCK_D=128, BLOCK_H=16, SPLIT=False,
                                                            BLOCK_N=64, WINDOWED=False), dict(num_warps=4, num_stages=2)),
             # sliding window (Mistral's shapes: 32 heads, 8 kv heads, head_dim 128)
@@ -305,16 +345,16 @@ def _compile_sm90() -> None:
                                                           BLOCK_N=pre["BLOCK_N"], WINDOWED=True),
                                dict(num_warps=pre["num_warps"], num_stages=pre["num_stages"])),
             "decode-window": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
-                                                              BLOCK_N=dec["BLOCK_N"], WINDOWED=True),
+                                                              BLOCK_N=dec["BLOCK_N"], WINDOWED=True, PRE_N=dec_pre),
                               dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
             # dsc.rotary_attention's decode kernel (Llama-8B: G = 4 at tp 1 and tp 4; Mistral's window)
             "decode-rotary": (A._decode_kernel, t | f32 | rot,
                               dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True, BLOCK_N=dec["BLOCK_N"],
-                                   WINDOWED=False, ROTARY=True),
+                                   WINDOWED=False, ROTARY=True, PRE_N=dec_pre),
                               dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
             "decode-rotary-window": (A._decode_kernel, t | f32 | rot,
                                      dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
-                                          BLOCK_N=dec["BLOCK_N"], WINDOWED=True, ROTARY=True),
+                                          BLOCK_N=dec["BLOCK_N"], WINDOWED=True, ROTARY=True, PRE_N=dec_pre),
                                      dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
             # one query head per kv head (GPT-2: head_dim 64): 128 row tokens span 3 key tiles of 64
             "prefill-mha": (A._prefill_kernel, t, dict(G=1, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=pre64["BLOCK_M"],
@@ -353,7 +393,9 @@ def _compile_sm90() -> None:
                 if name == "prefill" or name.startswith(("prefill-variant", "prefill-mha-variant")):
                     report[f"{name}-ptxas/{dtype}"] = _check_ptxas(kernel, allow_spills=name == "prefill")
                 if name.startswith("decode"):
-                    report[f"{name}-gdc/{dtype}"] = pdl_check(kernel, consts.get("PDL", False))
+                    # the position and the preloaded tile (cache slots below it) may load before the wait
+                    early = {"load pos", "load k_pre", "load v_pre"} if consts.get("PRE_N") else {"load pos"}
+                    report[f"{name}-gdc/{dtype}"] = pdl_check(kernel, consts.get("PDL", False), frozenset(early))
                     report[f"{name}-ptxas/{dtype}"] = _check_ptxas(kernel, allow_spills=False)
                 if name.startswith(("decode", "rotary")):
                     # a contracted mul + add: fma.rn.{f32,bf16,f16}[x2] (the ftz f32 FMAs are exp2's and
@@ -517,7 +559,11 @@ def test_a_sliver_of_keys_joins_the_first_split(interpreter_report):
     assert interpreter_report["sliver-joins-first-split"] == "ok"
 
 
-DECODE_BUILDS = ["decode", "decode-d80", "decode-window", "decode-rotary", "decode-rotary-window"]
+def test_preloading_a_loop_tile_keeps_the_bits(interpreter_report):
+    assert interpreter_report["preload-of-a-loop-tile-same-bits"] == "ok"
+
+
+DECODE_BUILDS = ["decode", "decode-pre0", "decode-d80", "decode-window", "decode-rotary", "decode-rotary-window"]
 
 
 @pytest.mark.parametrize("kernel", ["prefill", "prefill-n128", "prefill-window", "prefill-mha", "rotary", *DECODE_BUILDS,
@@ -530,8 +576,10 @@ def test_kernel_compiles_for_sm90(sm90_report, kernel, dtype):
 @pytest.mark.parametrize("kernel", DECODE_BUILDS)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_decode_pdl_waits_before_any_memory_access(sm90_report, kernel, dtype):
-    """With PDL the decode kernel waits for the previous kernel before it reads cache_pos, q, k,
-    cos / sin or the cache and before any store; without PDL it has no griddepcontrol instruction."""
+    """With PDL the decode kernel waits for the previous kernel before it reads q, k, v, cos / sin,
+    the counters or the partials and before any store; before the wait it reads only cache_pos
+    and (PRE_N) the preloaded tile's cache slots, which no kernel of this step writes. Without
+    PDL it has no griddepcontrol instruction."""
     assert sm90_report[f"{kernel}-gdc/{dtype}"] == "ok"
     assert sm90_report[f"{kernel}-pdl-gdc/{dtype}"] == "ok"
 
