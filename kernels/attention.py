@@ -156,8 +156,15 @@ PREFILL_CONFIGS = {
     ("default", 128): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
     ("default", 256): dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
 }
+# PRE_N (decode): keys of each split's first tile loaded before the PDL wait, so that at a short
+# context (a split's keys: 128-191 at SPLIT_FLOOR 128) the cache reads overlap the qkv projection
+# (`_decode_kernel`). sm_90 / 128: 128 at 8 warps (4 spill); the collective-free bound on one H200
+# (Llama-8B, batch 1, context 128; tp 1 / 2 / 4 queued ms, one call, s18-h200/attn-pre): PRE_N 0
+# at 4 warps (session 17's row) 3.955 / 2.366 / 1.401, 128 at 8 warps 3.893 / 2.294 / 1.340,
+# 64 at 4 or 8 warps no gain (3.988 / 2.407 / 1.399 and 3.950 / 2.358 / 1.407)
 DECODE_CONFIGS = {
-    ("sm_90", 128): dict(BLOCK_N=64, num_warps=4, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256, SPLIT_FLOOR=128),
+    ("sm_90", 128): dict(BLOCK_N=64, num_warps=8, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256, SPLIT_FLOOR=128,
+                         PRE_N=128),
     ("sm_90", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("default", 128): dict(BLOCK_N=64, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("default", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
@@ -250,7 +257,8 @@ def decode_preload(cfg: dict) -> dict:
     none) and num_warps: the config's. DSC_ATTN_PRE (read at each launch; CUDA graphs read it at
     capture) overrides them for measuring: "128" (PRE_N) or "128:8" (and the warps). PRE_N is
     0 or a power of two of at least 16."""
-    out = {"PRE_N": cfg.get("PRE_N", 0), "num_warps": cfg["num_warps"]}
+    out = {"PRE_N": cfg.get("PRE_N", 0), "num_warps": cfg["num_warps"],
+           "TRIGGER_AT_WAIT": os.environ.get("DSC_ATTN_TRIGGER", "") == "wait"}
     spec = os.environ.get("DSC_ATTN_PRE", "").strip()
     if not spec:
         return out
@@ -260,7 +268,7 @@ def decode_preload(cfg: dict) -> dict:
     if (n != 0 and (n < 16 or n & (n - 1))) or w not in (1, 2, 4, 8, 16):
         raise ValueError(f"DSC_ATTN_PRE must be PRE_N or PRE_N:num_warps, PRE_N 0 or a power of two of at "
                          f"least 16, got {spec!r}")
-    return {"PRE_N": n, "num_warps": w}
+    return {**out, "PRE_N": n, "num_warps": w}
 
 
 def decode_num_splits(batch: int, kv_heads: int, max_seq: int, cfg: dict, n_sm: int) -> int:
@@ -628,6 +636,7 @@ def _decode_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
     ROTARY: tl.constexpr = False, PDL: tl.constexpr = False, PRE_N: tl.constexpr = 0,
+    TRIGGER_AT_WAIT: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -662,8 +671,11 @@ def _decode_kernel(
         k_pre = _load_rows(k_cache + offs_p[:, None] * skc_s + offs_d[None, :], ok_p, offs_d, HEAD_DIM, BLOCK_D)
         v_pre = _load_rows(v_cache + offs_p[:, None] * svc_s + offs_d[None, :], ok_p, offs_d, HEAD_DIM, BLOCK_D)
     if PDL:  # kernels/launch.py: wait for the previous kernel before reading what it wrote (q, k,
-        # v); the next one is let start only after the key loop (below)
+        # v); the next one is let start only after the key loop (below), or with TRIGGER_AT_WAIT
+        # here (never before the wait: the preload's argument above needs that)
         tl.extra.cuda.gdc_wait()
+        if TRIGGER_AT_WAIT:
+            tl.extra.cuda.gdc_launch_dependents()
     # q (and what rotates it) loads first, together with the new token's k and v: a load behind
     # the early return or the key loop adds its latency (with a window the new k and v load
     # after the loop: held across it, they made the windowed rotary build spill)
@@ -704,7 +716,7 @@ def _decode_kernel(
         v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
 
-    if PDL:  # the next kernel may start now, not at the top, so that its programs' early
+    if PDL and not TRIGGER_AT_WAIT:  # the next kernel may start now, not at the top, so that its programs' early
         # weight loads overlap this kernel's end rather than the key loop's chain of loads
         # (with this kernel's other session-15 changes: 26-40 us per step on an H200, PDL on)
         tl.extra.cuda.gdc_launch_dependents()

@@ -598,7 +598,7 @@ def gemv_push_config(n: int, k: int, arch: str) -> dict | None:
     row = tuning_table().get(arch, {}).get("gemv_push", {}).get(f"N{n}_K{k}")
     if cfg is None or not row:
         return cfg
-    return {**cfg, **{key: row[key] for key in CONFIG_KEYS if key in row}}
+    return {**cfg, **{key: row[key] for key in (*CONFIG_KEYS, "CHUNK") if key in row}}
 
 
 @torch.library.custom_op("dsc::linear_all_reduce_add_rmsnorm", mutates_args=())
@@ -661,6 +661,11 @@ def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
     if want > warps and n % (cfg["BLOCK_N"] * want // warps) == 0:
         cfg.update(BLOCK_N=cfg["BLOCK_N"] * want // warps, num_warps=want)
     chunk = min(next_power_of_2(n), 64 * 32 * cfg["num_warps"] // block_w)
+    spec = os.environ.get("DSC_PUSH_CHUNK", "").strip()  # measuring: CHUNK for every shape
+    if spec:
+        if not spec.isdigit() or int(spec) < 16 or int(spec) & (int(spec) - 1):
+            raise ValueError(f"DSC_PUSH_CHUNK must be a power of two of at least 16, got {spec!r}")
+        cfg["CHUNK"] = int(spec)
     return {"CHUNK": chunk, **cfg, "NORM_N": n, "BLOCK_W": block_w}
 
 

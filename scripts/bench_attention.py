@@ -350,15 +350,17 @@ def sweep(deadline):
 def short_context_sweep():
     """`--short`: batch-1 decode at the contexts a chat turn decodes at (128-4096 keys, a cache of
     SHORT_SMAX slots, default 4096), Llama-8B heads at tp 1 and 4 (8 and 2 kv heads), graph-timed
-    per call, for a few (BLOCK_N, MIN_SPLIT, SPLIT_FLOOR, num_stages) rows: SPLIT_FLOOR decides
+    per call, for a few (MIN_SPLIT, SPLIT_FLOOR, num_stages, PRE_N, num_warps) rows: SPLIT_FLOOR decides
     how many programs share a short context (at 256 keys and a floor of 256 one program per kv
     head walks them all), MIN_SPLIT the grid. Returns the rows; prints per config."""
     global H, HKV
     saved = H, HKV
     table = A.attention_config("decode", D, A.arch_of(torch.device(DEVICE)))
-    # the table's row, that row without SPLIT_FLOOR (session 8's), and grids of smaller splits
-    cands = [table] + [dict(table, BLOCK_N=n, MIN_SPLIT=ms, SPLIT_FLOOR=ms, num_stages=st)
-                       for n, ms, st in [(64, 256, 3), (64, 64, 3), (64, 128, 2), (64, 128, 3), (32, 128, 3)]]
+    # the table's row; without its preloaded tile (PRE_N 0), at 4 warps (session 17's row) and at
+    # the row's warps; a 64-key preload; session 8's row (no SPLIT_FLOOR); a grid of smaller splits
+    cands = [table, dict(table, PRE_N=0, num_warps=4), dict(table, PRE_N=0), dict(table, PRE_N=64),
+             dict(table, MIN_SPLIT=256, SPLIT_FLOOR=256, PRE_N=0, num_warps=4),
+             dict(table, MIN_SPLIT=128, SPLIT_FLOOR=128, num_stages=2)]
     rows = []
     smax = int(os.environ.get("SHORT_SMAX", "4096"))
     print(f"decode at short contexts, B=1, Smax={smax}, per call in a graph of 32 (us); table row {table}")
