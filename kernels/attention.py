@@ -257,8 +257,7 @@ def decode_preload(cfg: dict) -> dict:
     none) and num_warps: the config's. DSC_ATTN_PRE (read at each launch; CUDA graphs read it at
     capture) overrides them for measuring: "128" (PRE_N) or "128:8" (and the warps). PRE_N is
     0 or a power of two of at least 16."""
-    out = {"PRE_N": cfg.get("PRE_N", 0), "num_warps": cfg["num_warps"],
-           "TRIGGER_AT_WAIT": os.environ.get("DSC_ATTN_TRIGGER", "") == "wait"}
+    out = {"PRE_N": cfg.get("PRE_N", 0), "num_warps": cfg["num_warps"]}
     spec = os.environ.get("DSC_ATTN_PRE", "").strip()
     if not spec:
         return out
@@ -636,7 +635,6 @@ def _decode_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
     ROTARY: tl.constexpr = False, PDL: tl.constexpr = False, PRE_N: tl.constexpr = 0,
-    TRIGGER_AT_WAIT: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -671,11 +669,9 @@ def _decode_kernel(
         k_pre = _load_rows(k_cache + offs_p[:, None] * skc_s + offs_d[None, :], ok_p, offs_d, HEAD_DIM, BLOCK_D)
         v_pre = _load_rows(v_cache + offs_p[:, None] * svc_s + offs_d[None, :], ok_p, offs_d, HEAD_DIM, BLOCK_D)
     if PDL:  # kernels/launch.py: wait for the previous kernel before reading what it wrote (q, k,
-        # v); the next one is let start only after the key loop (below), or with TRIGGER_AT_WAIT
-        # here (never before the wait: the preload's argument above needs that)
+        # v); the next one is let start only after the key loop (below: never before the wait,
+        # which the preload's argument above needs; right after it measured the same, 2 H100s)
         tl.extra.cuda.gdc_wait()
-        if TRIGGER_AT_WAIT:
-            tl.extra.cuda.gdc_launch_dependents()
     # q (and what rotates it) loads first, together with the new token's k and v: a load behind
     # the early return or the key loop adds its latency (with a window the new k and v load
     # after the loop: held across it, they made the windowed rotary build spill)
@@ -716,7 +712,7 @@ def _decode_kernel(
         v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
 
-    if PDL and not TRIGGER_AT_WAIT:  # the next kernel may start now, not at the top, so that its programs' early
+    if PDL:  # the next kernel may start now, not at the top, so that its programs' early
         # weight loads overlap this kernel's end rather than the key loop's chain of loads
         # (with this kernel's other session-15 changes: 26-40 us per step on an H200, PDL on)
         tl.extra.cuda.gdc_launch_dependents()

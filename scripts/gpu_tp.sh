@@ -37,7 +37,8 @@
 #    "VAR=1|VAR=2 OTHER=x": every bound again under each of those environments (tags -envN).
 #    BENCH_ENVS="tp2,tp4:DSC_PDL=on|DSC_GEMV_EARLY=4": batch-1 benches of the artifacts under each
 #    environment, ENV_ROUNDS rounds, the default first in each (tags -eR-N; see below; with
-#    NO_BENCH=1 only these). AR_CHECK_ENV="VAR=value": the all-reduce check under it.
+#    NO_BENCH=1 only these; ENV_PROFILE="tp2": those artifacts' round-1 default bench also profiles
+#    a step). AR_CHECK_ENV="VAR=value": the all-reduce check under it.
 # If the all-reduce check fails on 4 GPUs, the rest runs with DSC_ALLREDUCE=one_shot.
 set -uo pipefail
 SHAPE=${1:-llama-8b}
@@ -202,13 +203,17 @@ if [ -n "${BENCH_ENVS:-}" ]; then
   ENV_ARTS=() ENV_VARS=()  # per environment i (from 1): the artifacts it applies to, its VAR=value words
   for E in "${ENV_LIST[@]}"; do
     arts=$ARTS; vars=$E
-    if [[ $E == *:* ]]; then arts=${E%%:*}; arts=${arts//,/ }; vars=${E#*:}; fi
+    # (a value may hold ':' too, as DSC_ATTN_PRE=128:8: only a leading list of artifacts is one)
+    if [[ $E =~ ^(tp[0-9]+(-int8)?(,tp[0-9]+(-int8)?)*):(.*)$ ]]; then
+      arts=${BASH_REMATCH[1]//,/ }; vars=${BASH_REMATCH[5]}
+    fi
     ENV_ARTS+=("$arts"); ENV_VARS+=("$vars")
     echo "env ${#ENV_VARS[@]}: $vars (on $arts)" | tee -a "$OUT/bench-envs.txt"
   done
   for R in $(seq 1 "${ENV_ROUNDS:-1}"); do
     for A in $ARTS; do
-      BENCH_ARGS="--batch 1" TAIL=3 bench "$A-e$R-0" "$A"
+      P=""; [ "$R" = 1 ] && [[ " ${ENV_PROFILE:-} " == *" $A "* ]] && P=1  # ENV_PROFILE="tp2": round 1's default profiled
+      BENCH_ARGS="--batch 1" TAIL=3 PROFILE=$P bench "$A-e$R-0" "$A"
       for i in "${!ENV_VARS[@]}"; do
         # shellcheck disable=SC2086  # VAR=value words
         [[ " ${ENV_ARTS[$i]} " == *" $A "* ]] && BENCH_ARGS="--batch 1" TAIL=3 bench "$A-e$R-$((i + 1))" "$A" ${ENV_VARS[$i]}
