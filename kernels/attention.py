@@ -47,7 +47,10 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   whole tiles, among as many splits as its key count over SPLIT_FLOOR rounds to (MIN_SPLIT when
   a row has no SPLIT_FLOOR; no sliver of a split whose combine costs more than its keys; splits
   past the end return at once).  The split that holds position cache_pos writes the new k/v
-  to the cache and attends to it from registers.  With one split, or when all of a sequence's keys fall in its first split
+  to the cache and attends to it from registers.  With PDL each program loads the position
+  and its split's first PRE_N cached keys and values before it waits for the qkv projection
+  (written in earlier steps: see the kernel), so at a short context only q and the new token's
+  k/v load after the wait.  With one split, or when all of a sequence's keys fall in its first split
   (a short context: every program can tell before its loop), that split writes `out` itself;
   otherwise each split writes its (output, log-sum-exp) pair and counts itself done on a
   per-(sequence, kv head) counter, and the split that finishes last combines the pairs and
@@ -158,10 +161,13 @@ PREFILL_CONFIGS = {
 }
 # PRE_N (decode): keys of each split's first tile loaded before the PDL wait, so that at a short
 # context (a split's keys: 128-191 at SPLIT_FLOOR 128) the cache reads overlap the qkv projection
-# (`_decode_kernel`). sm_90 / 128: 128 at 8 warps (4 spill); the collective-free bound on one H200
-# (Llama-8B, batch 1, context 128; tp 1 / 2 / 4 queued ms, one call, s18-h200/attn-pre): PRE_N 0
-# at 4 warps (session 17's row) 3.955 / 2.366 / 1.401, 128 at 8 warps 3.893 / 2.294 / 1.340,
-# 64 at 4 or 8 warps no gain (3.988 / 2.407 / 1.399 and 3.950 / 2.358 / 1.407)
+# (`_decode_kernel`). sm_90 / 128: 128 at 8 warps (at 4 the build spills). Llama-8B, bf16, batch
+# 1, context 128, queued ms (docs/results, session 18):
+# - the collective-free bound on one H200, tp 1 / 2 / 4 (s18-h200/attn-pre): PRE_N 0 at 4 warps
+#   (session 17's row) 3.955 / 2.366 / 1.401, this row 3.893 / 2.294 / 1.340; 64 keys at 4 or
+#   8 warps no gain (3.988 / 2.407 / 1.399 and 3.950 / 2.358 / 1.407);
+# - `dsc bench` on 2 H200s, two rounds (s18-h200x2/attn-pre-ab): tp=1 3.889 / 3.863 against
+#   3.953 / 3.933 without it; tp=2 2.420 / 2.396 against 2.416 / 2.407 (no gain there)
 DECODE_CONFIGS = {
     ("sm_90", 128): dict(BLOCK_N=64, num_warps=8, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256, SPLIT_FLOOR=128,
                          PRE_N=128),

@@ -22,8 +22,10 @@
   data (weights, scales) before `gdc_wait()` (which returns once the previous kernel has
   finished and its writes are visible), and reads activations, caches and counters, and writes
   anything, only after it: the runtime's memory plan reuses buffers, so a write before the wait
-  could clobber what the previous kernel still reads. Without PDL the kernels compile to what
-  they were before. `DSC_PDL=auto|on|off` (`pdl_enabled`; auto, the default, is on).
+  could clobber what the previous kernel still reads. Every program waits before it exits, so
+  a kernel's end implies its predecessors' (decode attention's early reads rely on it: the
+  position and cache slots written in earlier steps, see `_decode_kernel`). Without PDL the
+  kernels compile to what they were before. `DSC_PDL=auto|on|off` (`pdl_enabled`; auto, the default, is on).
 """
 from __future__ import annotations
 
