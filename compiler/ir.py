@@ -114,8 +114,8 @@ def meta_val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
-def copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
-    for k in ("nn_module_stack", "val"):
+def copy_meta(new: fx.Node, old: fx.Node, keys: tuple[str, ...] = ("nn_module_stack", "val")) -> fx.Node:
+    for k in keys:
         if k in old.meta:
             new.meta[k] = old.meta[k]
     return new

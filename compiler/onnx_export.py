@@ -21,7 +21,8 @@ How it is built
   - dsc.all_reduce / dsc.all_gather (tp > 1) become com.microsoft AllReduce / AllGather, the
     collectives of onnxruntime's distributed (CUDA + NCCL) build: the only nodes outside the
     standard domain, and why a tp > 1 model is checked with onnx.checker only;
-    dsc.all_reduce_add_rmsnorm becomes that AllReduce and the norm's reference;
+    dsc.all_reduce_add_rmsnorm becomes that AllReduce and the norm's reference,
+    dsc.vocab_embedding_all_reduce_rmsnorm the lookup's reference, the AllReduce and the norm's;
   - any other dsc op: its plain-torch `<op>_reference` from dsc/kernels/<file>.py.
   `fp32=True` computes in float32 (weights upcast, dtype arguments rewritten): onnxruntime's
   CPU kernels have no bfloat16 arithmetic.
@@ -45,7 +46,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from dsc.errors import UserError
-from dsc.kernels.norm import add_rmsnorm_reference
+from dsc.kernels.embedding import vocab_embedding_reference
+from dsc.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
 
 OPSET = 21  # DequantizeLinear with block_size (grouped int8 scales) needs 21
 # onnxruntime (CPU) vs the dsc runtime (CPU): least logits SQNR in dB, by (artifact dtype, ONNX
@@ -161,12 +163,18 @@ def _all_reduce_add_rmsnorm(residual, x, weight, eps):
     return add_rmsnorm_reference(torch.ops.dsc.all_reduce(x), residual, weight, eps)
 
 
+def _vocab_embedding_all_reduce_rmsnorm(weight, ids, start, norm_weight, eps):
+    h = torch.ops.dsc.all_reduce(vocab_embedding_reference(weight, ids, start))
+    return h, rmsnorm_reference(h, norm_weight, eps)
+
+
 # dsc ops that do not export through their `*_reference`: int8 linears (QDQ form), and the
 # collectives, kept as nodes and translated to onnxruntime's contrib ops (None) or, fused with
 # a norm, split into the collective and the norm's reference
 _DECOMPOSITIONS: dict[str, Callable | None] = {"linear_w8a16": linear_w8a16_qdq, "linear_w8a8": linear_w8a8_qdq,
                                                 "all_reduce": None, "all_gather": None,
-                                                "all_reduce_add_rmsnorm": _all_reduce_add_rmsnorm}
+                                                "all_reduce_add_rmsnorm": _all_reduce_add_rmsnorm,
+                                                "vocab_embedding_all_reduce_rmsnorm": _vocab_embedding_all_reduce_rmsnorm}
 
 
 # -- the module ----------------------------------------------------------------------------

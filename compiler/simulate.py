@@ -2,7 +2,7 @@
 tensor-parallel rank in lockstep, on CPU, over weights produced from the checkpoint.
 
 The program is executed node by node, once per rank, with that rank's weights and its own KV
-cache; a collective (`dsc.all_reduce`, `dsc.all_reduce_add_rmsnorm`, `dsc.all_gather`) combines
+cache; a collective (`dsc.all_reduce` and the ops with one fused in, `dsc.all_gather`) combines
 the ranks' inputs, as NCCL would. The int8 pass calibrates SmoothQuant with it and the int8
 report compares the quantized program with its unquantized twin; both need the program as it
 will run (after sharding and fusion), which the Hugging Face model is not.
@@ -23,10 +23,19 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import dsc.kernels  # noqa: F401  (registers the dsc ops the programs call)
-from dsc.kernels.norm import add_rmsnorm_reference
+from dsc.kernels.embedding import vocab_embedding_reference
+from dsc.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
 
 Observer = Callable[[fx.Node, int, tuple], None]  # (node, rank, its evaluated args), before the call
 Produce = Callable[[str, int], torch.Tensor]  # (weight name, rank) -> tensor
+
+
+def _embedding_then_norms(per_rank: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """dsc.vocab_embedding_all_reduce_rmsnorm (weight, ids, start, norm weight, eps): the ranks'
+    lookups of their rows summed (the vocab-parallel embedding), then each rank's norm."""
+    h = sum(vocab_embedding_reference(*a[:3]) for a in per_rank)
+    return [(h, rmsnorm_reference(h, *a[3:])) for a in per_rank]
+
 
 # collective -> f(every rank's args) -> every rank's result
 COLLECTIVES: dict[Any, Callable[[list[tuple]], list[torch.Tensor]]] = {
@@ -36,6 +45,7 @@ COLLECTIVES: dict[Any, Callable[[list[tuple]], list[torch.Tensor]]] = {
     torch.ops.dsc.linear_all_reduce_add_rmsnorm.default:  # (residual, x, weight, norm weight, eps)
         lambda per_rank: [add_rmsnorm_reference(sum(F.linear(a[1], a[2]) for a in per_rank), a[0], *a[3:])
                           for a in per_rank],
+    torch.ops.dsc.vocab_embedding_all_reduce_rmsnorm.default: _embedding_then_norms,
     torch.ops.dsc.all_gather.default:  # (x, dim, world)
         lambda per_rank: [torch.cat([a[0] for a in per_rank], per_rank[0][1])] * len(per_rank),
 }

@@ -1,6 +1,8 @@
 """Tensor-parallel collectives: `dsc::all_reduce` (the sum after a row-parallel linear),
 `dsc::all_reduce_add_rmsnorm` (that sum, the residual add and the RMSNorm after it, which
-`fuse_add_norm` makes of the three) and `dsc::all_gather` (vocab-parallel logits -> full
+`fuse_add_norm` makes of the three), `dsc::vocab_embedding_all_reduce_rmsnorm` (the
+vocab-parallel token embedding: the rank's lookup, the sum over the ranks and layer 0's input
+RMSNorm, also made by `fuse_add_norm`) and `dsc::all_gather` (vocab-parallel logits -> full
 logits on every rank).
 
 The op runs torch's functional collective on the default process group, so a decode step
@@ -47,12 +49,19 @@ per row). Two kernels:
   rank's push buffer themselves, and the GEMV's last program then waits, sums and normalizes
   as the push kernel does (NORM_N: one launch); DSC_ALLREDUCE=gemv_push runs the push kernel
   (SENT) for that after the GEMV instead.
-Both then round the sum to the dtype as the all-reduce's output is, add the residual and
+- embedding push (with the push kernel): `dsc::vocab_embedding_all_reduce_rmsnorm` is the push
+  kernel with EMBED, whose row is the rank's lookup of the token (kernels/embedding.py's:
+  zeros for another rank's id) and whose residual is zero, so s is the all-reduce's output;
+  one launch where the lookup, torch's one-shot all-reduce (not a PDL launch: it serialises the
+  stream) and the norm take three. Elsewhere (the pull kernel or none, more rows than the
+  buffers, CPU) it is those three ops, `dsc::rmsnorm` last.
+All of them then round the sum to the dtype as the all-reduce's output is, add the residual and
 normalize as `dsc::add_rmsnorm` does. With PDL (kernels/launch.py) they read only the norm
 weight before `gdc_wait()`; since every PDL kernel waits before it exits, the wait returning
 means every earlier kernel has finished, so the reuse argument's kernel boundaries still hold. Where the fused path is off (DSC_ALLREDUCE=one_shot or
 nccl, a failed probe at set-up, rows beyond the buffers, CPU) the op is `dsc::all_reduce`
-followed by `dsc::add_rmsnorm`, with the same values.
+followed by `dsc::add_rmsnorm`, with the same values. Each all-reduce op here, fused or not,
+takes one buffer slot per call in `program_scope` (runtime/engine.py's ALL_REDUCE_OPS count them).
 """
 from __future__ import annotations
 
@@ -65,9 +74,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from dsc.kernels.embedding import check_lookup, vocab_embedding
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
 from dsc.kernels.linear import CONFIG_KEYS, _gemv_rows, gemv_config, gemv_launch
-from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config
+from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config, rmsnorm_reference
 
 tl = None  # triton.language, bound by launch.jit on first launch
 # auto: the GEMV pushing its rows and ending the all-reduce, the push kernel, the one-shot
@@ -213,10 +223,11 @@ def _agree(device: torch.device, *errors: str) -> list[bool]:
 
 
 def _probe_fused(s: _Symmetric, kernel: str, compile_only: bool = False) -> None:
-    """Two fused all-reduce + norms of known values on every rank, outside any program; raises
-    when a result is wrong. Buffers 1 then 2: _Symmetric's probe used buffer 0, and the first
-    all-reduce of the first program will use 0 again, so consecutive uses still differ.
-    compile_only: build the kernel without launching it (a grid of no rows)."""
+    """Two fused all-reduce + norms of known values on every rank, outside any program, then
+    (push) the embedding variant once; raises when a result is wrong. Buffers 1, 2, then 1
+    again: _Symmetric's probe used buffer 0, and the first all-reduce of the first program will
+    use 0 again, so consecutive uses still differ (and buffer 1 is reused two all-reduces later,
+    as in a program). compile_only: build the kernels without launching them (grids of no rows)."""
     n = min(64, s.numel)
     dev = s.buffers[0].device
     rows = 0 if compile_only else 1
@@ -224,13 +235,19 @@ def _probe_fused(s: _Symmetric, kernel: str, compile_only: bool = False) -> None
     res = torch.zeros(rows, n, dtype=s.dtype, device=dev)
     w = torch.ones(n, dtype=s.dtype, device=dev)
     total = torch.full((rows, n), s.world * (s.world + 1) / 2, dtype=s.dtype, device=dev)  # 1 + ... + world
+    ones = torch.ones_like(total, dtype=torch.float32)
     for slot in (1, 2):
         got, y = _launch_fused(s, kernel, slot, x, res, w, 1e-6)
-        ones = torch.ones_like(total, dtype=torch.float32)
         if not torch.equal(got, total) or not torch.allclose(y.float(), ones, atol=1e-2):
             raise RuntimeError(f"a probe all-reduce + norm over {s.world} ranks gave {got.flatten()[:4].tolist()}")
-        if compile_only:
-            return
+    if kernel == "push":
+        # id 0 is rank 0's (its rows start at 0; every other rank's at 2 * rank): 5.0 on every rank
+        table = torch.full((2, n), 5.0, dtype=s.dtype, device=dev)
+        start = torch.tensor([2 * s.rank], dtype=torch.int64, device=dev)
+        got, y = _launch_embedding_push(s, 1, table, torch.zeros(rows, dtype=torch.int64, device=dev), start, w, 1e-6)
+        if not torch.equal(got, torch.full_like(got, 5.0)) or not torch.allclose(y.float(), ones, atol=1e-2):
+            raise RuntimeError(f"a probe embedding + all-reduce + norm over {s.world} ranks gave "
+                               f"{got.flatten()[:4].tolist()}")
 
 
 def disable_symmetric() -> None:
@@ -355,13 +372,17 @@ def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, 
     _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N)
 
 
-def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, rank, region,
+def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, rank, region, IDS, START, vocab,
                                 N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr,
                                 BLOCK_N: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False,
-                                SENT: tl.constexpr = False):
+                                SENT: tl.constexpr = False, EMBED: tl.constexpr = False):
     # BUFS: [WORLD] addresses of every rank's push buffer (this call's slot), read as integers of
     # the dtype's width; sender q's rows start at q * region in every buffer. MARK: -0.0's bits.
-    # SENT: the previous kernel (`_gemv_push_kernel`) already pushed this rank's row; X unused
+    # SENT: the previous kernel (`_gemv_push_kernel`) already pushed this rank's row; X unused.
+    # EMBED (`vocab_embedding_all_reduce_rmsnorm`): row i is the lookup of token IDS[i] in this
+    # rank's rows X [vocab, N] (row stride stride_x) of the embedding, ids START[0] .. START[0] +
+    # vocab - 1, zeros for another rank's id; no residual (R, stride_r unused): s is the sum.
+    # IDS, START, vocab are unused without EMBED
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -372,15 +393,23 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if not SENT:
+    if EMBED:  # as kernels/embedding.py's lookup: the row index, one per lane
+        local = tl.load(IDS + row) - tl.load(START) + 0 * cols
+        inside = (local >= 0) & (local < vocab)
+        x = tl.load(X + tl.where(inside, local, 0) * stride_x + cols, mask=mask & inside, other=0.0)
+    elif not SENT:
         x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
+    if not SENT:
         bits = x.to(it, bitcast=True)
         bits = tl.where(bits == MARK, 0, bits)  # -0.0 -> +0.0: the marker means "not arrived"
         at = (rank * region + row * N).to(tl.int64)  # (no rank.to(): triton makes a rank of 1 a constant)
         for p in tl.static_range(WORLD):  # this rank's row into its region of every rank's buffer
             buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(it)), 16)
             tl.store(buf + at + cols, bits, mask=mask)
-    r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    if EMBED:  # a residual of zeros: `_add_row` stores the sum rounded to the dtype, the all-reduce's output
+        r = tl.zeros([BLOCK_N], dtype=tl.float32)
+    else:
+        r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     _push_wait_sum_norm(BUFS, r, w, S, Y, row, rank, region, eps, N, WORLD, BLOCK_W, BLOCK_N, MARK)
 
 
@@ -523,17 +552,37 @@ def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residu
     residual, _, sr = rows_of(residual)
     out_s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
-    cfg = norm_config("add_rmsnorm", n, arch_of(x.device))
-    common = dict(N=n, WORLD=s.world, BLOCK_W=next_power_of_2(s.world), BLOCK_N=cfg["BLOCK_N"],
-                  num_warps=cfg["num_warps"], **pdl_options(x.device))
+    common = _fused_options(s, n, x.device)
     if kernel == "push":
         jit(_ar_push_add_rmsnorm_kernel)[(rows,)](
-            x, residual, weight, out_s, out_y, s.push_ptrs[slot], sx, sr, eps, s.rank, s.numel,
+            x, residual, weight, out_s, out_y, s.push_ptrs[slot], sx, sr, eps, s.rank, s.numel, x, x, 0,
             MARK=_MARK[s.dtype], SENT=sent, **common)
     else:
         jit(_ar_add_rmsnorm_kernel)[(rows,)](
             x, residual, weight, out_s, out_y, s.buffer_ptrs[slot], s.flag_ptrs, sx, sr, eps,
             s.rank, slot * s.rows, **common)
+    return out_s, out_y
+
+
+def _fused_options(s: _Symmetric, n: int, dev: torch.device) -> dict:
+    """The fused all-reduce + norm kernels' launch keywords for rows of n: one program per row,
+    the whole row in one block (`add_rmsnorm`'s config)."""
+    cfg = norm_config("add_rmsnorm", n, arch_of(dev))
+    return dict(N=n, WORLD=s.world, BLOCK_W=next_power_of_2(s.world), BLOCK_N=cfg["BLOCK_N"],
+                num_warps=cfg["num_warps"], **pdl_options(dev))
+
+
+def _launch_embedding_push(s: _Symmetric, slot: int, table: torch.Tensor, ids: torch.Tensor, start: torch.Tensor,
+                           weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The push kernel with EMBED: this rank's lookup of `ids` in its rows `table` [vocab, N]
+    (ids from start[0]) sent as the all-reduce's input; returns (sum, normed) [*ids.shape, N]."""
+    n = table.shape[-1]
+    ids = ids.contiguous()
+    out_s = torch.empty(*ids.shape, n, dtype=table.dtype, device=table.device)
+    out_y = torch.empty_like(out_s)
+    jit(_ar_push_add_rmsnorm_kernel)[(ids.numel(),)](
+        table, out_s, weight, out_s, out_y, s.push_ptrs[slot], table.stride(0), 0, eps, s.rank, s.numel,
+        ids, start, table.shape[0], MARK=_MARK[s.dtype], EMBED=True, **_fused_options(s, n, table.device))
     return out_s, out_y
 
 
@@ -571,6 +620,45 @@ def _plan_all_reduce_add_rmsnorm(residual, x, weight, eps, *, arch):
             "config": {**cfg, "fallback": "symm_mem.one_shot_all_reduce + triton.add_rmsnorm"}, "launches": 1}
 
 
+# -- vocab-parallel embedding + all-reduce + RMSNorm ------------------------------------------
+@torch.library.custom_op("dsc::vocab_embedding_all_reduce_rmsnorm", mutates_args=())
+def vocab_embedding_all_reduce_rmsnorm(weight: torch.Tensor, ids: torch.Tensor, start: torch.Tensor,
+                                       norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y): h = all_reduce(vocab_embedding(weight, ids, start)), the vocab-parallel token
+    embedding (the residual stream's start), y = RMSNorm(h) * norm_weight (layer 0's input norm),
+    the values of the unfused ops (`fuse_add_norm` makes it of the three)."""
+    h = all_reduce(vocab_embedding(weight, ids, start))
+    return h, rmsnorm_reference(h, norm_weight, eps)
+
+
+@vocab_embedding_all_reduce_rmsnorm.register_kernel("cuda")
+def _(weight, ids, start, norm_weight, eps):
+    check_lookup(weight, ids, start)
+    s = _symm
+    n = weight.shape[-1]
+    if (s is not None and s.fused == "push" and s.count and weight.dtype == norm_weight.dtype == s.dtype
+            and 0 < n <= MAX_N and 0 < ids.numel() <= s.rows and ids.numel() * n <= s.numel):
+        return _launch_embedding_push(s, s.slot(), weight.contiguous(), ids, start, norm_weight.contiguous(), eps)
+    h = all_reduce(torch.ops.dsc.vocab_embedding(weight, ids, start))  # takes the slot (or NCCL)
+    return h, torch.ops.dsc.rmsnorm(h, norm_weight, eps)
+
+
+@vocab_embedding_all_reduce_rmsnorm.register_fake
+def _(weight, ids, start, norm_weight, eps):
+    h = weight.new_empty(*ids.shape, weight.shape[1])
+    return h, torch.empty_like(h)
+
+
+@planner("dsc.vocab_embedding_all_reduce_rmsnorm.default")
+def _plan_vocab_embedding_all_reduce_rmsnorm(weight, ids, start, norm_weight, eps, *, arch):
+    """The decode program's kernel (plan_kernels sends prefill programs to plan_all_reduce_norm's
+    NCCL branch): one launch on CUDA with the push kernel."""
+    cfg = norm_config("add_rmsnorm", weight.shape[-1], arch)
+    return {"name": "triton.vocab_embedding_all_reduce_rmsnorm",
+            "config": {**cfg, "fallback": "triton.vocab_embedding + symm_mem.one_shot_all_reduce + triton.rmsnorm"},
+            "launches": 1}
+
+
 # -- row-parallel linear + all-reduce + residual add + RMSNorm --------------------------------
 _gemv_push_error = ""  # why the GEMV push kernel failed to build here (then: the unfused pair)
 
@@ -598,7 +686,7 @@ def gemv_push_config(n: int, k: int, arch: str) -> dict | None:
     row = tuning_table().get(arch, {}).get("gemv_push", {}).get(f"N{n}_K{k}")
     if cfg is None or not row:
         return cfg
-    return {**cfg, **{key: row[key] for key in (*CONFIG_KEYS, "CHUNK") if key in row}}
+    return {**cfg, **{key: row[key] for key in CONFIG_KEYS if key in row}}
 
 
 @torch.library.custom_op("dsc::linear_all_reduce_add_rmsnorm", mutates_args=())
@@ -661,11 +749,6 @@ def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
     if want > warps and n % (cfg["BLOCK_N"] * want // warps) == 0:
         cfg.update(BLOCK_N=cfg["BLOCK_N"] * want // warps, num_warps=want)
     chunk = min(next_power_of_2(n), 64 * 32 * cfg["num_warps"] // block_w)
-    spec = os.environ.get("DSC_PUSH_CHUNK", "").strip()  # measuring: CHUNK for every shape
-    if spec:
-        if not spec.isdigit() or int(spec) < 16 or int(spec) & (int(spec) - 1):
-            raise ValueError(f"DSC_PUSH_CHUNK must be a power of two of at least 16, got {spec!r}")
-        cfg["CHUNK"] = int(spec)
     return {"CHUNK": chunk, **cfg, "NORM_N": n, "BLOCK_W": block_w}
 
 

@@ -44,7 +44,7 @@ def vocab_embedding_config(hidden: int) -> dict:
 
 
 # -- wrapper ----------------------------------------------------------------------------------
-def _check(weight, ids, start) -> None:
+def check_lookup(weight, ids, start) -> None:
     if weight.dim() != 2 or start.shape != (1,) or start.dtype != torch.int64 or ids.dtype != torch.int64:
         raise ValueError(f"vocab_embedding: weight {weight.dtype}{list(weight.shape)}, ids {ids.dtype}"
                          f"{list(ids.shape)}, start {start.dtype}{list(start.shape)}: expected [rows, H], "
@@ -52,7 +52,7 @@ def _check(weight, ids, start) -> None:
 
 
 def vocab_embedding_triton(weight, ids, start, config: dict | None = None):
-    _check(weight, ids, start)
+    check_lookup(weight, ids, start)
     rows, hidden = weight.shape
     weight, ids = weight.contiguous(), ids.contiguous()
     out = torch.empty(*ids.shape, hidden, dtype=weight.dtype, device=weight.device)
@@ -76,7 +76,7 @@ def vocab_embedding_reference(weight, ids, start):
 # -- custom op --------------------------------------------------------------------------------
 @torch.library.custom_op("dsc::vocab_embedding", mutates_args=())
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    _check(weight, ids, start)
+    check_lookup(weight, ids, start)
     return vocab_embedding_reference(weight, ids, start)
 
 

@@ -118,12 +118,14 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
 
 def insert_call(graph: fx.Graph, target: Callable, args: tuple, meta_from: fx.Node) -> fx.Node:
     """Insert `target(*args)` right after the last of its input nodes (a weight read later in
-    the program moves up: get_attr has no inputs), with meta_from's module path and its own
-    inferred val."""
+    the program moves up: get_attr has no inputs; a program input's reader goes after all the
+    inputs), with meta_from's module path and its own inferred val."""
     order = node_order(graph)
     inputs = [a for a in _flatten(args) if isinstance(a, fx.Node)]
     computed = [a for a in inputs if a.op != "get_attr"] or inputs
     last = max(computed, key=order.__getitem__)
+    if last.op == "placeholder":
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last):
         new = graph.call_function(target, args)
     for a in inputs:

@@ -16,6 +16,14 @@ Matches / rewrites (each counted under `fuse_add_norm.<rule>`):
                                                        -> s, y = dsc.all_reduce_add_rmsnorm(r, x, ...):
                  on GPUs with symmetric memory one kernel sums the ranks' rows over NVLink, adds
                  and normalizes (kernels/collectives.py); elsewhere the same two ops as before
+  embedding_all_reduce
+                 y = dsc.rmsnorm(h, w, eps), h = dsc.all_reduce(dsc.vocab_embedding(W, ids, start))
+                 (tensor parallel: the vocab-parallel embedding, its lookup read by the all-reduce
+                 alone, and layer 0's input norm; h is also layer 0's post-attention residual)
+                 -> h, y = dsc.vocab_embedding_all_reduce_rmsnorm(W, ids, start, w, eps): h's other
+                 readers take output 0, the norm's output 1; on GPUs with the push all-reduce one
+                 kernel looks the rows up, sums and normalizes (kernels/collectives.py); elsewhere
+                 the same three ops. After `all_reduce`, which leaves h (h has two readers)
   RMSNorm is `rmsnorm_pattern` (LlamaRMSNorm; Mistral and Qwen2 write the same), with or without
   its fp32 casts. A LayerNorm without an add before it stays aten.layer_norm (one launch already).
 Requires: canonicalize ran (one spelling of casts). a and b have the add's shape and dtype
@@ -29,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from dsc.compiler.ir import Model
+from dsc.compiler.ir import Model, copy_meta
 from dsc.passes._pattern import Pattern, insert_call, insert_fused
 from dsc.passes._util import aten, is_call, take_bias
 
@@ -136,6 +144,19 @@ def _fuse_all_reduces(model: Model, graph: fx.Graph) -> None:
                 break
 
 
+def _fuse_embedding_all_reduces(model: Model, graph: fx.Graph) -> None:
+    for n in [n for n in graph.nodes if is_call(n, dsc.rmsnorm.default)]:
+        red, w, eps = n.args
+        emb = red.args[0] if is_call(red, dsc.all_reduce.default) else None
+        if not is_call(emb, dsc.vocab_embedding.default) or list(emb.users) != [red]:
+            continue
+        fused = insert_fused(graph, dsc.vocab_embedding_all_reduce_rmsnorm.default, (*emb.args, w, eps), [red, n])
+        # the node takes the embedding's module path, not the norm's: its launches (four in a
+        # prefill) count outside the layers, where the embedding's did
+        copy_meta(fused, red, keys=("nn_module_stack",))
+        model.counters["fuse_add_norm.embedding_all_reduce"] += 1
+
+
 def fuse_add_norm(model: Model) -> Model:
     for _, graph in model.graphs():
         _fuse_rmsnorms(model, graph)
@@ -143,5 +164,8 @@ def fuse_add_norm(model: Model) -> Model:
         graph.eliminate_dead_code()
         _fold_biases(model, graph)
         _fuse_all_reduces(model, graph)
+        # the embedding's all-reduce has two users (layer 0's input norm and its post-attention
+        # add): _fuse_all_reduces, which takes an all-reduce only its add reads, leaves it to this
+        _fuse_embedding_all_reduces(model, graph)
         graph.eliminate_dead_code()
     return model

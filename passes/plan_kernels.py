@@ -29,6 +29,7 @@ import torch.fx as fx
 import dsc.kernels  # noqa: F401  (registers every dsc op and its planner)
 from dsc.compiler.ir import Model
 from dsc.compiler.serialize import program_nodes
+from dsc.kernels.embedding import vocab_embedding_config
 from dsc.kernels.launch import PLANNERS, TARGET_ARCH
 from dsc.kernels.norm import norm_config
 from dsc.passes._util import aten
@@ -44,6 +45,8 @@ VIEWS = {
     aten.chunk.default, aten.view_as.default, aten.expand_as.default, operator.getitem,
 }
 MAYBE_COPY = {aten.reshape.default, aten.flatten.using_ints}
+# fused all-reduces whose planners give the decode program's kernel (prefill programs take NCCL)
+ALL_REDUCE_NORM_OPS = ("dsc.all_reduce_add_rmsnorm.default", "dsc.vocab_embedding_all_reduce_rmsnorm.default")
 
 
 def _val(a):
@@ -80,13 +83,20 @@ def _plan_all_reduce(program: str) -> dict:
 
 
 def _plan_all_reduce_norm(node: fx.Node, arch: str, program: str) -> dict:
-    """dsc.all_reduce_add_rmsnorm: at decode sizes one fused kernel (its planner); a prefill
-    takes the functional all-reduce (2 launches) and the add_rmsnorm kernel."""
+    """dsc.all_reduce_add_rmsnorm, dsc.vocab_embedding_all_reduce_rmsnorm: at decode sizes one
+    fused kernel (the op's planner); a prefill takes the functional all-reduce (2 launches)
+    between the op's other kernels: the add_rmsnorm kernel after it, or the lookup before it and
+    the rmsnorm kernel after."""
+    name = op_name(node.target)
     if program == "decode":
-        return PLANNERS["dsc.all_reduce_add_rmsnorm.default"](*[_val(a) if isinstance(a, fx.Node) else a
-                                                                for a in node.args], arch=arch)
-    return {"name": "nccl.all_reduce + triton.add_rmsnorm",
-            "config": norm_config("add_rmsnorm", _val(node.args[0]).shape[-1], arch), "launches": 3}
+        return PLANNERS[name](*[_val(a) if isinstance(a, fx.Node) else a for a in node.args], arch=arch)
+    hidden = _val(node.args[0]).shape[-1]
+    if name == "dsc.all_reduce_add_rmsnorm.default":
+        return {"name": "nccl.all_reduce + triton.add_rmsnorm", "config": norm_config("add_rmsnorm", hidden, arch),
+                "launches": 3}
+    return {"name": "triton.vocab_embedding + nccl.all_reduce + triton.rmsnorm",
+            "config": {"embedding": vocab_embedding_config(hidden), "norm": norm_config("rmsnorm", hidden, arch)},
+            "launches": 4}
 
 
 def _plan_all_gather(x, dim, world, *, arch):
@@ -116,7 +126,7 @@ def plan_node(node: fx.Node, arch: str, program: str = "prefill") -> dict:
                 "launches": 2 if bias and program == "decode" else 1}
     if name == "dsc.all_reduce.default" and name not in PLANNERS:
         return _plan_all_reduce(program)
-    if name == "dsc.all_reduce_add_rmsnorm.default":
+    if name in ALL_REDUCE_NORM_OPS:
         return _plan_all_reduce_norm(node, arch, program)
     plan = PLANNERS.get(name) or FALLBACK_PLANNERS.get(name)
     if plan is not None:

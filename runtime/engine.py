@@ -61,7 +61,7 @@ def pipeline_mode() -> str:
 
 
 ALL_REDUCE_OPS = ("dsc.all_reduce.default", "dsc.all_reduce_add_rmsnorm.default",
-                  "dsc.linear_all_reduce_add_rmsnorm.default")
+                  "dsc.linear_all_reduce_add_rmsnorm.default", "dsc.vocab_embedding_all_reduce_rmsnorm.default")
 
 
 def _all_reduce_nodes(program: dict) -> list[dict]:

@@ -27,9 +27,11 @@ _OPERATOR_FUNCS = {getattr(operator, n): n for n in dir(operator) if not n.start
 # the ops that attend over a layer's KV cache and write the new tokens into it (the decode
 # program's attention has the rotary embedding fused in: passes/fuse_rotary_attention.py)
 ATTENTION_OPS = ("dsc.attention.default", "dsc.rotary_attention.default")
-# table lookups (the token embedding; a vocab-parallel rank's, kernels/embedding.py): a step
-# reads the rows of its tokens, at most one per token, not the table (the first argument)
-GATHER_OPS = ("aten.embedding.default", "dsc.vocab_embedding.default")
+# table lookups (the token embedding; a vocab-parallel rank's, kernels/embedding.py, also with
+# its all-reduce and layer 0's norm fused in): a step reads the rows of its tokens, at most one
+# per token, not the table (the first argument)
+GATHER_OPS = ("aten.embedding.default", "dsc.vocab_embedding.default",
+              "dsc.vocab_embedding_all_reduce_rmsnorm.default")
 
 
 def op_name(target: Any) -> str:

@@ -49,11 +49,11 @@ def _plan_launches(engine, batch: int, context: int) -> list[dict]:
         launches = int(k.get("launches", 0)) if n["kind"] == "call" else 0
         if not launches:
             continue
-        if n["op"] in GATHER_OPS:  # a gather of `batch` rows, not the table
+        nbytes = _weight_bytes(engine, n, targets) + (kv_layer if n["op"] in ATTENTION_OPS else 0)
+        if n["op"] in GATHER_OPS:  # a gather of `batch` rows, not the table (the other weights whole)
             table = engine.weights.get(targets.get(n["args"][0].get("node"))) if isinstance(n["args"][0], dict) else None
-            nbytes = batch * table[0].numel() * table.element_size() if table is not None else 0
-        else:
-            nbytes = _weight_bytes(engine, n, targets) + (kv_layer if n["op"] in ATTENTION_OPS else 0)
+            if table is not None:
+                nbytes -= (table.shape[0] - batch) * table[0].numel() * table.element_size()
         for i in range(launches):
             out.append({"node": n["name"], "kernel": k.get("name", n["op"]), "bytes": nbytes if i == 0 else 0})
     return out

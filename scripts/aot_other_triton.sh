@@ -48,13 +48,15 @@ from dsc.kernels import collectives as c
 from dsc.kernels.launch import compile_for_arch
 types = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "S": "*bf16", "Y": "*bf16", "BUFS": "*i64", "FLAGS": "*i64",
          "stride_x": "i32", "stride_r": "i32", "eps": "fp32", "rank": "i32", "flag_base": "i32"}
-push = {k: v for k, v in types.items() if k not in ("FLAGS", "flag_base")} | {"region": "i32"}
+push = {k: v for k, v in types.items() if k not in ("FLAGS", "flag_base")} | {
+    "region": "i32", "IDS": "*i64", "START": "*i64", "vocab": "i32"}
 for world in (2, 4, 8):
     for pdl in (False, True):
         for rank1 in ({}, {"rank": 1}):  # triton turns an integer argument equal to 1 into a constant
             common = {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096, "PDL": pdl, **rank1}
-            compile_for_arch(c._ar_push_add_rmsnorm_kernel, {k: v for k, v in push.items() if k not in rank1},
-                             {**common, "MARK": -32768}, num_warps=8)
+            for embed in (False, True):  # EMBED: the vocab-parallel embedding + all-reduce + RMSNorm
+                compile_for_arch(c._ar_push_add_rmsnorm_kernel, {k: v for k, v in push.items() if k not in rank1},
+                                 {**common, "MARK": -32768, "EMBED": embed}, num_warps=8)
             compile_for_arch(c._ar_add_rmsnorm_kernel, {k: v for k, v in types.items() if k not in rank1},
                              common, num_warps=8)
 gemv = {"X": "*bf16", "W": "*bf16", "BUFS": "*i64", "N": "i32", "K": "i32", "rank": "i32", "region": "i32"}
@@ -67,6 +69,7 @@ for world in (2, 4):
 f32 = {k: ("*fp32" if v == "*bf16" else v) for k, v in push.items()}  # fp32 models: 32-bit marker
 compile_for_arch(c._ar_push_add_rmsnorm_kernel, f32,
                  {"N": 2048, "WORLD": 2, "BLOCK_W": 2, "BLOCK_N": 2048, "MARK": -2**31}, num_warps=8)
-print("collectives: all_reduce_add_rmsnorm (pull and push, PDL on and off) built for 2, 4, 8 ranks, push also for fp32; GEMV push for 2, 4")
+print("collectives: all_reduce_add_rmsnorm (pull and push, PDL on and off) built for 2, 4, 8 ranks, push also for fp32 "
+      "and with the embedding (EMBED); GEMV push for 2, 4")
 PY
 exit $fail

@@ -13,7 +13,10 @@ different rank spins for a while (torch.cuda._sleep) so the ranks run out of ste
 overwrote a buffer (or set a flag) a peer still reads gives a wrong sum. Every sum is compared
 with the exact sum; the fused op's sum + residual must be exact too, and its normalized output
 equal to dsc.add_rmsnorm's of the exact sum within one bf16 rounding. This runs once with the
-push kernel (the default) and once with the pull kernel (DSC_ALLREDUCE=pull), then at one row
+push kernel (the default) and once with the pull kernel (DSC_ALLREDUCE=pull), each also with every
+third call the vocab-parallel embedding + all-reduce + RMSNorm
+(dsc.vocab_embedding_all_reduce_rmsnorm: the push kernel looking its row up; token i one rank's
+row i; the sum exact, the norm dsc.rmsnorm's within one rounding), then at one row
 with every third call the row-parallel linear + all-reduce + add + RMSNorm
 (dsc.linear_all_reduce_add_rmsnorm: its GEMV pushes its rows; the weight selects x's columns,
 so the sums stay exact), twice: the GEMV's last program ending the all-reduce (the default),
@@ -105,11 +108,13 @@ def linear_call(k, lin_weight):
     return lin_weight is not None and k % 3 == 2
 
 
-def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda k: k % 3 != 0, lin_weight=None):
+def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda k: k % 3 != 0, lin_weight=None,
+            lookup=None):
     """All-reduce each input in turn, call k fused with add + RMSNorm where fused(k) (and a
     residual is given), and with lin_weight every third call the row-parallel linear + all-reduce
-    + add + RMSNorm of x[..., :K_LIN] (the GEMV that pushes its rows); before call k, rank
-    k % world spins `skew` cycles."""
+    + add + RMSNorm of x[..., :K_LIN] (the GEMV that pushes its rows); with lookup = (ids, start)
+    the other calls are the vocab-parallel embedding + all-reduce + RMSNorm, x the rank's rows of
+    the table; before call k, rank k % world spins `skew` cycles."""
     outs = []
     with collectives.program_scope(len(inputs)):
         for k, x in enumerate(inputs):
@@ -120,12 +125,14 @@ def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda 
                                                                         EPS))
             elif residual is not None and fused(k):
                 outs.append(torch.ops.dsc.all_reduce_add_rmsnorm(residual, x, weight, EPS))
+            elif lookup is not None:
+                outs.append(torch.ops.dsc.vocab_embedding_all_reduce_rmsnorm(x, *lookup, weight, EPS))
             else:
                 outs.append(torch.ops.dsc.all_reduce(x))
     return outs
 
 
-def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False):
+def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False, embed=False):
     sizes = {"graph65": 65, "graph64": 64, "eager3": 3, "eager2": 2}
     salts = {"graph65": 0, "graph64": 1, "eager3": 2, "eager2": 4}
     inputs = {k: [torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device=dev) for _ in range(n)]
@@ -138,24 +145,34 @@ def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False):
                 salt = salts[name] + 3 * k + 5 * r
                 x.copy_(((base + salt + 11 * rank) % 13).to(torch.bfloat16))
 
+    # embed: token i is rank i % world's row i (ids from rank q's start q * rows)
+    owner = (torch.arange(rows, device=dev) % world)[:, None]
+    lookup = ((owner[:, 0] * rows + torch.arange(rows, device=dev)), torch.tensor([rank * rows], device=dev))
+
     def want(name, k, r):
         salt = salts[name] + 3 * k + 5 * r
+        if embed and not k % 3:  # the owner's row: the others add zeros
+            return ((base + salt + 11 * owner) % 13).to(torch.bfloat16)
         return sum(((base + salt + 11 * q) % 13) for q in range(world)).to(torch.bfloat16)
 
     residual = ((base % 7) - 3).to(torch.bfloat16)  # small integers: sum + residual stays exact
     weight = (1 + (torch.arange(HIDDEN, device=dev) % 5) / 4).to(torch.bfloat16)
 
-    def wrong(out, sum_):
+    def wrong(out, sum_, lookup_call):
         if isinstance(out, torch.Tensor):
             return not torch.equal(out, sum_)
         s, y = out
-        s_ref, y_ref = torch.ops.dsc.add_rmsnorm(sum_, residual, weight, EPS)
+        if lookup_call:
+            s_ref, y_ref = sum_, torch.ops.dsc.rmsnorm(sum_, weight, EPS)
+        else:
+            s_ref, y_ref = torch.ops.dsc.add_rmsnorm(sum_, residual, weight, EPS)
         # y: the two kernels reduce the sum of squares in different orders, so allow one rounding
         return not torch.equal(s, s_ref) or not torch.allclose(y.float(), y_ref.float(), rtol=8e-3, atol=1e-6)
 
     lin_weight = select_weight(dev) if linear else None
     pick = torch.arange(HIDDEN, device=dev) % K_LIN
-    run = lambda name: program(inputs[name], rank, world, skew, residual, weight, lin_weight=lin_weight)  # noqa: E731
+    run = lambda name: program(inputs[name], rank, world, skew, residual, weight, lin_weight=lin_weight,  # noqa: E731
+                               lookup=lookup if embed else None)
     fill(0)
     g65, o65 = graph_of(lambda: run("graph65"))
     g64, o64 = graph_of(lambda: run("graph64"))
@@ -170,7 +187,7 @@ def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False):
         for name, outs in (("graph65", o65), ("eager3", e3), ("graph64", o64), ("eager2", e2)):
             for k, o in enumerate(outs):
                 w = want(name, k, r)
-                bad += int(wrong(o, w[:, pick] if linear_call(k, lin_weight) else w))
+                bad += int(wrong(o, w[:, pick] if linear_call(k, lin_weight) else w, embed and not k % 3))
     return bad, rounds * sum(sizes.values())
 
 
@@ -252,6 +269,10 @@ def main():
             symm.fused = kernel
             bad, total = check(rank, world, dev)
             res[f"check_{kernel or 'one_shot'}"] = {"wrong": bad, "all_reduces": total}
+            # every third call the vocab-parallel embedding + all-reduce + RMSNorm (one push
+            # kernel; with the pull kernel or none, the lookup, the all-reduce and the norm)
+            bad, total = check(rank, world, dev, embed=True)
+            res[f"check_{kernel or 'one_shot'}_embed"] = {"wrong": bad, "all_reduces": total}
         if kernels:  # one row, every third call the linear whose GEMV pushes its rows: the GEMV
             symm.fused = "push"  # ending the all-reduce (default), then the GEMV and the push kernel
             for mode, key in (("auto", "check_gemv_push_norm"), ("gemv_push", "check_gemv_push")):

@@ -8,9 +8,12 @@ collectives with local stand-ins of no communication:
   the one tp=1 runs in its place;
 - the row-parallel linear + all-reduce + norm (`dsc::linear_all_reduce_add_rmsnorm`) -> the
   linear's kernel, then that add + RMSNorm (tp=1's two launches);
+- the vocab-parallel embedding + all-reduce + RMSNorm (`dsc::vocab_embedding_all_reduce_rmsnorm`)
+  -> the rank's lookup (`dsc::vocab_embedding`), then the RMSNorm kernel (tp=1's embedding and
+  layer 0's input norm: two launches);
 - the logits' all-gather (`dsc::all_gather`) -> rank 0's shard repeated (one copy kernel);
-- `dsc::all_reduce` (the embedding's, once per step) stays the identity it is without a group
-  (a copy).
+- `dsc::all_reduce` (unfused: the embedding's where fuse_add_norm left it, a model without
+  RMSNorm) stays the identity it is without a group (a copy).
 The results are wrong numbers computed at the shard's shapes: every kernel a tp rank runs,
 with every wait for a peer and every NVLink transfer removed. Its batch-1 decode step (CUDA
 graphs, the context `dsc bench` uses; PDL as DSC_PDL says: on by default, as in tp ranks
@@ -39,8 +42,13 @@ def _stand_ins(device_type: str) -> None:
         s, y = torch.ops.dsc.add_rmsnorm(torch.ops.dsc.linear(x, weight), residual, norm_weight, eps)
         return s.view(residual.shape), y.view(residual.shape)
 
+    def embedding_norm(weight, ids, start, norm_weight, eps):
+        h = torch.ops.dsc.vocab_embedding(weight, ids, start)
+        return h, torch.ops.dsc.rmsnorm(h, norm_weight, eps)
+
     C.all_reduce_add_rmsnorm.register_kernel(device_type)(add_norm)
     C.linear_all_reduce_add_rmsnorm.register_kernel(device_type)(linear_add_norm)
+    C.vocab_embedding_all_reduce_rmsnorm.register_kernel(device_type)(embedding_norm)
     C.all_gather.register_kernel(device_type)(lambda x, dim, world: torch.cat([x] * world, dim))
 
 

@@ -38,9 +38,10 @@ def test_decode_bytes_counts_every_matmul_weight_once_and_gathered_rows(compile_
 
 
 def test_decode_bytes_counts_a_vocab_parallel_ranks_embedding_as_gathered_rows(compile_artifact):
-    """At tp=2 the embedding is `dsc.vocab_embedding` of the rank's rows: a step reads at most a
-    row per token of it (as of a replicated embedding), not the shard; in the profile's per-node
-    bytes too."""
+    """At tp=2 the embedding is a lookup in the rank's rows (`dsc.vocab_embedding`, here with its
+    all-reduce and layer 0's norm fused in): a step reads at most a row per token of it (as of a
+    replicated embedding), not the shard; in the profile's per-node bytes too, with the node's
+    other weights (the rank's first id, the norm weight) whole."""
     from dsc.runtime.artifact import open_artifact
     from dsc.runtime.engine import Engine
     from dsc.runtime.profile import _plan_launches
@@ -48,8 +49,8 @@ def test_decode_bytes_counts_a_vocab_parallel_ranks_embedding_as_gathered_rows(c
     art_path = compile_artifact("llama-tiny", dtype="fp32", tp=2)
     art = open_artifact(str(art_path), ranks=[0], verify=False)
     engine = Engine(art, 0, art.tp, torch.device("cpu"), cuda_graphs=False)
-    emb = "model.embed_tokens.weight"
-    assert any(n.get("op") == "dsc.vocab_embedding.default" for n in engine.plan["programs"]["decode"]["nodes"])
+    emb, lookup_op = "model.embed_tokens.weight", "dsc.vocab_embedding_all_reduce_rmsnorm.default"
+    assert any(n.get("op") == lookup_op for n in engine.plan["programs"]["decode"]["nodes"])
     sizes = _rank_bytes(art_path)
     rows, hidden = engine.weights[emb].shape
     assert sizes[emb] == rows * hidden * 4
@@ -57,8 +58,9 @@ def test_decode_bytes_counts_a_vocab_parallel_ranks_embedding_as_gathered_rows(c
     assert decode_bytes(engine, 2, 10)["weights"] == sum(sizes.values()) - sizes[emb] + 2 * hidden * 4
     plan = _plan_launches(engine, 2, 10)
     nodes = {n["name"]: n for n in engine.plan["programs"]["decode"]["nodes"]}
-    lookup = [p for p in plan if nodes[p["node"]]["op"] == "dsc.vocab_embedding.default"]
-    assert [p["bytes"] for p in lookup] == [2 * hidden * 4] and kv > 0
+    lookup = [p for p in plan if nodes[p["node"]]["op"] == lookup_op]
+    others = sizes["model.embed_tokens.vocab_start"] + sizes["model.layers.0.input_layernorm.weight"]
+    assert [p["bytes"] for p in lookup] == [2 * hidden * 4 + others] and others == 8 + hidden * 4 and kv > 0
 
 
 def test_bench_cli_writes_table_json_and_profile(compile_artifact, tmp_path):
@@ -213,9 +215,10 @@ def test_launch_slots_folds_the_layers_and_sums_each_slot(tmp_path):
 
 def test_tp_local_bound_runs_each_rank_0_with_local_collectives(compile_artifact, tmp_path):
     """scripts/tp_local_bound.py (the lower bound of a tp's decode step, timed on one GPU) on CPU:
-    rank 0 of a tp=2 artifact runs without a process group, its all-gather, all-reduce + norm and
-    row-parallel linear + all-reduce + norm replaced by local stand-ins (without them the
-    all-gather raises: it needs a group), and the table has a row per artifact against tp=1."""
+    rank 0 of a tp=2 artifact runs without a process group, its all-gather, all-reduce + norm,
+    row-parallel linear + all-reduce + norm and embedding + all-reduce + norm replaced by local
+    stand-ins (without them the all-gather raises: it needs a group), and the table has a row per
+    artifact against tp=1."""
     import os
     import subprocess
     import sys
@@ -223,7 +226,8 @@ def test_tp_local_bound_runs_each_rank_0_with_local_collectives(compile_artifact
 
     tp1, tp2 = compile_artifact("llama-tiny", dtype="fp16"), compile_artifact("llama-tiny", dtype="fp16", tp=2)
     ops = {n.get("op") for n in json.loads((tp2 / "plan.json").read_text())["programs"]["decode"]["nodes"]}
-    assert {"dsc.all_gather.default", "dsc.linear_all_reduce_add_rmsnorm.default"} <= ops  # what the stand-ins replace
+    assert {"dsc.all_gather.default", "dsc.linear_all_reduce_add_rmsnorm.default",
+            "dsc.vocab_embedding_all_reduce_rmsnorm.default"} <= ops  # what the stand-ins replace
     script = Path(__file__).resolve().parents[1] / "scripts" / "tp_local_bound.py"
     r = subprocess.run([sys.executable, str(script), str(tp1), str(tp2), "--device", "cpu", "--iters", "1",
                         "--context", "8", "--profile"], capture_output=True, text=True,

@@ -19,11 +19,13 @@ import torch
 from kernel_child import child_fixtures
 
 from dsc.kernels import collectives as C
-from dsc.kernels.norm import add_rmsnorm_reference
+from dsc.kernels.embedding import vocab_embedding_reference
+from dsc.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}  # the interpreter rounds bf16 differently
 CASES = {"w2-r1": (2, 1), "w4-r0": (4, 0), "w4-r2": (4, 2)}  # (world, this rank)
 ROWS, N, CAP, EPS = 3, 40, 4, 1e-5  # rows of this call, row width (not a power of 2), max rows
+VOCAB = 7  # a rank's rows of the embedding table (EMBED)
 
 
 def _inputs(world: int, rank: int, dtype: torch.dtype):
@@ -37,6 +39,22 @@ def _inputs(world: int, rank: int, dtype: torch.dtype):
     return xs, res, w, want_s, want_y
 
 
+def _push_buffers(world: int, rank: int, dtype: torch.dtype, slot: int, peers: list[torch.Tensor]):
+    """Every rank's push buffer of `slot` (the marker everywhere) with the peers' rows `peers[q]`
+    already delivered into this rank's, as once their kernels have run; and the `_Symmetric`
+    stand-in pointing at them."""
+    numel = CAP * N
+    bufs = [torch.empty(world * numel, dtype=dtype) for _ in range(world)]
+    for b in bufs:
+        b.view(C._BITS[dtype]).fill_(C._MARK[dtype])
+    for q in range(world):
+        if q != rank:
+            bufs[rank][q * numel: q * numel + peers[q].numel()] = peers[q].flatten()
+    ptrs = torch.zeros(3, world, dtype=torch.int64)
+    ptrs[slot] = torch.tensor([b.data_ptr() for b in bufs])
+    return bufs, types.SimpleNamespace(world=world, rank=rank, numel=numel, rows=CAP, dtype=dtype, push_ptrs=ptrs)
+
+
 def _compare(got_s, got_y, want_s, want_y) -> dict:
     return {"sum_equal": torch.equal(got_s, want_s),
             "norm_err": float((got_y.float() - want_y.float()).abs().max())}
@@ -45,16 +63,8 @@ def _compare(got_s, got_y, want_s, want_y) -> dict:
 def _push(world: int, rank: int, dtype: torch.dtype) -> dict:
     numel, bits, mark = CAP * N, C._BITS[dtype], C._MARK[dtype]
     xs, res, w, want_s, want_y = _inputs(world, rank, dtype)
-    bufs = [torch.empty(world * numel, dtype=dtype) for _ in range(world)]  # every rank's buffer (one slot)
-    for b in bufs:
-        b.view(bits).fill_(mark)
-    for q in range(world):  # the peers' rows, already delivered into this rank's buffer
-        if q != rank:
-            bufs[rank][q * numel: q * numel + ROWS * N] = xs[q].flatten()
     slot = 1
-    ptrs = torch.zeros(3, world, dtype=torch.int64)
-    ptrs[slot] = torch.tensor([b.data_ptr() for b in bufs])
-    s = types.SimpleNamespace(world=world, rank=rank, numel=numel, rows=CAP, dtype=dtype, push_ptrs=ptrs)
+    bufs, s = _push_buffers(world, rank, dtype, slot, xs)
     got_s, got_y = C._launch_fused(s, "push", slot, xs[rank], res, w, EPS)
     sent = xs[rank].masked_fill(xs[rank] == 0, 0.0)  # -0.0 -> +0.0
     delivered = all(torch.equal(bufs[q][rank * numel: rank * numel + ROWS * N].view(bits), sent.flatten().view(bits))
@@ -108,16 +118,8 @@ def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int = 0) -> dic
     w = torch.randn(N, generator=g).to(dtype)
     total = sum(x.float() for x in xs)
     want_s, want_y = add_rmsnorm_reference(total.to(dtype), res, w, EPS)
-    bufs = [torch.empty(world * numel, dtype=dtype) for _ in range(world)]
-    for b in bufs:
-        b.view(bits).fill_(mark)
-    for q in range(world):
-        if q != rank:
-            bufs[rank][q * numel: q * numel + N] = xs[q].flatten()
     slot = 2
-    ptrs = torch.zeros(3, world, dtype=torch.int64)
-    ptrs[slot] = torch.tensor([b.data_ptr() for b in bufs])
-    s = types.SimpleNamespace(world=world, rank=rank, numel=numel, rows=CAP, dtype=dtype, push_ptrs=ptrs)
+    bufs, s = _push_buffers(world, rank, dtype, slot, xs)
     cfg = {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 1}
     if chunk:
         bufs_before = [b.clone() for b in bufs]
@@ -144,12 +146,64 @@ def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int = 0) -> dic
             "peers_untouched": untouched}
 
 
+def _embed_push(world: int, rank: int, dtype: torch.dtype) -> dict:
+    """The vocab-parallel embedding + all-reduce + RMSNorm (the push kernel with EMBED): this
+    rank looks its tokens up in its VOCAB rows of the table (zeros for the others' ids), sends
+    that, and sums with the peers' lookups, delivered as their kernels would send them."""
+    numel, bits, mark = CAP * N, C._BITS[dtype], C._MARK[dtype]
+    g = torch.Generator().manual_seed(200 + world * 10 + rank)
+    full = torch.randn(world * VOCAB, N, generator=g).to(dtype)  # [world * VOCAB, N]: every rank's rows
+    # [ROWS, 1]: a decode step's ids; this rank's, the next rank's (below start for the last rank), its last
+    ids = torch.tensor([[rank * VOCAB + 2], [(rank + 1) % world * VOCAB], [rank * VOCAB + VOCAB - 1]])
+    full[rank * VOCAB + 2, :5] = -0.0  # in this rank's rows: sent as +0.0
+    w = torch.randn(N, generator=g).to(dtype)
+    starts = [torch.tensor([q * VOCAB]) for q in range(world)]
+    lookups = [vocab_embedding_reference(full[q * VOCAB: (q + 1) * VOCAB], ids, starts[q]) for q in range(world)]
+    sent = [x.masked_fill(x == 0, 0.0) for x in lookups]  # [ROWS, 1, N] each, -0.0 -> +0.0
+    want_h = sum(x.float() for x in lookups).to(dtype)  # fp32, rank order, rounded once: the all-reduce's
+    want_y = rmsnorm_reference(want_h, w, EPS)
+    slot = 0
+    bufs, s = _push_buffers(world, rank, dtype, slot, sent)
+    table = full[rank * VOCAB: (rank + 1) * VOCAB]
+    got_h, got_y = C._launch_embedding_push(s, slot, table, ids, starts[rank], w, EPS)
+    mine = sent[rank].flatten().view(bits)
+    delivered = all(torch.equal(bufs[q][rank * numel: rank * numel + ROWS * N].view(bits), mine)
+                    and int((bufs[q].view(bits) != mark).sum()) == ROWS * N for q in range(world) if q != rank)
+    return {"sum_equal": torch.equal(got_h, want_h) and got_h.shape == (ROWS, 1, N),
+            "norm_err": float((got_y.float() - want_y.float()).abs().max()), "delivered": delivered,
+            "negative_zero_sent_as_zero": bool((lookups[rank].flatten().view(bits)[:5] == mark).all()
+                                               and (mine.view(ROWS, N)[0, :5] == 0).all()),
+            "others_ids_zeros": bool((mine.view(ROWS, N)[1] == 0).all()) and bool(lookups[rank][0].any()),
+            "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all())}
+
+
+def _probe(dtype: torch.dtype) -> dict:
+    """`_probe_fused` (the set-up's check of the push kernel and its embedding variant) over a
+    world of one: its launches give the known sums, and every buffer is back at the marker."""
+    numel, bits, mark = CAP * N, C._BITS[dtype], C._MARK[dtype]
+    bufs = [torch.empty(numel, dtype=dtype) for _ in range(3)]
+    for b in bufs:
+        b.view(bits).fill_(mark)
+    ptrs = torch.tensor([[b.data_ptr()] for b in bufs], dtype=torch.int64)
+    s = types.SimpleNamespace(world=1, rank=0, numel=numel, rows=CAP, dtype=dtype, push_ptrs=ptrs, buffers=bufs)
+    errors = {}
+    for compile_only in (True, False):
+        try:
+            C._probe_fused(s, "push", compile_only=compile_only)
+            errors[compile_only] = ""
+        except Exception as e:  # noqa: BLE001  (reported by the test)
+            errors[compile_only] = f"{type(e).__name__}: {e}"
+    return {"compile_only": errors[True], "launched": errors[False],
+            "reset": all(bool((b.view(bits) == mark).all()) for b in bufs)}
+
+
 def run_interpreted(out: str) -> None:
-    kinds = (("push", _push), ("pull", _pull), ("gemv_push", _gemv_push),
+    kinds = (("push", _push), ("pull", _pull), ("gemv_push", _gemv_push), ("embed_push", _embed_push),
              ("gemv_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16)),  # 3 passes, the last partial
              ("gemv_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64)))  # one pass
     res = {f"{k}-{name}-{d}": fn(world, rank, dt) for k, fn in kinds
            for name, (world, rank) in CASES.items() for d, dt in DTYPES.items()}
+    res.update({f"probe-{d}": _probe(dt) for d, dt in DTYPES.items()})
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -161,18 +215,24 @@ def run_aot(out: str) -> None:
 
     pull = {**{n: "*bf16" for n in "X R W S Y".split()}, "BUFS": "*i64", "FLAGS": "*i64", "stride_x": "i32",
             "stride_r": "i32", "eps": "fp32", "rank": "i32", "flag_base": "i32"}
-    push = {k: v for k, v in pull.items() if k not in ("FLAGS", "flag_base")} | {"region": "i32"}
+    push = {k: v for k, v in pull.items() if k not in ("FLAGS", "flag_base")} | {
+        "region": "i32", "IDS": "*i64", "START": "*i64", "vocab": "i32"}
     res = {}
     for world in (2, 4):
         for pdl in (False, True):
             common = {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096, "PDL": pdl}
+            # (embed_push: the vocab-parallel embedding's lookup as the row sent, Llama-8B's hidden size;
+            # the token ids and the table are as much another kernel's as the rows)
             for name, fn, types, const in (("push", C._ar_push_add_rmsnorm_kernel, push, {"MARK": -32768}),
-                                           ("pull", C._ar_add_rmsnorm_kernel, pull, {})):
+                                           ("pull", C._ar_add_rmsnorm_kernel, pull, {}),
+                                           ("embed_push", C._ar_push_add_rmsnorm_kernel, push,
+                                            {"MARK": -32768, "EMBED": True})):
                 k = compile_for_arch(fn, types, {**common, **const}, num_warps=8)
                 # before the wait only the norm weight (read-only) may be read: the rows, the
                 # residual and every buffer belong to kernels that may still run
                 res[f"{name}-w{world}{'-pdl' if pdl else ''}"] = {
-                    "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"}))}
+                    "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
+                    **({"spills": spill_bytes(k)} if name == "embed_push" else {})}
             # the GEMV that pushes its rows, at the tuned sm_90 config of Llama-8B's o_proj at
             # tp=4 ([4096, 1024]): only its first weight tile loads before the wait
             gemv = {"X": "*bf16", "W": "*bf16", "BUFS": "*i64", "N": "i32", "K": "i32", "rank": "i32",
@@ -215,6 +275,26 @@ def test_push_kernel_sums_delivers_and_resets(case, dtype, interpreted):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_push_kernel_looks_up_sums_normalizes_and_resets(case, dtype, interpreted):
+    """The vocab-parallel embedding + all-reduce + RMSNorm in one launch: this rank's lookup
+    (zeros for another rank's id, -0.0 sent as +0.0) reaches every peer's buffer, the sum equals
+    the unfused all-reduce's bits, the norm is RMSNorm's, and this rank's buffer is reset."""
+    r = interpreted[f"embed_push-{case}-{dtype}"]
+    assert r["sum_equal"] and r["norm_err"] < (1e-5 if dtype == "fp32" else 2e-3), r
+    assert r["delivered"] and r["negative_zero_sent_as_zero"] and r["others_ids_zeros"], r
+    assert r["own_buffer_reset"], r
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_set_up_probe_checks_the_push_kernel_and_its_embedding_variant(dtype, interpreted):
+    """The probe enable_symmetric runs on every rank before trusting the push kernel: it builds
+    (compile_only) and runs both variants with known values and leaves every buffer marked."""
+    r = interpreted[f"probe-{dtype}"]
+    assert r == {"compile_only": "", "launched": "", "reset": True}, r
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_pull_kernel_sums_signals_and_clears(case, dtype, interpreted):
     r = interpreted[f"pull-{case}-{dtype}"]
     assert r["sum_equal"] and r["norm_err"] < (1e-5 if dtype == "fp32" else 2e-3), r
@@ -247,7 +327,8 @@ def test_gemv_push_with_norm_ends_the_all_reduce_in_its_last_program(kind, case,
 
 
 def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
-    assert len(compiled) == 20 and sum(k.endswith("-pdl") for k in compiled) == 10, list(compiled)
+    assert len(compiled) == 24 and sum(k.endswith("-pdl") for k in compiled) == 12, list(compiled)
+    assert all(f"embed_push-w{w}{p}" in compiled for w in (2, 4) for p in ("", "-pdl")), list(compiled)
     bad = {k: v for k, v in compiled.items() if not v["ok"] or v["pdl"] != "ok" or v.get("spills", 0)}
     assert not bad, bad
     # the GEMV + all-reduce end: a 4096-wide row in one pass, at 4 warps at tp 2 and 8 at tp 4;

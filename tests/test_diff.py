@@ -165,4 +165,10 @@ def test_numeric_diff_tp2_matches_tp1(compile_artifact):
                 for a in n["args"] if isinstance(a, dict)}
     summed = [r for r in d["nodes"] if r.get("gathered") == "partial sums, summed"]
     assert summed and all(r["b"] in fused_in for r in summed)
-    assert any(r["b"] == "model.embed_tokens.all_reduce" for r in d["nodes"])  # the vocab-parallel lookup, reduced
+    # the vocab-parallel lookup, reduced, and layer 0's input norm: the outputs of the one node
+    # fuse_add_norm made of them and the all-reduce, each the same bits as tp=1's value
+    by_b, by_a = {n["name"]: n for n in nodes_b}, {r["a"]: r for r in d["nodes"]}
+    for i, a in enumerate(("model.embed_tokens.embedding", "model.layers.0.input_layernorm.rmsnorm")):
+        out = by_b[by_a[a]["b"]]
+        assert out["args"] == [{"node": "model.embed_tokens.vocab_embedding_all_reduce_rmsnorm"}, i], out
+        assert by_a[a]["exact"], by_a[a]

@@ -406,13 +406,16 @@ def test_fusions_with_tp2(shape, compile_artifact, make_checkpoint, tmp_path):
     plan = plan_of(art)
     llama = family(shape) == "llama"
     # under tp every residual add of a Llama follows an all-reduce: add_rmsnorm becomes
-    # all_reduce_add_rmsnorm (one rewrite per layer and norm, in both programs)
-    for rule in FIRES[family(shape)] | ({"fuse_add_norm.all_reduce"} if llama else set()):
+    # all_reduce_add_rmsnorm (one rewrite per layer and norm, in both programs), and layer 0's
+    # input rmsnorm takes in the vocab-parallel embedding and its all-reduce
+    tp_rules = {"fuse_add_norm.all_reduce", "fuse_add_norm.embedding_all_reduce"}
+    for rule in FIRES[family(shape)] | (tp_rules if llama else set()):
         assert plan["passes"].get(rule, 0) > 0, f"{rule} did not fire under tp=2"
     if llama:
         assert plan["passes"]["fuse_add_norm.all_reduce"] == plan["passes"]["fuse_add_norm.add_rmsnorm"]
-    ops = OPS[family(shape)] - {"dsc.add_rmsnorm.default"} | \
-        ({"dsc.all_reduce_add_rmsnorm.default", ROTARY_OPS["decode"]} if llama else set())
+    ops = OPS[family(shape)] - {"dsc.add_rmsnorm.default", "dsc.rmsnorm.default"} | \
+        ({"dsc.all_reduce_add_rmsnorm.default", "dsc.vocab_embedding_all_reduce_rmsnorm.default",
+          ROTARY_OPS["decode"]} if llama else set())
     assert ops <= set(call_ops(plan, "decode"))
     ckpt = make_checkpoint(shape)
     if family(shape) == "llama":  # each rank's fused weight is its own q, k, v (gate, up) rows
@@ -425,6 +428,39 @@ def test_fusions_with_tp2(shape, compile_artifact, make_checkpoint, tmp_path):
     res = run_ranks(art, ckpt, tmp_path)
     assert res["tokens_equal"], res["summary"]
     assert res["max_abs_err"] <= FP32_ATOL, res["summary"]
+
+
+def test_tp2_embedding_its_all_reduce_and_the_first_norm_fuse(compile_artifact):
+    """Under tp the vocab-parallel lookup, its all-reduce and layer 0's input RMSNorm become one
+    dsc.vocab_embedding_all_reduce_rmsnorm per program (on GPUs one push kernel in decode):
+    output 0, the sum, is the residual of layer 0's post-attention add; output 1 feeds the
+    attention; the engine counts it as one all-reduce slot. tp=1 has no all-reduce to fuse."""
+    from dsc.compiler.diff import node_inputs
+    from dsc.runtime.engine import _all_reduce_nodes
+
+    op = "dsc.vocab_embedding_all_reduce_rmsnorm.default"
+    plan = plan_of(compile_artifact("llama-tiny", dtype="fp32", tp=2))
+    assert plan["passes"]["fuse_add_norm.embedding_all_reduce"] == 2  # one per program
+    for program in ("prefill", "decode"):
+        nodes = plan["programs"][program]["nodes"]
+        ops = call_ops(plan, program)
+        assert ops.count(op) == 1, program
+        assert not {"dsc.vocab_embedding.default", "dsc.all_reduce.default", "dsc.rmsnorm.default"} & set(ops)
+        (fused,) = [n for n in nodes if n.get("op") == op]
+        assert fused["name"] == "model.embed_tokens.vocab_embedding_all_reduce_rmsnorm"
+        assert [a.get("node", a) if isinstance(a, dict) else a for a in fused["args"]] == [
+            "model.embed_tokens.weight", "input_ids", "model.embed_tokens.vocab_start",
+            "model.layers.0.input_layernorm.weight", 1e-6]
+        assert fused["shape"] == [["batch", 1 if program == "decode" else "seq", 64]] * 2
+        out = {n["args"][1]: n["name"] for n in nodes if n.get("op") == "operator.getitem"
+               and n["args"][0] == {"node": fused["name"]}}
+        readers = {i: {n["op"] for n in nodes if name in node_inputs(n)} for i, name in out.items()}
+        assert readers == {0: {"dsc.all_reduce_add_rmsnorm.default"}, 1: {"aten.linear.default"}}, readers
+        slots = _all_reduce_nodes(plan["programs"][program])
+        assert len(slots) == 2 * plan["model"]["layers"] + 1 and slots[0]["op"] == op
+    tp1 = plan_of(compile_artifact("llama-tiny", dtype="fp32"))
+    assert "fuse_add_norm.embedding_all_reduce" not in tp1["passes"]
+    assert "dsc.rmsnorm.default" in call_ops(tp1, "decode") and op not in call_ops(tp1, "decode")
 
 
 # -- composition with int8 ---------------------------------------------------------------------------

@@ -126,9 +126,12 @@ def test_plan_shows_collectives_and_local_shapes(shape, tp, compile_artifact):
     for name, prog in p["programs"].items():
         ops = [n["op"] for n in prog["nodes"] if n["kind"] == "call"]
         fused = ops.count("dsc.all_reduce_add_rmsnorm.default")
-        # RMSNorm models: every layer's two all-reduces carry the residual add + norm after them
+        embedding = ops.count("dsc.vocab_embedding_all_reduce_rmsnorm.default")
+        # RMSNorm models: every layer's two all-reduces carry the residual add + norm after them,
+        # and the vocab-parallel embedding's carries its lookup and layer 0's input norm
         assert fused == (2 * layers if "llama" in shape else 0), name
-        assert ops.count("dsc.all_reduce.default") + fused == 2 * layers + vocab_split, name
+        assert embedding == (vocab_split if "llama" in shape else 0), name
+        assert ops.count("dsc.all_reduce.default") + fused + embedding == 2 * layers + vocab_split, name
         assert ops.count("dsc.all_gather.default") == vocab_split, name
         kernels = {n["kernel"]["name"]: n["kernel"]["launches"] for n in prog["nodes"] if n.get("op") == "dsc.all_reduce.default"}
         # decode: the one-shot all-reduce (one launch); prefill: NCCL (clone + all-reduce)
@@ -139,6 +142,11 @@ def test_plan_shows_collectives_and_local_shapes(shape, tp, compile_artifact):
         # decode: one fused kernel; prefill: NCCL (2) + the add_rmsnorm kernel
         assert kernels == ({} if not fused else {"triton.all_reduce_add_rmsnorm": 1} if name == "decode"
                            else {"nccl.all_reduce + triton.add_rmsnorm": 3}), name
+        kernels = {n["kernel"]["name"]: n["kernel"]["launches"] for n in prog["nodes"]
+                   if n.get("op") == "dsc.vocab_embedding_all_reduce_rmsnorm.default"}
+        # decode: one push kernel; prefill: the lookup, NCCL (2) and the rmsnorm kernel
+        assert kernels == ({} if not embedding else {"triton.vocab_embedding_all_reduce_rmsnorm": 1} if name == "decode"
+                           else {"triton.vocab_embedding + nccl.all_reduce + triton.rmsnorm": 4}), name
         attn = [n for n in prog["nodes"] if n.get("op") in ATTENTION_OPS]
         assert len(attn) == layers and all(n["shape"][2] == heads // tp for n in attn)
         by_name = {n["name"]: n for n in prog["nodes"]}
