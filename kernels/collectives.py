@@ -631,12 +631,23 @@ def vocab_embedding_all_reduce_rmsnorm(weight: torch.Tensor, ids: torch.Tensor, 
     return h, rmsnorm_reference(h, norm_weight, eps)
 
 
+def embed_push_enabled() -> bool:
+    """DSC_EMBED_PUSH=on|off (read at each call; CUDA graphs read it at capture): off runs the
+    lookup, the one-shot all-reduce and the norm kernel instead of the push kernel with EMBED,
+    to measure the two side by side. Default on."""
+    mode = os.environ.get("DSC_EMBED_PUSH", "on")
+    if mode not in ("on", "off"):
+        raise ValueError(f"DSC_EMBED_PUSH must be on or off, got {mode!r}")
+    return mode == "on"
+
+
 @vocab_embedding_all_reduce_rmsnorm.register_kernel("cuda")
 def _(weight, ids, start, norm_weight, eps):
     check_lookup(weight, ids, start)
     s = _symm
     n = weight.shape[-1]
-    if (s is not None and s.fused == "push" and s.count and weight.dtype == norm_weight.dtype == s.dtype
+    if (s is not None and s.fused == "push" and s.count and embed_push_enabled()
+            and weight.dtype == norm_weight.dtype == s.dtype
             and 0 < n <= MAX_N and 0 < ids.numel() <= s.rows and ids.numel() * n <= s.numel):
         return _launch_embedding_push(s, s.slot(), weight.contiguous(), ids, start, norm_weight.contiguous(), eps)
     h = all_reduce(torch.ops.dsc.vocab_embedding(weight, ids, start))  # takes the slot (or NCCL)

@@ -780,6 +780,24 @@ def test_cpu_rotary_attention_is_rotary_then_attention(dtype):
     want = torch.ops.dsc.attention(rq, rk, v, caches[2], caches[3], pos, 0.25, 3)
     assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
+def test_decode_preload_comes_from_the_row_and_dsc_attn_pre(monkeypatch):
+    """PRE_N and num_warps are the config's unless DSC_ATTN_PRE ("N" or "N:warps") overrides
+    them; a PRE_N that is not 0 or a power of two >= 16, or bad warps, is an error."""
+    from dsc.kernels.attention import DECODE_CONFIGS, decode_preload
+
+    row = DECODE_CONFIGS[("sm_90", 128)]
+    monkeypatch.delenv("DSC_ATTN_PRE", raising=False)
+    assert decode_preload(row) == {"PRE_N": 128, "num_warps": 8}
+    assert decode_preload({"num_warps": 4}) == {"PRE_N": 0, "num_warps": 4}
+    monkeypatch.setenv("DSC_ATTN_PRE", "0:4")
+    assert decode_preload(row) == {"PRE_N": 0, "num_warps": 4}
+    monkeypatch.setenv("DSC_ATTN_PRE", "64")
+    assert decode_preload(row) == {"PRE_N": 64, "num_warps": 8}
+    for bad in ("8", "96", "x", "64:3"):
+        monkeypatch.setenv("DSC_ATTN_PRE", bad)
+        with pytest.raises(ValueError, match="DSC_ATTN_PRE"):
+            decode_preload(row)
+
 
 if __name__ == "__main__":
     {"interpret": _worker, "compile-sm90": _compile_sm90}[sys.argv[1]]()
@@ -825,3 +843,4 @@ def test_the_plan_names_the_kernel_a_prefill_runs():
     fp32 = _plan_attention(*_meta_attention(dtype=torch.float32), 0.1, arch="sm_90")
     assert fp32["name"] == "triton.attention_prefill"
     assert _plan_attention(q, k, v, kc, vc, pos, 0.1, arch="default")["name"] == "triton.attention_prefill"
+

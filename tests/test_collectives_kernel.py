@@ -337,6 +337,16 @@ def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
             for c, w in (("", 2), ("", 4), ("_chunked", 4))] == [(4, 4096), (8, 4096), (8, 4096)], compiled
 
 
+def test_dsc_embed_push_switch(monkeypatch):
+    monkeypatch.delenv("DSC_EMBED_PUSH", raising=False)
+    assert C.embed_push_enabled()
+    monkeypatch.setenv("DSC_EMBED_PUSH", "off")
+    assert not C.embed_push_enabled()
+    monkeypatch.setenv("DSC_EMBED_PUSH", "no")
+    with pytest.raises(ValueError, match="DSC_EMBED_PUSH"):
+        C.embed_push_enabled()
+
+
 if __name__ == "__main__":
     {"interpret": run_interpreted, "aot": run_aot}[sys.argv[1]](sys.argv[2])
 
@@ -353,3 +363,4 @@ def test_gemv_push_config_is_the_gemv_row_with_the_push_row_over_it():
     assert "N4096_K14336" not in tuning_table()["sm_90"]["gemv_push"]  # a shape without a push row
     assert C.gemv_push_config(4096, 14336, "sm_90") == gemv_config(4096, 14336, "sm_90") is not None
     assert C.gemv_push_config(4096, 1000, "sm_90") is None  # untuned: cuBLAS, then the fused all-reduce
+
