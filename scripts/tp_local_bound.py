@@ -7,7 +7,11 @@ collectives with local stand-ins of no communication:
 - all-reduce + add + RMSNorm (`dsc::all_reduce_add_rmsnorm`) -> the add + RMSNorm kernel alone,
   the one tp=1 runs in its place;
 - the row-parallel linear + all-reduce + norm (`dsc::linear_all_reduce_add_rmsnorm`) -> the
-  linear's kernel, then that add + RMSNorm (tp=1's two launches);
+  linear's kernel, then that add + RMSNorm (tp=1's two launches); with --push-local, where the
+  GEMV push kernel would run, that kernel itself as rank 0 launches it, every peer's buffer a
+  region of a local one (its programs push their rows to every "rank" and its last program
+  waits for them, sums and normalizes: the real launch's tiles, registers, stores and waves,
+  without the NVLink latency and the wait for slower peers);
 - the vocab-parallel embedding + all-reduce + RMSNorm (`dsc::vocab_embedding_all_reduce_rmsnorm`)
   -> the rank's lookup (`dsc::vocab_embedding`), then the RMSNorm kernel (tp=1's embedding and
   layer 0's input norm: two launches);
@@ -32,13 +36,58 @@ from pathlib import Path
 import torch
 
 
-def _stand_ins(device_type: str) -> None:
+_LOCAL_PUSH: dict = {}  # (device, dtype, world) -> a world's push buffers, all in one local buffer
+_WORLD = [1]  # the tp of the artifact being run (step_ms sets it)
+
+
+def local_push_state(device: torch.device, dtype: torch.dtype, numel: int, world: int):
+    """kernels/collectives.py's `_Symmetric`, as `_launch_gemv_push` reads it, for rank 0 of
+    `world` ranks whose peers' buffers are the regions of its own: "rank p's buffer" starts at
+    region p of one local buffer of world x numel elements (the marker everywhere), so rank 0's
+    stores for rank p land in its own region p and its last program finds every region filled by
+    its own programs. Every slot the same buffer. Made on the first call (the eager warm-up before
+    a graph capture) and kept; a longer row replaces it."""
+    import types
+
     from dsc.kernels import collectives as C
+
+    numel = -(-numel // 64) * 64  # regions 128-byte aligned (the kernel assumes 16)
+    s = _LOCAL_PUSH.get((device, dtype, world))
+    if s is None or s.numel < numel:
+        buf = torch.empty(world * numel, dtype=dtype, device=device)
+        buf.view(C._BITS[dtype]).fill_(C._MARK[dtype])
+        peers = [buf.data_ptr() + p * numel * buf.element_size() for p in range(world)]
+        s = types.SimpleNamespace(world=world, rank=0, numel=numel, rows=1, dtype=dtype, buffers=[buf],
+                                  push_ptrs=torch.tensor([peers] * 3, dtype=torch.int64, device=device))
+        _LOCAL_PUSH[(device, dtype, world)] = s
+    return s
+
+
+def local_push_norm(residual, x, weight, norm_weight, eps, config: dict, world: int):
+    """`_gemv_push_kernel` with the all-reduce's end as rank 0 of `world` runs it (`config`: the
+    GEMV push config; the same tiles, warps and registers), every peer's buffer a region of a
+    local one (`local_push_state`): (s, y) of residual + world x (x @ weight.T) and its RMSNorm,
+    wrong numbers of the real launch's work without the NVLink latency. One launch."""
+    from dsc.kernels import collectives as C
+
+    s = local_push_state(x.device, x.dtype, weight.shape[0], world)
+    out_s, out_y = C._launch_gemv_push(s, 0, x, weight, config, (residual, norm_weight.contiguous(), eps))
+    return out_s.view(residual.shape), out_y.view(residual.shape)
+
+
+def _stand_ins(device_type: str, push_local: bool = False) -> None:
+    from dsc.kernels import collectives as C
+    from dsc.kernels.launch import arch_of
 
     def add_norm(residual, x, weight, eps):
         return torch.ops.dsc.add_rmsnorm(x, residual, weight, eps)
 
     def linear_add_norm(residual, x, weight, norm_weight, eps):
+        cfg = None
+        if push_local and x.numel() == weight.shape[1] and x.dtype == weight.dtype == residual.dtype:
+            cfg = C.gemv_push_config(*weight.shape, arch_of(x.device))
+        if cfg is not None:
+            return local_push_norm(residual, x, weight, norm_weight, eps, cfg, _WORLD[0])
         s, y = torch.ops.dsc.add_rmsnorm(torch.ops.dsc.linear(x, weight), residual, norm_weight, eps)
         return s.view(residual.shape), y.view(residual.shape)
 
@@ -58,6 +107,7 @@ def step_ms(path: str, iters: int, context: int, dev: torch.device, profile: boo
     from dsc.runtime.engine import Engine
 
     art = open_artifact(path, ranks=[0], verify=False)
+    _WORLD[0] = art.tp  # --push-local: the GEMV push kernel as a rank of this tp launches it
     engine = Engine(art, 0, art.tp, dev, cuda_graphs=dev.type == "cuda")
     g = torch.Generator().manual_seed(0)
     engine.reset()
@@ -86,11 +136,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: the script's own check (the times mean nothing)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile each artifact's step (`dsc bench --profile`'s table, with exposed times)")
+    ap.add_argument("--push-local", action="store_true",
+                    help="run the GEMV push kernel (ending the all-reduce) over a world of one in place of "
+                         "the row-parallel linear + norm pair")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("tp_local_bound.py: no CUDA GPU here (--device cpu runs the script's own check)")
-    _stand_ins(dev.type)
+    _stand_ins(dev.type, args.push_local)
     rows = []
     for p in args.artifacts:
         rows.append(step_ms(p, args.iters, args.context, dev, args.profile))

@@ -213,6 +213,46 @@ def test_launch_slots_folds_the_layers_and_sums_each_slot(tmp_path):
     assert "embed 2.0, lm_head 11.0" in r.stdout
 
 
+_PUSH_LOCAL_CHECK = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import tp_local_bound as T
+from dsc.kernels import collectives as C
+from dsc.kernels.norm import add_rmsnorm_reference
+g = torch.Generator().manual_seed(0)
+n, k, dt = 40, 48, torch.float16
+x, w = torch.randn(k, generator=g).to(dt), (torch.randn(n, k, generator=g) / 8).to(dt)
+res, nw = torch.randn(n, generator=g).to(dt), torch.randn(n, generator=g).to(dt)
+cfg = {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 1}
+for world in (2, 4):
+    for _ in range(2):  # the buffer is back at the marker after each call: a second one ends too
+        s, y = T.local_push_norm(res, x, w, nw, 1e-5, cfg, world)
+        lin = (w.float() @ x.float()).to(dt)
+        want_s, want_y = add_rmsnorm_reference((world * lin.float()).to(dt), res, nw, 1e-5)
+        assert (s.float() - want_s.float()).abs().max() < 2e-2, (world, s, want_s)
+        assert (y.float() - want_y.float()).abs().max() < 5e-2, (world, y, want_y)
+    buf = T._LOCAL_PUSH[(x.device, dt, world)].buffers[0]
+    assert bool((buf.view(torch.int16) == C._MARK[dt]).all())
+print("ok")
+"""
+
+
+def test_tp_local_bound_push_local_runs_the_gemv_push_kernel_as_rank_0():
+    """--push-local's stand-in (the GEMV push kernel that ends the all-reduce, as rank 0 of 2 or 4
+    launches it, every peer's buffer a region of a local one) in the Triton interpreter: its last
+    program finds every region filled, returns residual + world x the GEMV and its norm, and
+    leaves the buffer marked for the next call."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    r = subprocess.run([sys.executable, "-c", _PUSH_LOCAL_CHECK, str(scripts)], capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
 def test_tp_local_bound_runs_each_rank_0_with_local_collectives(compile_artifact, tmp_path):
     """scripts/tp_local_bound.py (the lower bound of a tp's decode step, timed on one GPU) on CPU:
     rank 0 of a tp=2 artifact runs without a process group, its all-gather, all-reduce + norm,
