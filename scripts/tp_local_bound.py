@@ -137,13 +137,14 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also profile each artifact's step (`dsc bench --profile`'s table, with exposed times)")
     ap.add_argument("--push-local", action="store_true",
-                    help="run the GEMV push kernel (ending the all-reduce) over a world of one in place of "
-                         "the row-parallel linear + norm pair")
+                    help="run the GEMV push kernel (ending the all-reduce) as rank 0 launches it, in place of "
+                         "the row-parallel linear + norm pair (also BOUND_PUSH_LOCAL=1, so that gpu_tp.sh's "
+                         "BOUND_ENVS can set it beside the default in one call)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("tp_local_bound.py: no CUDA GPU here (--device cpu runs the script's own check)")
-    _stand_ins(dev.type, args.push_local)
+    _stand_ins(dev.type, args.push_local or os.environ.get("BOUND_PUSH_LOCAL") == "1")
     rows = []
     for p in args.artifacts:
         rows.append(step_ms(p, args.iters, args.context, dev, args.profile))
