@@ -116,9 +116,33 @@ def _cuda_arch(index: int) -> str:
     return f"sm_{major}{minor}"
 
 
-@functools.cache
 def tuning_table() -> dict:
-    return json.loads(TUNING_FILE.read_text())
+    """kernels/tuning.json. DSC_TUNING=PATH (for measuring, e.g. GEMV push rows side by side in
+    gpu_tp.sh's BENCH_ENVS / BOUND_ENVS; CUDA graphs read it at capture): a JSON of the same
+    layout whose rows replace the table's, {arch: {kernel: {shape_class: row}}}."""
+    return _tuning_table(os.environ.get("DSC_TUNING", ""))
+
+
+@functools.cache
+def _tuning_table(override: str) -> dict:
+    table = json.loads(TUNING_FILE.read_text())
+    if not override:
+        return table
+    try:
+        rows = json.loads(Path(override).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"DSC_TUNING: cannot read {override}: {e}") from None
+    ok = isinstance(rows, dict) and all(
+        isinstance(kernels, dict) and all(isinstance(shapes, dict) and all(isinstance(r, dict) for r in shapes.values())
+                                          for shapes in kernels.values())
+        for arch, kernels in rows.items() if not arch.startswith("_"))
+    if not ok:
+        raise ValueError(f"DSC_TUNING: {override} is not {{arch: {{kernel: {{shape_class: {{...}}}}}}}}")
+    for arch, kernels in rows.items():
+        if not arch.startswith("_"):
+            for kernel, shapes in kernels.items():
+                table.setdefault(arch, {}).setdefault(kernel, {}).update(shapes)
+    return table
 
 
 def tuning_row(kernel: str, shape_class: str, arch: str) -> dict:

@@ -78,6 +78,33 @@ def test_pdl_needs_hopper_or_newer(capability, want, monkeypatch):
         launch._pdl_supported.cache_clear()
 
 
+def test_dsc_tuning_replaces_the_rows_it_names(tmp_path, monkeypatch):
+    """DSC_TUNING=PATH: its rows replace the shipped table's (others stay), and the GEMV push
+    config a launch takes follows it; an unreadable or misshapen file is a clear error."""
+    from dsc.kernels.collectives import gemv_push_config
+
+    monkeypatch.delenv("DSC_TUNING", raising=False)
+    shipped = launch.tuning_table()
+    row = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 8}
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"sm_90": {"gemv_push": {"N4096_K7168": row}, "new_kernel": {"D8": {"x": 1}}}}))
+    monkeypatch.setenv("DSC_TUNING", str(path))
+    table = launch.tuning_table()
+    assert table["sm_90"]["gemv_push"]["N4096_K7168"] == row and table["sm_90"]["new_kernel"] == {"D8": {"x": 1}}
+    assert table["sm_90"]["gemv_push"]["N4096_K1024"] == shipped["sm_90"]["gemv_push"]["N4096_K1024"]
+    assert table["sm_90"]["gemv"] == shipped["sm_90"]["gemv"]
+    assert {k: gemv_push_config(4096, 7168, "sm_90")[k] for k in row} == row
+    monkeypatch.delenv("DSC_TUNING")
+    assert launch.tuning_table() == shipped and "new_kernel" not in shipped["sm_90"]
+    for bad, text in ((tmp_path / "missing.json", None), (tmp_path / "bad.json", "{"),
+                      (tmp_path / "shape.json", '{"sm_90": {"gemv": [1]}}')):
+        if text is not None:
+            bad.write_text(text)
+        monkeypatch.setenv("DSC_TUNING", str(bad))
+        with pytest.raises(ValueError, match="DSC_TUNING"):
+            launch.tuning_table()
+
+
 def test_check_pdl_gpu_script_runs_its_code_path(tmp_path):
     """scripts/check_pdl_gpu.py --smoke in the interpreter: every chain at tiny shapes, eager
     only (the GPU run adds CUDA graphs and timings), bit-identical with DSC_PDL off and auto."""
