@@ -74,7 +74,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dsc.kernels.embedding import check_lookup, vocab_embedding
+from dsc.kernels.embedding import _lookup, check_lookup, vocab_embedding
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
 from dsc.kernels.linear import CONFIG_KEYS, _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config, rmsnorm_reference
@@ -393,10 +393,8 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if EMBED:  # as kernels/embedding.py's lookup: the row index, one per lane
-        local = tl.load(IDS + row) - tl.load(START) + 0 * cols
-        inside = (local >= 0) & (local < vocab)
-        x = tl.load(X + tl.where(inside, local, 0) * stride_x + cols, mask=mask & inside, other=0.0)
+    if EMBED:  # kernels/embedding.py's lookup
+        x = _lookup(X, IDS, START, row, vocab, stride_x, cols, mask)
     elif not SENT:
         x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
     if not SENT:

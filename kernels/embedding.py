@@ -17,12 +17,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import cdiv, jit, next_power_of_2, pdl_options, planner
+from dsc.kernels.launch import cdiv, device, jit, next_power_of_2, pdl_options, planner
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
 
 # -- Triton kernel ----------------------------------------------------------------------------
+@device
+def _lookup(W, IDS, START, t, rows, stride, cols, mask):
+    # columns `cols` (masked by `mask`) of token t's row in this rank's rows W (ids START[0] ..
+    # START[0] + rows - 1, row stride `stride`): zeros for another rank's id. Also the lookup of
+    # the push kernel with EMBED (kernels/collectives.py)
+    local = tl.load(IDS + t) - tl.load(START) + 0 * cols  # the row, one per lane
+    inside = (local >= 0) & (local < rows)
+    return tl.load(W + tl.where(inside, local, 0) * stride + cols, mask=mask & inside, other=0.0)
+
+
 def _vocab_embedding_kernel(W, IDS, START, OUT, rows, H, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
         tl.extra.cuda.gdc_launch_dependents()
@@ -30,10 +40,7 @@ def _vocab_embedding_kernel(W, IDS, START, OUT, rows, H, BLOCK_H: tl.constexpr, 
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = cols < H
-    local = tl.load(IDS + t) - tl.load(START) + 0 * cols  # the row, one per lane
-    inside = (local >= 0) & (local < rows)
-    v = tl.load(W + tl.where(inside, local, 0) * H + cols, mask=m & inside, other=0.0)
-    tl.store(OUT + t * H + cols, v, mask=m)
+    tl.store(OUT + t * H + cols, _lookup(W, IDS, START, t, rows, H, cols, m), mask=m)
 
 
 # -- configs ----------------------------------------------------------------------------------
