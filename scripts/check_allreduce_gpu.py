@@ -257,11 +257,18 @@ def time_graph(rows, n=64, iters=50, norm=False):
 
 def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    t0 = time.perf_counter()
+
+    def progress(what):  # rank 0, as it goes: a check cut off by its timeout shows how far it got
+        if rank == 0:
+            print(f"[{time.perf_counter() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
     dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     ensure_process_group(dev, world, rank)
     res = {"world": world, "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
     path = collectives.enable_symmetric(dev, torch.bfloat16, 64 * HIDDEN, 64)
     res["path"] = path
+    progress(f"set-up (the probe included): {path}")
     symm = collectives._symm
     kernels = ["push", "pull"] if path.startswith("symm_mem+norm") else []
     if path.startswith("symm_mem"):
@@ -273,12 +280,15 @@ def main():
             # kernel; with the pull kernel or none, the lookup, the all-reduce and the norm)
             bad, total = check(rank, world, dev, embed=True)
             res[f"check_{kernel or 'one_shot'}_embed"] = {"wrong": bad, "all_reduces": total}
+            name = kernel or "one_shot"
+            progress(f"checked {name}: {res[f'check_{name}']}; with the embedding: {res[f'check_{name}_embed']}")
         if kernels:  # one row, every third call the linear whose GEMV pushes its rows: the GEMV
             symm.fused = "push"  # ending the all-reduce (default), then the GEMV and the push kernel
             for mode, key in (("auto", "check_gemv_push_norm"), ("gemv_push", "check_gemv_push")):
                 with allreduce_env(mode):
                     bad, total = check(rank, world, dev, rows=1, linear=True)
                 res[key] = {"wrong": bad, "all_reduces": total, "gemv_push_error": collectives._gemv_push_error}
+                progress(f"checked {key[6:]}: {res[key]}")
         # control: one buffer for every call, plain all-reduces only (the fused kernels would
         # hang on a reused buffer or flag, not give a wrong sum)
         slot = collectives._Symmetric.slot
@@ -287,6 +297,7 @@ def main():
         bad1, _ = check(rank, world, dev, rounds=30)
         collectives._Symmetric.slot = slot
         res["control_one_buffer_wrong"] = bad1
+    progress("checks done; timing")
     timing = {}
     for rows in (1, 8, 64, 2048):
         row = {}

@@ -23,7 +23,8 @@
 #    more batch-1 benches of every artifact as it is (tags -rN; not with AB_ROUNDS). ENV_AB="VAR=value":
 #    every tp > 1 artifact benched again with that environment (tag -envab; AB_ROUNDS rounds).
 #    BENCH_CTX="512 2048": each artifact's batch-1 decode also at those contexts (tags -ctxC).
-#    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"). GEMV_PUSH_SWEEP=1: the
+#    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"; AR_CHECK_TIMEOUT seconds each,
+#    default 240: on 4 H100s beside three 8B compiles it did not finish in 120). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
 #    `gemv_push` rows to merge by hand).
 #    DURING_COMPILE="CMD": a one-GPU command run on GPU 0 while the artifacts compile.
@@ -79,7 +80,7 @@ done
 for N in ${AR_CHECK_N:-2 4}; do
   [ "$NGPU" -ge $N ] && [ -z "${NO_AR_CHECK:-}" ] || continue
   # shellcheck disable=SC2086  # AR_CHECK_ENV="VAR=value ...": the check under that environment
-  env ${AR_CHECK_ENV:-} OUT=$OUT timeout $([ -n "${GEMV_PUSH_SWEEP:-}" ] && echo 420 || echo 120) torchrun --nproc-per-node $N scripts/check_allreduce_gpu.py > "$OUT/allreduce-tp$N.log" 2>&1
+  env ${AR_CHECK_ENV:-} OUT=$OUT timeout $([ -n "${GEMV_PUSH_SWEEP:-}" ] && echo 420 || echo "${AR_CHECK_TIMEOUT:-240}") torchrun --nproc-per-node $N scripts/check_allreduce_gpu.py > "$OUT/allreduce-tp$N.log" 2>&1
   RC=$?
   echo "check_allreduce tp$N: rc=$RC $((SECONDS - T0)) s"
   python3 - "$OUT/allreduce-tp$N.json" <<'PY'
