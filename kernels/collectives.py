@@ -750,7 +750,8 @@ def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
     CHUNK the columns per pass (`config`'s, if it sets one). Every program holds the norm code's
     registers: at Llama-8B's shapes with the shipped rows (EARLY included), ptxas of the CPU build
     of triton 3.6 reports 95 at tp=2's o_proj (63 for the GEMV push alone: 1.55 waves of its
-    1024 programs instead of one), 96 at tp=2's down_proj (96 alone), 128 / 92 at tp=4's (123 /
+    1024 programs instead of one), 95 at tp=2's down_proj (72 alone; 96 / 96 with the EARLY 8 it
+    had until session 19), 128 / 92 at tp=4's (123 /
     64 alone); session 17 quoted 152-161. Capping them (maxnreg, 1024-column chunks) took a call
     at tp=4's o_proj shape to 27 us (session 14: 6.5) and tp=4's step 1.4 ms slower (session 17,
     docs/results/s17-h200x4/early-pushnorm); 2048-column chunks at tp=2 (64 registers, one wave)

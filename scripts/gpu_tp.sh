@@ -50,6 +50,9 @@ DTYPE=${2:-bfloat16}
 W=${WORK:-$(mktemp -d /tmp/dsc-tp.XXXXXX)}
 FINAL=${OUT:-$W/out}
 OUT=$W/results
+# a reused WORK keeps its checkpoint and artifacts, not the last run's results (session 19: its
+# bench files and bench-envs.txt lines were summarised and packed with the next run's)
+rm -rf "$OUT"
 mkdir -p "$W" "$OUT" "$FINAL"
 # NVLink multicast stays off (the machines' rule); the one-shot all-reduce does not use it
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
