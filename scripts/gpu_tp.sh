@@ -27,7 +27,9 @@
 #    default 240: on 4 H100s beside three 8B compiles it did not finish in 120). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
 #    `gemv_push` rows to merge by hand).
-#    DURING_COMPILE="CMD": a one-GPU command run on GPU 0 while the artifacts compile.
+#    DURING_COMPILE="CMD": a one-GPU command run on GPU 0 while the artifacts compile (and the
+#    all-reduce check runs on every GPU: no multi-GPU job there; session 19's tp generates in it
+#    and the check stalled each other until killed).
 #    PROFILE_ARTS="tp2 tp4": the artifacts whose benches (and -pdl{on,off} benches) profile a batch-1
 #    step (default tp4). BOUND_ARTS="tp1 tp2 tp4": also compiled (tp4 too on 2 GPUs), then rank 0
 #    of each decoded on GPU 0 with local stand-ins for its collectives (scripts/tp_local_bound.py:
