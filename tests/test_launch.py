@@ -105,6 +105,31 @@ def test_dsc_tuning_replaces_the_rows_it_names(tmp_path, monkeypatch):
             launch.tuning_table()
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "scripts" / "tuning").glob("*.json")))
+def test_shipped_tuning_variants_name_rows_the_table_has(name, monkeypatch):
+    """scripts/tuning/*.json (DSC_TUNING files for A/B benches): each loads, names only rows the
+    shipped table has (a typo'd shape class would bench the table against itself), sets only
+    config keys, and changes the config the launch takes."""
+    from dsc.kernels.collectives import gemv_push_config
+    from dsc.kernels.linear import CONFIG_KEYS
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tuning" / name
+    monkeypatch.delenv("DSC_TUNING", raising=False)
+    shipped = launch.tuning_table()
+    variant = json.loads(path.read_text())
+    rows = [(arch, kernel, shape, row) for arch, kernels in variant.items() if not arch.startswith("_")
+            for kernel, shapes in kernels.items() for shape, row in shapes.items()]
+    assert rows
+    before = {(arch, shape): gemv_push_config(*map(int, shape[1:].split("_K")), arch) for arch, _, shape, _ in rows}
+    monkeypatch.setenv("DSC_TUNING", str(path))
+    for arch, kernel, shape, row in rows:
+        assert shape in shipped[arch][kernel] and set(row) <= set(CONFIG_KEYS), (kernel, shape, row)
+        if kernel == "gemv_push":
+            n, k = map(int, shape[1:].split("_K"))
+            got = gemv_push_config(n, k, arch)
+            assert {key: got[key] for key in row} == row and got != before[(arch, shape)]
+
+
 def test_check_pdl_gpu_script_runs_its_code_path(tmp_path):
     """scripts/check_pdl_gpu.py --smoke in the interpreter: every chain at tiny shapes, eager
     only (the GPU run adds CUDA graphs and timings), bit-identical with DSC_PDL off and auto."""
