@@ -121,7 +121,7 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
     res: dict = {"artifact": str(path), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "dtype": engine.plan["model"]["dtype"], "tp": engine.world, "load_and_capture_s": load_s,
                  "cuda_graphs": engine._decode.captured, "all_reduce": engine.all_reduce,
-                 "pdl": "on" if pdl_enabled(dev) else "off", "decode": {}, "prefill": {}}
+                 "pdl": "on" if pdl_enabled(dev) else "off", "l2_prefetch": engine.l2_prefetch, "decode": {}, "prefill": {}}
     if dev.type == "cuda":
         w = sum(t.numel() * t.element_size() for t in engine.weights.values())
         kv = sum(t.numel() * t.element_size() for t in engine.kv_cache.values())
@@ -182,6 +182,7 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
 def render(res: dict) -> str:
     lines = [f"{res['artifact']}  on {res['device']}  {res['dtype']}  tp={res['tp']}  "
              f"cuda_graphs={res['cuda_graphs']}  pdl={res.get('pdl', 'off')}"
+             + (f"  l2_prefetch={res['l2_prefetch']}" if res.get("l2_prefetch", "off") != "off" else "")
              + (f"  all_reduce={res.get('all_reduce')}" if res["tp"] > 1 else ""),
              f"load + capture: {res['load_and_capture_s']:.2f} s"]
     if "memory" in res:

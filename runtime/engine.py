@@ -18,11 +18,11 @@ from safetensors import safe_open
 
 import dsc.kernels  # noqa: F401  (registers the dsc ops the plan calls)
 from dsc.errors import UserError
-from dsc.kernels import collectives
+from dsc.kernels import collectives, prefetch
 from dsc.runtime.artifact import Artifact, open_artifact
 from dsc.runtime.decode import DecodeRunner
 from dsc.runtime.prefill import PrefillRunner
-from dsc.runtime.plan import build_graph
+from dsc.runtime.plan import ATTENTION_OPS, build_graph, op_name
 from dsc.runtime.sampling import sample
 
 
@@ -88,6 +88,7 @@ class Engine:
         self.weights = self._load_weights()
         self.kv_cache = self._allocate_kv_cache()
         self.programs = {name: self._build(p) for name, p in self.plan["programs"].items()}
+        self.l2_prefetch = self._insert_l2_prefetch()
         self._all_reduces = {name: _all_reduce_nodes(p) for name, p in self.plan["programs"].items()}
         self.all_reduce = self._enable_symmetric_all_reduce()
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
@@ -143,6 +144,19 @@ class Engine:
             else:
                 raise UserError(f"{self.artifact.rank_file(self.rank)}: missing tensor '{t}' the plan reads")
         return fx.GraphModule(attrs, graph)
+
+    def _insert_l2_prefetch(self) -> str:
+        """DSC_L2_PREFETCH=MB[:last] (kernels/prefetch.py; off by default): after each attention
+        of the decode program, a prefetch of the first MB megabytes of the layer's gate/up weight
+        into L2. Returns the setting in effect, for `dsc bench` ("off" where unsupported)."""
+        try:
+            nbytes, last = prefetch.l2_prefetch_setting()
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if not nbytes or "decode" not in self.programs or not prefetch.l2_prefetch_supported(self.device):
+            return "off"
+        n = prefetch.insert_l2_prefetch(self.programs["decode"], nbytes, last, ATTENTION_OPS, op_name)
+        return f"{nbytes / (1 << 20):g} MB x {n}" + (" evict_last" if last else "") if n else "off"
 
     # -- running -------------------------------------------------------------------------
     def reset(self) -> None:

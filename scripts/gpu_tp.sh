@@ -9,7 +9,8 @@
 #    graphs with the all-reduces captured), tp=4 also with DSC_ALLREDUCE=nccl (NO_GEN=1 skips;
 #    GEN_MODES="push pull": every tp > 1 artifact again under those modes, against the default;
 #    PIPE_AB="tp1 tp2": those artifacts again with DSC_PIPELINE=off, the unpipelined generate loop,
-#    against the default, in the generates (same tokens) and the benches (tag -nopipe));
+#    against the default, in the generates (same tokens) and the benches (tag -nopipe); GEN_ENV=
+#    "VAR=value": every artifact again under it, its tokens against the default's (tag -genenv));
 # 3. `dsc bench` per artifact: batch-1 ms/token, batch-64 tokens/s, per-rank GPU memory; tp=2/4
 #    five times (bf16): the default (the row-parallel GEMVs push their rows, the fused
 #    all-reduce + RMSNorm push kernel, the one-shot all-reduce), DSC_ALLREDUCE=push (the GEMV,
@@ -155,6 +156,10 @@ if [ -z "${NO_GEN:-}" ]; then
   [[ " $ARTS " == *" tp4 "* ]] && same tp4-nccl tp4
   for M in ${GEN_MODES:-}; do for A in $ARTS; do [[ $A == tp1* ]] || same "$A" "$A-$M"; done; done
   for A in ${PIPE_AB:-}; do gen "$A-nopipe" "$A" DSC_PIPELINE=off; same "$A" "$A-nopipe"; done
+  # GEN_ENV="DSC_L2_PREFETCH=24": every artifact generated again under it (tag -genenv), its
+  # tokens against the default's (a setting that changes no value must give 72/72)
+  # shellcheck disable=SC2086  # VAR=value words
+  [ -n "${GEN_ENV:-}" ] && for A in $ARTS; do gen "$A-genenv" "$A" $GEN_ENV; same "$A" "$A-genenv"; done
   [[ " $ARTS " == *" tp1-int8 "* ]] && same tp1 tp1-int8
   grep -h "one-shot\|fused\|unavailable" "$OUT"/generate-*.log | sort | uniq -c | head -5
   pack
