@@ -9,6 +9,7 @@ import torch
 import dsc
 from dsc.errors import UserError
 from dsc.kernels import prefetch
+from dsc.runtime.engine import Engine
 from dsc.runtime.plan import ATTENTION_OPS, op_name
 
 
@@ -75,6 +76,35 @@ def test_inserted_after_each_attention_for_the_mlp_input_weight_and_changes_noth
         assert w.target.endswith(want) and f".{layer}.mlp." in w.target and (nbytes, last) == (1 << 20, False), w.target
     if engine is not None:
         assert torch.equal(_decode_logits(engine), before)
+
+
+def test_engine_inserts_it_where_supported_and_each_decode_step_launches_it(compile_artifact, monkeypatch):
+    """The engine's own path (the CPU stands in for a Hopper GPU: support and the launcher are
+    faked): load reports the setting, every decode step launches one prefetch per layer on
+    that layer's gate/up weight, the prefill program has none, and the logits are unchanged."""
+    art = compile_artifact("llama-tiny", dtype="fp32")
+    monkeypatch.delenv("DSC_L2_PREFETCH", raising=False)
+    want = _decode_logits(dsc.load(art, device="cpu"))
+    launches = []
+
+    class Fake:
+        def __getitem__(self, grid):
+            return lambda w, nbytes, **kw: launches.append((w.numel(), nbytes, kw["EVICT_LAST"]))
+
+    monkeypatch.setattr(prefetch, "jit", lambda fn: Fake())
+    monkeypatch.setattr(prefetch, "l2_prefetch_supported", lambda device: True)
+    monkeypatch.setenv("DSC_L2_PREFETCH", "0.001:last")
+    # the CPU's memory-mapped weights sit 8 bytes into a 16-byte line; a GPU's are allocations
+    load = Engine._load_weights
+    monkeypatch.setattr(Engine, "_load_weights", lambda self: {k: v.clone() for k, v in load(self).items()})
+    engine = dsc.load(art, device="cpu")
+    layers = engine.plan["kv_cache"]["layers"]
+    assert engine.l2_prefetch == f"{1040 / (1 << 20):g} MB x {layers} evict_last"
+    assert not any(n.target is prefetch.l2_prefetch for n in engine.programs["prefill"].graph.nodes)
+    got = _decode_logits(engine)
+    assert torch.equal(got, want)
+    gate_up = [engine.weights[k].numel() * 4 for k in sorted(engine.weights) if k.endswith("mlp.gate_up_proj.weight")]
+    assert len(gate_up) == layers and launches == [(b, 1040, True) for b in gate_up]
 
 
 def test_launch_covers_the_budget_once(monkeypatch):
