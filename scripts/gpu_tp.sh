@@ -25,7 +25,8 @@
 #    every tp > 1 artifact benched again with that environment (tag -envab; AB_ROUNDS rounds).
 #    BENCH_CTX="512 2048": each artifact's batch-1 decode also at those contexts (tags -ctxC).
 #    AR_CHECK_N="4": the all-reduce check on 4 GPUs only (default "2 4"; AR_CHECK_TIMEOUT seconds each,
-#    default 240: on 4 H100s beside three 8B compiles it did not finish in 120). GEMV_PUSH_SWEEP=1: the
+#    default 240: on 4 H200s beside three 8B compiles it took about 85 s, the embedding's checks
+#    included, where 120 was the limit). GEMV_PUSH_SWEEP=1: the
 #    check also sweeps GEMV push configs at the model's row-parallel shapes (kernels/tuning.json
 #    `gemv_push` rows to merge by hand).
 #    DURING_COMPILE="CMD": a one-GPU command run on GPU 0 while the artifacts compile (and the
