@@ -17,8 +17,8 @@ it. With PDL it lets its dependents launch at once, issues its prefetches, then 
 kernel before it (every PDL kernel waits before it exits: kernels/launch.py), so it adds one
 short kernel to the chain and nothing before the attention's end.
 
-The runtime inserts it into the decode program at load (runtime/engine.py `Engine._build`,
-`insert_l2_prefetch` below): it is not in the compiled plan, and `dsc inspect`'s launch counts
+The runtime inserts it into the decode program at load (runtime/engine.py
+`Engine._insert_l2_prefetch`, through `insert_l2_prefetch` below): it is not in the compiled plan, and `dsc inspect`'s launch counts
 do not include it. Off by default until measured on GPUs: DSC_L2_PREFETCH=MB turns it on with
 a budget of MB megabytes per layer (MB:last also marks the lines evict-last, so the o_proj
 weights streaming through L2 in between evict other lines first). Only on CUDA devices of
@@ -38,6 +38,7 @@ tl = None  # triton.language, bound by launch.jit on first launch
 
 CHUNK = 32 << 10  # bytes per bulk prefetch (a multiple of 16, as the instruction requires)
 LANES = 8  # prefetches per program (one per thread of its one warp)
+
 
 def _l2_prefetch_kernel(W, nbytes, CHUNK: tl.constexpr, LANES: tl.constexpr, EVICT_LAST: tl.constexpr,
                         PDL: tl.constexpr = False):
