@@ -11,6 +11,7 @@ Why this order:
   fold_position_tables after the fusions (fuse_rotary reads the cos/sin it replaces by lookups);
   fuse_rotary_attention (a fusion, decode only) after sharding and fold_position_tables, so it
   fuses the rank's final rotary + attention pair, with cos/sin already table lookups;
+  select_decode_token (decode only) before decode_linears, so lm_head's linear reads a view;
   decode_linears after every pass that matches aten.linear (it renames the decode program's);
   plan_kernels last, so it plans the ops every other pass left.
 """
@@ -34,6 +35,7 @@ from dsc.passes.fuse_rotary import fuse_rotary
 from dsc.passes.fuse_rotary_attention import fuse_rotary_attention
 from dsc.passes.plan_kernels import plan_kernels
 from dsc.passes.quantize_int8 import quantize_int8
+from dsc.passes.select_decode_token import select_decode_token
 from dsc.passes.shard_tensor_parallel import shard_tensor_parallel
 
 Pass = Callable[[Model], Model]
@@ -49,6 +51,7 @@ def pipeline(options) -> list[tuple[str, Pass]]:
         *([("quantize_int8", quantize_int8)] if options.int8 else []),
         ("fold_position_tables", fold_position_tables),
         *([("fuse_rotary_attention", fuse_rotary_attention)] if options.fuse else []),
+        ("select_decode_token", select_decode_token),
         ("decode_linears", decode_linears),
         ("plan_kernels", plan_kernels),
     ]

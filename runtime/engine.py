@@ -177,6 +177,9 @@ class Engine:
         if cache_pos.shape != (B,) or last_idx.shape != (B,):
             raise ValueError(f"run: cache_pos and last_idx must be [batch] = [{B}], got "
                              f"{list(cache_pos.shape)} and {list(last_idx.shape)}")
+        if program == "decode" and bool((last_idx != 0).any()):  # (passes/select_decode_token.py)
+            raise ValueError(f"run: a decode step has one token per sequence, so last_idx must be 0, "
+                             f"got {last_idx.tolist()}")
         return self._call(program, input_ids, position_ids, cache_pos, last_idx).float()
 
     @torch.inference_mode()

@@ -209,6 +209,27 @@ def test_no_fuse_turns_the_fusions_off(compile_artifact):
     assert lp["launches_per_layer"] > 2 * lf["launches_per_layer"], (lf, lp)
 
 
+@pytest.mark.parametrize("shape, options", [("llama-tiny", {}), ("gpt2-tiny", {}), ("llama-tiny", {"fuse": False}),
+                                            ("llama-tiny", {"tp": 2})])
+def test_decode_reads_its_one_token_as_a_view(shape, options, compile_artifact):
+    """select_decode_token: the decode program takes h[:, 0] (a view) where the trace gathered
+    h[arange(B), last_idx], so a step has no arange and no gather launch; prefill keeps both
+    (its last_idx varies); with or without the fusions and under tp. Engine.run of the decode
+    program rejects a last_idx other than 0, as the gather did, with one clear error."""
+    art = compile_artifact(shape, dtype="fp32", **options)
+    plan = plan_of(art)
+    dec, pre = call_ops(plan, "decode"), call_ops(plan, "prefill")
+    assert plan["passes"]["select_decode_token.select"] == 1
+    assert "aten.select.int" in dec and "aten.arange.default" not in dec and "aten.arange.default" in pre
+    assert dec.count("aten.index.Tensor") == pre.count("aten.index.Tensor") - 1  # the rest: position tables
+    if options.get("tp", 1) == 1:
+        e = dsc.load(art, device="cpu")
+        args = torch.tensor([[3], [4]]), torch.tensor([[2], [5]]), torch.tensor([2, 5])
+        assert torch.isfinite(e.run("decode", *args, torch.tensor([0, 0]))).all()
+        with pytest.raises(ValueError, match=r"last_idx must be 0, got \[0, 1\]"):
+            e.run("decode", *args, torch.tensor([0, 1]))
+
+
 @pytest.mark.parametrize("shape, dtype", [("llama-tiny", "bf16"), ("llama-tiny", "fp32")])
 def test_rotary_cos_sin_become_position_tables(compile_artifact, make_checkpoint, shape, dtype):
     """fold_position_tables: RoPE's cos/sin chain -> two gathers from [max_seq, head_dim] tables
