@@ -9,7 +9,9 @@ that period, and each slot's exposed time (what it adds past the kernels before 
 gap before it is summed over the layers. Launches outside the layers (embedding, final norm,
 lm_head, the logits' gather) are listed one by one. With two or more runs (e.g. DSC_PDL on and
 off, or before and after a change) the columns sit side by side, so a per-kernel difference
-can be read per slot: `by_name` sums every launch of one kernel name together.
+can be read per slot. Runs whose
+layers have different launches (the real step's GEMV that ends an all-reduce and normalizes,
+the one-GPU bound's GEMV, then norm) line up with each norm kernel merged into the slot before.
 """
 from __future__ import annotations
 
@@ -63,6 +65,23 @@ def slots(prof: dict) -> tuple[list[tuple[str, float]], list[tuple[str, float]],
     return per, outside, n
 
 
+NORM_KERNELS = ("_rmsnorm_kernel", "_add_rmsnorm_kernel")
+
+
+def merge_norms(per: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """A layer's slots with each norm kernel's folded into the slot before it ("gemv + norm"):
+    how the one-GPU bound's GEMV, then norm, lines up with the real step's GEMV that ends the
+    all-reduce and normalizes in one launch."""
+    out: list[tuple[str, float]] = []
+    for name, us in per:
+        if name in NORM_KERNELS and out:
+            prev, prev_us = out[-1]
+            out[-1] = (f"{_short(prev)} + norm", prev_us + us)
+        else:
+            out.append((name, us))
+    return out
+
+
 def _short(name: str) -> str:
     return name.split("<")[0].replace("void ", "").replace("at::native::", "")[:40]
 
@@ -80,7 +99,12 @@ def main() -> None:
     if len({len(t[0]) for t in tables}) != 1:
         for i, t in enumerate(tables):
             print(f"run {i + 1}: {t[2]} layers of {len(t[0])} launches: " + ", ".join(_short(n) for n, _ in t[0]))
-        sys.exit("the runs' layers differ in their launches: compare them one by one")
+        # e.g. the real tp=2 step (GEMVs that end the all-reduce with its norm) against the
+        # bound's (a GEMV, then a norm kernel): line them up with each norm in the slot before it
+        tables = [(merge_norms(per), outside, n) for per, outside, n in tables]
+        if len({len(t[0]) for t in tables}) != 1:
+            sys.exit("the runs' layers differ in their launches, with the norms merged too: compare them one by one")
+        print("slots lined up with each norm kernel merged into the launch before it (slot names: run 1's)")
     for k, (name, _) in enumerate(tables[0][0]):
         print(f"{k:>2} {_short(name):<43}" + "".join(f"{t[0][k][1]:>10.1f}" for t in tables))
     print("outside the layers:")

@@ -213,6 +213,37 @@ def test_launch_slots_folds_the_layers_and_sums_each_slot(tmp_path):
     assert "embed 2.0, lm_head 11.0" in r.stdout
 
 
+def test_launch_slots_lines_up_a_step_with_the_bound_by_merging_norms(tmp_path):
+    """Two runs whose layers differ (the real step's GEMV that ends the all-reduce with its norm,
+    the bound's GEMV then a norm kernel): each norm kernel's time joins the slot before it, and
+    the slots print side by side."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def run(layer, us, path):
+        t, launches = 0.0, []
+        for i, n in enumerate(["embed"] + layer * 2):
+            launches.append({"i": i, "name": n, "start_us": t, "us": us[n], "exposed_us": us[n]})
+            t += us[n]
+        path.write_text(json.dumps({"profile": {"step_us": t, "launches": launches}}))
+        return str(path)
+
+    real = run(["_decode_kernel", "_gemv_push_kernel", "_gemv_swiglu_kernel"],
+               {"embed": 1.0, "_decode_kernel": 3.0, "_gemv_push_kernel": 7.0, "_gemv_swiglu_kernel": 9.0},
+               tmp_path / "real.json")
+    bound = run(["_decode_kernel", "_gemv_kernel", "_rmsnorm_kernel", "_gemv_swiglu_kernel"],
+                {"embed": 1.0, "_decode_kernel": 3.0, "_gemv_kernel": 4.0, "_rmsnorm_kernel": 1.5,
+                 "_gemv_swiglu_kernel": 9.0}, tmp_path / "bound.json")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "launch_slots.py"
+    r = subprocess.run([sys.executable, str(script), real, bound], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line[:2].strip().isdigit()]
+    assert [(row[1], float(row[-2]), float(row[-1])) for row in rows] == [
+        ("_decode_kernel", 6.0, 6.0), ("_gemv_push_kernel", 14.0, 11.0), ("_gemv_swiglu_kernel", 18.0, 18.0)]
+    assert "merged" in r.stdout
+
+
 _PUSH_LOCAL_CHECK = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
