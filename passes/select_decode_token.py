@@ -5,8 +5,9 @@ Matches / rewrites (counted under `select_decode_token.select`), in the decode p
   last_idx the program input (compiler/trace.py picks each sequence's token at last_idx)
   -> aten.select.int(h, 1, 0): h[:, 0], a view; the arange, read by nothing else, goes too.
   A decode step has one token per sequence, so 0 is the only last_idx the gather accepts, and
-  the two launches (arange, gather) of every step are gone: the lm_head GEMV then follows the
-  final norm's kernel directly, a chain PDL lets it start early in (kernels/launch.py).
+  the two launches (arange, gather) of every step are gone, and the lm_head GEMV follows the
+  final norm's kernel directly, so with PDL it starts loading its weight while the norm runs
+  (kernels/launch.py).
 Requires: the traced decode program (its sequence dimension the constant 1).
 Guarantees: the same values for every last_idx the gather accepted. The runtime's decode steps
   pass zeros (runtime/decode.py); `Engine.run` of the decode program rejects any other

@@ -9,9 +9,9 @@ that period, and each slot's exposed time (what it adds past the kernels before 
 gap before it is summed over the layers. Launches outside the layers (embedding, final norm,
 lm_head, the logits' gather) are listed one by one. With two or more runs (e.g. DSC_PDL on and
 off, or before and after a change) the columns sit side by side, so a per-kernel difference
-can be read per slot. Runs whose
-layers have different launches (the real step's GEMV that ends an all-reduce and normalizes,
-the one-GPU bound's GEMV, then norm) line up with each norm kernel merged into the slot before.
+can be read per slot. Runs whose layers have different launches (the real step's GEMV that
+ends an all-reduce and normalizes, the one-GPU bound's GEMV, then norm) line up with each norm
+kernel merged into the slot before it.
 """
 from __future__ import annotations
 
