@@ -36,8 +36,9 @@ from dsc.kernels.launch import cdiv, jit, pdl_enabled
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
-CHUNK = 32 << 10  # bytes per bulk prefetch (a multiple of 16, as the instruction requires)
-LANES = 8  # prefetches per program (one per thread of its one warp)
+CHUNK = 8 << 10  # bytes per bulk prefetch (a multiple of 16, as the instruction requires)
+LANES = 32  # prefetches per program: one per thread of its one warp (fewer would be issued by
+# several threads each), so 256 KB per program, 64 programs for 16 MB. Not tuned: unmeasured
 
 
 def _l2_prefetch_kernel(W, nbytes, CHUNK: tl.constexpr, LANES: tl.constexpr, EVICT_LAST: tl.constexpr,
