@@ -5,7 +5,7 @@ but between them memory sits idle: the attention over a short context, the all-r
 o_proj (its pushes, the wait for the peers, the norm) and the kernel boundaries are latency,
 not bytes. The more tensor-parallel ranks, the smaller each GEMV and the larger that idle
 share (Llama-8B at tp=4 on 4 H200s, session 19: the attention and the o_proj + all-reduce +
-norm slots take about 12 us per layer, against 3 us of o_proj bytes). `l2_prefetch` fills some
+norm slots take about 12 us per layer, against 2 us for o_proj's 8.4 MB). `l2_prefetch` fills some
 of that time: one launch, right after a layer's attention, that asks the L2 cache for the
 first `nbytes` of the MLP's gate/up weight, so gate_up then reads those bytes from L2 instead
 of HBM.
