@@ -18,19 +18,17 @@ kernel before it (every PDL kernel waits before it exits: kernels/launch.py), so
 short kernel to the chain and nothing before the attention's end.
 
 The runtime inserts it into the decode program at load (runtime/engine.py
-`Engine._insert_l2_prefetch`, through `insert_l2_prefetch` below): it is not in the compiled plan, and `dsc inspect`'s launch counts
-do not include it. Off by default until measured on GPUs: DSC_L2_PREFETCH=MB turns it on with
+`Engine._insert_l2_prefetch`, through runtime/plan.py `insert_l2_prefetch`): it is not in the
+compiled plan, and `dsc inspect`'s launch counts do not include it. Off by default until measured on GPUs: DSC_L2_PREFETCH=MB turns it on with
 a budget of MB megabytes per layer (MB:last also marks the lines evict-last, so the o_proj
 weights streaming through L2 in between evict other lines first). Only on CUDA devices of
 capability 9.0 or more with PDL on; elsewhere the function does nothing.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
-import torch.fx as fx
 
 from dsc.kernels.launch import cdiv, jit, pdl_enabled
 
@@ -85,12 +83,10 @@ def l2_prefetch_setting() -> tuple[int, bool]:
 
 
 def l2_prefetch_supported(device: torch.device) -> bool:
-    """CUDA, capability 9.0 or more (the bulk prefetch), PDL on (without it the launch would sit
-    between the attention and o_proj instead of overlapping them)."""
-    if device.type != "cuda" or not pdl_enabled(device):
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
+    """Where kernels launch with PDL (kernels/launch.py `pdl_enabled`): an NVIDIA GPU of
+    capability 9.0 or more, as the bulk prefetch needs too, and PDL not turned off (without it
+    the launch would sit between the attention and o_proj instead of overlapping them)."""
+    return pdl_enabled(device)
 
 
 def l2_prefetch(weight: torch.Tensor, nbytes: int, evict_last: bool = False) -> None:
@@ -103,53 +99,3 @@ def l2_prefetch(weight: torch.Tensor, nbytes: int, evict_last: bool = False) -> 
     grid = (cdiv(nbytes, CHUNK * LANES),)
     jit(_l2_prefetch_kernel)[grid](weight.reshape(-1).view(torch.uint8), nbytes, CHUNK=CHUNK, LANES=LANES,
                                    EVICT_LAST=evict_last, num_warps=1, PDL=True, launch_pdl=True)
-
-
-def prefetch_targets(gm: fx.GraphModule, attention_ops: tuple[str, ...], op_name) -> list[tuple[fx.Node, str]]:
-    """(attention node, weight attribute) pairs: after each attention, the largest weight read by
-    the next three call nodes that read one (a Llama layer's o_proj, gate/up and down
-    projections: the gate/up weight; GPT-2's c_proj, c_fc, c_proj: c_fc). The KV caches (read by
-    the attention itself) are not weights here."""
-    nodes = list(gm.graph.nodes)
-    out = []
-    for i, n in enumerate(nodes):
-        if n.op != "call_function" or op_name(n.target) not in attention_ops:
-            continue
-        readers = 0
-        best, best_bytes = None, 0
-        for m in nodes[i + 1:]:
-            if m.op == "call_function" and op_name(m.target) in attention_ops:
-                break
-            if m.op != "call_function":
-                continue
-            weights = [a for a in m.all_input_nodes if a.op == "get_attr" and not a.target.startswith("kv_cache.")]
-            if not weights:
-                continue
-            for a in weights:
-                t = functools.reduce(getattr, a.target.split("."), gm)  # a dotted name: nested modules
-                size = t.numel() * t.element_size()
-                if size > best_bytes:
-                    best, best_bytes = a.target, size
-            readers += 1
-            if readers == 3:
-                break
-        if best is not None:
-            out.append((n, best))
-    return out
-
-
-def insert_l2_prefetch(gm: fx.GraphModule, nbytes: int, evict_last: bool, attention_ops: tuple[str, ...],
-                       op_name) -> int:
-    """Insert `l2_prefetch(weight, nbytes, evict_last)` right after each attention node of `gm`
-    for its `prefetch_targets` weight (a fresh get_attr: the weight's own may come later in the
-    graph). Returns how many were inserted; values are unchanged."""
-    targets = prefetch_targets(gm, attention_ops, op_name)
-    for attn, target in targets:
-        with gm.graph.inserting_after(attn):
-            w = gm.graph.get_attr(target)
-        with gm.graph.inserting_after(w):
-            gm.graph.call_function(l2_prefetch, (w, nbytes, evict_last))
-    if targets:
-        gm.graph.lint()
-        gm.recompile()
-    return len(targets)

@@ -6,6 +6,7 @@ dsc.kernels only; never transformers, dsc.compiler or dsc.passes.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -72,6 +73,56 @@ def _all_reduce_nodes(program: dict) -> list[dict]:
 def _first_shape(node: dict) -> list:
     shape = node["shape"]
     return shape[0] if shape and isinstance(shape[0], list) else shape  # a fused node: (sum, normed)
+
+
+def l2_prefetch_targets(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
+    """(attention node, weight attribute) pairs: after each attention, the largest weight read by
+    the next three call nodes that read one (a Llama layer's o_proj, gate/up and down
+    projections: the gate/up weight; GPT-2's c_proj, c_fc, c_proj: c_fc). The KV caches (read by
+    the attention itself) are not weights here."""
+    nodes = list(gm.graph.nodes)
+    out = []
+    for i, n in enumerate(nodes):
+        if n.op != "call_function" or op_name(n.target) not in ATTENTION_OPS:
+            continue
+        readers = 0
+        best, best_bytes = None, 0
+        for m in nodes[i + 1:]:
+            if m.op == "call_function" and op_name(m.target) in ATTENTION_OPS:
+                break
+            if m.op != "call_function":
+                continue
+            weights = [a for a in m.all_input_nodes if a.op == "get_attr" and not a.target.startswith("kv_cache.")]
+            if not weights:
+                continue
+            for a in weights:
+                t = functools.reduce(getattr, a.target.split("."), gm)  # a dotted name: nested modules
+                size = t.numel() * t.element_size()
+                if size > best_bytes:
+                    best, best_bytes = a.target, size
+            readers += 1
+            if readers == 3:
+                break
+        if best is not None:
+            out.append((n, best))
+    return out
+
+
+def insert_l2_prefetch(gm: fx.GraphModule, nbytes: int, evict_last: bool) -> int:
+    """Insert kernels/prefetch.py's `l2_prefetch(weight, nbytes, evict_last)` right after each
+    attention node of the decode program `gm` for its `l2_prefetch_targets` weight (a fresh
+    get_attr: the weight's own may come later in the graph). Returns how many were inserted;
+    values are unchanged."""
+    targets = l2_prefetch_targets(gm)
+    for attn, target in targets:
+        with gm.graph.inserting_after(attn):
+            w = gm.graph.get_attr(target)
+        with gm.graph.inserting_after(w):
+            gm.graph.call_function(prefetch.l2_prefetch, (w, nbytes, evict_last))
+    if targets:
+        gm.graph.lint()
+        gm.recompile()
+    return len(targets)
 
 
 class Engine:
@@ -155,7 +206,7 @@ class Engine:
             raise UserError(str(e)) from None
         if not nbytes or "decode" not in self.programs or not prefetch.l2_prefetch_supported(self.device):
             return "off"
-        n = prefetch.insert_l2_prefetch(self.programs["decode"], nbytes, last, ATTENTION_OPS, op_name)
+        n = insert_l2_prefetch(self.programs["decode"], nbytes, last)
         return f"{nbytes / (1 << 20):g} MB x {n}" + (" evict_last" if last else "") if n else "off"
 
     # -- running -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 import dsc
 from dsc.errors import UserError
 from dsc.kernels import prefetch
-from dsc.runtime.engine import Engine
+from dsc.runtime.engine import Engine, insert_l2_prefetch
 from dsc.runtime.plan import ATTENTION_OPS, op_name
 
 
@@ -65,7 +65,7 @@ def test_inserted_after_each_attention_for_the_mlp_input_weight_and_changes_noth
         before = _decode_logits(engine)
     layers = sum(op_name(n.target) in ATTENTION_OPS for n in gm.graph.nodes if n.op == "call_function")
     assert layers >= 2
-    n = prefetch.insert_l2_prefetch(gm, 1 << 20, False, ATTENTION_OPS, op_name)
+    n = insert_l2_prefetch(gm, 1 << 20, False)
     assert n == layers
     nodes = list(gm.graph.nodes)
     want = "mlp.c_fc.weight" if shape.startswith("gpt2") else "mlp.gate_up_proj.weight"
