@@ -127,7 +127,7 @@ def insert_l2_prefetch(gm: fx.GraphModule, nbytes: int, evict_last: bool) -> int
 
 class Engine:
     def __init__(self, artifact: Artifact, rank: int, world: int, device: torch.device,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, prefill_buckets: bool | None = None):
         self.artifact = artifact
         self.plan = artifact.plan
         self.rank, self.world, self.device = rank, world, device
@@ -144,7 +144,8 @@ class Engine:
         self.all_reduce = self._enable_symmetric_all_reduce()
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
         self._decode = DecodeRunner(self._decode_program, self.buckets, device, cuda_graphs)
-        self._prefill = PrefillRunner(lambda *a: self._call("prefill", *a), self.max_seq, device, cuda_graphs)
+        self._prefill = PrefillRunner(lambda *a: self._call("prefill", *a), self.max_seq, device, cuda_graphs,
+                                      buckets=prefill_buckets)
 
     def _enable_symmetric_all_reduce(self) -> str:
         """On CUDA with tp > 1: the one-shot all-reduce (kernels/collectives.py) for tensors up
@@ -371,10 +372,14 @@ def _dist_rank_world(artifact: Artifact, rank: int | None) -> tuple[int, int]:
 
 
 def load(path: str | Path, rank: int | None = None, device: str | torch.device | None = None,
-         verify: bool = True, cuda_graphs: bool = True) -> Engine:
+         verify: bool = True, cuda_graphs: bool = True, prefill_buckets: bool | None = None) -> Engine:
     """Load an artifact for one rank. Checks format version and the sha256 of every file this
     rank reads (skip with verify=False). On CUDA, decode steps are captured as CUDA graphs at
-    load, one per batch bucket (cuda_graphs=False runs them eagerly). For tp > 1, call under
+    load, one per batch bucket (cuda_graphs=False runs them eagerly). Prefills are right-padded
+    to a length bucket where their graphs are captured (runtime/prefill.py), else run at the
+    prompts' exact length; prefill_buckets=True pads them without graphs too (the same shapes
+    as the graphs, so the same numbers: a GEMM's rounding can depend on its row count, and in
+    bf16 that flips near-tie greedy tokens), False never pads. For tp > 1, call under
     torchrun: the process group is initialised here (NCCL on GPU, gloo on CPU) if it is not
     already, and each rank takes the GPU of its LOCAL_RANK."""
     _check_environment()
@@ -390,4 +395,4 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
 
         ensure_process_group(device, world, r)
     artifact = open_artifact(path, ranks=[r], verify=verify)
-    return Engine(artifact, r, world, device, cuda_graphs=cuda_graphs)
+    return Engine(artifact, r, world, device, cuda_graphs=cuda_graphs, prefill_buckets=prefill_buckets)

@@ -78,7 +78,7 @@ class PrefillRunner:
     def __init__(self, program: Callable, max_seq: int, device: torch.device, cuda_graphs: bool,
                  buckets: bool | None = None):
         """buckets: pad to length buckets (default: where graphs are captured, i.e. on CUDA with
-        cuda_graphs; tests pass True to run the padded path eagerly on CPU)."""
+        cuda_graphs; load's prefill_buckets: True runs the padded path eagerly, as tests do on CPU)."""
         self.program, self.device = program, device
         self.graphs = cuda_graphs and device.type == "cuda"
         self.pad = self.graphs if buckets is None else buckets

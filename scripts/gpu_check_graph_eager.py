@@ -74,8 +74,7 @@ def main() -> int:
     lengths = [(37, 5, 20)[i % 3] + i // 3 for i in range(args.batch)]
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
     eager = dsc.load(art, device=args.device, cuda_graphs=False)
-    eager_pad = dsc.load(art, device=args.device, cuda_graphs=False)
-    eager_pad._prefill.pad = True  # the length buckets, run eagerly
+    eager_pad = dsc.load(art, device=args.device, cuda_graphs=False, prefill_buckets=True)
     n = args.new_tokens
     rep: dict = {"shape": args.shape, "dtype": args.dtype, "batch": args.batch, "lengths": lengths,
                  "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}

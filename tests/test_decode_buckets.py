@@ -117,11 +117,10 @@ def test_prefill_length_buckets():
 @pytest.mark.parametrize("shape", ["llama-odd", "gpt2-odd", "mistral-tiny"])
 def test_padded_prefill_equals_exact_length(compile_artifact, shape):
     """The GPU's prefill path (prompts right-padded to a length bucket, runtime/prefill.py), run
-    eagerly on CPU: the last real tokens' logits and every real KV-cache slot equal those of the
-    prefill at the exact length, and greedy decoding afterwards gives the same tokens.
-    mistral-tiny has an 8-token sliding window, shorter than these prompts."""
+    eagerly on CPU (load's prefill_buckets=True): the last real tokens' logits and every real
+    KV-cache slot equal those of the prefill at the exact length, and greedy decoding afterwards
+    gives the same tokens. mistral-tiny has an 8-token sliding window, shorter than these prompts."""
     import dsc
-    from dsc.runtime.prefill import PrefillRunner
 
     art = compile_artifact(shape, dtype="fp32", max_batch=4, max_seq=64)
     e = dsc.load(art, device="cpu")
@@ -133,8 +132,8 @@ def test_padded_prefill_equals_exact_length(compile_artifact, shape):
     exact = e.prefill(prompts)
     exact_cache = {k: v[:3].clone() for k, v in e.kv_cache.items()}
 
-    e._prefill = PrefillRunner(e._prefill.program, e.max_seq, e.device, cuda_graphs=False, buckets=True)
-    e.reset()
+    assert not e._prefill.pad  # on CPU, by default, prefills run at the exact length
+    e = dsc.load(art, device="cpu", prefill_buckets=True)  # the padded path, eagerly (as the GPU's graphs)
     padded = e.prefill(prompts)
     assert list(e._prefill.steps) == [(3, 32)]
     torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-5)
