@@ -65,12 +65,21 @@ def build_plan(model: Model, ckpt: Checkpoint, dtype: str) -> dict:
 
 
 class RankTensors:
-    """Produces the tensors of one rank, quantizing each weight once for all its parts."""
+    """Produces the tensors of one rank, quantizing each weight once for all its parts.
 
-    def __init__(self, model: Model, reader: SourceReader, rank: int, world: int):
+    A row-parallel shard (its input features split across ranks) of a weight that tp=1
+    quantizes per channel takes its whole rows' scales, so every rank's int8 entries and scales
+    are tp=1's and the all-reduced output equals tp=1's up to the order of the sum (scale groups,
+    --int8-group-size, never cross a shard boundary, so grouped shards are tp=1's already; a
+    shard that is one whole group is per channel locally and keeps its own scales).
+    `row_params` keeps those scales across the ranks of one emit (one read of the whole weight)."""
+
+    def __init__(self, model: Model, reader: SourceReader, rank: int, world: int,
+                 row_params: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.model, self.reader, self.rank, self.world = model, reader, rank, world
         self._qkey: Any = None
         self._qparts: dict[str, torch.Tensor] = {}
+        self._row_params = {} if row_params is None else row_params
 
     def __call__(self, name: str) -> torch.Tensor:
         spec = self.model.weights[name]
@@ -78,10 +87,20 @@ class RankTensors:
             return float_tensor(spec, self.rank, self.world, self.reader)
         base = dataclasses.replace(spec, quant=dataclasses.replace(spec.quant, part="qweight"))
         if self._qkey != base:
-            from dsc.kernels.int8 import quantize_weight
+            from dsc.kernels.int8 import quantize_weight, weight_qparams
+            from dsc.passes.quantize_int8 import group_size_for
 
-            w = float_tensor(dataclasses.replace(spec, quant=None, dtype="float32"), self.rank, self.world, self.reader)
-            self._qparts = quantize_weight(w, spec.quant.group_size, spec.quant.symmetric)
+            unquantized = dataclasses.replace(spec, quant=None, dtype="float32")
+            params = None
+            key = name.rpartition(".")[0]  # the weight's name, shared by its parts
+            if spec.shard is not None and spec.shard.dim == 1 and self.world > 1 and spec.quant.group_size is None \
+                    and group_size_for(self.model, f"{key}.qweight", tp=1) is None:
+                if key not in self._row_params:
+                    whole = float_tensor(dataclasses.replace(unquantized, shard=None), 0, 1, self.reader)
+                    self._row_params[key] = weight_qparams(whole, None, spec.quant.symmetric)
+                params = self._row_params[key]
+            w = float_tensor(unquantized, self.rank, self.world, self.reader)
+            self._qparts = quantize_weight(w, spec.quant.group_size, spec.quant.symmetric, params)
             self._qkey = base
         return self._qparts[spec.quant.part]
 
@@ -109,9 +128,10 @@ def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[st
         (tmp / "plan.json").write_text(_json(build_plan(model, ckpt, dtype)))
         entries = rank_entries(model, world)
         with SourceReader(ckpt) as reader:
+            row_params: dict = {}
             for rank in range(world):
                 write_safetensors(tmp / f"rank{rank}.safetensors", entries,
-                                  RankTensors(model, reader, rank, world), on_bytes)
+                                  RankTensors(model, reader, rank, world, row_params), on_bytes)
         toks = tokenizer_files(ckpt.root)
         if toks:
             (tmp / "tokenizer").mkdir()

@@ -73,12 +73,13 @@ def _groups(k: int, group_size: int | None) -> int:
     return k // group_size
 
 
-def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: bool = True) -> dict[str, torch.Tensor]:
-    """w [N, K] float -> {"qweight": int8 [N, K], "scale": fp32 [N, G], "zero": int8 [N, G]}.
+def weight_qparams(w: torch.Tensor, group_size: int | None = None,
+                   symmetric: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (scale fp32 [N, G], zero fp32 [N, G]) of quantize_weight.
 
     Symmetric: scale = max|w| / 127 per row and group, zero = 0. Asymmetric: the group's range
     [min(w, 0), max(w, 0)] maps onto [-128, 127] (0 stays exactly representable, so the zero
-    point fits int8). Round-trip error is at most scale / 2 per element."""
+    point fits int8)."""
     w = w.float()
     n, k = w.shape
     g = _groups(k, group_size)
@@ -86,15 +87,30 @@ def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: b
     if symmetric:
         amax = wg.abs().amax(-1)  # [N, G]
         scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).clamp(min=SCALE_MIN)
-        zero = torch.zeros_like(scale)
-        lo, hi = -127, 127
-    else:
-        wmin = wg.amin(-1).clamp(max=0)
-        wmax = wg.amax(-1).clamp(min=0)
-        span = wmax - wmin
-        scale = torch.where(span > 0, span / 255, torch.ones_like(span)).clamp(min=SCALE_MIN)
-        zero = (-128 - torch.round(wmin / scale)).clamp(-128, 127)
-        lo, hi = -128, 127
+        return scale, torch.zeros_like(scale)
+    wmin = wg.amin(-1).clamp(max=0)
+    wmax = wg.amax(-1).clamp(min=0)
+    span = wmax - wmin
+    scale = torch.where(span > 0, span / 255, torch.ones_like(span)).clamp(min=SCALE_MIN)
+    return scale, (-128 - torch.round(wmin / scale)).clamp(-128, 127)
+
+
+def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: bool = True,
+                    params: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """w [N, K] float -> {"qweight": int8 [N, K], "scale": fp32 [N, G], "zero": int8 [N, G]}.
+
+    Scales and zero points from `weight_qparams`, or `params` where given: those of a larger
+    tensor whose columns w is a slice of (a row-parallel shard quantized with its whole rows'
+    scales, compiler/emit.py), so every entry is quantized as the whole tensor quantizes it.
+    Round-trip error is at most scale / 2 per element."""
+    w = w.float()
+    n, k = w.shape
+    scale, zero = weight_qparams(w, group_size, symmetric) if params is None else params
+    g = scale.shape[1]
+    if scale.shape[0] != n or k % g:
+        raise ValueError(f"quantize_weight: params of shape {list(scale.shape)} for a [{n}, {k}] weight")
+    lo, hi = (-127, 127) if symmetric else (-128, 127)
+    wg = w.reshape(n, g, k // g)
     q = (torch.round(wg / scale[..., None]) + zero[..., None]).clamp(lo, hi)
     return {"qweight": q.reshape(n, k).to(torch.int8).contiguous(), "scale": scale.contiguous(),
             "zero": zero.to(torch.int8).contiguous()}

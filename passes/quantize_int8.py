@@ -14,7 +14,8 @@ Rewrites (each counted under `quantize_int8.<rule>`, per node)
 Weight specs: `<W>.qweight`, `<W>.scale` (and `<W>.zero` when asymmetric) are W's spec with
   `quant=Quant(part, group_size, symmetric)`; emit quantizes each rank's shard after sharding
   (compiler/emit.py RankTensors), so scale groups are groups of the rank's local input
-  features. W itself is dropped when nothing else reads it (a tied embedding keeps it).
+  features; a row-parallel shard quantized per channel takes its whole rows' scales, so at
+  any tp every int8 entry and scale is tp=1's. W itself is dropped when nothing else reads it (a tied embedding keeps it).
   A linear is "in the blocks" when its module path has a numbered component (layers.3, h.3).
 Group size per layer: --int8-group-size G, which must divide the layer's local input
   features (after tensor-parallel sharding), or the compile stops naming the layer. DeepSpeed's
@@ -89,12 +90,14 @@ def _keep_reason(model: Model, node: fx.Node, shared: set[str]) -> str | None:
     return None
 
 
-def group_size_for(model: Model, name: str) -> int | None:
-    """The layer's group size (None: per output channel); UserError when it does not fit."""
+def group_size_for(model: Model, name: str, tp: int | None = None) -> int | None:
+    """The layer's group size (None: per output channel); UserError when it does not fit.
+    `name`: the weight or its qweight part; `tp`: as if compiled at that tp (default the model's)."""
     opts = model.options
-    out, inp = local_shape(model.weights[name], opts.tp)
-    where = f"{_layer(name)} ({'rank-local ' if opts.tp > 1 else ''}weight [{out}, {inp}]"
-    where += f", tp={opts.tp})" if opts.tp > 1 else ")"
+    tp = opts.tp if tp is None else tp
+    out, inp = local_shape(model.weights[name], tp)
+    where = f"{_layer(name)} ({'rank-local ' if tp > 1 else ''}weight [{out}, {inp}]"
+    where += f", tp={tp})" if tp > 1 else ")"
     if opts.int8_group_size and opts.int8_q_groups:
         raise UserError("--int8-group-size and q_groups both set; give one")
     gs, given = opts.int8_group_size, f"--int8-group-size {opts.int8_group_size}"
@@ -108,7 +111,7 @@ def group_size_for(model: Model, name: str) -> int | None:
     if gs is None:
         return None
     if inp % gs:
-        why = "scale groups must not cross shard boundaries: " if opts.tp > 1 else ""
+        why = "scale groups must not cross shard boundaries: " if tp > 1 else ""
         raise UserError(f"{given} does not divide the {inp} input features of {where}; "
                         f"{why}choose a divisor of {inp}")
     if opts.int8_mode == "w8a8" and gs % 32:
