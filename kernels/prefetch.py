@@ -18,8 +18,10 @@ kernel before it (every PDL kernel waits before it exits: kernels/launch.py), so
 short kernel to the chain and nothing before the attention's end.
 
 The runtime inserts it into the decode program at load (runtime/engine.py
-`Engine._insert_l2_prefetch`, through runtime/plan.py `insert_l2_prefetch`): it is not in the
-compiled plan, and `dsc inspect`'s launch counts do not include it. Off by default until measured on GPUs: DSC_L2_PREFETCH=MB turns it on with
+`Engine._insert_l2_prefetch`, through `insert_l2_prefetch` in the same module): it is not in the
+compiled plan, and `dsc inspect`'s launch counts do not include it. Off by default (session 20,
+Llama-8B: no gain at tp=1, a loss at tp=4, and at tp=2 a loss beside the one-wave GEMV push
+rows; README): DSC_L2_PREFETCH=MB turns it on with
 a budget of MB megabytes per layer (MB:last also marks the lines evict-last, so the o_proj
 weights streaming through L2 in between evict other lines first). Only on CUDA devices of
 capability 9.0 or more with PDL on; elsewhere the function does nothing.
@@ -36,7 +38,7 @@ tl = None  # triton.language, bound by launch.jit on first launch
 
 CHUNK = 8 << 10  # bytes per bulk prefetch (a multiple of 16, as the instruction requires)
 LANES = 32  # prefetches per program: one per thread of its one warp (fewer would be issued by
-# several threads each), so 256 KB per program, 64 programs for 16 MB. Not tuned: unmeasured
+# several threads each), so 256 KB per program, 64 programs for 16 MB. Not tuned (no MB budget gained: README)
 
 
 def _l2_prefetch_kernel(W, nbytes, CHUNK: tl.constexpr, LANES: tl.constexpr, EVICT_LAST: tl.constexpr,
