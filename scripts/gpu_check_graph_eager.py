@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_runtime import add_model_args, mixed_prompts  # noqa: E402
 
 
 def teacher_forced(eng, prompts: list[list[int]], tokens: list[list[int]]) -> list[torch.Tensor]:
@@ -47,12 +49,7 @@ def teacher_forced(eng, prompts: list[list[int]], tokens: list[list[int]]) -> li
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-1b")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's)")
+    add_model_args(ap)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (no graphs)")
     args = ap.parse_args()
     import dsc
@@ -71,8 +68,8 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)  # gpu_check_runtime.py's prompts
     graphs = dsc.load(art, device=args.device)
     V = graphs.vocab_size
-    lengths = [(37, 5, 20)[i % 3] + i // 3 for i in range(args.batch)]
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+    prompts = mixed_prompts(V, args.batch, g)
+    lengths = [len(p) for p in prompts]
     eager = dsc.load(art, device=args.device, cuda_graphs=False)
     eager_pad = dsc.load(art, device=args.device, cuda_graphs=False, prefill_buckets=True)
     n = args.new_tokens

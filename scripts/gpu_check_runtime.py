@@ -29,14 +29,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model and prompt arguments this script and gpu_check_graph_eager.py share."""
     ap.add_argument("--shape", default="llama-1b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--work", default=None)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's)")
     ap.add_argument("--batch", type=int, default=3, help="prompts decoded together (3: a 4-row bucket)")
+
+
+def mixed_prompts(vocab_size: int, batch: int, g: torch.Generator) -> list[list[int]]:
+    """`batch` random prompts of mixed lengths (37, 5, 20, 38, 6, ...): the first prefills in a
+    64-token bucket, and the batch decodes in a padded batch bucket (3 in 4)."""
+    lengths = [(37, 5, 20)[i % 3] + i // 3 for i in range(batch)]
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
     ap.add_argument("--cpu-check", action="store_true", help="also run the artifact on CPU and compare")
     args, extra = ap.parse_known_args()
     import dsc
@@ -61,8 +73,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     eng = dsc.load(art, device="cuda")
     V = eng.vocab_size
-    lengths = [(37, 5, 20)[i % 3] + i // 3 for i in range(args.batch)]
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+    prompts = mixed_prompts(V, args.batch, g)
     res_graph = eng.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=[]).tokens
     eager = dsc.load(art, device="cuda", cuda_graphs=False, prefill_buckets=True)
     res_eager = eager.generate(prompts, max_new_tokens=args.new_tokens, stop_tokens=[]).tokens
