@@ -14,8 +14,9 @@ Rewrites (each counted under `quantize_int8.<rule>`, per node)
 Weight specs: `<W>.qweight`, `<W>.scale` (and `<W>.zero` when asymmetric) are W's spec with
   `quant=Quant(part, group_size, symmetric)`; emit quantizes each rank's shard after sharding
   (compiler/emit.py RankTensors), so scale groups are groups of the rank's local input
-  features; a row-parallel shard quantized per channel takes its whole rows' scales, so at
-  any tp every int8 entry and scale is tp=1's. W itself is dropped when nothing else reads it (a tied embedding keeps it).
+  features; a row-parallel shard of a weight that tp=1 quantizes per channel takes its whole
+  rows' scales, so at any tp every int8 entry and scale is tp=1's. W itself is dropped when
+  nothing else reads it (a tied embedding keeps it).
   A linear is "in the blocks" when its module path has a numbered component (layers.3, h.3).
 Group size per layer: --int8-group-size G, which must divide the layer's local input
   features (after tensor-parallel sharding), or the compile stops naming the layer. DeepSpeed's
