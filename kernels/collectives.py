@@ -750,10 +750,10 @@ def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
     8), BLOCK_N scaled with them, so a warp's share of the weight tile stays the tuned one;
     CHUNK the columns per pass (`config`'s, if it sets one). Every program holds the norm code's
     registers: at Llama-8B's shapes with the shipped rows (EARLY included), ptxas of the CPU build
-    of triton 3.6 reports 95 at tp=2's o_proj (63 for the GEMV push alone: 1.55 waves of its
-    1024 programs instead of one), 95 at tp=2's down_proj (72 alone; 96 / 96 with the EARLY 8 it
-    had until session 19), 128 / 92 at tp=4's (123 /
-    64 alone); session 17 quoted 152-161. Capping them (maxnreg, 1024-column chunks) took a call
+    of triton 3.6 reports 96 at tp=2's o_proj and down_proj (8 rows per program since session 20:
+    512 programs at 4 warps, one wave of 5 per SM; the rows before took 1024 programs at 95,
+    1.55 waves, and the step 60 us longer), 128 / 92 at tp=4's (123 / 64 for the GEMV push
+    alone); session 17 quoted 152-161. Capping them (maxnreg, 1024-column chunks) took a call
     at tp=4's o_proj shape to 27 us (session 14: 6.5) and tp=4's step 1.4 ms slower (session 17,
     docs/results/s17-h200x4/early-pushnorm); 2048-column chunks at tp=2 (64 registers, one wave)
     made the step 75 us slower on 2 H100s (session 18, docs/results/s18-h100x2/attn-pre)."""
