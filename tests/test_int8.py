@@ -370,7 +370,10 @@ TP_SPAWNED = [  # (shape, tp, options), run by the runtime in spawned gloo ranks
     ("gpt2-tiny", 2, {"int8_group_size": 16}),  # a group size dividing every shard's input features
     ("llama-tiny", 2, {}),  # per-channel (fused q/k/v and gate/up, GQA): row-parallel shards take whole rows' scales
 ]
-TP_SIMULATED = [("gpt2-tiny", 4, {"int8_group_size": 16})]  # every rank of the artifact in this process
+TP_SIMULATED = [  # every rank of the artifact in this process
+    ("gpt2-tiny", 4, {"int8_group_size": 16}),  # row-parallel shards of one whole group: their own scales, as tp=1's
+    ("llama-tiny", 2, {"int8_asymmetric": True}),  # whole rows' scales and zero points
+]
 
 
 def simulate_artifact(art, prompts, positions: int = STEPS) -> torch.Tensor:
@@ -394,7 +397,8 @@ def simulate_artifact(art, prompts, positions: int = STEPS) -> torch.Tensor:
 
 
 def _case_id(c) -> str:
-    return "{}-tp{}-{}".format(c[0], c[1], "g{}".format(c[2]["int8_group_size"]) if c[2] else "per-channel")
+    kind = "g{}".format(c[2]["int8_group_size"]) if "int8_group_size" in c[2] else "per-channel"
+    return "{}-tp{}-{}{}".format(c[0], c[1], kind, "-asym" if c[2].get("int8_asymmetric") else "")
 
 
 @pytest.fixture(scope="module")
