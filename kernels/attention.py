@@ -78,7 +78,8 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
-from dsc.kernels.rotary import ROTATE_OPTIONS, check_rotary, rotary_config, rotary_reference, rotary_triton, rotate
+from dsc.kernels.rotary import (ROTATE_OPTIONS, check_rotary, check_rotary_tables, rotary_config, rotary_reference,
+                               rotary_rows, rotary_triton, rotate)
 
 
 def causal_attention_reference(q, k, v, cache_pos, scale, window=0):
@@ -116,8 +117,11 @@ def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
     return out.transpose(1, 2).contiguous()
 
 
-def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0):
-    """dsc.rotary of q and k, then attention: the pair `fuse_rotary_attention` makes one op."""
+def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None):
+    """dsc.rotary of q and k, then attention: the pair `fuse_rotary_attention` makes one op.
+    With rot_pos, cos and sin are tables [P, D] and dsc.rotary's cos, sin their rows rot_pos."""
+    if rot_pos is not None:
+        cos, sin = rotary_rows(cos, sin, rot_pos)
     q, k = rotary_reference(q, k, cos, sin)
     return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window)
 
@@ -637,10 +641,12 @@ def _decode_kernel(
     sp_b, sp_h, sp_s,  # part_o [B, H, splits, D] fp32
     sl_b, sl_h,  # part_lse [B, H, splits] fp32
     Hkv, Smax, split_floor, window,
-    COS, SIN, sc_b, ss_b,  # ROTARY: cos, sin [B, 1, D] (dsc.rotary's tables); else None
+    COS, SIN, sc_b, ss_b,  # ROTARY: cos, sin [B, 1, D] (dsc.rotary's inputs); else None
+    RPOS, srp_b,  # ROT_TABLE: COS / SIN are tables [P, D] and RPOS [B, 1] the rows to read; else None
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
     ROTARY: tl.constexpr = False, PDL: tl.constexpr = False, PRE_N: tl.constexpr = 0,
+    ROT_TABLE: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -674,6 +680,11 @@ def _decode_kernel(
         ok_p = offs_p < hi
         k_pre = _load_rows(k_cache + offs_p[:, None] * skc_s + offs_d[None, :], ok_p, offs_d, HEAD_DIM, BLOCK_D)
         v_pre = _load_rows(v_cache + offs_p[:, None] * svc_s + offs_d[None, :], ok_p, offs_d, HEAD_DIM, BLOCK_D)
+    if ROTARY and ROT_TABLE:  # the rotary tables' rows, also before the wait: the tables are
+        # constants and RPOS, like POS, a step input the runtime wrote before the step
+        row = tl.load(RPOS + b * srp_b).to(tl.int64)
+        cos = tl.load(COS + row * sc_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
+        sin = tl.load(SIN + row * ss_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     if PDL:  # kernels/launch.py: wait for the previous kernel before reading what it wrote (q, k,
         # v); the next one is let start only after the key loop (below: never before the wait,
         # which the preload's argument above needs; right after it measured the same, 2 H100s)
@@ -688,8 +699,9 @@ def _decode_kernel(
     if ROTARY:  # dsc.rotary's q and k (rounded to their dtype): one launch fewer per layer
         half_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # rotate_half's partner column
         q_half = _load_rows(q_rows + half_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
-        cos = tl.load(COS + b * sc_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
-        sin = tl.load(SIN + b * ss_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        if not ROT_TABLE:  # cos, sin [B, 1, D]: a kernel before this one gathered them
+            cos = tl.load(COS + b * sc_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
+            sin = tl.load(SIN + b * ss_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     k_new = K + b * sk_b + kvh * sk_h
     v_new = V + b * sv_b + kvh * sv_h
     if not WINDOWED:
@@ -865,21 +877,27 @@ def _kv_descriptors(k, v, k_cache, v_cache, block_n: int, block_d: int):
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d]) for t in ts]
 
 
-def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, rotary=None, out=None,
-                     config=None, num_splits=None):
+def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, rotary=None, rot_pos=None,
+                     out=None, config=None, num_splits=None):
     """`attention` for S == 1 (flash-decoding). The grid depends on shapes only.
-    rotary=(cos, sin): `rotary_attention`, q and k are dsc.rotary's inputs, rotated in the kernel."""
+    rotary=(cos, sin): `rotary_attention`, q and k are dsc.rotary's inputs, rotated in the kernel;
+    with rot_pos [B, 1] (integers), cos and sin are tables [P, D] and the kernel reads their rows
+    rot_pos (dsc.rotary's cos, sin = table[rot_pos]: the gathers' launches are saved)."""
     _check(q, k, v, k_cache, v_cache, cache_pos)
     if q.shape[2] != 1:
         raise ValueError(f"decode_attention: one query per sequence, got S={q.shape[2]}")
-    if rotary is not None:
+    if rot_pos is not None:
+        check_rotary_tables(q, k, *rotary, rot_pos)
+    elif rotary is not None:
         check_rotary(q, k, *rotary)
     _triton()
     q, k, v = _last_contiguous(q, k, v)
-    rot = (None,) * 4  # cos, sin [B, 1, D] and their batch strides; None (constexprs) in the plain kernel
+    # cos, sin and their batch (or table row) strides, rot_pos and its batch stride; None
+    # (constexprs) where the kernel does not read them
+    rot = (None,) * 6
     if rotary is not None:
         cos, sin = _last_contiguous(*rotary)
-        rot = (cos, sin, cos.stride(0), sin.stride(0))
+        rot = (cos, sin, cos.stride(0), sin.stride(0)) + ((None, None) if rot_pos is None else (rot_pos, rot_pos.stride(0)))
     B, H, _, D = q.shape
     Hkv, Smax = k.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -906,7 +924,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, r
         *rot,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
         BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0, ROTARY=rotary is not None,
-        num_stages=cfg["num_stages"], **decode_preload(cfg), **pdl_options(q.device),
+        ROT_TABLE=rot_pos is not None, num_stages=cfg["num_stages"], **decode_preload(cfg), **pdl_options(q.device),
         **ROTATE_OPTIONS,  # with or without ROTARY: one arithmetic for both (the rotary pair's bits)
     )
     return out
@@ -993,25 +1011,32 @@ def rotary_attention(
     cache_pos: torch.Tensor,
     scale: float,
     window: int = 0,
+    rot_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window)
+    """rot_pos [B, S] (fuse_rotary_attention, where cos and sin were rows of the position tables
+    that fold_position_tables made): cos and sin are those tables [P, D], and the decode kernel
+    reads the rows itself, so the step launches no gathers for them."""
+    return rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window, rot_pos)
 
 
 @rotary_attention.register_kernel("cuda")
-def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0):
+def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None):
     if q.shape[2] == 1:
-        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, rotary=(cos, sin))
+        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, rotary=(cos, sin),
+                                rot_pos=rot_pos)
+    if rot_pos is not None:
+        cos, sin = rotary_rows(cos, sin, rot_pos)
     q, k = rotary_triton(q, k, cos, sin)  # the prefill kernel reads each key many times: rotate once
     return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window)
 
 
 @rotary_attention.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0):
+def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None):
     return _out_like(q)
 
 
 @planner("dsc.rotary_attention.default")
-def _plan_rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, *, arch):
+def _plan_rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None, *, arch):
     """Decode: the decode kernel with ROTARY, one launch; otherwise the rotary kernel, then prefill."""
     plan = _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, arch=arch)
     if plan["name"] == "triton.attention_decode":

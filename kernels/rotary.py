@@ -104,6 +104,22 @@ def check_rotary(q, k, cos, sin) -> None:
         raise ValueError(f"rotary: q is {q.dtype}, k is {k.dtype}")
 
 
+def check_rotary_tables(q, k, cos, sin, rot_pos) -> None:
+    """`rotary_attention` with rot_pos: cos and sin are tables [P, D] and rot_pos [B, S] the rows
+    whose values dsc.rotary would get (cos = table[rot_pos])."""
+    B, _, S, D = q.shape
+    if cos.dim() != 2 or sin.shape != cos.shape or cos.shape[1] != D:
+        raise ValueError(f"rotary: tables cos {list(cos.shape)}, sin {list(sin.shape)}: expected [P, {D}] x2")
+    if rot_pos.shape != (B, S) or rot_pos.is_floating_point():
+        raise ValueError(f"rotary: rot_pos {list(rot_pos.shape)} {rot_pos.dtype}: expected integers [{B}, {S}]")
+    check_rotary(q, k, *(t[:1].expand(B, S, D) for t in (cos, sin)))  # the other checks (no gather)
+
+
+def rotary_rows(cos, sin, rot_pos):
+    """dsc.rotary's cos and sin [B, S, D] from tables [P, D] and rows rot_pos [B, S]."""
+    return cos[rot_pos], sin[rot_pos]
+
+
 def rotary_triton(q, k, cos, sin, config: dict | None = None):
     check_rotary(q, k, cos, sin)
     B, HQ, S, D = q.shape

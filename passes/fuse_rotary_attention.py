@@ -13,6 +13,11 @@ Matches / rewrites (counted under `fuse_rotary_attention.decode`), in the decode
   not in the isolated kernel time. The prefill program keeps the pair: there the
   attention kernel reads every key many times, and the rotary kernel is one launch per layer
   over all of the prompt's tokens.
+  Where cos and sin are fold_position_tables' lookups table[position_ids] of 2-D tables with the
+  same positions, the op takes the tables and the positions instead (rot_pos, its last argument;
+  counted under `fuse_rotary_attention.tables`): the kernel reads each sequence's row itself,
+  before it waits for the qkv projection, and the step loses the two gathers' launches (once
+  every layer reads the tables so, the lookups have no reader left and go).
 Requires: fuse_rotary (it makes dsc.rotary); shard_tensor_parallel and fold_position_tables ran
   (the graph is the rank's, cos / sin are the table lookups), so the pass sees the final pair.
 Guarantees: the pair's arithmetic (q' and k' rounded to their dtypes where dsc.rotary stores
@@ -27,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from dsc.compiler.ir import Model
-from dsc.passes._util import is_call, replace_with
+from dsc.passes._util import aten, is_call, replace_with
 
 dsc = torch.ops.dsc
 
@@ -46,6 +51,22 @@ def _attention_reading(rotary: fx.Node) -> fx.Node | None:
     return attn
 
 
+def _table_lookup(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(table, positions) where node is fold_position_tables' table[positions] of a 2-D table
+    [P, D] (a constant) by positions [B, S]."""
+    if not is_call(node, aten.index.Tensor) or len(node.args) != 2 or node.kwargs:
+        return None
+    table, idx = node.args
+    if not (isinstance(table, fx.Node) and table.op == "get_attr" and isinstance(idx, (list, tuple)) and len(idx) == 1
+            and isinstance(idx[0], fx.Node)):
+        return None
+    t, p = table.meta.get("val"), idx[0].meta.get("val")
+    if not (isinstance(t, torch.Tensor) and t.dim() == 2 and isinstance(p, torch.Tensor) and p.dim() == 2
+            and not p.is_floating_point()):
+        return None
+    return table, idx[0]
+
+
 def fuse_rotary_attention(model: Model) -> Model:
     graph = model.programs.get("decode")
     if graph is None:
@@ -56,9 +77,21 @@ def fuse_rotary_attention(model: Model) -> Model:
             continue
         q, k, cos, sin = rotary.args
         v, rest = attn.args[2], attn.args[3:]  # rest: k_cache, v_cache, cache_pos, scale[, window]
-        replace_with(attn, dsc.rotary_attention.default, (q, k, v, cos, sin, *rest))
+        tc, ts = _table_lookup(cos), _table_lookup(sin)
+        if tc and ts and tc[1] is ts[1] and tc[0].meta["val"].shape == ts[0].meta["val"].shape:
+            window = rest[4] if len(rest) > 4 else 0
+            # the output is the attention's (its value kept: the tables' fake values come from the
+            # model's fake mode, not the program's, so the op is not run on them here)
+            replace_with(attn, dsc.rotary_attention.default, (q, k, v, tc[0], ts[0], *rest[:4], window, tc[1]),
+                         infer=False)
+            model.counters["fuse_rotary_attention.tables"] += 1
+        else:
+            replace_with(attn, dsc.rotary_attention.default, (q, k, v, cos, sin, *rest))
         for item in list(rotary.users):
             graph.erase_node(item)
         graph.erase_node(rotary)
+        for lookup in (cos, sin):  # read by no layer now
+            if isinstance(lookup, fx.Node) and not lookup.users:
+                graph.erase_node(lookup)
         model.counters["fuse_rotary_attention.decode"] += 1
     return model

@@ -50,8 +50,13 @@ def _plan_launches(engine, batch: int, context: int) -> list[dict]:
         if not launches:
             continue
         nbytes = _weight_bytes(engine, n, targets) + (kv_layer if n["op"] in ATTENTION_OPS else 0)
-        if n["op"] in GATHER_OPS:  # a gather of `batch` rows, not the table (the other weights whole)
-            table = engine.weights.get(targets.get(n["args"][0].get("node"))) if isinstance(n["args"][0], dict) else None
+        # tables of which a step reads `batch` rows, not the whole (the other weights whole): a
+        # gather's table; the rotary tables a rotary_attention with rot_pos reads its rows of
+        rows = [0] if n["op"] in GATHER_OPS else []
+        if n["op"] == "dsc.rotary_attention.default" and len(n["args"]) > 10 and isinstance(n["args"][10], dict):
+            rows = [3, 4]
+        for i in rows:
+            table = engine.weights.get(targets.get(n["args"][i].get("node"))) if isinstance(n["args"][i], dict) else None
             if table is not None:
                 nbytes -= (table.shape[0] - batch) * table[0].numel() * table.element_size()
         for i in range(launches):

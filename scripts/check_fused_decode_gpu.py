@@ -4,7 +4,8 @@
    silu(gate) * up in its epilogue) against the reference (F.linear, then swiglu) and against
    the unfused GEMV + swiglu kernel pair, at the gate/up shapes of Llama-8B at tp 1/2/4 and
    Llama-1B, bf16 and fp16.
-2. `dsc::rotary_attention` at decode (the decode attention kernel rotating q and the new k)
+2. `dsc::rotary_attention` at decode (the decode attention kernel rotating q and the new k;
+   also with rot_pos, reading the rows of [max_seq, D] tables itself: the same bits)
    against the reference and against dsc.rotary's kernel followed by the plain decode kernel,
    with Llama-8B's heads at tp 1 and 4 (32/8 and 8/2 heads, head_dim 128), contexts up to 8192,
    batches with different positions (one split and several), bf16 and fp16; the KV cache after
@@ -83,19 +84,27 @@ def check_rotary_attention(dtype) -> list[dict]:
             kc = torch.randn(B + 1, Hkv, Smax, D, device="cuda", generator=g).to(dtype)
             vc = torch.randn(B + 1, Hkv, Smax, D, device="cuda", generator=g).to(dtype)
             kc2, vc2, kc3, vc3 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+            kt, vt = kc.clone(), vc.clone()  # for the rot_pos form
             scale = D ** -0.5
             got = A.decode_attention(q, k, v, kc, vc, pos, scale, rotary=(cos, sin))
             ref = A.rotary_attention_reference(q, k, v, cos, sin, kc2, vc2, pos, scale)
             qr, kr = R.rotary_triton(q, k, cos, sin)
             unfused = A.decode_attention(qr, kr, v, kc3, vc3, pos, scale)
             op = torch.ops.dsc.rotary_attention(q, k, v, cos, sin, kc3.clone(), vc3.clone(), pos, scale)
+            # rot_pos: the tables [Smax, D] and the rows to read, as fuse_rotary_attention passes them
+            # where cos / sin were fold_position_tables' lookups: the rows' bits, output and cache
+            angs = torch.arange(Smax, device="cuda").float()[:, None] * inv[None, :]
+            tables = torch.cat((angs, angs), -1)
+            tables = (tables.cos().to(dtype), tables.sin().to(dtype))
+            from_tables = A.decode_attention(q, k, v, kt, vt, pos, scale, rotary=tables, rot_pos=pos[:, None])
             row = {"heads": [H, Hkv], "positions": positions, "dtype": str(dtype),
                    "rel_vs_reference": rel(got, ref), "rel_vs_unfused": rel(got, unfused),
                    "bit_equal_unfused": bool(torch.equal(got, unfused)), "cache_equal_unfused":
                    bool(torch.equal(kc, kc3) and torch.equal(vc, vc3)),
                    "cache_rel_vs_reference": max(rel(kc, kc2), rel(vc, vc2)),
-                   "op_close_to_kernel": rel(op, got) <= REL_TOL[dtype], "finite": bool(torch.isfinite(got).all())}
-            row["ok"] = (row["finite"] and row["rel_vs_reference"] <= REL_TOL[dtype]
+                   "op_close_to_kernel": rel(op, got) <= REL_TOL[dtype], "finite": bool(torch.isfinite(got).all()),
+                   "tables_bit_equal": bool(torch.equal(from_tables, got) and torch.equal(kt, kc) and torch.equal(vt, vc))}
+            row["ok"] = (row["finite"] and row["rel_vs_reference"] <= REL_TOL[dtype] and row["tables_bit_equal"]
                          and row["cache_rel_vs_reference"] <= REL_TOL[dtype] and row["op_close_to_kernel"])
             rows.append(row)
     return rows

@@ -41,6 +41,7 @@ class Case:
     window: int = 0  # sliding window (0: none)
     fused_qkv: bool = False  # q, k, v as the runtime passes them: transposed views of one [B, S, (H + 2 Hkv) D]
     rotary: bool = False  # dsc.rotary_attention: q and k are rotated in the kernel (decode only)
+    rot_table: bool = False  # ... with rot_pos: cos / sin are tables [P, D] whose rows the kernel reads
 
 
 SMALL_PREFILL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -133,6 +134,12 @@ CASES = {
                                      num_splits=3),
     "decode-preload-window-rotary": Case("decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), num_splits=3, window=20,
                                          config=dict(SMALL_DECODE, PRE_N=32), rotary=True),
+    # rot_pos: the kernel reads cos / sin rows of [P, D] tables itself (fuse_rotary_attention's
+    # form where they were fold_position_tables' lookups); rows other than the cache positions
+    # (the op allows any), before the PDL wait, also with splits, a window and the preloaded tile
+    "decode-rotary-table": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), rotary=True, rot_table=True),
+    "decode-rotary-table-splits": Case("decode", 4, 6, 2, 1, 32, 61, (0, 13, 40, 60), num_splits=3, window=20,
+                                       config=dict(SMALL_DECODE, PRE_N=32), rotary=True, rot_table=True),
     "decode-preload-overflow": Case("decode", 3, 6, 2, 1, 16, 37, (37, 50, 15), num_splits=3,
                                     config=dict(SMALL_DECODE, PRE_N=32)),
     "decode-preload-one-split": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), rotary=True,
@@ -173,6 +180,11 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     k_cache, v_cache = rand(Bmax, Hkv, Smax, D), rand(Bmax, Hkv, Smax, D)
     cache_pos = torch.tensor(case.cache_pos, dtype=torch.int64)
     cos_sin = (rand(B, S, D).clamp(-1, 1), rand(B, S, D).clamp(-1, 1)) if case.rotary else None
+    rot_pos, tables = None, None
+    if case.rot_table:  # tables of Smax + 5 rows; each sequence's row drawn apart from its position
+        tables = (rand(Smax + 5, D).clamp(-1, 1), rand(Smax + 5, D).clamp(-1, 1))
+        rot_pos = torch.randint(0, Smax + 5, (B, S), generator=gen)
+        cos_sin = (tables[0][rot_pos], tables[1][rot_pos])
     # what attention sees: dsc.rotary's outputs (in q's dtype, as that kernel stores them)
     q_in, k_in = A.rotary_reference(q, k, *cos_sin) if case.rotary else (q, k)
     # poison: cache slots no query of this call may read (past each sequence's last token, and
@@ -196,8 +208,8 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
         A.prefill_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, out=out,
                             config=case.config)
     else:
-        A.decode_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, rotary=cos_sin, out=out,
-                           config=case.config, num_splits=case.num_splits)
+        A.decode_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, rotary=tables or cos_sin,
+                           rot_pos=rot_pos, out=out, config=case.config, num_splits=case.num_splits)
     problems = []
     for name, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
         if not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
@@ -302,7 +314,7 @@ def _compile_sm90() -> None:
         consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
         # the prefill kernel's TMA descriptors, the decode kernel's rotary tables and their strides:
         # None (a constexpr) unless the build gives their types
-        consts |= {n: None for n in ("KD", "VD", "KCD", "VCD", "COS", "SIN", "sc_b", "ss_b")
+        consts |= {n: None for n in ("KD", "VD", "KCD", "VCD", "COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")
                    if n in fn.arg_names and n not in ptr_types}
         sig = {n: "constexpr" if n in consts else ptr_types.get(n, "fp32" if n == "qk_scale" else "i32")
                for n in fn.arg_names}
@@ -319,6 +331,7 @@ def _compile_sm90() -> None:
         t = {n: f"*{dtype}" for n in ("Q", "K", "V", "KC", "VC", "OUT")} | {"POS": "*i64"}
         f32 = {"PART_O": "*fp32", "PART_LSE": "*fp32", "LOCK": "*i32"}
         rot = {"COS": f"*{dtype}", "SIN": f"*{dtype}", "sc_b": "i32", "ss_b": "i32"}  # cos/sin [B, 1, 128]
+        rot_table = rot | {"RPOS": "*i64", "srp_b": "i32"}  # cos/sin tables [P, 128], rot_pos [B, 1]
         pre, dec = A.PREFILL_CONFIGS[("sm_90", 128)], A.DECODE_CONFIGS[("sm_90", 128)]
         pre64 = A.PREFILL_CONFIGS[("sm_90", 64)]
         dec_pre = dec.get("PRE_N", 0)
@@ -352,6 +365,11 @@ def _compile_sm90() -> None:
                               dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True, BLOCK_N=dec["BLOCK_N"],
                                    WINDOWED=False, ROTARY=True, PRE_N=dec_pre),
                               dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
+            # with rot_pos: the tables' rows read in the kernel, before the PDL wait
+            "decode-rotary-table": (A._decode_kernel, t | f32 | rot_table,
+                                    dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True, BLOCK_N=dec["BLOCK_N"],
+                                         WINDOWED=False, ROTARY=True, ROT_TABLE=True, PRE_N=dec_pre),
+                                    dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
             "decode-rotary-window": (A._decode_kernel, t | f32 | rot,
                                      dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
                                           BLOCK_N=dec["BLOCK_N"], WINDOWED=True, ROTARY=True, PRE_N=dec_pre),
@@ -395,6 +413,8 @@ def _compile_sm90() -> None:
                 if name.startswith("decode"):
                     # the position and the preloaded tile (cache slots below it) may load before the wait
                     early = {"load pos", "load k_pre", "load v_pre"} if consts.get("PRE_N") else {"load pos"}
+                    if consts.get("ROT_TABLE"):  # the rotary tables' rows (constants) and their index (an input)
+                        early |= {"load row", "load cos", "load sin"}
                     report[f"{name}-gdc/{dtype}"] = pdl_check(kernel, consts.get("PDL", False), frozenset(early))
                     report[f"{name}-ptxas/{dtype}"] = _check_ptxas(kernel, allow_spills=False)
                 if name.startswith(("decode", "rotary")):
@@ -563,7 +583,8 @@ def test_preloading_a_loop_tile_keeps_the_bits(interpreter_report):
     assert interpreter_report["preload-of-a-loop-tile-same-bits"] == "ok"
 
 
-DECODE_BUILDS = ["decode", "decode-pre0", "decode-d80", "decode-window", "decode-rotary", "decode-rotary-window"]
+DECODE_BUILDS = ["decode", "decode-pre0", "decode-d80", "decode-window", "decode-rotary", "decode-rotary-table",
+                 "decode-rotary-window"]
 
 
 @pytest.mark.parametrize("kernel", ["prefill", "prefill-n128", "prefill-window", "prefill-mha", "rotary", *DECODE_BUILDS,
@@ -577,8 +598,9 @@ def test_kernel_compiles_for_sm90(sm90_report, kernel, dtype):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_decode_pdl_waits_before_any_memory_access(sm90_report, kernel, dtype):
     """With PDL the decode kernel waits for the previous kernel before it reads q, k, v, cos / sin,
-    the counters or the partials and before any store; before the wait it reads only cache_pos
-    and (PRE_N) the preloaded tile's cache slots, which no kernel of this step writes. Without
+    the counters or the partials and before any store; before the wait it reads only cache_pos,
+    (PRE_N) the preloaded tile's cache slots and (ROT_TABLE) the rotary tables' rows and rot_pos,
+    which no kernel of this step writes. Without
     PDL it has no griddepcontrol instruction."""
     assert sm90_report[f"{kernel}-gdc/{dtype}"] == "ok"
     assert sm90_report[f"{kernel}-pdl-gdc/{dtype}"] == "ok"
@@ -779,6 +801,13 @@ def test_cpu_rotary_attention_is_rotary_then_attention(dtype):
     rq, rk = torch.ops.dsc.rotary(q, k, cos, sin)
     want = torch.ops.dsc.attention(rq, rk, v, caches[2], caches[3], pos, 0.25, 3)
     assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    # rot_pos: cos and sin are tables [P, D] whose rows rot_pos are the pair's cos and sin
+    tables = [torch.randn(12, 16, generator=g).to(dtype) for _ in range(2)]
+    rot_pos = torch.tensor([[7], [2]])
+    tables[0][rot_pos[:, 0]], tables[1][rot_pos[:, 0]] = cos[:, 0], sin[:, 0]
+    caches += [torch.zeros(3, 2, 9, 16, dtype=dtype) for _ in range(2)]
+    got = torch.ops.dsc.rotary_attention(q, k, v, *tables, caches[4], caches[5], pos, 0.25, 3, rot_pos)
+    assert torch.equal(got, want) and torch.equal(caches[4], caches[2]) and torch.equal(caches[5], caches[3])
 
 def test_decode_preload_comes_from_the_row_and_dsc_attn_pre(monkeypatch):
     """PRE_N and num_warps are the config's unless DSC_ATTN_PRE ("N" or "N:warps") overrides

@@ -97,7 +97,8 @@ def test_profile_attributes_kernels_to_plan_nodes_only_when_they_line_up(compile
     assert sum(r["bytes"] for r in rows.values()) == sum(p["bytes"] for p in plan)
     attn = next(n for n in nodes if n.get("op") in ATTENTION_OPS)
     kv = engine.plan["kv_cache"]
-    assert rows[attn["name"]]["bytes"] == 2 * kv["shape"][1] * 9 * kv["shape"][3] * 4  # K and V of 9 positions
+    # K and V of 9 positions, and the rotary tables' row of the one sequence (rot_pos), not the tables
+    assert rows[attn["name"]]["bytes"] == 2 * kv["shape"][1] * 9 * kv["shape"][3] * 4 + 2 * kv["shape"][3] * 4
     lm_head = [r for r in rows.values() if r["bytes"] == engine.weights["lm_head.weight"].numel() * 4]
     assert lm_head and all(r["bw"] == pytest.approx(r["bytes"] / (r["us"] * 1e-6)) for r in lm_head)
     emb = next(n for n in nodes if n.get("op") == "aten.embedding.default")

@@ -221,7 +221,9 @@ def test_decode_reads_its_one_token_as_a_view(shape, options, compile_artifact):
     dec, pre = call_ops(plan, "decode"), call_ops(plan, "prefill")
     assert plan["passes"]["select_decode_token.select"] == 1
     assert "aten.select.int" in dec and "aten.arange.default" not in dec and "aten.arange.default" in pre
-    assert dec.count("aten.index.Tensor") == pre.count("aten.index.Tensor") - 1  # the rest: position tables
+    # the rest: the position tables' lookups, unless every decode attention reads their rows itself
+    folded = 2 if plan["passes"].get("fuse_rotary_attention.tables") else 0
+    assert dec.count("aten.index.Tensor") == pre.count("aten.index.Tensor") - 1 - folded
     if options.get("tp", 1) == 1:
         e = dsc.load(art, device="cpu")
         args = torch.tensor([[3], [4]]), torch.tensor([[2], [5]]), torch.tensor([2, 5])
@@ -302,20 +304,30 @@ def test_no_position_table_without_rope(compile_artifact):
 def test_decode_rotary_fuses_into_attention(tmp_path, make_checkpoint, monkeypatch):
     """fuse_rotary_attention, compiled with and without it: each decode layer's dsc.rotary +
     dsc.attention becomes one dsc.rotary_attention, one launch fewer per layer as `dsc inspect`
-    reads the plan; the prefill program is what the passes before it left; on CPU (where the op
-    is the pair's references) tokens and every decode step's logits are bit-identical."""
+    reads the plan; the position tables' two lookups go too, the op reading their rows (rot_pos);
+    the prefill program is what the passes before it left; on CPU (where the op is the pair's
+    references) tokens and every decode step's logits are bit-identical, with the tables or
+    with the lookups' rows as its cos and sin."""
     from dsc.passes import fuse_rotary_attention
     from dsc.runtime.inspect import describe
 
     ckpt = make_checkpoint("llama-tiny")
     fused = dsc.compile(str(ckpt), tmp_path / "fused", dtype="fp32", dump_passes=tmp_path / "dump")
+    monkeypatch.setattr(fuse_rotary_attention, "_table_lookup", lambda node: None)  # cos / sin stay lookups
+    rows = dsc.compile(str(ckpt), tmp_path / "rows", dtype="fp32")
     monkeypatch.setattr(fuse_rotary_attention, "_attention_reading", lambda node: None)  # the pass matches nothing
     pair = dsc.compile(str(ckpt), tmp_path / "pair", dtype="fp32")
     assert plan_of(fused)["passes"]["fuse_rotary_attention.decode"] == 2
+    assert plan_of(fused)["passes"]["fuse_rotary_attention.tables"] == 2
+    assert plan_of(rows)["passes"]["fuse_rotary_attention.decode"] == 2
+    assert "fuse_rotary_attention.tables" not in plan_of(rows)["passes"]
     assert "fuse_rotary_attention.decode" not in plan_of(pair)["passes"]
     ops = call_ops(plan_of(fused), "decode")
     assert ops.count("dsc.rotary_attention.default") == 2
     assert "dsc.rotary.default" not in ops and "dsc.attention.default" not in ops
+    assert "aten.index.Tensor" not in ops and call_ops(plan_of(rows), "decode").count("aten.index.Tensor") == 2
+    launches = [describe(art)["programs"]["decode"]["launches"] for art in (fused, rows, pair)]
+    assert launches[0] == launches[1] - 2 == launches[2] - 2 - 2, launches  # 2 layers, 2 lookups
     before, after = (json.loads(next((tmp_path / "dump").glob(f"*_{name}")).joinpath("plan.json").read_text())
                      for name in ("fold_position_tables", "fuse_rotary_attention"))
     assert after["programs"]["prefill"] == before["programs"]["prefill"]
@@ -323,7 +335,7 @@ def test_decode_rotary_fuses_into_attention(tmp_path, make_checkpoint, monkeypat
     assert a["launches_per_layer"] == b["launches_per_layer"] - 1, (a["layer_kernels"], b["layer_kernels"])
     assert "triton.rotary_attention_decode" in a["layer_kernels"]["kernels"]
     assert not {"triton.rotary", "triton.attention_decode"} & set(a["layer_kernels"]["kernels"])
-    assert_same_decode_logits([dsc.load(art, device="cpu") for art in (fused, pair)], sample_prompts(512))
+    assert_same_decode_logits([dsc.load(art, device="cpu") for art in (fused, rows, pair)], sample_prompts(512))
 
 
 # -- golden plans ------------------------------------------------------------------------------------
