@@ -61,8 +61,14 @@ normalize as `dsc::add_rmsnorm` does. With PDL (kernels/launch.py) they read onl
 weight before `gdc_wait()`; since every PDL kernel waits before it exits, the wait returning
 means every earlier kernel has finished, so the reuse argument's kernel boundaries still hold. Where the fused path is off (DSC_ALLREDUCE=one_shot or
 nccl, a failed probe at set-up, rows beyond the buffers, CPU) the op is `dsc::all_reduce`
-followed by `dsc::add_rmsnorm`, with the same values. Each all-reduce op here, fused or not,
-takes one buffer slot per call in `program_scope` (runtime/engine.py's ALL_REDUCE_OPS count them).
+followed by `dsc::add_rmsnorm`, with the same values.
+- push all-gather (`_push_gather_kernel`, with the push kernel; DSC_ALLGATHER=nccl turns it
+  off): `dsc::all_gather` of the vocab-parallel logits, the rank's block pushed into its region
+  of every rank's push buffer and each program waiting for its offsets from every sender, then
+  storing them in rank order: one launch where NCCL's ring all-gather took about 10 us at tp=4
+  (session 19's profile). Rows that do not fit the buffers (sized by the all-reduces) take NCCL.
+Each all-reduce op here, fused or not, and the all-gather take one buffer slot per call in
+`program_scope` (runtime/engine.py's SLOT_OPS count them).
 """
 from __future__ import annotations
 
@@ -225,10 +231,10 @@ def _agree(device: torch.device, *errors: str) -> list[bool]:
 
 def _probe_fused(s: _Symmetric, kernel: str, compile_only: bool = False) -> None:
     """Two fused all-reduce + norms of known values on every rank, outside any program, then
-    (push) the embedding variant once; raises when a result is wrong. Buffers 1, 2, then 1
-    again: _Symmetric's probe used buffer 0, and the first all-reduce of the first program will
-    use 0 again, so consecutive uses still differ (and buffer 1 is reused two all-reduces later,
-    as in a program). compile_only: build the kernels without launching them (grids of no rows)."""
+    (push) the embedding variant once and the push all-gather; raises when a result is wrong.
+    Buffers 1, 2, 1, 2: _Symmetric's probe used buffer 0, and the first all-reduce of the first
+    program will use 0 again, so consecutive uses still differ (and each buffer is reused two
+    collectives later, as in a program). compile_only: build the kernels without launching them (grids of no rows)."""
     n = min(64, s.numel)
     dev = s.buffers[0].device
     rows = 0 if compile_only else 1
@@ -249,6 +255,11 @@ def _probe_fused(s: _Symmetric, kernel: str, compile_only: bool = False) -> None
         if not torch.equal(got, torch.full_like(got, 5.0)) or not torch.allclose(y.float(), ones, atol=1e-2):
             raise RuntimeError(f"a probe embedding + all-reduce + norm over {s.world} ranks gave "
                                f"{got.flatten()[:4].tolist()}")
+        # the push all-gather (buffer 2 again, after 1): rank q's block holds q + 1
+        got = _launch_push_gather(s, 2, x)
+        want = torch.arange(1, s.world + 1, dtype=s.dtype, device=dev).repeat_interleave(n).expand(rows, -1)
+        if not torch.equal(got, want):
+            raise RuntimeError(f"a probe push all-gather over {s.world} ranks gave {got.flatten()[::n].tolist()}")
 
 
 def disable_symmetric() -> None:
@@ -812,6 +823,86 @@ def _plan_linear_all_reduce_add_rmsnorm(residual, x, weight, norm_weight, eps, *
     return {"name": f"{lin['name']} + triton.all_reduce_add_rmsnorm", "config": cfg, "launches": lin["launches"] + 1}
 
 
+def _push_gather_kernel(X, Y, BUFS, n, total, rank, region, WORLD: tl.constexpr, BLOCK_W: tl.constexpr,
+                        BLOCK: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False):
+    # the push all-gather: X [B, n] (this rank's, contiguous: `total` = B * n elements) -> Y
+    # [B, WORLD * n], sender q's block at columns q * n. Each program takes BLOCK of X's flat
+    # elements: stores them (-0.0 sent as +0.0) into this rank's region of every rank's push
+    # buffer, at the same offsets, then polls its own buffer until every sender's elements at
+    # those offsets have arrived (no marker left), writes the marker back and stores them into
+    # Y. A program waits only for its own offsets, which the same program of each peer sends.
+    # Reuse as the push all-reduce's: one slot per call in `program_scope`.
+    if PDL:  # wait for the producer (the logits' GEMV) before any memory access
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    dt = Y.dtype.element_ty
+    it = tl.int16 if dt.primitive_bitwidth == 16 else tl.int32
+    bits = tl.load(X + offs, mask=mask, other=0.0).to(it, bitcast=True)
+    bits = tl.where(bits == MARK, 0, bits)  # -0.0 -> +0.0: the marker means "not arrived"
+    at = (rank * region + offs).to(tl.int64)
+    for p in tl.static_range(WORLD):
+        buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(it)), 16)
+        tl.store(buf + at, bits, mask=mask)
+    mine = tl.multiple_of(tl.load(BUFS + rank).to(tl.pointer_type(it)), 16)
+    senders = tl.arange(0, BLOCK_W)[:, None]
+    ptrs = mine + (senders.to(tl.int64) * region + offs[None, :])
+    m2 = (senders < WORLD) & mask[None, :]
+    # where each sender's element goes in Y: row offs // n, column sender * n + offs % n
+    dest = Y + ((offs // n) * (WORLD * n) + offs % n).to(tl.int64)[None, :] + senders.to(tl.int64) * n
+    # the poll loop as `_push_wait_sum_norm`'s (a scalar carried; the load that finds no marker
+    # is the one stored)
+    first = tl.load(ptrs, mask=m2, other=0, volatile=True)
+    pending = tl.sum(tl.sum((first == MARK).to(tl.int32), axis=1), axis=0)
+    if pending == 0:
+        tl.store(ptrs, tl.full(first.shape, MARK, first.dtype), mask=m2)
+        tl.store(dest, first.to(dt, bitcast=True), mask=m2)
+    while pending != 0:
+        again = tl.load(ptrs, mask=m2, other=0, volatile=True)
+        pending = tl.sum(tl.sum((again == MARK).to(tl.int32), axis=1), axis=0)
+        if pending == 0:
+            tl.store(ptrs, tl.full(again.shape, MARK, again.dtype), mask=m2)
+            tl.store(dest, again.to(dt, bitcast=True), mask=m2)
+
+
+PUSH_GATHER = dict(BLOCK=1024, num_warps=4)  # one program per 1024 elements (Llama-8B's batch-1 logits: 32 at tp=4)
+
+
+def push_gather_enabled() -> bool:
+    """DSC_ALLGATHER=push (the default) or nccl: the logits' all-gather through the push buffers
+    (with the push all-reduce kernel on) or NCCL's."""
+    mode = os.environ.get("DSC_ALLGATHER", "push")
+    if mode not in ("push", "nccl"):
+        raise ValueError(f"DSC_ALLGATHER must be push or nccl, got {mode!r}")
+    return mode == "push"
+
+
+def _push_gather(x: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """`all_gather` through the push buffers (one launch, no NCCL), or None: NCCL's. Takes a
+    slot in the program scope either way (the engine counts the op with the all-reduces)."""
+    s = _symm
+    if s is None or s.count == 0 or not x.is_cuda:
+        return None
+    slot = s.slot()  # counted even when this call takes NCCL, which synchronises on its own
+    if (s.fused != "push" or allreduce_mode() not in ("auto", "gemv_push", "push") or not push_gather_enabled()
+            or x.dtype != s.dtype or x.numel() > s.numel or dim % x.dim() != x.dim() - 1 or x.numel() == 0):
+        return None
+    return _launch_push_gather(s, slot, x)
+
+
+def _launch_push_gather(s: _Symmetric, slot: int, x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] -> [..., world * n], the ranks' blocks in rank order, through the push
+    buffers of `slot` (x.numel() <= s.numel)."""
+    x = x.contiguous()
+    n = x.shape[-1]
+    y = torch.empty(*x.shape[:-1], s.world * n, dtype=x.dtype, device=x.device)
+    jit(_push_gather_kernel)[(cdiv(x.numel(), PUSH_GATHER["BLOCK"]),)](
+        x, y, s.push_ptrs[slot], n, x.numel(), s.rank, s.numel, WORLD=s.world, BLOCK_W=next_power_of_2(s.world),
+        MARK=_MARK[s.dtype], **PUSH_GATHER, **pdl_options(x.device))
+    return y
+
+
 @torch.library.custom_op("dsc::all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (rank order). `world` is the tp size the plan
@@ -822,6 +913,9 @@ def all_gather(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
         return x.clone()
     if dist.get_world_size() != world:
         raise RuntimeError(f"dsc.all_gather compiled for {world} ranks, process group has {dist.get_world_size()}")
+    out = _push_gather(x, dim)
+    if out is not None:
+        return out
     from torch.distributed import _functional_collectives as funcol
 
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.12
@@ -839,3 +933,14 @@ def _(x, dim, world):
     shape = list(x.shape)
     shape[dim] *= world
     return x.new_empty(shape)
+
+
+@planner("dsc.all_gather.default")
+def _plan_all_gather(x, dim, world, *, arch):
+    """The vocab-parallel logits' gather: on the last dim with the push all-reduce kernel on, one
+    launch through the push buffers (rows that fit them); else NCCL's all-gather, then a cat
+    (none where the rows are one: the ranks' blocks already lie in order)."""
+    if dim % x.dim() == x.dim() - 1:
+        return {"name": "triton.push_all_gather", "config": {"dim": dim, **PUSH_GATHER,
+                                                             "fallback": "nccl.all_gather + cat"}, "launches": 1}
+    return {"name": "nccl.all_gather", "config": {"dim": dim}, "launches": 2}  # gather + cat

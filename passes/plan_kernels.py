@@ -99,14 +99,9 @@ def _plan_all_reduce_norm(node: fx.Node, arch: str, program: str) -> dict:
             "launches": 4}
 
 
-def _plan_all_gather(x, dim, world, *, arch):
-    return {"name": "nccl.all_gather", "config": {"dim": dim}, "launches": 2}  # gather + cat
-
-
 # planners for ops whose kernel files do not register one (yet); a registered planner wins
-FALLBACK_PLANNERS = {
-    "dsc.all_gather.default": _plan_all_gather,
-}
+# (dsc.all_gather's is kernels/collectives.py's now)
+FALLBACK_PLANNERS: dict = {}
 
 
 def plan_node(node: fx.Node, arch: str, program: str = "prefill") -> dict:

@@ -63,6 +63,10 @@ def pipeline_mode() -> str:
 
 ALL_REDUCE_OPS = ("dsc.all_reduce.default", "dsc.all_reduce_add_rmsnorm.default",
                   "dsc.linear_all_reduce_add_rmsnorm.default", "dsc.vocab_embedding_all_reduce_rmsnorm.default")
+# the collectives that take a buffer slot in `program_scope`: the all-reduces and the logits'
+# all-gather (pushed through the same buffers where it fits them; they are sized by the
+# all-reduces alone)
+SLOT_OPS = (*ALL_REDUCE_OPS, "dsc.all_gather.default")
 
 
 def _all_reduce_nodes(program: dict) -> list[dict]:
@@ -141,6 +145,7 @@ class Engine:
         self.programs = {name: self._build(p) for name, p in self.plan["programs"].items()}
         self.l2_prefetch = self._insert_l2_prefetch()
         self._all_reduces = {name: _all_reduce_nodes(p) for name, p in self.plan["programs"].items()}
+        self._slots = {name: sum(n.get("op") in SLOT_OPS for n in p["nodes"]) for name, p in self.plan["programs"].items()}
         self.all_reduce = self._enable_symmetric_all_reduce()
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
         self._decode = DecodeRunner(self._decode_program, self.buckets, device, cuda_graphs)
@@ -162,7 +167,7 @@ class Engine:
         return collectives.enable_symmetric(self.device, self.dtype, numel, rows)
 
     def _call(self, program: str, *args) -> torch.Tensor:
-        with collectives.program_scope(len(self._all_reduces[program])):
+        with collectives.program_scope(self._slots[program]):
             return self.programs[program](*args)
 
     def _decode_program(self, input_ids, position_ids, cache_pos, last_idx):

@@ -177,9 +177,36 @@ def _embed_push(world: int, rank: int, dtype: torch.dtype) -> dict:
             "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all())}
 
 
+def _gather(world: int, rank: int, dtype: torch.dtype) -> dict:
+    """The push all-gather (the vocab-parallel logits): this rank's block [ROWS, n] reaches its
+    region of every rank's buffer (-0.0 sent as +0.0); with the peers' blocks delivered into
+    this rank's, the output is the blocks in rank order, row by row; its buffer is reset. In
+    blocks of 7 elements: several programs, the last one partial."""
+    numel, bits, mark, n = CAP * N, C._BITS[dtype], C._MARK[dtype], 11
+    g = torch.Generator().manual_seed(300 + world * 10 + rank)
+    xs = [torch.randn(ROWS, n, generator=g).to(dtype) for _ in range(world)]
+    xs[rank][1, :3] = -0.0
+    sent = [x.masked_fill(x == 0, 0.0) for x in xs]
+    slot = 2
+    bufs, s = _push_buffers(world, rank, dtype, slot, sent)
+    block = C.PUSH_GATHER
+    C.PUSH_GATHER = dict(BLOCK=8, num_warps=1)
+    try:
+        got = C._launch_push_gather(s, slot, xs[rank])
+    finally:
+        C.PUSH_GATHER = block
+    want = torch.cat(sent, dim=-1)
+    mine = sent[rank].flatten().view(bits)
+    delivered = all(torch.equal(bufs[q][rank * numel: rank * numel + ROWS * n].view(bits), mine)
+                    and int((bufs[q].view(bits) != mark).sum()) == ROWS * n for q in range(world) if q != rank)
+    return {"gathered": torch.equal(got.view(bits), want.view(bits)) and got.shape == (ROWS, world * n),
+            "delivered": delivered, "negative_zero_sent_as_zero": bool((mine.view(ROWS, n)[1, :3] == 0).all()),
+            "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all())}
+
+
 def _probe(dtype: torch.dtype) -> dict:
-    """`_probe_fused` (the set-up's check of the push kernel and its embedding variant) over a
-    world of one: its launches give the known sums, and every buffer is back at the marker."""
+    """`_probe_fused` (the set-up's check of the push kernel, its embedding variant and the push
+    all-gather) over a world of one: its launches give the known sums, and every buffer is back at the marker."""
     numel, bits, mark = CAP * N, C._BITS[dtype], C._MARK[dtype]
     bufs = [torch.empty(numel, dtype=dtype) for _ in range(3)]
     for b in bufs:
@@ -200,7 +227,8 @@ def _probe(dtype: torch.dtype) -> dict:
 def run_interpreted(out: str) -> None:
     kinds = (("push", _push), ("pull", _pull), ("gemv_push", _gemv_push), ("embed_push", _embed_push),
              ("gemv_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16)),  # 3 passes, the last partial
-             ("gemv_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64)))  # one pass
+             ("gemv_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64)),  # one pass
+             ("gather", _gather))
     res = {f"{k}-{name}-{d}": fn(world, rank, dt) for k, fn in kinds
            for name, (world, rank) in CASES.items() for d, dt in DTYPES.items()}
     res.update({f"probe-{d}": _probe(dt) for d, dt in DTYPES.items()})
@@ -259,6 +287,13 @@ def run_aot(out: str) -> None:
                 res[f"{name}-w{world}{'-pdl' if pdl else ''}"] = {
                     "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
                     "spills": spill_bytes(k), "warps": warps, "chunk": cfg["CHUNK"]}
+            # the push all-gather at its launch config: nothing read or written before the wait
+            k = compile_for_arch(C._push_gather_kernel, {"X": "*bf16", "Y": "*bf16", "BUFS": "*i64", "n": "i32",
+                                                         "total": "i32", "rank": "i32", "region": "i32"},
+                                 {"WORLD": world, "BLOCK_W": world, "BLOCK": C.PUSH_GATHER["BLOCK"],
+                                  "MARK": -32768, "PDL": pdl}, num_warps=C.PUSH_GATHER["num_warps"])
+            res[f"gather-w{world}{'-pdl' if pdl else ''}"] = {
+                "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl), "spills": spill_bytes(k)}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -285,10 +320,25 @@ def test_embedding_push_kernel_looks_up_sums_normalizes_and_resets(case, dtype, 
     assert r["own_buffer_reset"], r
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_push_all_gather_delivers_gathers_in_rank_order_and_resets(case, dtype, interpreted):
+    r = interpreted[f"gather-{case}-{dtype}"]
+    assert r == {"gathered": True, "delivered": True, "negative_zero_sent_as_zero": True, "own_buffer_reset": True}, r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_push_all_gather_builds_for_sm90_and_waits_first(world, pdl, compiled):
+    r = compiled[f"gather-w{world}{'-pdl' if pdl else ''}"]
+    assert r == {"ok": True, "pdl": "ok", "spills": 0}, r
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_set_up_probe_checks_the_push_kernel_and_its_embedding_variant(dtype, interpreted):
     """The probe enable_symmetric runs on every rank before trusting the push kernel: it builds
-    (compile_only) and runs both variants with known values and leaves every buffer marked."""
+    (compile_only) and runs both variants and the push all-gather with known values and leaves
+    every buffer marked."""
     r = interpreted[f"probe-{dtype}"]
     assert r == {"compile_only": "", "launched": "", "reset": True}, r
 
@@ -327,7 +377,7 @@ def test_gemv_push_with_norm_ends_the_all_reduce_in_its_last_program(kind, case,
 
 
 def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
-    assert len(compiled) == 24 and sum(k.endswith("-pdl") for k in compiled) == 12, list(compiled)
+    assert len(compiled) == 28 and sum(k.endswith("-pdl") for k in compiled) == 14, list(compiled)
     assert all(f"embed_push-w{w}{p}" in compiled for w in (2, 4) for p in ("", "-pdl")), list(compiled)
     bad = {k: v for k, v in compiled.items() if not v["ok"] or v["pdl"] != "ok" or v.get("spills", 0)}
     assert not bad, bad

@@ -586,6 +586,30 @@ def test_one_shot_all_reduce_never_reuses_a_buffer_back_to_back(monkeypatch):
     assert seq[:4] == [0, 1, 0, 1] and seq[64] == 2  # odd count: the last one on buffer 2
 
 
+def test_the_logits_all_gather_takes_a_buffer_slot(compile_artifact, monkeypatch):
+    """The engine's program scope counts the all-gather with the all-reduces (the push all-gather
+    goes through the same buffers): Llama's tp=2 decode program has 2 per layer, the embedding's
+    and the logits' gather; DSC_ALLGATHER picks push or NCCL and rejects anything else."""
+    from dsc.kernels import collectives
+
+    art = compile_artifact("llama-tiny", dtype="fp32", tp=2)
+    plan = json.loads((art / "plan.json").read_text())
+    from dsc.runtime.engine import SLOT_OPS
+
+    ops = [n.get("op") for n in plan["programs"]["decode"]["nodes"]]
+    layers = plan["model"]["layers"]
+    assert sum(op in SLOT_OPS for op in ops) == 2 * layers + 2 and ops.count("dsc.all_gather.default") == 1
+    gather = next(n for n in plan["programs"]["decode"]["nodes"] if n.get("op") == "dsc.all_gather.default")
+    assert gather["kernel"]["name"] == "triton.push_all_gather" and gather["kernel"]["launches"] == 1
+    monkeypatch.delenv("DSC_ALLGATHER", raising=False)
+    assert collectives.push_gather_enabled()
+    monkeypatch.setenv("DSC_ALLGATHER", "nccl")
+    assert not collectives.push_gather_enabled()
+    monkeypatch.setenv("DSC_ALLGATHER", "ring")
+    with pytest.raises(ValueError, match="DSC_ALLGATHER must be push or nccl"):
+        collectives.push_gather_enabled()
+
+
 def test_all_reduce_mode_is_checked(monkeypatch):
     from dsc.kernels import collectives
 
