@@ -644,7 +644,8 @@ def regs_default(n: int, k: int) -> dict:
             "EARLY": early, "SPLIT_K": splits}
 
 
-def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, table: bool = True) -> dict:
+def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, table: bool = True,
+                x_bytes: int = 2) -> dict:
     """Launch config of an int8 kernel: built-in default for the M bucket, then (`table`) the
     tuning table's entry for (kernel, "M<bucket>_N<n>_K<k>[_G<group>]"). A GEMM's BLOCK_K is
     shrunk to a power of two dividing the group size, so each K-block meets one scale per row.
@@ -653,7 +654,11 @@ def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, ta
     `regs_constexprs` reads it: no other default's keys leak in), and on sm_90 the default at
     2-8 tokens (`regs_default`) where the shape has no row (a row without REGS is the Triton
     kernel's and overrides that kernel's default). table=False: the Triton kernel's built-in
-    default alone (what runs where the Gluon kernel cannot)."""
+    default alone (what runs where the Gluon kernel cannot). x_bytes: the activations' element
+    size. The rows and defaults were measured with 16-bit x; with fp32 x the Triton kernel's
+    BLOCK_K is halved, so each pipeline stage holds no more bytes than the 16-bit config's
+    (Llama-8B's M64 [4096, 4096] row asked an H200 for 248 KiB of shared memory, over its
+    227; test_int8_kernels compiles every such config for sm_90 and checks the limit)."""
     b = m_bucket(m)
     d = _DEFAULTS[kernel]
     if kernel in ("w8a16_mma", "w8a8"):
@@ -671,6 +676,10 @@ def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, ta
         while group_k % bk:
             bk //= 2
         cfg = {**cfg, "BLOCK_K": bk}
+    if kernel == "w8a16_mma" and x_bytes > 2 and not cfg.get("REGS") and cfg["BLOCK_K"] >= 32:
+        # a stage: BLOCK_M x BLOCK_K of x, BLOCK_N x BLOCK_K int8 of w; at half the K-block fp32
+        # x takes the bytes bf16 x took (a divisor of a group's size stays one)
+        cfg = {**cfg, "BLOCK_K": cfg["BLOCK_K"] // 2}
     return cfg
 
 
@@ -718,13 +727,13 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y
-    cfg = config or int8_config(kernel, m, n, k, gk, arch_of(x.device))
+    cfg = config or int8_config(kernel, m, n, k, gk, arch_of(x.device), x_bytes=x.element_size())
     if kernel == "w8a16_mma" and cfg.get("REGS"):
         if _regs_usable(x, gk, cfg):
             return _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y)
         if config:
             raise ValueError("REGS (the Gluon kernel) needs a CUDA tensor in fp16/bf16 and BLOCK_K dividing the group size")
-        cfg = int8_config(kernel, m, n, k, gk, arch_of(x.device), table=False)
+        cfg = int8_config(kernel, m, n, k, gk, arch_of(x.device), table=False, x_bytes=x.element_size())
     defaults = {"w8a16_gemv": {"PREFETCH": False, "X_ROW": False}, "w8a16_mma": {"SWAP_AB": False, "SPLIT_K": 1}}
     const, opts = _split({"FAST_CVT": False, **defaults[kernel], **cfg}, x.device)
     flags = dict(GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None)
@@ -841,9 +850,9 @@ def _plan_w8a16(x, qweight, scale, zero, bias, group_size, *, arch):
     gk = 0 if scale.shape[1] == 1 else group_size
     cfg = {}
     for b in _PLAN_BUCKETS:
-        c = int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch)
+        c = int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch, x_bytes=x.dtype.itemsize)
         if c.get("REGS") and not _regs_fits(x.dtype, gk, c):  # what w8a16_matmul runs instead
-            c = int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch, table=False)
+            c = int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch, table=False, x_bytes=x.dtype.itemsize)
         cfg[f"M{b}"] = {"kernel": "w8a16_regs" if c.get("REGS") else int8_kernel("w8a16", b), **c}
     return {"name": "triton.w8a16", "config": cfg, "launches": 1}
 

@@ -244,13 +244,16 @@ def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def compile_for_arch(fn: Callable, types: dict[str, str], constexprs: dict[str, Any],
-                     num_warps: int = 4, capability: int = 90, aligned: tuple[str, ...] = (), gluon: bool = False):
+                     num_warps: int = 4, capability: int = 90, aligned: tuple[str, ...] = (), gluon: bool = False,
+                     num_stages: int | None = None):
     """Compile a kernel ahead of time for a GPU arch (no GPU needed): `types` gives the
     Triton type of every runtime argument ("*fp16", "i32", "fp32"), `constexprs` the values
     of the constexpr ones (those with a default, such as PDL, may be left out), `aligned` the
     arguments to specialize as multiples of 16, as a launch does for torch's pointers and
-    such sizes (vectorized loads and software pipelining depend on it). Returns triton's
-    CompiledKernel (asm["cubin"] is the binary). gluon: fn is a Gluon kernel (`gluon_jit`)."""
+    such sizes (vectorized loads and software pipelining depend on it), `num_stages` the
+    launch option (triton's default where None). Returns triton's CompiledKernel
+    (asm["cubin"] is the binary; metadata.shared its shared memory). gluon: fn is a Gluon
+    kernel (`gluon_jit`)."""
     triton, _ = _triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -262,7 +265,8 @@ def compile_for_arch(fn: Callable, types: dict[str, str], constexprs: dict[str, 
     signature = {**types, **{k: "constexpr" for k in constexprs}}
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = (GluonASTSource if gluon else ASTSource)(kernel, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages is not None else {})}
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def planner(*ops: str):

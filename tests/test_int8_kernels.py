@@ -391,6 +391,28 @@ def run_aot(out: str) -> None:
                      "shared_ops": len(re.findall(r"\b(?:ld|st)\.shared", ptx)), "shared": k.metadata.shared,
                      "spill_bytes": spill_bytes(k), "split_k": variant["SPLIT_K"], "warps_k": variant["WARPS_K"],
                      "pdl": pdl_check(k, True, frozenset(("load w8_first", "load w8_second")[:int(variant.get("EARLY", 0))]))}
+    # the Triton mma kernel's shared memory with fp32 activations (fp32 models' int8 path), at
+    # the config w8a16_matmul picks for every shape the sm_90 table has rows for and for the
+    # defaults of the larger M buckets: the 16-bit rows' K-blocks took 248 KiB at Llama-8B's
+    # M64 [4096, 4096], over an H200's 227 (its `OutOfResources` at CUDA-graph capture)
+    fp32_types = {**mma_types, **ptr("X B Y", "*fp32")}
+    aligned = tuple(a for a, t in fp32_types.items() if t.startswith("*") or a in ("N", "K", "stride_xm", "stride_ym"))
+    shapes = {tuple(int(p[1:]) for p in key.split("_")[:3]) for key in launch.tuning_table()["sm_90"]["w8a16_mma"]}
+    shapes |= {(m, 4096, 4096) for m in (16, 64, 256)}
+    seen = set()
+    for m, n, k_ in sorted(shapes):
+        cfg = int8.int8_config("w8a16_mma", m, n, k_, 0, "sm_90", x_bytes=4)
+        if cfg.get("REGS"):  # the Gluon kernel takes 16-bit x only: w8a16_matmul's fallback
+            cfg = int8.int8_config("w8a16_mma", m, n, k_, 0, "sm_90", table=False, x_bytes=4)
+        const, opts = int8._split({**flags, "HAS_ZERO": False, "PRECISION": "ieee", "SWAP_AB": False, "SPLIT_K": 1,
+                                   "FAST_CVT": False, **cfg}, cuda)
+        if json.dumps([const, opts], sort_keys=True) in seen:
+            continue
+        seen.add(json.dumps([const, opts], sort_keys=True))
+        k = compile_for_arch(int8._w8a16_mma_kernel, fp32_types, const, num_warps=opts.get("num_warps", 4),
+                             num_stages=opts.get("num_stages"), aligned=aligned)
+        res[f"fp32-smem-M{m}_N{n}_K{k_}"] = {"ok": bool(k.asm.get("cubin")), "shared": k.metadata.shared,
+                                             "config": {**const, **opts}}
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -414,13 +436,40 @@ def test_split_k_counters_are_reset(interpreted):
     assert r["ok"], r["error"]
 
 
+def _builds(compiled: dict) -> dict:
+    """The kernel builds of the aot child, without its shared-memory probes (`fp32-smem-*`)."""
+    return {k: v for k, v in compiled.items() if not k.startswith("fp32-smem-")}
+
+
 def test_kernels_compile_for_sm90(compiled):
+    compiled = _builds(compiled)
     bad = {k: v for k, v in compiled.items() if not v["ok"]}
     assert compiled and not bad, bad
     assert all(v["ptx_has_mma"] for k, v in compiled.items() if k.startswith(("mma", "w8a8"))), compiled
     assert all(v["fast_cvt"] == v["wants_fast_cvt"] for v in compiled.values()), compiled
     assert compiled["gemv"]["fast_cvt"] and compiled["mma-decode"]["fast_cvt"]  # the sm_90 defaults
     assert compiled["mma-decode-swap64"]["ptx_has_wgmma"]  # 64-row weight tiles as wgmma's A operand
+
+
+def test_fp32_activation_configs_fit_sm90_shared_memory(compiled):
+    """fp32 x through the Triton mma kernel (what an fp32 model's --int8 runs at 2-256 tokens):
+    every config the runtime picks on sm_90 fits the 227 KiB a block may opt into on an
+    H100/H200 (cudaDevAttrMaxSharedMemoryPerBlockOptin: 232448 bytes)."""
+    smem = {k: v for k, v in compiled.items() if k.startswith("fp32-smem-")}
+    assert len(smem) >= 4, list(compiled)
+    for name, r in smem.items():
+        assert r["ok"] and 0 < r["shared"] <= 232448, (name, r)
+
+
+def test_fp32_activations_halve_the_mma_k_block():
+    for m, n, k in ((64, 4096, 4096), (64, 4096, 14336), (256, 4096, 4096)):
+        bf16 = int8.int8_config("w8a16_mma", m, n, k, 0, "sm_90")
+        fp32 = int8.int8_config("w8a16_mma", m, n, k, 0, "sm_90", x_bytes=4)
+        assert fp32 == {**bf16, "BLOCK_K": bf16["BLOCK_K"] // 2}, (m, n, k)
+    # a group's size still divides the K-block; the Gluon rows (16-bit x only) are left alone
+    assert int8.int8_config("w8a16_mma", 64, 4096, 4096, 128, "sm_90", x_bytes=4)["BLOCK_K"] == 64
+    regs = int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90", x_bytes=4)
+    assert regs.get("REGS") and regs == int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90")
 
 
 def test_regs_kernel_builds_for_sm90_without_shared_memory(compiled):
@@ -463,7 +512,8 @@ def test_regs_configs_fall_back_off_gpu_and_refuse_bad_tiles(monkeypatch):
     d = int8._DEFAULTS["w8a16_mma"][16]
     assert [(n, g) for n, g, _ in launched] == [("_w8a16_mma_kernel", (-(-40 // d["BLOCK_N"]), 1, 1))]
     cfg = launched[0][2]
-    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]) == (d["BLOCK_M"], d["BLOCK_N"], d["BLOCK_K"], 1)
+    # x is fp32: the default's K-block halved (int8_config's x_bytes)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]) == (d["BLOCK_M"], d["BLOCK_N"], d["BLOCK_K"] // 2, 1)
     assert "REGS" not in cfg
     with pytest.raises(ValueError, match="REGS"):
         int8.w8a16_matmul(x, q, s, z, b, group, kernel="w8a16_mma", config=row)
@@ -474,6 +524,7 @@ def test_regs_configs_fall_back_off_gpu_and_refuse_bad_tiles(monkeypatch):
 
 
 def test_w8a16_pdl_variants_read_only_weights_before_the_wait(compiled):
+    compiled = _builds(compiled)
     pdl = [name for name in compiled if name.endswith("-pdl")]
     assert len(pdl) == 9, list(compiled)  # every gemv and mma case
     bad = {k: v["pdl"] for k, v in compiled.items() if v["pdl"] != "ok"}
