@@ -36,14 +36,20 @@ class GenerateResult:
 def _check_environment() -> None:
     """The runtime's environment switches, checked at load so that a typo is one clear line
     on every device (the kernels read them only where they run: CUDA)."""
-    from dsc.kernels.launch import pdl_mode
-    from dsc.kernels.linear import gemv_mode
+    from dsc.kernels.attention import decode_preload
+    from dsc.kernels.launch import pdl_mode, tuning_table
+    from dsc.kernels.linear import early_override, gemv_mode
 
     try:
         gemv_mode()
         pdl_mode()
         collectives.allreduce_mode()
+        collectives.embed_push_enabled()
+        collectives.push_gather_enabled()
         pipeline_mode()
+        tuning_table()  # DSC_TUNING's file
+        early_override("gemv")  # DSC_GEMV_EARLY
+        decode_preload({"num_warps": 4})  # DSC_ATTN_PRE
     except ValueError as e:
         raise UserError(str(e)) from None
 

@@ -211,7 +211,9 @@ def test_inspect_of_a_folder_that_is_not_an_artifact(tmp_path):
 
 
 @pytest.mark.parametrize("var, value", [("DSC_GEMV", "fastest"), ("DSC_ALLREDUCE", "ring"), ("DSC_PDL", "yes"),
-                                        ("DSC_PIPELINE", "maybe")])
+                                        ("DSC_PIPELINE", "maybe"), ("DSC_ALLGATHER", "ring"), ("DSC_EMBED_PUSH", "no"),
+                                        ("DSC_TUNING", "/nonexistent/rows.json"), ("DSC_GEMV_EARLY", "lots"),
+                                        ("DSC_ATTN_PRE", "7"), ("DSC_L2_PREFETCH", "huge")])
 def test_bad_runtime_switch_is_one_line_at_load(var, value, small_artifact, monkeypatch):
     # the kernels read these only on CUDA; load checks them everywhere
     monkeypatch.setenv(var, value)
