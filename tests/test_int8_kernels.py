@@ -406,9 +406,10 @@ def run_aot(out: str) -> None:
             cfg = int8.int8_config("w8a16_mma", m, n, k_, 0, "sm_90", table=False, x_bytes=4)
         const, opts = int8._split({**flags, "HAS_ZERO": False, "PRECISION": "ieee", "SWAP_AB": False, "SPLIT_K": 1,
                                    "FAST_CVT": False, **cfg}, cuda)
-        if json.dumps([const, opts], sort_keys=True) in seen:
+        key = json.dumps([const, opts], sort_keys=True)  # one build per distinct config
+        if key in seen:
             continue
-        seen.add(json.dumps([const, opts], sort_keys=True))
+        seen.add(key)
         k = compile_for_arch(int8._w8a16_mma_kernel, fp32_types, const, num_warps=opts.get("num_warps", 4),
                              num_stages=opts.get("num_stages"), aligned=aligned)
         res[f"fp32-smem-M{m}_N{n}_K{k_}"] = {"ok": bool(k.asm.get("cubin")), "shared": k.metadata.shared,
