@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import dsc.kernels  # noqa: F401  (registers the dsc ops the programs call)
 from dsc.kernels.embedding import vocab_embedding_reference
+from dsc.kernels.int8 import linear_w8a16_reference
 from dsc.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
 
 Observer = Callable[[fx.Node, int, tuple], None]  # (node, rank, its evaluated args), before the call
@@ -45,6 +46,9 @@ COLLECTIVES: dict[Any, Callable[[list[tuple]], list[torch.Tensor]]] = {
     torch.ops.dsc.linear_all_reduce_add_rmsnorm.default:  # (residual, x, weight, norm weight, eps)
         lambda per_rank: [add_rmsnorm_reference(sum(F.linear(a[1], a[2]) for a in per_rank), a[0], *a[3:])
                           for a in per_rank],
+    torch.ops.dsc.linear_w8a16_all_reduce_add_rmsnorm.default:  # (residual, x, qweight, scale, zero, group, norm weight, eps)
+        lambda per_rank: [add_rmsnorm_reference(sum(linear_w8a16_reference(a[1], *a[2:5], None, a[5]) for a in per_rank),
+                                                a[0], *a[6:]) for a in per_rank],
     torch.ops.dsc.vocab_embedding_all_reduce_rmsnorm.default: _embedding_then_norms,
     torch.ops.dsc.all_gather.default:  # (x, dim, world)
         lambda per_rank: [torch.cat([a[0] for a in per_rank], per_rank[0][1])] * len(per_rank),

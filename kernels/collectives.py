@@ -82,6 +82,9 @@ import torch
 import torch.distributed as dist
 
 from dsc.kernels.embedding import _lookup, check_lookup, vocab_embedding
+from dsc.kernels.int8 import _check as _check_int8
+from dsc.kernels.int8 import _split as _int8_split
+from dsc.kernels.int8 import _w8a16_rows, int8_config
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
 from dsc.kernels.linear import CONFIG_KEYS, _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config, rmsnorm_reference
@@ -532,6 +535,16 @@ def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, eps, EVEN: tl
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     y = _gemv_rows(X, W, offs_n, mask_n, K, EVEN, BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY_K)
+    _push_rows_and_end(X, y, offs_n, mask_n, BUFS, rank, region, R, NW, S, Y, eps, WORLD, MARK, NORM_N, BLOCK_W, CHUNK)
+
+
+@device
+def _push_rows_and_end(X, y, offs_n, mask_n, BUFS, rank, region, R, NW, S, Y, eps, WORLD: tl.constexpr,
+                       MARK: tl.constexpr, NORM_N: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr):
+    # a GEMV push program's end (`_gemv_push_kernel`, `_w8a16_gemv_push_kernel`): its outputs y
+    # [rows offs_n] rounded to x's dtype into this rank's region of every rank's push buffer (-0.0
+    # sent as +0.0); with NORM_N the last program then ends the all-reduce (wait, sum, reset, add,
+    # norm)
     it = tl.int16 if X.dtype.element_ty.primitive_bitwidth == 16 else tl.int32
     bits = y.to(X.dtype.element_ty).to(it, bitcast=True)
     bits = tl.where(bits == MARK, 0, bits)
@@ -550,6 +563,23 @@ def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, eps, EVEN: tl
             else:
                 _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, NORM_N, WORLD, BLOCK_W, CHUNK,
                                             MARK)
+
+
+def _w8a16_gemv_push_kernel(X, W, WS, WZ, BUFS, N, K, G, rank, region, R, NW, S, Y, eps,
+                            GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, CVT: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr,
+                            WORLD: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False,
+                            NORM_N: tl.constexpr = 0, BLOCK_W: tl.constexpr = 1, CHUNK: tl.constexpr = 1):
+    # `_gemv_push_kernel` over an int8 weight: the W8A16 GEMV's rows (kernels/int8.py; WS, WZ
+    # its scales and zero points, G groups per row) pushed into every rank's buffer, and with
+    # NORM_N the last program ending the all-reduce: the row-parallel o_proj / down_proj of an
+    # --int8 artifact and the all-reduce + add + RMSNorm after it in one launch
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    y = _w8a16_rows(X, W, WS, WZ, offs_n, mask_n, K, G, GROUP_K, HAS_ZERO, CVT, BLOCK_N, BLOCK_K, PREFETCH, X_ROW, PDL)
+    _push_rows_and_end(X, y, offs_n, mask_n, BUFS, rank, region, R, NW, S, Y, eps, WORLD, MARK, NORM_N, BLOCK_W, CHUNK)
 
 
 def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residual: torch.Tensor,
@@ -682,21 +712,29 @@ def _plan_vocab_embedding_all_reduce_rmsnorm(weight, ids, start, norm_weight, ep
 
 # -- row-parallel linear + all-reduce + residual add + RMSNorm --------------------------------
 _gemv_push_error = ""  # why the GEMV push kernel failed to build here (then: the unfused pair)
+_w8a16_push_error = ""  # the same for its W8A16 form
+
+
+def _gemv_push_usable(s: _Symmetric | None, residual, x, weight, norm_weight, error: str) -> bool:
+    """Whether a row-parallel linear + all-reduce + norm call may take a GEMV push kernel (ending
+    the all-reduce, or followed by the push kernel with SENT): the push kernel on, DSC_ALLREDUCE=
+    auto or gemv_push, that kernel built here (`error` empty), one row, activations of the
+    buffers' dtype, a contiguous weight [n, k] whose rows fit the buffers."""
+    if (s is None or s.fused != "push" or not s.count or allreduce_mode() not in ("auto", "gemv_push")
+            or error or not weight.is_contiguous()):
+        return False
+    n, k = weight.shape
+    return (x.numel() == k and residual.numel() == n and 0 < n <= MAX_N and n <= s.numel
+            and x.dtype == residual.dtype == norm_weight.dtype == s.dtype)
 
 
 def _gemv_push_config(s: _Symmetric | None, residual, x, weight, norm_weight) -> dict | None:
-    """The GEMV config when this call takes `_gemv_push_kernel` (ending the all-reduce, or
-    followed by the push kernel with SENT): the push kernel on and DSC_ALLREDUCE=auto or
-    gemv_push, one row, operands of the buffers' dtype, a tuned GEMV for the weight's shape; else
-    None (the linear's kernel, then the fused all-reduce + norm)."""
-    if (s is None or s.fused != "push" or not s.count or allreduce_mode() not in ("auto", "gemv_push")
-            or _gemv_push_error or not weight.is_contiguous()):
+    """The GEMV config when this call takes `_gemv_push_kernel` (`_gemv_push_usable`, a 16-bit
+    weight of the buffers' dtype and a tuned GEMV for its shape); else None (the linear's
+    kernel, then the fused all-reduce + norm)."""
+    if not _gemv_push_usable(s, residual, x, weight, norm_weight, _gemv_push_error) or weight.dtype != s.dtype:
         return None
-    n, k = weight.shape
-    if not (x.numel() == k and residual.numel() == n and 0 < n <= MAX_N and n <= s.numel
-            and x.dtype == weight.dtype == residual.dtype == norm_weight.dtype == s.dtype):
-        return None
-    return gemv_push_config(n, k, arch_of(x.device))
+    return gemv_push_config(*weight.shape, arch_of(x.device))
 
 
 def gemv_push_config(n: int, k: int, arch: str) -> dict | None:
@@ -731,23 +769,36 @@ def _linear_then_fused(residual, x, weight, norm_weight, eps):
 
 @linear_all_reduce_add_rmsnorm.register_kernel("cuda")
 def _(residual, x, weight, norm_weight, eps):
-    global _gemv_push_error
     s = _symm
     cfg = _gemv_push_config(s, residual, x, weight, norm_weight)
+    pair = lambda: _linear_then_fused(residual, x, weight, norm_weight, eps)  # noqa: E731
     if cfg is None:
-        return _linear_then_fused(residual, x, weight, norm_weight, eps)
+        return pair()
+    return _gemv_push_call(s, residual, norm_weight, eps, "gemv",
+                           lambda slot, norm: _launch_gemv_push(s, slot, x, weight, cfg, norm), pair)
+
+
+def _gemv_push_call(s: _Symmetric, residual, norm_weight, eps, kind: str, launch, pair):
+    """A GEMV push kernel's call (kind "gemv" or "w8a16"): launch(slot, norm) pushes the rows and,
+    given norm = (residual, norm weight, eps) (DSC_ALLREDUCE=auto), ends the all-reduce and returns
+    (s, y); without it (gemv_push) the push kernel with SENT follows. A kernel that fails to build
+    leaves this rank the unfused pair, `pair()`, from then on: its row reaches the same buffers in
+    the same layout (the push kernel sends the linear's output), so ranks may differ."""
+    global _gemv_push_error, _w8a16_push_error
     slot = s.slot()
     norm = (residual, norm_weight.contiguous(), eps) if allreduce_mode() == "auto" else None
     try:
-        out = _launch_gemv_push(s, slot, x, weight, cfg, norm)
+        out = launch(slot, norm)
     except Exception as e:  # noqa: BLE001  (a build failure: nothing was launched)
-        # this rank takes the unfused pair from here; its row reaches the same buffers in the
-        # same layout (the push kernel sends the GEMV's output), so ranks may differ
-        _gemv_push_error = f"{type(e).__name__}: {e}".splitlines()[0]
-        print(f"dsc: GEMV + all-reduce push kernel unavailable on rank {s.rank} ({_gemv_push_error}); "
-              "using the GEMV and the push kernel", file=sys.stderr)
+        error = f"{type(e).__name__}: {e}".splitlines()[0]
+        if kind == "gemv":
+            _gemv_push_error = error
+        else:
+            _w8a16_push_error = error
+        print(f"dsc: {'W8A16 ' if kind == 'w8a16' else ''}GEMV + all-reduce push kernel unavailable on rank "
+              f"{s.rank} ({error}); using the GEMV and the push kernel", file=sys.stderr)
         s.index -= 1  # the unfused pair takes this slot again
-        return _linear_then_fused(residual, x, weight, norm_weight, eps)
+        return pair()
     if out is None:  # DSC_ALLREDUCE=gemv_push: the push kernel waits, sums and normalizes
         out = _launch_fused(s, "push", slot, residual, residual, norm_weight.contiguous(), eps, sent=True)
     return out[0].view(residual.shape), out[1].view(residual.shape)
@@ -821,6 +872,94 @@ def _plan_linear_all_reduce_add_rmsnorm(residual, x, weight, norm_weight, eps, *
         cfg["fallback"] = "triton.gemv + triton.all_reduce_add_rmsnorm"
         return {"name": "triton.gemv_push_add_rmsnorm", "config": cfg, "launches": 1}
     return {"name": f"{lin['name']} + triton.all_reduce_add_rmsnorm", "config": cfg, "launches": lin["launches"] + 1}
+
+
+# -- the same over an int8 weight (--int8, W8A16) --------------------------------------------------
+@torch.library.custom_op("dsc::linear_w8a16_all_reduce_add_rmsnorm", mutates_args=())
+def linear_w8a16_all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor,
+                                        scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
+                                        norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """all_reduce_add_rmsnorm(residual, linear_w8a16(x, qweight, scale, zero, None, group_size),
+    norm_weight, eps): `linear_all_reduce_add_rmsnorm` for an --int8 artifact's row-parallel
+    o_proj / down_proj (the decode_linears pass makes it of the two). On CUDA at one row with the
+    push kernel on, the W8A16 GEMV pushes its outputs (`_w8a16_gemv_push_kernel`) and, with
+    DSC_ALLREDUCE=auto, its last program ends the all-reduce: one launch where the pair takes
+    two; DSC_ALLREDUCE=gemv_push leaves the end to the push kernel. Elsewhere the two ops."""
+    return _w8a16_then_fused(residual, x, qweight, scale, zero, group_size, norm_weight, eps)
+
+
+def _w8a16_then_fused(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
+    """The unfused pair: the W8A16 linear, then the fused all-reduce + norm (takes a slot)."""
+    y = torch.ops.dsc.linear_w8a16(x, qweight, scale, zero, None, group_size)
+    return torch.ops.dsc.all_reduce_add_rmsnorm(residual, y, norm_weight, eps)
+
+
+@linear_w8a16_all_reduce_add_rmsnorm.register_kernel("cuda")
+def _(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
+    s = _symm
+    pair = lambda: _w8a16_then_fused(residual, x, qweight, scale, zero, group_size, norm_weight, eps)  # noqa: E731
+    if not _gemv_push_usable(s, residual, x, qweight, norm_weight, _w8a16_push_error):
+        return pair()
+    cfg = w8a16_push_config(qweight, scale, group_size, x)
+    return _gemv_push_call(s, residual, norm_weight, eps, "w8a16",
+                           lambda slot, norm: _launch_w8a16_push(s, slot, x, qweight, scale, zero, group_size, cfg,
+                                                                 norm), pair)
+
+
+def w8a16_push_config(qweight, scale, group_size: int, x) -> dict:
+    """The W8A16 GEMV push kernel's config: the W8A16 GEMV's at one row (`int8_config`)."""
+    n, k = qweight.shape
+    gk = 0 if scale.shape[1] == 1 else group_size
+    return int8_config("w8a16_gemv", 1, n, k, gk, arch_of(x.device), x_bytes=x.element_size())
+
+
+def _launch_w8a16_push(s: _Symmetric, slot: int, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                       zero: torch.Tensor | None, group_size: int, config: dict,
+                       norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`_launch_gemv_push` over an int8 weight: x (one row of K) @ dequant(qweight [N, K]).T into
+    this rank's region of every rank's push buffer of `slot`, with the W8A16 GEMV config
+    `config`; norm = (residual, norm_weight, eps): the same launch ends the all-reduce and
+    returns (s, y); None: returns None, the push kernel (SENT) to follow."""
+    n, k = qweight.shape
+    _, _, _, g = _check_int8(x.reshape(1, k), qweight, scale, zero, None, group_size)
+    gk = 0 if g == 1 else group_size
+    zero_ = zero if zero is not None else qweight  # any pointer: unused without HAS_ZERO
+    flags = dict(GROUP_K=gk, HAS_ZERO=zero is not None, WORLD=s.world, MARK=_MARK[s.dtype], **pdl_options(x.device))
+    if norm is None:
+        const, opts = _int8_split({"FAST_CVT": False, "PREFETCH": False, "X_ROW": False, **config}, x.device)
+        jit(_w8a16_gemv_push_kernel)[(cdiv(n, const["BLOCK_N"]),)](
+            x.contiguous(), qweight, scale, zero_, s.push_ptrs[slot], n, k, g, s.rank, s.numel,
+            x, x, x, x, 0.0, **flags, **const, **opts)
+        return None
+    residual, norm_weight, eps = norm
+    out_s = torch.empty(n, dtype=residual.dtype, device=x.device)
+    out_y = torch.empty_like(out_s)
+    const, opts = _int8_split({"FAST_CVT": False, "PREFETCH": False, "X_ROW": False,
+                               **gemv_push_norm_config(config, n, s.world)}, x.device)
+    jit(_w8a16_gemv_push_kernel)[(cdiv(n, const["BLOCK_N"]),)](
+        x.contiguous(), qweight, scale, zero_, s.push_ptrs[slot], n, k, g, s.rank, s.numel,
+        residual.contiguous(), norm_weight, out_s, out_y, eps, **flags, **const, **opts)
+    return out_s, out_y
+
+
+@linear_w8a16_all_reduce_add_rmsnorm.register_fake
+def _(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+
+
+@planner("dsc.linear_w8a16_all_reduce_add_rmsnorm.default")
+def _plan_linear_w8a16_all_reduce_add_rmsnorm(residual, x, qweight, scale, zero, group_size, norm_weight, eps, *,
+                                              arch):
+    """The decode program's (batch 1): one launch, the W8A16 GEMV pushing its rows and its last
+    program waiting, summing and normalizing (DSC_ALLREDUCE=auto on the target); the config the
+    W8A16 GEMV's, whose warps (and BLOCK_N with them) the launch raises with the ranks
+    (`gemv_push_norm_config`). Without the push kernel: the W8A16 GEMV, then the fused
+    all-reduce + norm."""
+    n, k = qweight.shape
+    gk = 0 if scale.shape[1] == 1 else group_size
+    cfg = {"N": n, "K": k, **int8_config("w8a16_gemv", 1, n, k, gk, arch, x_bytes=x.dtype.itemsize), "NORM_N": n,
+           "norm": norm_config("add_rmsnorm", n, arch), "fallback": "triton.w8a16 + triton.all_reduce_add_rmsnorm"}
+    return {"name": "triton.w8a16_gemv_push_add_rmsnorm", "config": cfg, "launches": 1}
 
 
 def _push_gather_kernel(X, Y, BUFS, n, total, rank, region, WORLD: tl.constexpr, BLOCK_W: tl.constexpr,

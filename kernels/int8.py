@@ -55,8 +55,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import (arch_of, cdiv, gluon_device, gluon_jit, jit, next_power_of_2, pdl_options, planner, split_counters,
-                               tuning_row)
+from dsc.kernels.activation import _plan_swiglu, _silu_mul, swiglu_reference
+from dsc.kernels.launch import (arch_of, cdiv, device, gluon_device, gluon_jit, jit, next_power_of_2, pdl_options, planner,
+                               split_counters, tuning_row)
 
 tl = None  # triton.language, bound by launch.jit on first launch
 gl = mma_v2 = None  # gluon's language and its mma.sync, bound by launch.gluon_jit on first launch
@@ -196,6 +197,38 @@ def _(x, qweight, scale, zero, bias, group_size):
     return y.reshape(*x.shape[:-1], qweight.shape[0])
 
 
+def linear_w8a16_swiglu_reference(x, qweight, scale, zero, group_size):
+    # swiglu of the halves of linear_w8a16_reference(x, ...), qweight [2N, K] = [gate; up]
+    y = linear_w8a16_reference(x, qweight, scale, zero, None, group_size)
+    n = y.shape[-1] // 2
+    return swiglu_reference(y[..., :n], y[..., n:])
+
+
+@torch.library.custom_op("dsc::linear_w8a16_swiglu", mutates_args=())
+def linear_w8a16_swiglu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                        group_size: int) -> torch.Tensor:
+    """dsc::swiglu of the halves of dsc::linear_w8a16(x, qweight, scale, zero, None, group_size),
+    qweight [2N, K] = [gate; up] (no bias): the values of the two ops (the linear's output rounded
+    to x's dtype, then swiglu). The decode_linears pass makes it of the pair; on CUDA at one row
+    one kernel computes both halves' rows and the activation (`_w8a16_gemv_swiglu_kernel`),
+    elsewhere the two ops run."""
+    return linear_w8a16_swiglu_reference(x, qweight, scale, zero, group_size)
+
+
+@linear_w8a16_swiglu.register_fake
+def _(x, qweight, scale, zero, group_size):
+    return x.new_empty(*x.shape[:-1], qweight.shape[0] // 2)
+
+
+@linear_w8a16_swiglu.register_kernel("cuda")
+def _(x, qweight, scale, zero, group_size):
+    n2, k = qweight.shape
+    if x.numel() == k and n2 % 2 == 0 and qweight.is_contiguous():
+        return w8a16_gemv_swiglu(x, qweight, scale, zero, group_size)
+    y = torch.ops.dsc.linear_w8a16(x, qweight, scale, zero, None, group_size)
+    return torch.ops.dsc.swiglu(y[..., : n2 // 2], y[..., n2 // 2:])
+
+
 @torch.library.custom_op("dsc::linear_w8a8", mutates_args=())
 def linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                 bias: torch.Tensor | None, group_size: int, inv_smooth: torch.Tensor | None) -> torch.Tensor:
@@ -238,15 +271,14 @@ I8X4_TO_F32 = ("{.reg .b32 t;\n"
                "sub.f32 $3, $3, 0f4B000080;}")
 
 
-def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
-                       GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, CVT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    # y[n] = sum_k x[k] * (w[n, k] - z[n, g(k)]) * s[n, g(k)]        x: [K], w: [N, K], y: [N]
-    if PDL:  # kernels/launch.py: the next kernel's programs may start now
-        tl.extra.cuda.gdc_launch_dependents()
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+@device
+def _w8a16_rows(X, W, S, Z, offs_n, mask_n, K, G, GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, CVT: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr,
+                PDL: tl.constexpr):
+    # y[n] = sum_k x[k] * (w[n, k] - z[n, g(k)]) * s[n, g(k)] for the weight rows offs_n, in fp32
+    # ([BLOCK_N]; no bias); with PDL it waits (gdc_wait) after the first K-block's weights load
+    # and before any other access. Shared by the W8A16 GEMV, its SwiGLU form (rows: gate and up
+    # interleaved) and the GEMV that pushes its rows to the all-reduce (kernels/collectives.py)
     rows = offs_n.to(tl.int64) * K
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per-lane partial sums, reduced once
@@ -298,9 +330,44 @@ def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if GROUP_K == 0:
         y *= tl.load(S + offs_n, mask=mask_n, other=0.0)
+    return y
+
+
+def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
+                       GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, CVT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    # y[n] = sum_k x[k] * (w[n, k] - z[n, g(k)]) * s[n, g(k)] (+ b[n])   x: [K], w: [N, K], y: [N]
+    if PDL:  # kernels/launch.py: the next kernel's programs may start now
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    y = _w8a16_rows(X, W, S, Z, offs_n, mask_n, K, G, GROUP_K, HAS_ZERO, CVT, BLOCK_N, BLOCK_K, PREFETCH, X_ROW, PDL)
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
+
+
+def _w8a16_gemv_swiglu_kernel(X, W, S, Z, Y, N, K, G,
+                              GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, CVT: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                              X_ROW: tl.constexpr, PDL: tl.constexpr = False):
+    # y[n] = silu(g[n]) * u[n], g and u the W8A16 GEMV's rows n and N + n of w [2N, K] (no bias):
+    # kernels/linear.py's `_gemv_swiglu_kernel` over int8 weights. One tile of 2 BLOCK_N weight
+    # rows, gate and up interleaved (row 2i: gate of output n0 + i, row 2i + 1: its up), each
+    # result rounded to the dtype as the unfused linear's output is, then the swiglu kernel's math
+    if PDL:  # kernels/launch.py: the next kernel's programs may start now
+        tl.extra.cuda.gdc_launch_dependents()
+    i = tl.arange(0, 2 * BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + i // 2
+    mask_n = offs_n < N
+    gu = _w8a16_rows(X, W, S, Z, offs_n + (i % 2) * N, mask_n, K, G, GROUP_K, HAS_ZERO, CVT, 2 * BLOCK_N, BLOCK_K,
+                     PREFETCH, X_ROW, PDL)  # [2 BLOCK_N]
+    g, u = tl.split(tl.reshape(gu, (BLOCK_N, 2)))  # [BLOCK_N] each
+    dt = Y.dtype.element_ty
+    y = _silu_mul(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), dt)
+    offs_y = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(Y + offs_y, y, mask=offs_y < N)
 
 
 def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_ym,
@@ -758,6 +825,36 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     return y
 
 
+def w8a16_swiglu_config(n2: int, k: int, group_k: int, arch: str, x_bytes: int = 2) -> dict:
+    """`_w8a16_gemv_swiglu_kernel`'s config for a [gate; up] int8 weight [n2, k] (n2 / 2 outputs):
+    the W8A16 GEMV's (`int8_config`) at that shape with half its BLOCK_N (at least 1), so that
+    a program's gate and up rows keep the GEMV's tuned [rows, BLOCK_K] tile; a tuning-table row
+    `w8a16_gemv_swiglu` (BLOCK_N counting outputs) overrides it where one was measured."""
+    cfg = int8_config("w8a16_gemv", 1, n2, k, group_k, arch, x_bytes=x_bytes)
+    row = tuning_row("w8a16_gemv_swiglu", f"M1_N{n2}_K{k}" + (f"_G{group_k}" if group_k else ""), arch) or {}
+    return {**cfg, "BLOCK_N": max(1, cfg["BLOCK_N"] // 2), **row}
+
+
+def w8a16_gemv_swiglu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                      group_size: int, config: dict | None = None) -> torch.Tensor:
+    """x [K] or [1, K] (any leading dims of one row), qweight [2N, K] = [gate; up] -> silu(gate x)
+    * (up x) [..., N] in x's dtype with the fused kernel (config: `w8a16_swiglu_config`'s keys)."""
+    n2, k = qweight.shape
+    _, _, _, g = _check(x.reshape(-1, k), qweight, scale, zero, None, group_size)
+    if x.numel() != k or n2 % 2:
+        raise ValueError(f"w8a16_gemv_swiglu: one row of x against [gate; up] rows (an even count), got x "
+                         f"{list(x.shape)} and qweight {list(qweight.shape)}")
+    gk = 0 if g == 1 else group_size
+    n = n2 // 2
+    y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
+    cfg = config or w8a16_swiglu_config(n2, k, gk, arch_of(x.device), x.element_size())
+    const, opts = _split({"FAST_CVT": False, "PREFETCH": False, "X_ROW": False, **cfg}, x.device)
+    jit(_w8a16_gemv_swiglu_kernel)[(cdiv(n, const["BLOCK_N"]),)](
+        x.contiguous(), qweight, scale, zero if zero is not None else qweight, y, n, k, g,
+        GROUP_K=gk, HAS_ZERO=zero is not None, **const, **opts, **pdl_options(x.device))
+    return y
+
+
 def _regs_fits(dtype: torch.dtype, gk: int, cfg: dict) -> bool:
     """Whether the Gluon kernel takes these operands: 16-bit x (the MMA's B operand as is),
     grouped scales only a whole K-block apart, and K-blocks of at least 4 * KW (int8_config
@@ -855,6 +952,17 @@ def _plan_w8a16(x, qweight, scale, zero, bias, group_size, *, arch):
             c = int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch, table=False, x_bytes=x.dtype.itemsize)
         cfg[f"M{b}"] = {"kernel": "w8a16_regs" if c.get("REGS") else int8_kernel("w8a16", b), **c}
     return {"name": "triton.w8a16", "config": cfg, "launches": 1}
+
+
+@planner("dsc.linear_w8a16_swiglu.default")
+def _plan_w8a16_swiglu(x, qweight, scale, zero, group_size, *, arch):
+    """Counted at one row (batch 1 decode): the fused kernel, 1 launch; more rows take the W8A16
+    matmul and the swiglu kernel."""
+    n2, k = qweight.shape
+    gk = 0 if scale.shape[1] == 1 else group_size
+    cfg = w8a16_swiglu_config(n2, k, gk, arch, x.dtype.itemsize)
+    return {"name": "triton.w8a16_gemv_swiglu",
+            "config": {"N": n2, "K": k, **cfg, "M>1": "triton.w8a16 + triton.swiglu"}, "launches": 1}
 
 
 @planner("dsc.linear_w8a8.default")

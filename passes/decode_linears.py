@@ -9,7 +9,9 @@ Matches / rewrites (counted under `decode_linears.gemv`):
   -> s, y = dsc.linear_all_reduce_add_rmsnorm(r, x, W, w, eps): the row-parallel o_proj /
   down_proj and the fused all-reduce + norm after it; on GPUs with the push all-reduce the
   GEMV stores its outputs straight into every rank's push buffer (kernels/collectives.py),
-  elsewhere the same two ops.
+  elsewhere the same two ops. With --int8 (W8A16), s, y = dsc.all_reduce_add_rmsnorm(r,
+  dsc.linear_w8a16(x, qweight, scale, zero, None, group_size), w, eps) likewise
+  -> dsc.linear_w8a16_all_reduce_add_rmsnorm(r, x, qweight, scale, zero, group_size, w, eps).
   and after fuse_activation (counted under `decode_linears.swiglu`):
   dsc.swiglu(slice(y, -1, 0, h), slice(y, -1, h, 2h)), y = dsc.linear(x, W) with W [2h, K],
   no bias, y read only by the two slices and each slice only by the swiglu (or the two halves
@@ -18,11 +20,15 @@ Matches / rewrites (counted under `decode_linears.gemv`):
   with a tuned GEMV for W's shape one kernel computes both halves' rows and the activation
   (kernels/linear.py), elsewhere the same two ops. Under tensor parallelism W and the slices
   are the rank's local ones: fuse_projections shards gate_up per member, so every rank holds
-  [gate_r; up_r] and its slices cut its own halves.
-Prefill keeps aten.linear (cuBLAS at M = batch x seq); int8 linears are already dsc ops.
+  [gate_r; up_r] and its slices cut its own halves. With --int8 the same over
+  y = dsc.linear_w8a16(x, qweight, scale, zero, None, group_size)
+  -> dsc.linear_w8a16_swiglu(x, qweight, scale, zero, group_size) (kernels/int8.py: on GPUs one
+  kernel at one row, elsewhere the two ops). W8A8 linears stay as they are.
+Prefill keeps aten.linear (cuBLAS at M = batch x seq) and its int8 linears.
 Requires: every pass that matches aten.linear ran (fusions, sharding, quantize_int8).
 Guarantees: same math as F.linear (fp32 accumulation in the GEMV), and as the linear's output
-  rounded to the dtype then swiglu for linear_swiglu; no other change.
+  rounded to the dtype then swiglu for linear_swiglu (linear_w8a16_swiglu: linear_w8a16's); the
+  fused all-reduce ops compute the pair's values; no other change.
 """
 from __future__ import annotations
 
@@ -54,25 +60,44 @@ def decode_linears(model: Model) -> Model:
         if not is_call(n, torch.ops.dsc.all_reduce_add_rmsnorm.default):
             continue
         r, lin, w, eps = n.args
-        if (is_call(lin, torch.ops.dsc.linear.default) and list(lin.users) == [n]
-                and (len(lin.args) == 2 or lin.args[2] is None)):
+        if list(getattr(lin, "users", ())) != [n] or not _bias_free(lin):
+            continue
+        if is_call(lin, torch.ops.dsc.linear.default):
             n.target, n.args = torch.ops.dsc.linear_all_reduce_add_rmsnorm.default, (r, lin.args[0], lin.args[1], w, eps)
-            graph.erase_node(lin)
-            model.counters["decode_linears.all_reduce"] += 1
+        elif is_call(lin, torch.ops.dsc.linear_w8a16.default):
+            x, qweight, scale, zero, _, group = lin.args
+            n.target = torch.ops.dsc.linear_w8a16_all_reduce_add_rmsnorm.default
+            n.args = (r, x, qweight, scale, zero, group, w, eps)
+        else:
+            continue
+        graph.erase_node(lin)
+        model.counters["decode_linears.all_reduce"] += 1
     for n in list(graph.nodes):
         found = _gate_up_of(n)
         if found is not None:
             lin, dead = found
-            replace_with(n, torch.ops.dsc.linear_swiglu.default, (lin.args[0], lin.args[1]))
+            if is_call(lin, torch.ops.dsc.linear.default):
+                replace_with(n, torch.ops.dsc.linear_swiglu.default, (lin.args[0], lin.args[1]))
+            else:  # dsc.linear_w8a16(x, qweight, scale, zero, None, group_size)
+                replace_with(n, torch.ops.dsc.linear_w8a16_swiglu.default, (*lin.args[:4], lin.args[5]))
             for d in dead:
                 graph.erase_node(d)
             model.counters["decode_linears.swiglu"] += 1
     return model
 
 
+def _bias_free(lin) -> bool:
+    """lin is dsc.linear(x, W[, None]) or dsc.linear_w8a16(x, qweight, scale, zero, None, group_size),
+    with no keyword arguments."""
+    if is_call(lin, torch.ops.dsc.linear.default):
+        return not lin.kwargs and (len(lin.args) == 2 or lin.args[2] is None)
+    return is_call(lin, torch.ops.dsc.linear_w8a16.default) and not lin.kwargs and len(lin.args) == 6 \
+        and lin.args[4] is None
+
+
 def _gate_up_of(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """(lin, the nodes the fusion leaves dead, each before its inputs) where lin is the bias-free
-    dsc.linear(x, W), W [2h, K], whose output n = dsc.swiglu(gate, up) reads as exactly its two
+    dsc.linear(x, W) or dsc.linear_w8a16(x, qweight, ...), W [2h, K], whose output n = dsc.swiglu(gate, up) reads as exactly its two
     halves: gate = y[..., :h] and up = y[..., h:] as two slices, or as the two pieces of
     chunk(y, 2, -1); each half read by n alone and y by the halves (the chunk) alone; else None."""
     if not is_call(n, torch.ops.dsc.swiglu.default) or len(n.args) != 2 or n.kwargs:
@@ -93,10 +118,9 @@ def _gate_up_of(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
         lin, readers = chunk.args[0], {chunk}
     else:
         return None
-    if (not is_call(lin, torch.ops.dsc.linear.default) or lin.kwargs or not (len(lin.args) == 2 or lin.args[2] is None)
-            or set(lin.users) != readers):
+    if not _bias_free(lin) or set(lin.users) != readers:
         return None
-    rows = lin.args[1].meta["val"].shape[0]  # the rank's local [gate; up] rows
+    rows = lin.args[1].meta["val"].shape[0]  # the rank's local [gate; up] rows (int8: the qweight's)
     y = lin.meta["val"]
     if rows % 2 or y.shape[-1] != rows:
         return None

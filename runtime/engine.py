@@ -68,7 +68,8 @@ def pipeline_mode() -> str:
 
 
 ALL_REDUCE_OPS = ("dsc.all_reduce.default", "dsc.all_reduce_add_rmsnorm.default",
-                  "dsc.linear_all_reduce_add_rmsnorm.default", "dsc.vocab_embedding_all_reduce_rmsnorm.default")
+                  "dsc.linear_all_reduce_add_rmsnorm.default", "dsc.linear_w8a16_all_reduce_add_rmsnorm.default",
+                  "dsc.vocab_embedding_all_reduce_rmsnorm.default")
 # the collectives that take a buffer slot in `program_scope`: the all-reduces and the logits'
 # all-gather (pushed through the same buffers where it fits them; they are sized by the
 # all-reduces alone)

@@ -10,10 +10,14 @@
    with Llama-8B's heads at tp 1 and 4 (32/8 and 8/2 heads, head_dim 128), contexts up to 8192,
    batches with different positions (one split and several), bf16 and fp16; the KV cache after
    the call too.
-3. Timing (CUDA graphs, bf16, one row): each fused kernel against the unfused pair, and a small
+3. `dsc::linear_w8a16_swiglu` at one row (kernels/int8.py `w8a16_gemv_swiglu`, --int8's gate_up
+   + SwiGLU) against the reference and the unfused W8A16 GEMV + swiglu pair, at the same gate/up
+   shapes, per channel and in groups of 128, bf16, fp16 and fp32.
+4. Timing (CUDA graphs, bf16, one row): each fused kernel against the unfused pair, and a small
    sweep of GEMV + swiglu configs per shape (`gemv_swiglu` rows for kernels/tuning.json).
 
-    python scripts/check_fused_decode_gpu.py [--no-timing]    # exit 1 on a failure; $OUT/check_fused_decode_gpu.json
+    python scripts/check_fused_decode_gpu.py [--no-timing] [--int8]    # exit 1 on a failure; $OUT/check_fused_decode_gpu.json
+    (--int8: only the W8A16 checks and timing)
 """
 from __future__ import annotations
 
@@ -62,6 +66,68 @@ def check_linear_swiglu(dtype) -> list[dict]:
         row["ok"] = row["finite"] and row["rel_vs_reference"] <= REL_TOL[dtype] and row["op_equals_kernel"]
         rows.append(row)
     return rows
+
+
+W8A16_SWIGLU_SHAPES = [(28672, 4096), (14336, 4096), (7168, 4096), (16384, 2048)]  # Llama-8B tp 1/2/4, Llama-1B
+
+
+def _int8_gate_up(n: int, k: int, group: int | None, seed: int):
+    from dsc.kernels import int8
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
+    p = int8.quantize_weight(w, group, symmetric=group is None)
+    return p["qweight"], p["scale"], None if group is None else p["zero"], group or k
+
+
+def check_w8a16_swiglu(dtype) -> list[dict]:
+    """`dsc::linear_w8a16_swiglu` at one row (kernels/int8.py `w8a16_gemv_swiglu`, --int8's decode
+    gate_up + SwiGLU) against the reference (the W8A16 linear, then swiglu) and the unfused W8A16
+    GEMV + swiglu kernel pair, per channel (symmetric) and in groups of 128 (asymmetric)."""
+    from dsc.kernels import int8
+
+    rows = []
+    for (n, k), group in itertools.product(W8A16_SWIGLU_SHAPES, (None, 128)):
+        q, s, z, gs = _int8_gate_up(n, k, group, n + k)
+        x = torch.randn(1, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(k)).to(dtype)
+        got = int8.w8a16_gemv_swiglu(x, q, s, z, gs)
+        ref = int8.linear_w8a16_swiglu_reference(x.float(), q, s, z, gs).to(dtype)
+        y = torch.ops.dsc.linear_w8a16(x, q, s, z, None, gs)
+        unfused = torch.ops.dsc.swiglu(y[..., : n // 2], y[..., n // 2:])
+        op = torch.ops.dsc.linear_w8a16_swiglu(x, q, s, z, gs)
+        row = {"shape": [n, k], "group": group, "dtype": str(dtype),
+               "config": int8.w8a16_swiglu_config(n, k, group or 0, "sm_90", x.element_size()),
+               "rel_vs_reference": rel(got, ref), "rel_vs_unfused": rel(got, unfused),
+               "bit_equal_unfused": bool(torch.equal(got, unfused)), "op_equals_kernel": bool(torch.equal(op, got)),
+               "finite": bool(torch.isfinite(got).all())}
+        row["ok"] = (row["finite"] and row["rel_vs_reference"] <= REL_TOL.get(dtype, 1e-4) and row["op_equals_kernel"]
+                     and row["rel_vs_unfused"] <= REL_TOL.get(dtype, 1e-4))
+        rows.append(row)
+    return rows
+
+
+def time_w8a16_swiglu() -> list[dict]:
+    """bf16, one row, per-channel int8: the fused W8A16 gate_up + SwiGLU kernel against the W8A16
+    GEMV + swiglu pair, weight copies rotating past L2 (every call reads its weight from HBM)."""
+    from dsc.kernels import int8
+
+    out = []
+    for n, k in W8A16_SWIGLU_SHAPES:
+        copies = max(2, math.ceil(3 * 60 * 2**20 / (n * k)))
+        ws = [_int8_gate_up(n, k, None, i) for i in range(copies)]
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+
+        def pair(q, s, z, gs):
+            y = torch.ops.dsc.linear_w8a16(x, q, s, z, None, gs)
+            return torch.ops.dsc.swiglu(y[..., : n // 2], y[..., n // 2:])
+
+        row = {"shape": [n, k], "copies": copies, "config": int8.w8a16_swiglu_config(n, k, 0, "sm_90"),
+               "gemv_then_swiglu_us": graph_us([lambda w=w: pair(*w) for w in ws]),
+               "fused_us": graph_us([lambda w=w: int8.w8a16_gemv_swiglu(x, *w) for w in ws])}
+        out.append(row)
+        print(f"w8a16_swiglu {n}x{k}: W8A16 GEMV + swiglu {row['gemv_then_swiglu_us']:.2f} us, fused "
+              f"{row['fused_us']:.2f} us", flush=True)
+    return out
 
 
 def check_rotary_attention(dtype) -> list[dict]:
@@ -191,12 +257,17 @@ def main() -> int:
     import dsc.kernels  # noqa: F401  (registers the dsc ops)
 
     rows = []
-    for dtype in (torch.bfloat16, torch.float16):
-        rows += [dict(r, check="linear_swiglu") for r in check_linear_swiglu(dtype)]
-        rows += [dict(r, check="rotary_attention") for r in check_rotary_attention(dtype)]
+    int8_only = "--int8" in sys.argv  # only the W8A16 gate_up + SwiGLU (checks and timing)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        rows += [dict(r, check="w8a16_swiglu") for r in check_w8a16_swiglu(dtype)]
+        if dtype != torch.float32 and not int8_only:
+            rows += [dict(r, check="linear_swiglu") for r in check_linear_swiglu(dtype)]
+            rows += [dict(r, check="rotary_attention") for r in check_rotary_attention(dtype)]
     timing = {}
     if "--no-timing" not in sys.argv:
-        timing = {"linear_swiglu": time_linear_swiglu(), "rotary_attention": time_rotary_attention()}
+        timing = {"w8a16_swiglu": time_w8a16_swiglu()}
+        if not int8_only:
+            timing.update(linear_swiglu=time_linear_swiglu(), rotary_attention=time_rotary_attention())
     for r in rows:
         print(("ok  " if r.get("ok", True) else "FAIL") + " " + json.dumps(r), flush=True)
     failed = [r for r in rows if not r.get("ok", True)]

@@ -19,6 +19,7 @@ import torch
 from kernel_child import child_fixtures
 
 from dsc.kernels import collectives as C
+from dsc.kernels import int8
 from dsc.kernels.embedding import vocab_embedding_reference
 from dsc.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
 
@@ -99,11 +100,13 @@ def _pull(world: int, rank: int, dtype: torch.dtype) -> dict:
             "own_row_in_own_buffer": torch.equal(bufs[rank][: ROWS * N].view(ROWS, N), xs[rank])}
 
 
-def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int = 0) -> dict:
+def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int = 0, quant: str = "") -> dict:
     """The row-parallel linear + all-reduce + norm at one row: this rank's GEMV pushes x @ W.T
     into every rank's buffer, then the push kernel (SENT) waits, sums and normalizes; with
-    `chunk`, the GEMV's last program does that itself, `chunk` columns per pass (NORM_N)."""
-    numel, bits, mark, k = CAP * N, C._BITS[dtype], C._MARK[dtype], 37
+    `chunk`, the GEMV's last program does that itself, `chunk` columns per pass (NORM_N).
+    quant: the W8A16 GEMV push (`_launch_w8a16_push`) over W quantized per channel, "channel"
+    (symmetric) or "channel-asym", or in groups of 8, "g8" (K = 40 then)."""
+    numel, bits, mark, k = CAP * N, C._BITS[dtype], C._MARK[dtype], 40 if quant == "g8" else 37
     g = torch.Generator().manual_seed(100 + world * 10 + rank)
     xs = [torch.randn(1, N, generator=g).to(dtype) for _ in range(world)]  # every rank's linear output
     x_in = torch.randn(1, k, generator=g).to(dtype)
@@ -112,7 +115,14 @@ def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int = 0) -> dic
     wl[3] = 0
     wl[3, 0] = -1e-4
     x_in[0, 0] = 1e-4
-    mine = torch.nn.functional.linear(x_in.float(), wl.float()).to(dtype)  # this rank's, as the GEMV rounds it
+    if quant:
+        group = 8 if quant == "g8" else None
+        qp = int8.quantize_weight(wl.float(), group, symmetric=quant != "channel-asym")
+        qargs = (qp["qweight"], qp["scale"], qp["zero"] if quant == "channel-asym" else None, group or k)
+        # this rank's, as the GEMV rounds it: the fp32 sum of x times the dequantized weight
+        mine = int8.linear_w8a16_reference(x_in.float(), *qargs[:3], None, qargs[3]).to(dtype)
+    else:
+        mine = torch.nn.functional.linear(x_in.float(), wl.float()).to(dtype)  # this rank's, as the GEMV rounds it
     xs[rank] = mine
     res = torch.randn(1, N, generator=g).to(dtype)
     w = torch.randn(N, generator=g).to(dtype)
@@ -121,16 +131,22 @@ def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int = 0) -> dic
     slot = 2
     bufs, s = _push_buffers(world, rank, dtype, slot, xs)
     cfg = {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 1}
+
+    def launch(config, norm=None):
+        if quant:
+            return C._launch_w8a16_push(s, slot, x_in, *qargs, {**config, "PREFETCH": quant == "g8"}, norm)
+        return C._launch_gemv_push(s, slot, x_in, wl, config, norm)
+
     if chunk:
         bufs_before = [b.clone() for b in bufs]
-        got_s, got_y = C._launch_gemv_push(s, slot, x_in, wl, {**cfg, "CHUNK": chunk}, (res, w, EPS))
+        got_s, got_y = launch({**cfg, "CHUNK": chunk}, (res, w, EPS))
         delivered = [bufs[q][rank * numel: rank * numel + N].clone() for q in range(world)]
         # the pushes are the only change to the peers' buffers (their reset is their own kernel's)
         untouched = all(torch.equal(torch.cat([b[: rank * numel], b[rank * numel + N:]]).view(bits),
                                     torch.cat([o[: rank * numel], o[rank * numel + N:]]).view(bits))
                         for q, (b, o) in enumerate(zip(bufs, bufs_before)) if q != rank)
     else:
-        assert C._launch_gemv_push(s, slot, x_in, wl, cfg) is None
+        assert launch(cfg) is None
         delivered = [bufs[q][rank * numel: rank * numel + N].clone() for q in range(world)]
         got_s, got_y = C._launch_fused(s, "push", slot, res, res, w, EPS, sent=True)
         untouched = True
@@ -228,6 +244,11 @@ def run_interpreted(out: str) -> None:
     kinds = (("push", _push), ("pull", _pull), ("gemv_push", _gemv_push), ("embed_push", _embed_push),
              ("gemv_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16)),  # 3 passes, the last partial
              ("gemv_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64)),  # one pass
+             # the W8A16 GEMV push (--int8): then the push kernel; ending the all-reduce in 3 passes
+             # (asymmetric scales), in one (groups of 8 columns, the next K-block prefetched)
+             ("w8a16_push", lambda w, r, dt: _gemv_push(w, r, dt, quant="channel")),
+             ("w8a16_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16, quant="channel-asym")),
+             ("w8a16_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64, quant="g8")),
              ("gather", _gather))
     res = {f"{k}-{name}-{d}": fn(world, rank, dt) for k, fn in kinds
            for name, (world, rank) in CASES.items() for d, dt in DTYPES.items()}
@@ -287,6 +308,21 @@ def run_aot(out: str) -> None:
                 res[f"{name}-w{world}{'-pdl' if pdl else ''}"] = {
                     "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
                     "spills": spill_bytes(k), "warps": warps, "chunk": cfg["CHUNK"]}
+            # the W8A16 GEMV push ending the all-reduce (--int8), at the configs of Llama-8B's
+            # row-parallel o_proj and down_proj at this tp (the W8A16 GEMV's rows, raised for the norm)
+            w8 = {**gemv, "W": "*i8", "WS": "*fp32", "WZ": "*i8", "G": "i32"}
+            for n, k_ in {2: ((4096, 2048), (4096, 7168)), 4: ((4096, 1024), (4096, 3584))}[world]:
+                row = int8.int8_config("w8a16_gemv", 1, n, k_, 0, "sm_90")
+                cfg = C.gemv_push_norm_config(row, n, world)
+                const, opts = int8._split({"PREFETCH": False, "X_ROW": False, **cfg}, torch.device("cuda"))
+                k = compile_for_arch(C._w8a16_gemv_push_kernel, w8,
+                                     {**const, "GROUP_K": 0, "HAS_ZERO": False, "WORLD": world, "MARK": -32768,
+                                      "PDL": pdl}, num_warps=opts["num_warps"],
+                                     aligned=("X", "W", "WS", "N", "K", "region", "R", "NW", "S", "Y"))
+                res[f"w8a16_push_norm-N{n}K{k_}-w{world}{'-pdl' if pdl else ''}"] = {
+                    "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w8"})),
+                    "spills": spill_bytes(k), "warps": opts["num_warps"], "chunk": const["CHUNK"],
+                    "fast_cvt": "prmt.b32" in k.asm.get("ptx", "")}
             # the push all-gather at its launch config: nothing read or written before the wait
             k = compile_for_arch(C._push_gather_kernel, {"X": "*bf16", "Y": "*bf16", "BUFS": "*i64", "n": "i32",
                                                          "total": "i32", "rank": "i32", "region": "i32"},
@@ -351,24 +387,26 @@ def test_pull_kernel_sums_signals_and_clears(case, dtype, interpreted):
     assert r["signalled_peers"] and r["own_flags_cleared"] and r["own_row_in_own_buffer"], r
 
 
+@pytest.mark.parametrize("kind", ["gemv_push", "w8a16_push"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_push_then_push_kernel_sums_and_resets(case, dtype, interpreted):
-    """The linear's GEMV delivers its rows into every peer's buffer (zeros as +0.0: the marker
-    never goes out), and the push kernel with SENT sums, normalizes and resets the buffer."""
-    r = interpreted[f"gemv_push-{case}-{dtype}"]
+def test_gemv_push_then_push_kernel_sums_and_resets(kind, case, dtype, interpreted):
+    """The linear's GEMV (16-bit or W8A16) delivers its rows into every peer's buffer (zeros as
+    +0.0: the marker never goes out), and the push kernel with SENT sums, normalizes and resets
+    the buffer."""
+    r = interpreted[f"{kind}-{case}-{dtype}"]
     tol = 1e-5 if dtype == "fp32" else 2e-3
     assert r["sum_err"] <= tol and r["norm_err"] < tol, r
     assert r["delivered_close"] and r["no_negative_zero_sent"] and r["own_buffer_reset"], r
 
 
-@pytest.mark.parametrize("kind", ["gemv_push_norm", "gemv_push_norm1"])
+@pytest.mark.parametrize("kind", ["gemv_push_norm", "gemv_push_norm1", "w8a16_push_norm", "w8a16_push_norm1"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_push_with_norm_ends_the_all_reduce_in_its_last_program(kind, case, dtype, interpreted):
-    """One launch (NORM_N): the GEMV delivers its rows as above, and its last program waits,
-    sums, adds and normalizes, in column chunks (16 of 40: three passes) or in one, resets this
-    rank's buffer, and writes nothing else into the peers' buffers."""
+    """One launch (NORM_N): the GEMV (16-bit or W8A16) delivers its rows as above, and its last
+    program waits, sums, adds and normalizes, in column chunks (16 of 40: three passes) or in
+    one, resets this rank's buffer, and writes nothing else into the peers' buffers."""
     r = interpreted[f"{kind}-{case}-{dtype}"]
     tol = 1e-5 if dtype == "fp32" else 2e-3
     assert r["sum_err"] <= tol and r["norm_err"] < tol, r
@@ -377,7 +415,9 @@ def test_gemv_push_with_norm_ends_the_all_reduce_in_its_last_program(kind, case,
 
 
 def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
-    assert len(compiled) == 28 and sum(k.endswith("-pdl") for k in compiled) == 14, list(compiled)
+    assert len(compiled) == 36 and sum(k.endswith("-pdl") for k in compiled) == 18, list(compiled)
+    w8 = {k: v for k, v in compiled.items() if k.startswith("w8a16_push_norm")}
+    assert len(w8) == 8 and all(v["fast_cvt"] and v["chunk"] == 4096 for v in w8.values()), w8
     assert all(f"embed_push-w{w}{p}" in compiled for w in (2, 4) for p in ("", "-pdl")), list(compiled)
     bad = {k: v for k, v in compiled.items() if not v["ok"] or v["pdl"] != "ok" or v.get("spills", 0)}
     assert not bad, bad

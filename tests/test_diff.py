@@ -2,7 +2,7 @@
 
 Structural: two compiles diff empty; adjacent pass dumps name exactly what the pass rewrote;
 16-bit vs int8 names every quantized linear and nothing else (but the decode MLP nodes that
-only 16-bit fuses into dsc.linear_swiglu). Numeric: every node the two artifacts share gets
+each fuses into its own gate_up + SwiGLU op, dsc.linear_swiglu and dsc.linear_w8a16_swiglu). Numeric: every node the two artifacts share gets
 max abs error and SQNR; the first divergence is the first node that differs; tp=2 gathers its
 ranks' values back (gloo processes) and matches tp=1.
 """
@@ -83,13 +83,16 @@ def test_int8_diff_names_every_quantized_linear_and_nothing_else(compile_artifac
     a, b = compile_artifact(shape, dtype="fp16"), compile_artifact(shape, dtype="fp16", int8=True)
     d = diff(a, b)
     quantized = {n["name"].rsplit(".", 1)[0] for prog in ("prefill", "decode") for n in nodes(b, prog)
-                 if n.get("op", "").startswith("dsc.linear_w8a")}
+                 if n.get("op") in ("dsc.linear_w8a16.default", "dsc.linear_w8a8.default")}
     assert quantized
-    # and the MLPs whose 16-bit decode gate_up GEMV is fused with its swiglu (decode_linears, 16-bit
-    # only): there int8 keeps the quantized linear, its two slices and the swiglu
+    # and the MLPs whose decode gate_up GEMV is fused with its swiglu (decode_linears): 16-bit into
+    # dsc.linear_swiglu, int8 into dsc.linear_w8a16_swiglu, which the diff pairs as a replacement
     mlps = {n["name"].rsplit(".", 1)[0] for n in nodes(a, "decode") if n.get("op") == "dsc.linear_swiglu.default"}
+    assert mlps == {n["name"].rsplit(".", 1)[0] for n in nodes(b, "decode")
+                    if n.get("op") == "dsc.linear_w8a16_swiglu.default"}
+    assert bool(mlps) == (shape == "llama-tiny")  # GPT-2's MLP: gelu, nothing fused
     swiglu = {n["name"] for art in (a, b) for n in nodes(art, "decode") if any(n["name"].startswith(m + ".") for m in mlps)
-              and n.get("op") in ("dsc.linear_swiglu.default", "aten.slice.Tensor", "dsc.swiglu.default")}
+              and n.get("op") in ("dsc.linear_swiglu.default", "dsc.linear_w8a16_swiglu.default")}
     outside = sorted(name for name in mentioned_names(d)
                      if name not in swiglu and not any(name.startswith(m + ".") for m in quantized))
     assert not outside, f"names outside the quantized linears: {outside}"

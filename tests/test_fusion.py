@@ -505,7 +505,10 @@ def test_fusions_with_int8(compile_artifact, make_checkpoint):
     for rule in FIRES["llama"]:
         assert plan["passes"].get(rule, 0) > 0, f"{rule} did not fire with --int8"
     ops = set(call_ops(plan, "decode"))
-    assert "dsc.linear_w8a16.default" in ops and OPS["llama"] | {ROTARY_OPS["decode"]} <= ops
+    # the decode gate_up and its swiglu: one dsc.linear_w8a16_swiglu (decode_linears)
+    want = OPS["llama"] - {"dsc.swiglu.default"} | {ROTARY_OPS["decode"], "dsc.linear_w8a16_swiglu.default"}
+    assert "dsc.linear_w8a16.default" in ops and want <= ops and "dsc.swiglu.default" not in ops
+    assert OPS["llama"] <= set(call_ops(plan, "prefill"))
     ps = sample_prompts(512)
     want = hf_last_logits(ckpt, ps)
     got = dsc.load(fused, device="cpu").prefill(ps)

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from dsc.kernels import int8, launch
+from dsc.kernels.activation import swiglu_reference
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -144,18 +145,47 @@ def test_references_are_the_dequantized_matmuls(case, dtype):
     torch.testing.assert_close(y8.double(), want8.to(dtype).double(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2 if dtype != torch.float32 else 1e-4)
 
 
-@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8", "w8a16_swiglu"])
 def test_custom_ops_pass_opcheck(mode):
     x, q, s, z, b, group = _op_args(3, 64, 40, 32, False, True, torch.float32)
     x = x.reshape(1, 3, 64)
     if mode == "w8a16":
         args = (x, q, s, z, b, group)
         op = torch.ops.dsc.linear_w8a16.default
+    elif mode == "w8a16_swiglu":
+        args = (x, q, s, z, group)
+        op = torch.ops.dsc.linear_w8a16_swiglu.default
     else:
         args = (x, q, s, z, b, group, torch.linspace(0.5, 2.0, 64))
         op = torch.ops.dsc.linear_w8a8.default
     torch.library.opcheck(op, args)
-    assert op(*args).shape == (1, 3, 40)
+    assert op(*args).shape == (1, 3, 20 if mode == "w8a16_swiglu" else 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_w8a16_swiglu_op_is_the_linear_and_swiglu_pair_on_cpu(dtype):
+    """dsc.linear_w8a16_swiglu (what decode_linears makes of an --int8 gate_up and its swiglu)
+    computes exactly the two ops' values off GPUs: the linear's output in the dtype, then swiglu."""
+    x, q, s, z, _, group = _op_args(2, 64, 46, 16, False, False, dtype, seed=3)
+    x = x.reshape(2, 1, 64)
+    y = torch.ops.dsc.linear_w8a16(x, q, s, z, None, group)
+    want = torch.ops.dsc.swiglu(y[..., :23], y[..., 23:])
+    got = torch.ops.dsc.linear_w8a16_swiglu(x, q, s, z, group)
+    assert got.dtype == dtype and torch.equal(got, want)
+    with pytest.raises(ValueError, match="an even count"):
+        int8.w8a16_gemv_swiglu(x[0], q[:45], s[:45], z[:45], group)
+
+
+def test_w8a16_swiglu_config_halves_the_gemv_rows():
+    """The fused kernel's tile is the W8A16 GEMV's: half as many outputs per program (each needs
+    a gate and an up row), at least one."""
+    for n2, k in ((28672, 4096), (7168, 4096), (14336, 4096), (16384, 2048)):
+        gemv = int8.int8_config("w8a16_gemv", 1, n2, k, 0, "sm_90")
+        got = int8.w8a16_swiglu_config(n2, k, 0, "sm_90")
+        assert got == {**gemv, "BLOCK_N": max(1, gemv["BLOCK_N"] // 2)}, (n2, k)
+    p = int8._plan_w8a16_swiglu(torch.empty(1, 4096, dtype=torch.bfloat16), torch.empty(28672, 4096, dtype=torch.int8),
+                                torch.empty(28672, 1), None, 4096, arch="sm_90")
+    assert p["name"] == "triton.w8a16_gemv_swiglu" and p["launches"] == 1 and p["config"]["N"] == 28672
 
 
 def test_int8_config_tuning_table_and_groups(monkeypatch):
@@ -289,8 +319,37 @@ def _kernel_case(name, dtype):
     return {"ok": True}
 
 
+SWIGLU_CASES = {  # (K, N outputs: the weight is [2N, K], group_size, symmetric, config or None: the default)
+    "swiglu-K72N23": (72, 23, None, True, {"BLOCK_N": 4, "BLOCK_K": 32}),
+    "swiglu-g24-asym-prefetch-K72N23": (72, 23, 24, False, {"BLOCK_N": 2, "BLOCK_K": 32, "PREFETCH": True}),
+    "swiglu-g32-xrow-K96N16": (96, 16, 32, True, {"BLOCK_N": 4, "BLOCK_K": 32, "X_ROW": True}),
+    "swiglu-one-row-asym-K40N9": (40, 9, None, False, {"BLOCK_N": 1, "BLOCK_K": 16}),
+    "swiglu-default-K200N65": (200, 65, None, False, None),
+}
+
+
+def _swiglu_case(name, dtype):
+    """`w8a16_gemv_swiglu` (one row) against the W8A16 GEMV's fp32 reference rounded to the dtype,
+    then the swiglu reference on its halves: the unfused pair's values."""
+    k, n, gs, sym, cfg = SWIGLU_CASES[name]
+    x, q, s, z, _, group = _op_args(1, k, 2 * n, gs, sym, False, dtype, seed=len(name))
+    cfg = dict(cfg or int8.w8a16_swiglu_config(2 * n, k, 0 if group == k else group, "default", x.element_size()))
+    cfg.setdefault("num_warps", 2)
+    got = int8.w8a16_gemv_swiglu(x, q, s, z, group, config=cfg)
+    y = int8.linear_w8a16_reference(x.float(), q, s, z, None, group).to(dtype)
+    want = swiglu_reference(y[:, :n], y[:, n:])
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)  # as the GEMV's
+    try:
+        assert got.dtype == dtype and got.shape == (1, n)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    except AssertionError as e:
+        return {"ok": False, "error": str(e)}
+    return {"ok": True}
+
+
 def run_interpreted(out: str) -> None:
     res = {f"{name}-{d}": _kernel_case(name, dt) for name in KERNEL_CASES for d, dt in DTYPES.items()}
+    res.update({f"{name}-{d}": _swiglu_case(name, dt) for name in SWIGLU_CASES for d, dt in DTYPES.items()})
     # round half to even in the activation kernel, as torch.round
     x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 127.0, 3.49]])
     q, _ = int8.quantize_rows(x * (127 / 127.0))
@@ -320,6 +379,10 @@ def run_aot(out: str) -> None:
         cases[name] = (int8._w8a16_gemv_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", **i32("N K G")},
                        {**flags, "GROUP_K": gk, **cfg})
     cases["gemv-xrow"] = (cases["gemv"][0], cases["gemv"][1], {**cases["gemv"][2], "X_ROW": True})
+    for name, n2 in (("gemv-swiglu-tp1", 28672), ("gemv-swiglu-tp4", 7168)):  # Llama-8B's [gate; up]
+        cases[name] = (int8._w8a16_gemv_swiglu_kernel, {**ptr("X Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32",
+                                                         **i32("N K G")},
+                       {"GROUP_K": 0, "HAS_ZERO": False, **int8.w8a16_swiglu_config(n2, 4096, 0, "sm_90")})
     cases["gemv-prefetch-slowcvt"] = (cases["gemv"][0], cases["gemv"][1], {**cases["gemv"][2], "PREFETCH": True,
                                                                           "FAST_CVT": False})
     mma_types = {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", "P": "*fp32", "LOCK": "*i32",
@@ -344,6 +407,7 @@ def run_aot(out: str) -> None:
     # pointers, sizes and strides multiples of 16: the mma's K loop is then software-pipelined);
     # what each may touch before the wait
     before_wait = {int8._w8a16_gemv_kernel: frozenset({"load w8", "load w_next"}),  # the first K-block(s)
+                   int8._w8a16_gemv_swiglu_kernel: frozenset({"load w8", "load w_next"}),
                    int8._w8a16_mma_kernel: frozenset({"asm prefetch.global.L2"})}  # weight lines into L2
     cases.update({f"{name}-pdl": (fn, types, {**cfg, "PDL": True}) for name, (fn, types, cfg) in cases.items()
                   if fn in before_wait})
@@ -423,6 +487,16 @@ interpreted, compiled = child_fixtures(__file__, "int8")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
 def test_kernel_matches_reference_in_interpreter(case, dtype, interpreted):
+    r = interpreted[f"{case}-{dtype}"]
+    assert r["ok"], r.get("error")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", list(SWIGLU_CASES))
+def test_gemv_swiglu_kernel_is_the_gemv_and_swiglu_pair_in_interpreter(case, dtype, interpreted):
+    """The W8A16 gate_up GEMV + SwiGLU at one row (gate and up rows interleaved in each
+    program's tile: per channel and grouped scales, zero points, PREFETCH, X_ROW, one output per
+    program, the default config) against the pair's values."""
     r = interpreted[f"{case}-{dtype}"]
     assert r["ok"], r.get("error")
 
@@ -527,7 +601,7 @@ def test_regs_configs_fall_back_off_gpu_and_refuse_bad_tiles(monkeypatch):
 def test_w8a16_pdl_variants_read_only_weights_before_the_wait(compiled):
     compiled = _builds(compiled)
     pdl = [name for name in compiled if name.endswith("-pdl")]
-    assert len(pdl) == 9, list(compiled)  # every gemv and mma case
+    assert len(pdl) == 11, list(compiled)  # every gemv (SwiGLU included) and mma case
     bad = {k: v["pdl"] for k, v in compiled.items() if v["pdl"] != "ok"}
     assert not bad, bad
 

@@ -351,13 +351,44 @@ def test_decode_linears_fuses_gate_up_and_swiglu(shape, tp, compile_artifact):
     assert prefill.count("dsc.swiglu.default") == layers and "dsc.linear_swiglu.default" not in prefill
 
 
-@pytest.mark.parametrize("options", [{"dtype": "fp32"}, {"dtype": "fp16", "int8": True}, {"dtype": "fp16", "fuse": False}],
-                         ids=["fp32", "int8", "no-fuse"])
+@pytest.mark.parametrize("options", [{"dtype": "fp32"}, {"dtype": "fp16", "fuse": False},
+                                     {"dtype": "fp16", "int8": True, "int8_mode": "w8a8"}], ids=["fp32", "no-fuse", "w8a8"])
 def test_decode_linears_leaves_other_mlps_alone(options, compile_artifact):
-    """fp32 (no dsc.linear), int8 (dsc.linear_w8a16) and --no-fuse (no dsc.swiglu): nothing to fuse."""
+    """fp32 (no dsc.linear), --no-fuse (no dsc.swiglu) and W8A8 (dsc.linear_w8a8): nothing to fuse."""
     art = compile_artifact("llama-tiny", **options)
     assert "decode_linears.swiglu" not in json.loads((art / "plan.json").read_text())["passes"]
-    assert "dsc.linear_swiglu.default" not in _ops(art, "decode")
+    assert not {"dsc.linear_swiglu.default", "dsc.linear_w8a16_swiglu.default"} & set(_ops(art, "decode"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decode_linears_fuses_int8_gate_up_and_row_parallel_linears(tp, compile_artifact):
+    """--int8 (W8A16): every layer's decode gate_up and its swiglu become one
+    dsc.linear_w8a16_swiglu over the rank's int8 [gate; up] rows, and at tp=2 o_proj / down_proj
+    and the all-reduce + add + RMSNorm after each one dsc.linear_w8a16_all_reduce_add_rmsnorm: 5
+    launches per layer (qkv, attention, o_proj, gate_up, down_proj), as 16-bit. Prefill keeps the
+    W8A16 linears, the slices and the swiglu; the scales and zero points go along unchanged."""
+    art = compile_artifact("llama-tiny", dtype="fp16", tp=tp, int8=True, int8_group_size=8)
+    plan = json.loads((art / "plan.json").read_text())
+    layers, inter = plan["model"]["layers"], SHAPES["llama-tiny"][1]["intermediate_size"]
+    assert plan["passes"]["decode_linears.swiglu"] == layers
+    decode = {n["name"]: n for n in plan["programs"]["decode"]["nodes"]}
+    fused = [n for n in decode.values() if n.get("op") == "dsc.linear_w8a16_swiglu.default"]
+    assert len(fused) == layers and "dsc.swiglu.default" not in _ops(art, "decode")
+    for n in fused:
+        qweight, scale = (decode[a["node"]] for a in n["args"][1:3])
+        assert qweight["target"].endswith("mlp.gate_up_proj.weight.qweight") and qweight["shape"] == [2 * inter // tp, 64]
+        assert scale["target"].endswith("mlp.gate_up_proj.weight.scale") and scale["shape"] == [2 * inter // tp, 8]
+        assert n["args"][4] == 8 and n["shape"][-1] == inter // tp
+        assert n["kernel"]["name"] == "triton.w8a16_gemv_swiglu" and n["kernel"]["launches"] == 1
+    pushed = [n for n in decode.values() if n.get("op") == "dsc.linear_w8a16_all_reduce_add_rmsnorm.default"]
+    assert len(pushed) == (2 * layers if tp > 1 else 0)
+    assert plan["passes"].get("decode_linears.all_reduce", 0) == len(pushed)
+    for n in pushed:
+        assert decode[n["args"][2]["node"]]["target"].endswith(("o_proj.weight.qweight", "down_proj.weight.qweight"))
+        assert n["kernel"]["name"] == "triton.w8a16_gemv_push_add_rmsnorm" and n["kernel"]["launches"] == 1
+    assert _ops(art, "decode").count("dsc.linear_w8a16.default") == layers * (1 if tp > 1 else 3)  # qkv (o, down)
+    prefill = _ops(art, "prefill")
+    assert prefill.count("dsc.swiglu.default") == layers and prefill.count("dsc.linear_w8a16.default") == 4 * layers
 
 
 def _gate_up_graph(rows: int = 16, gate=(-1, 0, 8), up=(-1, 8, 16), bias: bool = False, swap: bool = False,
