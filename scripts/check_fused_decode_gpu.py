@@ -14,7 +14,9 @@
    + SwiGLU) against the reference and the unfused W8A16 GEMV + swiglu pair, at the same gate/up
    shapes, per channel and in groups of 128, bf16, fp16 and fp32.
 4. Timing (CUDA graphs, bf16, one row): each fused kernel against the unfused pair, and a small
-   sweep of GEMV + swiglu configs per shape (`gemv_swiglu` rows for kernels/tuning.json).
+   sweep of GEMV + swiglu configs per shape (`gemv_swiglu` rows for kernels/tuning.json); the
+   W8A16 GEMV at Llama-8B's row-parallel shapes under its tuned config and under the configs the
+   W8A16 GEMV push kernel raises it to at 2 and 4 ranks.
 
     python scripts/check_fused_decode_gpu.py [--no-timing] [--int8]    # exit 1 on a failure; $OUT/check_fused_decode_gpu.json
     (--int8: only the W8A16 checks and timing)
@@ -127,6 +129,40 @@ def time_w8a16_swiglu() -> list[dict]:
         out.append(row)
         print(f"w8a16_swiglu {n}x{k}: W8A16 GEMV + swiglu {row['gemv_then_swiglu_us']:.2f} us, fused "
               f"{row['fused_us']:.2f} us", flush=True)
+    return out
+
+
+W8A16_ROW_PARALLEL_SHAPES = [(4096, 2048), (4096, 7168), (4096, 1024), (4096, 3584)]  # 8B o/down, tp 2 and 4
+
+
+def time_w8a16_push_configs() -> list[dict]:
+    """bf16, one row, per-channel int8, at Llama-8B's row-parallel shapes (o_proj, down_proj at
+    tp 2 and 4): the W8A16 GEMV with its tuned config against the same GEMV with the config the
+    GEMV push kernel takes at 2 and 4 ranks (`gemv_push_norm_config`: more warps and rows per
+    program so the last program holds the row in one pass). The plain GEMV runs both, so the
+    difference is the config's own cost, not the push's (the norm's registers come on top)."""
+    from dsc.kernels import int8
+    from dsc.kernels.collectives import gemv_push_norm_config
+
+    out = []
+    for n, k in W8A16_ROW_PARALLEL_SHAPES:
+        copies = max(2, math.ceil(3 * 60 * 2**20 / (n * k)))
+        ws = [_int8_gate_up(n, k, None, i) for i in range(copies)]
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        tuned = int8.int8_config("w8a16_gemv", 1, n, k, 0, "sm_90", x_bytes=2)
+        row = {"shape": [n, k], "copies": copies, "tuned": tuned}
+        for name, cfg in [("tuned", tuned)] + [
+                (f"push_norm_world{w}", {key: v for key, v in gemv_push_norm_config(tuned, n, w).items()
+                                         if key not in ("CHUNK", "NORM_N", "BLOCK_W")}) for w in (2, 4)]:
+            row[f"{name}_config"] = cfg
+            row[f"{name}_us"] = graph_us([lambda w=w, c=cfg: int8.w8a16_matmul(x, w[0], w[1], w[2], None, w[3],
+                                                                              kernel="w8a16_gemv", config=c)
+                                          for w in ws])
+        out.append(row)
+        print(f"w8a16_gemv {n}x{k}: tuned {row['tuned_us']:.2f} us (BLOCK_N {tuned['BLOCK_N']}, {tuned['num_warps']} "
+              f"warps); the push configs: 2 ranks {row['push_norm_world2_us']:.2f} us, 4 ranks "
+              f"{row['push_norm_world4_us']:.2f} us (BLOCK_N {row['push_norm_world4_config']['BLOCK_N']}, "
+              f"{row['push_norm_world4_config']['num_warps']} warps)", flush=True)
     return out
 
 
@@ -265,7 +301,7 @@ def main() -> int:
             rows += [dict(r, check="rotary_attention") for r in check_rotary_attention(dtype)]
     timing = {}
     if "--no-timing" not in sys.argv:
-        timing = {"w8a16_swiglu": time_w8a16_swiglu()}
+        timing = {"w8a16_swiglu": time_w8a16_swiglu(), "w8a16_push_configs": time_w8a16_push_configs()}
         if not int8_only:
             timing.update(linear_swiglu=time_linear_swiglu(), rotary_attention=time_rotary_attention())
     for r in rows:
