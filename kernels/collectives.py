@@ -85,7 +85,8 @@ from dsc.kernels.embedding import _lookup, check_lookup, vocab_embedding
 from dsc.kernels.int8 import _check as _check_int8
 from dsc.kernels.int8 import _split as _int8_split
 from dsc.kernels.int8 import _w8a16_rows, int8_config
-from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
+from dsc.kernels.launch import (arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_row,
+                               tuning_table)
 from dsc.kernels.linear import CONFIG_KEYS, _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config, rmsnorm_reference
 
@@ -900,17 +901,21 @@ def _(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
     pair = lambda: _w8a16_then_fused(residual, x, qweight, scale, zero, group_size, norm_weight, eps)  # noqa: E731
     if not _gemv_push_usable(s, residual, x, qweight, norm_weight, _w8a16_push_error):
         return pair()
-    cfg = w8a16_push_config(qweight, scale, group_size, x)
+    cfg = w8a16_push_config(*qweight.shape, 0 if scale.shape[1] == 1 else group_size, arch_of(x.device),
+                            x.element_size())
     return _gemv_push_call(s, residual, norm_weight, eps, "w8a16",
                            lambda slot, norm: _launch_w8a16_push(s, slot, x, qweight, scale, zero, group_size, cfg,
                                                                  norm), pair)
 
 
-def w8a16_push_config(qweight, scale, group_size: int, x) -> dict:
-    """The W8A16 GEMV push kernel's config: the W8A16 GEMV's at one row (`int8_config`)."""
-    n, k = qweight.shape
-    gk = 0 if scale.shape[1] == 1 else group_size
-    return int8_config("w8a16_gemv", 1, n, k, gk, arch_of(x.device), x_bytes=x.element_size())
+def w8a16_push_config(n: int, k: int, group_k: int, arch: str, x_bytes: int = 2) -> dict:
+    """The W8A16 GEMV push kernel's config for an int8 weight [n, k] (group_k 0: per channel):
+    the W8A16 GEMV's at one row (`int8_config`), with kernels/tuning.json's `w8a16_gemv_push` row
+    over it where one was measured (none ships yet; DSC_TUNING files try them side by side, e.g.
+    scripts/tuning/tp4-int8-push-bn16.json); `gemv_push_norm_config` raises it for the
+    all-reduce's end at launch."""
+    cfg = int8_config("w8a16_gemv", 1, n, k, group_k, arch, x_bytes=x_bytes)
+    return {**cfg, **tuning_row("w8a16_gemv_push", f"M1_N{n}_K{k}" + (f"_G{group_k}" if group_k else ""), arch)}
 
 
 def _launch_w8a16_push(s: _Symmetric, slot: int, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -951,13 +956,13 @@ def _(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
 def _plan_linear_w8a16_all_reduce_add_rmsnorm(residual, x, qweight, scale, zero, group_size, norm_weight, eps, *,
                                               arch):
     """The decode program's (batch 1): one launch, the W8A16 GEMV pushing its rows and its last
-    program waiting, summing and normalizing (DSC_ALLREDUCE=auto on the target); the config the
-    W8A16 GEMV's, whose warps (and BLOCK_N with them) the launch raises with the ranks
+    program waiting, summing and normalizing (DSC_ALLREDUCE=auto on the target); the config
+    `w8a16_push_config`'s, whose warps (and BLOCK_N with them) the launch raises with the ranks
     (`gemv_push_norm_config`). Without the push kernel: the W8A16 GEMV, then the fused
     all-reduce + norm."""
     n, k = qweight.shape
     gk = 0 if scale.shape[1] == 1 else group_size
-    cfg = {"N": n, "K": k, **int8_config("w8a16_gemv", 1, n, k, gk, arch, x_bytes=x.dtype.itemsize), "NORM_N": n,
+    cfg = {"N": n, "K": k, **w8a16_push_config(n, k, gk, arch, x.dtype.itemsize), "NORM_N": n,
            "norm": norm_config("add_rmsnorm", n, arch), "fallback": "triton.w8a16 + triton.all_reduce_add_rmsnorm"}
     return {"name": "triton.w8a16_gemv_push_add_rmsnorm", "config": cfg, "launches": 1}
 

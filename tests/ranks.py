@@ -8,6 +8,7 @@ one thread each; the group is torn down after a final barrier (see runtime/distr
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from typing import Any, Callable
 
@@ -24,7 +25,10 @@ def _entry(rank: int, world: int, store: str, work: Callable, jobs: Any, queue) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        queue.put((rank, work(rank, jobs)))
+        # pickled here, by value: torch.multiprocessing's queue would send a tensor as a handle
+        # to this process's shared memory, which the parent opens through this process, which
+        # may have exited by then (FileNotFoundError in the parent: a flaky test on a busy box)
+        queue.put((rank, pickle.dumps(work(rank, jobs))))
     except BaseException as e:
         queue.put((rank, RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")))
         shutdown_process_group(barrier=False)
@@ -44,7 +48,8 @@ def spawn_ranks(world: int, work: Callable, jobs: Any, timeout: float = 300) -> 
         try:
             for p in procs:
                 p.start()
-            results = dict(queue.get(timeout=timeout) for _ in range(world))
+            results = {r: pickle.loads(v) if isinstance(v, bytes) else v
+                       for r, v in (queue.get(timeout=timeout) for _ in range(world))}
         finally:
             for p in procs:
                 p.join(timeout=60)

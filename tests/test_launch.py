@@ -108,10 +108,16 @@ def test_dsc_tuning_replaces_the_rows_it_names(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "scripts" / "tuning").glob("*.json")))
 def test_shipped_tuning_variants_name_rows_the_table_has(name, monkeypatch):
     """scripts/tuning/*.json (DSC_TUNING files for A/B benches): each loads, names only rows the
-    shipped table has (a typo'd shape class would bench the table against itself), sets only
-    config keys, and changes the config the launch takes."""
-    from dsc.kernels.collectives import gemv_push_config
+    shipped table has (a typo'd shape class would bench the table against itself; a
+    `w8a16_gemv_push` row, which the table has none of, a shape of its `w8a16_gemv` rows), sets
+    only config keys, and changes the config the launch takes."""
+    from dsc.kernels.collectives import gemv_push_config, w8a16_push_config
     from dsc.kernels.linear import CONFIG_KEYS
+
+    def config(kernel, shape, arch):  # the config a launch takes for a row's shape
+        if kernel == "w8a16_gemv_push":
+            return w8a16_push_config(*map(int, shape[len("M1_N"):].split("_K")), 0, arch)
+        return gemv_push_config(*map(int, shape[1:].split("_K")), arch) if kernel == "gemv_push" else None
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "tuning" / name
     monkeypatch.delenv("DSC_TUNING", raising=False)
@@ -120,14 +126,14 @@ def test_shipped_tuning_variants_name_rows_the_table_has(name, monkeypatch):
     rows = [(arch, kernel, shape, row) for arch, kernels in variant.items() if not arch.startswith("_")
             for kernel, shapes in kernels.items() for shape, row in shapes.items()]
     assert rows
-    before = {(arch, shape): gemv_push_config(*map(int, shape[1:].split("_K")), arch) for arch, _, shape, _ in rows}
+    before = {(arch, kernel, shape): config(kernel, shape, arch) for arch, kernel, shape, _ in rows}
     monkeypatch.setenv("DSC_TUNING", str(path))
     for arch, kernel, shape, row in rows:
-        assert shape in shipped[arch][kernel] and set(row) <= set(CONFIG_KEYS), (kernel, shape, row)
-        if kernel == "gemv_push":
-            n, k = map(int, shape[1:].split("_K"))
-            got = gemv_push_config(n, k, arch)
-            assert {key: got[key] for key in row} == row and got != before[(arch, shape)]
+        table = shipped[arch]["w8a16_gemv" if kernel == "w8a16_gemv_push" else kernel]
+        assert shape in table and set(row) <= set(CONFIG_KEYS), (kernel, shape, row)
+        got = config(kernel, shape, arch)
+        if got is not None:
+            assert {key: got[key] for key in row} == row and got != before[(arch, kernel, shape)]
 
 
 def test_check_pdl_gpu_script_runs_its_code_path(tmp_path):
