@@ -11,7 +11,10 @@ collectives with local stand-ins of no communication:
   GEMV push kernel would run, that kernel itself as rank 0 launches it, every peer's buffer a
   region of a local one (its programs push their rows to every "rank" and its last program
   waits for them, sums and normalizes: the real launch's tiles, registers, stores and waves,
-  without the NVLink latency and the wait for slower peers);
+  without the NVLink latency and the wait for slower peers); the same for --int8's
+  `dsc::linear_w8a16_all_reduce_add_rmsnorm` (the W8A16 linear then the add + RMSNorm, or with
+  --push-local the W8A16 GEMV push kernel at its config, `w8a16_push_config`, DSC_TUNING's
+  `w8a16_gemv_push` rows included);
 - the vocab-parallel embedding + all-reduce + RMSNorm (`dsc::vocab_embedding_all_reduce_rmsnorm`)
   -> the rank's lookup (`dsc::vocab_embedding`), then the RMSNorm kernel (tp=1's embedding and
   layer 0's input norm: two launches);
@@ -75,6 +78,19 @@ def local_push_norm(residual, x, weight, norm_weight, eps, config: dict, world: 
     return out_s.view(residual.shape), out_y.view(residual.shape)
 
 
+def local_w8a16_push_norm(residual, x, qweight, scale, zero, group_size, norm_weight, eps, config: dict,
+                          world: int):
+    """`local_push_norm` for the W8A16 GEMV push kernel (`_w8a16_gemv_push_kernel`, `config`:
+    its GEMV config before the launch raises it): residual + world x the W8A16 linear of x, and
+    its RMSNorm. One launch."""
+    from dsc.kernels import collectives as C
+
+    s = local_push_state(x.device, x.dtype, qweight.shape[0], world)
+    out_s, out_y = C._launch_w8a16_push(s, 0, x, qweight, scale, zero, group_size, config,
+                                        (residual, norm_weight.contiguous(), eps))
+    return out_s.view(residual.shape), out_y.view(residual.shape)
+
+
 def _stand_ins(device_type: str, push_local: bool = False) -> None:
     from dsc.kernels import collectives as C
     from dsc.kernels.launch import arch_of
@@ -91,12 +107,23 @@ def _stand_ins(device_type: str, push_local: bool = False) -> None:
         s, y = torch.ops.dsc.add_rmsnorm(torch.ops.dsc.linear(x, weight), residual, norm_weight, eps)
         return s.view(residual.shape), y.view(residual.shape)
 
+    def w8a16_add_norm(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
+        if push_local and x.numel() == qweight.shape[1] and x.dtype == residual.dtype:
+            gk = 0 if scale.shape[1] == 1 else group_size
+            cfg = C.w8a16_push_config(*qweight.shape, gk, arch_of(x.device), x.element_size())
+            return local_w8a16_push_norm(residual, x, qweight, scale, zero, group_size, norm_weight, eps, cfg,
+                                         _WORLD[0])
+        y = torch.ops.dsc.linear_w8a16(x, qweight, scale, zero, None, group_size)
+        s, y = torch.ops.dsc.add_rmsnorm(y, residual, norm_weight, eps)
+        return s.view(residual.shape), y.view(residual.shape)
+
     def embedding_norm(weight, ids, start, norm_weight, eps):
         h = torch.ops.dsc.vocab_embedding(weight, ids, start)
         return h, torch.ops.dsc.rmsnorm(h, norm_weight, eps)
 
     C.all_reduce_add_rmsnorm.register_kernel(device_type)(add_norm)
     C.linear_all_reduce_add_rmsnorm.register_kernel(device_type)(linear_add_norm)
+    C.linear_w8a16_all_reduce_add_rmsnorm.register_kernel(device_type)(w8a16_add_norm)
     C.vocab_embedding_all_reduce_rmsnorm.register_kernel(device_type)(embedding_norm)
     C.all_gather.register_kernel(device_type)(lambda x, dim, world: torch.cat([x] * world, dim))
 

@@ -249,7 +249,7 @@ _PUSH_LOCAL_CHECK = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import tp_local_bound as T
-from dsc.kernels import collectives as C
+from dsc.kernels import collectives as C, int8
 from dsc.kernels.norm import add_rmsnorm_reference
 g = torch.Generator().manual_seed(0)
 n, k, dt = 40, 48, torch.float16
@@ -265,15 +265,25 @@ for world in (2, 4):
         assert (y.float() - want_y.float()).abs().max() < 5e-2, (world, y, want_y)
     buf = T._LOCAL_PUSH[(x.device, dt, world)].buffers[0]
     assert bool((buf.view(torch.int16) == C._MARK[dt]).all())
+    # --int8: the W8A16 GEMV push kernel the same way, per channel and in groups of 16
+    for group in (None, 16):
+        p = int8.quantize_weight(w.float(), group, symmetric=group is None)
+        q = (p["qweight"], p["scale"], None if group is None else p["zero"], group or k)
+        s, y = T.local_w8a16_push_norm(res, x, *q, nw, 1e-5, cfg, world)
+        lin = int8.linear_w8a16_reference(x.float()[None], q[0], q[1], q[2], None, q[3]).to(dt)[0]
+        want_s, want_y = add_rmsnorm_reference((world * lin.float()).to(dt), res, nw, 1e-5)
+        assert (s.float() - want_s.float()).abs().max() < 2e-2, (world, group, s, want_s)
+        assert (y.float() - want_y.float()).abs().max() < 5e-2, (world, group, y, want_y)
+    assert bool((buf.view(torch.int16) == C._MARK[dt]).all())
 print("ok")
 """
 
 
 def test_tp_local_bound_push_local_runs_the_gemv_push_kernel_as_rank_0():
-    """--push-local's stand-in (the GEMV push kernel that ends the all-reduce, as rank 0 of 2 or 4
-    launches it, every peer's buffer a region of a local one) in the Triton interpreter: its last
-    program finds every region filled, returns residual + world x the GEMV and its norm, and
-    leaves the buffer marked for the next call."""
+    """--push-local's stand-ins (the GEMV push kernel that ends the all-reduce, as rank 0 of 2 or 4
+    launches it, every peer's buffer a region of a local one; the W8A16 one too) in the Triton
+    interpreter: the last program finds every region filled, returns residual + world x the GEMV
+    and its norm, and leaves the buffer marked for the next call."""
     import os
     import subprocess
     import sys
@@ -290,23 +300,26 @@ def test_tp_local_bound_runs_each_rank_0_with_local_collectives(compile_artifact
     rank 0 of a tp=2 artifact runs without a process group, its all-gather, all-reduce + norm,
     row-parallel linear + all-reduce + norm and embedding + all-reduce + norm replaced by local
     stand-ins (without them the all-gather raises: it needs a group), and the table has a row per
-    artifact against tp=1."""
+    artifact against tp=1; an --int8 tp=2 artifact too (its W8A16 linear + all-reduce + norm)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     tp1, tp2 = compile_artifact("llama-tiny", dtype="fp16"), compile_artifact("llama-tiny", dtype="fp16", tp=2)
+    tp2_int8 = compile_artifact("llama-tiny", dtype="fp16", tp=2, int8=True)
     ops = {n.get("op") for n in json.loads((tp2 / "plan.json").read_text())["programs"]["decode"]["nodes"]}
     assert {"dsc.all_gather.default", "dsc.linear_all_reduce_add_rmsnorm.default",
             "dsc.vocab_embedding_all_reduce_rmsnorm.default"} <= ops  # what the stand-ins replace
+    ops = {n.get("op") for n in json.loads((tp2_int8 / "plan.json").read_text())["programs"]["decode"]["nodes"]}
+    assert "dsc.linear_w8a16_all_reduce_add_rmsnorm.default" in ops
     script = Path(__file__).resolve().parents[1] / "scripts" / "tp_local_bound.py"
-    r = subprocess.run([sys.executable, str(script), str(tp1), str(tp2), "--device", "cpu", "--iters", "1",
-                        "--context", "8", "--profile"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(script), str(tp1), str(tp2), str(tp2_int8), "--device", "cpu", "--iters",
+                        "1", "--context", "8", "--profile"], capture_output=True, text=True,
                        env={**os.environ, "OUT": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "tp_local_bound.json").read_text())
     assert all(row["profile"]["by_name"] for row in rows) and "tp=2 (" in r.stdout  # --profile: each step's table
-    assert [row["tp"] for row in rows] == [1, 2] and rows[0]["x_tp1"] == 1.0
+    assert [row["tp"] for row in rows] == [1, 2, 2] and rows[0]["x_tp1"] == 1.0
     assert all(row["ms_per_step"] > 0 and row["ms_per_step_queued"] > 0 and row["bytes"] > 0 for row in rows)
-    assert rows[1]["bytes"] < rows[0]["bytes"]  # rank 0 reads its shard only
+    assert rows[1]["bytes"] < rows[0]["bytes"] and rows[2]["bytes"] < rows[1]["bytes"]  # rank 0's shard; int8
