@@ -84,9 +84,8 @@ import torch.distributed as dist
 from dsc.kernels.embedding import _lookup, check_lookup, vocab_embedding
 from dsc.kernels.int8 import _check as _check_int8
 from dsc.kernels.int8 import _split as _int8_split
-from dsc.kernels.int8 import _w8a16_rows, int8_config
-from dsc.kernels.launch import (arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_row,
-                               tuning_table)
+from dsc.kernels.int8 import _w8a16_rows, int8_config, w8a16_gemv_row
+from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
 from dsc.kernels.linear import CONFIG_KEYS, _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config, rmsnorm_reference
 
@@ -911,11 +910,12 @@ def _(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
 def w8a16_push_config(n: int, k: int, group_k: int, arch: str, x_bytes: int = 2) -> dict:
     """The W8A16 GEMV push kernel's config for an int8 weight [n, k] (group_k 0: per channel):
     the W8A16 GEMV's at one row (`int8_config`), with kernels/tuning.json's `w8a16_gemv_push` row
-    over it where one was measured (none ships yet; DSC_TUNING files try them side by side, e.g.
-    scripts/tuning/tp4-int8-push-bn16.json); `gemv_push_norm_config` raises it for the
+    over it where one was measured (Llama-8B's tp=4 o_proj and down_proj: 16 rows, 8 warps, one
+    wave of 256 programs where the raised GEMV rows took two; DSC_TUNING files try others side by
+    side, e.g. scripts/tuning/tp4-int8-push-s23.json); `gemv_push_norm_config` raises it for the
     all-reduce's end at launch."""
     cfg = int8_config("w8a16_gemv", 1, n, k, group_k, arch, x_bytes=x_bytes)
-    return {**cfg, **tuning_row("w8a16_gemv_push", f"M1_N{n}_K{k}" + (f"_G{group_k}" if group_k else ""), arch)}
+    return {**cfg, **w8a16_gemv_row("w8a16_gemv_push", n, k, group_k, arch)}
 
 
 def _launch_w8a16_push(s: _Symmetric, slot: int, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

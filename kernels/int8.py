@@ -825,14 +825,24 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     return y
 
 
+W8A16_GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "PREFETCH", "X_ROW", "FAST_CVT")
+
+
+def w8a16_gemv_row(kernel: str, n: int, k: int, group_k: int, arch: str) -> dict:
+    """The config keys (`W8A16_GEMV_KEYS`) of a tuning-table row of a kernel built on the W8A16
+    GEMV's loop ("w8a16_gemv_swiglu", "w8a16_gemv_push") for an int8 weight [n, k], {} if none:
+    the rows also record what was measured ("us", "source"), which are not launch options."""
+    row = tuning_row(kernel, f"M1_N{n}_K{k}" + (f"_G{group_k}" if group_k else ""), arch)
+    return {key: row[key] for key in W8A16_GEMV_KEYS if key in row}
+
+
 def w8a16_swiglu_config(n2: int, k: int, group_k: int, arch: str, x_bytes: int = 2) -> dict:
     """`_w8a16_gemv_swiglu_kernel`'s config for a [gate; up] int8 weight [n2, k] (n2 / 2 outputs):
     the W8A16 GEMV's (`int8_config`) at that shape with half its BLOCK_N (at least 1), so that
     a program's gate and up rows keep the GEMV's tuned [rows, BLOCK_K] tile; a tuning-table row
     `w8a16_gemv_swiglu` (BLOCK_N counting outputs) overrides it where one was measured."""
     cfg = int8_config("w8a16_gemv", 1, n2, k, group_k, arch, x_bytes=x_bytes)
-    row = tuning_row("w8a16_gemv_swiglu", f"M1_N{n2}_K{k}" + (f"_G{group_k}" if group_k else ""), arch) or {}
-    return {**cfg, "BLOCK_N": max(1, cfg["BLOCK_N"] // 2), **row}
+    return {**cfg, "BLOCK_N": max(1, cfg["BLOCK_N"] // 2), **w8a16_gemv_row("w8a16_gemv_swiglu", n2, k, group_k, arch)}
 
 
 def w8a16_gemv_swiglu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

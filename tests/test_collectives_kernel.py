@@ -309,10 +309,11 @@ def run_aot(out: str) -> None:
                     "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
                     "spills": spill_bytes(k), "warps": warps, "chunk": cfg["CHUNK"]}
             # the W8A16 GEMV push ending the all-reduce (--int8), at the configs of Llama-8B's
-            # row-parallel o_proj and down_proj at this tp (the W8A16 GEMV's rows, raised for the norm)
+            # row-parallel o_proj and down_proj at this tp (the W8A16 GEMV's rows, or the shipped
+            # w8a16_gemv_push rows over them at tp=4, raised for the norm)
             w8 = {**gemv, "W": "*i8", "WS": "*fp32", "WZ": "*i8", "G": "i32"}
             for n, k_ in {2: ((4096, 2048), (4096, 7168)), 4: ((4096, 1024), (4096, 3584))}[world]:
-                row = int8.int8_config("w8a16_gemv", 1, n, k_, 0, "sm_90")
+                row = C.w8a16_push_config(n, k_, 0, "sm_90")
                 cfg = C.gemv_push_norm_config(row, n, world)
                 const, opts = int8._split({"PREFETCH": False, "X_ROW": False, **cfg}, torch.device("cuda"))
                 k = compile_for_arch(C._w8a16_gemv_push_kernel, w8,
@@ -425,6 +426,20 @@ def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
     # an 8192-wide one at tp 4 in two
     assert [(compiled[f"gemv_push_norm{c}-w{w}"]["warps"], compiled[f"gemv_push_norm{c}-w{w}"]["chunk"])
             for c, w in (("", 2), ("", 4), ("_chunked", 4))] == [(4, 4096), (8, 4096), (8, 4096)], compiled
+
+
+def test_w8a16_push_config_takes_the_push_rows_as_launch_options_only():
+    """--int8's GEMV push config: the W8A16 GEMV row, with the table's `w8a16_gemv_push` row over it
+    where one ships (Llama-8B's tp=4 o_proj and down_proj: 16 rows, 8 warps, which the all-reduce's
+    end keeps: 256 programs, one wave at two per SM) and only its config keys (a row's "source"
+    must not reach the launch as a constexpr); elsewhere the W8A16 GEMV row unchanged."""
+    for n, k in ((4096, 1024), (4096, 3584)):
+        cfg = C.w8a16_push_config(n, k, 0, "sm_90")
+        assert set(cfg) <= set(int8.W8A16_GEMV_KEYS) and (cfg["BLOCK_N"], cfg["num_warps"]) == (16, 8), cfg
+        raised = C.gemv_push_norm_config(cfg, n, 4)
+        assert (raised["BLOCK_N"], raised["num_warps"], n // raised["BLOCK_N"]) == (16, 8, 256), raised
+    for n, k in ((4096, 2048), (4096, 7168)):  # tp=2: no push row
+        assert C.w8a16_push_config(n, k, 0, "sm_90") == int8.int8_config("w8a16_gemv", 1, n, k, 0, "sm_90")
 
 
 def test_dsc_embed_push_switch(monkeypatch):
