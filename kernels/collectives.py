@@ -84,7 +84,7 @@ import torch.distributed as dist
 from dsc.kernels.embedding import _lookup, check_lookup, vocab_embedding
 from dsc.kernels.int8 import _check as _check_int8
 from dsc.kernels.int8 import _split as _int8_split
-from dsc.kernels.int8 import _w8a16_rows, int8_config, w8a16_gemv_row
+from dsc.kernels.int8 import _w8a16_rows, group_k, int8_config, w8a16_gemv_row
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
 from dsc.kernels.linear import CONFIG_KEYS, _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config, rmsnorm_reference
@@ -900,8 +900,7 @@ def _(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
     pair = lambda: _w8a16_then_fused(residual, x, qweight, scale, zero, group_size, norm_weight, eps)  # noqa: E731
     if not _gemv_push_usable(s, residual, x, qweight, norm_weight, _w8a16_push_error):
         return pair()
-    cfg = w8a16_push_config(*qweight.shape, 0 if scale.shape[1] == 1 else group_size, arch_of(x.device),
-                            x.element_size())
+    cfg = w8a16_push_config(*qweight.shape, group_k(scale, group_size), arch_of(x.device), x.element_size())
     return _gemv_push_call(s, residual, norm_weight, eps, "w8a16",
                            lambda slot, norm: _launch_w8a16_push(s, slot, x, qweight, scale, zero, group_size, cfg,
                                                                  norm), pair)
@@ -961,7 +960,7 @@ def _plan_linear_w8a16_all_reduce_add_rmsnorm(residual, x, qweight, scale, zero,
     (`gemv_push_norm_config`). Without the push kernel: the W8A16 GEMV, then the fused
     all-reduce + norm."""
     n, k = qweight.shape
-    gk = 0 if scale.shape[1] == 1 else group_size
+    gk = group_k(scale, group_size)
     cfg = {"N": n, "K": k, **w8a16_push_config(n, k, gk, arch, x.dtype.itemsize), "NORM_N": n,
            "norm": norm_config("add_rmsnorm", n, arch), "fallback": "triton.w8a16 + triton.all_reduce_add_rmsnorm"}
     return {"name": "triton.w8a16_gemv_push_add_rmsnorm", "config": cfg, "launches": 1}

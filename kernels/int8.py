@@ -751,6 +751,12 @@ def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, ta
 
 
 # -- launch wrappers -------------------------------------------------------------------------
+def group_k(scale: torch.Tensor, group_size: int) -> int:
+    """The group size the kernels, their configs and tuning rows key on: 0 for per-channel scales
+    (one per row, scale [N, 1]), else group_size."""
+    return 0 if scale.shape[1] == 1 else group_size
+
+
 def _check(x, qweight, scale, zero, bias, group_size):
     m, k = x.shape
     n = qweight.shape[0]
@@ -954,7 +960,7 @@ _PLAN_BUCKETS = (1, 8, 16, 64, 256)
 @planner("dsc.linear_w8a16.default")
 def _plan_w8a16(x, qweight, scale, zero, bias, group_size, *, arch):
     n, k = qweight.shape
-    gk = 0 if scale.shape[1] == 1 else group_size
+    gk = group_k(scale, group_size)
     cfg = {}
     for b in _PLAN_BUCKETS:
         c = int8_config(int8_kernel("w8a16", b), b, n, k, gk, arch, x_bytes=x.dtype.itemsize)
@@ -969,7 +975,7 @@ def _plan_w8a16_swiglu(x, qweight, scale, zero, group_size, *, arch):
     """Counted at one row (batch 1 decode): the fused kernel, 1 launch; more rows take the W8A16
     matmul and the swiglu kernel."""
     n2, k = qweight.shape
-    gk = 0 if scale.shape[1] == 1 else group_size
+    gk = group_k(scale, group_size)
     cfg = w8a16_swiglu_config(n2, k, gk, arch, x.dtype.itemsize)
     return {"name": "triton.w8a16_gemv_swiglu",
             "config": {"N": n2, "K": k, **cfg, "M>1": "triton.w8a16 + triton.swiglu"}, "launches": 1}
@@ -978,6 +984,6 @@ def _plan_w8a16_swiglu(x, qweight, scale, zero, group_size, *, arch):
 @planner("dsc.linear_w8a8.default")
 def _plan_w8a8(x, qweight, scale, zero, bias, group_size, inv_smooth, *, arch):
     n, k = qweight.shape
-    gk = 0 if scale.shape[1] == 1 else group_size
+    gk = group_k(scale, group_size)
     cfg = {f"M{b}": int8_config("w8a8", b, n, k, gk, arch) for b in _PLAN_BUCKETS}
     return {"name": "triton.w8a8", "config": cfg, "launches": 2}  # quantize_rows + GEMM

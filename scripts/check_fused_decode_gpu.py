@@ -138,11 +138,12 @@ W8A16_ROW_PARALLEL_SHAPES = [(4096, 2048), (4096, 7168), (4096, 1024), (4096, 35
 def time_w8a16_push_configs() -> list[dict]:
     """bf16, one row, per-channel int8, at Llama-8B's row-parallel shapes (o_proj, down_proj at
     tp 2 and 4): the W8A16 GEMV with its tuned config against the same GEMV with the config the
-    GEMV push kernel takes at 2 and 4 ranks (`gemv_push_norm_config`: more warps and rows per
-    program so the last program holds the row in one pass). The plain GEMV runs both, so the
-    difference is the config's own cost, not the push's (the norm's registers come on top)."""
+    GEMV push kernel takes at 2 and 4 ranks (`w8a16_push_config`'s, tuning rows included, raised by
+    `gemv_push_norm_config`: more warps and rows per program so the last program holds the row in
+    one pass). The plain GEMV runs both, so the difference is the config's own cost, not the
+    push's (the norm's registers come on top)."""
     from dsc.kernels import int8
-    from dsc.kernels.collectives import gemv_push_norm_config
+    from dsc.kernels.collectives import gemv_push_norm_config, w8a16_push_config
 
     out = []
     for n, k in W8A16_ROW_PARALLEL_SHAPES:
@@ -152,7 +153,8 @@ def time_w8a16_push_configs() -> list[dict]:
         tuned = int8.int8_config("w8a16_gemv", 1, n, k, 0, "sm_90", x_bytes=2)
         row = {"shape": [n, k], "copies": copies, "tuned": tuned}
         for name, cfg in [("tuned", tuned)] + [
-                (f"push_norm_world{w}", {key: v for key, v in gemv_push_norm_config(tuned, n, w).items()
+                (f"push_norm_world{w}", {key: v for key, v in
+                                         gemv_push_norm_config(w8a16_push_config(n, k, 0, "sm_90"), n, w).items()
                                          if key not in ("CHUNK", "NORM_N", "BLOCK_W")}) for w in (2, 4)]:
             row[f"{name}_config"] = cfg
             row[f"{name}_us"] = graph_us([lambda w=w, c=cfg: int8.w8a16_matmul(x, w[0], w[1], w[2], None, w[3],

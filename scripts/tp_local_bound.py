@@ -93,6 +93,7 @@ def local_w8a16_push_norm(residual, x, qweight, scale, zero, group_size, norm_we
 
 def _stand_ins(device_type: str, push_local: bool = False) -> None:
     from dsc.kernels import collectives as C
+    from dsc.kernels.int8 import group_k
     from dsc.kernels.launch import arch_of
 
     def add_norm(residual, x, weight, eps):
@@ -109,8 +110,7 @@ def _stand_ins(device_type: str, push_local: bool = False) -> None:
 
     def w8a16_add_norm(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
         if push_local and x.numel() == qweight.shape[1] and x.dtype == residual.dtype:
-            gk = 0 if scale.shape[1] == 1 else group_size
-            cfg = C.w8a16_push_config(*qweight.shape, gk, arch_of(x.device), x.element_size())
+            cfg = C.w8a16_push_config(*qweight.shape, group_k(scale, group_size), arch_of(x.device), x.element_size())
             return local_w8a16_push_norm(residual, x, qweight, scale, zero, group_size, norm_weight, eps, cfg,
                                          _WORLD[0])
         y = torch.ops.dsc.linear_w8a16(x, qweight, scale, zero, None, group_size)

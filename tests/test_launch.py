@@ -109,8 +109,8 @@ def test_dsc_tuning_replaces_the_rows_it_names(tmp_path, monkeypatch):
 def test_shipped_tuning_variants_name_rows_the_table_has(name, monkeypatch):
     """scripts/tuning/*.json (DSC_TUNING files for A/B benches): each loads, names only rows the
     shipped table has (a typo'd shape class would bench the table against itself; a
-    `w8a16_gemv_push` row, which the table has none of, a shape of its `w8a16_gemv` rows), sets
-    only config keys, and changes the config the launch takes."""
+    `w8a16_gemv_push` row a shape of its `w8a16_gemv` rows, which every W8A16 GEMV push config
+    starts from), sets only config keys, and changes the config the launch takes."""
     from dsc.kernels.collectives import gemv_push_config, w8a16_push_config
     from dsc.kernels.linear import CONFIG_KEYS
 
