@@ -146,3 +146,45 @@ def test_check_pdl_gpu_script_runs_its_code_path(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "check_pdl_gpu.json").read_text())
     assert len(res["results"]) == 8 and not res["failed"] and res["pdl_on_with_auto"] is False
+
+
+def test_boundary_and_attention_phase_scripts_build_for_sm90(tmp_path):
+    """scripts/bench_boundary.py's three kernels and scripts/attention_phases.py's stamped copy
+    of the decode attention (made from kernels/attention.py's source: the script fails if the
+    lines it stamps change) build for sm_90; the stamped kernel reads %globaltimer 7 times, once
+    per stamp, with PDL's wait and launch in it (GPU-only scripts: no other CPU path)."""
+    root = Path(__file__).resolve().parents[1]
+    child = f'''
+import sys
+sys.path.insert(0, {str(root / "scripts")!r})
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import attention_phases, bench_boundary
+
+def build(fn, sig, consts, warps, stages=None):
+    sig = {{**sig, **{{k: "constexpr" for k in consts}}}}
+    opts = {{"num_warps": warps, **({{"num_stages": stages}} if stages else {{}})}}
+    return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
+
+for mode in (0, 1, 2):
+    ptx = build(bench_boundary._link, {{"X": "*i32", "FLAGS": "*i32", "EPOCH": "*i32", "i": "i32"}}, {{"MODE": mode}},
+                4).asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == (mode != 0), mode
+attention_phases.load_kernels()
+A = attention_phases.stamped_attention()
+A._triton()
+fn, dec = A._decode_kernel, A.DECODE_CONFIGS[("sm_90", 128)]
+consts = dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True, BLOCK_N=dec["BLOCK_N"], WINDOWED=False,
+              ROTARY=True, ROT_TABLE=True, PRE_N=dec["PRE_N"], PDL=True)
+ptrs = {{n: "*bf16" for n in ("Q", "K", "V", "KC", "VC", "OUT", "COS", "SIN")}}
+ptrs.update(POS="*i64", RPOS="*i64", PART_O="*fp32", PART_LSE="*fp32", LOCK="*i32")
+sig = {{n: ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names if n not in consts}}
+ptx = build(fn, sig, consts, dec["num_warps"], dec["num_stages"]).asm["ptx"]
+assert ptx.count("%globaltimer") == 7 and "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+print("ok")
+'''
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
