@@ -60,13 +60,12 @@ def stamped_attention():
     head, body = src[:kernel_at], src[kernel_at:]
     stamp = "    if split == 0:\n        _stamp(PART_LSE.to(tl.pointer_type(tl.int64)) + bh * 8 + {i})\n"
     body = _sub(body, "    kvh = bh % Hkv\n", "    kvh = bh % Hkv\n" + stamp.format(i=0))
-    body = _sub(body, "        tl.extra.cuda.gdc_wait()\n", "        tl.extra.cuda.gdc_wait()\n" + stamp.format(i=1))
+    body = _sub(body, "    # q (and what rotates it) loads first", stamp.format(i=1) + "    # q (and what rotates it) loads first")
     body = _sub(body, "        q = _rotated(q, q_half, cos[None, :], sin[None, :])\n",
                 "        q = _rotated(q, q_half, cos[None, :], sin[None, :])\n" + stamp.format(i=2))
     body = _sub(body, "    for j0 in range(lo + PRE_N, hi, BLOCK_N):\n",
                 stamp.format(i=3) + "    for j0 in range(lo + PRE_N, hi, BLOCK_N):\n")
-    body = _sub(body, "        tl.extra.cuda.gdc_launch_dependents()\n",
-                "        tl.extra.cuda.gdc_launch_dependents()\n" + stamp.format(i=4))
+    body = _sub(body, "    if (pos < Smax) & (pos < lo + split_len):", stamp.format(i=4) + "    if (pos < Smax) & (pos < lo + split_len):")
     body = _sub(body, "    out = acc / l_i[:, None]\n    if SPLIT:\n",
                 stamp.format(i=5) + "    out = acc / l_i[:, None]\n    if SPLIT:\n")
     body = _sub(body, "                    out.to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)\n    else:\n",
