@@ -77,7 +77,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, split_counters, tuned, tuning_row
+from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
 from dsc.kernels.rotary import (ROTATE_OPTIONS, check_rotary, check_rotary_tables, rotary_config, rotary_reference,
                                rotary_rows, rotary_triton, rotate)
 
@@ -206,12 +206,6 @@ PREFILL_VARIANTS = {
                     # row's 236.4 / 286.2 (GPT-2-XL's 25 heads, 2048 tokens: s16-h200/heads)
                     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True)],
 }
-# a decode row's keys (what a kernels/tuning.json 'D<head_dim>_KV<kv_heads>' row may set). LAUNCH_AT_WAIT:
-# a split whose keys all came in its preloaded tile lets the next kernel launch right after its
-# PDL wait rather than after its key loop (the next kernel's programs load their first weights
-# during the tile's scores and the new token's part)
-DECODE_KEYS = ("BLOCK_N", "num_warps", "num_stages", "PROGRAMS_PER_SM", "MIN_SPLIT", "SPLIT_FLOOR", "PRE_N",
-               "LAUNCH_AT_WAIT")
 MAX_SPLITS = 64  # splits per (sequence, kv head): bounds the partials the last split combines
 SM_COUNT = {"sm_90": 132, "default": 4}  # for planning; at run time the device says (H100/H200: 132)
 
@@ -228,11 +222,9 @@ def staged_bytes(kind: str, cfg: dict, head_dim: int, itemsize: int) -> int:
     return (rows + 2 * cfg["num_stages"] * cfg["BLOCK_N"]) * d * itemsize
 
 
-def attention_config(kind: str, head_dim: int, arch: str, itemsize: int = 2, kv_heads: int | None = None) -> dict:
+def attention_config(kind: str, head_dim: int, arch: str, itemsize: int = 2) -> dict:
     """Launch config of the `kind` ("prefill" | "decode") kernel at this head_dim on `arch` for
-    q/k/v elements of `itemsize` bytes; for decode with `kv_heads` (a rank's), kernels/tuning.json's
-    `attention_decode` row 'D<head_dim>_KV<kv_heads>' over the head_dim's (Llama-8B's tp=1 shape,
-    8 kv heads: LAUNCH_AT_WAIT). The rows are measured for 16-bit tensors; fp32 tiles
+    q/k/v elements of `itemsize` bytes. The rows are measured for 16-bit tensors; fp32 tiles
     take twice the shared memory (sm_90's head_dim-128 prefill row would need 256 KiB), so a
     row over SMEM_BUDGET loses pipeline stages (down to 2), then rows (BLOCK_M to 64), then
     keys per tile, then the last stage, until it fits."""
@@ -241,9 +233,6 @@ def attention_config(kind: str, head_dim: int, arch: str, itemsize: int = 2, kv_
     fits = [key for key in keys if key[1] >= head_dim] or [max(keys, key=lambda key: key[1])]
     row = table[min(fits, key=lambda key: (key[1], key[0] == "default"))]
     cfg = tuned(f"attention_{kind}", f"D{next_power_of_2(head_dim)}", arch, dict(row))
-    if kind == "decode" and kv_heads:
-        row = tuning_row("attention_decode", f"D{next_power_of_2(head_dim)}_KV{kv_heads}", arch)
-        cfg.update({key: value for key, value in row.items() if key in DECODE_KEYS})
     while staged_bytes(kind, cfg, head_dim, itemsize) > SMEM_BUDGET:
         if cfg["num_stages"] > 2:
             cfg["num_stages"] -= 1
@@ -657,7 +646,7 @@ def _decode_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
     ROTARY: tl.constexpr = False, PDL: tl.constexpr = False, PRE_N: tl.constexpr = 0,
-    ROT_TABLE: tl.constexpr = False, LAUNCH_AT_WAIT: tl.constexpr = False,
+    ROT_TABLE: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -700,11 +689,6 @@ def _decode_kernel(
         # v); the next one is let start only after the key loop (below: never before the wait,
         # which the preload's argument above needs; right after it measured the same, 2 H100s)
         tl.extra.cuda.gdc_wait()
-        if LAUNCH_AT_WAIT:  # a split whose keys all came in the preloaded tile lets the next
-            # kernel launch now (no key loop for its weight loads to compete with); else after
-            # the loop, as without it
-            if hi <= lo + PRE_N:
-                tl.extra.cuda.gdc_launch_dependents()
     # q (and what rotates it) loads first, together with the new token's k and v: a load behind
     # the early return or the key loop adds its latency (with a window the new k and v load
     # after the loop: held across it, they made the windowed rotary build spill)
@@ -749,11 +733,7 @@ def _decode_kernel(
     if PDL:  # the next kernel may start now, not at the top, so that its programs' early
         # weight loads overlap this kernel's end rather than the key loop's chain of loads
         # (with this kernel's other session-15 changes: 26-40 us per step on an H200, PDL on)
-        if LAUNCH_AT_WAIT:
-            if hi > lo + PRE_N:
-                tl.extra.cuda.gdc_launch_dependents()
-        else:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
 
     if (pos < Smax) & (pos < lo + split_len):  # the new token's slot is in this split
         cache_ty = KC.dtype.element_ty
@@ -921,7 +901,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, r
     B, H, _, D = q.shape
     Hkv, Smax = k.shape[1], k_cache.shape[2]
     G = H // Hkv
-    cfg = config or attention_config("decode", D, arch_of(q.device), q.element_size(), kv_heads=Hkv)
+    cfg = config or attention_config("decode", D, arch_of(q.device), q.element_size())
     splits = num_splits or decode_num_splits(B, Hkv, Smax, cfg, sm_count(q.device))
     if splits > MAX_SPLITS:
         raise ValueError(f"decode_attention: {splits} splits exceed MAX_SPLITS={MAX_SPLITS}")
@@ -944,8 +924,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, r
         *rot,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
         BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0, ROTARY=rotary is not None,
-        ROT_TABLE=rot_pos is not None, LAUNCH_AT_WAIT=cfg.get("LAUNCH_AT_WAIT", False), num_stages=cfg["num_stages"],
-        **decode_preload(cfg), **pdl_options(q.device),
+        ROT_TABLE=rot_pos is not None, num_stages=cfg["num_stages"], **decode_preload(cfg), **pdl_options(q.device),
         **ROTATE_OPTIONS,  # with or without ROTARY: one arithmetic for both (the rotary pair's bits)
     )
     return out
@@ -1003,7 +982,7 @@ def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, ar
     B, H, S, D = q.shape
     Hkv, Smax = k.shape[1], k_cache.shape[2]
     if isinstance(S, int) and S == 1:
-        cfg = attention_config("decode", D, arch, q.element_size(), kv_heads=Hkv)
+        cfg = attention_config("decode", D, arch, q.element_size())
         batch = B if isinstance(B, int) else 1
         splits = decode_num_splits(batch, Hkv, Smax, cfg, SM_COUNT.get(arch, SM_COUNT["sm_90"]))
         cfg = {**cfg, "splits": splits, "splits_at_batch": batch, **({"window": window} if window else {})}

@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -371,12 +370,6 @@ def _compile_sm90() -> None:
                                     dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True, BLOCK_N=dec["BLOCK_N"],
                                          WINDOWED=False, ROTARY=True, ROT_TABLE=True, PRE_N=dec_pre),
                                     dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
-            # kernels/tuning.json's 8-kv-head row (Llama-8B at tp=1): the next kernel let launch at the wait
-            "decode-rotary-table-launch-at-wait": (
-                A._decode_kernel, t | f32 | rot_table,
-                dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True, BLOCK_N=dec["BLOCK_N"], WINDOWED=False,
-                     ROTARY=True, ROT_TABLE=True, PRE_N=dec_pre, LAUNCH_AT_WAIT=True),
-                dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
             "decode-rotary-window": (A._decode_kernel, t | f32 | rot,
                                      dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
                                           BLOCK_N=dec["BLOCK_N"], WINDOWED=True, ROTARY=True, PRE_N=dec_pre),
@@ -591,7 +584,7 @@ def test_preloading_a_loop_tile_keeps_the_bits(interpreter_report):
 
 
 DECODE_BUILDS = ["decode", "decode-pre0", "decode-d80", "decode-window", "decode-rotary", "decode-rotary-table",
-                 "decode-rotary-table-launch-at-wait", "decode-rotary-window"]
+                 "decode-rotary-window"]
 
 
 @pytest.mark.parametrize("kernel", ["prefill", "prefill-n128", "prefill-window", "prefill-mha", "rotary", *DECODE_BUILDS,
@@ -695,30 +688,6 @@ def test_attention_config_has_an_entry_for_every_head_dim(head_dim, arch):
     assert {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} <= attention_config("prefill", head_dim, arch).keys()
     assert {"BLOCK_N", "num_warps", "num_stages", "PROGRAMS_PER_SM", "MIN_SPLIT"} <= \
         attention_config("decode", head_dim, arch).keys()
-
-
-def test_decode_rows_per_kv_heads_apply_to_their_shape_only(monkeypatch):
-    """kernels/tuning.json's 'D128_KV8' decode row (Llama-8B at tp=1: LAUNCH_AT_WAIT) applies at 8
-    kv heads on sm_90, through the planner too, and not at tp=4's 2 or without a count; a
-    DSC_TUNING file's row for the count overrides it (scripts/tuning/attn-kv8-off.json)."""
-    import dsc.kernels  # noqa: F401  (registers the planners)
-    from dsc.kernels.attention import DECODE_CONFIGS, attention_config
-    from dsc.kernels.launch import PLANNERS
-
-    monkeypatch.delenv("DSC_TUNING", raising=False)
-    base = attention_config("decode", 128, "sm_90")
-    assert base == DECODE_CONFIGS[("sm_90", 128)] and "LAUNCH_AT_WAIT" not in base
-    assert attention_config("decode", 128, "sm_90", kv_heads=8) == {**base, "LAUNCH_AT_WAIT": True}
-    assert attention_config("decode", 128, "sm_90", kv_heads=2) == base
-    assert attention_config("decode", 128, "default", kv_heads=8) == attention_config("decode", 128, "default")
-    for kv, want in ((8, True), (2, None)):
-        q, k = torch.empty(1, 4 * kv, 1, 128), torch.empty(1, kv, 1, 128)
-        cache = torch.empty(1, kv, 256, 128)
-        plan = PLANNERS["dsc.attention.default"](q, k, k, cache, cache, torch.zeros(1, dtype=torch.long), 0.1,
-                                                 arch="sm_90")
-        assert plan["config"].get("LAUNCH_AT_WAIT") is want
-    monkeypatch.setenv("DSC_TUNING", str(Path(__file__).resolve().parents[1] / "scripts" / "tuning" / "attn-kv8-off.json"))
-    assert attention_config("decode", 128, "sm_90", kv_heads=8) == {**base, "LAUNCH_AT_WAIT": False}
 
 
 @pytest.mark.parametrize("seq, batch, splits", [(1, None, 32), (1, 64, 1), (7, None, None)])

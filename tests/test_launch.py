@@ -110,18 +110,13 @@ def test_shipped_tuning_variants_name_rows_the_table_has(name, monkeypatch):
     """scripts/tuning/*.json (DSC_TUNING files for A/B benches): each loads, names only rows the
     shipped table has (a typo'd shape class would bench the table against itself; a
     `w8a16_gemv_push` row a shape of its `w8a16_gemv` rows, which every W8A16 GEMV push config
-    starts from; an `attention_decode` row a head_dim of kernels/attention.py DECODE_CONFIGS, with
-    or without a kv-head count), sets only config keys, and changes the config the launch takes."""
-    from dsc.kernels.attention import DECODE_CONFIGS, DECODE_KEYS, attention_config
+    starts from), sets only config keys, and changes the config the launch takes."""
     from dsc.kernels.collectives import gemv_push_config, w8a16_push_config
     from dsc.kernels.linear import CONFIG_KEYS
 
     def config(kernel, shape, arch):  # the config a launch takes for a row's shape
         if kernel == "w8a16_gemv_push":
             return w8a16_push_config(*map(int, shape[len("M1_N"):].split("_K")), 0, arch)
-        if kernel == "attention_decode":
-            head_dim, _, kv = shape[1:].partition("_KV")
-            return attention_config("decode", int(head_dim), arch, kv_heads=int(kv) if kv else None)
         return gemv_push_config(*map(int, shape[1:].split("_K")), arch) if kernel == "gemv_push" else None
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "tuning" / name
@@ -134,11 +129,8 @@ def test_shipped_tuning_variants_name_rows_the_table_has(name, monkeypatch):
     before = {(arch, kernel, shape): config(kernel, shape, arch) for arch, kernel, shape, _ in rows}
     monkeypatch.setenv("DSC_TUNING", str(path))
     for arch, kernel, shape, row in rows:
-        if kernel == "attention_decode":
-            assert (arch, int(shape[1:].partition("_KV")[0])) in DECODE_CONFIGS and set(row) <= set(DECODE_KEYS), row
-        else:
-            table = shipped[arch]["w8a16_gemv" if kernel == "w8a16_gemv_push" else kernel]
-            assert shape in table and set(row) <= set(CONFIG_KEYS), (kernel, shape, row)
+        table = shipped[arch]["w8a16_gemv" if kernel == "w8a16_gemv_push" else kernel]
+        assert shape in table and set(row) <= set(CONFIG_KEYS), (kernel, shape, row)
         got = config(kernel, shape, arch)
         if got is not None:
             assert {key: got[key] for key in row} == row and got != before[(arch, kernel, shape)]
