@@ -21,11 +21,12 @@ is not used before it. Writes $OUT/attention_phases.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import importlib.util
 import json
-import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -84,7 +85,9 @@ def _stamp(P):
 
 
 '''
-    path = Path(tempfile.mkdtemp(prefix="dsc-phases-")) / "attention_phases_kernels.py"  # triton reads its source
+    folder = tempfile.mkdtemp(prefix="dsc-phases-")  # triton reads the kernels' source from the file when it
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # jits them (at first use): kept until exit
+    path = Path(folder) / "attention_phases_kernels.py"
     path.write_text(head + helper + body)
     spec = importlib.util.spec_from_file_location("dsc.kernels._attention_phases", path)
     mod = importlib.util.module_from_spec(spec)
