@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import importlib
 import importlib.util
 import json
 import os
@@ -30,22 +29,18 @@ import shutil
 import statistics
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 import torch
+
+from checkout_modules import checkout_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 STAMPS = ("start", "wait", "q", "pre_tile", "launch", "new_token", "out")
 
 
 def load_kernels():
-    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(folder)]
-            sys.modules[name] = pkg
-    return [importlib.import_module(f"dsc.kernels.{m}") for m in ("launch", "attention", "linear")]
+    return checkout_modules("kernels.launch", "kernels.attention", "kernels.linear")
 
 
 def _sub(src: str, old: str, new: str, count: int = 1) -> str:

@@ -37,18 +37,18 @@ Writes $OUT/bench_attention.json when OUT is set. Self-contained: loads kernels/
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import math
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from checkout_modules import checkout_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 H, HKV, D = 32, 8, 128
@@ -59,19 +59,7 @@ PREFILL_TARGET = 0.5  # of PEAK_TFLOPS, at S = 2048 (issue 5)
 SMOKE = "--smoke" in sys.argv
 
 
-def load_attention():
-    """dsc.kernels.attention and dsc.runtime.decode (its `capture_graph`) from this checkout,
-    without installing dsc or importing the other kernel and runtime files: `dsc`,
-    `dsc.kernels` and `dsc.runtime` become bare packages over the checkout's folders."""
-    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels"), ("dsc.runtime", ROOT / "runtime")):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(folder)]
-            sys.modules[name] = pkg
-    return importlib.import_module("dsc.kernels.attention"), importlib.import_module("dsc.runtime.decode")
-
-
-A, DECODE = load_attention()
+A, DECODE = checkout_modules("kernels.attention", "runtime.decode")  # runtime.decode: its `capture_graph`
 
 
 def bench_ms(fn, rep=100):

@@ -19,7 +19,6 @@ per shape class, in kernels/tuning.json's format: merge it into the "sm_90" sect
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -29,21 +28,12 @@ from pathlib import Path
 
 import torch
 
+from checkout_modules import checkout_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_int8():
-    """dsc.kernels.int8 from this checkout, without installing dsc or importing the compiler:
-    `dsc` and `dsc.kernels` become bare packages over the checkout's folders."""
-    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(folder)]
-            sys.modules[name] = pkg
-    return importlib.import_module("dsc.kernels.int8")
-
-
-int8 = _load_int8()
+int8, = checkout_modules("kernels.int8")
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (K, N): x [M, K] @ W[N, K].T
 DECODE_M = (1, 8)

@@ -19,31 +19,22 @@ Shapes: Llama-3-8B (hidden 4096, intermediate 14336, 32/8 heads of 128) in bf16;
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
 import sys
-import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from checkout_modules import checkout_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_READ = 4.33e12  # B/s, measured on the H200 (docs: DESIGN.md)
 
 
-def load_kernels():
-    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(folder)]
-            sys.modules[name] = pkg
-    return [importlib.import_module(f"dsc.kernels.{m}") for m in ("norm", "activation", "rotary")]
-
-
-NORM, ACT, ROT = load_kernels()
+NORM, ACT, ROT = checkout_modules("kernels.norm", "kernels.activation", "kernels.rotary")
 
 
 # -- the unfused ops, as transformers runs them --------------------------------------------------

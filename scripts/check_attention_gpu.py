@@ -19,15 +19,15 @@ $OUT/check_attention_gpu.json when OUT is set.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
+
+from checkout_modules import checkout_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 H, HKV, D = 32, 8, 128
@@ -40,18 +40,7 @@ def n(length: int) -> int:
     return max(1, length // SHRINK)
 
 
-def load_attention():
-    """dsc.kernels.attention from this checkout, without installing dsc or importing the other
-    kernel files: `dsc` and `dsc.kernels` become bare packages over the checkout's folders."""
-    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(folder)]
-            sys.modules[name] = pkg
-    return importlib.import_module("dsc.kernels.attention")
-
-
-A = load_attention()
+A, = checkout_modules("kernels.attention")
 
 
 def make(B, S, Smax, cache_pos, Bmax=None, seed=0, window=0):

@@ -16,33 +16,22 @@ Writes $OUT/check_kernels_gpu.json when OUT is set.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
+
+from checkout_modules import checkout_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
 
 
-def load_kernels():
-    """dsc.kernels.{norm,activation,rotary,embedding} from this checkout without installing dsc: `dsc` and
-    `dsc.kernels` become bare packages over the checkout's folders."""
-    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(folder)]
-            sys.modules[name] = pkg
-    return [importlib.import_module(f"dsc.kernels.{m}") for m in ("norm", "activation", "rotary", "embedding")]
-
-
-NORM, ACT, ROT, EMB = load_kernels()
+NORM, ACT, ROT, EMB = checkout_modules("kernels.norm", "kernels.activation", "kernels.rotary", "kernels.embedding")
 
 
 def s(n: int, small: int) -> int:

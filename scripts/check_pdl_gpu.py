@@ -25,18 +25,18 @@ files of this checkout by path (torch and triton only).
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from checkout_modules import checkout_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = "--smoke" in sys.argv
@@ -44,19 +44,8 @@ DEVICE = "cpu" if SMOKE else "cuda"
 DTYPE = torch.float16 if SMOKE else torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
 
 
-def load_kernels():
-    """dsc.kernels.* from this checkout without installing dsc: `dsc` and `dsc.kernels` become
-    bare packages over the checkout's folders."""
-    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(folder)]
-            sys.modules[name] = pkg
-    return [importlib.import_module(f"dsc.kernels.{m}")
-            for m in ("launch", "norm", "activation", "rotary", "attention", "linear", "int8")]
-
-
-LAUNCH, NORM, ACT, ROT, ATT, LIN, INT8 = load_kernels()
+LAUNCH, NORM, ACT, ROT, ATT, LIN, INT8 = checkout_modules(
+    *(f"kernels.{m}" for m in ("launch", "norm", "activation", "rotary", "attention", "linear", "int8")))
 
 E, I, H, HKV, D = (64, 96, 4, 2, 16) if SMOKE else (4096, 14336, 32, 8, 128)  # H * D == E
 SMAX, CONTEXT = (64, 40) if SMOKE else (2048, 1000)  # KV cache length, tokens already in it

@@ -18,30 +18,21 @@ every candidate's time.
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
+from checkout_modules import checkout_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_kernels():
-    for name, folder in (("dsc", ROOT), ("dsc.kernels", ROOT / "kernels")):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(folder)]
-            sys.modules[name] = pkg
-    return [importlib.import_module(f"dsc.kernels.{m}") for m in ("launch", "norm", "activation", "rotary")]
-
-
-LAUNCH, NORM, ACT, ROT = load_kernels()
+LAUNCH, NORM, ACT, ROT = checkout_modules("kernels.launch", "kernels.norm", "kernels.activation", "kernels.rotary")
 WARPS = (1, 2, 4, 8, 16)
 
 
