@@ -290,7 +290,7 @@ def export_onnx_cmd(
     rank: List[int] = typer.Option([], "--rank", help="export only this rank (repeatable; default: every rank)"),
 ) -> None:
     """Export each rank's prefill program as an ONNX model (standard ops, int8 weights as QDQ).
-    The KV cache is an explicit input and output; see docs/diff-and-onnx.md. Exit 1 when
+    The KV cache is an explicit input and output; see docs/artifact.md. Exit 1 when
     onnxruntime's logits miss the stated tolerance against the dsc runtime."""
     try:
         from dsc.compiler.onnx_export import export_onnx, report_lines

@@ -137,8 +137,8 @@ def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, s
 #   decode:  BLOCK_N keys per tile; enough splits per (sequence, kv head) for about
 #            PROGRAMS_PER_SM programs per SM and max_seq / MIN_SPLIT (the grid), and each
 #            sequence's keys shared among as many of them as its key count over SPLIT_FLOOR
-#            (default MIN_SPLIT) rounds to (`_split_len`; session 15: 129-191 keys at a floor of
-#            128 take one split, not 128 keys and a sliver).  A short context thus spreads over a few
+#            (default MIN_SPLIT) rounds to (`_split_len`: 129-191 keys at a floor of 128 take
+#            one split, not 128 keys and a sliver).  A short context thus spreads over a few
 #            programs instead of one walking it all, while a long one keeps MIN_SPLIT-key splits
 #            (H200, batch 1, Llama-8B heads, a 4096-slot cache, bench_attention.py --short, the
 #            two rows in one run: SPLIT_FLOOR 128 against 256 took 256 / 512 / 1024 keys from
@@ -152,7 +152,7 @@ PREFILL_CONFIGS = {
     # 373.8 without, and check_attention_gpu passed at this row
     # WS: 16-bit prefills without a window run the warp-specialized Gluon kernel
     # (kernels/attention_sm90.py, its own tile); the other keys are the Triton kernel's, which
-    # runs the rest.  H200, 2048 tokens, graph-replayed, two runs (s16-h200/final, final-recheck):
+    # runs the rest.  H200, 2048 tokens, graph-replayed, two runs:
     # 408.9 / 446.3 and 408.2 / 443.6 TFLOP/s at batch 1 / 8 against 364.8 / 396.6 and 365.4 /
     # 395.8 for the Triton kernel at this row in the same runs
     ("sm_90", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True),
@@ -166,11 +166,11 @@ PREFILL_CONFIGS = {
 # PRE_N (decode): keys of each split's first tile loaded before the PDL wait, so that at a short
 # context (a split's keys: 128-191 at SPLIT_FLOOR 128) the cache reads overlap the qkv projection
 # (`_decode_kernel`). sm_90 / 128: 128 at 8 warps (at 4 the build spills). Llama-8B, bf16, batch
-# 1, context 128, queued ms (docs/results, session 18):
-# - the collective-free bound on one H200, tp 1 / 2 / 4 (s18-h200/attn-pre): PRE_N 0 at 4 warps
-#   (session 17's row) 3.955 / 2.366 / 1.401, this row 3.893 / 2.294 / 1.340; 64 keys at 4 or
+# 1, context 128, queued ms:
+# - the collective-free bound on one H200, tp 1 / 2 / 4 (scripts/tp_local_bound.py): PRE_N 0 at 4
+#   warps 3.955 / 2.366 / 1.401, this row 3.893 / 2.294 / 1.340; 64 keys at 4 or
 #   8 warps no gain (3.988 / 2.407 / 1.399 and 3.950 / 2.358 / 1.407);
-# - `dsc bench` on 2 H200s, two rounds (s18-h200x2/attn-pre-ab): tp=1 3.889 / 3.863 against
+# - `dsc bench` on 2 H200s, two rounds: tp=1 3.889 / 3.863 against
 #   3.953 / 3.933 without it; tp=2 2.420 / 2.396 against 2.416 / 2.407 (no gain there)
 DECODE_CONFIGS = {
     ("sm_90", 128): dict(BLOCK_N=64, num_warps=8, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256, SPLIT_FLOOR=128,
@@ -195,15 +195,15 @@ PREFILL_VARIANTS = {
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, TMA=True),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True),  # 2 programs per SM
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, TMA=True),
-        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),  # +6% in session 7
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),  # +6% in its own sweep, slower in others
         # the warp-specialized kernel at 64-key tiles (4 slots each): 383 / 421 TFLOP/s at B1 / B8
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_BLOCK_N=64, WS_K_STAGES=4,
              WS_V_STAGES=4),
-    ],  # (session 11: TMA at 128 x 128 / 8 warps / 2 stages built without spills and measured 315 / 353
-    #      TFLOP/s at B1 / B8, under the table's row: s11-h200/prefill-variants)
+    ],  # (TMA at 128 x 128 / 8 warps / 2 stages builds without spills but measures 315 / 353
+    #      TFLOP/s at B1 / B8 on an H200, under the table's row)
     ("sm_90", 64): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, DEFER_PV=True),  # 4 warps spill
                     # the warp-specialized kernel: slower here, 202.8 / 255.0 TFLOP/s at B1 / B8 against the
-                    # row's 236.4 / 286.2 (GPT-2-XL's 25 heads, 2048 tokens: s16-h200/heads)
+                    # row's 236.4 / 286.2 (GPT-2-XL's 25 heads, 2048 tokens)
                     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True)],
 }
 MAX_SPLITS = 64  # splits per (sequence, kv head): bounds the partials the last split combines

@@ -17,7 +17,7 @@ tokens).  Here the work is split by role, FlashAttention-3 style:
   else synchronizes them, so while one runs its softmax the other's wgmma has the tensor
   cores.  (Tried on an H200, no faster: issuing a tile's p @ v and the next QK^T back to back,
   the softmax during the previous p @ v (FA3's intra-warpgroup overlap), and turns between the
-  consumers (FA3's ping-pong): s16-h200/prefill-ws.)
+  consumers (FA3's ping-pong).)
 The producer passes each item's index to the consumers through shared memory (`tile_ready` /
 `tile_empty`); an index past the last item ends every partition.  The CTA whose producer
 finishes last resets the counter (kernels/launch.py `split_counters`: launches on one stream

@@ -53,7 +53,7 @@ per row). Two kernels:
   kernel with EMBED, whose row is the rank's lookup of the token (kernels/embedding.py's:
   zeros for another rank's id) and whose residual is zero, so s is the all-reduce's output;
   one launch where the lookup, torch's one-shot all-reduce (not a PDL launch: it serialises the
-  stream) and the norm take three (on 4 H200s in session 19 no faster: tp=2 2.380 ms against
+  stream) and the norm take three (on 4 H200s no faster per step: tp=2 2.380 ms against
   2.386, tp=4 1.418 against 1.417). Elsewhere (the pull kernel or none, more rows than the
   buffers, CPU) it is those three ops, `dsc::rmsnorm` last.
 All of them then round the sum to the dtype as the all-reduce's output is, add the residual and
@@ -65,8 +65,8 @@ followed by `dsc::add_rmsnorm`, with the same values.
 - push all-gather (`_push_gather_kernel`, with the push kernel; DSC_ALLGATHER=nccl turns it
   off): `dsc::all_gather` of the vocab-parallel logits, the rank's block pushed into its region
   of every rank's push buffer and each program waiting for its offsets from every sender, then
-  storing them in rank order: one launch where NCCL's ring all-gather took about 10 us at tp=4
-  (session 19's profile). Rows that do not fit the buffers (sized by the all-reduces) take NCCL.
+  storing them in rank order: one launch where NCCL's ring all-gather takes about 10 us at tp=4
+  (a `dsc bench --profile` of Llama-8B). Rows that do not fit the buffers (sized by the all-reduces) take NCCL.
 Each all-reduce op here, fused or not, and the all-gather take one buffer slot per call in
 `program_scope` (runtime/engine.py's SLOT_OPS count them).
 """
@@ -434,8 +434,8 @@ def _push_wait_sum_norm(BUFS, r, w, S, Y, row, rank, region, eps, N: tl.constexp
     # buffer: poll (volatile loads, all senders at once) until no element holds the marker. The
     # loop carries only a scalar (triton 3.6 fails to compile a loop-carried tensor in such a
     # loop: hence a name per load); the load that finds no marker is the one summed, normalized
-    # and reset. (Until session 13 the rows were loaded once more after the loop: 2 H200s,
-    # Llama-8B tp=2, 2-20 us per step slower, docs/results/s13-h200x2/ar-no-reload.)
+    # and reset. (Loading the rows once more after the loop made Llama-8B's tp=2 step 2-20 us
+    # slower on 2 H200s.)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     dt = S.dtype.element_ty
@@ -758,7 +758,7 @@ def linear_all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weigh
     last program ends the all-reduce; DSC_ALLREDUCE=gemv_push leaves that to the push kernel. On
     4 H200s at Llama-8B's tp=4 o_proj shape, us per call in a CUDA graph without PDL: 6.50 (one
     launch), 6.47 (the GEMV push, then the push kernel), 8.12 (the GEMV, then the push kernel;
-    scripts/check_allreduce_gpu.py, session 14). Elsewhere the two ops."""
+    scripts/check_allreduce_gpu.py). Elsewhere the two ops."""
     return _linear_then_fused(residual, x, weight, norm_weight, eps)
 
 
@@ -812,13 +812,12 @@ def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
     8), BLOCK_N scaled with them, so a warp's share of the weight tile stays the tuned one;
     CHUNK the columns per pass (`config`'s, if it sets one). Every program holds the norm code's
     registers: at Llama-8B's shapes with the shipped rows (EARLY included), ptxas of the CPU build
-    of triton 3.6 reports 96 at tp=2's o_proj and down_proj (8 rows per program since session 20:
-    512 programs at 4 warps, one wave of 5 per SM; the rows before took 1024 programs at 95,
-    1.55 waves, and the step 60 us longer), 128 / 92 at tp=4's (123 / 64 for the GEMV push
-    alone); session 17 quoted 152-161. Capping them (maxnreg, 1024-column chunks) took a call
-    at tp=4's o_proj shape to 27 us (session 14: 6.5) and tp=4's step 1.4 ms slower (session 17,
-    docs/results/s17-h200x4/early-pushnorm); 2048-column chunks at tp=2 (64 registers, one wave)
-    made the step 75 us slower on 2 H100s (session 18, docs/results/s18-h100x2/attn-pre)."""
+    of triton 3.6 reports 96 at tp=2's o_proj and down_proj (8 rows per program:
+    512 programs at 4 warps, one wave of 5 per SM; 4 rows take 1024 programs at 95, 1.55
+    waves, and the step 60 us longer), 128 / 92 at tp=4's (123 / 64 for the GEMV push alone).
+    Capping them (maxnreg, 1024-column chunks) takes a call at tp=4's o_proj shape from 6.5 to
+    27 us and tp=4's step 1.4 ms slower; 2048-column chunks at tp=2 (64 registers, one wave)
+    make the step 75 us slower on 2 H100s."""
     cfg = dict(config)
     block_w = next_power_of_2(world)
     warps = cfg["num_warps"]

@@ -691,7 +691,7 @@ def regs_default(n: int, k: int) -> dict:
       t <= 384            8 K parts of 256 (8 warps; one wave of programs on 132 SMs)
       t <= 512            8 K parts of 128
       else                4 K parts of 128
-    Fitted on session 11's H200 sweep at 8 tokens over 16 shapes (Llama-8B and -1B layers, their
+    Fitted on an H200 sweep at 8 tokens over 16 shapes (Llama-8B and -1B layers, their
     fused and tp 2 / 4 shards): it is the winner, or within 1.3% of it, at each, up to 31% under
     the previous rule (16 rows, 4 K parts of 128, split-K by t alone; still the first form).
     At 2 and 4 tokens the tiles are the same (8-wide) and so were the winners where measured."""

@@ -170,12 +170,10 @@ def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: on an NVIDIA GPU of capability >= 9.0
     (Hopper) with a triton that has the griddepcontrol intrinsics, never on CPU or in the Triton
     interpreter (it cannot run inline PTX). DSC_PDL=on or auto (the default): wherever it can;
-    off: never. Until session 17 auto was off in a tensor-parallel process of exactly 2 ranks
-    (sessions 12 and 14 measured Llama-8B's tp=2 step 30-95 us faster without it on H200s).
-    Session 17's GEMVs load more of their weight before the wait at that model's tp=1 and tp=2
-    shapes (kernels/tuning.json "EARLY"), and the tp=2 step became faster with PDL than without:
-    4 H200s, steps queued back to back, two rounds, PDL on / off 2.446 / 2.484 and 2.432 / 2.493
-    ms (docs/results/s17-h200x4/early-confirm); tp=4 stays 3% faster with it (session 14)."""
+    off: never. It is on at every tp: with the GEMVs loading part of their weight before the
+    wait (kernels/tuning.json "EARLY"), Llama-8B's tp=2 step is faster with PDL than without
+    (4 H200s, steps queued back to back, two rounds, PDL on / off 2.446 / 2.484 and 2.432 /
+    2.493 ms), and tp=4's 3% faster."""
     mode = pdl_mode()
     if mode == "off" or device.type != "cuda" or _interpreting():
         return False

@@ -26,7 +26,7 @@ Elsewhere the two ops (their kernels on CUDA), with the same values.
 With PDL a GEMV program loads its first weight tile before waiting for the previous kernel; a
 row's `EARLY` (K-blocks) makes that its first EARLY K-blocks, one peeled tile, so that more of
 the weight streams in while the previous kernel ends. Rows set it where whole decode steps
-measured faster (session 17: Llama-8B's tp=1 and tp=2 GEMVs at 8 blocks, tp=1 -54 us and tp=2
+measured faster (Llama-8B's tp=1 and tp=2 GEMVs at 8 blocks: tp=1 -54 us and tp=2
 -50 us per step on 4 H200s; at tp=4's shapes 8 blocks cost 36 us, and in one-GPU bounds a deeper
 gate_up preload slowed the norm before it as much as it gained).
 Launch configurations come from kernels/tuning.json's "gemv" rows per shape class "N<n>_K<k>";

@@ -4,7 +4,7 @@ At batch 1 a decoder layer's GEMVs stream their weights at close to the GPU's me
 but between them memory sits idle: the attention over a short context, the all-reduce after
 o_proj (its pushes, the wait for the peers, the norm) and the kernel boundaries are latency,
 not bytes. The more tensor-parallel ranks, the smaller each GEMV and the larger that idle
-share (Llama-8B at tp=4 on 4 H200s, session 19: the attention and the o_proj + all-reduce +
+share (Llama-8B at tp=4 on 4 H200s: the attention and the o_proj + all-reduce +
 norm slots take about 12 us per layer, against 2 us for o_proj's 8.4 MB). `l2_prefetch` fills some
 of that time: one launch, right after a layer's attention, that asks the L2 cache for the
 first `nbytes` of the MLP's gate/up weight, so gate_up then reads those bytes from L2 instead
@@ -19,9 +19,9 @@ short kernel to the chain and nothing before the attention's end.
 
 The runtime inserts it into the decode program at load (runtime/engine.py
 `Engine._insert_l2_prefetch`, through `insert_l2_prefetch` in the same module): it is not in the
-compiled plan, and `dsc inspect`'s launch counts do not include it. Off by default (session 20,
-Llama-8B: no gain at tp=1, a loss at tp=4, and at tp=2 a loss beside the one-wave GEMV push
-rows; README): DSC_L2_PREFETCH=MB turns it on with
+compiled plan, and `dsc inspect`'s launch counts do not include it. Off by default (Llama-8B:
+no gain at tp=1, a loss at tp=4, and at tp=2 a loss beside the one-wave GEMV push rows;
+docs/switches.md): DSC_L2_PREFETCH=MB turns it on with
 a budget of MB megabytes per layer (MB:last also marks the lines evict-last, so the o_proj
 weights streaming through L2 in between evict other lines first). Only on CUDA devices of
 capability 9.0 or more with PDL on; elsewhere the function does nothing.
@@ -38,7 +38,7 @@ tl = None  # triton.language, bound by launch.jit on first launch
 
 CHUNK = 8 << 10  # bytes per bulk prefetch (a multiple of 16, as the instruction requires)
 LANES = 32  # prefetches per program: one per thread of its one warp (fewer would be issued by
-# several threads each), so 256 KB per program, 64 programs for 16 MB. Not tuned (no MB budget gained: README)
+# several threads each), so 256 KB per program, 64 programs for 16 MB. Not tuned (no MB budget gained: docs/switches.md)
 
 
 def _l2_prefetch_kernel(W, nbytes, CHUNK: tl.constexpr, LANES: tl.constexpr, EVICT_LAST: tl.constexpr,

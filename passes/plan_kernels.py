@@ -1,7 +1,7 @@
 """plan_kernels: choose the kernel and launch configuration of every call node (the last pass).
 
-Rewrites nothing. Records node.meta["kernel"] = {"name", "config", "launches"} for every
-call_function node, which serialize writes into plan.json:
+Matches every call_function node and rewrites nothing: records node.meta["kernel"] =
+{"name", "config", "launches"} on each, which serialize writes into plan.json:
   views        view/unsqueeze/transpose/slice/split/getitem/expand/...    -> "view", 0 launches
   host         sym_size and Python scalar ops on sizes                    -> "host", 0 launches
   maybe-copy   reshape/flatten: 0 launches when the input's strides allow a view, else a

@@ -59,8 +59,8 @@ PIPELINE_MODES = ("on", "off")
 
 def pipeline_mode() -> str:
     """DSC_PIPELINE (read at each generate call): "on" (default) queues each decode step before
-    the host reads the previous step's tokens; "off" reads them first (the loop before session 12;
-    for comparison)."""
+    the host reads the previous step's tokens; "off" reads them first (for
+    comparison)."""
     mode = os.environ.get("DSC_PIPELINE", "on")
     if mode not in PIPELINE_MODES:
         raise ValueError(f"DSC_PIPELINE must be one of {', '.join(PIPELINE_MODES)}, got {mode!r}")

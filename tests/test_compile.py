@@ -1,6 +1,6 @@
 """`dsc compile`: artifacts match transformers, from every kind of source, deterministically.
 
-Numeric tolerances (README "Numerics" states the same):
+Numeric tolerances (docs/kernels.md "Numerics" states the same):
   fp32  teacher-forced logits: max |dsc - HF| <= 1e-4; greedy tokens identical, token for token.
   bf16  HF also runs in bf16. Teacher-forced logits: max |dsc - HF| <= BF16_REL_TOL * max |HF logit|
         (0.03, about 4 bf16 ulps at the scale of the largest logit: attention and matmuls

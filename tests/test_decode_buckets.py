@@ -205,7 +205,7 @@ def test_returned_logits_are_not_the_static_buffers(compile_artifact):
 
 def test_graph_eager_script_runs_on_cpu(tmp_path):
     """scripts/gpu_check_graph_eager.py (the GPU check that told a GEMM's shape-dependent
-    rounding from a replay race, session 20) runs its whole path on CPU, where there are no
+    rounding from a replay race) runs its whole path on CPU, where there are no
     graphs: every variant gives the same tokens and the padded prefill the exact one's logits."""
     import json
     import os

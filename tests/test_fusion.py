@@ -271,8 +271,8 @@ def _rope_forward_5_17(self, x, position_ids):
 
 def test_rotary_tables_fold_when_rope_sizes_itself_by_the_batch(make_checkpoint, tmp_path, monkeypatch):
     """With 5.17's RoPE, export reads the batch size for the expand off another input (last_idx);
-    the chain still depends on the positions alone and folds (Llama-8B's decode step ran its 7
-    kernels on the GPU hosts until session 14), into tables equal to what that forward computes."""
+    the chain still depends on the positions alone and folds (unfolded, Llama-8B's decode step
+    runs 7 small kernels for it), into tables equal to what that forward computes."""
     import dsc
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding

@@ -45,7 +45,7 @@ def test_dsc_pdl_is_read_at_each_call(hopper, monkeypatch):
 
 
 def test_auto_keeps_pdl_on_at_every_tp(hopper, monkeypatch):
-    """auto is on in tensor-parallel processes too (until session 17 it was off at tp=2)."""
+    """auto is on in tensor-parallel processes too, at tp=2 included."""
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

@@ -1,6 +1,6 @@
 """`dsc export-onnx`: standard ONNX ops, int8 weights as DequantizeLinear, onnxruntime matches.
 
-Tolerance (compiler/onnx_export.py TOLERANCE_DB, docs/diff-and-onnx.md): onnxruntime (CPU)
+Tolerance (compiler/onnx_export.py TOLERANCE_DB, docs/artifact.md): onnxruntime (CPU)
 logits vs the dsc runtime (CPU) on the same tokens, SQNR >= 80 dB for fp32, >= 40 dB for fp16,
 >= 25 dB for a bf16 artifact exported with --fp32 (bf16 rounding in the dsc run).
 """
