@@ -1,6 +1,8 @@
 """The `dsc` command line: compile, generate, inspect (and the commands later layers add).
 
-User errors print one line (`error: ...`) and exit 2, with no traceback."""
+User errors print one line (`error: ...`) and exit 2, with no traceback; so does a missing
+dependency (`error: torch is not installed: pip install torch`). Each command imports what it
+needs when it runs: `dsc -h`, `dsc --version` and `dsc inspect` never import torch."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,27 @@ import typer
 from dsc.errors import PassError, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="dsc: an ahead-of-time compiler for transformer inference.")
+# what `pip install` installs for a module a command imports (dsc's dependencies, pyproject.toml)
+_PIP_NAMES = {"torch": "torch", "transformers": "transformers", "safetensors": "safetensors",
+              "tokenizers": "tokenizers", "huggingface_hub": "huggingface_hub", "numpy": "numpy",
+              "pydantic": "pydantic", "triton": "triton", "onnx": "onnx", "onnxruntime": "onnxruntime",
+              "onnxscript": "onnxscript"}
+
+
+def _version(value: bool) -> None:
+    if value:
+        from dsc import __version__
+
+        typer.echo(f"dsc {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print dsc's version and exit")) -> None:
+    """dsc: an ahead-of-time compiler for transformer inference."""
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -135,7 +157,9 @@ def generate_cmd(
     token_ids: List[str] = typer.Option([], "--token-ids", help="prompt as token ids '1,2,3' (repeatable)"),
     max_new_tokens: int = typer.Option(32, help="tokens to generate per prompt"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
-    top_k: int = typer.Option(0), top_p: float = typer.Option(1.0), seed: Optional[int] = typer.Option(None),
+    top_k: int = typer.Option(0, help="sample from the k most likely tokens (0: all)"),
+    top_p: float = typer.Option(1.0, help="sample from the smallest set of tokens whose probability reaches p"),
+    seed: Optional[int] = typer.Option(None, help="seed of the sampler (default 0)"),
     stop_token: List[int] = typer.Option([], "--stop-token", help="token id that ends a sequence (repeatable)"),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda if available)"),
     stream: bool = typer.Option(False, "--stream", help="print tokens as they are generated"),
@@ -190,7 +214,7 @@ def _relaunch_under_torchrun(n: int) -> None:
 
 
 @app.command("inspect")
-def inspect_cmd(artifact: Path = typer.Argument(...),
+def inspect_cmd(artifact: Path = typer.Argument(..., help="artifact folder"),
                 as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """Show an artifact: options, programs and their op counts, kernels, weights and bytes per rank."""
     try:
@@ -207,7 +231,7 @@ def inspect_cmd(artifact: Path = typer.Argument(...),
 
 @app.command("bench")
 def bench_cmd(
-    artifact: Path = typer.Argument(...),
+    artifact: Path = typer.Argument(..., help="artifact folder"),
     device: Optional[str] = typer.Option(None, help="cpu | cuda"),
     batch: List[int] = typer.Option([1, 8, 32, 64], "--batch", help="decode batch sizes (repeatable)"),
     prefill: List[int] = typer.Option([128, 2048], "--prefill", help="prefill lengths (repeatable)"),
@@ -305,7 +329,14 @@ def export_onnx_cmd(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as e:  # a dependency a command imports is missing: one line, no traceback
+        top = (e.name or "").split(".")[0]
+        if top not in _PIP_NAMES:
+            raise
+        typer.echo(f"error: {top} is not installed: pip install {_PIP_NAMES[top]}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

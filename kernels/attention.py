@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -264,20 +263,8 @@ def _sm_count_of(index: int) -> int:
 
 def decode_preload(cfg: dict) -> dict:
     """The decode kernel's PRE_N (keys of each split's first tile loaded before the PDL wait; 0:
-    none) and num_warps: the config's. DSC_ATTN_PRE (read at each launch; CUDA graphs read it at
-    capture) overrides them for measuring: "128" (PRE_N) or "128:8" (and the warps). PRE_N is
-    0 or a power of two of at least 16."""
-    out = {"PRE_N": cfg.get("PRE_N", 0), "num_warps": cfg["num_warps"]}
-    spec = os.environ.get("DSC_ATTN_PRE", "").strip()
-    if not spec:
-        return out
-    pre, _, warps = spec.partition(":")
-    n = int(pre) if pre.isdigit() else -1
-    w = int(warps) if warps.isdigit() else (out["num_warps"] if not warps else -1)
-    if (n != 0 and (n < 16 or n & (n - 1))) or w not in (1, 2, 4, 8, 16):
-        raise ValueError(f"DSC_ATTN_PRE must be PRE_N or PRE_N:num_warps, PRE_N 0 or a power of two of at "
-                         f"least 16, got {spec!r}")
-    return {**out, "PRE_N": n, "num_warps": w}
+    none) and num_warps, from its config."""
+    return {"PRE_N": cfg.get("PRE_N", 0), "num_warps": cfg["num_warps"]}
 
 
 def decode_num_splits(batch: int, kv_heads: int, max_seq: int, cfg: dict, n_sm: int) -> int:

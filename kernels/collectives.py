@@ -28,8 +28,8 @@ captured program's choice, which keeps the same order. An NCCL all-reduce in bet
 synchronisation point of its own.
 
 The fused all-reduce + add + RMSNorm (one launch where the unfused ops take two; one program
-per row). Two kernels:
-- push (`_ar_push_add_rmsnorm_kernel`, the default): every rank writes its row straight into
+per row):
+- push (`_ar_push_add_rmsnorm_kernel`): every rank writes its row straight into
   its own slot of every rank's "push" buffer over NVLink, then polls its own buffer until a
   load finds no element of the row holding the marker value (-0.0; a real -0.0 is sent as +0.0,
   which changes no sum), writes the marker back, and sums the rows that load read in fp32 in
@@ -38,35 +38,29 @@ per row). Two kernels:
   everywhere outside a call. Reuse: a rank writes into buffer b again only two all-reduces
   later, having first received every rank's data (or passed a barrier) for the all-reduce in
   between, which each rank sends only after its kernel that read and reset buffer b finished.
-- pull (`_ar_add_rmsnorm_kernel`, DSC_ALLREDUCE=pull): copies the rank's row into the rank's
-  one-shot buffer, signals the row's flag on every rank (release exchanges at system scope,
-  one lane per rank), waits until every rank's flag on its own is set (acquire loads) and
-  clears them, then reads the row from every rank's buffer over NVLink. Flags are per (buffer,
-  row, sender), so the buffer order above also orders flag reuse.
-- GEMV push (the default with the push kernel; DSC_ALLREDUCE=push turns it off):
-  `dsc::linear_all_reduce_add_rmsnorm` is the row-parallel o_proj / down_proj with the
-  all-reduce + norm after it; at one row the GEMV's programs store their outputs into every
-  rank's push buffer themselves, and the GEMV's last program then waits, sums and normalizes
-  as the push kernel does (NORM_N: one launch); DSC_ALLREDUCE=gemv_push runs the push kernel
-  (SENT) for that after the GEMV instead.
+- GEMV push (with the push kernel): `dsc::linear_all_reduce_add_rmsnorm` is the row-parallel
+  o_proj / down_proj with the all-reduce + norm after it; at one row the GEMV's programs store
+  their outputs into every rank's push buffer themselves, and the GEMV's last program then
+  waits, sums and normalizes as the push kernel does (NORM_N: one launch).
 - embedding push (with the push kernel): `dsc::vocab_embedding_all_reduce_rmsnorm` is the push
   kernel with EMBED, whose row is the rank's lookup of the token (kernels/embedding.py's:
   zeros for another rank's id) and whose residual is zero, so s is the all-reduce's output;
   one launch where the lookup, torch's one-shot all-reduce (not a PDL launch: it serialises the
-  stream) and the norm take three (on 4 H200s no faster per step: tp=2 2.380 ms against
-  2.386, tp=4 1.418 against 1.417). Elsewhere (the pull kernel or none, more rows than the
-  buffers, CPU) it is those three ops, `dsc::rmsnorm` last.
+  stream) and the norm take three. Elsewhere (no push kernel, more rows than the buffers, CPU)
+  it is those three ops, `dsc::rmsnorm` last.
 All of them then round the sum to the dtype as the all-reduce's output is, add the residual and
 normalize as `dsc::add_rmsnorm` does. With PDL (kernels/launch.py) they read only the norm
 weight before `gdc_wait()`; since every PDL kernel waits before it exits, the wait returning
-means every earlier kernel has finished, so the reuse argument's kernel boundaries still hold. Where the fused path is off (DSC_ALLREDUCE=one_shot or
-nccl, a failed probe at set-up, rows beyond the buffers, CPU) the op is `dsc::all_reduce`
-followed by `dsc::add_rmsnorm`, with the same values.
-- push all-gather (`_push_gather_kernel`, with the push kernel; DSC_ALLGATHER=nccl turns it
-  off): `dsc::all_gather` of the vocab-parallel logits, the rank's block pushed into its region
+means every earlier kernel has finished, so the reuse argument's kernel boundaries still hold.
+Where the fused path is off (DSC_ALLREDUCE=nccl, a failed probe at set-up, rows beyond the
+buffers, CPU) the op is `dsc::all_reduce` followed by `dsc::add_rmsnorm`, with the same values.
+- push all-gather (`_push_gather_kernel`, with the push kernel): `dsc::all_gather` of the
+  vocab-parallel logits, the rank's block pushed into its region
   of every rank's push buffer and each program waiting for its offsets from every sender, then
-  storing them in rank order: one launch where NCCL's ring all-gather takes about 10 us at tp=4
-  (a `dsc bench --profile` of Llama-8B). Rows that do not fit the buffers (sized by the all-reduces) take NCCL.
+  storing them in rank order: one launch where NCCL's ring all-gather takes about 10 us at tp=4.
+  Rows that do not fit the buffers (sized by the all-reduces) take NCCL.
+DSC_ALLREDUCE (switches.py): auto (the default) takes the kernels above where the set-up's probe
+passes; nccl takes NCCL for every collective.
 Each all-reduce op here, fused or not, and the all-gather take one buffer slot per call in
 `program_scope` (runtime/engine.py's SLOT_OPS count them).
 """
@@ -74,13 +68,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from dsc import switches
 from dsc.kernels.embedding import _lookup, check_lookup, vocab_embedding
 from dsc.kernels.int8 import _check as _check_int8
 from dsc.kernels.int8 import _split as _int8_split
@@ -90,8 +84,6 @@ from dsc.kernels.linear import CONFIG_KEYS, _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config, rmsnorm_reference
 
 tl = None  # triton.language, bound by launch.jit on first launch
-# auto: the GEMV pushing its rows and ending the all-reduce, the push kernel, the one-shot
-ALLREDUCE_MODES = ("auto", "gemv_push", "push", "pull", "one_shot", "nccl")
 _MARK = {torch.bfloat16: -32768, torch.float16: -32768, torch.float32: -2147483648}  # -0.0's bits
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -99,8 +91,8 @@ _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32:
 class _Symmetric:
     """Three rendezvoused symmetric-memory buffers of `numel` elements of `dtype` (the one-shot
     all-reduce's), and for the fused all-reduce + norm three push buffers of `world` x `numel`
-    elements (one region per sender, holding the marker) and int32 flags per (buffer, row up to
-    `rows`, sender rank) for the pull kernel."""
+    elements (one region per sender, holding the marker); the fused kernels take up to `rows`
+    rows."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, numel: int, rows: int):
         import torch.distributed._symmetric_memory as symm_mem
@@ -118,11 +110,6 @@ class _Symmetric:
             buf = symm_mem.empty(numel, dtype=dtype, device=device)
             ptrs.append(symm_mem.rendezvous(buf, group).buffer_ptrs)
             self.buffers.append(buf)
-        self.buffer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)  # [3, world] addresses
-        self.flags = symm_mem.empty(3 * rows * self.world, dtype=torch.int32, device=device)
-        self.flag_ptrs = torch.tensor(symm_mem.rendezvous(self.flags, group).buffer_ptrs, dtype=torch.int64,
-                                      device=device)
-        self.flags.zero_()
         self.push, ptrs = [], []
         for _ in range(3):
             buf = symm_mem.empty(self.world * numel, dtype=dtype, device=device)
@@ -131,8 +118,8 @@ class _Symmetric:
             self.push.append(buf)
         self.push_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)  # [3, world] addresses
         torch.cuda.synchronize(device)
-        dist.barrier()  # every rank's flags are zero and push buffers marked before any rank writes
-        self.fused = ""  # "push" / "pull": set by enable_symmetric after the probe, the same on every rank
+        dist.barrier()  # every rank's push buffers are marked before any rank writes
+        self.fused = False  # the push kernel: set by enable_symmetric after the probe, the same on every rank
         self.count = 0  # all-reduces in the current program scope (0: none open)
         self.index = 0  # the next one's position
         # one real all-reduce of this dtype now: an unsupported dtype or a broken peer mapping
@@ -152,17 +139,8 @@ _symm: _Symmetric | None = None
 _retired: list[_Symmetric] = []  # replaced states: graphs captured with their buffers may still replay
 
 
-def allreduce_mode() -> str:
-    mode = os.environ.get("DSC_ALLREDUCE", "auto")
-    if mode not in ALLREDUCE_MODES:
-        raise ValueError(f"DSC_ALLREDUCE must be one of {', '.join(ALLREDUCE_MODES)}, got {mode!r}")
-    return mode
-
-
 def _label(s: _Symmetric) -> str:
-    if s.fused == "push" and allreduce_mode() in ("auto", "gemv_push"):
-        return {"auto": "symm_mem+norm+gemv_push_norm", "gemv_push": "symm_mem+norm+gemv_push"}[allreduce_mode()]
-    return {"push": "symm_mem+norm", "pull": "symm_mem+pull_norm"}.get(s.fused, "symm_mem")
+    return "symm_mem+norm+gemv_push_norm" if s.fused else "symm_mem"
 
 
 def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows: int = 1) -> str:
@@ -170,17 +148,13 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
     `numel`: the largest decode all-reduce; `rows`: its rows (max_batch). Returns
     "symm_mem+norm+gemv_push_norm" when the one-shot all-reduce and the fused all-reduce + norm
     (push kernel) are on for all ranks, the row-parallel linears' GEMVs pushing their rows and
-    ending the all-reduce (`linear_all_reduce_add_rmsnorm`); "symm_mem+norm+gemv_push" with
-    DSC_ALLREDUCE=gemv_push (the GEMV pushing its rows, then the push kernel); "symm_mem+norm"
-    with DSC_ALLREDUCE=push (the GEMV, then the push kernel), "symm_mem+pull_norm" with
-    DSC_ALLREDUCE=pull, "symm_mem" when only the one-shot is on, else "nccl" (with the reason on
-    stderr from rank 0). DSC_ALLREDUCE=one_shot turns the fused kernels off, DSC_ALLREDUCE=nccl
-    all of them."""
+    ending the all-reduce (`linear_all_reduce_add_rmsnorm`); "symm_mem" when only the one-shot
+    is on, else "nccl" (with the reason on stderr from rank 0). DSC_ALLREDUCE=nccl turns all of
+    them off."""
     global _symm
     if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() == 1:
         return "nccl"
-    mode = allreduce_mode()
-    if mode == "nccl":
+    if switches.get("DSC_ALLREDUCE") == "nccl":
         return "nccl"
     s = _symm
     if s is not None and s.buffers[0].device == device and s.dtype == dtype and s.numel >= numel and s.rows >= rows:
@@ -196,17 +170,16 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
             raise RuntimeError(f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy")
         state = _Symmetric(device, dtype, numel, rows)
 
-    err, fused_err = _try(set_up), "DSC_ALLREDUCE=one_shot"  # any failure: fall back on every rank
-    kernel = "pull" if mode == "pull" else "push"
-    if state is not None and mode in ("auto", "gemv_push", "push", "pull"):
-        fused_err = _try(lambda: _probe_fused(state, kernel, compile_only=True))
+    err, fused_err = _try(set_up), ""  # any failure: fall back on every rank
+    if state is not None:
+        fused_err = _try(lambda: _probe_fused(state, compile_only=True))
     ok = _agree(device, err, fused_err)  # no rank launches the probe unless every rank compiled it
     if ok[0] and ok[1]:  # every rank has the kernel built: all launch the probe, none is left waiting
-        fused_err = _try(lambda: _probe_fused(state, kernel))
+        fused_err = _try(lambda: _probe_fused(state))
         ok = _agree(device, err, fused_err)
     if ok[0]:
-        state.fused = kernel if ok[1] else ""
-        if not state.fused and mode in ("auto", "gemv_push", "push", "pull") and dist.get_rank() == 0:
+        state.fused = ok[1]
+        if not state.fused and dist.get_rank() == 0:
             print(f"dsc: fused all-reduce + RMSNorm unavailable ({fused_err or 'on another rank'}); "
                   "using the one-shot all-reduce and a separate norm", file=sys.stderr)
         _symm = state
@@ -232,9 +205,9 @@ def _agree(device: torch.device, *errors: str) -> list[bool]:
     return [bool(v) for v in ok.tolist()]
 
 
-def _probe_fused(s: _Symmetric, kernel: str, compile_only: bool = False) -> None:
-    """Two fused all-reduce + norms of known values on every rank, outside any program, then
-    (push) the embedding variant once and the push all-gather; raises when a result is wrong.
+def _probe_fused(s: _Symmetric, compile_only: bool = False) -> None:
+    """Two fused all-reduce + norms (push kernel) of known values on every rank, outside any
+    program, then the embedding variant once and the push all-gather; raises when a result is wrong.
     Buffers 1, 2, 1, 2: _Symmetric's probe used buffer 0, and the first all-reduce of the first
     program will use 0 again, so consecutive uses still differ (and each buffer is reused two
     collectives later, as in a program). compile_only: build the kernels without launching them (grids of no rows)."""
@@ -247,22 +220,21 @@ def _probe_fused(s: _Symmetric, kernel: str, compile_only: bool = False) -> None
     total = torch.full((rows, n), s.world * (s.world + 1) / 2, dtype=s.dtype, device=dev)  # 1 + ... + world
     ones = torch.ones_like(total, dtype=torch.float32)
     for slot in (1, 2):
-        got, y = _launch_fused(s, kernel, slot, x, res, w, 1e-6)
+        got, y = _launch_fused(s, slot, x, res, w, 1e-6)
         if not torch.equal(got, total) or not torch.allclose(y.float(), ones, atol=1e-2):
             raise RuntimeError(f"a probe all-reduce + norm over {s.world} ranks gave {got.flatten()[:4].tolist()}")
-    if kernel == "push":
-        # id 0 is rank 0's (its rows start at 0; every other rank's at 2 * rank): 5.0 on every rank
-        table = torch.full((2, n), 5.0, dtype=s.dtype, device=dev)
-        start = torch.tensor([2 * s.rank], dtype=torch.int64, device=dev)
-        got, y = _launch_embedding_push(s, 1, table, torch.zeros(rows, dtype=torch.int64, device=dev), start, w, 1e-6)
-        if not torch.equal(got, torch.full_like(got, 5.0)) or not torch.allclose(y.float(), ones, atol=1e-2):
-            raise RuntimeError(f"a probe embedding + all-reduce + norm over {s.world} ranks gave "
-                               f"{got.flatten()[:4].tolist()}")
-        # the push all-gather (buffer 2 again, after 1): rank q's block holds q + 1
-        got = _launch_push_gather(s, 2, x)
-        want = torch.arange(1, s.world + 1, dtype=s.dtype, device=dev).repeat_interleave(n).expand(rows, -1)
-        if not torch.equal(got, want):
-            raise RuntimeError(f"a probe push all-gather over {s.world} ranks gave {got.flatten()[::n].tolist()}")
+    # id 0 is rank 0's (its rows start at 0; every other rank's at 2 * rank): 5.0 on every rank
+    table = torch.full((2, n), 5.0, dtype=s.dtype, device=dev)
+    start = torch.tensor([2 * s.rank], dtype=torch.int64, device=dev)
+    got, y = _launch_embedding_push(s, 1, table, torch.zeros(rows, dtype=torch.int64, device=dev), start, w, 1e-6)
+    if not torch.equal(got, torch.full_like(got, 5.0)) or not torch.allclose(y.float(), ones, atol=1e-2):
+        raise RuntimeError(f"a probe embedding + all-reduce + norm over {s.world} ranks gave "
+                           f"{got.flatten()[:4].tolist()}")
+    # the push all-gather (buffer 2 again, after 1): rank q's block holds q + 1
+    got = _launch_push_gather(s, 2, x)
+    want = torch.arange(1, s.world + 1, dtype=s.dtype, device=dev).repeat_interleave(n).expand(rows, -1)
+    if not torch.equal(got, want):
+        raise RuntimeError(f"a probe push all-gather over {s.world} ranks gave {got.flatten()[::n].tolist()}")
 
 
 def disable_symmetric() -> None:
@@ -342,58 +314,12 @@ def _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N: tl.constexpr):
     _norm_row(sf, rstd, w, Y + row.to(tl.int64) * N, cols, mask)
 
 
-def _ar_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, FLAGS, stride_x, stride_r, eps, rank, flag_base,
-                           N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
-                           PDL: tl.constexpr = False):
-    # BUFS: [WORLD] addresses of every rank's buffer (this call's slot); FLAGS: [WORLD] addresses
-    # of every rank's flags; this row's flags start at (flag_base + row) * WORLD, one per sender.
-    # Buffers are 16-byte aligned (multiple_of lets the row move in 16-byte loads; N is a
-    # constexpr so that row * N keeps that alignment when N allows it)
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    dt = S.dtype.element_ty
-    if PDL:  # kernels/launch.py: the next kernel may start; only the norm weight is read before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
-    mine = tl.multiple_of(tl.load(BUFS + rank).to(tl.pointer_type(dt)), 16)
-    tl.store(mine + row * N + cols, x, mask=mask)
-    r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.debug_barrier()  # the whole row is in the buffer before any rank is told so
-    # the barrier: one lane per rank, all at once (one NVLink round trip, not one per rank).
-    # Signal: a system-scope release exchange into rank p's flag for this row from this rank
-    # (this rank's own flag too: it is consumed like the others). Wait: poll this rank's flags
-    # from every sender with acquire loads until all are set, then clear them.
-    peers = tl.arange(0, BLOCK_W)
-    live = peers < WORLD
-    slot = (flag_base + row) * WORLD
-    theirs = tl.load(FLAGS + peers, mask=live, other=0).to(tl.pointer_type(tl.int32))
-    tl.atomic_xchg(theirs + slot + rank, 1, mask=live, sem="release", scope="sys")
-    own = tl.load(FLAGS + rank).to(tl.pointer_type(tl.int32)) + slot + peers
-    # (the loop carries the count, a scalar: triton 3.6 fails to compile a loop-carried tensor here)
-    arrived = tl.sum(tl.where(live, tl.atomic_add(own, 0, mask=live, sem="acquire", scope="sys"), 0))
-    while arrived != WORLD:
-        arrived = tl.sum(tl.where(live, tl.atomic_add(own, 0, mask=live, sem="acquire", scope="sys"), 0))
-    tl.store(own, 0, mask=live)  # a sender sets it again only after this rank's next signal
-    # the peers' rows, uncached (.cv; triton 3.6 emits plain loads, also safe: a launch reads
-    # each buffer row once, after the barrier, so L1 holds no earlier copy of it)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for p in tl.static_range(WORLD):  # rank order: the same sum on every rank
-        buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(dt)), 16)
-        acc += tl.load(buf + row * N + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
-    _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N)
-
-
 def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, rank, region, IDS, START, vocab,
                                 N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr,
                                 BLOCK_N: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False,
-                                SENT: tl.constexpr = False, EMBED: tl.constexpr = False):
+                                EMBED: tl.constexpr = False):
     # BUFS: [WORLD] addresses of every rank's push buffer (this call's slot), read as integers of
     # the dtype's width; sender q's rows start at q * region in every buffer. MARK: -0.0's bits.
-    # SENT: the previous kernel (`_gemv_push_kernel`) already pushed this rank's row; X unused.
     # EMBED (`vocab_embedding_all_reduce_rmsnorm`): row i is the lookup of token IDS[i] in this
     # rank's rows X [vocab, N] (row stride stride_x) of the embedding, ids START[0] .. START[0] +
     # vocab - 1, zeros for another rank's id; no residual (R, stride_r unused): s is the sum.
@@ -403,22 +329,22 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
     mask = cols < N
     dt = S.dtype.element_ty
     it = tl.int16 if dt.primitive_bitwidth == 16 else tl.int32
-    if PDL:  # as the pull kernel: the next kernel may start (its own wait orders it after this one)
+    if PDL:  # the next kernel may start (its own wait orders it after this one); only the norm
+        # weight is read before the wait
         tl.extra.cuda.gdc_launch_dependents()
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if EMBED:  # kernels/embedding.py's lookup
         x = _lookup(X, IDS, START, row, vocab, stride_x, cols, mask)
-    elif not SENT:
+    else:
         x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
-    if not SENT:
-        bits = x.to(it, bitcast=True)
-        bits = tl.where(bits == MARK, 0, bits)  # -0.0 -> +0.0: the marker means "not arrived"
-        at = (rank * region + row * N).to(tl.int64)  # (no rank.to(): triton makes a rank of 1 a constant)
-        for p in tl.static_range(WORLD):  # this rank's row into its region of every rank's buffer
-            buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(it)), 16)
-            tl.store(buf + at + cols, bits, mask=mask)
+    bits = x.to(it, bitcast=True)
+    bits = tl.where(bits == MARK, 0, bits)  # -0.0 -> +0.0: the marker means "not arrived"
+    at = (rank * region + row * N).to(tl.int64)  # (no rank.to(): triton makes a rank of 1 a constant)
+    for p in tl.static_range(WORLD):  # this rank's row into its region of every rank's buffer
+        buf = tl.multiple_of(tl.load(BUFS + p).to(tl.pointer_type(it)), 16)
+        tl.store(buf + at + cols, bits, mask=mask)
     if EMBED:  # a residual of zeros: `_add_row` stores the sum rounded to the dtype, the all-reduce's output
         r = tl.zeros([BLOCK_N], dtype=tl.float32)
     else:
@@ -516,17 +442,17 @@ def _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, N: tl.cons
 
 def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, eps, EVEN: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, WORLD: tl.constexpr,
-                      MARK: tl.constexpr, PDL: tl.constexpr = False, NORM_N: tl.constexpr = 0,
-                      BLOCK_W: tl.constexpr = 1, CHUNK: tl.constexpr = 1, EARLY_K: tl.constexpr = 0):
+                      MARK: tl.constexpr, NORM_N: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr,
+                      PDL: tl.constexpr = False, EARLY_K: tl.constexpr = 0):
     # the row-parallel linear before a fused all-reduce + norm, at one row: kernels/linear.py's
     # GEMV, whose programs store their outputs, rounded to the dtype, straight into this rank's
     # region of every rank's push buffer (as the push kernel would, -0.0 sent as +0.0) instead
     # of into a tensor. The peers' copies start as soon as each program has its rows, while the
     # others still stream the weight.
-    # NORM_N = N > 0 (R, NW, S, Y, eps used): the last program (the last to start) then ends the
-    # all-reduce as the push kernel does (wait, sum, reset, add, norm; s and y of the N outputs
-    # into S and Y): one launch where the GEMV and the push kernel with SENT take two. Else that
-    # push kernel follows. Its wait is the markers' (every row, its own rank's from the other
+    # NORM_N = N: the last program (the last to start) then ends the all-reduce as the push
+    # kernel does (wait, sum, reset, add, norm; s and y of the N outputs into S and Y): one
+    # launch where the GEMV and the push kernel take two. Its wait is the markers' (every row,
+    # its own rank's from the other
     # programs included), so no counter orders it: one program polls while the others run or
     # have run. (A counter of finished programs, one atomic each on one address, made
     # Llama-8B's tp=2 step 3 us per all-reduce slower on H200s.)
@@ -543,8 +469,8 @@ def _push_rows_and_end(X, y, offs_n, mask_n, BUFS, rank, region, R, NW, S, Y, ep
                        MARK: tl.constexpr, NORM_N: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr):
     # a GEMV push program's end (`_gemv_push_kernel`, `_w8a16_gemv_push_kernel`): its outputs y
     # [rows offs_n] rounded to x's dtype into this rank's region of every rank's push buffer (-0.0
-    # sent as +0.0); with NORM_N the last program then ends the all-reduce (wait, sum, reset, add,
-    # norm)
+    # sent as +0.0); then the last program ends the all-reduce of the NORM_N outputs (wait, sum,
+    # reset, add, norm)
     it = tl.int16 if X.dtype.element_ty.primitive_bitwidth == 16 else tl.int32
     bits = y.to(X.dtype.element_ty).to(it, bitcast=True)
     bits = tl.where(bits == MARK, 0, bits)
@@ -552,27 +478,25 @@ def _push_rows_and_end(X, y, offs_n, mask_n, BUFS, rank, region, R, NW, S, Y, ep
     for p in tl.static_range(WORLD):
         buf = tl.load(BUFS + p).to(tl.pointer_type(it))
         tl.store(buf + at, bits, mask=mask_n)
-    if NORM_N > 0:
-        if tl.program_id(0) == tl.num_programs(0) - 1:
-            if CHUNK >= NORM_N:  # the row in one piece: the push kernel's end, r and w loaded first
-                cols = tl.arange(0, CHUNK)
-                r = tl.load(R + cols, mask=cols < NORM_N, other=0.0).to(tl.float32)
-                w = tl.load(NW + cols, mask=cols < NORM_N, other=0.0).to(tl.float32)
-                _push_wait_sum_norm(BUFS, r, w, S, Y, tl.full([], 0, tl.int32), rank, region, eps, NORM_N, WORLD,
-                                    BLOCK_W, CHUNK, MARK)
-            else:
-                _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, NORM_N, WORLD, BLOCK_W, CHUNK,
-                                            MARK)
+    if tl.program_id(0) == tl.num_programs(0) - 1:
+        if CHUNK >= NORM_N:  # the row in one piece: the push kernel's end, r and w loaded first
+            cols = tl.arange(0, CHUNK)
+            r = tl.load(R + cols, mask=cols < NORM_N, other=0.0).to(tl.float32)
+            w = tl.load(NW + cols, mask=cols < NORM_N, other=0.0).to(tl.float32)
+            _push_wait_sum_norm(BUFS, r, w, S, Y, tl.full([], 0, tl.int32), rank, region, eps, NORM_N, WORLD,
+                                BLOCK_W, CHUNK, MARK)
+        else:
+            _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, NORM_N, WORLD, BLOCK_W, CHUNK, MARK)
 
 
 def _w8a16_gemv_push_kernel(X, W, WS, WZ, BUFS, N, K, G, rank, region, R, NW, S, Y, eps,
                             GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, CVT: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr,
-                            WORLD: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False,
-                            NORM_N: tl.constexpr = 0, BLOCK_W: tl.constexpr = 1, CHUNK: tl.constexpr = 1):
+                            WORLD: tl.constexpr, MARK: tl.constexpr, NORM_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                            CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     # `_gemv_push_kernel` over an int8 weight: the W8A16 GEMV's rows (kernels/int8.py; WS, WZ
-    # its scales and zero points, G groups per row) pushed into every rank's buffer, and with
-    # NORM_N the last program ending the all-reduce: the row-parallel o_proj / down_proj of an
+    # its scales and zero points, G groups per row) pushed into every rank's buffer, and the
+    # last program ending the all-reduce: the row-parallel o_proj / down_proj of an
     # --int8 artifact and the all-reduce + add + RMSNorm after it in one launch
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -582,25 +506,18 @@ def _w8a16_gemv_push_kernel(X, W, WS, WZ, BUFS, N, K, G, rank, region, R, NW, S,
     _push_rows_and_end(X, y, offs_n, mask_n, BUFS, rank, region, R, NW, S, Y, eps, WORLD, MARK, NORM_N, BLOCK_W, CHUNK)
 
 
-def _launch_fused(s: _Symmetric, kernel: str, slot: int, x: torch.Tensor, residual: torch.Tensor,
-                  weight: torch.Tensor, eps: float, sent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [..., N] of one shape, read as rows (launch.rows_of, as the norm kernels do);
-    returns (sum, normed) of x's shape, contiguous. kernel: "push" or "pull". sent (push only):
-    this rank's rows are already in the buffers (`_gemv_push_kernel`); x is not read."""
+def _launch_fused(s: _Symmetric, slot: int, x: torch.Tensor, residual: torch.Tensor,
+                  weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The push kernel. x, residual: [..., N] of one shape, read as rows (launch.rows_of, as the
+    norm kernels do); returns (sum, normed) of x's shape, contiguous."""
     n = x.shape[-1]
     x, rows, sx = rows_of(x)
     residual, _, sr = rows_of(residual)
     out_s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
-    common = _fused_options(s, n, x.device)
-    if kernel == "push":
-        jit(_ar_push_add_rmsnorm_kernel)[(rows,)](
-            x, residual, weight, out_s, out_y, s.push_ptrs[slot], sx, sr, eps, s.rank, s.numel, x, x, 0,
-            MARK=_MARK[s.dtype], SENT=sent, **common)
-    else:
-        jit(_ar_add_rmsnorm_kernel)[(rows,)](
-            x, residual, weight, out_s, out_y, s.buffer_ptrs[slot], s.flag_ptrs, sx, sr, eps,
-            s.rank, slot * s.rows, **common)
+    jit(_ar_push_add_rmsnorm_kernel)[(rows,)](
+        x, residual, weight, out_s, out_y, s.push_ptrs[slot], sx, sr, eps, s.rank, s.numel, x, x, 0,
+        MARK=_MARK[s.dtype], **_fused_options(s, n, x.device))
     return out_s, out_y
 
 
@@ -642,7 +559,7 @@ def _(residual, x, weight, eps):
     if (s is not None and s.fused and s.count and x.dtype == s.dtype and residual.dtype == s.dtype
             and residual.shape == x.shape and 0 < n <= MAX_N and 0 < x.numel() // n <= s.rows
             and x.numel() <= s.numel):
-        return _launch_fused(s, s.fused, s.slot(), x, residual, weight.contiguous(), eps)
+        return _launch_fused(s, s.slot(), x, residual, weight.contiguous(), eps)
     return torch.ops.dsc.add_rmsnorm(all_reduce(x), residual, weight, eps)
 
 
@@ -671,22 +588,12 @@ def vocab_embedding_all_reduce_rmsnorm(weight: torch.Tensor, ids: torch.Tensor, 
     return h, rmsnorm_reference(h, norm_weight, eps)
 
 
-def embed_push_enabled() -> bool:
-    """DSC_EMBED_PUSH=on|off (read at each call; CUDA graphs read it at capture): off runs the
-    lookup, the one-shot all-reduce and the norm kernel instead of the push kernel with EMBED,
-    to measure the two side by side. Default on."""
-    mode = os.environ.get("DSC_EMBED_PUSH", "on")
-    if mode not in ("on", "off"):
-        raise ValueError(f"DSC_EMBED_PUSH must be on or off, got {mode!r}")
-    return mode == "on"
-
-
 @vocab_embedding_all_reduce_rmsnorm.register_kernel("cuda")
 def _(weight, ids, start, norm_weight, eps):
     check_lookup(weight, ids, start)
     s = _symm
     n = weight.shape[-1]
-    if (s is not None and s.fused == "push" and s.count and embed_push_enabled()
+    if (s is not None and s.fused and s.count
             and weight.dtype == norm_weight.dtype == s.dtype
             and 0 < n <= MAX_N and 0 < ids.numel() <= s.rows and ids.numel() * n <= s.numel):
         return _launch_embedding_push(s, s.slot(), weight.contiguous(), ids, start, norm_weight.contiguous(), eps)
@@ -717,10 +624,10 @@ _w8a16_push_error = ""  # the same for its W8A16 form
 
 def _gemv_push_usable(s: _Symmetric | None, residual, x, weight, norm_weight, error: str) -> bool:
     """Whether a row-parallel linear + all-reduce + norm call may take a GEMV push kernel (ending
-    the all-reduce, or followed by the push kernel with SENT): the push kernel on, DSC_ALLREDUCE=
-    auto or gemv_push, that kernel built here (`error` empty), one row, activations of the
-    buffers' dtype, a contiguous weight [n, k] whose rows fit the buffers."""
-    if (s is None or s.fused != "push" or not s.count or allreduce_mode() not in ("auto", "gemv_push")
+    the all-reduce): the push kernel on, DSC_ALLREDUCE=auto, that kernel built here (`error`
+    empty), one row, activations of the buffers' dtype, a contiguous weight [n, k] whose rows
+    fit the buffers."""
+    if (s is None or not s.fused or not s.count or switches.get("DSC_ALLREDUCE") != "auto"
             or error or not weight.is_contiguous()):
         return False
     n, k = weight.shape
@@ -754,11 +661,8 @@ def linear_all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weigh
     """all_reduce_add_rmsnorm(residual, x @ weight.T, norm_weight, eps): a row-parallel linear
     (no bias) and the all-reduce + add + RMSNorm after it (the decode_linears pass makes it of
     the two). On CUDA at one row with the push kernel on, its GEMV pushes its outputs into the
-    peers' buffers as it computes them (`_gemv_push_kernel`) and, with DSC_ALLREDUCE=auto, its
-    last program ends the all-reduce; DSC_ALLREDUCE=gemv_push leaves that to the push kernel. On
-    4 H200s at Llama-8B's tp=4 o_proj shape, us per call in a CUDA graph without PDL: 6.50 (one
-    launch), 6.47 (the GEMV push, then the push kernel), 8.12 (the GEMV, then the push kernel;
-    scripts/check_allreduce_gpu.py). Elsewhere the two ops."""
+    peers' buffers as it computes them (`_gemv_push_kernel`) and its last program ends the
+    all-reduce: one launch where the GEMV and the push kernel take two. Elsewhere the two ops."""
     return _linear_then_fused(residual, x, weight, norm_weight, eps)
 
 
@@ -780,13 +684,13 @@ def _(residual, x, weight, norm_weight, eps):
 
 def _gemv_push_call(s: _Symmetric, residual, norm_weight, eps, kind: str, launch, pair):
     """A GEMV push kernel's call (kind "gemv" or "w8a16"): launch(slot, norm) pushes the rows and,
-    given norm = (residual, norm weight, eps) (DSC_ALLREDUCE=auto), ends the all-reduce and returns
-    (s, y); without it (gemv_push) the push kernel with SENT follows. A kernel that fails to build
-    leaves this rank the unfused pair, `pair()`, from then on: its row reaches the same buffers in
-    the same layout (the push kernel sends the linear's output), so ranks may differ."""
+    given norm = (residual, norm weight, eps), ends the all-reduce and returns (s, y). A kernel
+    that fails to build leaves this rank the unfused pair, `pair()`, from then on: its row
+    reaches the same buffers in the same layout (the push kernel sends the linear's output), so
+    ranks may differ."""
     global _gemv_push_error, _w8a16_push_error
     slot = s.slot()
-    norm = (residual, norm_weight.contiguous(), eps) if allreduce_mode() == "auto" else None
+    norm = (residual, norm_weight.contiguous(), eps)
     try:
         out = launch(slot, norm)
     except Exception as e:  # noqa: BLE001  (a build failure: nothing was launched)
@@ -799,8 +703,6 @@ def _gemv_push_call(s: _Symmetric, residual, norm_weight, eps, kind: str, launch
               f"{s.rank} ({error}); using the GEMV and the push kernel", file=sys.stderr)
         s.index -= 1  # the unfused pair takes this slot again
         return pair()
-    if out is None:  # DSC_ALLREDUCE=gemv_push: the push kernel waits, sums and normalizes
-        out = _launch_fused(s, "push", slot, residual, residual, norm_weight.contiguous(), eps, sent=True)
     return out[0].view(residual.shape), out[1].view(residual.shape)
 
 
@@ -829,21 +731,16 @@ def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
 
 
 def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.Tensor, config: dict,
-                      norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      norm: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """x (one row of K) @ weight [N, K].T into this rank's region of every rank's push buffer of
-    `slot`, row 0, with the GEMV config `config` (kernels/linear.py's). norm = (residual,
-    norm_weight, eps): the same launch ends the all-reduce and returns (s, y) as
-    `_launch_fused` does; None: returns None, the push kernel (SENT) to follow."""
+    `slot`, row 0, with the GEMV config `config` (kernels/linear.py's); norm = (residual,
+    norm_weight, eps): the same launch ends the all-reduce and returns (s, y) as `_launch_fused`
+    does."""
     n, k = weight.shape
-    if norm is None:
-        grid, opts = gemv_launch(config, n, k, x.device, kind="push")
-        jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
-                                     x, x, x, x, 0.0, WORLD=s.world, MARK=_MARK[s.dtype], **opts)
-        return None
     residual, norm_weight, eps = norm
     out_s = torch.empty(n, dtype=residual.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
-    grid, opts = gemv_launch(gemv_push_norm_config(config, n, s.world), n, k, x.device, kind="push")
+    grid, opts = gemv_launch(gemv_push_norm_config(config, n, s.world), n, k, x.device)
     jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
                                  residual.contiguous(), norm_weight, out_s, out_y, eps,
                                  WORLD=s.world, MARK=_MARK[s.dtype], **opts)
@@ -859,8 +756,8 @@ def _(residual, x, weight, norm_weight, eps):
 def _plan_linear_all_reduce_add_rmsnorm(residual, x, weight, norm_weight, eps, *, arch):
     """The decode program's (batch 1): where the GEMV is tuned for the shape, one launch, the
     GEMV pushing its rows and its last program waiting, summing and normalizing
-    (DSC_ALLREDUCE=auto on the target); else the linear's kernel (cuBLAS), then the fused
-    all-reduce + norm."""
+    (DSC_ALLREDUCE=auto, the default, on the target); else the linear's kernel (cuBLAS), then
+    the fused all-reduce + norm."""
     from dsc.kernels.linear import _plan_linear
 
     lin = _plan_linear(x, weight, arch=arch)
@@ -881,9 +778,8 @@ def linear_w8a16_all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor,
     """all_reduce_add_rmsnorm(residual, linear_w8a16(x, qweight, scale, zero, None, group_size),
     norm_weight, eps): `linear_all_reduce_add_rmsnorm` for an --int8 artifact's row-parallel
     o_proj / down_proj (the decode_linears pass makes it of the two). On CUDA at one row with the
-    push kernel on, the W8A16 GEMV pushes its outputs (`_w8a16_gemv_push_kernel`) and, with
-    DSC_ALLREDUCE=auto, its last program ends the all-reduce: one launch where the pair takes
-    two; DSC_ALLREDUCE=gemv_push leaves the end to the push kernel. Elsewhere the two ops."""
+    push kernel on, the W8A16 GEMV pushes its outputs (`_w8a16_gemv_push_kernel`) and its last
+    program ends the all-reduce: one launch where the pair takes two. Elsewhere the two ops."""
     return _w8a16_then_fused(residual, x, qweight, scale, zero, group_size, norm_weight, eps)
 
 
@@ -918,22 +814,16 @@ def w8a16_push_config(n: int, k: int, group_k: int, arch: str, x_bytes: int = 2)
 
 def _launch_w8a16_push(s: _Symmetric, slot: int, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                        zero: torch.Tensor | None, group_size: int, config: dict,
-                       norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       norm: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """`_launch_gemv_push` over an int8 weight: x (one row of K) @ dequant(qweight [N, K]).T into
     this rank's region of every rank's push buffer of `slot`, with the W8A16 GEMV config
     `config`; norm = (residual, norm_weight, eps): the same launch ends the all-reduce and
-    returns (s, y); None: returns None, the push kernel (SENT) to follow."""
+    returns (s, y)."""
     n, k = qweight.shape
     _, _, _, g = _check_int8(x.reshape(1, k), qweight, scale, zero, None, group_size)
     gk = 0 if g == 1 else group_size
     zero_ = zero if zero is not None else qweight  # any pointer: unused without HAS_ZERO
     flags = dict(GROUP_K=gk, HAS_ZERO=zero is not None, WORLD=s.world, MARK=_MARK[s.dtype], **pdl_options(x.device))
-    if norm is None:
-        const, opts = _int8_split({"FAST_CVT": False, "PREFETCH": False, "X_ROW": False, **config}, x.device)
-        jit(_w8a16_gemv_push_kernel)[(cdiv(n, const["BLOCK_N"]),)](
-            x.contiguous(), qweight, scale, zero_, s.push_ptrs[slot], n, k, g, s.rank, s.numel,
-            x, x, x, x, 0.0, **flags, **const, **opts)
-        return None
     residual, norm_weight, eps = norm
     out_s = torch.empty(n, dtype=residual.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
@@ -954,8 +844,8 @@ def _(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
 def _plan_linear_w8a16_all_reduce_add_rmsnorm(residual, x, qweight, scale, zero, group_size, norm_weight, eps, *,
                                               arch):
     """The decode program's (batch 1): one launch, the W8A16 GEMV pushing its rows and its last
-    program waiting, summing and normalizing (DSC_ALLREDUCE=auto on the target); the config
-    `w8a16_push_config`'s, whose warps (and BLOCK_N with them) the launch raises with the ranks
+    program waiting, summing and normalizing (DSC_ALLREDUCE=auto, the default, on the target);
+    the config `w8a16_push_config`'s, whose warps (and BLOCK_N with them) the launch raises with the ranks
     (`gemv_push_norm_config`). Without the push kernel: the W8A16 GEMV, then the fused
     all-reduce + norm."""
     n, k = qweight.shape
@@ -1011,15 +901,6 @@ def _push_gather_kernel(X, Y, BUFS, n, total, rank, region, WORLD: tl.constexpr,
 PUSH_GATHER = dict(BLOCK=1024, num_warps=4)  # one program per 1024 elements (Llama-8B's batch-1 logits: 32 at tp=4)
 
 
-def push_gather_enabled() -> bool:
-    """DSC_ALLGATHER=push (the default) or nccl: the logits' all-gather through the push buffers
-    (with the push all-reduce kernel on) or NCCL's."""
-    mode = os.environ.get("DSC_ALLGATHER", "push")
-    if mode not in ("push", "nccl"):
-        raise ValueError(f"DSC_ALLGATHER must be push or nccl, got {mode!r}")
-    return mode == "push"
-
-
 def _push_gather(x: torch.Tensor, dim: int) -> torch.Tensor | None:
     """`all_gather` through the push buffers (one launch, no NCCL), or None: NCCL's. Takes a
     slot in the program scope either way (the engine counts the op with the all-reduces)."""
@@ -1027,7 +908,7 @@ def _push_gather(x: torch.Tensor, dim: int) -> torch.Tensor | None:
     if s is None or s.count == 0 or not x.is_cuda:
         return None
     slot = s.slot()  # counted even when this call takes NCCL, which synchronises on its own
-    if (s.fused != "push" or allreduce_mode() not in ("auto", "gemv_push", "push") or not push_gather_enabled()
+    if (not s.fused or switches.get("DSC_ALLREDUCE") != "auto"
             or x.dtype != s.dtype or x.numel() > s.numel or dim % x.dim() != x.dim() - 1 or x.numel() == 0):
         return None
     return _launch_push_gather(s, slot, x)

@@ -25,7 +25,7 @@
   could clobber what the previous kernel still reads. Every program waits before it exits, so
   a kernel's end implies its predecessors' (decode attention's early reads rely on it: the
   position and cache slots written in earlier steps, see `_decode_kernel`). Without PDL the
-  kernels compile to what they were before. `DSC_PDL=auto|on|off` (`pdl_enabled`; auto, the default, is on).
+  kernels compile to what they were before. `DSC_PDL=auto|off` (`pdl_enabled`; auto, the default, is on).
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from dsc import switches
 
 TARGET_ARCH = "sm_90"  # what `dsc compile` plans for (H100 / H200)
 TUNING_FILE = Path(__file__).with_name("tuning.json")
@@ -117,10 +119,9 @@ def _cuda_arch(index: int) -> str:
 
 
 def tuning_table() -> dict:
-    """kernels/tuning.json. DSC_TUNING=PATH (for measuring, e.g. GEMV push rows side by side in
-    gpu_tp.sh's BENCH_ENVS / BOUND_ENVS; CUDA graphs read it at capture): a JSON of the same
-    layout whose rows replace the table's, {arch: {kernel: {shape_class: row}}}."""
-    return _tuning_table(os.environ.get("DSC_TUNING", ""))
+    """kernels/tuning.json, with the rows of DSC_TUNING's file (switches.py; for tuners and A/B
+    benches, e.g. GEMV push rows side by side) replacing its own: {arch: {kernel: {shape_class: row}}}."""
+    return _tuning_table(switches.get("DSC_TUNING"))
 
 
 @functools.cache
@@ -128,16 +129,7 @@ def _tuning_table(override: str) -> dict:
     table = json.loads(TUNING_FILE.read_text())
     if not override:
         return table
-    try:
-        rows = json.loads(Path(override).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"DSC_TUNING: cannot read {override}: {e}") from None
-    ok = isinstance(rows, dict) and all(
-        isinstance(kernels, dict) and all(isinstance(shapes, dict) and all(isinstance(r, dict) for r in shapes.values())
-                                          for shapes in kernels.values())
-        for arch, kernels in rows.items() if not arch.startswith("_"))
-    if not ok:
-        raise ValueError(f"DSC_TUNING: {override} is not {{arch: {{kernel: {{shape_class: {{...}}}}}}}}")
+    rows = json.loads(Path(override).read_text())  # its layout checked when the switch was read
     for arch, kernels in rows.items():
         if not arch.startswith("_"):
             for kernel, shapes in kernels.items():
@@ -155,27 +147,13 @@ def tuned(kernel: str, shape_class: str, arch: str, default: dict) -> dict:
     return {**default, **tuning_row(kernel, shape_class, arch)}
 
 
-PDL_MODES = ("auto", "on", "off")
-
-
-def pdl_mode() -> str:
-    """DSC_PDL (read at each call; CUDA graphs read it at capture): "auto" (default), "on" or "off"."""
-    mode = os.environ.get("DSC_PDL", "auto")
-    if mode not in PDL_MODES:
-        raise ValueError(f"DSC_PDL must be one of {', '.join(PDL_MODES)}, got {mode!r}")
-    return mode
-
-
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: on an NVIDIA GPU of capability >= 9.0
     (Hopper) with a triton that has the griddepcontrol intrinsics, never on CPU or in the Triton
-    interpreter (it cannot run inline PTX). DSC_PDL=on or auto (the default): wherever it can;
-    off: never. It is on at every tp: with the GEMVs loading part of their weight before the
-    wait (kernels/tuning.json "EARLY"), Llama-8B's tp=2 step is faster with PDL than without
-    (4 H200s, steps queued back to back, two rounds, PDL on / off 2.446 / 2.484 and 2.432 /
-    2.493 ms), and tp=4's 3% faster."""
-    mode = pdl_mode()
-    if mode == "off" or device.type != "cuda" or _interpreting():
+    interpreter (it cannot run inline PTX). DSC_PDL=auto (the default): wherever it can, at every
+    tp (with the GEMVs' EARLY rows in kernels/tuning.json, Llama-8B's tp=2 and tp=4 decode steps
+    are faster with PDL than without); off: never."""
+    if switches.get("DSC_PDL") == "off" or device.type != "cuda" or _interpreting():
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 

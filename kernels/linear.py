@@ -36,11 +36,10 @@ The CPU implementation and the test oracle is F.linear.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from dsc import switches
 from dsc.kernels.activation import _plan_swiglu, _silu_mul, swiglu_reference
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, tuning_table
 
@@ -150,25 +149,17 @@ def _gemv_swiglu_kernel(X, W, Y, N, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 # -- configs -----------------------------------------------------------------------------------
-GEMV_MODES = ("tuned", "off", "all")
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "X_ROW", "EARLY")  # what a tuning row sets
-
-
-def gemv_mode() -> str:
-    mode = os.environ.get("DSC_GEMV", "tuned")
-    if mode not in GEMV_MODES:
-        raise ValueError(f"DSC_GEMV must be one of {', '.join(GEMV_MODES)}, got {mode!r}")
-    return mode
 
 
 def gemv_config(n: int, k: int, arch: str, mode: str | None = None) -> dict | None:
     """The tuned GEMV config {"BLOCK_N", "BLOCK_K", "num_warps"} for a weight [n, k] on this
     arch, or None where cuBLAS serves (no row: untuned, or cuBLAS was as fast).
-    DSC_GEMV (read at each call; CUDA graphs read it at capture): "tuned" (default), "off"
-    (cuBLAS everywhere), "all" (the GEMV at every shape, untuned ones with `default_gemv_config`:
-    for checking the kernel inside small models). `mode` overrides DSC_GEMV (the planner plans
-    "tuned": what runs on the target unless someone sets the variable there)."""
-    mode = mode or gemv_mode()
+    DSC_GEMV (switches.py): "tuned" (default), "off" (cuBLAS everywhere), "all" (the GEMV at
+    every shape, untuned ones with `default_gemv_config`: for checking the kernel inside small
+    models). `mode` overrides DSC_GEMV (the planner plans "tuned": what runs on the target
+    unless someone sets the variable there)."""
+    mode = mode or switches.get("DSC_GEMV")
     if mode == "off":
         return None
     row = tuning_table().get(arch, {}).get("gemv", {}).get(f"N{n}_K{k}")
@@ -214,28 +205,6 @@ def _is_one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.numel() == weight.shape[1] and x.dtype == weight.dtype and weight.is_contiguous()
 
 
-GEMV_KINDS = ("gemv", "swiglu", "push")  # the kernels built on `_gemv_rows` (DSC_GEMV_EARLY's keys)
-
-
-def early_override(kind: str) -> int | None:
-    """DSC_GEMV_EARLY (read at each launch; CUDA graphs read it at capture): K-blocks each GEMV
-    program loads before the PDL wait, over the configs' EARLY, for measuring: "4" (every
-    kernel built on `_gemv_rows`) or "swiglu=4,push=2" (per kind: gemv, swiglu, push)."""
-    spec = os.environ.get("DSC_GEMV_EARLY", "").strip()
-    if not spec:
-        return None
-    try:
-        if "=" not in spec:
-            return int(spec)
-        parts = dict(item.split("=") for item in spec.split(","))
-        if not set(parts) <= set(GEMV_KINDS):
-            raise ValueError(f"kinds {sorted(set(parts) - set(GEMV_KINDS))}")
-        return int(parts[kind]) if kind in parts else None
-    except ValueError as e:
-        raise ValueError(f"DSC_GEMV_EARLY must be a count of K-blocks or kind=count pairs of "
-                         f"{', '.join(GEMV_KINDS)}, got {spec!r} ({e})") from None
-
-
 def early_columns(blocks: int, block_k: int, k: int) -> int:
     """The EARLY_K constexpr (columns) of `blocks` K-blocks of block_k columns: 0 (no peeled tile: the loop's
     first K-block loads before the wait) for one block or fewer; else blocks * block_k rounded
@@ -248,15 +217,13 @@ def early_columns(blocks: int, block_k: int, k: int) -> int:
     return cols if cols > block_k else 0
 
 
-def gemv_launch(config: dict, n: int, k: int, device: torch.device, kind: str = "gemv") -> tuple[tuple[int], dict]:
+def gemv_launch(config: dict, n: int, k: int, device: torch.device) -> tuple[tuple[int], dict]:
     """(grid, launch keywords) of a kernel built on `_gemv_rows` with `config`'s BLOCK_N outputs
     per program, over n outputs and K = k: X_ROW off unless the config sets it, EVEN, PDL, and
-    EARLY_K, the columns of the config's EARLY K-blocks (`early_columns`; DSC_GEMV_EARLY overrides
-    the blocks)."""
+    EARLY_K, the columns of the config's EARLY K-blocks (`early_columns`)."""
     cfg = {"X_ROW": False, **config}
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
-    row_blocks, blocks = cfg.pop("EARLY", 1), early_override(kind)
-    cfg["EARLY_K"] = early_columns(row_blocks if blocks is None else blocks, cfg["BLOCK_K"], k)
+    cfg["EARLY_K"] = early_columns(cfg.pop("EARLY", 1), cfg["BLOCK_K"], k)
     return (cdiv(n, cfg["BLOCK_N"]),), {**cfg, "EVEN": even, **pdl_options(device)}
 
 
@@ -281,7 +248,7 @@ def gemv_swiglu(x: torch.Tensor, weight: torch.Tensor, config: dict) -> torch.Te
     if n2 % 2:
         raise ValueError(f"gemv_swiglu: the weight [gate; up] must have an even number of rows, got {n2}")
     y = torch.empty(*x.shape[:-1], n2 // 2, device=x.device, dtype=x.dtype)
-    grid, opts = gemv_launch(config, n2 // 2, k, x.device, kind="swiglu")
+    grid, opts = gemv_launch(config, n2 // 2, k, x.device)
     jit(_gemv_swiglu_kernel)[grid](x.contiguous(), weight, y, n2 // 2, k, **opts)
     return y
 

@@ -100,9 +100,7 @@ def generate_ms_per_token(engine, context: int, device, g: torch.Generator, shor
 
     run(short)  # warm-up
     ta, tb = min(run(short) for _ in range(3)), min(run(long) for _ in range(3))
-    from dsc.runtime.engine import pipeline_mode
-
-    return {"tokens": [short, long], "ms_per_token": (tb - ta) / (long - short) * 1e3, "pipeline": pipeline_mode()}
+    return {"tokens": [short, long], "ms_per_token": (tb - ta) / (long - short) * 1e3}
 
 
 def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), prefill_lens=(128, 2048),
@@ -121,7 +119,7 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
     res: dict = {"artifact": str(path), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "dtype": engine.plan["model"]["dtype"], "tp": engine.world, "load_and_capture_s": load_s,
                  "cuda_graphs": engine._decode.captured, "all_reduce": engine.all_reduce,
-                 "pdl": "on" if pdl_enabled(dev) else "off", "l2_prefetch": engine.l2_prefetch, "decode": {}, "prefill": {}}
+                 "pdl": "on" if pdl_enabled(dev) else "off", "decode": {}, "prefill": {}}
     if dev.type == "cuda":
         w = sum(t.numel() * t.element_size() for t in engine.weights.values())
         kv = sum(t.numel() * t.element_size() for t in engine.kv_cache.values())
@@ -182,7 +180,6 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
 def render(res: dict) -> str:
     lines = [f"{res['artifact']}  on {res['device']}  {res['dtype']}  tp={res['tp']}  "
              f"cuda_graphs={res['cuda_graphs']}  pdl={res.get('pdl', 'off')}"
-             + (f"  l2_prefetch={res['l2_prefetch']}" if res.get("l2_prefetch", "off") != "off" else "")
              + (f"  all_reduce={res.get('all_reduce')}" if res["tp"] > 1 else ""),
              f"load + capture: {res['load_and_capture_s']:.2f} s"]
     if "memory" in res:
@@ -205,8 +202,7 @@ def render(res: dict) -> str:
                      "runs them)")
     if res.get("generate") and 1 in res["decode"]:
         lines.append(f"generate, batch 1, greedy: {res['generate']['ms_per_token']:.3f} ms/token "
-                     f"(the decode step alone: {res['decode'][1]['ms_per_step']:.3f} ms; "
-                     f"pipeline {res['generate'].get('pipeline', 'on')})")
+                     f"(the decode step alone: {res['decode'][1]['ms_per_step']:.3f} ms)")
     for n, d in res["prefill"].items():
         lines.append(f"prefill {n:>5} tokens: {d['ms']:.2f} ms ({d['tokens_per_s']:.0f} tok/s)"
                      + (f", CUDA graph; eager {d['eager_ms']:.2f} ms ({d['eager_ms'] / d['ms']:.2f}x)"

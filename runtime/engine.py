@@ -6,7 +6,6 @@ dsc.kernels only; never transformers, dsc.compiler or dsc.passes.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -18,12 +17,13 @@ import torch.fx as fx
 from safetensors import safe_open
 
 import dsc.kernels  # noqa: F401  (registers the dsc ops the plan calls)
+from dsc import switches
 from dsc.errors import UserError
-from dsc.kernels import collectives, prefetch
+from dsc.kernels import collectives
 from dsc.runtime.artifact import Artifact, open_artifact
 from dsc.runtime.decode import DecodeRunner
 from dsc.runtime.prefill import PrefillRunner
-from dsc.runtime.plan import ATTENTION_OPS, build_graph, op_name
+from dsc.runtime.plan import build_graph
 from dsc.runtime.sampling import sample
 
 
@@ -31,40 +31,6 @@ from dsc.runtime.sampling import sample
 class GenerateResult:
     tokens: list[list[int]]  # generated tokens per prompt (stop token included when hit)
     finish_reasons: list[str]  # "stop" | "length"
-
-
-def _check_environment() -> None:
-    """The runtime's environment switches, checked at load so that a typo is one clear line
-    on every device (the kernels read them only where they run: CUDA)."""
-    from dsc.kernels.attention import decode_preload
-    from dsc.kernels.launch import pdl_mode, tuning_table
-    from dsc.kernels.linear import early_override, gemv_mode
-
-    try:
-        gemv_mode()
-        pdl_mode()
-        collectives.allreduce_mode()
-        collectives.embed_push_enabled()
-        collectives.push_gather_enabled()
-        pipeline_mode()
-        tuning_table()  # DSC_TUNING's file
-        early_override("gemv")  # DSC_GEMV_EARLY
-        decode_preload({"num_warps": 4})  # DSC_ATTN_PRE
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
-PIPELINE_MODES = ("on", "off")
-
-
-def pipeline_mode() -> str:
-    """DSC_PIPELINE (read at each generate call): "on" (default) queues each decode step before
-    the host reads the previous step's tokens; "off" reads them first (for
-    comparison)."""
-    mode = os.environ.get("DSC_PIPELINE", "on")
-    if mode not in PIPELINE_MODES:
-        raise ValueError(f"DSC_PIPELINE must be one of {', '.join(PIPELINE_MODES)}, got {mode!r}")
-    return mode
 
 
 ALL_REDUCE_OPS = ("dsc.all_reduce.default", "dsc.all_reduce_add_rmsnorm.default",
@@ -86,56 +52,6 @@ def _first_shape(node: dict) -> list:
     return shape[0] if shape and isinstance(shape[0], list) else shape  # a fused node: (sum, normed)
 
 
-def l2_prefetch_targets(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
-    """(attention node, weight attribute) pairs: after each attention, the largest weight read by
-    the next three call nodes that read one (a Llama layer's o_proj, gate/up and down
-    projections: the gate/up weight; GPT-2's c_proj, c_fc, c_proj: c_fc). The KV caches (read by
-    the attention itself) are not weights here."""
-    nodes = list(gm.graph.nodes)
-    out = []
-    for i, n in enumerate(nodes):
-        if n.op != "call_function" or op_name(n.target) not in ATTENTION_OPS:
-            continue
-        readers = 0
-        best, best_bytes = None, 0
-        for m in nodes[i + 1:]:
-            if m.op == "call_function" and op_name(m.target) in ATTENTION_OPS:
-                break
-            if m.op != "call_function":
-                continue
-            weights = [a for a in m.all_input_nodes if a.op == "get_attr" and not a.target.startswith("kv_cache.")]
-            if not weights:
-                continue
-            for a in weights:
-                t = functools.reduce(getattr, a.target.split("."), gm)  # a dotted name: nested modules
-                size = t.numel() * t.element_size()
-                if size > best_bytes:
-                    best, best_bytes = a.target, size
-            readers += 1
-            if readers == 3:
-                break
-        if best is not None:
-            out.append((n, best))
-    return out
-
-
-def insert_l2_prefetch(gm: fx.GraphModule, nbytes: int, evict_last: bool) -> int:
-    """Insert kernels/prefetch.py's `l2_prefetch(weight, nbytes, evict_last)` right after each
-    attention node of the decode program `gm` for its `l2_prefetch_targets` weight (a fresh
-    get_attr: the weight's own may come later in the graph). Returns how many were inserted;
-    values are unchanged."""
-    targets = l2_prefetch_targets(gm)
-    for attn, target in targets:
-        with gm.graph.inserting_after(attn):
-            w = gm.graph.get_attr(target)
-        with gm.graph.inserting_after(w):
-            gm.graph.call_function(prefetch.l2_prefetch, (w, nbytes, evict_last))
-    if targets:
-        gm.graph.lint()
-        gm.recompile()
-    return len(targets)
-
-
 class Engine:
     def __init__(self, artifact: Artifact, rank: int, world: int, device: torch.device,
                  cuda_graphs: bool = True, prefill_buckets: bool | None = None):
@@ -150,7 +66,6 @@ class Engine:
         self.weights = self._load_weights()
         self.kv_cache = self._allocate_kv_cache()
         self.programs = {name: self._build(p) for name, p in self.plan["programs"].items()}
-        self.l2_prefetch = self._insert_l2_prefetch()
         self._all_reduces = {name: _all_reduce_nodes(p) for name, p in self.plan["programs"].items()}
         self._slots = {name: sum(n.get("op") in SLOT_OPS for n in p["nodes"]) for name, p in self.plan["programs"].items()}
         self.all_reduce = self._enable_symmetric_all_reduce()
@@ -208,19 +123,6 @@ class Engine:
             else:
                 raise UserError(f"{self.artifact.rank_file(self.rank)}: missing tensor '{t}' the plan reads")
         return fx.GraphModule(attrs, graph)
-
-    def _insert_l2_prefetch(self) -> str:
-        """DSC_L2_PREFETCH=MB[:last] (kernels/prefetch.py; off by default): after each attention
-        of the decode program, a prefetch of the first MB megabytes of the layer's gate/up weight
-        into L2. Returns the setting in effect, for `dsc bench` ("off" where unsupported)."""
-        try:
-            nbytes, last = prefetch.l2_prefetch_setting()
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        if not nbytes or "decode" not in self.programs or not prefetch.l2_prefetch_supported(self.device):
-            return "off"
-        n = insert_l2_prefetch(self.programs["decode"], nbytes, last)
-        return f"{nbytes / (1 << 20):g} MB x {n}" + (" evict_last" if last else "") if n else "off"
 
     # -- running -------------------------------------------------------------------------
     def reset(self) -> None:
@@ -298,8 +200,7 @@ class Engine:
         host's per-step work (the read-back, stop checks, callback, the next launches) runs
         while the GPU decodes, and under tensor parallelism no rank waits for another's host
         between steps. The tokens, sampled ones included, are those of the unpipelined loop;
-        when every sequence stops, the one step already queued is discarded. DSC_PIPELINE=off
-        reads each step's tokens before queuing the next (`pipeline_mode`)."""
+        when every sequence stops, the one step already queued is discarded."""
         prompts = [list(p) for p in prompts]
         self.check_batch(prompts)
         stops = set(self.eos_token_ids if stop_tokens is None else stop_tokens)
@@ -328,13 +229,12 @@ class Engine:
             # finished rows keep decoding (static batch) at a clamped position; results ignored
             return next_tokens(self.decode(tok, torch.clamp(lens + step, max=self.max_seq - 1)))
 
-        pipelined = pipeline_mode() == "on"
         tok = next_tokens(self.prefill(prompts))
         for step in range(max_new_tokens):
             host_tok.copy_(tok, non_blocking=cuda)
             if cuda:  # on the stream the copy went to (the engine's device, not necessarily the current one)
                 read.record(torch.cuda.current_stream(self.device))
-            if pipelined and step < max_new_tokens - 1:  # queue step + 1 before reading step's tokens
+            if step < max_new_tokens - 1:  # queue step + 1 before reading step's tokens
                 queued = queue(step)
             if cuda:
                 read.synchronize()
@@ -354,7 +254,7 @@ class Engine:
                 callback(step, emitted)
             if all(done) or step == max_new_tokens - 1:
                 break
-            tok = queued if pipelined else queue(step)
+            tok = queued
         return GenerateResult(out, reasons)
 
 
@@ -393,8 +293,9 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     as the graphs, so the same numbers: a GEMM's rounding can depend on its row count, and in
     bf16 that flips near-tie greedy tokens), False never pads. For tp > 1, call under
     torchrun: the process group is initialised here (NCCL on GPU, gloo on CPU) if it is not
-    already, and each rank takes the GPU of its LOCAL_RANK."""
-    _check_environment()
+    already, and each rank takes the GPU of its LOCAL_RANK. The DSC_* switches (switches.py) are
+    read and checked here, on every device, and kept for the engine's life."""
+    switches.check_all()
     probe = open_artifact(path, ranks=None, verify=False)  # every rank file present, before any rank loads
     r, world = _dist_rank_world(probe, rank)
     if device is None:

@@ -14,6 +14,17 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_switches():
+    """The DSC_* switches are read once and kept (switches.py): a test that sets one calls
+    `switches.reload()`; this drops what a test read, after its environment is restored."""
+    from dsc import switches
+
+    switches.reload()
+    yield
+    switches.reload()
+
+
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory):
     from dsc.compiler.random_checkpoint import make_random_checkpoint

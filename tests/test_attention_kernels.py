@@ -347,7 +347,7 @@ def _compile_sm90() -> None:
             "decode": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
                                                        BLOCK_N=dec["BLOCK_N"], WINDOWED=False, PRE_N=dec_pre),
                        dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
-            # the kernel without the preloaded tile (DSC_ATTN_PRE=0)
+            # the kernel without the preloaded tile (PRE_N=0)
             "decode-pre0": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
                                                             BLOCK_N=dec["BLOCK_N"], WINDOWED=False, PRE_N=0),
                             dict(num_warps=4, num_stages=dec["num_stages"])),
@@ -809,23 +809,12 @@ def test_cpu_rotary_attention_is_rotary_then_attention(dtype):
     got = torch.ops.dsc.rotary_attention(q, k, v, *tables, caches[4], caches[5], pos, 0.25, 3, rot_pos)
     assert torch.equal(got, want) and torch.equal(caches[4], caches[2]) and torch.equal(caches[5], caches[3])
 
-def test_decode_preload_comes_from_the_row_and_dsc_attn_pre(monkeypatch):
-    """PRE_N and num_warps are the config's unless DSC_ATTN_PRE ("N" or "N:warps") overrides
-    them; a PRE_N that is not 0 or a power of two >= 16, or bad warps, is an error."""
+def test_decode_preload_comes_from_the_row():
+    """PRE_N and num_warps are the config's (PRE_N 0 where the row has none)."""
     from dsc.kernels.attention import DECODE_CONFIGS, decode_preload
 
-    row = DECODE_CONFIGS[("sm_90", 128)]
-    monkeypatch.delenv("DSC_ATTN_PRE", raising=False)
-    assert decode_preload(row) == {"PRE_N": 128, "num_warps": 8}
+    assert decode_preload(DECODE_CONFIGS[("sm_90", 128)]) == {"PRE_N": 128, "num_warps": 8}
     assert decode_preload({"num_warps": 4}) == {"PRE_N": 0, "num_warps": 4}
-    monkeypatch.setenv("DSC_ATTN_PRE", "0:4")
-    assert decode_preload(row) == {"PRE_N": 0, "num_warps": 4}
-    monkeypatch.setenv("DSC_ATTN_PRE", "64")
-    assert decode_preload(row) == {"PRE_N": 64, "num_warps": 8}
-    for bad in ("8", "96", "x", "64:3"):
-        monkeypatch.setenv("DSC_ATTN_PRE", bad)
-        with pytest.raises(ValueError, match="DSC_ATTN_PRE"):
-            decode_preload(row)
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def test_bench_of_a_tp_artifact_runs_every_rank_and_reports_each(compile_artifac
     assert res["memory_per_rank"] == [None, None] and res["decode"]["1"]["ms_per_step"] > 0
     assert res["decode"]["1"]["ms_per_step_queued"] > 0  # every rank queued the same steps (no hang)
     # batch 1: engine.generate per token too, pipelined, every rank in its loop (the token broadcast)
-    assert res["generate"]["ms_per_token"] > 0 and res["generate"]["pipeline"] == "on"
+    assert res["generate"]["ms_per_token"] > 0
     assert "generate, batch 1, greedy:" in r.stdout
 
 

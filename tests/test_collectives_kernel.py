@@ -1,10 +1,9 @@
 """The fused all-reduce + add + RMSNorm kernels (kernels/collectives.py) in the Triton
 interpreter, one rank of several in one process: the other ranks' side is set up by hand as it
-would be once they have run (their rows delivered into this rank's push buffer, or their rows
-in their one-shot buffers and their flags set), then this rank's kernel runs. Checked: the sum,
-add and norm against dsc's reference; what the kernel leaves behind for the peers (its row in
-their push buffers with -0.0 sent as +0.0, its flags set in theirs); and that it resets its own
-state (push buffer back to the marker everywhere, its flags cleared). The cross-GPU behaviour
+would be once they have run (their rows delivered into this rank's push buffer), then this
+rank's kernel runs. Checked: the sum, add and norm against dsc's reference; what the kernel
+leaves behind for the peers (its row in their push buffers with -0.0 sent as +0.0); and that it
+resets its own state (push buffer back to the marker everywhere). The cross-GPU behaviour
 (ordering, skew, buffer reuse) is what scripts/check_allreduce_gpu.py checks on GPUs.
 """
 from __future__ import annotations
@@ -66,7 +65,7 @@ def _push(world: int, rank: int, dtype: torch.dtype) -> dict:
     xs, res, w, want_s, want_y = _inputs(world, rank, dtype)
     slot = 1
     bufs, s = _push_buffers(world, rank, dtype, slot, xs)
-    got_s, got_y = C._launch_fused(s, "push", slot, xs[rank], res, w, EPS)
+    got_s, got_y = C._launch_fused(s, slot, xs[rank], res, w, EPS)
     sent = xs[rank].masked_fill(xs[rank] == 0, 0.0)  # -0.0 -> +0.0
     delivered = all(torch.equal(bufs[q][rank * numel: rank * numel + ROWS * N].view(bits), sent.flatten().view(bits))
                     and int((bufs[q].view(bits) != mark).sum()) == ROWS * N for q in range(world) if q != rank)
@@ -75,35 +74,10 @@ def _push(world: int, rank: int, dtype: torch.dtype) -> dict:
             "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all())}
 
 
-def _pull(world: int, rank: int, dtype: torch.dtype) -> dict:
-    xs, res, w, want_s, want_y = _inputs(world, rank, dtype)
-    slot = 2
-    bufs = [torch.zeros(CAP * N, dtype=dtype) for _ in range(world)]  # every rank's one-shot buffer (this slot)
-    for q in range(world):
-        if q != rank:
-            bufs[q][: ROWS * N] = xs[q].flatten()
-    flags = [torch.zeros(3 * CAP * world, dtype=torch.int32) for _ in range(world)]
-    base = slot * CAP
-    for row in range(ROWS):  # the peers have signalled every row to this rank
-        for q in range(world):
-            if q != rank:
-                flags[rank][(base + row) * world + q] = 1
-    bptrs = torch.zeros(3, world, dtype=torch.int64)
-    bptrs[slot] = torch.tensor([b.data_ptr() for b in bufs])
-    s = types.SimpleNamespace(world=world, rank=rank, rows=CAP, dtype=dtype, buffer_ptrs=bptrs,
-                              flag_ptrs=torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64))
-    got_s, got_y = C._launch_fused(s, "pull", slot, xs[rank], res, w, EPS)
-    signalled = all(int(flags[q][(base + row) * world + rank]) == 1 for q in range(world) if q != rank
-                    for row in range(ROWS))
-    return {**_compare(got_s, got_y, want_s, want_y), "signalled_peers": signalled,
-            "own_flags_cleared": int(flags[rank].sum()) == 0,
-            "own_row_in_own_buffer": torch.equal(bufs[rank][: ROWS * N].view(ROWS, N), xs[rank])}
-
-
-def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int = 0, quant: str = "") -> dict:
+def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int, quant: str = "") -> dict:
     """The row-parallel linear + all-reduce + norm at one row: this rank's GEMV pushes x @ W.T
-    into every rank's buffer, then the push kernel (SENT) waits, sums and normalizes; with
-    `chunk`, the GEMV's last program does that itself, `chunk` columns per pass (NORM_N).
+    into every rank's buffer, and its last program waits, sums and normalizes, `chunk` columns
+    per pass (NORM_N).
     quant: the W8A16 GEMV push (`_launch_w8a16_push`) over W quantized per channel, "channel"
     (symmetric) or "channel-asym", or in groups of 8, "g8" (K = 40 then)."""
     numel, bits, mark, k = CAP * N, C._BITS[dtype], C._MARK[dtype], 40 if quant == "g8" else 37
@@ -132,24 +106,17 @@ def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int = 0, quant:
     bufs, s = _push_buffers(world, rank, dtype, slot, xs)
     cfg = {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 1}
 
-    def launch(config, norm=None):
-        if quant:
-            return C._launch_w8a16_push(s, slot, x_in, *qargs, {**config, "PREFETCH": quant == "g8"}, norm)
-        return C._launch_gemv_push(s, slot, x_in, wl, config, norm)
-
-    if chunk:
-        bufs_before = [b.clone() for b in bufs]
-        got_s, got_y = launch({**cfg, "CHUNK": chunk}, (res, w, EPS))
-        delivered = [bufs[q][rank * numel: rank * numel + N].clone() for q in range(world)]
-        # the pushes are the only change to the peers' buffers (their reset is their own kernel's)
-        untouched = all(torch.equal(torch.cat([b[: rank * numel], b[rank * numel + N:]]).view(bits),
-                                    torch.cat([o[: rank * numel], o[rank * numel + N:]]).view(bits))
-                        for q, (b, o) in enumerate(zip(bufs, bufs_before)) if q != rank)
+    config, norm = {**cfg, "CHUNK": chunk}, (res, w, EPS)
+    bufs_before = [b.clone() for b in bufs]
+    if quant:
+        got_s, got_y = C._launch_w8a16_push(s, slot, x_in, *qargs, {**config, "PREFETCH": quant == "g8"}, norm)
     else:
-        assert launch(cfg) is None
-        delivered = [bufs[q][rank * numel: rank * numel + N].clone() for q in range(world)]
-        got_s, got_y = C._launch_fused(s, "push", slot, res, res, w, EPS, sent=True)
-        untouched = True
+        got_s, got_y = C._launch_gemv_push(s, slot, x_in, wl, config, norm)
+    delivered = [bufs[q][rank * numel: rank * numel + N].clone() for q in range(world)]
+    # the pushes are the only change to the peers' buffers (their reset is their own kernel's)
+    untouched = all(torch.equal(torch.cat([b[: rank * numel], b[rank * numel + N:]]).view(bits),
+                                torch.cat([o[: rank * numel], o[rank * numel + N:]]).view(bits))
+                    for q, (b, o) in enumerate(zip(bufs, bufs_before)) if q != rank)
     sent = mine.masked_fill(mine == 0, 0.0).flatten()
     return {"sum_err": float((got_s.float() - want_s.float()).abs().max()),
             "norm_err": float((got_y.float() - want_y.float()).abs().max()),
@@ -232,7 +199,7 @@ def _probe(dtype: torch.dtype) -> dict:
     errors = {}
     for compile_only in (True, False):
         try:
-            C._probe_fused(s, "push", compile_only=compile_only)
+            C._probe_fused(s, compile_only=compile_only)
             errors[compile_only] = ""
         except Exception as e:  # noqa: BLE001  (reported by the test)
             errors[compile_only] = f"{type(e).__name__}: {e}"
@@ -241,12 +208,11 @@ def _probe(dtype: torch.dtype) -> dict:
 
 
 def run_interpreted(out: str) -> None:
-    kinds = (("push", _push), ("pull", _pull), ("gemv_push", _gemv_push), ("embed_push", _embed_push),
+    kinds = (("push", _push), ("embed_push", _embed_push),
              ("gemv_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16)),  # 3 passes, the last partial
              ("gemv_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64)),  # one pass
-             # the W8A16 GEMV push (--int8): then the push kernel; ending the all-reduce in 3 passes
-             # (asymmetric scales), in one (groups of 8 columns, the next K-block prefetched)
-             ("w8a16_push", lambda w, r, dt: _gemv_push(w, r, dt, quant="channel")),
+             # the W8A16 GEMV push (--int8) ending the all-reduce in 3 passes (asymmetric scales), in
+             # one (groups of 8 columns, the next K-block prefetched)
              ("w8a16_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16, quant="channel-asym")),
              ("w8a16_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64, quant="g8")),
              ("gather", _gather))
@@ -262,10 +228,8 @@ def run_aot(out: str) -> None:
 
     from dsc.kernels.launch import compile_for_arch
 
-    pull = {**{n: "*bf16" for n in "X R W S Y".split()}, "BUFS": "*i64", "FLAGS": "*i64", "stride_x": "i32",
-            "stride_r": "i32", "eps": "fp32", "rank": "i32", "flag_base": "i32"}
-    push = {k: v for k, v in pull.items() if k not in ("FLAGS", "flag_base")} | {
-        "region": "i32", "IDS": "*i64", "START": "*i64", "vocab": "i32"}
+    push = {**{n: "*bf16" for n in "X R W S Y".split()}, "BUFS": "*i64", "stride_x": "i32", "stride_r": "i32",
+            "eps": "fp32", "rank": "i32", "region": "i32", "IDS": "*i64", "START": "*i64", "vocab": "i32"}
     res = {}
     for world in (2, 4):
         for pdl in (False, True):
@@ -273,7 +237,6 @@ def run_aot(out: str) -> None:
             # (embed_push: the vocab-parallel embedding's lookup as the row sent, Llama-8B's hidden size;
             # the token ids and the table are as much another kernel's as the rows)
             for name, fn, types, const in (("push", C._ar_push_add_rmsnorm_kernel, push, {"MARK": -32768}),
-                                           ("pull", C._ar_add_rmsnorm_kernel, pull, {}),
                                            ("embed_push", C._ar_push_add_rmsnorm_kernel, push,
                                             {"MARK": -32768, "EMBED": True})):
                 k = compile_for_arch(fn, types, {**common, **const}, num_warps=8)
@@ -282,16 +245,12 @@ def run_aot(out: str) -> None:
                 res[f"{name}-w{world}{'-pdl' if pdl else ''}"] = {
                     "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
                     **({"spills": spill_bytes(k)} if name == "embed_push" else {})}
-            # the GEMV that pushes its rows, at the tuned sm_90 config of Llama-8B's o_proj at
-            # tp=4 ([4096, 1024]): only its first weight tile loads before the wait
+            # the GEMV that pushes its rows and ends the all-reduce: only its first weight tile
+            # (EARLY_K: its first K-blocks) loads before the wait
             gemv = {"X": "*bf16", "W": "*bf16", "BUFS": "*i64", "N": "i32", "K": "i32", "rank": "i32",
                     "region": "i32", "R": "*bf16", "NW": "*bf16", "S": "*bf16", "Y": "*bf16", "eps": "fp32"}
             const = {"EVEN": True, "X_ROW": False, "WORLD": world, "MARK": -32768, "PDL": pdl}
-            k = compile_for_arch(C._gemv_push_kernel, gemv, {**const, "BLOCK_N": 2, "BLOCK_K": 128}, num_warps=1,
-                                 aligned=("X", "W", "N", "K"))
-            res[f"gemv_push-w{world}{'-pdl' if pdl else ''}"] = {
-                "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"}))}
-            # with the all-reduce's end (NORM_N), at the launch configs of Llama-8B's down_proj at
+            # at the launch configs of Llama-8B's down_proj at
             # this tp (the GEMV push rows of [4096, 7168] and [4096, 3584], raised to 4 and 8
             # warps); at tp=4 also an 8192-wide row (a 70B-class hidden size): two passes
             push_row = {2: {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 2},
@@ -380,33 +339,12 @@ def test_set_up_probe_checks_the_push_kernel_and_its_embedding_variant(dtype, in
     assert r == {"compile_only": "", "launched": "", "reset": True}, r
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_pull_kernel_sums_signals_and_clears(case, dtype, interpreted):
-    r = interpreted[f"pull-{case}-{dtype}"]
-    assert r["sum_equal"] and r["norm_err"] < (1e-5 if dtype == "fp32" else 2e-3), r
-    assert r["signalled_peers"] and r["own_flags_cleared"] and r["own_row_in_own_buffer"], r
-
-
-@pytest.mark.parametrize("kind", ["gemv_push", "w8a16_push"])
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_push_then_push_kernel_sums_and_resets(kind, case, dtype, interpreted):
-    """The linear's GEMV (16-bit or W8A16) delivers its rows into every peer's buffer (zeros as
-    +0.0: the marker never goes out), and the push kernel with SENT sums, normalizes and resets
-    the buffer."""
-    r = interpreted[f"{kind}-{case}-{dtype}"]
-    tol = 1e-5 if dtype == "fp32" else 2e-3
-    assert r["sum_err"] <= tol and r["norm_err"] < tol, r
-    assert r["delivered_close"] and r["no_negative_zero_sent"] and r["own_buffer_reset"], r
-
-
 @pytest.mark.parametrize("kind", ["gemv_push_norm", "gemv_push_norm1", "w8a16_push_norm", "w8a16_push_norm1"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_push_with_norm_ends_the_all_reduce_in_its_last_program(kind, case, dtype, interpreted):
-    """One launch (NORM_N): the GEMV (16-bit or W8A16) delivers its rows as above, and its last
-    program waits, sums, adds and normalizes, in column chunks (16 of 40: three passes) or in
+    """One launch (NORM_N): the GEMV (16-bit or W8A16) delivers its rows into every peer's buffer
+    (zeros as +0.0: the marker never goes out), and its last program waits, sums, adds and normalizes, in column chunks (16 of 40: three passes) or in
     one, resets this rank's buffer, and writes nothing else into the peers' buffers."""
     r = interpreted[f"{kind}-{case}-{dtype}"]
     tol = 1e-5 if dtype == "fp32" else 2e-3
@@ -416,7 +354,7 @@ def test_gemv_push_with_norm_ends_the_all_reduce_in_its_last_program(kind, case,
 
 
 def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
-    assert len(compiled) == 36 and sum(k.endswith("-pdl") for k in compiled) == 18, list(compiled)
+    assert len(compiled) == 28 and sum(k.endswith("-pdl") for k in compiled) == 14, list(compiled)
     w8 = {k: v for k, v in compiled.items() if k.startswith("w8a16_push_norm")}
     assert len(w8) == 8 and all(v["fast_cvt"] and v["chunk"] == 4096 for v in w8.values()), w8
     assert all(f"embed_push-w{w}{p}" in compiled for w in (2, 4) for p in ("", "-pdl")), list(compiled)
@@ -440,16 +378,6 @@ def test_w8a16_push_config_takes_the_push_rows_as_launch_options_only():
         assert (raised["BLOCK_N"], raised["num_warps"], n // raised["BLOCK_N"]) == (16, 8, 256), raised
     for n, k in ((4096, 2048), (4096, 7168)):  # tp=2: no push row
         assert C.w8a16_push_config(n, k, 0, "sm_90") == int8.int8_config("w8a16_gemv", 1, n, k, 0, "sm_90")
-
-
-def test_dsc_embed_push_switch(monkeypatch):
-    monkeypatch.delenv("DSC_EMBED_PUSH", raising=False)
-    assert C.embed_push_enabled()
-    monkeypatch.setenv("DSC_EMBED_PUSH", "off")
-    assert not C.embed_push_enabled()
-    monkeypatch.setenv("DSC_EMBED_PUSH", "no")
-    with pytest.raises(ValueError, match="DSC_EMBED_PUSH"):
-        C.embed_push_enabled()
 
 
 if __name__ == "__main__":

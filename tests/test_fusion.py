@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 import dsc
+from dsc import switches
 from dsc.compiler.verify import reference_model, sample_prompts, verify_artifact
 
 FP32_ATOL = 1e-4
@@ -362,7 +363,7 @@ def plan_text(plan: dict) -> str:
 def test_golden_plan(shape, compile_artifact):
     text = plan_text(plan_of(compile_artifact(shape, dtype="fp32")))
     path = GOLDEN / f"{shape}.plan.txt"
-    if os.environ.get("DSC_UPDATE_GOLDEN") == "1":
+    if switches.get("DSC_UPDATE_GOLDEN") == "1":
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
     assert path.exists(), f"{path} missing: run DSC_UPDATE_GOLDEN=1 pytest tests/test_fusion.py -k golden"

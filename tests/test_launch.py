@@ -12,9 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsc import switches
+from dsc.errors import UserError
 from dsc.kernels import launch
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def set_switch(monkeypatch, name: str, value: str | None) -> None:
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+    switches.reload()
 
 
 @pytest.fixture
@@ -22,7 +32,7 @@ def hopper(monkeypatch):
     """Pretend device 0 is a GPU that supports PDL (capability 9.0, a triton with gdc_wait)."""
     monkeypatch.setattr(launch, "_pdl_supported", lambda index: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("DSC_PDL", raising=False)
+    set_switch(monkeypatch, "DSC_PDL", None)
 
 
 def test_pdl_is_on_only_for_a_capable_gpu_outside_the_interpreter(hopper, monkeypatch):
@@ -35,34 +45,33 @@ def test_pdl_is_on_only_for_a_capable_gpu_outside_the_interpreter(hopper, monkey
     assert launch.pdl_enabled(CUDA)
 
 
-def test_dsc_pdl_is_read_at_each_call(hopper, monkeypatch):
-    monkeypatch.setenv("DSC_PDL", "off")
+def test_dsc_pdl_off_turns_it_off_and_is_read_once(hopper, monkeypatch):
+    set_switch(monkeypatch, "DSC_PDL", "off")
     assert not launch.pdl_enabled(CUDA)
     monkeypatch.setenv("DSC_PDL", "auto")
-    assert launch.pdl_enabled(CUDA)
-    monkeypatch.setenv("DSC_PDL", "on")
+    assert not launch.pdl_enabled(CUDA)  # the value read first is kept until a reload (dsc.load's)
+    switches.reload()
     assert launch.pdl_enabled(CUDA)
 
 
 def test_auto_keeps_pdl_on_at_every_tp(hopper, monkeypatch):
-    """auto is on in tensor-parallel processes too, at tp=2 included."""
+    """auto is on in tensor-parallel processes too."""
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     for world in (1, 2, 4, 8):
         monkeypatch.setattr(dist, "get_world_size", lambda group=None, world=world: world)
-        for mode in ("auto", "on"):
-            monkeypatch.setenv("DSC_PDL", mode)
-            assert launch.pdl_enabled(CUDA) and launch.pdl_options(CUDA)["launch_pdl"]
-        monkeypatch.setenv("DSC_PDL", "off")
+        set_switch(monkeypatch, "DSC_PDL", "auto")
+        assert launch.pdl_enabled(CUDA) and launch.pdl_options(CUDA)["launch_pdl"]
+        set_switch(monkeypatch, "DSC_PDL", "off")
         assert not launch.pdl_enabled(CUDA)
 
 
-@pytest.mark.parametrize("value", ["yes", "bogus", ""])
+@pytest.mark.parametrize("value", ["on", "yes", "bogus", ""])
 def test_bad_dsc_pdl_is_a_clear_error_on_every_device(value, monkeypatch):
-    monkeypatch.setenv("DSC_PDL", value)
+    set_switch(monkeypatch, "DSC_PDL", value)
     for dev in (CPU, CUDA):
-        with pytest.raises(ValueError, match=f"DSC_PDL must be one of auto, on, off, got {value!r}"):
+        with pytest.raises(UserError, match=f"^DSC_PDL: must be one of auto, off, got {value!r}$"):
             launch.pdl_enabled(dev)
 
 
@@ -83,25 +92,25 @@ def test_dsc_tuning_replaces_the_rows_it_names(tmp_path, monkeypatch):
     config a launch takes follows it; an unreadable or misshapen file is a clear error."""
     from dsc.kernels.collectives import gemv_push_config
 
-    monkeypatch.delenv("DSC_TUNING", raising=False)
+    set_switch(monkeypatch, "DSC_TUNING", None)
     shipped = launch.tuning_table()
     row = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 8}
     path = tmp_path / "rows.json"
     path.write_text(json.dumps({"sm_90": {"gemv_push": {"N4096_K7168": row}, "new_kernel": {"D8": {"x": 1}}}}))
-    monkeypatch.setenv("DSC_TUNING", str(path))
+    set_switch(monkeypatch, "DSC_TUNING", str(path))
     table = launch.tuning_table()
     assert table["sm_90"]["gemv_push"]["N4096_K7168"] == row and table["sm_90"]["new_kernel"] == {"D8": {"x": 1}}
     assert table["sm_90"]["gemv_push"]["N4096_K1024"] == shipped["sm_90"]["gemv_push"]["N4096_K1024"]
     assert table["sm_90"]["gemv"] == shipped["sm_90"]["gemv"]
     assert {k: gemv_push_config(4096, 7168, "sm_90")[k] for k in row} == row
-    monkeypatch.delenv("DSC_TUNING")
+    set_switch(monkeypatch, "DSC_TUNING", None)
     assert launch.tuning_table() == shipped and "new_kernel" not in shipped["sm_90"]
     for bad, text in ((tmp_path / "missing.json", None), (tmp_path / "bad.json", "{"),
                       (tmp_path / "shape.json", '{"sm_90": {"gemv": [1]}}')):
         if text is not None:
             bad.write_text(text)
-        monkeypatch.setenv("DSC_TUNING", str(bad))
-        with pytest.raises(ValueError, match="DSC_TUNING"):
+        set_switch(monkeypatch, "DSC_TUNING", str(bad))
+        with pytest.raises(UserError, match=f"^DSC_TUNING: .*{bad.name}"):
             launch.tuning_table()
 
 
@@ -120,14 +129,14 @@ def test_shipped_tuning_variants_name_rows_the_table_has(name, monkeypatch):
         return gemv_push_config(*map(int, shape[1:].split("_K")), arch) if kernel == "gemv_push" else None
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "tuning" / name
-    monkeypatch.delenv("DSC_TUNING", raising=False)
+    set_switch(monkeypatch, "DSC_TUNING", None)
     shipped = launch.tuning_table()
     variant = json.loads(path.read_text())
     rows = [(arch, kernel, shape, row) for arch, kernels in variant.items() if not arch.startswith("_")
             for kernel, shapes in kernels.items() for shape, row in shapes.items()]
     assert rows
     before = {(arch, kernel, shape): config(kernel, shape, arch) for arch, kernel, shape, _ in rows}
-    monkeypatch.setenv("DSC_TUNING", str(path))
+    set_switch(monkeypatch, "DSC_TUNING", str(path))
     for arch, kernel, shape, row in rows:
         table = shipped[arch]["w8a16_gemv" if kernel == "w8a16_gemv_push" else kernel]
         assert shape in table and set(row) <= set(CONFIG_KEYS), (kernel, shape, row)

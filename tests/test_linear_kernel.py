@@ -19,7 +19,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from kernel_child import child_fixtures, pdl_check, spill_bytes
 
+from dsc import switches
 from dsc.compiler.random_checkpoint import SHAPES
+from dsc.errors import UserError
 from dsc.kernels import launch
 from dsc.kernels import linear as L
 
@@ -239,6 +241,7 @@ def test_gemv_swiglu_config_follows_the_gemv_row(monkeypatch):
     p = L._plan_linear_swiglu(x, torch.empty(352, 1024), arch="sm_90")
     assert p["name"] == "cublas.gemm + triton.swiglu" and p["launches"] == 2 and p["config"]["swiglu"]["BLOCK"] == 256
     monkeypatch.setenv("DSC_GEMV", "off")
+    switches.reload()
     assert L.gemv_swiglu_config(4096, 1024, "sm_90") is None
     assert L._plan_linear_swiglu(x, torch.empty(4096, 1024), arch="sm_90")["name"] == "triton.gemv_swiglu"
 
@@ -265,37 +268,29 @@ def test_gemv_modes(monkeypatch):
     table = {"sm_90": {"gemv": {"N64_K64": {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 1, "us": 1.0, "cublas_us": 2.0}}}}
     monkeypatch.setattr(L, "tuning_table", lambda: table)
     monkeypatch.setenv("DSC_GEMV", "off")
+    switches.reload()
     assert L.gemv_config(64, 64, "sm_90") is None
     assert L._plan_linear(torch.empty(1, 64), torch.empty(64, 64), arch="sm_90")["name"] == "triton.gemv"
     monkeypatch.setenv("DSC_GEMV", "all")
+    switches.reload()
     assert L.gemv_config(48, 96, "sm_90") == L.default_gemv_config(96)
     assert L._plan_linear(torch.empty(1, 96), torch.empty(48, 96), arch="sm_90")["name"] == "cublas.gemm"
     monkeypatch.setenv("DSC_GEMV", "fast")
-    with pytest.raises(ValueError, match="DSC_GEMV must be one of tuned, off, all, got 'fast'"):
+    switches.reload()
+    with pytest.raises(UserError, match="^DSC_GEMV: must be one of tuned, off, all, got 'fast'$"):
         L.gemv_config(64, 64, "sm_90")
 
 
-def test_early_columns_and_override(monkeypatch):
+def test_early_columns():
     """EARLY K-blocks -> the peeled tile's columns: a power of two, at most K, 0 where it would be
-    one block (the loop's own first block waits); DSC_GEMV_EARLY overrides per kernel kind and a
-    bad value names the variable. The shipped tp=2 down_proj row reaches the launch as 2048
-    columns (8 blocks of 256)."""
+    one block (the loop's own first block waits). The shipped tp=2 down_proj row reaches the
+    launch as 2048 columns (8 blocks of 256)."""
     assert [L.early_columns(b, 256, 7168) for b in (0, 1, 2, 3, 4, 8, 64)] == [0, 0, 512, 512, 1024, 2048, 4096]
     assert L.early_columns(8, 2048, 4096) == 4096 and L.early_columns(8, 1024, 1024) == 0
-    monkeypatch.delenv("DSC_GEMV_EARLY", raising=False)
     cfg = L.gemv_config(4096, 7168, "sm_90")
     launch_opts = L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"))[1]
     assert cfg["EARLY"] == 8 and launch_opts["EARLY_K"] == 2048 and "EARLY" not in launch_opts
     assert L.gemv_launch({"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1}, 4096, 7168, torch.device("cpu"))[1]["EARLY_K"] == 0
-    monkeypatch.setenv("DSC_GEMV_EARLY", "1")
-    assert L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"))[1]["EARLY_K"] == 0
-    monkeypatch.setenv("DSC_GEMV_EARLY", "swiglu=4,push=2")
-    assert L.early_override("swiglu") == 4 and L.early_override("push") == 2 and L.early_override("gemv") is None
-    assert L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"), kind="swiglu")[1]["EARLY_K"] == 1024
-    for bad in ("many", "mlp=2", "gemv=x"):
-        monkeypatch.setenv("DSC_GEMV_EARLY", bad)
-        with pytest.raises(ValueError, match="DSC_GEMV_EARLY must be"):
-            L.early_override("gemv")
 
 
 def test_shipped_gemv_rows_beat_cublas():

@@ -146,15 +146,11 @@ def _unpipelined(engine, prompts, n, stop, **kw):
         logits = engine.decode(tok, lens + step)
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.9, top_k=50, top_p=0.9, seed=5)])
-def test_pipelined_generate_gives_the_plain_loops_tokens_and_one_step_more_at_most(engine, greedy, kw, mode,
-                                                                                    monkeypatch):
-    """generate() queues step t + 1 before it reads step t's tokens (DSC_PIPELINE=on, the
-    default): the same tokens (sampled ones too: the generator is drawn in the same order), and
-    when every sequence has stopped early it has decoded one step more than the plain loop,
-    never more. DSC_PIPELINE=off is the plain loop."""
-    monkeypatch.setenv("DSC_PIPELINE", mode)
+def test_pipelined_generate_gives_the_plain_loops_tokens_and_one_step_more_at_most(engine, greedy, kw, monkeypatch):
+    """generate() queues step t + 1 before it reads step t's tokens: the same tokens (sampled
+    ones too: the generator is drawn in the same order), and when every sequence has stopped
+    early it has decoded one step more than the plain loop, never more."""
     stop = [greedy[0][2], greedy[1][4], greedy[2][3], greedy[3][5]] if not kw else []
     want, steps = _unpipelined(engine, PROMPTS, 9, set(stop), **dict(kw))
     calls = []
@@ -164,7 +160,7 @@ def test_pipelined_generate_gives_the_plain_loops_tokens_and_one_step_more_at_mo
     assert got.tokens == want
     if stop:
         assert steps < 9 and all(t[-1] in stop for t in got.tokens)  # every sequence stopped early
-        assert len(calls) == steps - (mode == "off")  # the plain loop's steps - 1 decodes (+ the one queued)
+        assert len(calls) == steps  # the plain loop's steps - 1 decodes, and the one queued
     else:
         assert len(calls) == 8  # max_new_tokens - 1: nothing queued past the last step
 

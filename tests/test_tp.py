@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -589,9 +590,7 @@ def test_one_shot_all_reduce_never_reuses_a_buffer_back_to_back(monkeypatch):
 def test_the_logits_all_gather_takes_a_buffer_slot(compile_artifact, monkeypatch):
     """The engine's program scope counts the all-gather with the all-reduces (the push all-gather
     goes through the same buffers): Llama's tp=2 decode program has 2 per layer, the embedding's
-    and the logits' gather; DSC_ALLGATHER picks push or NCCL and rejects anything else."""
-    from dsc.kernels import collectives
-
+    and the logits' gather."""
     art = compile_artifact("llama-tiny", dtype="fp32", tp=2)
     plan = json.loads((art / "plan.json").read_text())
     from dsc.runtime.engine import SLOT_OPS
@@ -601,33 +600,45 @@ def test_the_logits_all_gather_takes_a_buffer_slot(compile_artifact, monkeypatch
     assert sum(op in SLOT_OPS for op in ops) == 2 * layers + 2 and ops.count("dsc.all_gather.default") == 1
     gather = next(n for n in plan["programs"]["decode"]["nodes"] if n.get("op") == "dsc.all_gather.default")
     assert gather["kernel"]["name"] == "triton.push_all_gather" and gather["kernel"]["launches"] == 1
-    monkeypatch.delenv("DSC_ALLGATHER", raising=False)
-    assert collectives.push_gather_enabled()
-    monkeypatch.setenv("DSC_ALLGATHER", "nccl")
-    assert not collectives.push_gather_enabled()
-    monkeypatch.setenv("DSC_ALLGATHER", "ring")
-    with pytest.raises(ValueError, match="DSC_ALLGATHER must be push or nccl"):
-        collectives.push_gather_enabled()
 
 
-def test_all_reduce_mode_is_checked(monkeypatch):
+@pytest.mark.parametrize("mode", ["auto", "nccl"])
+def test_without_a_group_or_a_gpu_collectives_take_nccl_or_gloo(mode, monkeypatch):
+    """No process group or no GPU: NCCL/gloo under either DSC_ALLREDUCE, nothing allocated."""
+    from dsc import switches
     from dsc.kernels import collectives
 
-    monkeypatch.setenv("DSC_ALLREDUCE", "nccl")
-    assert collectives.allreduce_mode() == "nccl"
-    monkeypatch.setenv("DSC_ALLREDUCE", "one_shot")
-    assert collectives.allreduce_mode() == "one_shot"
-    monkeypatch.setenv("DSC_ALLREDUCE", "pull")
-    assert collectives.allreduce_mode() == "pull"
-    monkeypatch.setenv("DSC_ALLREDUCE", "gemv_push")
-    assert collectives.allreduce_mode() == "gemv_push"
-    monkeypatch.setenv("DSC_ALLREDUCE", "fast")
-    with pytest.raises(ValueError, match="DSC_ALLREDUCE must be one of auto, gemv_push, push, pull, one_shot, nccl"):
-        collectives.allreduce_mode()
-    # no process group or no GPU: NCCL/gloo, nothing allocated
-    monkeypatch.delenv("DSC_ALLREDUCE")
+    monkeypatch.setenv("DSC_ALLREDUCE", mode)
+    switches.reload()
     assert collectives.enable_symmetric(torch.device("cpu"), torch.float32, 64) == "nccl"
     assert collectives._symm is None
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gather"])
+def test_dsc_allreduce_nccl_keeps_every_collective_off_the_push_buffers(kernel, monkeypatch):
+    """With push buffers set up (as by an earlier engine in the process), DSC_ALLREDUCE=nccl
+    still sends the GEMV push and the logits' all-gather to their NCCL paths; auto takes the
+    buffers (the call's checks otherwise pass)."""
+    from dsc import switches
+    from dsc.kernels import collectives
+
+    s = object.__new__(collectives._Symmetric)
+    s.fused, s.count, s.index, s.numel, s.dtype = True, 2, 0, 1 << 20, torch.float32
+    monkeypatch.setattr(collectives, "_symm", s)
+    x, w = torch.zeros(1, 64), torch.zeros(32, 64)
+
+    def takes_buffers():
+        if kernel == "gemv":
+            return collectives._gemv_push_usable(s, torch.zeros(1, 32), x, w, torch.zeros(32), "")
+        monkeypatch.setattr(collectives, "_launch_push_gather", lambda s, slot, x: "pushed")
+        s.index = 0
+        return collectives._push_gather(types.SimpleNamespace(is_cuda=True, dtype=torch.float32, numel=lambda: 64,
+                                                              dim=lambda: 2), -1) == "pushed"
+
+    for mode, want in (("auto", True), ("nccl", False)):
+        monkeypatch.setenv("DSC_ALLREDUCE", mode)
+        switches.reload()
+        assert takes_buffers() is want, mode
 
 
 def test_shutdown_destroys_cuda_graphs_before_the_group(monkeypatch, tmp_path):
@@ -663,41 +674,3 @@ def test_released_runner_steps_run_eagerly():
     out = r(torch.tensor([3]), torch.tensor([4]))
     assert out.tolist() == [[7.0]]
 
-
-# -- the fused all-reduce + add + RMSNorm kernel (its numbers and cross-GPU runs: scripts/check_allreduce_gpu.py)
-
-_FUSED_AOT = r"""
-import json, re, sys
-from collections import Counter
-from dsc.kernels.launch import compile_for_arch
-from dsc.kernels import collectives as c
-types = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "S": "*bf16", "Y": "*bf16", "BUFS": "*i64", "FLAGS": "*i64",
-         "stride_x": "i32", "stride_r": "i32", "eps": "fp32", "rank": "i32", "flag_base": "i32"}
-world = int(sys.argv[1])
-k = compile_for_arch(c._ar_add_rmsnorm_kernel, types, {"N": 4096, "WORLD": world, "BLOCK_W": 1 << (world - 1).bit_length(),
-                                                         "BLOCK_N": 4096}, num_warps=8)
-ops = Counter(" ".join(w for w in line.split() if w.startswith(("ld.", "st.", "atom."))) for line in k.asm["ptx"].splitlines())
-print(json.dumps({"cubin": len(k.asm["cubin"]), "ops": ops}))
-"""
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_fused_all_reduce_norm_kernel_builds_for_sm90(world):
-    """The kernel compiles for sm_90 without a GPU, signals every rank with one system-scope
-    release exchange (a lane per rank, issued together: one NVLink round trip, where one
-    exchange per rank in turn cost a round trip each), waits with system-scope acquire loads,
-    and reads the peers' rows with 16-byte uncached loads (2-byte loads would cost several
-    microseconds)."""
-    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", _FUSED_AOT, str(world)], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    ops = r["ops"]
-    assert r["cubin"] > 0
-    assert ops.get("atom.global.sys.release.exch.b32") == 1
-    assert ops.get("atom.global.sys.acquire.add.u32") == 2  # the first poll and the retry loop
-    # 4096 bf16 over 256 threads: 16 elements = two 16-byte loads per thread and rank
-    assert ops.get("ld.global.cv.v4.b32") == 2 * world
-    assert not any(op.startswith("ld.global.cv") and "v4" not in op for op in ops)

@@ -1,0 +1,142 @@
+"""switches.py: every DSC_* variable declared once, read once, checked with one clear line, and
+docs/switches.md generated from the declarations."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsc import switches
+from dsc.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = re.compile(r"\bDSC_[A-Z0-9_]+\b")
+
+
+def _names_in(paths) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for p in paths:
+        for name in NAME.findall(p.read_text()):
+            found.setdefault(name, set()).add(str(p.relative_to(ROOT)))
+    return found
+
+
+def test_every_dsc_variable_the_code_and_tests_name_is_declared():
+    """The package, its tests, README and docs/switches.md name only declared switches (a removed
+    switch left in a test or a docstring shows here)."""
+    files = [p for p in ROOT.rglob("*.py") if p.relative_to(ROOT).parts[0] not in ("scripts", "docs", ".venv")]
+    files += [ROOT / "docs" / "switches.md"]
+    unknown = {n: sorted(f) for n, f in _names_in(files).items() if n not in switches.SWITCHES}
+    assert not unknown, unknown
+
+
+def test_only_the_registry_reads_dsc_variables_from_the_environment():
+    """Code reads a switch through `switches.get`, never os.environ / os.getenv."""
+    reads = re.compile(r"(os\.environ(\.get)?\s*[\[(]\s*|os\.getenv\(\s*)[\"']DSC_")
+    offenders = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+                 if p.relative_to(ROOT).parts[0] not in ("scripts", "tests", ".venv") and p.name != "switches.py"
+                 and reads.search(p.read_text())]
+    assert not offenders, offenders
+
+
+def test_docs_page_is_generated_from_the_registry():
+    want = switches.markdown()
+    assert (ROOT / "docs" / "switches.md").read_text() == want, \
+        "docs/switches.md is stale: python -m dsc.switches --markdown > docs/switches.md"
+    for s in switches.SWITCHES.values():  # every switch, its default and every choice are on the page
+        assert f"## `{s.name}`" in want and all(f"| `{c}` |" in want for c in s.choices), s.name
+        assert s.doc and (s.choices or s.value_doc), s.name
+
+
+def test_markdown_entry_point():
+    r = subprocess.run([sys.executable, "-m", "dsc.switches", "--markdown"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout == switches.markdown(), r.stderr
+    r = subprocess.run([sys.executable, "-m", "dsc.switches"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "usage: python -m dsc.switches --markdown"
+
+
+@pytest.mark.parametrize("name", sorted(switches.SWITCHES))
+def test_unset_gives_the_default(name, monkeypatch):
+    monkeypatch.delenv(name, raising=False)
+    assert switches.get(name) == switches.SWITCHES[name].default
+
+
+@pytest.mark.parametrize("name, value", [(s.name, c) for s in switches.SWITCHES.values() for c in s.choices])
+def test_every_choice_is_accepted(name, value, monkeypatch):
+    monkeypatch.setenv(name, value)
+    assert switches.get(name) == value
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("DSC_PDL", "x", "DSC_PDL: must be one of auto, off, got 'x'"),
+    ("DSC_PDL", "on", "DSC_PDL: must be one of auto, off, got 'on'"),
+    ("DSC_PDL", "", "DSC_PDL: must be one of auto, off, got ''"),
+    ("DSC_ALLREDUCE", "one_shot", "DSC_ALLREDUCE: must be one of auto, nccl, got 'one_shot'"),
+    ("DSC_GEMV", "Tuned", "DSC_GEMV: must be one of tuned, off, all, got 'Tuned'"),
+    ("DSC_UPDATE_GOLDEN", "yes", "DSC_UPDATE_GOLDEN: must be one of 0, 1, got 'yes'"),
+])
+def test_a_bad_value_is_one_line_naming_the_switch(name, value, message, monkeypatch):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(UserError) as e:
+        switches.get(name)
+    assert str(e.value) == message
+
+
+def test_tuning_file_is_checked_when_read(tmp_path, monkeypatch):
+    good = tmp_path / "rows.json"
+    good.write_text(json.dumps({"_comment": "ignored", "sm_90": {"gemv": {"N8_K8": {"BLOCK_N": 1}}}}))
+    monkeypatch.setenv("DSC_TUNING", str(good))
+    assert switches.get("DSC_TUNING") == str(good)
+    for name, text, why in (("missing.json", None, "cannot read"), ("bad.json", "{", "cannot read"),
+                            ("list.json", "[1]", "is not {arch:"), ("row.json", '{"sm_90": {"gemv": {"N8_K8": 3}}}',
+                                                                    "is not {arch:")):
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        monkeypatch.setenv("DSC_TUNING", str(path))
+        switches.reload()
+        with pytest.raises(UserError) as e:
+            switches.get("DSC_TUNING")
+        assert str(e.value).startswith(f"DSC_TUNING: ") and why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_values_are_read_once_until_reload(monkeypatch):
+    monkeypatch.setenv("DSC_GEMV", "off")
+    assert switches.get("DSC_GEMV") == "off"
+    monkeypatch.setenv("DSC_GEMV", "all")
+    assert switches.get("DSC_GEMV") == "off"
+    switches.reload()
+    assert switches.get("DSC_GEMV") == "all"
+
+
+def test_check_all_rereads_and_reports_the_first_bad_switch(monkeypatch):
+    for name in switches.SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    switches.check_all()
+    monkeypatch.setenv("DSC_GEMV", "fast")
+    with pytest.raises(UserError, match="^DSC_GEMV: "):
+        switches.check_all()
+    monkeypatch.setenv("DSC_GEMV", "off")
+    switches.check_all()
+    assert switches.get("DSC_GEMV") == "off"
+
+
+def test_load_rereads_the_switches(compile_artifact, monkeypatch):
+    """dsc.load checks every switch on any device (a typo is an error before anything loads) and
+    the engine runs with the values read there."""
+    import dsc
+
+    art = compile_artifact("llama-tiny", dtype="fp32")
+    monkeypatch.setenv("DSC_GEMV", "off")
+    assert switches.get("DSC_GEMV") == "off"
+    monkeypatch.setenv("DSC_GEMV", "all")
+    dsc.load(art, device="cpu")
+    assert switches.get("DSC_GEMV") == "all"
+    monkeypatch.setenv("DSC_ALLREDUCE", "ring")
+    with pytest.raises(UserError, match="^DSC_ALLREDUCE: must be one of auto, nccl, got 'ring'$"):
+        dsc.load(art, device="cpu")
