@@ -65,22 +65,25 @@ def fused(first: str, then: str) -> str | None:
 
 
 # -- the aten ops dsc emits ------------------------------------------------------------------
-# What the compiler leaves in a program after its passes, over every supported architecture
-# (compiler/architectures.py), tp 1 and 2, int8 and unfused compiles; the loader refuses any other.
+# What the compiler leaves in a program after its passes: the ops in the plans of every supported
+# architecture (compiler/architectures.py's tiny shapes) at tp 1 and 2, with --int8 (w8a16,
+# w8a8, grouped) and with fusion off; then the arithmetic, view and cast ops of the same
+# families those models' traces hold under other shapes and dtypes. The loader refuses any other.
 ATEN_OPS = (
-    "aten.add.Tensor", "aten.addmm.default", "aten.alias.default", "aten.any.default", "aten.arange.default",
-    "aten.arange.start", "aten.arange.start_step", "aten.bmm.default", "aten.cat.default", "aten.chunk.default",
-    "aten.clone.default", "aten.contiguous.default", "aten.cos.default", "aten.detach.default", "aten.div.Tensor",
-    "aten.embedding.default", "aten.eq.Scalar", "aten.expand.default", "aten.flatten.using_ints", "aten.full.default",
-    "aten.gelu.default", "aten.index.Tensor", "aten.index_select.default", "aten.layer_norm.default",
-    "aten.linear.default", "aten.masked_fill.Scalar", "aten.matmul.default", "aten.mean.dim", "aten.mm.default",
-    "aten.mul.Scalar", "aten.mul.Tensor", "aten.neg.default", "aten.permute.default", "aten.pow.Tensor_Scalar",
+    # in the plans
+    "aten.add.Tensor", "aten.arange.default", "aten.cat.default", "aten.chunk.default", "aten.cos.default",
+    "aten.embedding.default", "aten.flatten.using_ints", "aten.index.Tensor", "aten.layer_norm.default",
+    "aten.linear.default", "aten.mean.dim", "aten.mul.Tensor", "aten.neg.default", "aten.pow.Tensor_Scalar",
     "aten.relu.default", "aten.reshape.default", "aten.rsqrt.default", "aten.select.int", "aten.silu.default",
-    "aten.sin.default", "aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default",
-    "aten.squeeze.dim", "aten.stack.default", "aten.sub.Tensor", "aten.sym_numel.default", "aten.sym_size.int",
-    "aten.t.default", "aten.tanh.default", "aten.to.dtype", "aten.transpose.int", "aten.unbind.int",
-    "aten.unflatten.int", "aten.unsqueeze.default", "aten.view.default", "aten._unsafe_view.default",
-    "aten._to_copy.default", "aten.where.self",
+    "aten.sin.default", "aten.slice.Tensor", "aten.split.Tensor", "aten.stack.default", "aten.sym_size.int",
+    "aten.tanh.default", "aten.to.dtype", "aten.transpose.int", "aten.type_as.default", "aten.unsqueeze.default",
+    "aten.view.default",
+    # their families
+    "aten.sub.Tensor", "aten.div.Tensor", "aten.gelu.default", "aten.mm.default", "aten.addmm.default",
+    "aten.bmm.default", "aten.expand.default", "aten.permute.default", "aten.squeeze.dim", "aten.unflatten.int",
+    "aten.split_with_sizes.default", "aten._unsafe_view.default", "aten.clone.default", "aten._to_copy.default",
+    "aten.arange.start", "aten.arange.start_step", "aten.full.default", "aten.where.self",
+    "aten.sym_numel.default",
 )
 ATEN_TRAITS: dict[str, OpTraits] = {"aten.embedding.default": OpTraits(gather=True)}
 
