@@ -41,13 +41,10 @@ GATHER_OPS = registry.ops_with("gather")
 
 _DOTTED = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*", re.ASCII)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+# a tag names one of torch's values of its type, never any other attribute of torch
 _TAGS: dict[str, dict[str, Any]] = {
-    "dtype": {str(d).removeprefix("torch."): d for d in (
-        torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
-        torch.int32, torch.int64, torch.bool)},
-    "layout": {"strided": torch.strided},
-    "memory_format": {str(m).removeprefix("torch."): m for m in (
-        torch.contiguous_format, torch.preserve_format, torch.channels_last)},
+    tag: {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, kind)}
+    for tag, kind in (("dtype", torch.dtype), ("layout", torch.layout), ("memory_format", torch.memory_format))
 }
 _NUMBER = (int, float)
 
@@ -128,7 +125,7 @@ def check_arg(a: Any, defined: set[str], depth: int = 0) -> None:
             raise _Bad("args", f"float {_short(val)} (only inf, -inf, nan)")
     elif tag in _TAGS:
         if not isinstance(val, str) or val not in _TAGS[tag]:
-            raise _Bad("args", f"{tag} {_short(val)} is not one of {', '.join(_TAGS[tag])}")
+            raise _Bad("args", f"{tag} {_short(val)} is not a torch {tag}")
     else:
         raise _Bad("args", f"unknown argument tag {_short(tag)}")
 
@@ -204,7 +201,7 @@ def _check_identifier(s: Any, field: str, what: str) -> None:
 
 
 def _check_dotted(s: Any, field: str) -> None:
-    if not isinstance(s, str) or not _DOTTED.fullmatch(s) or any(keyword.iskeyword(p) for p in s.split(".")):
+    if not isinstance(s, str) or not _DOTTED.fullmatch(s):
         raise _Bad(field, f"{_short(s)} is not a dotted name of letters, digits and underscores")
 
 

@@ -12,7 +12,6 @@ import grimp
 import pytest
 
 import dsc
-from dsc.kernels import registry
 
 ROOT = Path(dsc.__file__).parent
 FOLDERS = ("compiler", "passes", "kernels", "runtime")
@@ -115,6 +114,8 @@ def test_the_cycle_check_sees_a_lazy_import():
 def test_every_dsc_op_declares_its_traits():
     import torch
 
+    from dsc.kernels import registry
+
     registered = {f"dsc.{name}.{overload}" for name in dir(torch.ops.dsc) if not name.startswith("_")
                   for packet in [getattr(torch.ops.dsc, name)] if isinstance(packet, torch._ops.OpOverloadPacket)
                   for overload in packet.overloads()}
@@ -122,6 +123,7 @@ def test_every_dsc_op_declares_its_traits():
 
 
 def test_the_collective_vocabulary_comes_from_the_registry():
+    from dsc.kernels import registry
     from dsc.runtime import engine, plan
 
     assert set(engine.ALL_REDUCE_OPS) <= set(engine.SLOT_OPS)

@@ -100,7 +100,8 @@ def _tag(tag: str, value: str):
 LINE_BREAK_PAYLOAD = f"x=1) if 0 else None\r    open({MARKER!r}, 'w').close()\r    _ = dict(z"
 CASES = {
     "op_attrgetter_chain_to_exec": (_exec_chain, ["'a'", "op", "operator.attrgetter"]),
-    "op_builtins_exec": (_op_named("builtins.exec", f"open({MARKER!r}, 'w').close()"), ["'evil'", "op", "builtins.exec"]),
+    "op_builtins_exec": (_op_named("builtins.exec", f"open({MARKER!r}, 'w').close()"),
+                         ["'evil'", "op", "builtins.exec"]),
     "op_torch_load": (_op_named("torch.load", MARKER), ["'evil'", "op", "torch.load"]),
     "op_unknown_aten": (_op_named("aten.save.default", MARKER), ["'evil'", "op", "aten.save.default"]),
     "op_other_namespace": (_op_named("profiler._record_function_enter.default", "x"), ["'evil'", "op"]),
