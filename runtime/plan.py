@@ -22,6 +22,7 @@ This module is shared by the compiler (writing) and the runtime (reading); it ne
 """
 from __future__ import annotations
 
+import functools
 import keyword
 import math
 import re
@@ -143,8 +144,8 @@ def _fits(t: torch._C.JitType, a: Any) -> bool:
         return isinstance(a, list) and all(_fits(t.getElementType(), x) for x in a)
     if _is_tag(a, "node"):
         return kind not in ("StringType", "DeviceObjType")
-    if kind == "TensorType":
-        return isinstance(a, _NUMBER) and not isinstance(a, bool)
+    if kind == "TensorType":  # a scalar stands for a 0-dim tensor
+        return isinstance(a, _NUMBER) or _is_tag(a, "float")
     if kind in ("IntType", "SymIntType"):  # dtypes, layouts and memory formats are ints in schemas
         return (isinstance(a, int) and not isinstance(a, bool)) or _is_tag(a, "dtype", "layout", "memory_format")
     if kind in ("FloatType", "NumberType"):
@@ -176,9 +177,7 @@ def _check_call(n: dict, defined: set[str]) -> None:
         if kwargs or len(args) != len(kinds) or not all(map(_fits_python, kinds, args)):
             raise _Bad("args", f"{op} takes ({', '.join(kinds)})")
         return
-    schema = registry.resolve_torch_op(op)._schema
-    params = {p.name: p for p in schema.arguments}
-    positional = [p for p in schema.arguments if not p.kwarg_only]
+    params, positional = _parameters(op)
     if len(args) > len(positional):
         raise _Bad("args", f"{op} takes at most {len(positional)} positional arguments, got {len(args)}")
     for k in kwargs:
@@ -187,6 +186,13 @@ def _check_call(n: dict, defined: set[str]) -> None:
     for p, a in [*zip(positional, args), *((params[k], v) for k, v in kwargs.items())]:
         if not _fits(p.type, a):
             raise _Bad("args", f"argument {p.name} of {op} ({p.type}) cannot be {_short(a)}")
+
+
+@functools.cache
+def _parameters(op: str) -> tuple[dict[str, Any], list[Any]]:
+    """A torch op's schema arguments by name, and its positional ones in order."""
+    schema = registry.resolve_torch_op(op)._schema
+    return {p.name: p for p in schema.arguments}, [p for p in schema.arguments if not p.kwarg_only]
 
 
 def _fits_python(kind: str, a: Any) -> bool:

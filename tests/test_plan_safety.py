@@ -182,3 +182,36 @@ def test_a_real_plan_still_builds(small_artifact):
     for program in plan["programs"].values():
         g, targets = plan_format.build_graph(program["nodes"], torch.device("cpu"))
         assert targets and any(n.op == "call_function" for n in g.nodes)
+
+
+def _program(*calls: dict) -> list[dict]:
+    return [{"name": "x", "kind": "input"}, {"name": "w", "kind": "weight", "target": "model.w"}, *calls,
+            {"name": "output", "kind": "output", "args": {"node": calls[-1]["name"]}}]
+
+
+@pytest.mark.parametrize("call, words", [
+    (_call("v", "aten.view.default", {"node": "x"}, [2, 3], shape=[2, 3]), ["'v'", "kwargs", "shape"]),
+    (_call("v", "aten.view.default", {"node": "x"}, [2, 3], 4), ["'v'", "at most 2 positional"]),
+    (_call("v", "aten.view.default", "x", [2, 3]), ["'v'", "argument self", "'x'"]),
+    (_call("v", "aten.view.default", {"node": "later"}, [2]), ["'v'", "refers to 'later'"]),
+    (_call("g", "operator.getitem", {"node": "x"}, "__class__"), ["'g'", "operator.getitem takes"]),
+    (_call("g", "operator.getitem", {"node": "x"}, 0, 1), ["'g'", "operator.getitem takes"]),
+    (_call("m", "aten.mean.dim", {"node": "x"}, [-1], {"dtype": "float32", "x": 1}), ["'m'", "encoded argument"]),
+    (_call("m", "aten.mean.dim", {"node": "x"}, [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]), ["'m'", "nested"]),
+])
+def test_arguments_are_of_the_kinds_the_op_accepts(call, words):
+    with pytest.raises(UserError) as e:
+        plan_format.build_graph(_program(call), torch.device("cpu"))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_a_well_formed_call_of_each_kind_builds():
+    nodes = _program(_call("s", "aten.sym_size.int", {"node": "x"}, 0),
+                     _call("n", "operator.mul", {"node": "s"}, 2),
+                     _call("v", "aten.view.default", {"node": "x"}, [{"node": "n"}, -1]),
+                     _call("c", "aten.to.dtype", {"node": "v"}, {"dtype": "float16"}),
+                     _call("a", "aten.arange.default", 4, device={"device": "target"}, dtype={"dtype": "int64"}),
+                     _call("f", "aten.add.Tensor", {"node": "c"}, {"float": "-inf"}))
+    g, targets = plan_format.build_graph(nodes, torch.device("cpu"))
+    assert targets == ["model.w"] and len([n for n in g.nodes if n.op == "call_function"]) == 6
