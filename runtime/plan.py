@@ -73,7 +73,7 @@ def encode_arg(a: Any) -> Any:
 
 
 def decode_arg(a: Any, env: dict[str, fx.Node], device: torch.device) -> Any:
-    """An argument `check_arg` accepted, as the FX value it encodes."""
+    """An argument `check_nodes` accepted, as the FX value it encodes."""
     if isinstance(a, list):
         return [decode_arg(x, env, device) for x in a]
     if isinstance(a, dict):
@@ -95,40 +95,40 @@ class _Bad(Exception):
     """A field of one node is bad; build_graph adds where."""
 
 
-def check_arg(a: Any, defined: set[str], depth: int = 0) -> None:
+def _check_arg(a: Any, defined: set[str], field: str = "args", depth: int = 0) -> None:
     """`a` is a well-formed encoded argument: plain values, lists, known tags, references to
     nodes defined before."""
     if depth > 16:
-        raise _Bad("args", "nested too deeply")
+        raise _Bad(field, "nested too deeply")
     if a is None or isinstance(a, (bool, int, str)) or (isinstance(a, float) and math.isfinite(a)):
         return
     if isinstance(a, list):
         for x in a:
-            check_arg(x, defined, depth + 1)
+            _check_arg(x, defined, field, depth + 1)
         return
     if not isinstance(a, dict) or len(a) != 1:
-        raise _Bad("args", f"{_short(a)} is not an encoded argument")
+        raise _Bad(field, f"{_short(a)} is not an encoded argument")
     (tag, val), = a.items()
     if tag == "node":
         if not isinstance(val, str) or val not in defined:
-            raise _Bad("args", f"refers to {_short(val)}, which no earlier node defines")
+            raise _Bad(field, f"refers to {_short(val)}, which no earlier node defines")
     elif tag == "dict":
         if not isinstance(val, dict):
-            raise _Bad("args", "a dict argument is not an object")
+            raise _Bad(field, "a dict argument is not an object")
         for k, v in val.items():
-            _check_identifier(k, "args", "dict key")
-            check_arg(v, defined, depth + 1)
+            _check_identifier(k, field, "dict key")
+            _check_arg(v, defined, field, depth + 1)
     elif tag == "device":
         if val != "target":
-            raise _Bad("args", f"device {_short(val)} (only \"target\")")
+            raise _Bad(field, f"device {_short(val)} (only \"target\")")
     elif tag == "float":
         if val not in ("inf", "-inf", "nan"):
-            raise _Bad("args", f"float {_short(val)} (only inf, -inf, nan)")
+            raise _Bad(field, f"float {_short(val)} (only inf, -inf, nan)")
     elif tag in _TAGS:
         if not isinstance(val, str) or val not in _TAGS[tag]:
-            raise _Bad("args", f"{tag} {_short(val)} is not a torch {tag}")
+            raise _Bad(field, f"{tag} {_short(val)} is not a torch {tag}")
     else:
-        raise _Bad("args", f"unknown argument tag {_short(tag)}")
+        raise _Bad(field, f"unknown argument tag {_short(tag)}")
 
 
 def _is_tag(a: Any, *tags: str) -> bool:
@@ -170,8 +170,8 @@ def _check_call(n: dict, defined: set[str]) -> None:
         raise _Bad("kwargs", "not an object")
     for k in kwargs:
         _check_identifier(k, "kwargs", "key")
-    check_arg(args, defined)
-    check_arg(list(kwargs.values()), defined)
+    _check_arg(args, defined)
+    _check_arg(list(kwargs.values()), defined, "kwargs")
     if op in registry.PYTHON_OPS:
         kinds = registry.PYTHON_OPS[op][1]
         if kwargs or len(args) != len(kinds) or not all(map(_fits_python, kinds, args)):
@@ -239,7 +239,7 @@ def check_nodes(nodes: Any, where: str = "plan.json") -> None:
             elif kind == "call":
                 _check_call(n, defined)
             elif kind == "output":
-                check_arg(n.get("args"), defined)
+                _check_arg(n.get("args"), defined)
             else:
                 raise _Bad("kind", f"unknown node kind {_short(kind)}")
         except _Bad as e:
