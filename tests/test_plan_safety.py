@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 
 import dsc
 from dsc.errors import UserError
-from dsc.kernels import registry
 from dsc.runtime import plan as plan_format
 
 MARKER = "pwned"  # relative, no dots: a weight target is split on "." by FX before it is written
@@ -163,6 +162,8 @@ def test_weight_target_with_a_line_break_is_refused(tmp_path, small_artifact, mo
 
 
 def test_every_op_of_the_golden_plans_is_in_the_table():
+    from dsc.kernels import registry
+
     golden = Path(__file__).parent / "golden"
     ops = {tok for f in golden.glob("*.plan.txt") for line in f.read_text().splitlines()
            for tok in line.split()[1:2] if tok.split(".")[0] in ("aten", "dsc", "operator", "math", "torch")}
@@ -171,6 +172,8 @@ def test_every_op_of_the_golden_plans_is_in_the_table():
 
 
 def test_the_table_resolves_to_the_ops_the_compiler_names():
+    from dsc.kernels import registry
+
     names = [*registry.ATEN_OPS, *registry.PYTHON_OPS, *(n for n in registry.DSC_OPS if n.startswith("dsc."))]
     for name in names:
         assert registry.is_known(name) and registry.op_name(registry.resolve_op(name)) == name
