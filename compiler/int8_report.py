@@ -21,60 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import torch
 import torch.fx as fx
 
 from dsc.compiler.ir import Model
 from dsc.errors import UserError
+from dsc.kernels import registry
+from dsc.passes import quantize_int8
 
 REPORT_PROMPTS = 4  # calibration prompts the report evaluates (the first ones)
 REPORT_TOKENS = 64  # ... cut to this many tokens: rows x tokens bounds the KV cache and activations
 POSITIONS = 4  # evaluated positions per prompt (its last ones): rows x length is the cost
-_INT8_OPS = ("linear_w8a16", "linear_w8a8")
 _CAP_DB = 999.0  # SQNR of an exact match (infinite) is written as this
-
-
-def calibration_prompts(path: str | Path, ckpt, max_seq: int) -> list[list[int]]:
-    """One prompt per non-empty line: text (with the checkpoint's tokenizer.json) or, for a
-    checkpoint without a tokenizer, token ids separated by spaces or commas. Prompts are cut
-    to max_seq - 1 tokens."""
-    path = Path(path)
-    try:
-        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
-    except FileNotFoundError:
-        raise UserError(f"{path}: calibration file not found")
-    except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise UserError(f"{path}: not a UTF-8 text file of prompts ({type(e).__name__})")
-    lines = [(i, ln) for i, ln in enumerate(lines, 1) if ln]
-    if not lines:
-        raise UserError(f"{path}: no calibration prompts (one per line)")
-    tok_file = ckpt.root / "tokenizer.json"
-    tok = None
-    if tok_file.exists():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tok_file))
-    vocab = ckpt.config["vocab_size"]
-    out = []
-    for i, ln in lines:
-        if tok is not None:
-            ids = tok.encode(ln).ids
-        else:
-            try:
-                ids = [int(t) for t in ln.replace(",", " ").split()]
-            except ValueError:
-                raise UserError(f"{path}:{i}: {ckpt.root} has no tokenizer.json; write calibration "
-                                "prompts as token ids")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise UserError(f"{path}:{i}: token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
-        if ids:
-            out.append(ids[: max_seq - 1])
-    if not out:
-        raise UserError(f"{path}: every calibration prompt is empty after tokenization")
-    return out
 
 
 def unquantized(model: Model) -> Model:
@@ -114,7 +73,7 @@ def unquantized(model: Model) -> Model:
 
 
 def _int8_targets():
-    return {getattr(torch.ops.dsc, op).default for op in _INT8_OPS}
+    return {registry.resolve_torch_op(op) for op in registry.ops_with("quantized")}
 
 
 def _sqnr(signal: float, noise: float) -> float:
@@ -203,7 +162,8 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
 
     opts, world = model.options, model.options.tp
     if prompts is None and opts.calibrate:
-        prompts = [p[:REPORT_TOKENS] for p in calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)]
+        prompts = quantize_int8.calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)
+        prompts = [p[:REPORT_TOKENS] for p in prompts]
         prompts, source = prompts[:REPORT_PROMPTS], "calibration"
     elif prompts is None:
         prompts, source = sample_prompts(model.config["vocab_size"], batch=3), "random tokens"

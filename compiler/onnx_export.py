@@ -17,13 +17,14 @@ How it is built
     `*_reference` on copies of those arguments and returns them; the copies become the
     cache outputs, and later readers see the written copy;
   - int8 linears: the weight enters as DequantizeLinear(qweight, scale[, zero]) (QDQ) feeding
-    the 16-bit op they replaced (see `_DECOMPOSITIONS`);
+    the 16-bit op they replaced (kernels/int8.py `linear_w8a16_qdq`);
   - dsc.all_reduce / dsc.all_gather (tp > 1) become com.microsoft AllReduce / AllGather, the
     collectives of onnxruntime's distributed (CUDA + NCCL) build: the only nodes outside the
     standard domain, and why a tp > 1 model is checked with onnx.checker only;
     dsc.all_reduce_add_rmsnorm becomes that AllReduce and the norm's reference,
     dsc.vocab_embedding_all_reduce_rmsnorm the lookup's reference, the AllReduce and the norm's;
   - any other dsc op: its plain-torch `<op>_reference` from dsc/kernels/<file>.py.
+  Which of these an op takes is the `onnx` trait its kernel file declares (kernels/registry.py).
   `fp32=True` computes in float32 (weights upcast, dtype arguments rewritten): onnxruntime's
   CPU kernels have no bfloat16 arithmetic.
 
@@ -43,11 +44,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from dsc.errors import UserError
-from dsc.kernels.embedding import vocab_embedding_reference
-from dsc.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
+from dsc.kernels.registry import DSC_OPS, KEEP, op_name, resolve_torch_op, traits
 
 OPSET = 21  # DequantizeLinear with block_size (grouped int8 scales) needs 21
 # onnxruntime (CPU) vs the dsc runtime (CPU): least logits SQNR in dB, by (artifact dtype, ONNX
@@ -88,93 +87,6 @@ def _functional(ref: Callable, mutated: list[int]) -> Callable:
 
     run.__name__ = f"{ref.__name__}_functional"
     return run
-
-
-@torch.library.custom_op("dsc_onnx::dequantize", mutates_args=())
-def dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, block: int) -> torch.Tensor:
-    """(qweight - zero) * scale, fp32: qweight [N, K] int8; scale (fp32) and zero (int8) [N]
-    (block 0: one per row) or [N, K // block]. In ONNX: DequantizeLinear."""
-    from dsc.kernels.int8 import dequantize_weight
-
-    if block == 0:
-        return dequantize_weight(qweight, scale[:, None], None if zero is None else zero[:, None])
-    return dequantize_weight(qweight, scale, zero)
-
-
-@dequantize.register_fake
-def _(qweight, scale, zero, block):
-    return qweight.new_empty(qweight.shape, dtype=torch.float32)
-
-
-def _onnx_dequantize(qweight, scale, zero, block: int):
-    from onnxscript import opset21 as op
-
-    if block == 0:
-        return op.DequantizeLinear(qweight, scale, zero, axis=0)
-    return op.DequantizeLinear(qweight, scale, zero, axis=1, block_size=block)
-
-
-def _dequantize_qdq(qweight, scale, zero):
-    # scale, zero: [N, G] (dsc.kernels.int8); per-channel (G == 1) is DequantizeLinear's axis=0
-    n, g = scale.shape
-    if g == 1:
-        return torch.ops.dsc_onnx.dequantize(qweight, scale.reshape(n), None if zero is None else zero.reshape(n), 0)
-    return torch.ops.dsc_onnx.dequantize(qweight, scale, zero, qweight.shape[1] // g)
-
-
-def linear_w8a16_qdq(x, qweight, scale, zero, bias, group_size):
-    # as linear_w8a16_reference, the weight entering through DequantizeLinear
-    w = _dequantize_qdq(qweight, scale, zero).to(x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-
-
-def linear_w8a8_qdq(x, qweight, scale, zero, bias, group_size, inv_smooth):
-    # per-token activation quantization as the reference (standard ops), then a float matmul
-    # of the dequantized operands: equal to the int32-exact reference up to fp32 rounding
-    from dsc.kernels.int8 import quantize_activation
-
-    n, k = qweight.shape
-    xq, xs = quantize_activation(x.reshape(-1, k), inv_smooth)  # xq: [M, K] int8, xs: [M, 1]
-    y = F.linear(xq.float() * xs, _dequantize_qdq(qweight, scale, zero), None if bias is None else bias.float())
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
-
-
-def _contrib_op(name: str, attributes: tuple[str, ...] = ()):
-    """An op of onnxruntime's com.microsoft domain, whose schemas onnx does not ship."""
-    import onnx.defs as d
-    from onnxscript.values import Op, Opset
-
-    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
-    schema = d.OpSchema(name, "com.microsoft", 1, inputs=[d.OpSchema.FormalParameter("input", "T")],
-                        outputs=[d.OpSchema.FormalParameter("output", "T")], type_constraints=[("T", floats, "")],
-                        attributes=[d.OpSchema.Attribute(a, d.OpSchema.AttrType.INT, "") for a in attributes])
-    return Op(Opset("com.microsoft", 1), name, schema)
-
-
-def _onnx_all_reduce(x):
-    return _contrib_op("AllReduce")(x)
-
-
-def _onnx_all_gather(x, dim: int, world: int):
-    return _contrib_op("AllGather", ("group_size", "axis"))(x, group_size=world, axis=dim)
-
-
-def _all_reduce_add_rmsnorm(residual, x, weight, eps):
-    return add_rmsnorm_reference(torch.ops.dsc.all_reduce(x), residual, weight, eps)
-
-
-def _vocab_embedding_all_reduce_rmsnorm(weight, ids, start, norm_weight, eps):
-    h = torch.ops.dsc.all_reduce(vocab_embedding_reference(weight, ids, start))
-    return h, rmsnorm_reference(h, norm_weight, eps)
-
-
-# dsc ops that do not export through their `*_reference`: int8 linears (QDQ form), and the
-# collectives, kept as nodes and translated to onnxruntime's contrib ops (None) or, fused with
-# a norm, split into the collective and the norm's reference
-_DECOMPOSITIONS: dict[str, Callable | None] = {"linear_w8a16": linear_w8a16_qdq, "linear_w8a8": linear_w8a8_qdq,
-                                                "all_reduce": None, "all_gather": None,
-                                                "all_reduce_add_rmsnorm": _all_reduce_add_rmsnorm,
-                                                "vocab_embedding_all_reduce_rmsnorm": _vocab_embedding_all_reduce_rmsnorm}
 
 
 # -- the module ----------------------------------------------------------------------------
@@ -227,12 +139,13 @@ def plan_module(nodes: list[dict], weights: dict[str, torch.Tensor], cache: dict
 
 
 def _decompose(g: fx.Graph, n: fx.Node) -> fx.Node:
+    """The node's stand-in of standard ops, as the op's kernel file declares its ONNX form
+    (kernels/registry.py `onnx`): n itself for an op kept as a node."""
     op = n.target
-    if op._opname in _DECOMPOSITIONS:
-        fn = _DECOMPOSITIONS[op._opname]
-        if fn is None:
-            return n
-    else:
+    fn = traits(op_name(op)).onnx
+    if fn == KEEP:
+        return n
+    if fn is None:
         fn = reference_for(op)
         mutated = _mutated_args(op)
         fn = _functional(fn, mutated) if mutated else fn
@@ -253,9 +166,7 @@ def export_rank(gm: fx.GraphModule, cache_names: list[str], caches: list[torch.T
 
     b, s = Dim("batch", min=1, max=limits["max_batch"]), Dim("seq", min=1, max=limits["max_seq"])
     dynamic = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b}, *[None] * len(caches))
-    table = {torch.ops.dsc_onnx.dequantize.default: _onnx_dequantize,
-             torch.ops.dsc.all_reduce.default: _onnx_all_reduce,
-             torch.ops.dsc.all_gather.default: _onnx_all_gather}
+    table = {resolve_torch_op(name): t.onnx_translation for name, t in DSC_OPS.items() if t.onnx == KEEP}
     prog = torch.onnx.export(gm, (*_example_inputs(vocab), *caches), dynamo=True, dynamic_shapes=dynamic,
                              input_names=[*INPUTS, *cache_names],
                              output_names=["logits", *(f"{c}.next" for c in cache_names)],

@@ -20,39 +20,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 import dsc.kernels  # noqa: F401  (registers the dsc ops the programs call)
-from dsc.kernels.embedding import vocab_embedding_reference
-from dsc.kernels.int8 import linear_w8a16_reference
-from dsc.kernels.norm import add_rmsnorm_reference, rmsnorm_reference
+from dsc.kernels.registry import op_name, traits
 
 Observer = Callable[[fx.Node, int, tuple], None]  # (node, rank, its evaluated args), before the call
 Produce = Callable[[str, int], torch.Tensor]  # (weight name, rank) -> tensor
-
-
-def _embedding_then_norms(per_rank: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """dsc.vocab_embedding_all_reduce_rmsnorm (weight, ids, start, norm weight, eps): the ranks'
-    lookups of their rows summed (the vocab-parallel embedding), then each rank's norm."""
-    h = sum(vocab_embedding_reference(*a[:3]) for a in per_rank)
-    return [(h, rmsnorm_reference(h, *a[3:])) for a in per_rank]
-
-
-# collective -> f(every rank's args) -> every rank's result
-COLLECTIVES: dict[Any, Callable[[list[tuple]], list[torch.Tensor]]] = {
-    torch.ops.dsc.all_reduce.default: lambda per_rank: [sum(a[0] for a in per_rank)] * len(per_rank),
-    torch.ops.dsc.all_reduce_add_rmsnorm.default:  # (residual, x, weight, eps): the sum of x, then each rank's norm
-        lambda per_rank: [add_rmsnorm_reference(sum(a[1] for a in per_rank), a[0], *a[2:]) for a in per_rank],
-    torch.ops.dsc.linear_all_reduce_add_rmsnorm.default:  # (residual, x, weight, norm weight, eps)
-        lambda per_rank: [add_rmsnorm_reference(sum(F.linear(a[1], a[2]) for a in per_rank), a[0], *a[3:])
-                          for a in per_rank],
-    torch.ops.dsc.linear_w8a16_all_reduce_add_rmsnorm.default:  # (residual, x, qweight, scale, zero, group, norm weight, eps)
-        lambda per_rank: [add_rmsnorm_reference(sum(linear_w8a16_reference(a[1], *a[2:5], None, a[5]) for a in per_rank),
-                                                a[0], *a[6:]) for a in per_rank],
-    torch.ops.dsc.vocab_embedding_all_reduce_rmsnorm.default: _embedding_then_norms,
-    torch.ops.dsc.all_gather.default:  # (x, dim, world)
-        lambda per_rank: [torch.cat([a[0] for a in per_rank], per_rank[0][1])] * len(per_rank),
-}
 
 
 class Simulator:
@@ -105,9 +78,9 @@ class Simulator:
                 continue
             elif node.op == "output":
                 return args_of(node, 0)[0][0]
-            elif node.target in COLLECTIVES:
+            elif (combine := _collective(node)) is not None:
                 per_rank = [args_of(node, r)[0] for r in ranks]
-                for r, y in zip(ranks, COLLECTIVES[node.target](per_rank)):
+                for r, y in zip(ranks, combine(per_rank)):
                     env[r][node] = y
             else:
                 for r in ranks:
@@ -131,6 +104,14 @@ class Simulator:
         ids, pos = pad(sequences)
         last = torch.tensor(list(last_idx) if last_idx is not None else [len(s) - 1 for s in sequences])
         return self.run("prefill", (ids, pos, torch.zeros(len(sequences), dtype=torch.long), last), observe).float()
+
+
+def _collective(node: fx.Node) -> Callable[[list[tuple]], list] | None:
+    """How a collective combines every rank's args into every rank's result, as its kernel file
+    declares it (kernels/registry.py `simulate`); None for the ops each rank runs alone."""
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "dsc":
+        return traits(op_name(node.target)).simulate
+    return None
 
 
 def pad(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuned
+from dsc.kernels.registry import declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
@@ -132,6 +133,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return swiglu_reference(gate, up)
 
 
+declare("dsc.swiglu.default")
+
+
 @swiglu.register_kernel("cuda")
 def _(gate, up):
     return swiglu_triton(gate, up)
@@ -145,6 +149,9 @@ def _(gate, up):
 @torch.library.custom_op("dsc::gelu", mutates_args=())
 def gelu(x: torch.Tensor, approximate: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     return gelu_reference(x, approximate, bias)
+
+
+declare("dsc.gelu.default")
 
 
 @gelu.register_kernel("cuda")

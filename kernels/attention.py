@@ -77,6 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
+from dsc.kernels.registry import declare
 from dsc.kernels.rotary import (ROTATE_OPTIONS, check_rotary, check_rotary_tables, rotary_config, rotary_reference,
                                rotary_rows, rotary_triton, rotate)
 
@@ -931,6 +932,9 @@ def _out_like(q):
     return q.new_empty(B, S, H, D)
 
 
+declare("dsc.causal_attention.default")
+
+
 @causal_attention.register_fake
 def _(q, k, v, cache_pos, scale, window=0):
     return _out_like(q)
@@ -948,6 +952,9 @@ def attention(
     window: int = 0,
 ) -> torch.Tensor:
     return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+
+
+declare("dsc.attention.default", attention=True)
 
 
 @attention.register_kernel("cuda")
@@ -1004,6 +1011,9 @@ def rotary_attention(
     that fold_position_tables made): cos and sin are those tables [P, D], and the decode kernel
     reads the rows itself, so the step launches no gathers for them."""
     return rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window, rot_pos)
+
+
+declare("dsc.rotary_attention.default", attention=True)
 
 
 @rotary_attention.register_kernel("cuda")

@@ -62,7 +62,7 @@ buffers, CPU) the op is `dsc::all_reduce` followed by `dsc::add_rmsnorm`, with t
 DSC_ALLREDUCE (switches.py): auto (the default) takes the kernels above where the set-up's probe
 passes; nccl takes NCCL for every collective.
 Each all-reduce op here, fused or not, and the all-gather take one buffer slot per call in
-`program_scope` (runtime/engine.py's SLOT_OPS count them).
+`program_scope` (declared `collective_slot` below; runtime/engine.py counts them).
 """
 from __future__ import annotations
 
@@ -73,15 +73,17 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from dsc import switches
-from dsc.kernels.embedding import _lookup, check_lookup, vocab_embedding
+from dsc.kernels.embedding import _lookup, check_lookup, vocab_embedding, vocab_embedding_reference
 from dsc.kernels.int8 import _check as _check_int8
 from dsc.kernels.int8 import _split as _int8_split
-from dsc.kernels.int8 import _w8a16_rows, group_k, int8_config, w8a16_gemv_row
+from dsc.kernels.int8 import _w8a16_rows, group_k, int8_config, linear_w8a16_reference, w8a16_gemv_row
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
 from dsc.kernels.linear import CONFIG_KEYS, _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config, rmsnorm_reference
+from dsc.kernels.registry import KEEP, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 _MARK = {torch.bfloat16: -32768, torch.float16: -32768, torch.float32: -2147483648}  # -0.0's bits
@@ -280,6 +282,28 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+
+
+def _rank_sum(per_rank: list[tuple], i: int) -> torch.Tensor:
+    """The sum over the ranks of their argument i (what every rank's all-reduce returns)."""
+    return sum(a[i] for a in per_rank)
+
+
+def _onnx_contrib_op(name: str, attributes: tuple[str, ...] = ()):
+    """An op of onnxruntime's com.microsoft domain, whose schemas onnx does not ship."""
+    import onnx.defs as d
+    from onnxscript.values import Op, Opset
+
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+    schema = d.OpSchema(name, "com.microsoft", 1, inputs=[d.OpSchema.FormalParameter("input", "T")],
+                        outputs=[d.OpSchema.FormalParameter("output", "T")], type_constraints=[("T", floats, "")],
+                        attributes=[d.OpSchema.Attribute(a, d.OpSchema.AttrType.INT, "") for a in attributes])
+    return Op(Opset("com.microsoft", 1), name, schema)
+
+
+declare("dsc.all_reduce.default", all_reduce=True, collective_slot=True,
+        simulate=lambda per_rank: [_rank_sum(per_rank, 0)] * len(per_rank),
+        onnx=KEEP, onnx_translation=lambda x: _onnx_contrib_op("AllReduce")(x))
 
 
 @all_reduce.register_fake
@@ -552,6 +576,13 @@ def all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torc
     return add_rmsnorm_reference(all_reduce(x), residual, weight, eps)
 
 
+declare("dsc.all_reduce_add_rmsnorm.default", all_reduce=True, collective_slot=True,
+        # (residual, x, weight, eps): the sum of x, then each rank's norm
+        simulate=lambda per_rank: [add_rmsnorm_reference(_rank_sum(per_rank, 1), a[0], *a[2:]) for a in per_rank],
+        # ONNX: the AllReduce node and the norm's reference
+        onnx=lambda residual, x, weight, eps: add_rmsnorm_reference(torch.ops.dsc.all_reduce(x), residual, weight, eps))
+
+
 @all_reduce_add_rmsnorm.register_kernel("cuda")
 def _(residual, x, weight, eps):
     s = _symm
@@ -586,6 +617,23 @@ def vocab_embedding_all_reduce_rmsnorm(weight: torch.Tensor, ids: torch.Tensor, 
     the values of the unfused ops (`fuse_add_norm` makes it of the three)."""
     h = all_reduce(vocab_embedding(weight, ids, start))
     return h, rmsnorm_reference(h, norm_weight, eps)
+
+
+def _embedding_then_norms(per_rank: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, ids, start, norm weight, eps) of every rank: the ranks' lookups of their rows
+    summed (the vocab-parallel embedding), then each rank's norm."""
+    h = sum(vocab_embedding_reference(*a[:3]) for a in per_rank)
+    return [(h, rmsnorm_reference(h, *a[3:])) for a in per_rank]
+
+
+def _embedding_all_reduce_norm_onnx(weight, ids, start, norm_weight, eps):
+    # the lookup's reference, the AllReduce node, the norm's reference
+    h = torch.ops.dsc.all_reduce(vocab_embedding_reference(weight, ids, start))
+    return h, rmsnorm_reference(h, norm_weight, eps)
+
+
+declare("dsc.vocab_embedding_all_reduce_rmsnorm.default", gather=True, all_reduce=True, collective_slot=True,
+        simulate=_embedding_then_norms, onnx=_embedding_all_reduce_norm_onnx)
 
 
 @vocab_embedding_all_reduce_rmsnorm.register_kernel("cuda")
@@ -669,6 +717,13 @@ def linear_all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weigh
 def _linear_then_fused(residual, x, weight, norm_weight, eps):
     """The unfused pair: the linear's kernel, then the fused all-reduce + norm (takes a slot)."""
     return torch.ops.dsc.all_reduce_add_rmsnorm(residual, torch.ops.dsc.linear(x, weight), norm_weight, eps)
+
+
+declare("dsc.linear_all_reduce_add_rmsnorm.default", all_reduce=True, collective_slot=True,
+        fuses=("dsc.linear.default", "dsc.all_reduce_add_rmsnorm.default"),
+        # (residual, x, weight, norm weight, eps)
+        simulate=lambda per_rank: [add_rmsnorm_reference(sum(F.linear(a[1], a[2]) for a in per_rank), a[0], *a[3:])
+                                   for a in per_rank])
 
 
 @linear_all_reduce_add_rmsnorm.register_kernel("cuda")
@@ -787,6 +842,13 @@ def _w8a16_then_fused(residual, x, qweight, scale, zero, group_size, norm_weight
     """The unfused pair: the W8A16 linear, then the fused all-reduce + norm (takes a slot)."""
     y = torch.ops.dsc.linear_w8a16(x, qweight, scale, zero, None, group_size)
     return torch.ops.dsc.all_reduce_add_rmsnorm(residual, y, norm_weight, eps)
+
+
+declare("dsc.linear_w8a16_all_reduce_add_rmsnorm.default", all_reduce=True, collective_slot=True,
+        fuses=("dsc.linear_w8a16.default", "dsc.all_reduce_add_rmsnorm.default"),
+        # (residual, x, qweight, scale, zero, group, norm weight, eps)
+        simulate=lambda per_rank: [add_rmsnorm_reference(
+            sum(linear_w8a16_reference(a[1], *a[2:5], None, a[5]) for a in per_rank), a[0], *a[6:]) for a in per_rank])
 
 
 @linear_w8a16_all_reduce_add_rmsnorm.register_kernel("cuda")
@@ -949,6 +1011,12 @@ def all_gather(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
         shape[dim] *= world
         return g.view(shape)
     return torch.cat(g.chunk(world, 0), dim)
+
+
+declare("dsc.all_gather.default", collective_slot=True,  # pushed through the all-reduces' buffers where it fits
+        simulate=lambda per_rank: [torch.cat([a[0] for a in per_rank], per_rank[0][1])] * len(per_rank),
+        onnx=KEEP, onnx_translation=lambda x, dim, world: _onnx_contrib_op("AllGather", ("group_size", "axis"))(
+            x, group_size=world, axis=dim))
 
 
 @all_gather.register_fake

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import cdiv, device, jit, next_power_of_2, pdl_options, planner
+from dsc.kernels.registry import declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
@@ -85,6 +86,9 @@ def vocab_embedding_reference(weight, ids, start):
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     check_lookup(weight, ids, start)
     return vocab_embedding_reference(weight, ids, start)
+
+
+declare("dsc.vocab_embedding.default", gather=True)
 
 
 @vocab_embedding.register_kernel("cuda")

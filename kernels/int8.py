@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from dsc.kernels.activation import _plan_swiglu, _silu_mul, swiglu_reference
 from dsc.kernels.launch import (arch_of, cdiv, device, gluon_device, gluon_jit, jit, next_power_of_2, pdl_options, planner,
                                split_counters, tuning_row)
+from dsc.kernels.registry import KEEP, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 gl = mma_v2 = None  # gluon's language and its mma.sync, bound by launch.gluon_jit on first launch
@@ -176,6 +177,57 @@ def linear_w8a8_reference(x, qweight, scale, zero, bias, group_size, inv_smooth)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+# -- ONNX form (compiler/onnx_export.py): the weight enters through DequantizeLinear (QDQ) ------
+
+
+@torch.library.custom_op("dsc_onnx::dequantize", mutates_args=())
+def dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, block: int) -> torch.Tensor:
+    """(qweight - zero) * scale, fp32: qweight [N, K] int8; scale (fp32) and zero (int8) [N]
+    (block 0: one per row) or [N, K // block]. In ONNX: DequantizeLinear."""
+    if block == 0:
+        return dequantize_weight(qweight, scale[:, None], None if zero is None else zero[:, None])
+    return dequantize_weight(qweight, scale, zero)
+
+
+@dequantize.register_fake
+def _(qweight, scale, zero, block):
+    return qweight.new_empty(qweight.shape, dtype=torch.float32)
+
+
+def _onnx_dequantize(qweight, scale, zero, block: int):
+    from onnxscript import opset21 as op
+
+    if block == 0:
+        return op.DequantizeLinear(qweight, scale, zero, axis=0)
+    return op.DequantizeLinear(qweight, scale, zero, axis=1, block_size=block)
+
+
+declare("dsc_onnx.dequantize.default", onnx=KEEP, onnx_translation=_onnx_dequantize)
+
+
+def _dequantize_qdq(qweight, scale, zero):
+    # scale, zero: [N, G]; per-channel (G == 1) is DequantizeLinear's axis=0
+    n, g = scale.shape
+    if g == 1:
+        return torch.ops.dsc_onnx.dequantize(qweight, scale.reshape(n), None if zero is None else zero.reshape(n), 0)
+    return torch.ops.dsc_onnx.dequantize(qweight, scale, zero, qweight.shape[1] // g)
+
+
+def linear_w8a16_qdq(x, qweight, scale, zero, bias, group_size):
+    # as linear_w8a16_reference, the weight entering through DequantizeLinear
+    w = _dequantize_qdq(qweight, scale, zero).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def linear_w8a8_qdq(x, qweight, scale, zero, bias, group_size, inv_smooth):
+    # per-token activation quantization as the reference (standard ops), then a float matmul
+    # of the dequantized operands: equal to the int32-exact reference up to fp32 rounding
+    n, k = qweight.shape
+    xq, xs = quantize_activation(x.reshape(-1, k), inv_smooth)  # xq: [M, K] int8, xs: [M, 1]
+    y = F.linear(xq.float() * xs, _dequantize_qdq(qweight, scale, zero), None if bias is None else bias.float())
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 # -- custom ops ----------------------------------------------------------------------------
 
 
@@ -183,6 +235,9 @@ def linear_w8a8_reference(x, qweight, scale, zero, bias, group_size, inv_smooth)
 def linear_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                  bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
     return linear_w8a16_reference(x, qweight, scale, zero, bias, group_size)
+
+
+declare("dsc.linear_w8a16.default", quantized=True, bias_arg=4, onnx=linear_w8a16_qdq)
 
 
 @linear_w8a16.register_fake
@@ -215,6 +270,9 @@ def linear_w8a16_swiglu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Ten
     return linear_w8a16_swiglu_reference(x, qweight, scale, zero, group_size)
 
 
+declare("dsc.linear_w8a16_swiglu.default", fuses=("dsc.linear_w8a16.default", "dsc.swiglu.default"))
+
+
 @linear_w8a16_swiglu.register_fake
 def _(x, qweight, scale, zero, group_size):
     return x.new_empty(*x.shape[:-1], qweight.shape[0] // 2)
@@ -233,6 +291,9 @@ def _(x, qweight, scale, zero, group_size):
 def linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                 bias: torch.Tensor | None, group_size: int, inv_smooth: torch.Tensor | None) -> torch.Tensor:
     return linear_w8a8_reference(x, qweight, scale, zero, bias, group_size, inv_smooth)
+
+
+declare("dsc.linear_w8a8.default", quantized=True, bias_arg=4, onnx=linear_w8a8_qdq)
 
 
 @linear_w8a8.register_fake

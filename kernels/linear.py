@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from dsc import switches
 from dsc.kernels.activation import _plan_swiglu, _silu_mul, swiglu_reference
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, tuning_table
+from dsc.kernels.registry import declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
@@ -259,6 +260,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+declare("dsc.linear.default", bias_arg=2)
+
+
 @linear.register_fake
 def _(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
@@ -285,6 +289,9 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dsc::swiglu of the halves of dsc::linear(x, weight), weight [2N, K] = [gate; up] (no bias):
     the values of the two ops (the linear's output rounded to the dtype, then swiglu)."""
     return linear_swiglu_reference(x, weight)
+
+
+declare("dsc.linear_swiglu.default", fuses=("dsc.linear.default", "dsc.swiglu.default"))
 
 
 @linear_swiglu.register_fake

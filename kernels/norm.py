@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, rows_of, tuned
+from dsc.kernels.registry import declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 MAX_N = 65536
@@ -140,6 +141,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rmsnorm_reference(x, weight, eps)
 
 
+declare("dsc.rmsnorm.default")
+
+
 @rmsnorm.register_kernel("cuda")
 def _(x, weight, eps):
     return add_norm_triton("rms", x, None, weight, None, eps)[1]
@@ -156,6 +160,9 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return add_rmsnorm_reference(x, residual, weight, eps)
 
 
+declare("dsc.add_rmsnorm.default")
+
+
 @add_rmsnorm.register_kernel("cuda")
 def _(x, residual, weight, eps):
     return add_norm_triton("rms", x, residual, weight, None, eps)
@@ -170,6 +177,9 @@ def _(x, residual, weight, eps):
 def add_layernorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   eps: float, x_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return add_layernorm_reference(x, residual, weight, bias, eps, x_bias)
+
+
+declare("dsc.add_layernorm.default")
 
 
 @add_layernorm.register_kernel("cuda")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, tuned
+from dsc.kernels.registry import declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
@@ -155,6 +156,9 @@ def rotary_reference(q, k, cos, sin):
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rotary_reference(q, k, cos, sin)
+
+
+declare("dsc.rotary.default")
 
 
 @rotary.register_kernel("cuda")

@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from dsc.compiler.ir import Model
+from dsc.kernels import registry
 from dsc.passes._util import aten, is_call, replace_with
 
 _16BIT = (torch.float16, torch.bfloat16)
@@ -60,39 +61,41 @@ def decode_linears(model: Model) -> Model:
         if not is_call(n, torch.ops.dsc.all_reduce_add_rmsnorm.default):
             continue
         r, lin, w, eps = n.args
-        if list(getattr(lin, "users", ())) != [n] or not _bias_free(lin):
+        op = _fused_over(lin, n)
+        if op is None or list(lin.users) != [n]:
             continue
-        if is_call(lin, torch.ops.dsc.linear.default):
-            n.target, n.args = torch.ops.dsc.linear_all_reduce_add_rmsnorm.default, (r, lin.args[0], lin.args[1], w, eps)
-        elif is_call(lin, torch.ops.dsc.linear_w8a16.default):
-            x, qweight, scale, zero, _, group = lin.args
-            n.target = torch.ops.dsc.linear_w8a16_all_reduce_add_rmsnorm.default
-            n.args = (r, x, qweight, scale, zero, group, w, eps)
-        else:
-            continue
+        n.target, n.args = op, (r, *_bias_free_args(lin), w, eps)
         graph.erase_node(lin)
         model.counters["decode_linears.all_reduce"] += 1
     for n in list(graph.nodes):
         found = _gate_up_of(n)
         if found is not None:
             lin, dead = found
-            if is_call(lin, torch.ops.dsc.linear.default):
-                replace_with(n, torch.ops.dsc.linear_swiglu.default, (lin.args[0], lin.args[1]))
-            else:  # dsc.linear_w8a16(x, qweight, scale, zero, None, group_size)
-                replace_with(n, torch.ops.dsc.linear_w8a16_swiglu.default, (*lin.args[:4], lin.args[5]))
+            replace_with(n, _fused_over(lin, n), _bias_free_args(lin))
             for d in dead:
                 graph.erase_node(d)
             model.counters["decode_linears.swiglu"] += 1
     return model
 
 
-def _bias_free(lin) -> bool:
-    """lin is dsc.linear(x, W[, None]) or dsc.linear_w8a16(x, qweight, scale, zero, None, group_size),
-    with no keyword arguments."""
-    if is_call(lin, torch.ops.dsc.linear.default):
-        return not lin.kwargs and (len(lin.args) == 2 or lin.args[2] is None)
-    return is_call(lin, torch.ops.dsc.linear_w8a16.default) and not lin.kwargs and len(lin.args) == 6 \
-        and lin.args[4] is None
+def _fused_over(lin, n: fx.Node):
+    """The dsc op declared to compute n's op over lin's (kernels/registry.py `fuses`), where lin
+    is a linear with no bias and no keyword arguments; else None."""
+    if getattr(lin, "op", None) != "call_function" or lin.kwargs or not isinstance(lin.target, torch._ops.OpOverload):
+        return None
+    first = registry.op_name(lin.target)
+    bias = registry.traits(first).bias_arg
+    if bias is None or (len(lin.args) > bias and lin.args[bias] is not None):
+        return None
+    name = registry.fused(first, registry.op_name(n.target))
+    return None if name is None else registry.resolve_torch_op(name)
+
+
+def _bias_free_args(lin: fx.Node) -> tuple:
+    """lin's arguments without its (absent) bias: dsc.linear(x, W[, None]) -> (x, W),
+    dsc.linear_w8a16(x, qweight, scale, zero, None, group_size) -> (x, qweight, scale, zero, group_size)."""
+    bias = registry.traits(registry.op_name(lin.target)).bias_arg
+    return tuple(a for i, a in enumerate(lin.args) if i != bias)
 
 
 def _gate_up_of(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
@@ -118,7 +121,7 @@ def _gate_up_of(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
         lin, readers = chunk.args[0], {chunk}
     else:
         return None
-    if not _bias_free(lin) or set(lin.users) != readers:
+    if _fused_over(lin, n) is None or set(lin.users) != readers:
         return None
     rows = lin.args[1].meta["val"].shape[0]  # the rank's local [gate; up] rows (int8: the qweight's)
     y = lin.meta["val"]

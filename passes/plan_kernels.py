@@ -31,10 +31,10 @@ from dsc.compiler.ir import Model
 from dsc.compiler.serialize import program_nodes
 from dsc.kernels.embedding import vocab_embedding_config
 from dsc.kernels.launch import PLANNERS, TARGET_ARCH
+from dsc.launch_counts import launches
 from dsc.kernels.norm import norm_config
+from dsc.kernels.registry import op_name
 from dsc.passes._util import aten
-from dsc.runtime.inspect import launches
-from dsc.runtime.plan import op_name
 
 VIEWS = {
     aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -89,6 +90,48 @@ def _keep_reason(model: Model, node: fx.Node, shared: set[str]) -> str | None:
     if not in_block and not opts.int8_lm_head:
         return "keep_head"
     return None
+
+
+def calibration_prompts(path: str | Path, ckpt, max_seq: int) -> list[list[int]]:
+    """One prompt per non-empty line: text (with the checkpoint's tokenizer.json) or, for a
+    checkpoint without a tokenizer, token ids separated by spaces or commas. Prompts are cut
+    to max_seq - 1 tokens."""
+    path = Path(path)
+    try:
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    except FileNotFoundError:
+        raise UserError(f"{path}: calibration file not found")
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise UserError(f"{path}: not a UTF-8 text file of prompts ({type(e).__name__})")
+    lines = [(i, ln) for i, ln in enumerate(lines, 1) if ln]
+    if not lines:
+        raise UserError(f"{path}: no calibration prompts (one per line)")
+    tok_file = ckpt.root / "tokenizer.json"
+    tok = None
+    if tok_file.exists():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_file))
+    vocab = ckpt.config["vocab_size"]
+    out = []
+    for i, ln in lines:
+        if tok is not None:
+            ids = tok.encode(ln).ids
+        else:
+            try:
+                ids = [int(t) for t in ln.replace(",", " ").split()]
+            except ValueError:
+                raise UserError(f"{path}:{i}: {ckpt.root} has no tokenizer.json; write calibration "
+                                "prompts as token ids")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"{path}:{i}: token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
+        if ids:
+            out.append(ids[: max_seq - 1])
+    if not out:
+        raise UserError(f"{path}: every calibration prompt is empty after tokenization")
+    return out
+
 
 
 def group_size_for(model: Model, name: str, tp: int | None = None) -> int | None:
@@ -244,7 +287,6 @@ def activation_maxima(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.N
 
 def smoothing_factors(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]]) -> dict[str, torch.Tensor]:
     """s [in] per weight: max|x|^a / max|W[:, k]|^(1-a), a = SMOOTH_ALPHA."""
-    from dsc.compiler.int8_report import calibration_prompts
     from dsc.compiler.weights import SourceReader, float_tensor
 
     prompts = calibration_prompts(model.options.calibrate, model.checkpoint, model.options.max_seq)

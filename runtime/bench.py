@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from dsc.runtime.plan import GATHER_OPS
+from dsc.runtime.profile import READ_BW_H200
 
-READ_BW_H200 = 4.33e12  # bytes/s, measured device read bandwidth (DESIGN.md)
 
 
 def _sync(device):
@@ -105,15 +105,15 @@ def generate_ms_per_token(engine, context: int, device, g: torch.Generator, shor
 
 def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), prefill_lens=(128, 2048),
           context: int = 128, iters: int = 50, cuda_graphs: bool = True, profile: bool = False) -> dict:
-    import dsc
     from dsc.kernels.launch import pdl_enabled
+    from dsc.runtime.engine import load
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         base_mem = torch.cuda.memory_allocated(dev)
     t0 = time.perf_counter()
-    engine = dsc.load(path, device=dev, verify=False, cuda_graphs=cuda_graphs)
+    engine = load(path, device=dev, verify=False, cuda_graphs=cuda_graphs)
     _sync(dev)
     load_s = time.perf_counter() - t0
     res: dict = {"artifact": str(path), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -19,7 +19,7 @@ from safetensors import safe_open
 import dsc.kernels  # noqa: F401  (registers the dsc ops the plan calls)
 from dsc import switches
 from dsc.errors import UserError
-from dsc.kernels import collectives
+from dsc.kernels import collectives, registry
 from dsc.runtime.artifact import Artifact, open_artifact
 from dsc.runtime.decode import DecodeRunner
 from dsc.runtime.prefill import PrefillRunner
@@ -33,13 +33,11 @@ class GenerateResult:
     finish_reasons: list[str]  # "stop" | "length"
 
 
-ALL_REDUCE_OPS = ("dsc.all_reduce.default", "dsc.all_reduce_add_rmsnorm.default",
-                  "dsc.linear_all_reduce_add_rmsnorm.default", "dsc.linear_w8a16_all_reduce_add_rmsnorm.default",
-                  "dsc.vocab_embedding_all_reduce_rmsnorm.default")
-# the collectives that take a buffer slot in `program_scope`: the all-reduces and the logits'
-# all-gather (pushed through the same buffers where it fits them; they are sized by the
-# all-reduces alone)
-SLOT_OPS = (*ALL_REDUCE_OPS, "dsc.all_gather.default")
+# the all-reduces, fused with other ops or not; the collectives that take a buffer slot in
+# `program_scope` (the all-reduces and the logits' all-gather; the buffers are sized by the
+# all-reduces alone): both as kernels/registry.py's declarations say
+ALL_REDUCE_OPS = registry.ops_with("all_reduce")
+SLOT_OPS = registry.ops_with("collective_slot")
 
 
 def _all_reduce_nodes(program: dict) -> list[dict]:
@@ -65,7 +63,7 @@ class Engine:
         self.eos_token_ids = list(self.plan["model"].get("eos_token_ids") or [])
         self.weights = self._load_weights()
         self.kv_cache = self._allocate_kv_cache()
-        self.programs = {name: self._build(p) for name, p in self.plan["programs"].items()}
+        self.programs = {name: self._build(p, name) for name, p in self.plan["programs"].items()}
         self._all_reduces = {name: _all_reduce_nodes(p) for name, p in self.plan["programs"].items()}
         self._slots = {name: sum(n.get("op") in SLOT_OPS for n in p["nodes"]) for name, p in self.plan["programs"].items()}
         self.all_reduce = self._enable_symmetric_all_reduce()
@@ -112,8 +110,9 @@ class Engine:
         return {f"kv_cache.{i}.{t}": torch.zeros(kv["shape"], dtype=dtype, device=self.device)
                 for i in range(kv["layers"]) for t in ("k", "v")}
 
-    def _build(self, program: dict) -> fx.GraphModule:
-        graph, targets = build_graph(program["nodes"], self.device)
+    def _build(self, program: dict, name: str) -> fx.GraphModule:
+        nodes = program.get("nodes") if isinstance(program, dict) else None
+        graph, targets = build_graph(nodes, self.device, where=f"{self.artifact.path / 'plan.json'}: program {name!r}")
         attrs = {}
         for t in targets:
             if t in self.weights:

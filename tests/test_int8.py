@@ -275,7 +275,7 @@ def test_smoothquant_improves_w8a8_on_activation_outliers(shape, variant_checkpo
     assert man["int8_report"]["smoothquant"] and man["int8_report"]["inputs"]["source"] == "calibration"
     plan = json.loads((Path(smooth) / "plan.json").read_text())
     assert any(n["kind"] == "weight" and n["target"].endswith(".inv_smooth") for n in plan["programs"]["decode"]["nodes"])
-    from dsc.compiler.int8_report import calibration_prompts
+    from dsc.passes.quantize_int8 import calibration_prompts
     from dsc.compiler.source import open_checkpoint
 
     prompts = calibration_prompts(cal, open_checkpoint(str(ck)), 512)[:3]  # in-distribution text
@@ -339,7 +339,7 @@ def test_min_sqnr_fails_the_compile_naming_the_worst_layers(compile_artifact, ma
 
 
 def test_calibration_file_errors(make_checkpoint, tmp_path):
-    from dsc.compiler.int8_report import calibration_prompts
+    from dsc.passes.quantize_int8 import calibration_prompts
     from dsc.compiler.source import open_checkpoint
 
     ckpt = open_checkpoint(str(make_checkpoint("llama-tiny")))
