@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from dsc.errors import UserError
-from dsc.kernels.registry import DSC_OPS, KEEP, op_name, resolve_torch_op, traits
+from dsc.kernels.registry import DECLARED_OPS, KEEP, op_name, resolve_torch_op, traits
 
 OPSET = 21  # DequantizeLinear with block_size (grouped int8 scales) needs 21
 # onnxruntime (CPU) vs the dsc runtime (CPU): least logits SQNR in dB, by (artifact dtype, ONNX
@@ -166,7 +166,7 @@ def export_rank(gm: fx.GraphModule, cache_names: list[str], caches: list[torch.T
 
     b, s = Dim("batch", min=1, max=limits["max_batch"]), Dim("seq", min=1, max=limits["max_seq"])
     dynamic = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b}, *[None] * len(caches))
-    table = {resolve_torch_op(name): t.onnx_translation for name, t in DSC_OPS.items() if t.onnx == KEEP}
+    table = {resolve_torch_op(name): t.onnx_translation for name, t in DECLARED_OPS.items() if t.onnx == KEEP}
     prog = torch.onnx.export(gm, (*_example_inputs(vocab), *caches), dynamo=True, dynamic_shapes=dynamic,
                              input_names=[*INPUTS, *cache_names],
                              output_names=["logits", *(f"{c}.next" for c in cache_names)],

@@ -37,31 +37,31 @@ class OpTraits:
     onnx_translation: Callable | None = None  # onnxscript function for a KEEP op
 
 
-DSC_OPS: dict[str, OpTraits] = {}
+DECLARED_OPS: dict[str, OpTraits] = {}
 
 
 def declare(name: str, **traits: Any) -> OpTraits:
     """Record a dsc op's traits (call it beside the op's registration)."""
-    if name in DSC_OPS:
+    if name in DECLARED_OPS:
         raise ValueError(f"{name} is declared twice")
     resolve_torch_op(name)  # the op must be registered first
-    DSC_OPS[name] = OpTraits(**traits)
-    return DSC_OPS[name]
+    DECLARED_OPS[name] = OpTraits(**traits)
+    return DECLARED_OPS[name]
 
 
 def traits(name: str) -> OpTraits:
     """A dsc op's traits; an aten op's from ATEN_TRAITS; OpTraits() for the rest."""
-    return DSC_OPS.get(name) or ATEN_TRAITS.get(name) or OpTraits()
+    return DECLARED_OPS.get(name) or ATEN_TRAITS.get(name) or OpTraits()
 
 
 def ops_with(trait: str) -> tuple[str, ...]:
     """The names of the ops (dsc and aten) whose `trait` is set, sorted."""
-    return tuple(sorted(n for n, t in {**ATEN_TRAITS, **DSC_OPS}.items() if getattr(t, trait)))
+    return tuple(sorted(n for n, t in {**ATEN_TRAITS, **DECLARED_OPS}.items() if getattr(t, trait)))
 
 
 def fused(first: str, then: str) -> str | None:
     """The dsc op that computes `then` over `first`'s output in one call, if one is declared."""
-    return next((n for n, t in DSC_OPS.items() if t.fuses == (first, then)), None)
+    return next((n for n, t in DECLARED_OPS.items() if t.fuses == (first, then)), None)
 
 
 # -- the aten ops dsc emits ------------------------------------------------------------------
@@ -123,7 +123,7 @@ def resolve_torch_op(name: str) -> torch._ops.OpOverload:
 def is_known(name: Any) -> bool:
     """An op a plan may name: the dsc ops (not the export-only dsc_onnx ones), aten's, Python's."""
     return isinstance(name, str) and (name in PYTHON_OPS or name in ATEN_OPS
-                                      or (name in DSC_OPS and name.startswith("dsc.")))
+                                      or (name in DECLARED_OPS and name.startswith("dsc.")))
 
 
 def resolve_op(name: str) -> Callable:

@@ -119,7 +119,7 @@ def test_every_dsc_op_declares_its_traits():
     registered = {f"dsc.{name}.{overload}" for name in dir(torch.ops.dsc) if not name.startswith("_")
                   for packet in [getattr(torch.ops.dsc, name)] if isinstance(packet, torch._ops.OpOverloadPacket)
                   for overload in packet.overloads()}
-    assert registered and registered <= set(registry.DSC_OPS)
+    assert registered and registered <= set(registry.DECLARED_OPS)
 
 
 def test_the_collective_vocabulary_comes_from_the_registry():

@@ -174,7 +174,7 @@ def test_every_op_of_the_golden_plans_is_in_the_table():
 def test_the_table_resolves_to_the_ops_the_compiler_names():
     from dsc.kernels import registry
 
-    names = [*registry.ATEN_OPS, *registry.PYTHON_OPS, *(n for n in registry.DSC_OPS if n.startswith("dsc."))]
+    names = [*registry.ATEN_OPS, *registry.PYTHON_OPS, *(n for n in registry.DECLARED_OPS if n.startswith("dsc."))]
     for name in names:
         assert registry.is_known(name) and registry.op_name(registry.resolve_op(name)) == name
     assert not registry.is_known("dsc_onnx.dequantize.default")  # export-only, never in a plan
