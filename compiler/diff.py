@@ -71,10 +71,12 @@ def load_side(path: str | Path) -> Side:
 
 def rank_tensors(path: Path, hash_weights: bool = True) -> dict[str, dict]:
     """name -> {dtype, shape, sha256} for every tensor of a safetensors file, read without torch."""
+    from dsc.runtime.artifact import read_safetensors_header
+
+    header = read_safetensors_header(path)  # checked: names, dtypes, offsets within the file
+    header.pop("__metadata__", None)
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
         out = {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in header.items()}
         if hash_weights and header:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m, memoryview(m) as data:
