@@ -19,7 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    typer.echo(f"error: {msg}", err=True)
+    typer.echo(f"error: {' '.join(msg.splitlines())}", err=True)  # one line, whatever a file name holds
     raise typer.Exit(code)
 
 

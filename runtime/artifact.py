@@ -45,6 +45,12 @@ _MAX_BATCH = 1 << 16
 _MAX_SEQ = 1 << 24
 
 
+def _show(value, limit: int = 40) -> str:
+    """A value from the artifact, quoted and cut short, for an error line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 @dataclass
 class Artifact:
     path: Path
@@ -155,7 +161,7 @@ def read_safetensors_header(path: Path) -> dict:
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 raise UserError(f"{path}: corrupt safetensors header ('__metadata__' is not a string map)")
             continue
-        if not SAFE_NAME.match(name):
+        if not SAFE_NAME.fullmatch(name):
             raise UserError(f"{path}: tensor name {name[:80]!r} is not a module path")
         try:
             lo, hi = info["data_offsets"]
@@ -202,7 +208,7 @@ def _listed_files(path: Path, manifest: dict) -> dict[str, str]:
         raise UserError(f"{where}: field 'files' is missing or incomplete")
     for rel, digest in files.items():
         _check_rel_path(where, rel)
-        if not isinstance(digest, str) or not _SHA256.match(digest):
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise UserError(f"{where}: field 'files': {rel!r} has no sha256")
     present = set()
     for dirpath, dirnames, filenames in os.walk(path):
@@ -211,23 +217,24 @@ def _listed_files(path: Path, manifest: dict) -> dict[str, str]:
             rel = full.relative_to(path).as_posix()
             mode = full.lstat().st_mode
             if stat.S_ISLNK(mode):
-                raise UserError(f"{full}: a link; an artifact holds plain files only")
+                raise UserError(f"{path}: {_show(rel, 80)} is a link; an artifact holds plain files only")
             if stat.S_ISREG(mode):
                 present.add(rel)
             elif not stat.S_ISDIR(mode):
-                raise UserError(f"{full}: not a plain file; an artifact holds plain files only")
+                raise UserError(f"{path}: {_show(rel, 80)} is not a plain file; an artifact holds plain files only")
     unlisted = sorted(present - set(files) - set(UNLISTED))
     if unlisted:
-        raise UserError(f"{path / unlisted[0]}: not listed in manifest.json (files added after compile are refused)")
+        raise UserError(f"{path}: file {_show(unlisted[0], 80)} is not listed in manifest.json "
+                        "(files added after compile are refused)")
     return files
 
 
 def _check_manifest(path: Path, manifest: dict) -> None:
     where = path / "manifest.json"
     if manifest.get("format") != FORMAT:
-        raise UserError(f"{where}: not a dsc artifact (field 'format' is {str(manifest.get('format'))[:40]!r})")
+        raise UserError(f"{where}: not a dsc artifact (field 'format' is {_show(manifest.get('format'), 40)})")
     if manifest.get("format_version") != FORMAT_VERSION or type(manifest.get("format_version")) is not int:
-        raise UserError(f"{where}: artifact format version {str(manifest.get('format_version'))[:40]!r}, "
+        raise UserError(f"{where}: artifact format version {_show(manifest.get('format_version'), 40)}, "
                         f"this dsc reads version {FORMAT_VERSION}; recompile with this dsc")
     tp = manifest.get("tp", 1)
     if type(tp) is not int or not 1 <= tp <= _MAX_TP:
@@ -262,7 +269,7 @@ def _check_shape(shape, depth: int = 0) -> str | None:
             except ValueError as e:
                 return str(e)
         elif not _is_count(d):
-            return f"dim {str(d)[:40]!r} is not a size"
+            return f"dim {_show(d, 40)} is not a size"
     return None
 
 
@@ -273,16 +280,16 @@ def _check_node(where: str, n) -> None:
     if not isinstance(n, dict):
         raise UserError(f"{where}: a node is not an object")
     name = n.get("name")
-    if not isinstance(name, str) or not SAFE_NAME.match(name):
-        raise UserError(f"{where}: node name {str(name)[:80]!r} is not a module path")
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name):
+        raise UserError(f"{where}: node name {_show(name, 80)} is not a module path")
     where = f"{where}: node '{name}'"
     kind = n.get("kind")
     if kind not in _NODE_KINDS:
         raise UserError(f"{where}: field 'kind' must be one of {', '.join(_NODE_KINDS)}")
     if kind == "weight":
         t = n.get("target")
-        if not isinstance(t, str) or not SAFE_NAME.match(t):
-            raise UserError(f"{where}: field 'target' {str(t)[:80]!r} is not a module path")
+        if not isinstance(t, str) or not SAFE_NAME.fullmatch(t):
+            raise UserError(f"{where}: field 'target' {_show(t, 80)} is not a module path")
     if kind == "call" and not isinstance(n.get("op"), str):
         raise UserError(f"{where}: field 'op' must be a string")
     if kind == "call" and not isinstance(n.get("args"), list):
@@ -293,7 +300,7 @@ def _check_node(where: str, n) -> None:
     if why:
         raise UserError(f"{where}: field 'shape': {why}")
     if "dtype" in n and n["dtype"] not in PLAN_DTYPES:
-        raise UserError(f"{where}: field 'dtype' {str(n['dtype'])[:40]!r} is not a dtype")
+        raise UserError(f"{where}: field 'dtype' {_show(n['dtype'], 40)} is not a dtype")
     if kind == "weight" and (not isinstance(n.get("shape"), list) or not all(_is_count(d) for d in n["shape"])
                              or "dtype" not in n):
         raise UserError(f"{where}: a weight needs a concrete shape and a dtype")
@@ -308,7 +315,7 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
     `dsc diff`, `dsc export-onnx`). Op names, argument encodings and node references are
     checked where the graph is built (runtime/plan.py)."""
     if plan.get("format_version") != FORMAT_VERSION or type(plan.get("format_version")) is not int:
-        raise UserError(f"{where}: plan format version {str(plan.get('format_version'))[:40]!r}, expected {FORMAT_VERSION}")
+        raise UserError(f"{where}: plan format version {_show(plan.get('format_version'), 40)}, expected {FORMAT_VERSION}")
     if plan.get("tp") != tp or type(plan.get("tp")) is not int:
         raise UserError(f"{where}: field 'tp' must be the manifest's tp ({tp})")
     model, limits = plan.get("model"), plan.get("limits")
@@ -335,7 +342,7 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
     if not isinstance(programs, dict) or not programs:
         raise UserError(f"{where}: field 'programs' must be an object of programs")
     for pname, prog in programs.items():
-        if not SAFE_NAME.match(pname) or not isinstance(prog, dict) or not isinstance(prog.get("nodes"), list):
+        if not SAFE_NAME.fullmatch(pname) or not isinstance(prog, dict) or not isinstance(prog.get("nodes"), list):
             raise UserError(f"{where}: program {pname[:40]!r} must be an object with a 'nodes' list")
         seen: dict[str, tuple] = {}
         for n in prog["nodes"]:
