@@ -310,6 +310,41 @@ def _check_node(where: str, n) -> None:
         raise UserError(f"{where}: field 'kernel' must be {{name, launches, config}}")
 
 
+# the programs the runtime runs, and the inputs each takes, in order
+PROGRAMS = ("prefill", "decode")
+PROGRAM_INPUTS = ["input_ids", "position_ids", "cache_pos", "last_idx"]
+
+
+def _check_program(where: str, prog: dict) -> None:
+    """Nodes well-formed, names unique, every node reference to an earlier node, the inputs
+    the runtime passes, one output, last."""
+    from dsc.runtime.memory_plan import _refs
+
+    if prog.get("inputs") != PROGRAM_INPUTS:
+        raise UserError(f"{where}: field 'inputs' must be {PROGRAM_INPUTS}")
+    seen: set[str] = set()
+    inputs = []
+    for i, n in enumerate(prog["nodes"]):
+        _check_node(where, n)
+        name = n["name"]
+        if name in seen:
+            raise UserError(f"{where}: node name '{name}' is used twice")
+        try:
+            refs = _refs(n.get("args", [])) + _refs(list(n.get("kwargs", {}).values()))
+        except (AttributeError, TypeError):
+            raise UserError(f"{where}: node '{name}' has a malformed argument") from None
+        for r in refs:
+            if not isinstance(r, str) or r not in seen:
+                raise UserError(f"{where}: node '{name}' reads {_show(r, 80)}, which is not an earlier node")
+        seen.add(name)
+        if n["kind"] == "input":
+            inputs.append(name)
+        if (n["kind"] == "output") != (i == len(prog["nodes"]) - 1):
+            raise UserError(f"{where}: the program must end in its one output node")
+    if inputs != PROGRAM_INPUTS:
+        raise UserError(f"{where}: the input nodes must be {', '.join(PROGRAM_INPUTS)}")
+
+
 def check_plan(where: Path, plan: dict, tp: int) -> None:
     """The plan's structure and ranges, before anything reads it (the loader, `dsc inspect`,
     `dsc diff`, `dsc export-onnx`). Op names, argument encodings and node references are
@@ -339,24 +374,26 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
                                and kv["shape"][0] == limits["max_batch"] and kv["shape"][2] == limits["max_seq"]):
         raise UserError(f"{where}: field 'kv_cache' must hold dtype, layers and a [max_batch, heads, max_seq, dim] shape")
     programs = plan.get("programs")
-    if not isinstance(programs, dict) or not programs:
-        raise UserError(f"{where}: field 'programs' must be an object of programs")
+    if not isinstance(programs, dict) or not set(PROGRAMS) <= set(programs):
+        raise UserError(f"{where}: field 'programs' must hold the programs {', '.join(PROGRAMS)}")
     for pname, prog in programs.items():
         if not SAFE_NAME.fullmatch(pname) or not isinstance(prog, dict) or not isinstance(prog.get("nodes"), list):
-            raise UserError(f"{where}: program {pname[:40]!r} must be an object with a 'nodes' list")
-        seen: dict[str, tuple] = {}
-        for n in prog["nodes"]:
-            _check_node(f"{where}: program '{pname}'", n)
-            if n["name"] in seen:
-                raise UserError(f"{where}: program '{pname}': node name '{n['name']}' is used twice")
-            seen[n["name"]] = n
+            raise UserError(f"{where}: program {_show(pname)} must be an object with a 'nodes' list")
+        try:
+            _check_program(f"{where}: program '{pname}'", prog)
+        except RecursionError:
+            raise UserError(f"{where}: program '{pname}' is nested too deeply") from None
     weights: dict[str, tuple] = {}
+    kv_targets = {f"kv_cache.{i}.{t}" for i in range(kv["layers"]) for t in "kv"} if kv else set()
     for prog in programs.values():
         for n in prog["nodes"]:
             if n["kind"] == "weight":
                 sig = (n["dtype"], n["shape"])
                 if weights.setdefault(n["target"], sig) != sig:
                     raise UserError(f"{where}: weight '{n['target']}' has two different shapes or dtypes")
+                if n["target"].startswith("kv_cache.") and (n["target"] not in kv_targets
+                                                            or sig != (kv["dtype"], kv["shape"])):
+                    raise UserError(f"{where}: weight '{n['target']}' is not a layer of field 'kv_cache'")
     for key in ("passes", "notes"):
         if not isinstance(plan.get(key, {}), dict):
             raise UserError(f"{where}: field '{key}' must be an object")
