@@ -242,6 +242,10 @@ def _check_manifest(path: Path, manifest: dict) -> None:
 
 
 # -- the plan -----------------------------------------------------------------------------
+def _is_dtype(v) -> bool:
+    return isinstance(v, str) and v in PLAN_DTYPES
+
+
 def _is_count(v, lo: int = 0, hi: int = _MAX_DIM) -> bool:
     return type(v) is int and lo <= v <= hi
 
@@ -299,7 +303,7 @@ def _check_node(where: str, n) -> None:
     why = _check_shape(n.get("shape"))
     if why:
         raise UserError(f"{where}: field 'shape': {why}")
-    if "dtype" in n and n["dtype"] not in PLAN_DTYPES:
+    if "dtype" in n and not _is_dtype(n["dtype"]):
         raise UserError(f"{where}: field 'dtype' {_show(n['dtype'], 40)} is not a dtype")
     if kind == "weight" and (not isinstance(n.get("shape"), list) or not all(_is_count(d) for d in n["shape"])
                              or "dtype" not in n):
@@ -354,7 +358,7 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
     if plan.get("tp") != tp or type(plan.get("tp")) is not int:
         raise UserError(f"{where}: field 'tp' must be the manifest's tp ({tp})")
     model, limits = plan.get("model"), plan.get("limits")
-    if not isinstance(model, dict) or model.get("dtype") not in PLAN_DTYPES or not _is_count(model.get("vocab_size"), 1) \
+    if not isinstance(model, dict) or not _is_dtype(model.get("dtype")) or not _is_count(model.get("vocab_size"), 1) \
             or not isinstance(model.get("model_type"), str):
         raise UserError(f"{where}: field 'model' must hold model_type, a dtype and vocab_size")
     eos = model.get("eos_token_ids") or []
@@ -364,11 +368,12 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
             or not _is_count(limits.get("max_seq"), 2, _MAX_SEQ):
         raise UserError(f"{where}: field 'limits' must hold max_batch (1..{_MAX_BATCH}) and max_seq (2..{_MAX_SEQ})")
     buckets = limits.get("decode_buckets")
-    if buckets is not None and not (isinstance(buckets, list) and buckets and buckets == sorted(set(buckets))
-                                    and all(_is_count(b, 1, limits["max_batch"]) for b in buckets)):
+    if buckets is not None and not (isinstance(buckets, list) and buckets
+                                    and all(_is_count(b, 1, limits["max_batch"]) for b in buckets)
+                                    and buckets == sorted(set(buckets))):
         raise UserError(f"{where}: field 'limits.decode_buckets' must be increasing batch sizes up to max_batch")
     kv = plan.get("kv_cache")
-    if kv is not None and not (isinstance(kv, dict) and kv.get("dtype") in PLAN_DTYPES and _is_count(kv.get("layers"), 0, 4096)
+    if kv is not None and not (isinstance(kv, dict) and _is_dtype(kv.get("dtype")) and _is_count(kv.get("layers"), 0, 4096)
                                and isinstance(kv.get("shape"), list) and len(kv["shape"]) == 4
                                and all(_is_count(d, 1, 1 << 20) for d in kv["shape"])
                                and kv["shape"][0] == limits["max_batch"] and kv["shape"][2] == limits["max_seq"]):
