@@ -10,6 +10,7 @@ and `dsc inspect` report and the test suite checks for soundness (no live overla
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass
 
@@ -47,6 +48,11 @@ def parse_dim(text: str) -> ast.expr:
     """The checked expression tree of a symbolic dim; ValueError says what is wrong."""
     if not isinstance(text, str) or not text or len(text) > _DIM_TEXT_LIMIT:
         raise ValueError(f"symbolic dim {str(text)[:40]!r} is not a short expression")
+    return _parse_dim(text)
+
+
+@functools.lru_cache(maxsize=4096)  # a plan repeats a few dims ("batch", "seq") on every node
+def _parse_dim(text: str) -> ast.expr:
     try:
         tree = ast.parse(text, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
