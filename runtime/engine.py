@@ -428,8 +428,7 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     also refuses an artifact that is unsigned or altered after `dsc sign`, and implies verify."""
     _check_environment()
     device = _check_device(device)
-    probe = open_artifact(path, ranks=None, verify=False,  # every rank file present, before any rank loads
-                          require_signature=require_signature)
+    probe = open_artifact(path, ranks=None, verify=False)  # every rank file present, before any rank loads
     r, world = _dist_rank_world(probe, rank)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else torch.cuda.current_device())

@@ -415,3 +415,17 @@ def test_racing_compiles_one_result_one_clear_line(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert (out / "manifest.json").read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_inspect_shows_artifact_text_as_text(art):
+    plan = read_json(art / "plan.json")
+    plan["model"]["model_type"] = "[/x] [bold"  # rich markup would raise on this
+    plan["notes"]["k"] = "[/y]"
+    write_json(art / "plan.json", plan)
+    m = read_json(art / "manifest.json")
+    m["int8_report"] = {"mode": 1}
+    write_json(art / "manifest.json", m)
+    rehash(art)
+    r = subprocess.run([sys.executable, "-m", "dsc", "inspect", str(art)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "[/x] [bold" in r.stdout and "note k: [/y]" in r.stdout and "int8 report: malformed" in r.stdout
