@@ -59,8 +59,10 @@ def load_side(path: str | Path) -> Side:
         return Side(path, "artifact", art.plan, art.manifest, weights)
     plan_file = path / "plan.json"
     if plan_file.exists():
-        plan = json.loads(plan_file.read_text())
-        if "programs" in plan:
+        from dsc.runtime.artifact import read_json_object
+
+        plan = read_json_object(plan_file)
+        if isinstance(plan.get("programs"), dict):
             return Side(path, "dump", plan, None, {"specs": plan.get("weights", {})})
     if path.is_dir() and any((p / "plan.json").exists() for p in path.iterdir() if p.is_dir()):
         first = sorted(p.name for p in path.iterdir() if (p / "plan.json").exists())[:2]

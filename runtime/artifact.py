@@ -119,7 +119,7 @@ def file_hashes(root: Path) -> dict[str, str]:
             if p.relative_to(root).as_posix() not in UNLISTED}
 
 
-def _read_json(path: Path, data: bytes | None = None) -> dict:
+def read_json_object(path: Path, data: bytes | None = None) -> dict:
     if data is None:
         if not path.exists():
             raise UserError(f"{path}: missing (is {path.parent} a dsc artifact?)")
@@ -423,7 +423,7 @@ def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool
 
         verify_signature(path, raw, require_signature)
         verify = True
-    manifest = _read_json(mpath, raw)
+    manifest = read_json_object(mpath, raw)
     _check_manifest(path, manifest)
     files = _listed_files(path, manifest)
     tp = manifest.get("tp", 1)
@@ -443,7 +443,7 @@ def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool
             if sha256_file(p) != files[rel]:
                 raise UserError(f"{p}: checksum mismatch (file changed or corrupt since compile)")
     try:
-        plan = _read_json(path / "plan.json")
+        plan = read_json_object(path / "plan.json")
     except UserError:  # unreadable even unverified: say why, when the checksum knows
         if sha256_file(path / "plan.json") != files["plan.json"]:
             raise UserError(f"{path / 'plan.json'}: checksum mismatch (file changed or corrupt since compile)") from None
