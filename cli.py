@@ -41,7 +41,7 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    typer.echo(f"error: {msg}", err=True)
+    typer.echo(f"error: {' '.join(msg.splitlines())}", err=True)  # one line, whatever a file name holds
     raise typer.Exit(code)
 
 
@@ -141,13 +141,14 @@ def _parse_ids(text: str) -> list[int]:
         raise UserError(f"--token-ids: expected integers separated by commas or spaces, got {text!r}")
 
 
-def _tokenizer(artifact: Path):
-    f = artifact / "tokenizer" / "tokenizer.json"
-    if not f.exists():
-        raise UserError(f"{artifact}: the artifact has no tokenizer; pass --token-ids")
-    from tokenizers import Tokenizer
+def _tokenizer(art):
+    tok = art.tokenizer()
+    if tok is None:
+        raise UserError(f"{art.path}: the artifact has no tokenizer; pass --token-ids")
+    return tok
 
-    return Tokenizer.from_file(str(f))
+
+_REQUIRE_SIGNATURE_HELP = "public key file (from `dsc keygen`): refuse the artifact unless `dsc sign` signed it with the matching key"
 
 
 @app.command("generate")
@@ -164,22 +165,26 @@ def generate_cmd(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda if available)"),
     stream: bool = typer.Option(False, "--stream", help="print tokens as they are generated"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip checksum verification at load"),
+    require_signature: Optional[Path] = typer.Option(None, "--require-signature", help=_REQUIRE_SIGNATURE_HELP),
 ) -> None:
     """Generate from an artifact. For tp > 1, run under torchrun, or let dsc start the ranks."""
     try:
         if not prompt and not token_ids:
             raise UserError("generate: give --prompt TEXT or --token-ids IDS")
         from dsc.runtime.artifact import open_artifact
+        from dsc.runtime.sampling import check_sampling
 
-        art = open_artifact(artifact, ranks=None, verify=False)  # every rank file present
+        check_sampling(temperature, top_k, top_p, max_new_tokens, seed)
+        # plan and tokenizer checked (and verified) before the tokenizer is parsed
+        art = open_artifact(artifact, ranks=[], verify=not no_verify, require_signature=require_signature)
         if art.tp > 1 and "WORLD_SIZE" not in os.environ:
             _relaunch_under_torchrun(art.tp)
             return
-        tok = _tokenizer(artifact) if prompt else None
+        tok = _tokenizer(art) if prompt else None
         prompts = [tok.encode(p).ids for p in prompt] + [_parse_ids(t) for t in token_ids]
         import dsc
 
-        engine = dsc.load(artifact, device=device, verify=not no_verify)
+        engine = dsc.load(artifact, device=device, verify=not no_verify, require_signature=require_signature)
         leader = engine.rank == 0
 
         def on_step(step, toks):
@@ -215,18 +220,46 @@ def _relaunch_under_torchrun(n: int) -> None:
 
 @app.command("inspect")
 def inspect_cmd(artifact: Path = typer.Argument(..., help="artifact folder"),
-                as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+                as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+                require_signature: Optional[Path] = typer.Option(None, "--require-signature", help=_REQUIRE_SIGNATURE_HELP),
+                ) -> None:
     """Show an artifact: options, programs and their op counts, kernels, weights and bytes per rank."""
     try:
         from dsc.runtime.inspect import describe, render
 
-        info = describe(artifact)
+        info = describe(artifact, require_signature=require_signature)
     except UserError as e:
         _fail(str(e))
     if as_json:
         typer.echo(json.dumps(info, indent=1, sort_keys=True))
     else:
         render(info)
+
+
+@app.command("keygen")
+def keygen_cmd(private_key: Path = typer.Argument(..., help="where to write the private key; the public key goes to PRIVATE_KEY.pub")) -> None:
+    """Make an ed25519 key pair for `dsc sign` (private) and `--require-signature` (public)."""
+    try:
+        from dsc.runtime.signature import keygen
+
+        priv, pub = keygen(private_key)
+    except UserError as e:
+        _fail(str(e))
+    typer.echo(f"wrote {priv} (private: keep it secret) and {pub} (public: give it to whoever loads your artifacts)")
+
+
+@app.command("sign")
+def sign_cmd(artifact: Path = typer.Argument(..., help="artifact folder"),
+             key: Path = typer.Option(..., "--key", help="private key file from `dsc keygen`")) -> None:
+    """Sign an artifact (ed25519 over its manifest, which holds every file's sha256); writes
+    signature.json beside manifest.json. Checks the artifact's files first."""
+    try:
+        from dsc.runtime.signature import sign
+
+        out = sign(artifact, key)
+    except UserError as e:
+        _fail(str(e))
+    typer.echo(f"wrote {out}")
 
 
 @app.command("bench")

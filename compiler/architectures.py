@@ -69,6 +69,6 @@ def architecture_for(config: dict, where: str) -> Architecture:
             raise UserError(f"{where}: missing or invalid field '{field}'")
     if not isinstance(arch.heads(config), int) or not isinstance(arch.hidden(config), int):
         raise UserError(f"{where}: missing or invalid field 'num_attention_heads'/'hidden_size'")
-    if not isinstance(arch.layers(config), int):
-        raise UserError(f"{where}: missing or invalid field 'num_hidden_layers'")
+    if not isinstance(arch.layers(config), int) or arch.layers(config) < 1:
+        raise UserError(f"{where}: missing or invalid field 'num_hidden_layers' (a positive integer)")
     return arch

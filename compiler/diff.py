@@ -59,8 +59,10 @@ def load_side(path: str | Path) -> Side:
         return Side(path, "artifact", art.plan, art.manifest, weights)
     plan_file = path / "plan.json"
     if plan_file.exists():
-        plan = json.loads(plan_file.read_text())
-        if "programs" in plan:
+        from dsc.runtime.artifact import read_json_object
+
+        plan = read_json_object(plan_file)
+        if isinstance(plan.get("programs"), dict):
             return Side(path, "dump", plan, None, {"specs": plan.get("weights", {})})
     if path.is_dir() and any((p / "plan.json").exists() for p in path.iterdir() if p.is_dir()):
         first = sorted(p.name for p in path.iterdir() if (p / "plan.json").exists())[:2]
@@ -71,10 +73,12 @@ def load_side(path: str | Path) -> Side:
 
 def rank_tensors(path: Path, hash_weights: bool = True) -> dict[str, dict]:
     """name -> {dtype, shape, sha256} for every tensor of a safetensors file, read without torch."""
+    from dsc.runtime.artifact import read_safetensors_header
+
+    header = read_safetensors_header(path)  # checked: names, dtypes, offsets within the file
+    header.pop("__metadata__", None)
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
         out = {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in header.items()}
         if hash_weights and header:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m, memoryview(m) as data:

@@ -1,15 +1,26 @@
 """Write the artifact: plan.json, rank{i}.safetensors, tokenizer/, manifest.json.
 
-Everything goes to a temporary folder beside the destination, renamed into place at the end:
-an interrupted or failed compile leaves nothing at the destination. Output is deterministic:
-sorted keys, no timestamps or addresses.
+Everything goes to a temporary folder beside the destination, moved into place at the end:
+an interrupted or failed compile leaves nothing at the destination. An existing artifact is
+replaced by one atomic exchange (renameat2 RENAME_EXCHANGE on Linux), so the destination is
+never missing; where the exchange is unavailable, two renames, and a compile that died between
+them is recovered by the next compile to the same destination. The temporary folder is removed
+on an error, Ctrl-C or SIGTERM, and a killed compile's leftovers are removed by the next compile
+to the same destination. Output is deterministic: sorted keys, no timestamps or addresses.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import errno
 import json
 import os
+import re
+import secrets
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,10 +28,11 @@ import torch
 
 from dsc.compiler.ir import Model, WeightSpec
 from dsc.compiler.serialize import program_nodes
-from dsc.compiler.source import Checkpoint, sha256_file, tokenizer_files
+from dsc.compiler.source import Checkpoint, tokenizer_files
 from dsc.compiler.validate import check_destination
 from dsc.compiler.weights import SourceReader, float_tensor, local_dtype, local_shape, write_safetensors
-from dsc.runtime.artifact import FORMAT, FORMAT_VERSION
+from dsc.errors import UserError
+from dsc.runtime.artifact import FORMAT, FORMAT_VERSION, file_hashes
 
 PROGRAM_INPUTS = ["input_ids", "position_ids", "cache_pos", "last_idx"]
 
@@ -109,21 +121,109 @@ def rank_entries(model: Model, world: int) -> list[tuple[str, tuple[int, ...], t
     return [(n, local_shape(s, world), local_dtype(s)) for n, s in model.weights.items()]
 
 
+_SCRATCH = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)(-[0-9a-f]+)?$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _recover_leftovers(out: Path) -> None:
+    """Scratch folders of compiles to `out` whose process is gone (killed with SIGKILL, or a
+    power cut): a `.tmp-` folder is removed; an `.old-` folder is the previous artifact when a
+    two-rename replacement died between its renames, and is put back when `out` is missing."""
+    if not out.parent.is_dir():
+        return
+    for p in sorted(out.parent.iterdir()):
+        m = _SCRATCH.match(p.name)
+        if not m or m["name"] != out.name or _alive(int(m["pid"])):
+            continue
+        if m["kind"] == "old" and not out.exists() and (p / "manifest.json").exists():
+            os.rename(p, out)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _prepare_destination(out: Path) -> Path:
     out = Path(out)
-    check_destination(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _recover_leftovers(out)
+    check_destination(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     return tmp
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux renameat2 RENAME_EXCHANGE). False where the
+    platform or file system lacks it."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished artifact `tmp` to `out`. A compile that loses a race to a new
+    destination ends in one UserError line; the winner's artifact stays whole."""
+    if out.exists():
+        if _exchange(tmp, out):
+            shutil.rmtree(tmp)  # now the previous artifact
+            return
+        old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+        return
+    try:
+        tmp.rename(out)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise UserError(f"{out}: another compile wrote this destination at the same time; "
+                        "its artifact was kept and this one discarded") from None
+
+
+@contextlib.contextmanager
+def _removed_on_termination(tmp: Path):
+    """Remove `tmp` on any exception, Ctrl-C included, and turn SIGTERM/SIGHUP into an
+    exception while the block runs (in the main thread), so a terminated compile cleans up too."""
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            saved[sig] = signal.signal(sig, terminate)
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[str],
          on_bytes: Callable[[int], None] | None = None, extra_manifest: dict | None = None) -> Path:
     out = Path(out)
     tmp = _prepare_destination(out)
-    try:
+    with _removed_on_termination(tmp):
         world = model.options.tp
         (tmp / "plan.json").write_text(_json(build_plan(model, ckpt, dtype)))
         entries = rank_entries(model, world)
@@ -137,7 +237,6 @@ def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[st
             (tmp / "tokenizer").mkdir()
             for f in toks:
                 shutil.copyfile(f, tmp / "tokenizer" / f.name)
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -148,22 +247,13 @@ def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[st
             "dtype": dtype,
             "tp": world,
             "command": command,
-            "files": {str(p.relative_to(tmp)): sha256_file(p) for p in files},
+            "files": file_hashes(tmp),
             "passes": {k: v for k, v in sorted(model.counters.items())},
         }
         if extra_manifest:
             manifest.update(extra_manifest)
         (tmp / "manifest.json").write_text(_json(manifest))
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _publish(tmp, out)
     return out
 
 

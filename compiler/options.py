@@ -25,18 +25,18 @@ class CompileOptions(BaseModel):
 
     dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
         None, description="compute/storage dtype; default: the checkpoint's dtype")
-    tp: int = Field(1, ge=1, description="tensor-parallel ranks")
-    max_batch: int = Field(8, ge=1, description="largest batch the KV cache holds")
-    max_seq: int = Field(512, ge=2, description="longest sequence (prompt + generated)")
+    tp: int = Field(1, ge=1, strict=True, description="tensor-parallel ranks")
+    max_batch: int = Field(8, ge=1, strict=True, description="largest batch the KV cache holds")
+    max_seq: int = Field(512, ge=2, strict=True, description="longest sequence (prompt + generated)")
     # fusion (kernel injection)
-    fuse: bool = Field(True, description="run the fusion passes")
+    fuse: bool = Field(True, strict=True, description="run the fusion passes")
     # int8 quantization
-    int8: bool = Field(False, description="quantize linear weights to int8")
+    int8: bool = Field(False, strict=True, description="quantize linear weights to int8")
     int8_mode: Literal["w8a16", "w8a8"] = Field("w8a16", description="weight-only, or weights and activations")
-    int8_group_size: int | None = Field(None, ge=1, description="one scale per this many input channels")
-    int8_q_groups: int | None = Field(None, ge=1, description="DeepSpeed q_groups: scale groups per weight matrix")
-    int8_asymmetric: bool = Field(False, description="asymmetric quantization with zero points")
-    int8_lm_head: bool = Field(False, description="also quantize lm_head")
+    int8_group_size: int | None = Field(None, ge=1, strict=True, description="one scale per this many input channels")
+    int8_q_groups: int | None = Field(None, ge=1, strict=True, description="DeepSpeed q_groups: scale groups per weight matrix")
+    int8_asymmetric: bool = Field(False, strict=True, description="asymmetric quantization with zero points")
+    int8_lm_head: bool = Field(False, strict=True, description="also quantize lm_head")
     int8_skip: tuple[str, ...] = Field((), description="module-path patterns (fnmatch) kept unquantized")
     int8_min_sqnr: float | None = Field(None, description="fail the compile if logits SQNR (dB) is lower")
     calibrate: str | None = Field(None, description="calibration prompts file (SmoothQuant), one per line")
@@ -93,8 +93,8 @@ def _ds_quant(path: Path, key: str, val: Any) -> dict[str, Any]:
     if val in (None, False, {}):
         return {}
     if key == "quantization_setting":
-        groups = val[-1] if isinstance(val, (list, tuple)) else val
-        if not isinstance(groups, int) or groups < 1:
+        groups = val[-1] if isinstance(val, (list, tuple)) and val else val
+        if type(groups) is not int or groups < 1:
             raise UserError(f"{path}: field 'quantization_setting': expected q_groups (int) or [extra_grouping, q_groups]")
         return {"int8": True, "int8_group_size": None} if groups == 1 else {"int8": True, "int8_q_groups": groups}
     if not isinstance(val, dict):
@@ -102,15 +102,25 @@ def _ds_quant(path: Path, key: str, val: Any) -> dict[str, Any]:
     extra = set(val) - {"enabled", "weight", "activation", "qkv"}
     if extra:
         raise UserError(f"{path}: unknown keys in 'quant': {', '.join(sorted(extra))}")
+    for sub in ("weight", "activation", "qkv"):
+        if not isinstance(val.get(sub) or {}, dict):
+            raise UserError(f"{path}: field 'quant.{sub}' must be an object")
+    flags = {"quant.enabled": val.get("enabled", True), "quant.activation.enabled": (val.get("activation") or {}).get("enabled", False)}
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise UserError(f"{path}: field '{name}' must be true or false, got {flag!r}")
     if not val.get("enabled", True):
         return {}
     out: dict[str, Any] = {"int8": True}
-    w = val.get("weight", {}) or {}
-    if w.get("num_bits", 8) != 8:
-        raise UserError(f"{path}: field 'quant.weight.num_bits': only 8 is supported")
-    if w.get("q_groups", 1) > 1:
-        out["int8_q_groups"] = w["q_groups"]
-    if (val.get("activation") or {}).get("enabled"):
+    w = val.get("weight") or {}
+    bits, groups = w.get("num_bits", 8), w.get("q_groups", 1)
+    if type(bits) is not int or bits != 8:
+        raise UserError(f"{path}: field 'quant.weight.num_bits': only the integer 8 is supported, got {bits!r}")
+    if type(groups) is not int or groups < 1:
+        raise UserError(f"{path}: field 'quant.weight.q_groups': expected an integer >= 1, got {groups!r}")
+    if groups > 1:
+        out["int8_q_groups"] = groups
+    if flags["quant.activation.enabled"]:
         out["int8_mode"] = "w8a8"
     return out
 

@@ -6,16 +6,14 @@ Every check here fails with one UserError line naming the file or field.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsc.errors import UserError
+from dsc.runtime.artifact import read_safetensors_header, sha256_file
 
-_ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-                   "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 @dataclass
@@ -38,14 +36,6 @@ class Checkpoint:
         return {n: sha256_file(self.root / n) for n in sorted(set(names))}
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
-
-
 def resolve_model_path(model: str) -> Path:
     p = Path(model)
     if p.exists():
@@ -63,39 +53,10 @@ def resolve_model_path(model: str) -> Path:
     raise UserError(f"{model}: no such folder")
 
 
-def read_safetensors_header(path: Path) -> dict:
-    """Parse and sanity-check a safetensors header; catches truncated or corrupt files."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise UserError(f"{path}: truncated safetensors file (no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100_000_000:
-            raise UserError(f"{path}: corrupt safetensors file (header length {n} exceeds file size)")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"{path}: corrupt safetensors file (header is not valid JSON)")
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            lo, hi = info["data_offsets"]
-            nbytes = _ST_DTYPE_BYTES[info["dtype"]]
-            for d in info["shape"]:
-                nbytes *= d
-        except (KeyError, TypeError, ValueError):
-            raise UserError(f"{path}: corrupt safetensors header entry for tensor '{name}'")
-        if hi - lo != nbytes:
-            raise UserError(f"{path}: corrupt safetensors file (tensor '{name}' has the wrong size)")
-        end = max(end, hi)
-    if 8 + n + end != size:
-        raise UserError(
-            f"{path}: truncated or corrupt safetensors file "
-            f"({size} bytes, header says {8 + n + end})")
-    return header
+def check_weight_dtype(info: TensorInfo, key: str) -> None:
+    """A checkpoint tensor a model parameter loads from holds floating-point values."""
+    if info.dtype not in FLOAT_DTYPES:
+        raise UserError(f"{info.file}: tensor '{key}' is {info.dtype}; a weight must be one of {', '.join(FLOAT_DTYPES)}")
 
 
 def open_checkpoint(model: str) -> Checkpoint:
@@ -116,6 +77,8 @@ def open_checkpoint(model: str) -> Checkpoint:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UserError(f"{index}: malformed index (expected a 'weight_map' object)")
         files = sorted({root / f for f in weight_map.values()})

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import dsc.kernels  # noqa: F401  (registers dsc ops)
 from dsc.compiler.architectures import Architecture
 from dsc.compiler.ir import Model, WeightSpec
-from dsc.compiler.source import Checkpoint
+from dsc.compiler.source import Checkpoint, check_weight_dtype
 from dsc.errors import UserError
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -141,6 +141,7 @@ def weight_specs(lm: nn.Module, ckpt: Checkpoint, dtype: str) -> dict[str, Weigh
         if key is None:
             raise UserError(f"{where}: missing weight tensor '{names[0]}'")
         info = ckpt.tensors[key]
+        check_weight_dtype(info, key)
         shape = tuple(lm.get_parameter(names[0]).shape)
         if tuple(info.shape) != shape:
             raise UserError(f"{info.file}: tensor '{key}' has shape {list(info.shape)}, "

@@ -24,7 +24,7 @@ from dsc.runtime.artifact import Artifact, open_artifact
 from dsc.runtime.decode import DecodeRunner
 from dsc.runtime.prefill import PrefillRunner
 from dsc.runtime.plan import build_graph
-from dsc.runtime.sampling import sample
+from dsc.runtime.sampling import check_sampling, sample
 
 
 @dataclass
@@ -96,10 +96,12 @@ class Engine:
     # -- loading -------------------------------------------------------------------------
     def _load_weights(self) -> dict[str, torch.Tensor]:
         path = self.artifact.rank_file(self.rank)
+        header = self.artifact.rank_header(self.rank)  # checked against the plan before any read
         out = {}
         with safe_open(path, framework="pt", device=str(self.device)) as f:
-            for k in f.keys():
-                out[k] = f.get_tensor(k)
+            for k in header:
+                if k != "__metadata__":
+                    out[k] = f.get_tensor(k)
         return out
 
     def _allocate_kv_cache(self) -> dict[str, torch.Tensor]:
@@ -107,8 +109,12 @@ class Engine:
         if not kv:
             return {}
         dtype = getattr(torch, kv["dtype"])
-        return {f"kv_cache.{i}.{t}": torch.zeros(kv["shape"], dtype=dtype, device=self.device)
-                for i in range(kv["layers"]) for t in ("k", "v")}
+        try:
+            return {f"kv_cache.{i}.{t}": torch.zeros(kv["shape"], dtype=dtype, device=self.device)
+                    for i in range(kv["layers"]) for t in ("k", "v")}
+        except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+            raise UserError(f"{self.artifact.path / 'plan.json'}: the KV cache ({kv['layers']} layers x 2 x "
+                            f"{kv['shape']} {kv['dtype']}) does not fit on {self.device}") from None
 
     def _build(self, program: dict, name: str) -> fx.GraphModule:
         nodes = program.get("nodes") if isinstance(program, dict) else None
@@ -202,7 +208,11 @@ class Engine:
         when every sequence stops, the one step already queued is discarded."""
         prompts = [list(p) for p in prompts]
         self.check_batch(prompts)
+        check_sampling(temperature, top_k, top_p, max_new_tokens, seed)
         stops = set(self.eos_token_ids if stop_tokens is None else stop_tokens)
+        bad = [t for t in stops if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"generate: stop token {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
         gen = None
         if temperature > 0:
             gen = torch.Generator(device=self.device)
@@ -282,8 +292,27 @@ def _dist_rank_world(artifact: Artifact, rank: int | None) -> tuple[int, int]:
     return (rank or 0), tp
 
 
+def _check_device(device: str | torch.device | None) -> torch.device:
+    """The device a user asked for (None: cuda when there is one), as one UserError line when
+    torch does not know it or this machine lacks it."""
+    if device is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # index below
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise UserError(f"--device: unknown device {str(device)[:40]!r}; use cpu or cuda") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device: the dsc runtime runs on cpu or cuda, not {dev.type!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: this machine has no CUDA GPU (or torch was built without CUDA)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPUs")
+    return dev
+
+
 def load(path: str | Path, rank: int | None = None, device: str | torch.device | None = None,
-         verify: bool = True, cuda_graphs: bool = True, prefill_buckets: bool | None = None) -> Engine:
+         verify: bool = True, cuda_graphs: bool = True, prefill_buckets: bool | None = None,
+         require_signature: str | Path | None = None) -> Engine:
     """Load an artifact for one rank. Checks format version and the sha256 of every file this
     rank reads (skip with verify=False). On CUDA, decode steps are captured as CUDA graphs at
     load, one per batch bucket (cuda_graphs=False runs them eagerly). Prefills are right-padded
@@ -292,19 +321,20 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     as the graphs, so the same numbers: a GEMM's rounding can depend on its row count, and in
     bf16 that flips near-tie greedy tokens), False never pads. For tp > 1, call under
     torchrun: the process group is initialised here (NCCL on GPU, gloo on CPU) if it is not
-    already, and each rank takes the GPU of its LOCAL_RANK. The DSC_* switches (switches.py) are
-    read and checked here, on every device, and kept for the engine's life."""
+    already, and each rank takes the GPU of its LOCAL_RANK. The DSC_* switches
+    (switches.py) are read and checked here, on every device, and kept for the engine's life. The artifact is untrusted data
+    (docs/security.md): its file list, plan structure and rank-file header are checked before
+    use, with verify=False too; require_signature=PUBKEY (a public key file from `dsc keygen`)
+    also refuses an artifact that is unsigned or altered after `dsc sign`, and implies verify."""
     switches.check_all()
+    device = _check_device(device)
     probe = open_artifact(path, ranks=None, verify=False)  # every rank file present, before any rank loads
     r, world = _dist_rank_world(probe, rank)
-    if device is None:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # index below
-    device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else torch.cuda.current_device())
     if world > 1:
         from dsc.runtime.distributed import ensure_process_group
 
         ensure_process_group(device, world, r)
-    artifact = open_artifact(path, ranks=[r], verify=verify)
+    artifact = open_artifact(path, ranks=[r], verify=verify, require_signature=require_signature)
     return Engine(artifact, r, world, device, cuda_graphs=cuda_graphs, prefill_buckets=prefill_buckets)

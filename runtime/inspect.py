@@ -4,20 +4,11 @@ JSON and the standard library only (no torch): `dsc inspect` answers in a fracti
 from __future__ import annotations
 
 import json
-import struct
 from collections import Counter
 from pathlib import Path
 
 from dsc.launch_counts import launches
 from dsc.runtime.artifact import open_artifact
-
-
-def _rank_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        h = json.loads(f.read(n))
-    h.pop("__metadata__", None)
-    return h
 
 
 def cache_readers(program: dict) -> list[dict]:
@@ -29,8 +20,10 @@ def cache_readers(program: dict) -> list[dict]:
             and any(isinstance(a, dict) and a.get("node") in caches for a in n.get("args", []))]
 
 
-def describe(path: str | Path) -> dict:
-    art = open_artifact(path, ranks=[], verify=False)
+def describe(path: str | Path, require_signature: str | Path | None = None) -> dict:
+    """What `dsc inspect` shows. Reads the manifest, plan and rank headers (each checked as the
+    loader checks them, docs/security.md), no tensor; checksums only with require_signature."""
+    art = open_artifact(path, ranks=[], verify=False, require_signature=require_signature)
     plan, man = art.plan, art.manifest
     programs = {}
     for name, p in plan["programs"].items():
@@ -45,7 +38,7 @@ def describe(path: str | Path) -> dict:
         if not f.exists():
             ranks[r] = {"missing": True}
             continue
-        h = _rank_header(f)
+        h = {k: v for k, v in art.rank_header(r).items() if k != "__metadata__"}
         by_dtype: Counter = Counter()
         for info in h.values():
             lo, hi = info["data_offsets"]
@@ -54,16 +47,22 @@ def describe(path: str | Path) -> dict:
     from dsc.runtime.memory_plan import workspace_bytes
 
     attn = cache_readers(plan["programs"].get("decode", {"nodes": []}))
-    windows = Counter((n.get("kernel") or {}).get("config", {}).get("window", 0) for n in attn)
+    windows = Counter(_window(n) for n in attn)
     buckets = plan["limits"].get("decode_buckets") or [plan["limits"]["max_batch"]]
     workspace = {b: workspace_bytes(plan, "decode", b) for b in buckets}
     return {"path": str(path), "decode_buckets": buckets, "decode_workspace": workspace, "format_version": man["format_version"], "versions": man.get("versions"),
-            "source": man.get("source", {}).get("model"), "model_type": plan["model"]["model_type"],
+            "source": (man.get("source") if isinstance(man.get("source"), dict) else {}).get("model"), "model_type": plan["model"]["model_type"],
             "dtype": plan["model"]["dtype"], "tp": plan["tp"], "options": man.get("options"),
             "limits": plan["limits"], "kv_cache": plan.get("kv_cache"), "programs": programs,
             "attention_windows": {str(w): c for w, c in sorted(windows.items())},
             "ranks": ranks, "passes": plan.get("passes", {}), "notes": plan.get("notes", {}),
-            "extra": {k: man[k] for k in ("int8_report",) if k in man}}
+            "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)}}
+
+
+def _window(node: dict) -> int:
+    """An attention node's sliding window (0: full attention)."""
+    w = (node.get("kernel") or {}).get("config", {}).get("window", 0)
+    return w if type(w) is int and w >= 0 else 0
 
 
 def _fmt_bytes(n: int) -> str:
@@ -78,8 +77,9 @@ def render(info: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    c = Console()
-    c.print(f"[bold]{info['path']}[/bold]  {info['model_type']}  {info['dtype']}  tp={info['tp']}  "
+    c = Console(markup=False)  # artifact text is shown as it is, never read as rich markup
+    c.print(info["path"], style="bold", end="")
+    c.print(f"  {info['model_type']}  {info['dtype']}  tp={info['tp']}  "
             f"(source {info['source']}, format v{info['format_version']})")
     c.print(f"options: {json.dumps(info['options'], sort_keys=True)}")
     kv = info["kv_cache"]
@@ -135,7 +135,11 @@ def render(info: dict) -> None:
         c.print(f"note {k}: {v}")
     rep = info.get("extra", {}).get("int8_report")
     if rep:
-        for line in int8_summary(rep):
+        try:
+            lines = int8_summary(rep)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):  # a hand-edited manifest
+            lines = ["int8 report: malformed in manifest.json (see --json)"]
+        for line in lines:
             c.print(line, highlight=False)
 
 

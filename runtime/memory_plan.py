@@ -9,8 +9,12 @@ and `dsc inspect` report and the test suite checks for soundness (no live overla
 """
 from __future__ import annotations
 
+import ast
+import functools
 import re
 from dataclasses import dataclass
+
+from dsc.errors import UserError
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1,
                 "uint8": 1, "bool": 1, "float64": 8}
@@ -30,19 +34,75 @@ class Buffer:
     offset: int = -1
 
 
+# A symbolic dim is plan text: a small integer expression over the size names ("batch",
+# "seq", "2*seq + 1"). It is parsed, never evaluated by Python: names, non-negative integer
+# constants, + - * // % and unary minus; no calls, attributes or powers, and every value
+# bounded, so that no plan text can run code or hang the reader.
+_DIM_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+            ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
+_DIM_LIMIT = 1 << 48  # larger than any real tensor dim, small enough that products stay cheap
+_DIM_TEXT_LIMIT = 200
+
+
+def parse_dim(text: str) -> ast.expr:
+    """The checked expression tree of a symbolic dim; ValueError says what is wrong."""
+    if not isinstance(text, str) or not text or len(text) > _DIM_TEXT_LIMIT:
+        raise ValueError(f"symbolic dim {str(text)[:40]!r} is not a short expression")
+    return _parse_dim(text)
+
+
+@functools.lru_cache(maxsize=4096)  # a plan repeats a few dims ("batch", "seq") on every node
+def _parse_dim(text: str) -> ast.expr:
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise ValueError(f"symbolic dim {text!r} is not an expression") from None
+    for node in ast.walk(tree):
+        ok = (isinstance(node, ast.Name) and node.id.isidentifier()
+              or isinstance(node, ast.Constant) and type(node.value) is int and 0 <= node.value < _DIM_LIMIT
+              or isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPS
+              or isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+              or isinstance(node, (ast.Load, ast.operator, ast.unaryop)))
+        if not ok:
+            raise ValueError(f"symbolic dim {text!r}: only size names, integers and + - * // % are allowed")
+    return tree
+
+
+def eval_dim(text: str, sizes: dict[str, int]) -> int:
+    """The value of a symbolic dim at concrete sizes (e.g. {"batch": 8, "seq": 1})."""
+    def ev(node: ast.expr) -> int:
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in sizes:
+                raise ValueError(f"symbolic dim {text!r}: unknown size {node.id!r} (known: {', '.join(sizes)})")
+            return sizes[node.id]
+        if isinstance(node, ast.UnaryOp):
+            return -ev(node.operand)
+        a, b = ev(node.left), ev(node.right)
+        if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and b == 0:
+            raise ValueError(f"symbolic dim {text!r} divides by zero")
+        v = _DIM_OPS[type(node.op)](a, b)
+        if abs(v) >= _DIM_LIMIT:
+            raise ValueError(f"symbolic dim {text!r} is out of range")
+        return v
+
+    v = ev(parse_dim(text))
+    if v < 0:
+        raise ValueError(f"symbolic dim {text!r} is negative ({v})")
+    return v
+
+
 def _nbytes(node: dict, sizes: dict[str, int]) -> int:
     shape = node.get("shape")
     if not isinstance(shape, list) or "dtype" not in node:
         return 0
     n = _DTYPE_BYTES.get(node["dtype"], 4)
     for d in shape:
-        if isinstance(d, int):
-            n *= d
-        else:
-            expr = str(d)
-            for k, v in sizes.items():
-                expr = re.sub(rf"\b{k}\b", str(v), expr)
-            n *= int(eval(expr, {"__builtins__": {}}))  # sizes like "2*seq" after substitution
+        try:
+            n *= d if isinstance(d, int) else eval_dim(d, sizes)
+        except ValueError as e:
+            raise UserError(f"plan.json: node {str(node.get('name'))[:80]!r}: {e}") from None
     return n
 
 

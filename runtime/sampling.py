@@ -1,7 +1,27 @@
 """Token selection from logits, on the device, with no host synchronisation."""
 from __future__ import annotations
 
+import math
+
 import torch
+
+from dsc.errors import UserError
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int, seed: int | None = None) -> None:
+    """Sampling parameters as a user gives them (CLI flag or Python argument): one UserError
+    line naming the parameter when one is out of range."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise UserError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise UserError(f"generate: top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise UserError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise UserError(f"generate: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise UserError(f"generate: seed must be an integer in [0, 2^63), got {seed!r}")
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

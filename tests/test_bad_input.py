@@ -91,6 +91,12 @@ CHECKPOINT_CASES = {
         ["model-00002-of-00002.safetensors"]),
     "malformed_index": (lambda ck: (ck / "model.safetensors.index.json").write_text("{}"),
                         ["model.safetensors.index.json", "weight_map"]),
+    "header_is_a_json_list": (_edit_bytes(lambda b: struct.pack("<Q", 8) + b"[1, 2]  " + b[8 + struct.unpack("<Q", b[:8])[0]:]),
+                              ["model.safetensors", "not a JSON object"]),
+    "negative_layer_count": (_edit_config(num_hidden_layers=-1), ["config.json", "num_hidden_layers"]),
+    "zero_layers": (_edit_config(num_hidden_layers=0), ["config.json", "num_hidden_layers"]),
+    "int64_weight": (_rewrite_weights(lambda t: t.update({_MISSING: t[_MISSING].long()})),
+                     ["model.safetensors", _MISSING, "I64"]),
 }
 
 
@@ -117,6 +123,11 @@ OPTION_CASES = {
                             ["ds.json", "steps", "zero_optimization"]),
     "config_not_json": ("config:{dtype: fp16", ["ds.json", "JSON"]),
     "destination_is_a_file": ("dest-file", ["art", "not a dsc artifact"]),
+    "deepspeed_num_bits_a_string": ("config:" + json.dumps({"quant": {"enabled": True, "weight": {"num_bits": "8"}}}),
+                                    ["ds.json", "quant.weight.num_bits", "'8'"]),
+    "deepspeed_q_groups_a_string": ("config:" + json.dumps({"quant": {"weight": {"q_groups": "4"}}}),
+                                    ["ds.json", "quant.weight.q_groups"]),
+    "deepspeed_tp_size_a_string": ("config:" + json.dumps({"tensor_parallel": {"tp_size": "2"}}), ["ds.json", "tp"]),
 }
 
 
@@ -197,13 +208,67 @@ GENERATE_CASES = {
     "negative_token_id": (["--token-ids", "1,-4"], ["prompt 0", "-4", "vocabulary"]),
     "empty_token_ids": (["--token-ids", ""], ["prompt 0", "empty"]),
     "no_prompt": ([], ["--prompt", "--token-ids"]),
+    "negative_top_p": (["--token-ids", "1,2", "--temperature", "1", "--top-p", "-1"], ["top_p", "-1"]),
+    "top_p_above_one": (["--token-ids", "1,2", "--top-p", "2"], ["top_p", "2"]),
+    "negative_top_k": (["--token-ids", "1,2", "--temperature", "1", "--top-k", "-5"], ["top_k", "-5"]),
+    "temperature_nan": (["--token-ids", "1,2", "--temperature", "nan"], ["temperature", "nan"]),
+    "negative_temperature": (["--token-ids", "1,2", "--temperature", "-1"], ["temperature", "-1"]),
+    "negative_max_new_tokens": (["--token-ids", "1,2", "--max-new-tokens", "-1"], ["max_new_tokens", "-1"]),
+    "stop_token_outside_vocabulary": (["--token-ids", "1,2", "--stop-token", "-5"], ["stop token", "-5", "vocabulary"]),
+    "cuda_without_a_gpu": (["--token-ids", "1,2", "--device", "cuda"], ["--device", "cuda"]),
+    "unknown_device": (["--token-ids", "1,2", "--device", "tpu"], ["--device", "tpu"]),
 }
 
 
 @pytest.mark.parametrize("case", list(GENERATE_CASES))
 def test_bad_generate_request(case, small_artifact):
     args, names = GENERATE_CASES[case]
+    if case == "cuda_without_a_gpu":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
     assert_one_line_error(run_dsc("generate", str(small_artifact), *args), *names)
+
+
+def _huge_rank_header(art: Path) -> None:
+    f = art / "rank0.safetensors"
+    f.write_bytes(struct.pack("<Q", 2**62) + f.read_bytes()[8:])
+
+
+def _rehash(art: Path) -> None:
+    from dsc.runtime.artifact import file_hashes
+
+    m = json.loads((art / "manifest.json").read_text())
+    m["files"] = file_hashes(art)
+    (art / "manifest.json").write_text(json.dumps(m))
+
+
+# name -> (how to break a copy of the artifact, the command after `dsc`, what the error line must name)
+ARTIFACT_COMMAND_CASES = {
+    "corrupt_tokenizer_with_verification": (_flip_byte("tokenizer/tokenizer.json"), ["generate", "--prompt", "hi"],
+                                            ["tokenizer.json", "checksum"]),
+    "corrupt_tokenizer_without_verification": (_flip_byte("tokenizer/tokenizer.json"),
+                                               ["generate", "--prompt", "hi", "--no-verify"], ["tokenizer.json"]),
+    "huge_rank_header_no_verify": (_huge_rank_header, ["generate", "--token-ids", "1,2", "--no-verify"],
+                                   ["rank0.safetensors", "header length"]),
+    "huge_rank_header_inspect": (_huge_rank_header, ["inspect"], ["rank0.safetensors", "header length"]),
+    "rank_header_a_json_list_rehashed": (
+        lambda art: ((art / "rank0.safetensors").write_bytes(struct.pack("<Q", 8) + b"[1, 2]  "), _rehash(art)),
+        ["generate", "--token-ids", "1,2"], ["rank0.safetensors", "not a JSON object"]),
+    "shape_string_9_pow_9_pow_9_inspect": (
+        lambda art: ((art / "plan.json").write_text((art / "plan.json").read_text().replace('"batch"', '"9**9**9"', 1)),
+                     _rehash(art)), ["inspect"], ["plan.json", "9**9**9"]),
+}
+
+
+@pytest.mark.parametrize("case", list(ARTIFACT_COMMAND_CASES))
+def test_bad_artifact_command(case, tmp_path, small_artifact):
+    art = tmp_path / "art"
+    shutil.copytree(small_artifact, art)
+    mutate, command, names = ARTIFACT_COMMAND_CASES[case]
+    mutate(art)
+    assert_one_line_error(run_dsc(command[0], str(art), *command[1:]), *names)
 
 
 def test_inspect_of_a_folder_that_is_not_an_artifact(tmp_path):
