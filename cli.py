@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import List, Optional
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -110,7 +109,7 @@ def markdown() -> str:
              "Environment variables that change how dsc runs. Each is read once, when `dsc.load` loads an",
              "artifact (or on first use outside an engine), and checked there: a bad value is one line,",
              "`error: DSC_PDL: must be one of auto, off, got 'x'`, on any device.", "",
-             "Generated from `switches.py` by `python -m dsc.switches --markdown`; do not edit by hand.", ""]
+             "Generated from `switches.py` by `python scripts/gen_docs.py`; do not edit by hand.", ""]
     for s in SWITCHES.values():
         lines += [f"## `{s.name}`", "", s.doc, "", f"Default: `{s.default}`" if s.default else "Default: unset", ""]
         if s.choices:
@@ -121,14 +120,3 @@ def markdown() -> str:
         lines.append("")
     return "\n".join(lines)
 
-
-def main(argv: list[str]) -> int:
-    if argv != ["--markdown"]:
-        print("usage: python -m dsc.switches --markdown", file=sys.stderr)
-        return 2
-    sys.stdout.write(markdown())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

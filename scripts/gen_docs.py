@@ -3,6 +3,7 @@
     python scripts/gen_docs.py            # rewrite the pages
     python scripts/gen_docs.py --check    # exit 1, naming the stale pages, if any differs
 
+docs/switches.md comes from the switch registry (switches.py).
 docs/passes.md comes from compiler/pipeline.py: its module docstring (why the order) and, in
 pipeline order, each pass file's docstring (what it matches, requires and guarantees).
 tests/test_docs.py fails when a page on disk differs from what this script writes.
@@ -63,8 +64,15 @@ def _why_order(doc: str) -> str:
     return inspect.cleandoc(tail) if tail else text
 
 
+def switches_page() -> str:
+    from dsc import switches
+
+    return switches.markdown()
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "docs/passes.md": passes_page,
+    "docs/switches.md": switches_page,
 }
 
 
