@@ -30,3 +30,6 @@ def run_smoke(script: Path, *args: str, interpret: bool = True, timeout: int = 6
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+sys.path.insert(0, str(ROOT / "scripts"))  # scripts/timing.py: the one timing helper
