@@ -2,6 +2,7 @@
 
     from timing import bench_ms, capture, graph_us, replay_us, checkout_modules
     bench_ms(fn)                          # median ms of fn (triton's do_bench: warm-up, L2 flushed)
+    capture(fn)                           # (CUDA graph, outputs) of fn, warmed up on a side stream
     graph_us([f, g, ...])                 # us per call of the fns captured in one CUDA graph
     replay_us({"on": g1, "off": g2})      # median us per replay of each graph, timed alternately
     NORM, ROT = checkout_modules("kernels.norm", "kernels.rotary")
@@ -41,14 +42,14 @@ def checkout_modules(*names: str) -> list:
 
 
 def _cuda() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.cuda.is_available()
 
 
-def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+def bench_ms(fn, rep: int = 100, warmup: int = 25) -> float:
     """Median milliseconds of an eager call of fn: triton.testing.do_bench on CUDA (L2 flushed
     before every run), perf_counter medians on the CPU."""
     if not _cuda():
-        return 1e3 * median_s(fn, rounds=3, warmup=1)
+        return 1e3 * median_s(fn, rounds=1, warmup=1)  # a smoke run: the code path, not the time
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
