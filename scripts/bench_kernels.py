@@ -195,10 +195,11 @@ def _first(out):
 
 
 # ==== section attention =========================================================================
+H, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 PEAK_TFLOPS, PEAK_TBS = 803.0, 4.33
-PREFILL_TARGET = 0.5  # of PEAK_TFLOPS, at S = 2048 (issue 5)
+PREFILL_TARGET = 0.5  # of PEAK_TFLOPS, at S = 2048
 
 def rand(*shape):
     return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
@@ -434,7 +435,7 @@ def sweep(deadline):
 
     def try_decode(cfg):
         # scored on CUDA-graph replays, as the runtime runs it: eager timings at batch 1 are
-        # mostly launch cost (session 7: 66 us eager against 23 us replayed at 8192 tokens)
+        # mostly launch cost (an H200: 66 us eager against 23 us replayed at 8192 tokens)
         rows = [bench_decode(B, ctx, config=cfg, baselines=False, graph=not SMOKE, rep=40) for B, ctx in decode_shapes]
         key = "dsc_tbs" if SMOKE else "dsc_graph_tbs"
         if all(r.get(key) is not None for r in rows):
@@ -470,8 +471,8 @@ def short_context_sweep():
     global H, HKV
     saved = H, HKV
     table = A.attention_config("decode", D, A.arch_of(torch.device(DEVICE)))
-    # the table's row; without its preloaded tile (PRE_N 0), at 4 warps (session 17's row) and at
-    # the row's warps; a 64-key preload; session 8's row (no SPLIT_FLOOR); a grid of smaller splits
+    # the table's row; without its preloaded tile (PRE_N 0), at 4 warps (a narrower row) and at
+    # the row's warps; a 64-key preload; a row without SPLIT_FLOOR; a grid of smaller splits
     cands = [table, dict(table, PRE_N=0, num_warps=4), dict(table, PRE_N=0), dict(table, PRE_N=64),
              dict(table, MIN_SPLIT=256, SPLIT_FLOOR=256, PRE_N=0, num_warps=4),
              dict(table, MIN_SPLIT=128, SPLIT_FLOOR=128, num_stages=2)]
@@ -514,7 +515,7 @@ def attention_main():
         extra = [json.loads(a) for a in sys.argv[1:] if a.startswith("{")]
         configs = variant_configs() + extra
         # every config compiled and run once before any is timed (the first timed B1 run of a
-        # freshly compiled config read 20-50% low: s16-h200/prefill-ws-first)
+        # freshly compiled config reads 20-50% low)
         for cfg in [None] + configs:
             for B, S in prefill_shapes:
                 q, k, v, kc, vc, pos = prefill_inputs(B, S)
