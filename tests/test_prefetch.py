@@ -1,6 +1,6 @@
 """DSC_L2_PREFETCH (kernels/prefetch.py): the setting, where the runtime inserts the prefetch,
-that it changes no value, the launch it makes, and its sm_90 build (the GPU run is
-scripts/gpu_tp.sh's BENCH_ENVS; the interpreter cannot run its inline PTX)."""
+that it changes no value, the launch it makes, and its sm_90 build (the interpreter cannot
+run its inline PTX)."""
 from __future__ import annotations
 
 import pytest
