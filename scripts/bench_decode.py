@@ -271,7 +271,7 @@ def compare(args, art: Path, tag: str) -> int:
                        "--max-batch", str(max(batches_of(args))), "--max-seq", str(max_seq_of(args, ckpt)),
                        *(["--int8"] if args.int8 else [])], envs["base"])
     for side, env in envs.items():  # which code each side imports, for the record
-        where = subprocess.run([sys.executable, "-c", "import dsc; print(dsc.__file__)"], env=env, capture_output=True,
+        where = subprocess.run([sys.executable, "-c", "import dsc, os; print(os.path.realpath(dsc.__file__))"], env=env, capture_output=True,
                                text=True, cwd=tempfile.gettempdir()).stdout.strip()
         print(f"[{tag}] {side}: dsc from {where}", flush=True)
     out = Path(args.out)
