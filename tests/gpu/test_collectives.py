@@ -42,20 +42,9 @@ import torch.distributed as dist
 from dsc.kernels import collectives
 from dsc.runtime.distributed import ensure_process_group, shutdown_process_group
 from gpu_util import ROOT, write_summary
+from timing import capture
 
 HIDDEN = 4096
-
-
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
 
 
 EPS = 1e-5
@@ -143,8 +132,8 @@ def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False, embed=
     run = lambda name: program(inputs[name], rank, world, skew, residual, weight, lin_weight=lin_weight,  # noqa: E731
                                lookup=lookup if embed else None)
     fill(0)
-    g65, o65 = graph_of(lambda: run("graph65"))
-    g64, o64 = graph_of(lambda: run("graph64"))
+    g65, o65 = capture(lambda: run("graph65"))
+    g64, o64 = capture(lambda: run("graph64"))
     bad = 0
     for r in range(rounds):
         fill(r)
@@ -172,11 +161,11 @@ def time_linear(k, n=64, iters=50):
         with collectives.program_scope(n):
             return [torch.ops.dsc.linear_all_reduce_add_rmsnorm(res, x, lw, w, EPS) for x in xs]
 
-    g, _ = graph_of(prog)
-    return replay_us(g, n, iters)
+    g, _ = capture(prog)
+    return replay_us_all_ranks(g, n, iters)
 
 
-def replay_us(g, n, iters):
+def replay_us_all_ranks(g, n, iters):
     """us per call of graph g of n calls: warm-up, a barrier (every rank starts together), iters replays."""
     for _ in range(3):
         g.replay()
@@ -195,8 +184,8 @@ def time_graph(rows, n=64, iters=50, norm=False):
     xs = [torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) for _ in range(n)]
     res = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) if norm else None
     w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
-    g, _ = graph_of(lambda: program(xs, 0, 1, 0, res, w, fused=lambda k: True))
-    return replay_us(g, n, iters)
+    g, _ = capture(lambda: program(xs, 0, 1, 0, res, w, fused=lambda k: True))
+    return replay_us_all_ranks(g, n, iters)
 
 
 def main():
