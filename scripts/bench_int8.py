@@ -6,10 +6,10 @@
                                                 # spills, shared memory and the SASS instruction mix
     TRITON_INTERPRET=1 python scripts/bench_int8.py --smoke   # no GPU: the script itself, tiny shapes
 
-Shapes (issue 4): W8A16 at decode, batch 1 and 8, K x N = 4096 x 4096, 4096 x 14336, 14336 x 4096
+Shapes: W8A16 at decode, batch 1 and 8, K x N = 4096 x 4096, 4096 x 14336, 14336 x 4096
 (target: >= 1.7x faster than bf16); W8A8 at prefill, 2048 tokens, same K x N (target: faster
 than bf16, activation quantization included). Every kernel/config is checked against the
-plain-torch reference before it is timed. Timing: triton.testing.do_bench, median, with the
+plain-torch reference before it is timed. Timing: timing.bench_ms (triton.testing.do_bench, median), with the
 weights rotated over enough copies to exceed L2 (each call reads its weight from HBM, as a
 decode step does) on top of do_bench's own L2 flush.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from checkout_modules import checkout_modules
+from timing import bench_ms, capture, checkout_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,11 +48,11 @@ GEMV = [dict(BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf, X_ROW=False, FAST_CVT=fc, num_
                                   (8, 2048, 8, False, True), (16, 1024, 8, False, True), (16, 512, 4, False, True),
                                   (8, 512, 4, True, True), (4, 512, 2, True, True), (8, 1024, 4, True, True),
                                   (4, 1024, 2, True, True), (16, 512, 8, True, True), (2, 1024, 2, True, True),
-                                  # session 8: fewer, smaller programs (4096 x 14336 ran 1.7 waves at BLOCK_N 2)
+                                  # fewer, smaller programs (4096 x 14336 runs 1.7 waves at BLOCK_N 2)
                                   (4, 512, 2, False, True), (4, 256, 1, False, True), (2, 256, 1, False, True),
                                   (2, 512, 1, False, True), (1, 1024, 1, False, True), (4, 512, 4, False, True),
                                   (8, 256, 2, False, True),
-                                  # session 9: a whole 4096-byte row per K step (one iteration at K = 4096)
+                                  # a whole 4096-byte row per K step (one iteration at K = 4096)
                                   (2, 4096, 2, False, True), (4, 4096, 4, False, True), (1, 4096, 1, False, True),
                                   (2, 2048, 1, False, True), (4, 2048, 2, False, True)]]
 MMA_DECODE = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, num_warps=w, num_stages=s)
@@ -60,31 +60,31 @@ MMA_DECODE = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, num_warps=w,
                                        (16, 512, 2, 4, True), (32, 512, 4, 3, True), (32, 128, 2, 5, True),
                                        (64, 128, 4, 4, True), (64, 256, 4, 3, True), (64, 256, 8, 4, True),
                                        (32, 256, 2, 6, True), (16, 1024, 4, 3, True), (32, 512, 8, 4, True)]]
-# M = 8 variants (issue 4): SWAP_AB puts the dequantized weight in the MMA's A operand (N tiles
+# M = 8 variants: SWAP_AB puts the dequantized weight in the MMA's A operand (N tiles
 # of 16-64), SPLIT_K > 1 shares each tile's K-blocks over SPLIT_K programs (one launch: the
 # last split sums the fp32 partials); both on the mma kernel. (An FMA kernel for M rows, the
-# gemv's scheme, was swept in session 5 and ran 10-50x slower on the H200: removed.)
+# gemv's scheme, runs 10-50x slower on the H200: not in the sweep.)
 MMA_DECODE_VARIANTS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, SWAP_AB=sw, SPLIT_K=sk, num_warps=w, num_stages=s)
                       for bn, bk, w, s, sw, sk in [(64, 256, 4, 4, True, 1), (64, 128, 4, 4, True, 2), (64, 256, 4, 3, True, 2),
                                                    (32, 256, 4, 4, True, 1), (32, 256, 4, 4, True, 2), (32, 256, 2, 4, True, 4),
                                                    (16, 256, 2, 4, True, 4), (128, 128, 4, 4, True, 4), (64, 128, 4, 4, True, 4),
                                                    (32, 256, 4, 4, False, 2), (32, 256, 4, 4, False, 4), (64, 256, 4, 4, False, 4),
                                                    (16, 512, 2, 3, False, 4), (64, 128, 4, 6, True, 8),
-                                                   # session 8 (H200): deeper split-K and pipelines
+                                                   # deeper split-K and pipelines
                                                    (32, 512, 2, 3, True, 4), (32, 256, 2, 4, True, 8),
                                                    (16, 512, 2, 3, True, 8), (32, 128, 2, 6, True, 4),
                                                    (64, 256, 4, 4, True, 8), (32, 256, 4, 5, False, 1),
                                                    # shallower pipelines: more programs per SM (4096 x 14336
-                                                   # at 4 stages ran 448 tiles on 396 slots)
+                                                   # at 4 stages runs 448 tiles on 396 slots)
                                                    (32, 256, 4, 3, False, 1), (32, 256, 4, 2, False, 1),
                                                    (16, 256, 2, 4, False, 1), (16, 512, 2, 3, False, 1),
                                                    (32, 128, 4, 4, False, 1), (64, 128, 4, 3, False, 1),
                                                    (32, 256, 2, 3, True, 4), (32, 128, 2, 4, True, 4),
-                                                   # session 9: longer K-blocks, 2-way splits
+                                                   # longer K-blocks, 2-way splits
                                                    (32, 512, 2, 3, True, 2), (16, 1024, 2, 2, True, 2),
                                                    (32, 1024, 4, 2, True, 2), (16, 512, 2, 4, True, 2),
                                                    (64, 512, 4, 3, True, 2), (16, 256, 1, 4, True, 4)]]
-# session 9 (M = 8): num_stages 1 (register loads, many programs in flight: the M = 1 GEMV's
+# M = 8: num_stages 1 (register loads, many programs in flight: the M = 1 GEMV's
 # scheme, which reads the same weights 10-27% faster), and the I2F conversion (FAST_CVT off:
 # triton may convert in the dot operand's layout) with SWAP_AB and split-K
 MMA_DECODE_VARIANTS += [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, SWAP_AB=sw, SPLIT_K=sk, num_warps=w, num_stages=s)
@@ -95,61 +95,41 @@ MMA_DECODE_VARIANTS += [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=fc, SW
                             (32, 256, 2, 4, True, 4, False), (16, 256, 2, 4, True, 4, False), (32, 256, 4, 3, False, 1, False),
                             (64, 256, 4, 4, False, 1, False), (32, 512, 4, 3, False, 1, False), (32, 256, 4, 4, False, 2, False),
                             (16, 256, 2, 4, False, 1, False), (32, 256, 2, 1, True, 1, False)]]
-# session 10 (M <= 16): the Gluon kernel (REGS; kernels/int8.py `_w8a16_regs_kernel`): weights
+# M <= 16: the Gluon kernel (REGS; kernels/int8.py `_w8a16_regs_kernel`): weights
 # loaded straight into the MMA's operand registers, no shared memory. BLOCK_N rows per program
 # (16 per warp and repeat), register bytes per thread BLOCK_N * BLOCK_K / (32 * warps) <= 256
-# (<= 128 with PREFETCH's second buffer); split-K for the narrow shapes' grids.
-# First sweep (H200): split-K 4 won everywhere, PREFETCH lost everywhere, and the kernel ran one
-# wave of programs, each K-block a full memory round trip (4096 x 4096: 1024 warps, ~1.4 us per
-# K-block): so more splits, up to every warp holding its whole share in one or two K-blocks.
+# (<= 128 with PREFETCH's second buffer); split-K for the narrow shapes' grids. On the H200 the
+# kernel runs one wave of programs, each K-block a full memory round trip (4096 x 4096: 1024
+# warps, ~1.4 us per K-block): so many splits, up to every warp holding its whole share in one or
+# two K-blocks.
 REGS_DECODE = [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, num_warps=w)
                for bn, w in [(16, 1), (32, 2)] for bk in (128, 256) for sk in (4, 8, 16, 32)]
 REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=64, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, num_warps=4)
                 for bk in (128, 256) for sk in (8, 16)]
 REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=16, BLOCK_K=128, SPLIT_K=sk, PREFETCH=True, num_warps=1)
                 for sk in (8, 16)]
-# WARPS_K: a program's K range in WARPS_K parts on their own warps (no partials in memory).
-# Second sweep (H200): WARPS_K 4 won 4096 -> 4096 (8.97 us, split-K 4) and 4096 -> 14336 (20.9 us,
-# split-K 1). Third sweep's additions, here: more rows per warp (one x operand for 32-64 rows:
-# half the x traffic) and 64-wide K-blocks (tuples: BLOCK_N, WARPS_K, BLOCK_K, SPLIT_K; one warp
-# column, num_warps = WARPS_K). Neither won.
+# WARPS_K: a program's K range in WARPS_K parts on their own warps (no partials in memory);
+# more rows per warp (one x operand for 32-64 rows: half the x traffic) and 64-wide K-blocks
+# (tuples: BLOCK_N, WARPS_K, BLOCK_K, SPLIT_K; one warp column, num_warps = WARPS_K).
 REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, num_warps=wk, WARPS_K=wk)
                 for bn, wk, bk, sk in [(32, 4, 128, 1), (32, 4, 128, 2), (32, 4, 128, 4), (32, 2, 128, 4), (32, 2, 128, 8),
                                        (64, 4, 64, 2), (64, 4, 64, 4), (32, 8, 64, 1), (32, 8, 64, 2), (16, 4, 64, 8),
                                        (16, 2, 64, 8), (16, 4, 128, 4), (32, 4, 64, 4), (64, 2, 64, 8), (32, 4, 256, 1)]]
-# the second sweep's WARPS_K candidates (BLOCK_N / 16 warp columns, one 16-row MMA tile each)
+# WARPS_K with BLOCK_N / 16 warp columns, one 16-row MMA tile each
 REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, num_warps=wk * bn // 16,
                      WARPS_K=wk)
                 for bn, wk, bk, sk in [(16, 4, 128, 1), (16, 4, 256, 1), (16, 8, 128, 1), (16, 4, 128, 2), (16, 4, 256, 2),
                                        (16, 8, 128, 2), (16, 4, 128, 4), (16, 8, 256, 1), (32, 4, 128, 1), (32, 4, 128, 2),
                                        (32, 2, 256, 2), (16, 2, 256, 4), (16, 2, 128, 8), (16, 4, 64, 4), (16, 8, 64, 2),
                                        (16, 16, 64, 1), (16, 16, 128, 1)]]
-# Session 11 (H200), PREFETCH: the next K-block's operands carried across iterations ran 1.3-1.9x
-# slower than the table's rows at every shape (int8 carried a byte per register:
-# docs/results/s11-h200/regs-prefetch); two K-blocks per iteration, both loaded before either's
-# MMA (the kernel's PREFETCH now), 5-7% slower at the rows' tiles (regs-prefetch-unrolled).
-# Neither is in the sweep.
-
-# Session 11: EARLY, the first K-block's weights loaded before the PDL wait with that block
-# peeled off the loop (no value carried into it), at the REGS rows' tiles (BLOCK_N, WARPS_K,
-# BLOCK_K, SPLIT_K). H200: with 256-wide K-blocks it won Llama-8B's q/k/v shapes (4096 x 6144 /
-# 3072 / 1536 at 2-8 tokens, 15-30% under regs_default) and 4096 x 14336 (2%); it lost with
-# split-K at 14336 x 4096 and tied at 4096 x 4096 (docs/results/s11-h200/regs-early*)
+# EARLY: the first K-block's weights loaded before the PDL wait, that block peeled off the loop
+# (no value carried into it), at the REGS rows' tiles (BLOCK_N, WARPS_K, BLOCK_K, SPLIT_K).
 REGS_DECODE += [dict(REGS=True, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=False, EARLY=True,
                      num_warps=wk * bn // 16, WARPS_K=wk)
                 for bn, wk, bk, sk in [(16, 4, 128, 4), (16, 4, 128, 1), (16, 4, 128, 2), (16, 8, 128, 1), (16, 2, 128, 8),
                                        (16, 8, 256, 1), (16, 4, 64, 4), (16, 4, 256, 1), (32, 4, 128, 1), (16, 4, 256, 4)]]
-# 16 K parts per program, or 8 with split-K 2 (EARLY): at 4096 x 4096 none beat the table's
-# row by more than 1.5% at 2-8 tokens (8.89 against 8.93 us at 8; s11-h200/regs-4096-parts);
-# not kept in the sweep.
-# Session 13: EARLY 2 (the first two K-blocks before the wait): at 4096 x 4096 the 16 x 256 tile
-# in 8 parts of two blocks, no split-K, 8.34 against 8.97 us at 8 tokens (the table's rows since);
-# slower at 4096 x 14336 / 6144 / 3072 / 28672 and no better than the mma kernel at 14336 x 4096
-# (docs/results/s13-h200/int8-early2; `bash scripts/gpu_int8_early.sh`, `--configs` rows).
-
-# decode at batch 32-64 (`--decode-m 32,64`): --int8 decode at batch 64 ran slower than bf16 on
-# the H200 (7.6 vs 5.4 ms per step, session 5); one BLOCK_M tile covers the batch, so the
-# weight is read once
+# decode at batch 32-64 (`--decode-m 32,64`): one BLOCK_M tile covers the batch, so the weight
+# is read once
 MMA_BATCH = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FAST_CVT=True, SWAP_AB=sw, SPLIT_K=sk, num_warps=w, num_stages=s)
              for bm, bn, bk, w, s, sw, sk in [(64, 64, 128, 4, 4, False, 1), (64, 128, 128, 4, 3, False, 1),
                                               (64, 64, 128, 4, 4, False, 2), (64, 64, 256, 4, 3, False, 4),
@@ -191,8 +171,6 @@ def _bench(fn, n_copies: int, eager: bool = False) -> float:
         t = time.perf_counter()
         fn(0)
         return (time.perf_counter() - t) * 1e3
-    from triton.testing import do_bench
-
     if eager:
         state = {"i": 0}
 
@@ -200,15 +178,11 @@ def _bench(fn, n_copies: int, eager: bool = False) -> float:
             state["i"] = (state["i"] + 1) % n_copies
             fn(state["i"])
 
-        return do_bench(call, warmup=25, rep=200, return_mode="median")
+        return bench_ms(call, rep=200)
     for i in range(n_copies):  # compile and allocate outside the capture
         fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n_copies):
-            fn(i)
-    ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / n_copies
+    graph, _ = capture(lambda: [fn(i) for i in range(n_copies)])
+    ms = bench_ms(graph.replay, rep=200) / n_copies
     del graph
     return ms
 

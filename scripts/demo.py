@@ -7,9 +7,13 @@
 4. run transformers on the same prompt and print whether its greedy tokens are the same
 
 The weights are random, so the text is gibberish; the point is that it is the same gibberish.
+
+    python scripts/demo.py                  # what `make demo` runs
+    python scripts/demo.py --out DIR        # the same, its files under DIR instead of build/demo
 """
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import shutil
@@ -55,15 +59,18 @@ def main() -> None:
 
     from dsc.compiler.random_checkpoint import make_random_checkpoint
 
-    ckpt, art = OUT / "llama-demo", OUT / "llama-demo.dsc"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=OUT, help="where the checkpoint and artifact go")
+    out_dir = ap.parse_args().out.resolve()
+    ckpt, art = out_dir / "llama-demo", out_dir / "llama-demo.dsc"
     shutil.rmtree(ckpt, ignore_errors=True)
-    print(f"writing a random-weight llama-demo checkpoint to {ckpt.relative_to(ROOT)}")
+    rel = lambda p: str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)  # noqa: E731
+    print(f"writing a random-weight llama-demo checkpoint to {rel(ckpt)}")
     make_random_checkpoint(ckpt, "llama-demo", dtype="float32")
     cfg = json.loads((ckpt / "config.json").read_text())
     print(f"  {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads "
           f"/ {cfg['num_key_value_heads']} kv heads, vocab {cfg['vocab_size']}")
 
-    rel = lambda p: str(p.relative_to(ROOT))  # noqa: E731
     dsc("compile", rel(ckpt), "-o", rel(art), "--dtype", "fp32", "--verify")
     dsc("inspect", rel(art))
     out = dsc("generate", rel(art), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))

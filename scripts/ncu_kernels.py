@@ -6,8 +6,11 @@
     ncu ... python3 scripts/ncu_kernels.py sdpa --b 1 --s 2048     # cuDNN's, the baseline
 
 The warm-up calls (JIT compile, autotune-free) run before the profiler starts, so ncu sees
-only the timed launches. scripts/gpu_ncu.sh runs it under ncu with the sections used for the
-int8 and attention bottleneck reads.
+only the timed launches. The sections that read the int8 and attention bottlenecks:
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section Occupancy --section LaunchStats \
+        --section SchedulerStats --section ComputeWorkloadAnalysis python3 scripts/ncu_kernels.py ...
+    python3 scripts/ncu_kernels.py int8 --m 8 --smoke     # no profiler: the runner's code path
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import A, D, H, HKV, prefill_inputs, sdpa_backend  # noqa: E402  (loads the kernels by path)
+from bench_kernels import A, D, H, HKV, prefill_inputs, sdpa_backend  # noqa: E402  (loads the kernels by path)
 from bench_int8 import int8  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -36,13 +39,17 @@ def main() -> None:
     ap.add_argument("--s", type=int, default=2048)
     ap.add_argument("--config", default="", help="a JSON launch config (default: what the tables pick)")
     ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="int8 on the CPU (TRITON_INTERPRET=1), no profiler")
     args = ap.parse_args()
     config = json.loads(args.config) if args.config else None
-    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = "cpu" if args.smoke else "cuda"
+    if args.smoke and args.what != "int8":
+        sys.exit("error: --smoke: only the int8 runner runs on the CPU")
+    g = torch.Generator(device=dev).manual_seed(0)
     if args.what == "int8":
-        w = torch.randn(args.n, args.k, generator=g, device="cuda") / math.sqrt(args.k)
+        w = torch.randn(args.n, args.k, generator=g, device=dev) / math.sqrt(args.k)
         p = int8.quantize_weight(w)
-        x = torch.randn(args.m, args.k, generator=g, device="cuda").to(DTYPE)
+        x = torch.randn(args.m, args.k, generator=g, device=dev).to(torch.float16 if args.smoke else DTYPE)
         kernel = (config or {}).pop("kernel", None) if config else None
 
         def fn():
@@ -61,6 +68,9 @@ def main() -> None:
                 return torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True, scale=D**-0.5)
     for _ in range(3):
         fn()
+    if args.smoke:
+        print(f"{args.what}: {fn().shape[-1]} outputs per row (smoke: nothing profiled)", file=sys.stderr)
+        return
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for _ in range(args.calls):

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from timing import graph_us, median_s
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,40 +63,12 @@ def candidates(k: int):
 
 
 def time_calls(fn, copies: list[torch.Tensor], x: torch.Tensor, graphs: bool, reps: int = 5) -> float:
-    """Microseconds per call of fn(x, W) over the weight copies, as a CUDA graph's replay."""
-    def run():
-        for w in copies:
-            fn(x, w)
-    run()  # compile / warm up
-    if x.device.type != "cuda":  # --smoke on CPU: the code path only
-        t = time.perf_counter()
-        run()
-        return (time.perf_counter() - t) * 1e6 / len(copies)
-    torch.cuda.synchronize()
-    if graphs:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            run()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g):
-                run()
-        torch.cuda.current_stream().wait_stream(s)
-        step = g.replay
-    else:
-        step = run
-    step()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / len(copies))
-    return best
+    """Microseconds per call of fn(x, W) over the weight copies, as a CUDA graph's replay (graphs)
+    or as calls queued from Python."""
+    calls = [lambda w=w: fn(x, w) for w in copies]
+    if x.device.type == "cuda" and graphs:
+        return graph_us(calls, iters=1, rounds=reps)
+    return 1e6 * median_s(lambda: [c() for c in calls], rounds=reps if x.device.type == "cuda" else 1) / len(copies)
 
 
 def write_outputs(out: str, name: str, dev: torch.device, results: list, table: dict) -> Path:

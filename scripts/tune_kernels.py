@@ -7,7 +7,7 @@
 
 For every kernel and shape class (the row width rounded up to a power of two; head_dim for
 rotary) it times each candidate config at a prefill-sized row count (--rows, bandwidth: the
-objective) with triton.testing.do_bench; among the candidates within 3% of the fastest it
+objective) with timing.bench_ms (triton.testing.do_bench); among the candidates within 3% of the fastest it
 keeps the one fastest at a decode-sized row count (--decode-rows). Only the rows of the
 kernels it tunes, under this GPU's arch key ("sm_90"), are replaced; everything else in the
 table (other arches, other kernels' rows) is kept. The plan (plan_kernels) and the runtime
@@ -22,12 +22,11 @@ import itertools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from checkout_modules import checkout_modules
+from timing import bench_ms, checkout_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,16 +83,6 @@ WIDTHS = {
 SMOKE_WIDTHS = {"add_rmsnorm": (72,), "add_layernorm": (72,), "swiglu": (200,), "gelu": (160,), "rotary": (16,)}
 
 
-def bench_ms(fn) -> float:
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8192)
@@ -120,10 +109,10 @@ def main() -> int:
             big, key = runner(kernel, width, 33 if args.smoke else args.rows, dtype, device)
             small, _ = runner(kernel, width, args.decode_rows, dtype, device)
             cands = candidates(kernel, width)[: 3 if args.smoke else None]
-            t_big = {i: bench_ms(lambda c=c: big(c)) for i, c in enumerate(cands)}
+            t_big = {i: bench_ms(lambda c=c: big(c), rep=40, warmup=10) for i, c in enumerate(cands)}
             best = min(t_big.values())
             near = [i for i, t in t_big.items() if t <= 1.03 * best]
-            t_small = {i: bench_ms(lambda c=cands[i]: small(c)) for i in near}
+            t_small = {i: bench_ms(lambda c=cands[i]: small(c), rep=40, warmup=10) for i in near}
             pick = min(near, key=t_small.__getitem__)
             tuned.setdefault(kernel, {})[key] = cands[pick]
             for i, c in enumerate(cands):

@@ -619,7 +619,7 @@ def test_rotation_is_not_contracted_on_sm90(sm90_report, kernel, dtype):
     """dsc.rotary's kernel and the decode kernel (which rotates with ROTARY) build without FP
     contraction: with it, LLVM turned rotate's bf16(bf16(x cos) + bf16(r sin)) into
     fma.rn.bf16(x, cos, bf16(r sin)), and the two kernels fused different products (an H200 gave
-    an ulp's difference in ~10% of elements, scripts/check_rotary_bits_gpu.py). No fma in the PTX."""
+    an ulp's difference in ~10% of elements). No fma in the PTX."""
     assert sm90_report[f"{kernel}-contract/{dtype}"] == "ok"
 
 
@@ -653,7 +653,7 @@ def test_prefill_variant_compiles_for_sm90(sm90_report, kernel, dtype):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("kernel", list(WS_BUILDS))
 def test_warp_specialized_prefill_builds_for_sm90(sm90_report, kernel, dtype):
-    """The Gluon prefill (no interpreter can run it; scripts/check_attention_gpu.py checks its
+    """The Gluon prefill (no interpreter can run it; tests/gpu/test_attention.py checks its
     numbers on a GPU) builds for sm_90 with triton's current Gluon API: no spills, no serialized
     wgmmas, and the producer's registers handed to the two consumer warpgroups."""
     assert sm90_report[f"{kernel}/{dtype}"] == "ok"

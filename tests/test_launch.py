@@ -1,13 +1,9 @@
 """kernels/launch.py: when kernels launch with programmatic dependent launch (PDL). What each
 kernel does under PDL is checked in its compiled sm_90 code (the kernel test files' aot modes,
-tests/kernel_child.py `pdl_check`); on a GPU by scripts/check_pdl_gpu.py."""
+tests/kernel_child.py `pdl_check`); on a GPU by tests/gpu/test_pdl.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -112,88 +108,3 @@ def test_dsc_tuning_replaces_the_rows_it_names(tmp_path, monkeypatch):
         set_switch(monkeypatch, "DSC_TUNING", str(bad))
         with pytest.raises(UserError, match=f"^DSC_TUNING: .*{bad.name}"):
             launch.tuning_table()
-
-
-@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "scripts" / "tuning").glob("*.json")))
-def test_shipped_tuning_variants_name_rows_the_table_has(name, monkeypatch):
-    """scripts/tuning/*.json (DSC_TUNING files for A/B benches): each loads, names only rows the
-    shipped table has (a typo'd shape class would bench the table against itself; a
-    `w8a16_gemv_push` row a shape of its `w8a16_gemv` rows, which every W8A16 GEMV push config
-    starts from), sets only config keys, and changes the config the launch takes."""
-    from dsc.kernels.collectives import gemv_push_config, w8a16_push_config
-    from dsc.kernels.linear import CONFIG_KEYS
-
-    def config(kernel, shape, arch):  # the config a launch takes for a row's shape
-        if kernel == "w8a16_gemv_push":
-            return w8a16_push_config(*map(int, shape[len("M1_N"):].split("_K")), 0, arch)
-        return gemv_push_config(*map(int, shape[1:].split("_K")), arch) if kernel == "gemv_push" else None
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tuning" / name
-    set_switch(monkeypatch, "DSC_TUNING", None)
-    shipped = launch.tuning_table()
-    variant = json.loads(path.read_text())
-    rows = [(arch, kernel, shape, row) for arch, kernels in variant.items() if not arch.startswith("_")
-            for kernel, shapes in kernels.items() for shape, row in shapes.items()]
-    assert rows
-    before = {(arch, kernel, shape): config(kernel, shape, arch) for arch, kernel, shape, _ in rows}
-    set_switch(monkeypatch, "DSC_TUNING", str(path))
-    for arch, kernel, shape, row in rows:
-        table = shipped[arch]["w8a16_gemv" if kernel == "w8a16_gemv_push" else kernel]
-        assert shape in table and set(row) <= set(CONFIG_KEYS), (kernel, shape, row)
-        got = config(kernel, shape, arch)
-        if got is not None:
-            assert {key: got[key] for key in row} == row and got != before[(arch, kernel, shape)]
-
-
-def test_check_pdl_gpu_script_runs_its_code_path(tmp_path):
-    """scripts/check_pdl_gpu.py --smoke in the interpreter: every chain at tiny shapes, eager
-    only (the GPU run adds CUDA graphs and timings), bit-identical with DSC_PDL off and auto."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "check_pdl_gpu.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OUT": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((tmp_path / "check_pdl_gpu.json").read_text())
-    assert len(res["results"]) == 8 and not res["failed"] and res["pdl_on_with_auto"] is False
-
-
-def test_boundary_and_attention_phase_scripts_build_for_sm90(tmp_path):
-    """scripts/bench_boundary.py's three kernels and scripts/attention_phases.py's stamped copy
-    of the decode attention (made from kernels/attention.py's source: the script fails if the
-    lines it stamps change) build for sm_90; the stamped kernel reads %globaltimer 7 times, once
-    per stamp, with PDL's wait and launch in it (GPU-only scripts: no other CPU path)."""
-    root = Path(__file__).resolve().parents[1]
-    child = f'''
-import sys
-sys.path.insert(0, {str(root / "scripts")!r})
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import attention_phases, bench_boundary
-
-def build(fn, sig, consts, warps, stages=None):
-    sig = {{**sig, **{{k: "constexpr" for k in consts}}}}
-    opts = {{"num_warps": warps, **({{"num_stages": stages}} if stages else {{}})}}
-    return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
-
-for mode in (0, 1, 2):
-    ptx = build(bench_boundary._link, {{"X": "*i32", "FLAGS": "*i32", "EPOCH": "*i32", "i": "i32"}}, {{"MODE": mode}},
-                4).asm["ptx"]
-    assert ("griddepcontrol.wait" in ptx) == (mode != 0), mode
-attention_phases.load_kernels()
-A = attention_phases.stamped_attention()
-A._triton()
-fn, dec = A._decode_kernel, A.DECODE_CONFIGS[("sm_90", 128)]
-consts = dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True, BLOCK_N=dec["BLOCK_N"], WINDOWED=False,
-              ROTARY=True, ROT_TABLE=True, PRE_N=dec["PRE_N"], PDL=True)
-ptrs = {{n: "*bf16" for n in ("Q", "K", "V", "KC", "VC", "OUT", "COS", "SIN")}}
-ptrs.update(POS="*i64", RPOS="*i64", PART_O="*fp32", PART_LSE="*fp32", LOCK="*i32")
-sig = {{n: ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names if n not in consts}}
-ptx = build(fn, sig, consts, dec["num_warps"], dec["num_stages"]).asm["ptx"]
-assert ptx.count("%globaltimer") == 7 and "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
-print("ok")
-'''
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]

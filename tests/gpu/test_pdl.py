@@ -1,9 +1,9 @@
-"""Programmatic dependent launch (PDL, kernels/launch.py) on a GPU: the decode-path kernels give
+"""GPU check section `pdl`: programmatic dependent launch (PDL, kernels/launch.py) on a GPU: the decode-path kernels give
 the same bits with and without it, eagerly and replayed from CUDA graphs, and what it saves in
 chains of ~60 kernels captured in one graph, as a decode step is.
 
-    python scripts/check_pdl_gpu.py           # H100/H200: 1-2 minutes; exit 1 on any mismatch
-    TRITON_INTERPRET=1 python scripts/check_pdl_gpu.py --smoke   # this script's code on CPU, tiny shapes
+    pytest tests/gpu/test_pdl.py                                 # H200: 1-2 minutes
+    TRITON_INTERPRET=1 python tests/gpu/test_pdl.py --smoke        # this file's code on CPU, tiny shapes
 
 Chains, at Llama-3-8B shapes (hidden 4096, intermediate 14336, 32 query / 8 kv heads of 128,
 bf16), batch 1 and 8, with 16-bit linears (the Triton GEMV at batch 1, cuBLAS at batch 8) or
@@ -20,32 +20,28 @@ graphs captured under each setting (each replayed 3 times), must give the same b
 chain's outputs and every KV-cache slot its attention kernels wrote.
 Timing: replays of the two graphs of each chain, alternately (5 rounds of 20 replays; medians):
 microseconds per chain and per op, PDL on / off.
-Writes $OUT/check_pdl_gpu.json (OUT defaults to /tmp/dsc-pdl). Self-contained: loads the kernel
-files of this checkout by path (torch and triton only).
+Writes $OUT/gpu_pdl.json when OUT is set.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import statistics
 import sys
 import time
-from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from checkout_modules import checkout_modules
+from dsc.kernels import activation as ACT, attention as ATT, int8 as INT8, launch as LAUNCH, linear as LIN, \
+    norm as NORM, rotary as ROT
+from gpu_util import ROOT, run_smoke, write_summary
+from timing import replay_us
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = "--smoke" in sys.argv
+SMOKE = __name__ == "__main__" and "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
 DTYPE = torch.float16 if SMOKE else torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
-
-
-LAUNCH, NORM, ACT, ROT, ATT, LIN, INT8 = checkout_modules(
-    *(f"kernels.{m}" for m in ("launch", "norm", "activation", "rotary", "attention", "linear", "int8")))
 
 E, I, H, HKV, D = (64, 96, 4, 2, 16) if SMOKE else (4096, 14336, 32, 8, 128)  # H * D == E
 SMAX, CONTEXT = (64, 40) if SMOKE else (2048, 1000)  # KV cache length, tokens already in it
@@ -168,22 +164,6 @@ def capture(chain, mode: str):
     return graph, outs
 
 
-def time_graphs(graphs: dict, rounds: int = 5, iters: int = 20) -> dict[str, float]:
-    """Median microseconds per replay of each graph, the graphs timed alternately."""
-    us: dict[str, list[float]] = {m: [] for m in graphs}
-    for _ in range(rounds):
-        for mode, graph in graphs.items():
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            us[mode].append(start.elapsed_time(end) * 1e3 / iters)
-    return {m: statistics.median(v) for m, v in us.items()}
-
-
 def check_chain(chain, slots) -> tuple[dict, dict]:
     """(correctness, graphs): eager PDL off is the reference for eager PDL on and for the graphs
     captured with PDL off and on (CUDA), each replayed 3 times."""
@@ -221,13 +201,8 @@ def chains(g, weights: dict, kind: str, batch: int) -> dict:
                       len(REUSE_OPS) * ROUNDS, reused)}
 
 
-def main() -> int:
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device (use --smoke with TRITON_INTERPRET=1 on CPU)")
-        return 2
-    if SMOKE and os.environ.get("TRITON_INTERPRET") != "1":
-        print("--smoke: run with TRITON_INTERPRET=1")
-        return 2
+def run_section() -> dict:
+    """Every chain checked (and on CUDA timed); the summary, its "failed" list included."""
     import triton
 
     t0, env_before = time.time(), os.environ.get("DSC_PDL")
@@ -254,7 +229,7 @@ def main() -> int:
                 if reused:  # summed over the 2 eager runs and 2 captures
                     row["reused"] = f"{reused[0]}/{reused[1]}" + ("" if reused[0] else " (no write-after-read tested)")
                 if graphs:
-                    t = time_graphs(graphs)
+                    t = replay_us(graphs)  # median of 5 x 20 replays, alternating
                     row.update(us_off=t["off"], us_on=t["on"], on_over_off=t["on"] / t["off"])
                 del graphs
                 results.append(row)
@@ -281,13 +256,27 @@ def main() -> int:
     n_ok = sum(all(row["ok"].values()) for row in results)
     print(f"\n{n_ok}/{len(results)} chains give the same bits with PDL on and off, eager and from graphs; "
           f"{elapsed:.0f} s")
-    out = Path(os.environ.get("OUT") or "/tmp/dsc-pdl")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "check_pdl_gpu.json").write_text(json.dumps({**info, "results": results, "failed": failed,
-                                                        "elapsed_s": elapsed}, indent=1))
-    print(f"wrote {out / 'check_pdl_gpu.json'}")
-    return 1 if failed else 0
+    return {**info, "results": results, "failed": failed, "elapsed_s": elapsed}
+
+
+@pytest.mark.gpu
+def test_pdl_same_bits_on_and_off():
+    res = run_section()
+    write_summary("gpu_pdl", res)
+    assert len(res["results"]) == 8 and not res["failed"], res["failed"]
+
+
+def test_pdl_section_smoke_in_interpreter(tmp_path):
+    """This file's code in the interpreter: every chain at tiny shapes, eager only (the GPU run
+    adds CUDA graphs and timings), bit-identical with DSC_PDL off and auto."""
+    run_smoke(ROOT / "tests" / "gpu" / "test_pdl.py", "--smoke", env={"OUT": str(tmp_path)})
+    res = json.loads((tmp_path / "gpu_pdl.json").read_text())
+    assert len(res["results"]) == 8 and not res["failed"] and res["pdl_on_with_auto"] is False
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if not SMOKE or os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_pdl.py --smoke (on a GPU: pytest tests/gpu)")
+    summary = run_section()
+    write_summary("gpu_pdl", summary)
+    sys.exit(1 if summary["failed"] else 0)

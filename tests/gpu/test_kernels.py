@@ -1,37 +1,32 @@
-"""Check the fused Triton kernels (norm, activation, rotary, vocab embedding) against their references on a GPU
-at real shapes: Llama-3-8B (hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate
-14336) and GPT-2-XL (hidden 1600) widths, bf16 and fp16, decode and prefill row counts,
-contexts up to 8192.
+"""GPU check section `kernels`: the fused Triton kernels (norm, activation, rotary, vocab
+embedding) against their references at real shapes: Llama-3-8B (hidden 4096, 32 heads, 8 kv
+heads, head_dim 128, intermediate 14336) and GPT-2-XL (hidden 1600) widths, bf16 and fp16, decode
+and prefill row counts, contexts up to 8192.
 
-    python scripts/check_kernels_gpu.py            # under a minute on an H100/H200; exit 1 on any failure
-    TRITON_INTERPRET=1 python scripts/check_kernels_gpu.py --smoke   # the same code, tiny shapes, CPU
+    pytest tests/gpu/test_kernels.py                                  # under a minute on an H200
+    TRITON_INTERPRET=1 python tests/gpu/test_kernels.py --smoke        # the same code, tiny shapes, CPU
 
 Each case runs the Triton wrapper and the plain-torch reference on the same inputs and
 requires torch.testing.assert_close at the dtype's default tolerance (the kernels keep the
 reference's rounding points, so they agree to about an ulp), no NaN/inf, and contiguous
 outputs. Also: each `dsc::` op dispatches to its Triton kernel on CUDA (bit-equal to the
 wrapper), and ops replay correctly from a captured CUDA graph with new inputs.
-Self-contained: loads the kernel files from this checkout by path (torch and triton only).
-Writes $OUT/check_kernels_gpu.json when OUT is set.
+Writes $OUT/gpu_kernels.json when OUT is set.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
+import pytest
 import torch
 
-from checkout_modules import checkout_modules
+from dsc.kernels import activation as ACT, embedding as EMB, norm as NORM, rotary as ROT
+from gpu_util import ROOT, run_smoke, write_summary
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = "--smoke" in sys.argv
+SMOKE = __name__ == "__main__" and "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
-
-
-NORM, ACT, ROT, EMB = checkout_modules("kernels.norm", "kernels.activation", "kernels.rotary", "kernels.embedding")
 
 
 def s(n: int, small: int) -> int:
@@ -191,34 +186,57 @@ def check_dispatch_and_graphs(dtype) -> dict:
     return res
 
 
+def run_dtype(dtype) -> dict:
+    """name -> result of every case at `dtype`, then the dsc ops' dispatch and graph replay."""
+    results = {}
+    dname = str(dtype).removeprefix("torch.")
+    for name, case in cases(dtype).items():
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        got, want = case(g)
+        results[f"{dname} {name}"] = r = check(got, want)
+        print(f"{'ok ' if r['ok'] else 'FAIL'} {dname:8s} {name:44s} max|err| {r.get('max_abs_err', float('nan')):.3g}"
+              + ("" if r["ok"] else f"  {r['error']}"), flush=True)
+    for name, r in check_dispatch_and_graphs(dtype).items():
+        results[f"{dname} {name}"] = r
+        print(f"{'ok ' if r['ok'] else 'FAIL'} {dname:8s} {name}  {r}", flush=True)
+    return results
+
+
+SUMMARY: dict = {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_kernels_match_references(dtype):
+    results = run_dtype(dtype)
+    SUMMARY.update(results)
+    write_summary("gpu_kernels", {"device": torch.cuda.get_device_name(), "results": SUMMARY})
+    assert not [k for k, v in results.items() if not v["ok"]], {k: v for k, v in results.items() if not v["ok"]}
+
+
+@pytest.mark.gpu
+def test_gelu_erf_accuracy():
+    r = check_gelu_erf_accuracy()
+    assert r["ok"], r
+
+
+def test_kernels_section_smoke_in_interpreter():
+    """This file's code at tiny shapes in the Triton interpreter (fp16; the interpreter's bf16 is emulated)."""
+    out = run_smoke(ROOT / "tests" / "gpu" / "test_kernels.py", "--smoke")
+    assert "FAIL" not in out and " passed on cpu" in out
+
+
 def main() -> int:
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device (use --smoke with TRITON_INTERPRET=1 on CPU)")
-        return 2
-    results, t0 = {}, time.time()
-    dtypes = (torch.float16,) if SMOKE else (torch.bfloat16, torch.float16)  # interpreter bf16 is emulated
-    for dtype in dtypes:
-        dname = str(dtype).removeprefix("torch.")
-        for name, case in cases(dtype).items():
-            g = torch.Generator(device=DEVICE).manual_seed(0)
-            got, want = case(g)
-            results[f"{dname} {name}"] = r = check(got, want)
-            print(f"{'ok ' if r['ok'] else 'FAIL'} {dname:8s} {name:44s} max|err| {r.get('max_abs_err', float('nan')):.3g}"
-                  + ("" if r["ok"] else f"  {r['error']}"), flush=True)
-        for name, r in check_dispatch_and_graphs(dtype).items():
-            results[f"{dname} {name}"] = r
-            print(f"{'ok ' if r['ok'] else 'FAIL'} {dname:8s} {name}  {r}", flush=True)
+    t0 = time.time()
+    results = run_dtype(torch.float16)  # smoke: fp16 only (the interpreter's bf16 is emulated)
     results["float32 gelu-none dense grid: implied erf error"] = r = check_gelu_erf_accuracy()
     print(f"{'ok ' if r['ok'] else 'FAIL'} float32  gelu-none dense grid: implied erf error {r['max_abs_err']:.3g}", flush=True)
     bad = [k for k, v in results.items() if not v["ok"]]
-    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
-    print(f"{len(results) - len(bad)}/{len(results)} passed on {device} in {time.time() - t0:.1f}s")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        Path(os.environ["OUT"], "check_kernels_gpu.json").write_text(json.dumps(
-            {"device": device, "torch": torch.__version__, "results": results, "failed": bad}, indent=1))
+    print(f"{len(results) - len(bad)}/{len(results)} passed on cpu (interpreter) in {time.time() - t0:.1f}s")
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
+    if not SMOKE or os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_kernels.py --smoke (on a GPU: pytest tests/gpu)")
     sys.exit(main())

@@ -1,7 +1,8 @@
-"""Check the Triton attention kernels against the reference on a GPU at real shapes.
+"""GPU check section `attention`: the Triton attention kernels against the reference at real
+shapes, and the prefill attention's TMA path through the runtime.
 
-    python scripts/check_attention_gpu.py          # about a minute on an H200; exit 1 on any failure
-    TRITON_INTERPRET=1 python scripts/check_attention_gpu.py --smoke   # same code, tiny shapes, CPU
+    pytest tests/gpu/test_attention.py                                  # about a minute and a half on an H200
+    TRITON_INTERPRET=1 python tests/gpu/test_attention.py --smoke        # the kernel cases, tiny shapes, CPU
 
 Shapes: Llama-3-8B attention (hidden 4096: 32 query heads, 8 kv heads, head_dim 128), bf16,
 contexts up to 8192, batch 1/8/32. Each case poisons the output and every cache slot the call
@@ -11,25 +12,24 @@ must not read (NaN), runs the kernel, and checks
   - the cache: the new tokens' k/v written exactly where the reference writes them, and
     nothing else touched (the poison is still there).
 Also: the `dsc::attention` op dispatches to the kernels on CUDA, and a decode step captured
-in a CUDA graph gives the right answer when replayed with new cache positions.  The prefill
+in a CUDA graph gives the right answer when replayed with new cache positions. The prefill
 variant rows (kernels/attention.py PREFILL_VARIANTS: TMA and DEFER_PV at other tilings) are
 each checked on the default's prefill cases; the summary counts failures per launch config.
-Self-contained: loads kernels/attention.py by path (needs torch and triton only). Writes
-$OUT/check_attention_gpu.json when OUT is set.
+Writes $OUT/gpu_attention.json and $OUT/gpu_tma_prefill.json when OUT is set.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from checkout_modules import checkout_modules
+from dsc.kernels import attention as A
+from gpu_util import ROOT, run_smoke, write_summary
 
-ROOT = Path(__file__).resolve().parents[1]
 H, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
@@ -39,8 +39,6 @@ SHRINK = 1  # --smoke divides every length by 128
 def n(length: int) -> int:
     return max(1, length // SHRINK)
 
-
-A, = checkout_modules("kernels.attention")
 
 
 def make(B, S, Smax, cache_pos, Bmax=None, seed=0, window=0):
@@ -155,9 +153,9 @@ def check_cuda_graph():
     return rows
 
 
-def main():
+def run_cases(smoke: bool) -> list[dict]:
+    """Every case's row (the module's shapes set for the run: real ones, or tiny under smoke)."""
     global H, HKV, D, DTYPE, DEVICE, SHRINK
-    smoke = "--smoke" in sys.argv
     if smoke:  # the script's own test: interpreter on CPU (fp16: the interpreter's bf16 dot is wrong)
         H, HKV, D, DTYPE, DEVICE, SHRINK = 6, 2, 16, torch.float16, "cpu", 128
     else:
@@ -197,7 +195,7 @@ def main():
                       Bmax=9, window=W))
     rows.append(check("decode B1 Smax8192 len 8000, window 4096, one split",
                       lambda *a, **kw: A.decode_attention(*a, num_splits=1, **kw), 1, 1, n(8192), [n(8000)], window=W))
-    # launch configs other than the table's that scripts/bench_attention.py --sweep may pick: a
+    # launch configs other than the table's that scripts/bench_kernels.py attention --sweep may pick: a
     # 128-key tile, one warpgroup of 64 rows; fresh, chunked and windowed prompts
     for cfg in (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)):
@@ -219,7 +217,7 @@ def main():
     # the prefill variant at each candidate row: the default's prefill cases (fresh, full cache,
     # right-padded batch, chunked, past the cache end), a windowed call at the first row (the
     # wrapper runs the default code there), and the MHA cases at the head_dim-64 rows
-    for i, cfg in enumerate(A.PREFILL_VARIANTS[("sm_90", 128)]):
+    for i, cfg in enumerate(A.PREFILL_VARIANTS[("sm_90", 128)][: 2 if smoke else None]):  # smoke: two rows
         tag = variant_tag(cfg)
         run = lambda *a, cfg=cfg, **kw: A.prefill_attention(*a, config=cfg, **kw)  # noqa: E731
         for name, args in (("B1 S2048 fresh", (1, n(2048), n(8192), [0])),
@@ -232,7 +230,7 @@ def main():
             rows.append(check(f"prefill B2 S777 chunked, window 4096, {tag}", run, 2, n(777), n(8192),
                               [n(3001), n(6000)], window=W, config=tag))
     H, HKV, D = (25, 25, 64) if not smoke else (3, 3, 16)
-    for cfg in A.PREFILL_VARIANTS[("sm_90", 64)]:
+    for cfg in A.PREFILL_VARIANTS[("sm_90", 64)][: 1 if smoke else None]:
         tag = f"{variant_tag(cfg)} (D64 row)"
         run = lambda *a, cfg=cfg, **kw: A.prefill_attention(*a, config=cfg, **kw)  # noqa: E731
         rows.append(check(f"prefill B2 S{m(1000)} fresh, MHA {H}x{D}, {tag}", run, 2, m(1000), m(1024), [0, 0],
@@ -243,6 +241,11 @@ def main():
     if not smoke:
         rows += check_op_dispatch()
         rows += check_cuda_graph()
+    return rows
+
+
+def summarize(rows) -> list[str]:
+    """Print the per-launch-config summary; the failed cases."""
     failed = [r["case"] for r in rows if not r["ok"]]
     print("\nper launch config (\"default\": the table's and the other configs named in the case):")
     for tag in dict.fromkeys(r.get("config", "default") for r in rows):
@@ -250,10 +253,120 @@ def main():
         bad = [r["case"] for r in mine if not r["ok"]]
         print(f"  {tag:34s} {len(mine) - len(bad)}/{len(mine)} passed" + (f"; FAILED: {bad}" if bad else ""))
     print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed" + (f"; FAILED: {failed}" if failed else ""))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "check_attention_gpu.json").write_text(json.dumps(rows, indent=1))
-    sys.exit(1 if failed else 0)
+    return failed
+
+
+@pytest.mark.gpu
+def test_attention_kernels_match_reference():
+    rows = run_cases(smoke=False)
+    write_summary("gpu_attention", rows)
+    failed = summarize(rows)
+    assert not failed, [r for r in rows if not r["ok"]]
+
+
+def test_attention_section_smoke_in_interpreter():
+    """This file's kernel cases at tiny shapes in the Triton interpreter (fp16)."""
+    out = run_smoke(ROOT / "tests" / "gpu" / "test_attention.py", "--smoke")
+    assert "FAIL" not in out and "checks passed" in out
+
+
+# -- the prefill attention's TMA path through the runtime ------------------------------------------
+# A random Llama with Llama-8B's attention (head_dim 128, 4 query heads per kv head; fewer and
+# narrower layers, so it compiles in seconds) is compiled in bf16, then run twice in one process:
+# with the sm_90 table's prefill row (TMA: K/V tiles through tensor descriptors, q/k/v as the
+# runtime passes them, strided views of the fused projection) and with the same row without TMA
+# (per-thread pointer loads). Prefill runs eagerly, so switching the table row in between changes
+# the kernel. Checked: prefill logits of a right-padded batch (prompts of 700, 300 and 1 tokens),
+# a chunked prefill (a second prompt chunk on top of the cached first) and greedy tokens; the two
+# paths do the same arithmetic in the same order, so they agree to the last bit or nearly.
+def chunk(e, parts, start):
+    """Prefill `parts` at cache positions `start` (a chunked prefill: the runtime's prefill
+    program with cache_pos > 0); the last token's logits."""
+    L = max(max(map(len, parts)), 2)
+    ids = torch.zeros(len(parts), L, dtype=torch.long)
+    for i, p in enumerate(parts):
+        ids[i, : len(p)] = torch.tensor(p)
+    cache_pos = torch.tensor(start)
+    pos = cache_pos[:, None] + torch.arange(L)[None, :]
+    last = torch.tensor([len(p) - 1 for p in parts])
+    return e.run("prefill", *(t.to(e.device) for t in (ids, pos, cache_pos, last)))
+
+
+def run_engine(art, prompts, new_tokens):
+    import dsc
+
+    e = dsc.load(art, device="cuda" if torch.cuda.is_available() else "cpu")
+    logits = e.prefill(prompts).float().cpu()
+    e.reset()
+    long = [p for p in prompts if len(p) > 1]
+    e.prefill([p[: len(p) // 2] for p in long])  # first chunks, then the rest on top of them
+    chunked = chunk(e, [p[len(p) // 2:] for p in long], [len(p) // 2 for p in long])
+    tokens = e.generate(prompts, max_new_tokens=new_tokens, stop_tokens=[]).tokens
+    return logits, chunked.float().cpu(), tokens
+
+
+def tma_prefill_report(work: Path, smoke: bool) -> dict:
+    """The TMA and plain paths' prefill logits, chunked-prefill logits and tokens compared (smoke:
+    a tiny model on the CPU, the code path only)."""
+    import dsc
+    from dsc.compiler.random_checkpoint import make_random_checkpoint
+
+    t = time.perf_counter()
+    layers = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
+                  head_dim=64, intermediate_size=512) if smoke else \
+        dict(num_hidden_layers=4, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+             intermediate_size=4096)
+    ckpt = make_random_checkpoint(work / "ckpt", "llama-1b", dtype="bfloat16",
+                                  device="cuda" if torch.cuda.is_available() else "cpu", **layers)
+    art = work / "art"
+    dsc.compile(str(ckpt), art, max_batch=4, max_seq=64 if smoke else 2048)
+    print(f"checkpoint + compile {time.perf_counter() - t:.1f}s ({layers})", flush=True)
+    g = torch.Generator().manual_seed(0)
+    lens = (20, 9, 1) if smoke else (700, 300, 1)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lens]
+
+    key = ("sm_90", 128)
+    row = dict(A.PREFILL_CONFIGS[key])
+    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "table_row": row,
+              "model": layers, "prompt_lengths": list(lens)}
+    made = []  # the TMA path ran: descriptors were made (None: a tensor TMA cannot address)
+    descriptors = A._kv_descriptors
+    A._kv_descriptors = lambda *a, **k: made.append(descriptors(*a, **k)) or made[-1]
+    try:
+        tma = run_engine(art, prompts, 8)
+    finally:
+        A._kv_descriptors = descriptors
+    report["tma_calls"] = sum(d is not None for d in made)
+    report["tma_fell_back"] = sum(d is None for d in made)
+    A.PREFILL_CONFIGS[key] = {k: v for k, v in row.items() if k != "TMA"}
+    try:
+        plain = run_engine(art, prompts, 8)
+    finally:
+        A.PREFILL_CONFIGS[key] = row
+    for name, a, b in (("prefill", tma[0], plain[0]), ("chunked_prefill", tma[1], plain[1])):
+        report[f"{name}_max_abs_diff"] = float((a - b).abs().max())
+        report[f"{name}_max_abs"] = float(b.abs().max())
+    report["tokens_equal"] = tma[2] == plain[2]
+    report["ok"] = report["tokens_equal"] and (report["tma_calls"] > 0 or smoke) and all(
+        report[f"{n}_max_abs_diff"] <= 1e-2 * max(1.0, report[f"{n}_max_abs"]) for n in ("prefill", "chunked_prefill"))
+    print(report, flush=True)
+    return report
+
+
+@pytest.mark.gpu
+def test_tma_prefill_matches_plain_loads(tmp_path):
+    report = tma_prefill_report(tmp_path, smoke=False)
+    write_summary("gpu_tma_prefill", report)
+    assert report["ok"], report
+
+
+def test_tma_prefill_code_path_on_cpu(tmp_path):
+    """The TMA check's own path on the CPU (a tiny model; no TMA there: both runs agree exactly)."""
+    report = tma_prefill_report(tmp_path, smoke=True)
+    assert report["ok"] and report["tokens_equal"] and report["prefill_max_abs_diff"] == 0, report
 
 
 if __name__ == "__main__":
-    main()
+    if "--smoke" not in sys.argv or os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_attention.py --smoke (on a GPU: pytest tests/gpu)")
+    sys.exit(1 if summarize(run_cases(smoke=True)) else 0)

@@ -1,8 +1,10 @@
-"""Check and time dsc.all_reduce's paths on several GPUs: the one-shot symmetric-memory
-all-reduce, the fused all-reduce + residual add + RMSNorm (dsc.all_reduce_add_rmsnorm) and NCCL
-(kernels/collectives.py), captured in CUDA graphs as a decode step runs them.
+"""GPU check section `collectives` (2+ GPUs): dsc.all_reduce's default path (the one-shot
+symmetric-memory all-reduce, the fused all-reduce + residual add + RMSNorm, the vocab-parallel
+embedding + all-reduce + RMSNorm and the row-parallel linear whose GEMV pushes its rows) against
+exact sums, and its time against NCCL, captured in CUDA graphs as a decode step runs them.
 
-    torchrun --nproc-per-node 4 scripts/check_allreduce_gpu.py     # writes $OUT/allreduce-tp4.json
+    pytest tests/gpu/test_collectives.py                                   # torchrun at 2 and 4 ranks where the GPUs are there
+    torchrun --nproc-per-node 4 tests/gpu/test_collectives.py              # one world by hand; $OUT/gpu_collectives-tp4.json
 
 Correctness, every rank: a CUDA graph of 65 all-reduces (odd: the last one on buffer 2) and one
 of 64, replayed in turns with eager programs of 3 and 2 between them, 100 rounds; every third
@@ -12,81 +14,37 @@ integers (exact in bf16) that differ per call, per rank and per round, and befor
 different rank spins for a while (torch.cuda._sleep) so the ranks run out of step: a rank that
 overwrote a buffer (or set a flag) a peer still reads gives a wrong sum. Every sum is compared
 with the exact sum; the fused op's sum + residual must be exact too, and its normalized output
-equal to dsc.add_rmsnorm's of the exact sum within one bf16 rounding. This runs once with the
-push kernel (the default) and once with the pull kernel (DSC_ALLREDUCE=pull), each also with every
-third call the vocab-parallel embedding + all-reduce + RMSNorm
-(dsc.vocab_embedding_all_reduce_rmsnorm: the push kernel looking its row up; token i one rank's
-row i; the sum exact, the norm dsc.rmsnorm's within one rounding), then at one row
-with every third call the row-parallel linear + all-reduce + add + RMSNorm
-(dsc.linear_all_reduce_add_rmsnorm: its GEMV pushes its rows; the weight selects x's columns,
-so the sums stay exact), twice: the GEMV's last program ending the all-reduce (the default),
-and the GEMV then the push kernel (DSC_ALLREDUCE=gemv_push). The same run with one
-buffer for every call (the order the double buffering prevents) is reported too, as a control
-of whether skew exposes reuse.
+equal to dsc.add_rmsnorm's of the exact sum within one bf16 rounding. The same again with every
+third call the vocab-parallel embedding + all-reduce + RMSNorm (token i one rank's row i; the sum
+exact, the norm dsc.rmsnorm's within one rounding), then at one row with every third call the
+row-parallel linear + all-reduce + add + RMSNorm (dsc.linear_all_reduce_add_rmsnorm: the weight
+selects x's columns, so the sums stay exact). The same run with one buffer for every call (the
+order the double buffering prevents) is reported too, as a control of whether skew exposes reuse.
 
 Timing: graphs of 64 back-to-back all-reduces of [rows, 4096] bf16 (rows 1, 8, 64: decode at
 batch 1/8/64 of a 4096-wide model) and [2048, 4096] (prefill, NCCL only), us per all-reduce:
-one-shot and NCCL alone, and all-reduce + add + RMSNorm as the fused kernels (push, pull), as the one-shot
-all-reduce + the add_rmsnorm kernel, and as NCCL + the add_rmsnorm kernel, in the same process;
-at one row also the linear before it: the GEMV then the push kernel (DSC_ALLREDUCE=push), the
-GEMV pushing its rows then the push kernel (DSC_ALLREDUCE=gemv_push), and the GEMV pushing its
-rows and ending the all-reduce (the default), with the tuned config and with more rows per
-program. GEMV_PUSH_SWEEP=1 also sweeps GEMV push configs at Llama-8B's row-parallel shapes for
-this tp and proposes kernels/tuning.json `gemv_push` rows (JSON key gemv_push_sweep).
-
-The kernels launch as the runtime's would: with PDL (DSC_PDL=auto, kernels/launch.py; sessions
-12-16 ran tp=2 without it); DSC_PDL=off checks and times the variants without it.
+the default path and NCCL (DSC_ALLREDUCE=nccl's), alone and with add + RMSNorm, in the same
+process; at one row also the row-parallel linear before it. The kernels launch as the runtime's
+would: with PDL (DSC_PDL=auto); DSC_PDL=off checks and times them without it.
 """
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
 import os
+import subprocess
 import sys
 import time
-from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from dsc.kernels import collectives
 from dsc.runtime.distributed import ensure_process_group, shutdown_process_group
+from gpu_util import ROOT, write_summary
+from timing import capture
 
 HIDDEN = 4096
-
-
-@contextlib.contextmanager
-def allreduce_env(mode):
-    prev = os.environ.get("DSC_ALLREDUCE")
-    os.environ["DSC_ALLREDUCE"] = mode
-    try:
-        yield
-    finally:
-        os.environ.pop("DSC_ALLREDUCE") if prev is None else os.environ.update(DSC_ALLREDUCE=prev)
-
-
-@contextlib.contextmanager
-def gemv_push_config(cfg):
-    """The GEMV push kernel with `cfg` instead of its table config (timing only)."""
-    orig = collectives.gemv_push_config
-    collectives.gemv_push_config = lambda n, k, arch: dict(cfg)
-    try:
-        yield
-    finally:
-        collectives.gemv_push_config = orig
-
-
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
 
 
 EPS = 1e-5
@@ -174,8 +132,8 @@ def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False, embed=
     run = lambda name: program(inputs[name], rank, world, skew, residual, weight, lin_weight=lin_weight,  # noqa: E731
                                lookup=lookup if embed else None)
     fill(0)
-    g65, o65 = graph_of(lambda: run("graph65"))
-    g64, o64 = graph_of(lambda: run("graph64"))
+    g65, o65 = capture(lambda: run("graph65"))
+    g64, o64 = capture(lambda: run("graph64"))
     bad = 0
     for r in range(rounds):
         fill(r)
@@ -191,10 +149,9 @@ def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False, embed=
     return bad, rounds * sum(sizes.values())
 
 
-def time_linear(k, cfg=None, n=64, iters=50):
+def time_linear(k, n=64, iters=50):
     """us per call of a graph of n row-parallel linears [1, k] x [HIDDEN, k]^T + all-reduce + add +
-    RMSNorm at one row (dsc.linear_all_reduce_add_rmsnorm), with the GEMV push config `cfg`
-    (None: the table's)."""
+    RMSNorm at one row (dsc.linear_all_reduce_add_rmsnorm)."""
     xs = [torch.randn(1, k, device="cuda").to(torch.bfloat16) for _ in range(n)]
     res = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
     w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -204,12 +161,11 @@ def time_linear(k, cfg=None, n=64, iters=50):
         with collectives.program_scope(n):
             return [torch.ops.dsc.linear_all_reduce_add_rmsnorm(res, x, lw, w, EPS) for x in xs]
 
-    with gemv_push_config(cfg) if cfg else contextlib.nullcontext():
-        g, _ = graph_of(prog)
-    return replay_us(g, n, iters)
+    g, _ = capture(prog)
+    return replay_us_all_ranks(g, n, iters)
 
 
-def replay_us(g, n, iters):
+def replay_us_all_ranks(g, n, iters):
     """us per call of graph g of n calls: warm-up, a barrier (every rank starts together), iters replays."""
     for _ in range(3):
         g.replay()
@@ -222,37 +178,14 @@ def replay_us(g, n, iters):
     return (time.perf_counter() - t0) / iters / n * 1e6
 
 
-def sweep_gemv_push(world):
-    """GEMV_PUSH_SWEEP=1: GEMV push configs at Llama-8B's row-parallel shapes for this tp (o_proj
-    [4096, 4096 / tp], down_proj [4096, 14336 / tp]), against the table's config and against the
-    GEMV then the push kernel (DSC_ALLREDUCE=push); the best per shape as a kernels/tuning.json
-    `gemv_push` row (its us and the table config's us kept, as scripts/tune_gemv.py keeps both)."""
-    out = {}
-    for k in (4096 // world, 14336 // world):
-        table_us = time_linear(k)
-        with allreduce_env("push"):
-            push_us = time_linear(k)
-        best, tried = (table_us, None), {}
-        for bn, bk, warps in itertools.product((1, 2, 4, 8), (128, 256, 512, 1024), (1, 2, 4)):
-            if not 8 <= bn * bk // (32 * warps) <= 64 or bk > k:  # elements per thread and K-block
-                continue
-            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
-            tried[f"bn{bn}_bk{bk}_w{warps}"] = us = time_linear(k, cfg)
-            if us < best[0]:
-                best = (us, cfg)
-        row = {**best[1], "us": round(best[0], 2), "gemv_config_us": round(table_us, 2)} if best[1] else None
-        out[f"N{HIDDEN}_K{k}"] = {"table_us": table_us, "gemv_then_push_us": push_us, "tried": tried, "row": row}
-    return out
-
-
 def time_graph(rows, n=64, iters=50, norm=False):
     """us per call of a graph of n calls: all-reduces, or with norm all-reduce + add + RMSNorm
     (fused where the fused path is on, else the all-reduce and the add_rmsnorm kernel)."""
     xs = [torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) for _ in range(n)]
     res = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16) if norm else None
     w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
-    g, _ = graph_of(lambda: program(xs, 0, 1, 0, res, w, fused=lambda k: True))
-    return replay_us(g, n, iters)
+    g, _ = capture(lambda: program(xs, 0, 1, 0, res, w, fused=lambda k: True))
+    return replay_us_all_ranks(g, n, iters)
 
 
 def main():
@@ -270,25 +203,19 @@ def main():
     res["path"] = path
     progress(f"set-up (the probe included): {path}")
     symm = collectives._symm
-    kernels = ["push", "pull"] if path.startswith("symm_mem+norm") else []
-    if path.startswith("symm_mem"):
-        for kernel in kernels or [""]:  # the push kernel (default), then the pull kernel
-            symm.fused = kernel
-            bad, total = check(rank, world, dev)
-            res[f"check_{kernel or 'one_shot'}"] = {"wrong": bad, "all_reduces": total}
-            # every third call the vocab-parallel embedding + all-reduce + RMSNorm (one push
-            # kernel; with the pull kernel or none, the lookup, the all-reduce and the norm)
-            bad, total = check(rank, world, dev, embed=True)
-            res[f"check_{kernel or 'one_shot'}_embed"] = {"wrong": bad, "all_reduces": total}
-            name = kernel or "one_shot"
-            progress(f"checked {name}: {res[f'check_{name}']}; with the embedding: {res[f'check_{name}_embed']}")
-        if kernels:  # one row, every third call the linear whose GEMV pushes its rows: the GEMV
-            symm.fused = "push"  # ending the all-reduce (default), then the GEMV and the push kernel
-            for mode, key in (("auto", "check_gemv_push_norm"), ("gemv_push", "check_gemv_push")):
-                with allreduce_env(mode):
-                    bad, total = check(rank, world, dev, rows=1, linear=True)
-                res[key] = {"wrong": bad, "all_reduces": total, "gemv_push_error": collectives._gemv_push_error}
-                progress(f"checked {key[6:]}: {res[key]}")
+    fused = path.startswith("symm_mem+norm")
+    if fused:
+        default = symm.fused
+        bad, total = check(rank, world, dev)
+        res["check_default"] = {"wrong": bad, "all_reduces": total}
+        # every third call the vocab-parallel embedding + all-reduce + RMSNorm
+        bad, total = check(rank, world, dev, embed=True)
+        res["check_default_embed"] = {"wrong": bad, "all_reduces": total}
+        progress(f"checked the default path: {res['check_default']}; with the embedding: {res['check_default_embed']}")
+        # one row, every third call the linear whose GEMV pushes its rows and ends the all-reduce
+        bad, total = check(rank, world, dev, rows=1, linear=True)
+        res["check_gemv_push_norm"] = {"wrong": bad, "all_reduces": total}
+        progress(f"checked gemv_push_norm: {res['check_gemv_push_norm']}")
         # control: one buffer for every call, plain all-reduces only (the fused kernels would
         # hang on a reused buffer or flag, not give a wrong sum)
         slot = collectives._Symmetric.slot
@@ -296,59 +223,46 @@ def main():
         symm.fused = ""
         bad1, _ = check(rank, world, dev, rounds=30)
         collectives._Symmetric.slot = slot
+        symm.fused = default
         res["control_one_buffer_wrong"] = bad1
     progress("checks done; timing")
     timing = {}
     for rows in (1, 8, 64, 2048):
         row = {}
-        if symm is not None and rows <= 64:
-            symm.fused = ""
-            row["one_shot_us"] = time_graph(rows)
-            row["one_shot_then_norm_us"] = time_graph(rows, norm=True)
-            for kernel in kernels:
-                symm.fused = kernel
-                row[f"fused_{kernel}_norm_us"] = time_graph(rows, norm=True)
-            if kernels and rows == 1:  # + the row-parallel linear before it
-                symm.fused = "push"
-                with allreduce_env("push"):  # the GEMV, then the push kernel
-                    row["gemv_then_push_norm_us"] = time_linear(K_LIN)
-                with allreduce_env("gemv_push"):  # the GEMV pushing its rows, then the push kernel
-                    row["gemv_push_then_norm_us"] = time_linear(K_LIN)
-                with allreduce_env("auto"):  # one launch: the GEMV pushing its rows ends the all-reduce
-                    row["gemv_push_norm_us"] = time_linear(K_LIN)
-                    # more rows per program: fewer, larger stores to the peers
-                    for bn, warps in ((4, 4), (8, 4), (16, 4), (16, 8)):
-                        cfg = {"BLOCK_N": bn, "BLOCK_K": 128, "num_warps": warps}
-                        row[f"gemv_push_norm_us_bn{bn}_w{warps}"] = time_linear(K_LIN, cfg)
+        if fused and rows <= 64:
+            row["default_us"] = time_graph(rows)
+            row["default_norm_us"] = time_graph(rows, norm=True)
+            if rows == 1:  # + the row-parallel linear before it: one launch
+                row["gemv_push_norm_us"] = time_linear(K_LIN)
         collectives._symm = None
         row["nccl_us"] = time_graph(rows)
         row["nccl_then_norm_us"] = time_graph(rows, norm=True)
         collectives._symm = symm
-        if "one_shot_us" in row:
-            row["speedup"] = row["nccl_us"] / row["one_shot_us"]
+        if "default_us" in row:
+            row["speedup"] = row["nccl_us"] / row["default_us"]
         timing[rows] = row
-    if symm is not None:
-        symm.fused = kernels[0] if kernels else ""
     res["timing_bf16_x4096"] = timing
-    if kernels and os.environ.get("GEMV_PUSH_SWEEP"):  # timing only: a failure here fails no check
-        symm.fused = "push"
-        try:
-            res["gemv_push_sweep"] = sweep_gemv_push(world)
-        except Exception as e:  # noqa: BLE001
-            res["gemv_push_sweep"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
-        symm.fused = kernels[0]
     # every rank's wrong count: a wrong sum on any rank is a failure
     wrong = [None] * world
-    dist.all_gather_object(wrong, sum(v["wrong"] for k, v in res.items() if k.startswith("check_")) if kernels else None)
+    dist.all_gather_object(wrong, sum(v["wrong"] for k, v in res.items() if k.startswith("check_")) if fused else None)
     res["wrong_per_rank"] = wrong
     if rank == 0:
         print(json.dumps(res, indent=1))
-        out = os.environ.get("OUT")
-        if out:
-            Path(out, f"allreduce-tp{world}.json").write_text(json.dumps(res, indent=1))
-    ok = path.startswith("symm_mem+norm") and all(w == 0 for w in wrong)
+        write_summary(f"gpu_collectives-tp{world}", res)
+    ok = fused and all(w == 0 for w in wrong)
     shutdown_process_group()
     sys.exit(0 if ok else 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_reduce_paths_exact_under_skew(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                           str(ROOT / "tests" / "gpu" / "test_collectives.py")], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
 if __name__ == "__main__":

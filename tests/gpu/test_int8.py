@@ -1,8 +1,8 @@
-"""Check the Gluon W8A16 kernel (`REGS` configs of w8a16_mma, kernels/int8.py
+"""GPU check section `int8`: the Gluon W8A16 kernel (`REGS` configs of w8a16_mma, kernels/int8.py
 `_w8a16_regs_kernel`) on a GPU: it cannot run in the Triton interpreter, so this is its
 correctness check.
 
-    python scripts/check_int8_regs_gpu.py        # about two minutes on an H200 (mostly builds); exit 1 on any failure
+    pytest tests/gpu/test_int8.py        # about two minutes on an H200 (mostly builds)
 
 Every case runs the REGS kernel, the plain-torch reference (fp32) and the Triton mma kernel
 (the same arithmetic: 16-bit products summed in fp32) on the same inputs: batch 1-16, odd and
@@ -10,19 +10,17 @@ Llama-8B sizes, per-channel and grouped scales, zero points, bias, split-K, K pa
 bf16 and fp16. Pass: SQNR against the reference >= 40 dB, and the REGS output within 2 ulps of
 the output dtype (of max |y|) of the mma kernel's. Also: split-K replayed from a CUDA graph
 with new inputs (its counters reset), and the table's configs through `dsc::linear_w8a16`.
-Writes $OUT/check_int8_regs_gpu.json when OUT is set.
+Writes $OUT/gpu_int8.json when OUT is set.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import sys
-from pathlib import Path
 
+import pytest
 import torch
 
 from dsc.kernels import int8
+from gpu_util import write_summary
 
 CFGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH, num_warps, WARPS_K[, EARLY]
     (8, 16, 256, 1, False, 1, 1), (8, 32, 128, 2, True, 1, 1), (16, 64, 256, 4, False, 4, 1), (8, 64, 512, 1, True, 2, 1),
@@ -113,9 +111,8 @@ def through_op(g) -> str:
     return "ok: " + "; ".join(out)
 
 
-def main() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("check_int8_regs_gpu: needs a CUDA GPU")
+@pytest.mark.gpu
+def test_w8a16_regs_kernel():
     g = torch.Generator(device="cuda").manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "cases": {}}
     for dtype in (torch.bfloat16, torch.float16):
@@ -138,12 +135,6 @@ def main() -> None:
     bad = {k: v for k, v in res["cases"].items() if v != "skip" and not v.startswith("ok")}
     ran = sum(v != "skip" for v in res["cases"].values())
     res["passed"], res["ran"] = ran - len(bad), ran
-    print(f"check_int8_regs_gpu: {ran - len(bad)}/{ran} passed on {res['device']}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "check_int8_regs_gpu.json").write_text(json.dumps(res, indent=1))
-    sys.exit(1 if bad else 0)
-
-
-if __name__ == "__main__":
-    main()
+    print(f"int8 section: {ran - len(bad)}/{ran} passed on {res['device']}")
+    write_summary("gpu_int8", res)
+    assert not bad, bad
