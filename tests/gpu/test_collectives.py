@@ -220,7 +220,7 @@ def main():
         # hang on a reused buffer or flag, not give a wrong sum)
         slot = collectives._Symmetric.slot
         collectives._Symmetric.slot = lambda self: (slot(self), 0)[1]
-        symm.fused = ""
+        symm.fused = False
         bad1, _ = check(rank, world, dev, rounds=30)
         collectives._Symmetric.slot = slot
         symm.fused = default

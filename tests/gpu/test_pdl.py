@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from dsc.kernels import activation as ACT, attention as ATT, int8 as INT8, launch as LAUNCH, linear as LIN, \
     norm as NORM, rotary as ROT
+from dsc import switches as SWITCHES
 from gpu_util import ROOT, run_smoke, write_summary
 from timing import replay_us
 
@@ -153,11 +154,13 @@ def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def run(chain, slots, mode: str) -> list[torch.Tensor]:
     os.environ["DSC_PDL"] = mode
+    SWITCHES.reload()  # switches are read once; re-read DSC_PDL
     return [t.clone() for t in chain()] + slots()
 
 
 def capture(chain, mode: str):
     os.environ["DSC_PDL"] = mode  # read at each launch: the graph keeps what capture launched
+    SWITCHES.reload()  # switches are read once; re-read DSC_PDL
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = chain()
@@ -208,6 +211,7 @@ def run_section() -> dict:
     t0, env_before = time.time(), os.environ.get("DSC_PDL")
     dev = torch.device(DEVICE)
     os.environ["DSC_PDL"] = "auto"
+    SWITCHES.reload()  # switches are read once; re-read DSC_PDL
     info = {"device": torch.cuda.get_device_name(dev) if DEVICE == "cuda" else "cpu (Triton interpreter)",
             "capability": list(torch.cuda.get_device_capability(dev)) if DEVICE == "cuda" else None,
             "torch": torch.__version__, "triton": triton.__version__, "pdl_on_with_auto": LAUNCH.pdl_enabled(dev),
@@ -250,8 +254,10 @@ def run_section() -> dict:
                   f"{(row['us_off'] - row['us_on']) / n:9.3f}")
     if env_before is None:
         os.environ.pop("DSC_PDL", None)
+        SWITCHES.reload()  # switches are read once; re-read DSC_PDL
     else:
         os.environ["DSC_PDL"] = env_before
+        SWITCHES.reload()  # switches are read once; re-read DSC_PDL
     elapsed = time.time() - t0
     n_ok = sum(all(row["ok"].values()) for row in results)
     print(f"\n{n_ok}/{len(results)} chains give the same bits with PDL on and off, eager and from graphs; "

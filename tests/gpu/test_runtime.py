@@ -34,6 +34,7 @@ import traceback
 import pytest
 import torch
 
+from dsc import switches as SWITCHES
 from gpu_util import write_summary
 from timing import median_s
 
@@ -201,11 +202,13 @@ def graph_eager_report(art, device: str, batch: int = 3, n: int = 16) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     os.environ["DSC_PDL"] = "off"
+    SWITCHES.reload()  # switches are read once; re-read DSC_PDL
     try:
         toks["graphs-pdl-off"] = dsc.load(art, device=device).generate(prompts, max_new_tokens=n, stop_tokens=[]).tokens
         toks["eager-pad-pdl-off"] = eager_pad.generate(prompts, max_new_tokens=n, stop_tokens=[]).tokens
     finally:
         os.environ.pop("DSC_PDL")
+        SWITCHES.reload()  # switches are read once; re-read DSC_PDL
     rep["tokens"] = toks
     rep["equal_to_eager_pad"] = {k: v == ref for k, v in toks.items()}
     rep["equal_to_eager"] = {k: v == toks["eager"] for k, v in toks.items()}
