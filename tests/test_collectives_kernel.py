@@ -5,7 +5,7 @@ in their one-shot buffers and their flags set), then this rank's kernel runs. Ch
 add and norm against dsc's reference; what the kernel leaves behind for the peers (its row in
 their push buffers with -0.0 sent as +0.0, its flags set in theirs); and that it resets its own
 state (push buffer back to the marker everywhere, its flags cleared). The cross-GPU behaviour
-(ordering, skew, buffer reuse) is what tests/gpu/test_collectives.py checks on GPUs.
+(ordering, skew, buffer reuse) is what tests/gpu/test_gpu_collectives.py checks on GPUs.
 """
 from __future__ import annotations
 

@@ -664,7 +664,7 @@ def test_released_runner_steps_run_eagerly():
     assert out.tolist() == [[7.0]]
 
 
-# -- the fused all-reduce + add + RMSNorm kernel (its numbers and cross-GPU runs: tests/gpu/test_collectives.py)
+# -- the fused all-reduce + add + RMSNorm kernel (its numbers and cross-GPU runs: tests/gpu/test_gpu_collectives.py)
 
 _FUSED_AOT = r"""
 import json, re, sys
