@@ -543,7 +543,7 @@ def attention_main():
             print(f"best prefill config (geomean over B=1,8 at S=2048: {s['best_prefill']['score_tflops']:.1f} TFLOP/s):"
                   f"\n    ('sm_90', {D}): {s['best_prefill']['config']},")
             if s["best_prefill"]["config"].get("TMA") or s["best_prefill"]["config"].get("DEFER_PV"):
-                print("    (a prefill variant row: switch it on only once tests/gpu/test_attention.py passes at it)")
+                print("    (a prefill variant row: switch it on only once tests/gpu/test_gpu_attention.py passes at it)")
         if s["best_decode"]:
             print(f"best decode config (geomean {s['best_decode']['score_tbs']:.2f} TB/s):"
                   f"\n    ('sm_90', {D}): {s['best_decode']['config']},")

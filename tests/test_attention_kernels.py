@@ -653,7 +653,7 @@ def test_prefill_variant_compiles_for_sm90(sm90_report, kernel, dtype):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("kernel", list(WS_BUILDS))
 def test_warp_specialized_prefill_builds_for_sm90(sm90_report, kernel, dtype):
-    """The Gluon prefill (no interpreter can run it; tests/gpu/test_attention.py checks its
+    """The Gluon prefill (no interpreter can run it; tests/gpu/test_gpu_attention.py checks its
     numbers on a GPU) builds for sm_90 with triton's current Gluon API: no spills, no serialized
     wgmmas, and the producer's registers handed to the two consumer warpgroups."""
     assert sm90_report[f"{kernel}/{dtype}"] == "ok"

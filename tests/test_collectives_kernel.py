@@ -4,7 +4,7 @@ would be once they have run (their rows delivered into this rank's push buffer),
 rank's kernel runs. Checked: the sum, add and norm against dsc's reference; what the kernel
 leaves behind for the peers (its row in their push buffers with -0.0 sent as +0.0); and that it
 resets its own state (push buffer back to the marker everywhere). The cross-GPU behaviour
-(ordering, skew, buffer reuse) is what tests/gpu/test_collectives.py checks on GPUs.
+(ordering, skew, buffer reuse) is what tests/gpu/test_gpu_collectives.py checks on GPUs.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ and every kernel compiled ahead of time for sm_90 (Triton builds the cubin witho
 TRITON_INTERPRET=1 must be set before the first kernel is jitted, and other tests may have
 imported triton already, so the cases run in one subprocess: this file run as a script,
 `python tests/test_fused_kernels.py interpret OUT.json` (or `aot OUT.json`), writes one
-result per case; each test reads its own. bf16 is left to tests/gpu/test_kernels.py: the
+result per case; each test reads its own. bf16 is left to tests/gpu/test_gpu_kernels.py: the
 interpreter emulates bf16 (DESIGN.md).
 """
 from __future__ import annotations

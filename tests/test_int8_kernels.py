@@ -422,7 +422,7 @@ def run_aot(out: str) -> None:
                      "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx, "wants_fast_cvt": bool(const.get("CVT")),
                      "shared": k.metadata.shared,
                      "pdl": pdl_check(k, const.get("PDL", False), before_wait.get(fn, frozenset()))}
-    # the Gluon kernel (REGS configs; it cannot run in the interpreter, tests/gpu/test_int8.py
+    # the Gluon kernel (REGS configs; it cannot run in the interpreter, tests/gpu/test_gpu_int8.py
     # checks its numbers on a GPU): built as a launch specializes it, with PDL
     regs = dict(CVT=int8.I8X4_TO_F32, BLOCK_M=8, KW=16, HAS_BIAS=True, PDL=True)
     row = int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90")  # the table's REGS row

@@ -1,6 +1,6 @@
 """kernels/launch.py: when kernels launch with programmatic dependent launch (PDL). What each
 kernel does under PDL is checked in its compiled sm_90 code (the kernel test files' aot modes,
-tests/kernel_child.py `pdl_check`); on a GPU by tests/gpu/test_pdl.py."""
+tests/kernel_child.py `pdl_check`); on a GPU by tests/gpu/test_gpu_pdl.py."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,8 @@
 """GPU check section `attention`: the Triton attention kernels against the reference at real
 shapes, and the prefill attention's TMA path through the runtime.
 
-    pytest tests/gpu/test_attention.py                                  # about a minute and a half on an H200
-    TRITON_INTERPRET=1 python tests/gpu/test_attention.py --smoke        # the kernel cases, tiny shapes, CPU
+    pytest tests/gpu/test_gpu_attention.py                                  # about a minute and a half on an H200
+    TRITON_INTERPRET=1 python tests/gpu/test_gpu_attention.py --smoke        # the kernel cases, tiny shapes, CPU
 
 Shapes: Llama-3-8B attention (hidden 4096: 32 query heads, 8 kv heads, head_dim 128), bf16,
 contexts up to 8192, batch 1/8/32. Each case poisons the output and every cache slot the call
@@ -266,7 +266,7 @@ def test_attention_kernels_match_reference():
 
 def test_attention_section_smoke_in_interpreter():
     """This file's kernel cases at tiny shapes in the Triton interpreter (fp16)."""
-    out = run_smoke(ROOT / "tests" / "gpu" / "test_attention.py", "--smoke")
+    out = run_smoke(ROOT / "tests" / "gpu" / "test_gpu_attention.py", "--smoke")
     assert "FAIL" not in out and "checks passed" in out
 
 
@@ -368,5 +368,5 @@ def test_tma_prefill_code_path_on_cpu(tmp_path):
 
 if __name__ == "__main__":
     if "--smoke" not in sys.argv or os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_attention.py --smoke (on a GPU: pytest tests/gpu)")
+        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_gpu_attention.py --smoke (on a GPU: pytest tests/gpu)")
     sys.exit(1 if summarize(run_cases(smoke=True)) else 0)

@@ -2,7 +2,7 @@
 `_w8a16_regs_kernel`) on a GPU: it cannot run in the Triton interpreter, so this is its
 correctness check.
 
-    pytest tests/gpu/test_int8.py        # about two minutes on an H200 (mostly builds)
+    pytest tests/gpu/test_gpu_int8.py        # about two minutes on an H200 (mostly builds)
 
 Every case runs the REGS kernel, the plain-torch reference (fp32) and the Triton mma kernel
 (the same arithmetic: 16-bit products summed in fp32) on the same inputs: batch 1-16, odd and

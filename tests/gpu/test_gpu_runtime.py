@@ -1,7 +1,7 @@
 """GPU check section `runtime`: compiled models run on the GPU (CUDA graphs and eager) against
 each other and against the CPU runtime.
 
-    pytest tests/gpu/test_runtime.py          # about two minutes on an H200; $OUT/gpu_runtime_*.json when OUT is set
+    pytest tests/gpu/test_gpu_runtime.py          # about two minutes on an H200; $OUT/gpu_runtime_*.json when OUT is set
 
 1. tiny Llama / GPT-2 / Mistral (an 8-token sliding window) in fp32 / fp16 / bf16 compile and
    run on CUDA with graphs and eagerly, beside the CPU runtime (reported: graphs == eager,

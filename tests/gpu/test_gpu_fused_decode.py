@@ -15,7 +15,7 @@
    shapes, per channel and in groups of 128, bf16, fp16 and fp32.
 The fused kernels' timings against the unfused pairs: scripts/bench_kernels.py --section fused-decode.
 
-    pytest tests/gpu/test_fused_decode.py          # $OUT/gpu_fused_decode.json when OUT is set
+    pytest tests/gpu/test_gpu_fused_decode.py          # $OUT/gpu_fused_decode.json when OUT is set
 """
 from __future__ import annotations
 

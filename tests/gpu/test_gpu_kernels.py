@@ -3,8 +3,8 @@ embedding) against their references at real shapes: Llama-3-8B (hidden 4096, 32 
 heads, head_dim 128, intermediate 14336) and GPT-2-XL (hidden 1600) widths, bf16 and fp16, decode
 and prefill row counts, contexts up to 8192.
 
-    pytest tests/gpu/test_kernels.py                                  # under a minute on an H200
-    TRITON_INTERPRET=1 python tests/gpu/test_kernels.py --smoke        # the same code, tiny shapes, CPU
+    pytest tests/gpu/test_gpu_kernels.py                                  # under a minute on an H200
+    TRITON_INTERPRET=1 python tests/gpu/test_gpu_kernels.py --smoke        # the same code, tiny shapes, CPU
 
 Each case runs the Triton wrapper and the plain-torch reference on the same inputs and
 requires torch.testing.assert_close at the dtype's default tolerance (the kernels keep the
@@ -222,7 +222,7 @@ def test_gelu_erf_accuracy():
 
 def test_kernels_section_smoke_in_interpreter():
     """This file's code at tiny shapes in the Triton interpreter (fp16; the interpreter's bf16 is emulated)."""
-    out = run_smoke(ROOT / "tests" / "gpu" / "test_kernels.py", "--smoke")
+    out = run_smoke(ROOT / "tests" / "gpu" / "test_gpu_kernels.py", "--smoke")
     assert "FAIL" not in out and " passed on cpu" in out
 
 
@@ -238,5 +238,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     if not SMOKE or os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_kernels.py --smoke (on a GPU: pytest tests/gpu)")
+        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_gpu_kernels.py --smoke (on a GPU: pytest tests/gpu)")
     sys.exit(main())

@@ -3,8 +3,8 @@ symmetric-memory all-reduce, the fused all-reduce + residual add + RMSNorm, the 
 embedding + all-reduce + RMSNorm and the row-parallel linear whose GEMV pushes its rows) against
 exact sums, and its time against NCCL, captured in CUDA graphs as a decode step runs them.
 
-    pytest tests/gpu/test_collectives.py                                   # torchrun at 2 and 4 ranks where the GPUs are there
-    torchrun --nproc-per-node 4 tests/gpu/test_collectives.py              # one world by hand; $OUT/gpu_collectives-tp4.json
+    pytest tests/gpu/test_gpu_collectives.py                                   # torchrun at 2 and 4 ranks where the GPUs are there
+    torchrun --nproc-per-node 4 tests/gpu/test_gpu_collectives.py              # one world by hand; $OUT/gpu_collectives-tp4.json
 
 Correctness, every rank: a CUDA graph of 65 all-reduces (odd: the last one on buffer 2) and one
 of 64, replayed in turns with eager programs of 3 and 2 between them, 100 rounds; every third
@@ -260,7 +260,7 @@ def test_all_reduce_paths_exact_under_skew(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                           str(ROOT / "tests" / "gpu" / "test_collectives.py")], capture_output=True, text=True,
+                           str(ROOT / "tests" / "gpu" / "test_gpu_collectives.py")], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 

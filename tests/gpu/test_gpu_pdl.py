@@ -2,8 +2,8 @@
 the same bits with and without it, eagerly and replayed from CUDA graphs, and what it saves in
 chains of ~60 kernels captured in one graph, as a decode step is.
 
-    pytest tests/gpu/test_pdl.py                                 # H200: 1-2 minutes
-    TRITON_INTERPRET=1 python tests/gpu/test_pdl.py --smoke        # this file's code on CPU, tiny shapes
+    pytest tests/gpu/test_gpu_pdl.py                                 # H200: 1-2 minutes
+    TRITON_INTERPRET=1 python tests/gpu/test_gpu_pdl.py --smoke        # this file's code on CPU, tiny shapes
 
 Chains, at Llama-3-8B shapes (hidden 4096, intermediate 14336, 32 query / 8 kv heads of 128,
 bf16), batch 1 and 8, with 16-bit linears (the Triton GEMV at batch 1, cuBLAS at batch 8) or
@@ -275,14 +275,14 @@ def test_pdl_same_bits_on_and_off():
 def test_pdl_section_smoke_in_interpreter(tmp_path):
     """This file's code in the interpreter: every chain at tiny shapes, eager only (the GPU run
     adds CUDA graphs and timings), bit-identical with DSC_PDL off and auto."""
-    run_smoke(ROOT / "tests" / "gpu" / "test_pdl.py", "--smoke", env={"OUT": str(tmp_path)})
+    run_smoke(ROOT / "tests" / "gpu" / "test_gpu_pdl.py", "--smoke", env={"OUT": str(tmp_path)})
     res = json.loads((tmp_path / "gpu_pdl.json").read_text())
     assert len(res["results"]) == 8 and not res["failed"] and res["pdl_on_with_auto"] is False
 
 
 if __name__ == "__main__":
     if not SMOKE or os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_pdl.py --smoke (on a GPU: pytest tests/gpu)")
+        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_gpu_pdl.py --smoke (on a GPU: pytest tests/gpu)")
     summary = run_section()
     write_summary("gpu_pdl", summary)
     sys.exit(1 if summary["failed"] else 0)
