@@ -65,7 +65,7 @@ On CUDA, `attention` runs Triton kernels that also write the cache (no separate 
   rotary.ROTATE_OPTIONS), one launch fewer.  Other S run those two kernels (kernels/rotary.py,
   then prefill).
 Launch configurations: PREFILL_CONFIGS / DECODE_CONFIGS below, shared with the plan_kernels
-pass through `attention_config` and the registered planner (scripts/bench_attention.py --sweep
+pass through `attention_config` and the registered planner (scripts/bench_kernels.py attention --sweep
 measures the candidates on a GPU).  The CPU implementation is the plain-torch reference.
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, s
 # interpreter runs on CPU use); kernels/tuning.json entries ("attention_prefill" /
 # "attention_decode", shape class "D<head_dim>") override it.  sm_90 rows (H100/H200): starting
 # points from the Triton fused-attention tutorial's Hopper configs, to be refreshed from
-# `scripts/bench_attention.py --sweep`; sm_80 rows: untested guesses.
+# `scripts/bench_kernels.py attention --sweep`; sm_80 rows: untested guesses.
 #   prefill: BLOCK_M packed (token, head) rows x BLOCK_N keys per tile.
 #   decode:  BLOCK_N keys per tile; enough splits per (sequence, kv head) for about
 #            PROGRAMS_PER_SM programs per SM and max_seq / MIN_SPLIT (the grid), and each
@@ -167,7 +167,7 @@ PREFILL_CONFIGS = {
 # context (a split's keys: 128-191 at SPLIT_FLOOR 128) the cache reads overlap the qkv projection
 # (`_decode_kernel`). sm_90 / 128: 128 at 8 warps (at 4 the build spills). Llama-8B, bf16, batch
 # 1, context 128, queued ms:
-# - the collective-free bound on one H200, tp 1 / 2 / 4 (scripts/tp_local_bound.py): PRE_N 0 at 4
+# - rank 0 of each tp with its collectives made local (a collective-free bound) on one H200, tp 1 / 2 / 4: PRE_N 0 at 4
 #   warps 3.955 / 2.366 / 1.401, this row 3.893 / 2.294 / 1.340; 64 keys at 4 or
 #   8 warps no gain (3.988 / 2.407 / 1.399 and 3.950 / 2.358 / 1.407);
 # - `dsc bench` on 2 H200s, two rounds: tp=1 3.889 / 3.863 against
@@ -182,7 +182,7 @@ DECODE_CONFIGS = {
 # The prefill variant (`TMA`, `DEFER_PV`: see `_attend_full_tiles`) is on in a row above only
 # where a GPU run found it correct and faster (TMA at sm_90 / 128; DEFER_PV measured 5-8% slower
 # on the H200 at every candidate); these are its candidate rows.
-# scripts/bench_attention.py --sweep times them next to the default, scripts/check_attention_gpu.py
+# scripts/bench_kernels.py attention --sweep times them next to the default, tests/gpu/test_gpu_attention.py
 # checks each one, tests/test_attention_kernels.py builds them for sm_90 (no register spills, no
 # serialized wgmma).  To switch one on: make it the PREFILL_CONFIGS row, or put its keys in
 # kernels/tuning.json "sm_90" / "attention_prefill" / "D128".

@@ -40,8 +40,8 @@ row; head_dim 64 only as a PREFILL_VARIANTS row: correct, but slower than the Tr
 GPT-2-XL's heads) for 16-bit q / k / v /
 caches of one dtype, G in 1, 2, 4, 8, no sliding window, TMA-addressable tensors
 (`prefill_ws_supported`); WS_CONFIGS gives the tile.  Gluon has no interpreter: CPU tests build it for sm_90
-(tests/test_attention_kernels.py), scripts/check_attention_gpu.py checks it on a GPU and
-scripts/bench_attention.py times it.
+(tests/test_attention_kernels.py), tests/gpu/test_gpu_attention.py checks it on a GPU and
+`scripts/bench_kernels.py attention` times it.
 """
 from __future__ import annotations
 

@@ -867,8 +867,8 @@ def w8a16_push_config(n: int, k: int, group_k: int, arch: str, x_bytes: int = 2)
     """The W8A16 GEMV push kernel's config for an int8 weight [n, k] (group_k 0: per channel):
     the W8A16 GEMV's at one row (`int8_config`), with kernels/tuning.json's `w8a16_gemv_push` row
     over it where one was measured (Llama-8B's tp=4 o_proj and down_proj: 16 rows, 8 warps, one
-    wave of 256 programs where the raised GEMV rows took two; DSC_TUNING files try others side by
-    side, e.g. scripts/tuning/tp4-int8-push-s23.json); `gemv_push_norm_config` raises it for the
+    wave of 256 programs where the raised GEMV rows took two; a DSC_TUNING file tries others side by
+    side); `gemv_push_norm_config` raises it for the
     all-reduce's end at launch."""
     cfg = int8_config("w8a16_gemv", 1, n, k, group_k, arch, x_bytes=x_bytes)
     return {**cfg, **w8a16_gemv_row("w8a16_gemv_push", n, k, group_k, arch)}

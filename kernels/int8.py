@@ -37,7 +37,7 @@ Kernels (CUDA, Triton via kernels/launch.py: triton is imported on the first lau
                         operand's, no shared memory in the K loop; WARPS_K parts of the K range
                         on separate warps, summed at the end; split-K as above; EARLY loads
                         the first K-block's weights before the PDL wait. Not runnable in
-                        the interpreter (scripts/check_int8_regs_gpu.py checks it on a GPU).
+                        the interpreter (tests/gpu/test_gpu_int8.py checks it on a GPU).
     _quantize_rows_kernel  per-token activation quantization (x * inv_smooth, amax, round).
     _w8a8_kernel        int8 tensor-core GEMM, int32 accumulation; the epilogue applies
                         weight and token scales (per K-block for grouped scales).

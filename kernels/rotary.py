@@ -26,7 +26,7 @@ tl = None  # triton.language, bound by launch.jit on first launch
 # default, and LLVM first narrows bf16(f32(a) * f32(b)) to a bf16 multiply and the sum of two
 # such products to a bf16 add, then fuses one multiply into the add: fma(x, cos, bf16(x_rot *
 # sin)) on an H200, one rounding fewer than written, different in the two kernels that rotate
-# (about 10% of elements an ulp apart; scripts/check_rotary_bits_gpu.py). Without contraction
+# (about 10% of elements an ulp apart, seen in the two kernels' PTX and outputs). Without contraction
 # both compute exactly `rotate`'s arithmetic, transformers' 16-bit one.
 ROTATE_OPTIONS = {"enable_fp_fusion": False}
 

@@ -7,7 +7,7 @@ Matches / rewrites (counted under `fuse_rotary_attention.decode`), in the decode
   -> out = dsc.rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale[, window])
   On CUDA the decode attention kernel rotates the group's query rows as it loads them and the
   new token's key before it writes it to the cache: one launch fewer per layer. Measured alone
-  on an H200 (scripts/check_fused_decode_gpu.py, CUDA graphs of back-to-back calls, batch 1)
+  on an H200 (`scripts/bench_kernels.py fused-decode`, CUDA graphs of back-to-back calls, batch 1)
   the fused kernel takes what the pair took (4.8 us at context 128, 13.8 against 14.4 us at
   4096 with Llama-8B's heads): the gain is the launch in a step's chain of dependent kernels,
   not in the isolated kernel time. The prefill program keeps the pair: there the
@@ -22,7 +22,7 @@ Requires: fuse_rotary (it makes dsc.rotary); shard_tensor_parallel and fold_posi
   (the graph is the rank's, cos / sin are the table lookups), so the pass sees the final pair.
 Guarantees: the pair's arithmetic (q' and k' rounded to their dtypes where dsc.rotary stores
   them, k' then to the cache's): the same values on CPU, in the interpreter and on an H200
-  (output and cache bit for bit, scripts/check_fused_decode_gpu.py); no other node changes.
+  (output and cache bit for bit, tests/gpu/test_gpu_fused_decode.py); no other node changes.
 """
 from __future__ import annotations
 
