@@ -436,7 +436,9 @@ def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool
             raise UserError(f"{path / r}: missing rank file (artifact compiled for tp={tp})")
     for rel in files:
         if not (path / rel).is_file():
-            raise UserError(f"{path / rel}: missing (listed in manifest.json)")
+            rank_file = re.fullmatch(r"rank\d+\.safetensors", rel)
+            raise UserError(f"{path / rel}: missing " + (f"rank file (artifact compiled for tp={tp})" if rank_file
+                                                         else "(listed in manifest.json)"))
     if verify:
         check = ["plan.json"] + wanted + [f for f in files if f.startswith("tokenizer/")]
         for rel in check:
