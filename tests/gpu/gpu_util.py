@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,6 +20,11 @@ def write_summary(name: str, data) -> None:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
+
+
+# the interpreter smoke variants: what the ordinary (CPU) suite runs of a section; on a GPU
+# machine the section's `gpu` tests run the same code at real shapes instead
+cpu_smoke = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke variant: the gpu tests cover it here")
 
 
 def run_smoke(script: Path, *args: str, interpret: bool = True, timeout: int = 600, env: dict | None = None):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dsc.kernels import activation as ACT, embedding as EMB, norm as NORM, rotary as ROT
-from gpu_util import ROOT, run_smoke, write_summary
+from gpu_util import ROOT, cpu_smoke, run_smoke, write_summary
 
 SMOKE = __name__ == "__main__" and "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -220,6 +220,7 @@ def test_gelu_erf_accuracy():
     assert r["ok"], r
 
 
+@cpu_smoke
 def test_kernels_section_smoke_in_interpreter():
     """This file's code at tiny shapes in the Triton interpreter (fp16; the interpreter's bf16 is emulated)."""
     out = run_smoke(ROOT / "tests" / "gpu" / "test_gpu_kernels.py", "--smoke")

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from dsc.kernels import activation as ACT, attention as ATT, int8 as INT8, launch as LAUNCH, linear as LIN, \
     norm as NORM, rotary as ROT
 from dsc import switches as SWITCHES
-from gpu_util import ROOT, run_smoke, write_summary
+from gpu_util import ROOT, cpu_smoke, run_smoke, write_summary
 from timing import replay_us
 
 SMOKE = __name__ == "__main__" and "--smoke" in sys.argv
@@ -272,6 +272,7 @@ def test_pdl_same_bits_on_and_off():
     assert len(res["results"]) == 8 and not res["failed"], res["failed"]
 
 
+@cpu_smoke
 def test_pdl_section_smoke_in_interpreter(tmp_path):
     """This file's code in the interpreter: every chain at tiny shapes, eager only (the GPU run
     adds CUDA graphs and timings), bit-identical with DSC_PDL off and auto."""
