@@ -3,10 +3,9 @@ re-hashed after each edit (so the checksums pass, as an attacker would arrange):
 names with quotes and line breaks, code payloads, huge and negative numbers, deep nesting,
 deleted, added, duplicated and swapped entries. Every case must end in a correct run
 (`dsc.load` + a short greedy generate, and `describe`, what `dsc inspect` shows) or in one
-UserError line: never another exception, a hang, or code execution.
-
-Node fields `op`, `args` and `kwargs` are edited only by deletion here: their values are checked
-where the graph is built (runtime/plan.py: the op table and argument kinds)."""
+UserError line: never another exception, a hang, or code execution. Node fields `op`, `args`
+and `kwargs` are edited like any other (runtime/plan.py checks them against the op table and
+the ops' argument kinds)."""
 from __future__ import annotations
 
 import json
@@ -42,7 +41,6 @@ LEAVES = (st.none() | st.booleans() | INTS | st.integers(-100, 100)
           | st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(NASTY_STRINGS) | st.just(DEEP))
 VALUES = st.recursive(LEAVES, lambda c: st.lists(c, max_size=4) | st.dictionaries(
     st.sampled_from(NASTY_STRINGS) | st.text(max_size=6), c, max_size=3), max_leaves=8)
-_GRAPH_FIELDS = ("op", "args", "kwargs")
 
 
 def _children(obj) -> list:
@@ -51,10 +49,6 @@ def _children(obj) -> list:
     if isinstance(obj, list):
         return list(range(len(obj)))
     return []
-
-
-def _graph_field(path: list) -> bool:
-    return len(path) >= 5 and path[0] == "programs" and path[2] == "nodes" and path[4] in _GRAPH_FIELDS
 
 
 @st.composite
@@ -66,11 +60,11 @@ def edits(draw):
 
 
 def _apply(doc: dict, rnd, op: str, value) -> None:
-    """Walk from the root to a random container (never into op/args/kwargs values) and edit it."""
+    """Walk from the root to a random container and edit it."""
     path: list = []
     node = doc
     while True:
-        keys = [k for k in _children(node) if not _graph_field(path + [k])]
+        keys = _children(node)
         if not keys:
             break
         k = rnd.choice(keys)
@@ -90,7 +84,7 @@ def _apply(doc: dict, rnd, op: str, value) -> None:
         node[k] = DEEP
     elif op == "delete":
         del node[k]
-    elif op == "add_key" and isinstance(node, dict) and not _graph_field(path + ["kwargs"]):
+    elif op == "add_key" and isinstance(node, dict):
         node[rnd.choice(NASTY_STRINGS)] = value
     elif op == "duplicate" and isinstance(node, list):
         node.insert(rnd.randrange(len(node) + 1), json.loads(json.dumps(node[k])))
