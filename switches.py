@@ -6,7 +6,7 @@ every switch (`check_all`), so a bad value is one line (`error: DSC_PDL: must be
 off, got 'x'`) on any device, before anything is built. Code reads a switch with `get(name)`,
 never `os.environ`; tests that change the environment call `reload()`.
 
-docs/switches.md is generated from this table: `python -m dsc.switches --markdown`.
+docs/switches.md is generated from this table by scripts/gen_docs.py.
 """
 from __future__ import annotations
 
