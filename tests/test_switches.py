@@ -15,6 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"\bDSC_[A-Z0-9_]+\b")
 
 
+def _sources(*skip: str) -> list[Path]:
+    """The project's Python files: not the folders `skip`, nor hidden or build folders (a
+    virtualenv, a baseline checkout in .base/, pip's build/)."""
+    return [p for p in ROOT.rglob("*.py")
+            if (top := p.relative_to(ROOT).parts[0]) not in (*skip, "build") and not top.startswith(".")]
+
+
 def _names_in(paths) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for p in paths:
@@ -24,9 +31,9 @@ def _names_in(paths) -> dict[str, set[str]]:
 
 
 def test_every_dsc_variable_the_code_and_tests_name_is_declared():
-    """The package, its tests, README and docs/switches.md name only declared switches (a removed
+    """The package, its tests and tools, and docs/switches.md name only declared switches (a removed
     switch left in a test or a docstring shows here)."""
-    files = [p for p in ROOT.rglob("*.py") if p.relative_to(ROOT).parts[0] not in ("scripts", "docs", ".venv")]
+    files = _sources()
     files += [ROOT / "docs" / "switches.md"]
     unknown = {n: sorted(f) for n, f in _names_in(files).items() if n not in switches.SWITCHES}
     assert not unknown, unknown
@@ -35,9 +42,8 @@ def test_every_dsc_variable_the_code_and_tests_name_is_declared():
 def test_only_the_registry_reads_dsc_variables_from_the_environment():
     """Code reads a switch through `switches.get`, never os.environ / os.getenv."""
     reads = re.compile(r"(os\.environ(\.get)?\s*[\[(]\s*|os\.getenv\(\s*)[\"']DSC_")
-    offenders = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
-                 if p.relative_to(ROOT).parts[0] not in ("scripts", "tests", ".venv") and p.name != "switches.py"
-                 and reads.search(p.read_text())]
+    offenders = [str(p.relative_to(ROOT)) for p in _sources("scripts", "tests")
+                 if p.name != "switches.py" and reads.search(p.read_text())]
     assert not offenders, offenders
 
 
