@@ -31,7 +31,7 @@ UNLISTED = ("manifest.json", "signature.json")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # a tensor or node name as the compiler writes it (an HF module path): no quotes, line breaks,
 # spaces or other characters that could leave a name's place in generated code
-# (the dotted-name rule runtime/plan.py applies to node names and targets; at most 300 characters)
+# (also the rule runtime/plan.py applies to node names and targets; at most 300 characters)
 SAFE_NAME = re.compile(r"(?=.{1,300}\Z)[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*", re.ASCII | re.DOTALL)
 # safetensors dtype tag -> bytes per element; plan (torch) dtype name -> safetensors tag
 ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,

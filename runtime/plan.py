@@ -34,13 +34,13 @@ import torch.fx as fx
 from dsc.errors import UserError
 from dsc.kernels import registry
 from dsc.kernels.registry import op_name, resolve_op  # noqa: F401  (the format's op names)
+from dsc.runtime.artifact import SAFE_NAME  # the dotted-name rule rank files and the loader share
 
 # the ops that attend over a layer's KV cache and write the new tokens into it
 ATTENTION_OPS = registry.ops_with("attention")
 # table lookups: a step reads the rows of its tokens, at most one per token, not the table (arg 0)
 GATHER_OPS = registry.ops_with("gather")
 
-_DOTTED = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*", re.ASCII)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 # a tag names one of torch's values of its type, never any other attribute of torch
 _TAGS: dict[str, dict[str, Any]] = {
@@ -207,8 +207,8 @@ def _check_identifier(s: Any, field: str, what: str) -> None:
 
 
 def _check_dotted(s: Any, field: str) -> None:
-    if not isinstance(s, str) or not _DOTTED.fullmatch(s):
-        raise _Bad(field, f"{_short(s)} is not a dotted name of letters, digits and underscores")
+    if not isinstance(s, str) or not SAFE_NAME.fullmatch(s):
+        raise _Bad(field, f"{_short(s)} is not a dotted name of letters, digits and underscores (at most 300 characters)")
 
 
 def _short(v: Any) -> str:
