@@ -18,11 +18,10 @@ from dsc.errors import PassError, UserError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="dsc: an ahead-of-time compiler for transformer inference.")
-# what `pip install` installs for a module a command imports (dsc's dependencies, pyproject.toml)
-_PIP_NAMES = {"torch": "torch", "transformers": "transformers", "safetensors": "safetensors",
-              "tokenizers": "tokenizers", "huggingface_hub": "huggingface_hub", "numpy": "numpy",
-              "pydantic": "pydantic", "triton": "triton", "onnx": "onnx", "onnxruntime": "onnxruntime",
-              "onnxscript": "onnxscript"}
+# the modules a command imports that are dsc's dependencies (pyproject.toml), each installed by
+# `pip install <the same name>`
+_DEPENDENCIES = ("torch", "transformers", "safetensors", "tokenizers", "huggingface_hub", "numpy", "pydantic",
+                 "triton", "onnx", "onnxruntime", "onnxscript")
 
 
 def _version(value: bool) -> None:
@@ -365,9 +364,9 @@ def main() -> None:
         app()
     except ModuleNotFoundError as e:  # a dependency a command imports is missing: one line, no traceback
         top = (e.name or "").split(".")[0]
-        if top not in _PIP_NAMES:
+        if top not in _DEPENDENCIES:
             raise
-        typer.echo(f"error: {top} is not installed: pip install {_PIP_NAMES[top]}", err=True)
+        typer.echo(f"error: {top} is not installed: pip install {top}", err=True)
         sys.exit(2)
 
 
