@@ -185,10 +185,10 @@ class Engine:
         Runs in the smallest decode bucket >= B (a CUDA-graph replay on GPU)."""
         return self._decode(tokens, cache_pos).to(torch.float32, copy=True)  # the graph's buffer is reused
 
-    def check_batch(self, prompts: Sequence[Sequence[int]]) -> None:
+    def check_batch(self, prompts: Sequence[Sequence[int]], batch_limit: bool = True) -> None:
         if not prompts:
             raise UserError("generate: no prompts given")
-        if len(prompts) > self.max_batch:
+        if batch_limit and len(prompts) > self.max_batch:
             raise UserError(f"generate: batch of {len(prompts)} prompts exceeds the artifact's "
                             f"max_batch={self.max_batch} (recompile with --max-batch)")
         for i, p in enumerate(prompts):
@@ -204,14 +204,76 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop_tokens: Sequence[int] | None = None,
-                 callback: Callable[[int, list[int | None]], None] | None = None) -> GenerateResult:
-        """Generate for a batch of token-id prompts of different lengths.
+                 callback: Callable[[int, list[int | None]], None] | None = None,
+                 max_num_batched_tokens: int = 512) -> GenerateResult:
+        """Generate for token-id prompts of different lengths (any number: they are scheduled
+        as the KV pool allows), through the continuous-batching scheduler (runtime/scheduler.py).
+
+        Greedy when temperature == 0, else sampled (top-k, top-p); a prompt's sampled tokens
+        depend on the seed (default 0) and the prompt's index only, not on what runs beside it.
+        Stops a sequence at any of `stop_tokens` (default: the model's eos ids), at
+        max_new_tokens or at max_seq. `callback(step, tokens)` is called after every step that
+        produced tokens, with each prompt's new token (None for prompts without one). Under
+        tensor parallelism every rank calls this; rank 0 schedules, and every rank returns the
+        result."""
+        from dsc.runtime.scheduler import Scheduler, SeqParams, Sequence as Seq, STOP, broadcast_step, follow
+
+        prompts = [list(p) for p in prompts]
+        self.check_batch(prompts, batch_limit=False)
+        check_sampling(temperature, top_k, top_p, max_new_tokens, seed)
+        stops = set(self.eos_token_ids if stop_tokens is None else stop_tokens)
+        bad = [t for t in stops if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"generate: stop token {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.rank != 0:
+            follow(self)
+            return self._result_from_rank0(None)
+        try:
+            sched = Scheduler(self, max_num_batched_tokens)
+            seqs = []
+            for i, p in enumerate(prompts):
+                params = SeqParams(max_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
+                                   top_p=float(top_p), seed=((0 if seed is None else seed) + i) % 2**63,
+                                   stop_token_ids=frozenset(stops))
+                seq = Seq(str(i), p, params, index=i)
+                sched.add(seq, where=f"generate: prompt {i}")
+                seqs.append(seq)
+            step = 0
+            while sched.has_work():
+                advanced = sched.step()
+                if callback and advanced:
+                    emitted: list[int | None] = [None] * len(seqs)
+                    for s in advanced:
+                        emitted[s.index] = s.output_ids[-1]
+                    callback(step, emitted)
+                    step += 1
+        finally:
+            if self.world > 1:
+                broadcast_step(STOP)
+        result = GenerateResult([s.output_ids for s in seqs], [s.finish_reason or "length" for s in seqs])
+        return self._result_from_rank0(result)
+
+    def _result_from_rank0(self, result: GenerateResult | None) -> GenerateResult:
+        if self.world == 1:
+            return result
+        import torch.distributed as dist
+
+        box = [result]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def generate_static(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, temperature: float = 0.0,
+                        top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                        stop_tokens: Sequence[int] | None = None,
+                        callback: Callable[[int, list[int | None]], None] | None = None) -> GenerateResult:
+        """Generate for one static batch (at most max_batch prompts) with the static programs:
+        all prompts prefilled together, then decoded in lockstep until the last one stops
+        (`dsc bench`'s and the serving benchmark's baseline).
 
         Greedy when temperature == 0, else sampled (top-k, top-p, seeded). Stops a sequence at
         any of `stop_tokens` (default: the model's eos ids), at max_new_tokens or at max_seq.
         `callback(step, tokens)` is called after every step with each sequence's new token
         (None for sequences already finished).
-
         Pipelined: step t + 1's decode and sampling are queued on the device (from step t's
         tokens, which never leave it) before the host reads step t's tokens, so on a GPU the
         host's per-step work (the read-back, stop checks, callback, the next launches) runs

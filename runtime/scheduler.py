@@ -111,8 +111,8 @@ class Scheduler:
             raise UserError(f"{where}: {n_prompt} prompt tokens + max_tokens {max_tokens} need {need} KV blocks; "
                             f"the KV pool holds {self.pool.num_blocks} (give a larger --kv-cache-memory)")
 
-    def add(self, seq: Sequence) -> None:
-        self.check_fits(len(seq.prompt_ids), seq.params.max_tokens)
+    def add(self, seq: Sequence, where: str = "prompt") -> None:
+        self.check_fits(len(seq.prompt_ids), seq.params.max_tokens, where)
         seq.seq_id = next(self._ids)
         self.waiting.append(seq)
 
