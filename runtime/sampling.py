@@ -67,13 +67,27 @@ def _row_keys(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return key.unsqueeze(-1)
 
 
+def _token_bits(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] int64 of 23 random bits; entry (r, t) depends only on (seed[r], step[r], t).
+    The row keys [N] and token hashes [V] are fully mixed; the [N, V] stage, where the cost is,
+    combines them with one multiply-xorshift-multiply round."""
+    tokens = _mix32(torch.arange(vocab, device=seed.device, dtype=torch.int64) ^ 0x5BD1E995)  # [V]
+    x = (_row_keys(seed, step) ^ tokens).mul_(_MIX_MULS[0]).bitwise_and_(_MASK32)  # [N, V]
+    x = x.bitwise_xor_(x >> 15).mul_(_MIX_MULS[1]).bitwise_and_(_MASK32)
+    return x.bitwise_right_shift_(9)
+
+
 def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """[N, vocab] float32 Gumbel(0, 1) noise; entry (r, t) depends only on (seed[r], step[r], t)."""
-    tokens = _mix32(torch.arange(vocab, device=seed.device, dtype=torch.int64) ^ 0x5BD1E995)  # [V]
-    bits = _mix32(_row_keys(seed, step) ^ tokens) >> 9  # [N, V], 23 bits
-    # u in (0, 1) exactly representable in float32 at both ends: -log(u) > 0 and finite
-    u = (bits.float() + 0.5) * (1.0 / (1 << 23))
-    return -torch.log(-torch.log(u))
+    return _neg_gumbel(seed, step, vocab).neg_()
+
+
+def _neg_gumbel(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log(-log(u)), u uniform in (0, 1): minus the Gumbel noise, in place as far as it goes.
+    u = (bits + 0.5) / 2**23 is exactly representable in float32 at both ends, so -log(u) > 0
+    and every value is finite."""
+    u = _token_bits(seed, step, vocab).float().add_(0.5).mul_(1.0 / (1 << 23))
+    return u.log_().neg_().log_()
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, any_top_k: bool,
@@ -123,7 +137,7 @@ def sample_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     scaled = logits.float() / temp
     if any_top_k or any_top_p:
         scaled = _filter_top_k_top_p(scaled, top_k, top_p, any_top_k, any_top_p, max_top_k)
-    noisy = scaled + gumbel_noise(seed, step, logits.shape[-1])
+    noisy = scaled.sub_(_neg_gumbel(seed, step, logits.shape[-1]))  # [N, V]
     return torch.where(sampled_rows, noisy.argmax(dim=-1), greedy)
 
 
