@@ -30,16 +30,12 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     if temperature <= 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already hold top_p of the mass
-        drop = probs.cumsum(-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    any_top_k, any_top_p = 0 < top_k < logits.shape[-1], top_p < 1.0
+    if any_top_k or any_top_p:
+        rows = logits.shape[0]
+        logits = _filter_top_k_top_p(logits, torch.full((rows,), top_k, device=logits.device),
+                                     torch.full((rows,), top_p, device=logits.device), any_top_k, any_top_p,
+                                     max_top_k=top_k)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
