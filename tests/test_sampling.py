@@ -154,3 +154,34 @@ def test_logprobs():
     assert (lps[:, :-1] >= lps[:, 1:]).all()
     chosen0, ids0, lps0 = logprobs(logits, tokens, 0)
     assert ids0.shape == (4, 0) and lps0.shape == (4, 0) and torch.equal(chosen0, chosen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replay_equals_eager_and_the_cpu():
+    dev, n, v = "cuda", 64, 32003
+    gen = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(n, v, device=dev, generator=gen) * 3
+    temperature = torch.full((n,), 0.8, device=dev)
+    temperature[::2] = 0
+    top_k = torch.zeros(n, dtype=torch.int64, device=dev)
+    top_k[1::4] = 50
+    top_p = torch.ones(n, device=dev)
+    top_p[3::4] = 0.9
+    seed, step = torch.arange(n, device=dev) * 1000003, torch.arange(n, device=dev)
+    args = (logits, temperature, top_k, top_p, seed, step)
+    flags = dict(any_sampled=True, any_top_k=True, any_top_p=True)
+    eager = sample_batch(*args, **flags)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sample_batch(*args, **flags)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sample_batch(*args, **flags)
+    graph.replay()
+    assert torch.equal(out, eager)
+    step += 1  # the next step, in place: the graph reads the new values
+    graph.replay()
+    assert torch.equal(out, sample_batch(*args, **flags))
+    assert torch.equal(out.cpu(), sample_batch(*(a.cpu() for a in args), **flags))
