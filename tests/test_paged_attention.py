@@ -1,12 +1,9 @@
 """dsc::paged_attention (kernels/paged_attention.py): the plain-torch reference against the static
 attention reference on the same tokens, and the Triton kernels against the reference.
 
-Steps are built from sequences (cached tokens, new tokens): a pool of blocks handed out in a
-random order, block tables padded with a block no sequence owns, rows of q in a shuffled
-sequence order, padding sequences (no tokens) and padding rows (slot -1). Every pool slot a
-step must not read (blocks nobody owns, the new tokens' slots before the write, positions
-below the first new token's window) holds NaN, and so does the output before the call: a
-kernel that reads or leaves one shows NaN.
+Steps come from tests/paged_steps.py (shuffled blocks and rows, padding sequences and rows,
+NaN in every pool slot a step must not read); the output is NaN before the call too, so a
+kernel that reads a poisoned slot or leaves a row shows NaN.
 
 The kernels run in the Triton interpreter in a child process (TRITON_INTERPRET=1 must be set
 before triton is first imported: tests/kernel_child.py), fp32 and fp16 (the interpreter's bf16
@@ -17,81 +14,13 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
 from kernel_child import child_fixtures
-
-
-@dataclass(frozen=True)
-class Case:
-    Hkv: int
-    G: int  # query heads per kv head
-    D: int
-    BS: int  # block size
-    seqs: tuple  # (cached tokens, new tokens) per sequence; new 0: a padding sequence
-    pad_rows: int = 0  # rows of q after the sequences' (decode steps: one per padding sequence)
-    window: int = 0
-    config: dict | None = field(default=None, hash=False)  # None: the table's
-    num_splits: int | None = None  # decode only
-    decode: bool | None = None  # None: the op's choice (T == N)
-    pool_dtype: str | None = None  # None: q's
-
-
-def build(case: Case, dtype: torch.dtype, seed: int = 0) -> dict:
-    """The step's tensors (pools poisoned where the step must not read) and its layout."""
-    g = torch.Generator().manual_seed(seed)
-    H, D, BS = case.Hkv * case.G, case.D, case.BS
-    N = len(case.seqs)
-    lens = [n for _, n in case.seqs]
-    T = sum(lens) + case.pad_rows
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
-    q, k, v = rand(1, H, T, D), rand(1, case.Hkv, T, D), rand(1, case.Hkv, T, D)
-    need = [-(-(c + n) // BS) for c, n in case.seqs]
-    max_blocks = max(need) + 1
-    num_blocks = sum(need) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    spare = order.pop()  # the block every unused table entry names: poisoned
-    block_tables = torch.full((N, max_blocks), spare, dtype=torch.int32)
-    for i, n_blocks in enumerate(need):
-        for b in range(n_blocks):
-            block_tables[i, b] = order.pop()
-    pool_dtype = getattr(torch, case.pool_dtype) if case.pool_dtype else dtype
-    k_pool = torch.randn(num_blocks, case.Hkv, BS, D, generator=g).to(pool_dtype)
-    v_pool = torch.randn(num_blocks, case.Hkv, BS, D, generator=g).to(pool_dtype)
-    unread = torch.ones(num_blocks, BS, dtype=torch.bool)
-    # rows: the sequences in a shuffled order (their index order is not their row order)
-    query_start = torch.zeros(N, dtype=torch.int32)
-    row = 0
-    for i in torch.randperm(N, generator=g).tolist():
-        query_start[i] = row if lens[i] else 0  # a padding sequence's start is anything: it has no row
-        row += lens[i]
-    slot_mapping = torch.full((T,), -1, dtype=torch.int32)
-    for i, (c, n) in enumerate(case.seqs):
-        lo = max(c - case.window + 1, 0) if case.window else 0  # the first new token's window
-        for p in range(c + n):
-            slot = int(block_tables[i, p // BS]) * BS + p % BS
-            if p >= c:
-                slot_mapping[int(query_start[i]) + p - c] = slot
-            elif p >= lo:
-                unread[slot // BS, slot % BS] = False
-    k_pool.masked_fill_(unread[:, None, :, None], float("nan"))
-    v_pool.masked_fill_(unread[:, None, :, None], float("nan"))
-    ints = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    return dict(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, slot_mapping=slot_mapping, query_start=query_start,
-                query_lens=ints(lens), cache_lens=ints([c for c, _ in case.seqs]), block_tables=block_tables,
-                scale=D**-0.5, window=case.window)
-
-
-ARGS = ("q", "k", "v", "k_pool", "v_pool", "slot_mapping", "query_start", "query_lens", "cache_lens", "block_tables",
-        "scale", "window")
-
-
-def args_of(step: dict) -> list:
-    return [step[name] for name in ARGS]
+from paged_steps import ARGS, Case, args_of, build, decode_case, expected, pool_problems
 
 
 # -- the reference against the static attention's ------------------------------------------------
@@ -163,54 +92,44 @@ def test_cpu_op_is_the_reference():
 
 
 # -- the planner ------------------------------------------------------------------------------------
-def _meta_step(T, N, H=32, Hkv=8, D=128, BS=16, max_blocks=128):
-    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+def _step_shapes(T, N, H=32, Hkv=8, D=128, BS=16, max_blocks=128, device="meta"):
+    """A bf16 step's arguments as tensors without data (meta, or fake ones with symbolic T and N)."""
+    empty = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device=device)  # noqa: E731
     i32 = torch.int32
-    return (meta(1, H, T, D), meta(1, Hkv, T, D), meta(1, Hkv, T, D), meta(4096, Hkv, BS, D), meta(4096, Hkv, BS, D),
-            meta(T, dtype=i32), meta(N, dtype=i32), meta(N, dtype=i32), meta(N, dtype=i32),
-            meta(N, max_blocks, dtype=i32), 0.1)
+    return (empty(1, H, T, D), empty(1, Hkv, T, D), empty(1, Hkv, T, D), empty(4096, Hkv, BS, D),
+            empty(4096, Hkv, BS, D), empty(T, dtype=i32), empty(N, dtype=i32), empty(N, dtype=i32), empty(N, dtype=i32),
+            empty(N, max_blocks, dtype=i32), 0.1)
 
 
 def test_planner_names_the_kernel_and_counts_launches():
     """T == N: the decode kernel (one launch, splits from N and max_blocks * block_size); other
-    T: the varlen kernel after the output's memset (two); symbolic T / N: both configs."""
+    T: the varlen kernel after the output's memset (two); symbolic T and N (the traced ragged
+    program): both configs, the launches of the varlen path, splits at N = 1."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from dsc.kernels.launch import PLANNERS
 
     plan = PLANNERS["dsc.paged_attention.default"]
-    dec = plan(*_meta_step(64, 64), arch="sm_90")
+    dec = plan(*_step_shapes(64, 64), arch="sm_90")
     assert dec["name"] == "triton.paged_attention_decode" and dec["launches"] == 1
     assert dec["config"]["splits"] == 1 and dec["config"]["group"] == 4 and dec["config"]["block_size"] == 16
-    one = plan(*_meta_step(1, 1, max_blocks=256), arch="sm_90")["config"]
-    assert one["splits"] == 16  # 4096 keys / MIN_SPLIT 256, under 2 programs per SM over 8 kv heads
-    mixed = plan(*_meta_step(512, 64), 4096, arch="sm_90")
+    one = plan(*_step_shapes(1, 1, max_blocks=256), arch="sm_90")["config"]
+    assert one["splits"] == 16  # 4096 keys / MIN_SPLIT 256 (2 programs per SM would allow 33)
+    mixed = plan(*_step_shapes(512, 64), 4096, arch="sm_90")
     assert mixed["name"] == "triton.paged_attention_varlen" and mixed["launches"] == 2
-    assert mixed["config"]["window"] == 4096 and "TMA" not in mixed["config"] and "WS" not in mixed["config"]
-    env = ShapeEnv()
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(shape_env=env) as mode:
-        T, N = env.create_unbacked_symint(), env.create_unbacked_symint()
-        args = [mode.from_tensor(torch.empty(a.shape, dtype=a.dtype)) if isinstance(a, torch.Tensor) else a
-                for a in _meta_step(2, 3)]
-        H, D = 32, 128
-        args[0] = torch.empty(1, H, T, D, dtype=torch.bfloat16)
-        args[6] = torch.empty(N, dtype=torch.int32)
-        args[9] = torch.empty(N, 128, dtype=torch.int32)
-        sym = plan(*args, arch="sm_90")
+    assert mixed["config"]["window"] == 4096 and not {"TMA", "WS", "PRE_N"} & set(mixed["config"])
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        T, N = mode.shape_env.create_unbacked_symint(), mode.shape_env.create_unbacked_symint()
+        sym = plan(*_step_shapes(T, N, device="cpu"), arch="sm_90")
     assert sym["name"] == "triton.paged_attention" and sym["launches"] == 2
-    assert set(sym["config"]) == {"decode", "varlen"} and sym["config"]["decode"]["splits_at_seqs"] == 1
+    assert sym["config"]["decode"]["splits"] == 8  # 2048 keys / MIN_SPLIT 256
+    assert sym["config"]["varlen"] == {key: value for key, value in mixed["config"].items() if key != "window"}
 
 
 # -- the Triton kernels in the interpreter ----------------------------------------------------------
 SMALL_PREFILL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 SMALL_DECODE = dict(BLOCK_N=16, num_warps=4, num_stages=1, MIN_SPLIT=16, PROGRAMS_PER_SM=2)
-
-
-def _decode(seqs, **kw):
-    """A decode step: T == N, one padding row per padding sequence."""
-    return Case(seqs=seqs, pad_rows=sum(1 for _, n in seqs if n == 0), **kw)
 
 
 MANY = tuple((int(c), int(n)) for c, n in zip(torch.arange(40) * 7 % 23, torch.arange(40) * 5 % 4))
@@ -230,20 +149,20 @@ KERNEL_CASES = {
     "mixed-pool-fp32": Case(2, 2, 16, 16, ((11, 6), (0, 3)), config=SMALL_PREFILL, pool_dtype="float32"),
     # decode steps (T == N): one split, splits, a window, more splits than keys, padding
     # sequences anywhere in the batch (their query_start 0: a real row they must not touch)
-    "decode-table-config": _decode(((0, 1), (20, 1), (36, 1)), Hkv=2, G=3, D=16, BS=16),
-    "decode-splits": _decode(((0, 1), (20, 1), (47, 1), (0, 0)), Hkv=2, G=3, D=16, BS=16, config=SMALL_DECODE,
+    "decode-table-config": decode_case(((0, 1), (20, 1), (36, 1)), Hkv=2, G=3, D=16, BS=16),
+    "decode-splits": decode_case(((0, 1), (20, 1), (47, 1), (0, 0)), Hkv=2, G=3, D=16, BS=16, config=SMALL_DECODE,
                              num_splits=3),
-    "decode-window": _decode(((3, 1), (30, 1), (60, 1)), Hkv=2, G=3, D=16, BS=16, config=SMALL_DECODE,
+    "decode-window": decode_case(((3, 1), (30, 1), (60, 1)), Hkv=2, G=3, D=16, BS=16, config=SMALL_DECODE,
                              num_splits=3, window=20),
-    "decode-many-splits": _decode(((36, 1), (69, 1)), Hkv=2, G=2, D=16, BS=16, config=SMALL_DECODE, num_splits=7),
-    "decode-padding": _decode(((5, 1), (0, 0), (44, 1), (12, 1), (0, 0), (1, 1)), Hkv=2, G=2, D=16, BS=16,
+    "decode-many-splits": decode_case(((36, 1), (69, 1)), Hkv=2, G=2, D=16, BS=16, config=SMALL_DECODE, num_splits=7),
+    "decode-padding": decode_case(((5, 1), (0, 0), (44, 1), (12, 1), (0, 0), (1, 1)), Hkv=2, G=2, D=16, BS=16,
                               config=SMALL_DECODE, num_splits=2),
-    "decode-mqa-d24-bs32": _decode(((70, 1), (0, 0), (31, 1)), Hkv=1, G=8, D=24, BS=32, config=SMALL_DECODE,
+    "decode-mqa-d24-bs32": decode_case(((70, 1), (0, 0), (31, 1)), Hkv=1, G=8, D=24, BS=32, config=SMALL_DECODE,
                                    num_splits=2),
-    "decode-many-seqs": _decode(tuple((c, 0 if i in (3, 17, 18) else 1) for i, (c, _) in enumerate(MANY[:20])),
+    "decode-many-seqs": decode_case(tuple((c, 0 if i in (3, 17, 18) else 1) for i, (c, _) in enumerate(MANY[:20])),
                                 Hkv=1, G=2, D=16, BS=16, config=dict(SMALL_DECODE, BLOCK_S=16), num_splits=2),
     # the varlen kernel on a decode step (the runtime may send one in a mixed bucket)
-    "decode-step-as-varlen": _decode(((5, 1), (0, 0), (44, 1), (12, 1)), Hkv=2, G=2, D=16, BS=16,
+    "decode-step-as-varlen": decode_case(((5, 1), (0, 0), (44, 1), (12, 1)), Hkv=2, G=2, D=16, BS=16,
                                      config=SMALL_PREFILL, decode=False, window=9),
 }
 DTYPES = ("float32", "float16")
@@ -252,22 +171,14 @@ TOL = {"float32": 2e-5, "float16": 2e-3}  # max |kernel - fp32 reference| / max(
 
 def run_case(case: Case, dtype: torch.dtype) -> str:
     """One case in the interpreter: "ok" or what is wrong."""
-    from dsc.kernels.paged_attention import paged_attention_reference, paged_attention_triton, write_paged_kv_reference
+    from dsc.kernels.paged_attention import paged_attention_triton
 
     step = build(case, dtype)
-    want = {name: step[name].clone() for name in ("k_pool", "v_pool")}
-    write_paged_kv_reference(step["k"], step["v"], want["k_pool"], want["v_pool"], step["slot_mapping"])
-    clean = {**step, **{n: step[n].float() for n in ("q", "k", "v")},
-             **{n: step[n].float().nan_to_num() for n in ("k_pool", "v_pool")}}
-    ref = paged_attention_reference(*args_of(clean))
+    ref, want_k, want_v = expected(step)
     out = torch.full_like(ref, float("nan"), dtype=dtype)
     paged_attention_triton(*args_of(step), out=out, decode=case.decode, config=case.config,
                            num_splits=case.num_splits)
-    problems = []
-    for name in ("k_pool", "v_pool"):
-        got, exp = step[name].nan_to_num(7.0), want[name].nan_to_num(7.0)
-        if not torch.equal(got, exp):
-            problems.append(f"{name} differs from the reference write at {(got != exp).nonzero()[:3].tolist()}")
+    problems = pool_problems(step, want_k, want_v)
     if out.isnan().any():
         problems.append(f"out has NaN at [0, t, h, d] {out.isnan().nonzero()[:3].tolist()}")
     err = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1)).item()
