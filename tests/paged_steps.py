@@ -33,6 +33,8 @@ class Case:
     num_splits: int | None = None  # decode only
     decode: bool | None = None  # None: the op's choice (T == N)
     pool_dtype: str | None = None  # None: q's
+    num_blocks: int = 0  # the pool's blocks (0: the sequences' + 3); with max_blocks: steps of equal shapes
+    max_blocks: int = 0  # block table columns (0: the longest sequence's + 1)
 
 
 def decode_case(seqs: tuple, **kw) -> Case:
@@ -51,10 +53,10 @@ def build(case: Case, dtype: torch.dtype, seed: int = 0, device: str = "cpu") ->
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)  # noqa: E731
     q, k, v = rand(1, H, T, D), rand(1, case.Hkv, T, D), rand(1, case.Hkv, T, D)
     need = [-(-(c + n) // BS) for c, n in case.seqs]
-    num_blocks = sum(need) + 3
+    num_blocks = case.num_blocks or sum(need) + 3
     order = torch.randperm(num_blocks, generator=host)
     spare = int(order[-1])  # the block every unused table entry names: poisoned
-    block_tables = torch.full((N, max(need) + 1), spare, dtype=torch.int32)
+    block_tables = torch.full((N, case.max_blocks or max(need) + 1), spare, dtype=torch.int32)
     a = 0
     for i, n_blocks in enumerate(need):
         block_tables[i, :n_blocks] = order[a: a + n_blocks].to(torch.int32)
@@ -87,14 +89,15 @@ def args_of(step: dict) -> list:
     return [step[name] for name in ARGS]
 
 
-def expected(step: dict) -> tuple:
-    """(out of the fp32 reference on clean copies, the pools after the reference's write)."""
+def expected(step: dict, dtype: torch.dtype = torch.float32) -> tuple:
+    """(out of the reference computed in `dtype` on clean copies, the pools after the
+    reference's write)."""
     from dsc.kernels.paged_attention import paged_attention_reference, write_paged_kv_reference
 
     want = {name: step[name].clone() for name in ("k_pool", "v_pool")}
     write_paged_kv_reference(step["k"], step["v"], want["k_pool"], want["v_pool"], step["slot_mapping"])
-    clean = {**step, **{n: step[n].float() for n in ("q", "k", "v")},
-             **{n: step[n].float().nan_to_num() for n in ("k_pool", "v_pool")}}
+    clean = {**step, **{n: step[n].to(dtype) for n in ("q", "k", "v")},
+             **{n: step[n].to(dtype).nan_to_num() for n in ("k_pool", "v_pool")}}
     return paged_attention_reference(*args_of(clean)), want["k_pool"], want["v_pool"]
 
 
