@@ -42,7 +42,8 @@ synchronisation; grids from T, N and max_blocks):
   sequence are (token, query head) pairs of one kv head's group packed in tiles of BLOCK_M, as
   the static prefill kernel packs them; the grid is cdiv(T * G, BLOCK_M) + N tiles (a bound
   on the sequences' tiles) x kv heads, and each program finds its sequence from the running
-  sum of the tiles of query_lens (tiles past the last sequence exit). Keys come in two
+  sum of the tiles of query_lens (tiles past the last sequence exit; a sequence's longest
+  tiles first). Keys come in two
   phases: the cached positions [0, cache_lens[i]) through the block table (visible to every
   row; with a window from the tile's first row's window on), then the new tokens from k and v
   directly (causal), rounded through the pool's dtype as if read back. The program that holds
@@ -188,7 +189,9 @@ def _write_pool(src, s_t, pool, sp_b, sp_s, slots, ok, offs_j, offs_d, HEAD_DIM:
 
 def _find_tile(QLEN, N, p, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
     """The sequence i whose row tiles hold tile p of the step, and p's tile m within it, from
-    the running sum of the sequences' tiles cdiv(query_lens * G, BLOCK_M); i == N past them all."""
+    the running sum of the sequences' tiles cdiv(query_lens * G, BLOCK_M); i == N past them all.
+    A sequence's tiles run last tile first: its longest (causal) ones start before the short
+    ones, which fill the schedule's tail (as the static prefill kernel orders them)."""
     i = 0
     start = 0  # the first tile of sequence i
     base = 0  # tiles of the sequences before the chunk
@@ -201,7 +204,8 @@ def _find_tile(QLEN, N, p, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.c
         i += tl.sum(before.to(tl.int32), 0)
         start = tl.maximum(start, tl.max(tl.where(before, ends, 0), 0))
         base += tl.sum(tiles, 0)
-    return i, p - start
+    n_i = tl.load(QLEN + i, mask=i < N, other=0).to(tl.int32)
+    return i, (tl.maximum(n_i, 0) * G + BLOCK_M - 1) // BLOCK_M - 1 - (p - start)
 
 
 def _padding_row(QLEN, N, i, BLOCK_S: tl.constexpr):
