@@ -153,20 +153,26 @@ _REQUIRE_SIGNATURE_HELP = "public key file (from `dsc keygen`): refuse the artif
 @app.command("generate")
 def generate_cmd(
     artifact: Path = typer.Argument(..., help="artifact folder"),
-    prompt: List[str] = typer.Option([], "--prompt", help="prompt text (repeat for a batch)"),
+    prompt: List[str] = typer.Option([], "--prompt", help="prompt text (repeat for several)"),
     token_ids: List[str] = typer.Option([], "--token-ids", help="prompt as token ids '1,2,3' (repeatable)"),
     max_new_tokens: int = typer.Option(32, help="tokens to generate per prompt"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     top_k: int = typer.Option(0, help="sample from the k most likely tokens (0: all)"),
     top_p: float = typer.Option(1.0, help="sample from the smallest set of tokens whose probability reaches p"),
-    seed: Optional[int] = typer.Option(None, help="seed of the sampler (default 0)"),
-    stop_token: List[int] = typer.Option([], "--stop-token", help="token id that ends a sequence (repeatable)"),
+    seed: Optional[int] = typer.Option(None, help="seed of the sampler (prompt i uses seed + i; default 0)"),
+    stop_token: List[int] = typer.Option([], "--stop-token", help="token id that ends a sequence (repeatable; default: eos)"),
+    stop: List[str] = typer.Option([], "--stop", help="text that ends a sequence, left out of the output (repeatable)"),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda if available)"),
-    stream: bool = typer.Option(False, "--stream", help="print tokens as they are generated"),
+    stream: bool = typer.Option(False, "--stream", help="print text as it is generated"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON line per prompt: tokens, text, finish reason"),
+    kv_cache_memory: Optional[float] = typer.Option(None, "--kv-cache-memory", help="GiB of paged KV cache (default: 90%% of free GPU memory; on CPU the static cache's size)"),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="sequences decoded at once"),
+    max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="tokens per step (prompt chunks + decodes)"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip checksum verification at load"),
     require_signature: Optional[Path] = typer.Option(None, "--require-signature", help=_REQUIRE_SIGNATURE_HELP),
 ) -> None:
-    """Generate from an artifact. For tp > 1, run under torchrun, or let dsc start the ranks."""
+    """Generate text from an artifact (continuous batching: any number of prompts). For tp > 1,
+    run under torchrun, or let dsc start the ranks."""
     try:
         if not prompt and not token_ids:
             raise UserError("generate: give --prompt TEXT or --token-ids IDS")
@@ -179,25 +185,49 @@ def generate_cmd(
         if art.tp > 1 and "WORLD_SIZE" not in os.environ:
             _relaunch_under_torchrun(art.tp)
             return
-        tok = _tokenizer(art) if prompt else None
-        prompts = [tok.encode(p).ids for p in prompt] + [_parse_ids(t) for t in token_ids]
-        import dsc
+        if prompt:
+            _tokenizer(art)
+        prompts = list(prompt) + [_parse_ids(t) for t in token_ids]
+        from dsc.runtime.llm import LLM, SamplingParams
 
-        engine = dsc.load(artifact, device=device, verify=not no_verify, require_signature=require_signature)
-        leader = engine.rank == 0
+        llm = LLM(artifact, device=device, verify=not no_verify, require_signature=require_signature,
+                  kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens)
+        leader = llm.engine.engine.rank == 0
+        base = 0 if seed is None else seed
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=(base + i) % 2**63, stop=list(stop) or None,
+                                 stop_token_ids=list(stop_token) or None, ignore_eos=bool(stop_token))
+                  for i in range(len(prompts))]
+        shown: dict[str, int] = {}
 
-        def on_step(step, toks):
-            if stream and leader:
-                typer.echo(" ".join("-" if t is None else str(t) for t in toks))
+        def on_output(out):
+            if not (stream and leader and not as_json):
+                return
+            text = out.outputs[0].text
+            new = text[shown.get(out.request_id, 0):]
+            shown[out.request_id] = len(text)
+            if len(prompts) > 1:
+                if new:
+                    typer.echo(f"[{out.request_id}] {new}")
+            else:
+                sys.stdout.write(new)
+                sys.stdout.flush()
 
-        res = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed, stop_tokens=stop_token or None, callback=on_step)
+        outs = llm.generate(prompts, params, callback=on_output)
         if leader:
-            for i, (p, ids) in enumerate(zip(prompts, res.tokens)):
-                text = tok.decode(ids) if tok and i < len(prompt) else None
-                typer.echo(json.dumps({"prompt": i, "tokens": ids, "finish": res.finish_reasons[i],
-                                       **({"text": text} if text is not None else {})}))
-        if engine.world > 1:
+            for i, o in enumerate(outs):
+                c = o.outputs[0]
+                text = c.text if llm.engine.tokenizer is not None else None
+                if as_json:
+                    typer.echo(json.dumps({"prompt": i, "tokens": c.token_ids, "finish": c.finish_reason,
+                                           **({"text": text} if text is not None else {})}))
+                elif stream and len(prompts) == 1:
+                    typer.echo("")
+                else:
+                    shown_text = text if text is not None else " ".join(map(str, c.token_ids))
+                    typer.echo(f"[{i}] {shown_text}" if len(prompts) > 1 else shown_text)
+        if llm.engine.engine.world > 1:
             sys.stdout.flush()
             from dsc.runtime.distributed import shutdown_process_group
 

@@ -80,7 +80,7 @@ class Engine:
                                           buckets=prefill_buckets)
         self.max_num_seqs = max_num_seqs or self.max_batch
         self.ragged = RaggedRunner(lambda *a: self._call("ragged", *a), self.plan["kv_pool"], self.max_seq,
-                                   self.max_num_seqs, device, cuda_graphs)
+                                   self.max_num_seqs, device, cuda_graphs, pad=prefill_buckets)
 
     def _enable_symmetric_all_reduce(self) -> str:
         """On CUDA with tp > 1: the one-shot all-reduce (kernels/collectives.py) for tensors up

@@ -83,7 +83,7 @@ class LLMEngine:
     def __init__(self, artifact: str | Path | None = None, *, device=None, kv_cache_memory: float | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  verify: bool = True, cuda_graphs: bool = True, require_signature: str | Path | None = None,
-                 engine=None):
+                 prefill_buckets: bool | None = None, engine=None):
         if engine is None:
             from dsc.runtime.engine import load
 
@@ -91,7 +91,7 @@ class LLMEngine:
                 raise UserError(f"--max-num-seqs: expected an integer >= 1, got {max_num_seqs!r}")
             engine = load(artifact, device=device, verify=verify, cuda_graphs=cuda_graphs,
                           require_signature=require_signature, static=False, kv_cache_memory=kv_cache_memory,
-                          max_num_seqs=max_num_seqs)
+                          max_num_seqs=max_num_seqs, prefill_buckets=prefill_buckets)
         self.engine = engine
         self.scheduler = Scheduler(engine, max_num_batched_tokens, max_num_seqs, enable_prefix_caching)
         self.tokenizer = engine.artifact.tokenizer()

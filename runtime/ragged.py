@@ -6,8 +6,9 @@ host-to-device copy moves), and `RaggedRunner` runs it:
   - a decode-only step (one token per sequence) runs in the smallest bucket of N sequences
     >= N, over static buffers: padding sequences bring no token (query_lens 0) and padding
     tokens write nothing (slot -1). On CUDA each bucket is a CUDA graph captured at load.
-  - any other step (prompt chunks, mixed with decode tokens: SplitFuse) runs the program
-    eagerly at its exact sizes.
+  - a step with prompt chunks (mixed with decode tokens: SplitFuse) runs padded to a token
+    bucket and a sequence bucket, on CUDA a graph captured on the shape's first use; beyond
+    the largest buckets, eagerly at its exact sizes.
 The pool's size is chosen at load from a memory budget (`allocate_kv_pool`).
 """
 from __future__ import annotations
@@ -99,20 +100,22 @@ def pack(step: Step) -> torch.Tensor:
 _INT32 = (2, 3, 4, 5, 6)  # slots, query_start, query_lens, cache_lens, tables
 
 
-class DecodeBucket:
-    """Static inputs of a decode-only step of up to `n` sequences, and its CUDA graph."""
+class GraphStep:
+    """Static inputs of a step of up to `t` tokens of up to `n` sequences, and its CUDA graph.
+    Padding tokens write nothing (slot -1) and belong to no sequence; padding sequences bring no
+    token (query_lens 0) and read logits row 0."""
 
-    def __init__(self, program: Callable, n: int, max_blocks: int, device: torch.device):
-        self.program, self.n, self.device = program, n, device
+    def __init__(self, program: Callable, t: int, n: int, max_blocks: int, device: torch.device):
+        self.program, self.t, self.n, self.device = program, t, n, device
         i32 = dict(dtype=torch.int32, device=device)
-        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.pos = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), -1, **i32)
-        self.qs = torch.arange(n, **i32)
+        self.ids = torch.zeros(1, t, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, t, dtype=torch.long, device=device)
+        self.slots = torch.full((t,), -1, **i32)
+        self.qs = torch.zeros(n, **i32)
         self.ql = torch.zeros(n, **i32)
         self.cl = torch.zeros(n, **i32)
         self.tables = torch.zeros(n, max_blocks, **i32)
-        self.li = torch.arange(n, dtype=torch.long, device=device)
+        self.li = torch.zeros(n, dtype=torch.long, device=device)
         self.logits: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -122,20 +125,28 @@ class DecodeBucket:
     def capture(self, pool) -> None:
         self.graph, self.logits = capture_graph(self._forward, self.device, pool)
 
-    def __call__(self, N: int, MB: int, parts: list[torch.Tensor]) -> torch.Tensor:
-        ids, pos, slots, _, _, cl, tables, _ = parts
-        self.ids[0, :N].copy_(ids)
-        self.pos[0, :N].copy_(pos)
-        self.slots[:N].copy_(slots)
-        self.ql[:N].fill_(1)
+    def fill(self, T: int, N: int, MB: int, parts: list[torch.Tensor]) -> None:
+        ids, pos, slots, qs, ql, cl, tables, li = parts
+        self.ids[0, :T].copy_(ids)
+        self.pos[0, :T].copy_(pos)
+        self.slots[:T].copy_(slots)
+        self.qs[:N].copy_(qs)
+        self.ql[:N].copy_(ql)
         self.cl[:N].copy_(cl)
         self.tables[:N, :MB].copy_(tables)
-        if N < self.n:  # padding: no token, nothing written
-            self.ids[0, N:].zero_()
-            self.pos[0, N:].zero_()
-            self.slots[N:].fill_(-1)
+        self.li[:N].copy_(li)
+        if T < self.t:
+            self.ids[0, T:].zero_()
+            self.pos[0, T:].zero_()
+            self.slots[T:].fill_(-1)
+        if N < self.n:
+            self.qs[N:].fill_(T)
             self.ql[N:].zero_()
             self.cl[N:].zero_()
+            self.li[N:].zero_()
+
+    def __call__(self, T: int, N: int, MB: int, parts: list[torch.Tensor]) -> torch.Tensor:
+        self.fill(T, N, MB, parts)
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -144,6 +155,7 @@ class DecodeBucket:
 
 
 MAX_BUCKET = 512  # decode-only steps of more sequences run eagerly: their GPU time dwarfs the launches
+MIN_TOKENS, MAX_TOKENS = 64, 2048  # mixed steps: token buckets (powers of two); larger steps run eagerly
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -158,28 +170,41 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 class RaggedRunner:
-    """runner(packed) -> logits [N, V] of a step `pack` made (on the CPU)."""
+    """runner(packed) -> logits [N, V] of a step `pack` made (on the CPU).
+
+    Decode-only steps run in the smallest decode bucket of sequences >= N; on CUDA those graphs
+    are captured at load. Mixed steps (prompt chunks) run padded to a token bucket (a power of
+    two from MIN_TOKENS) and a sequence bucket, each (tokens, sequences) shape captured on first
+    use, as runtime/prefill.py does; larger steps, and every mixed step where nothing is
+    captured (pad=False: the CPU's default), run eagerly at their exact sizes."""
 
     def __init__(self, program: Callable, pool: dict, max_seq: int, max_num_seqs: int, device: torch.device,
-                 cuda_graphs: bool):
+                 cuda_graphs: bool, pad: bool | None = None):
         self.program, self.device = program, device
         self.max_blocks = -(-max_seq // pool["block_size"])
         self.buckets = decode_buckets(max_num_seqs)
-        self.steps = {b: DecodeBucket(program, b, self.max_blocks, device) for b in self.buckets}
+        self.graphs = cuda_graphs and device.type == "cuda"
+        self.pad = self.graphs if pad is None else pad
+        self.steps = {(b, b): GraphStep(program, b, b, self.max_blocks, device) for b in self.buckets}
         self.captured = False
+        self._pool = None
         self._pinned = device.type == "cuda"
-        if cuda_graphs and device.type == "cuda":
-            graph_pool = torch.cuda.graph_pool_handle()
+        if self.graphs:
+            self._pool = torch.cuda.graph_pool_handle()
             try:
                 for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its pool
-                    self.steps[b].capture(graph_pool)
+                    self.steps[(b, b)].capture(self._pool)
                 torch.cuda.synchronize(device)
                 self.captured = True
             except Exception as e:  # an op that cannot be captured: say so, run eagerly
-                print(f"dsc: capturing the decode steps failed ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}); they run eagerly", file=sys.stderr)
-                self.release()
+                self._give_up(e)
             register_runner(self)
+
+    def _give_up(self, e: Exception) -> None:
+        print(f"dsc: capturing a ragged step failed ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); steps run eagerly", file=sys.stderr)
+        self.release()
+        self.graphs = self.pad = False
 
     def release(self) -> None:
         for step in self.steps.values():
@@ -189,13 +214,34 @@ class RaggedRunner:
             step.graph, step.logits = None, None
         self.captured = False
 
+    def _mixed_step(self, T: int, N: int) -> GraphStep | None:
+        if not self.pad or T > MAX_TOKENS or N > self.buckets[-1]:
+            return None
+        tb = max(MIN_TOKENS, 1 << (T - 1).bit_length())
+        nb = choose_bucket(self.buckets, N)
+        step = self.steps.get((tb, nb))
+        if step is None:
+            step = self.steps[(tb, nb)] = GraphStep(self.program, tb, nb, self.max_blocks, self.device)
+            if self.graphs:
+                try:
+                    step.capture(self._pool)
+                except Exception as e:  # noqa: BLE001
+                    self._give_up(e)
+                    return None
+        return step
+
     def __call__(self, packed: torch.Tensor) -> torch.Tensor:
         if self._pinned:
             packed = packed.pin_memory()
         dev = packed.to(self.device, non_blocking=True)
         T, N, MB, parts = unpack_sizes(packed, dev)
-        if T == N and N <= self.buckets[-1] and MB <= self.max_blocks:
-            return self.steps[choose_bucket(self.buckets, N)](N, MB, parts)
+        if MB <= self.max_blocks:
+            if T == N and N <= self.buckets[-1]:
+                b = choose_bucket(self.buckets, N)
+                return self.steps[(b, b)](T, N, MB, parts)
+            step = self._mixed_step(T, N)
+            if step is not None:
+                return step(T, N, MB, parts)
         parts = [p.to(torch.int32) if i in _INT32 else p for i, p in enumerate(parts)]
         ids, pos, *rest = parts
         return self.program(ids[None], pos[None], *rest)

@@ -63,9 +63,16 @@ class Sequence:
     finish_reason: str | None = None
     new_tokens: int = 0  # tokens added by the last step
 
+    def __post_init__(self):
+        self._tokens = list(self.prompt_ids) + self.output_ids  # prompt + output, grown by append
+
     @property
     def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self._tokens
+
+    def append(self, token: int) -> None:
+        self.output_ids.append(token)
+        self._tokens.append(token)
 
     @property
     def finished(self) -> bool:
@@ -218,8 +225,9 @@ class Scheduler:
         for i, (seq, n) in enumerate(planned):
             if seq.num_computed < len(seq.prompt_ids):
                 self.prompt_tokens += min(n, len(seq.prompt_ids) - seq.num_computed)
+            if (seq.num_computed + n) // self.block_size > seq.num_computed // self.block_size:  # a block filled
+                self.pool.register(seq.block_table, seq.tokens[:seq.num_computed + n])
             seq.num_computed += n
-            self.pool.register(seq.block_table, seq.tokens[:seq.num_computed])
             if seq.num_computed == len(seq.tokens):  # caught up: its last logits give the next token
                 done.append((i, seq))
         if not done:
@@ -229,7 +237,7 @@ class Scheduler:
         out = []
         for j, (_, seq) in enumerate(done):
             t = tokens[j]
-            seq.output_ids.append(t)
+            seq.append(t)
             seq.new_tokens = 1
             self.generated_tokens += 1
             if lps is not None and seq.params.logprobs is not None:

@@ -73,7 +73,7 @@ def main() -> None:
 
     dsc("compile", rel(ckpt), "-o", rel(art), "--dtype", "fp32", "--verify")
     dsc("inspect", rel(art))
-    out = dsc("generate", rel(art), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
+    out = dsc("generate", rel(art), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--json")
     got = json.loads(out.strip().splitlines()[-1])["tokens"]
 
     prompt_ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(PROMPT).ids

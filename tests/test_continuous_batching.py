@@ -93,12 +93,14 @@ def test_fifty_requests_arriving_while_others_run_match_transformers(shape, comp
     assert eng.stats()["generation_tokens_total"] == sum(m for _, _, m in reqs)
 
 
-@pytest.mark.parametrize("budget", [1, 7, 64])
-def test_chunked_prefill_at_any_token_budget_equals_unchunked(budget, compile_artifact, make_checkpoint, references):
+@pytest.mark.parametrize("budget, padded", [(1, False), (7, False), (64, False), (100, True)])
+def test_chunked_prefill_at_any_token_budget_equals_unchunked(budget, padded, compile_artifact, make_checkpoint,
+                                                             references):
+    """padded: every step runs in its (token, sequence) bucket's static buffers, as CUDA graphs do."""
     art = compile_artifact("llama-tiny", dtype="fp32")
     n, longest = (6, 40) if budget == 1 else (16, 200)  # a budget of 1 computes one token per step
     reqs = workload(512, n, longest, 12, seed=budget)
-    eng = LLMEngine(art, device="cpu", max_num_seqs=4, max_num_batched_tokens=budget)
+    eng = LLMEngine(art, device="cpu", max_num_seqs=4, max_num_batched_tokens=budget, prefill_buckets=padded)
     got = run_arrivals(eng, reqs)
     assert [got[str(i)] for i in range(n)] == _reference(references, make_checkpoint, "llama-tiny", reqs)
     _no_leak(eng)

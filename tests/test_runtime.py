@@ -54,7 +54,7 @@ def test_runtime_never_imports_transformers_or_the_compiler(compile_artifact):
         engine = dsc.load(sys.argv[1], device="cpu")
         print(engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=4).tokens)
         from dsc.cli import app
-        app(["generate", sys.argv[1], "--prompt", "Hello world", "--max-new-tokens", "3"], standalone_mode=False)
+        app(["generate", sys.argv[1], "--prompt", "Hello world", "--max-new-tokens", "3", "--json"], standalone_mode=False)
         loaded = [m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED)]
         assert not loaded, loaded
         print("clean")

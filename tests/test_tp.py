@@ -473,7 +473,7 @@ def test_dsc_generate_relaunches_under_torchrun(compile_artifact, reference):
     ids = [",".join(map(str, p)) for p in PROMPTS]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
     r = subprocess.run([sys.executable, "-m", "dsc", "generate", str(art), *sum((["--token-ids", i] for i in ids), []),
-                        "--max-new-tokens", str(NEW), "--device", "cpu"],
+                        "--max-new-tokens", str(NEW), "--device", "cpu", "--json"],
                        capture_output=True, text=True, timeout=300, env={**env, **ENV})
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
