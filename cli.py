@@ -22,6 +22,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 # `pip install <the same name>`
 _DEPENDENCIES = ("torch", "transformers", "safetensors", "tokenizers", "huggingface_hub", "numpy", "pydantic",
                  "triton", "onnx", "onnxruntime", "onnxscript")
+# the modules of an optional extra, installed with the extra: `pip install 'dsc[serve]'`
+_EXTRAS = {"fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve",
+           "openai": "serve"}
 
 
 def _version(value: bool) -> None:
@@ -359,14 +362,61 @@ def export_onnx_cmd(
         _fail("onnxruntime's logits differ from the dsc runtime's beyond the tolerance", 1)
 
 
+@app.command("serve")
+def serve_cmd(
+    artifact: Path = typer.Argument(..., help="artifact folder"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (default: this machine only)"),
+    port: int = typer.Option(8000, help="TCP port (0: any free port)"),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="sequences the scheduler runs at once"),
+    kv_cache_memory: Optional[float] = typer.Option(None, "--kv-cache-memory", help="KV-cache pool in GiB (default: the engine's)"),
+    max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="token budget of one step"),
+    max_queue: int = typer.Option(1024, "--max-queue", help="requests waiting beyond the running ones; past it: 429"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DSC_API_KEY",
+                                          help="require 'Authorization: Bearer KEY' on /v1 (env DSC_API_KEY)"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="the model's name in the API (default: the artifact folder's)"),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="seconds SIGTERM lets requests in flight finish"),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda if available)"),
+    no_verify: bool = typer.Option(False, "--no-verify", help="skip checksum verification at load"),
+) -> None:
+    """Serve an artifact over the OpenAI API (completions, chat, models, health, metrics)."""
+    try:
+        from dsc.serve.server import ServeOptions, announce, build, listen, run  # the serve extra, before the load
+        from dsc.runtime.artifact import open_artifact
+
+        if max_queue < 0 or shutdown_timeout < 0:
+            raise UserError(f"--max-queue and --shutdown-timeout: must be >= 0, got {max_queue}, {shutdown_timeout}")
+        tp = open_artifact(artifact, ranks=[], verify=False).tp
+        if tp > 1 and "WORLD_SIZE" not in os.environ:
+            _relaunch_under_torchrun(tp)
+            return
+        from dsc.runtime.llm import LLMEngine, SamplingParams
+
+        rank = int(os.environ.get("RANK", "0"))
+        sock = listen(host, port) if rank == 0 else None  # a taken port fails before the model loads
+        engine = LLMEngine(artifact, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, verify=not no_verify)
+        if rank != 0:  # tp > 1: rank 0 serves HTTP, the others step with it
+            engine.follow()
+            engine.shutdown()
+            return
+        opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+                            max_queue=max_queue, shutdown_timeout=shutdown_timeout)
+        server = build(engine, opts, SamplingParams, sock)
+        announce(server, opts, typer.echo)
+        run(server)
+    except UserError as e:
+        _fail(str(e))
+
+
 def main() -> None:
     try:
         app()
     except ModuleNotFoundError as e:  # a dependency a command imports is missing: one line, no traceback
         top = (e.name or "").split(".")[0]
-        if top not in _DEPENDENCIES:
+        if top not in _DEPENDENCIES and top not in _EXTRAS:
             raise
-        typer.echo(f"error: {top} is not installed: pip install {top}", err=True)
+        pip = f"'dsc[{_EXTRAS[top]}]'" if top in _EXTRAS else top
+        typer.echo(f"error: {top} is not installed: pip install {pip}", err=True)
         sys.exit(2)
 
 

@@ -201,6 +201,14 @@ def _chat_logprobs(server: Server, c, start: int, top_n: int) -> P.ChatLogprobs:
         for tid, lps in zip(c.token_ids[start:], c.logprobs[start:])])
 
 
+def _safe_end(text: str, stops: list) -> int:
+    """len(text) less its longest tail that is a proper prefix of a stop string."""
+    for k in range(min(len(text), max(map(len, stops), default=1) - 1), 0, -1):
+        if any(stop.startswith(text[-k:]) for stop in stops):
+            return len(text) - k
+    return len(text)
+
+
 def _top(lps: dict, n: int) -> list:
     return sorted(lps.items(), key=lambda kv: -kv[1])[:n]
 
@@ -211,13 +219,16 @@ class _Shape:
     chat: bool
     n: int
     logprobs: Optional[int]  # top-N asked for; None: no logprobs
+    stops: list = field(default_factory=list)
 
     def choice(self, server: Server, t: _Track, c, stream: bool):
-        """The choice for output c of track t: its new text (stream) or all of it."""
+        """The choice for output c of track t: its new text (stream) or all of it. A stream
+        holds back a tail that may be the start of a stop string until it is known not to be."""
         chars, ntok = t.sent.get(c.index, (0, 0)) if stream else (0, 0)
-        t.sent[c.index] = (len(c.text), len(c.token_ids))
+        end = len(c.text) if c.finish_reason is not None else _safe_end(c.text, self.stops)
+        t.sent[c.index] = (max(chars, end), len(c.token_ids))
         index = t.prompt_index * self.n + c.index
-        text = c.text[chars:]
+        text = c.text[chars:end]
         lp = None
         if self.logprobs is not None and c.logprobs is not None:
             lp = (_chat_logprobs(server, c, ntok, self.logprobs) if self.chat
@@ -292,8 +303,7 @@ async def _stream(server: Server, outs: _Outputs, shape: _Shape, rid: str, creat
             yield event(shape.body(rid, created, server.model_name, first, chunk=True))
         async for t, out in outs:
             choices = [shape.choice(server, t, c, stream=True) for c in out.outputs
-                       if len(c.text) > t.sent.get(c.index, (0, 0))[0] or c.finish_reason is not None
-                       or len(c.token_ids) > t.sent.get(c.index, (0, 0))[1]]
+                       if c.finish_reason is not None or len(c.token_ids) > t.sent.get(c.index, (0, 0))[1]]
             if choices:
                 yield event(shape.body(rid, created, server.model_name, choices, chunk=True))
         if include_usage:
@@ -322,8 +332,9 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
     @v1.post("/completions")
     async def completions(req: P.CompletionRequest, request: Request):
         server.check_model(req.model)
-        fields = dict(req.sampling_fields(), max_tokens=req.max_tokens, logprobs=req.logprobs)
-        return await _respond(server, request, req, req.prompts(), fields, _Shape(False, req.n, req.logprobs))
+        fields = dict(req.sampling_fields(), max_tokens=req.max_tokens or 16, logprobs=req.logprobs)
+        shape = _Shape(False, req.n, req.logprobs, fields["stop"] or [])
+        return await _respond(server, request, req, req.prompts(), fields, shape)
 
     @v1.post("/chat/completions")
     async def chat(req: P.ChatCompletionRequest, request: Request):
@@ -335,7 +346,7 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
         top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens or _room_left(server.engine, prompt)
         fields = dict(req.sampling_fields(), max_tokens=max_tokens, logprobs=top)
-        return await _respond(server, request, req, [prompt], fields, _Shape(True, req.n, top))
+        return await _respond(server, request, req, [prompt], fields, _Shape(True, req.n, top, fields["stop"] or []))
 
     @app.get("/health")
     async def health():

@@ -24,12 +24,11 @@ Sink = Callable[[Any], None]
 
 class EngineDriver:
     """Runs `engine.step()` on a dedicated thread while there is work; sleeps on the inbox
-    when there is none. `stats` is the engine's stats() after the latest step or inbox batch,
+    when there is none. `sampling_params_cls` builds the engine's SamplingParams from the
+    endpoint's keywords (dsc.runtime.llm.SamplingParams for the real engine). `stats` is the engine's stats() after the latest step or inbox batch,
     read by the asyncio side without touching the engine."""
 
-    def __init__(self, engine, sampling_params_cls=None):
-        if sampling_params_cls is None:
-            from dsc.runtime.llm import SamplingParams as sampling_params_cls
+    def __init__(self, engine, sampling_params_cls):
         self.engine = engine
         self.sampling_params_cls = sampling_params_cls
         self.stats: dict = engine.stats()

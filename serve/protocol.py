@@ -58,7 +58,7 @@ class CompletionRequest(_Sampling):
                   Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
                   Annotated[list[TokenId], Field(min_length=1)],
                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=1)  # null: 16, as OpenAI
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: bool = False
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import ipaddress
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import uvicorn
 
+from dsc.errors import UserError
 from dsc.serve.app import create_app
 from dsc.serve.driver import EngineDriver
 
@@ -28,17 +30,35 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
 
 
-def build(engine, opts: ServeOptions, sampling_params_cls=None) -> uvicorn.Server:
-    """A uvicorn server over `engine`, its driver thread started; `.driver` is the driver."""
+def build(engine, opts: ServeOptions, sampling_params_cls, sock: Optional[socket.socket] = None) -> uvicorn.Server:
+    """A uvicorn server over `engine` on `sock` (default: listen(opts.host, opts.port)); its
+    driver thread (`.driver`) started; `.port` is the port (the one port 0 picked)."""
+    sock = sock or listen(opts.host, opts.port)
     driver = EngineDriver(engine, sampling_params_cls)
     app = create_app(driver, served_model_name=opts.served_model_name, api_key=opts.api_key,
                      max_queue=opts.max_queue)
     config = uvicorn.Config(app, host=opts.host, port=opts.port, lifespan="off", log_level="warning",
                             access_log=False, timeout_graceful_shutdown=opts.shutdown_timeout)
     server = uvicorn.Server(config)
-    server.driver = driver
+    server.driver, server.sock, server.port = driver, sock, sock.getsockname()[1]
     driver.start()
     return server
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, or a UserError naming the flag (before a model loads)."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port: must be in [0, 65535], got {port}")
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(2048)  # connections queue from now on, before uvicorn starts accepting
+    except OSError as e:
+        raise UserError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def run(server: uvicorn.Server) -> None:
@@ -49,14 +69,15 @@ def run(server: uvicorn.Server) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[server.sock])
     finally:
         server.driver.stop()
 
 
-def announce(opts: ServeOptions, model_name: str, echo: Callable[[str], None]) -> None:
+def announce(server: uvicorn.Server, opts: ServeOptions, echo: Callable[[str], None]) -> None:
     """The start-up lines: where it listens, and what the API key (or its absence) means."""
-    echo(f"dsc serve: {opts.served_model_name or model_name} on http://{_url_host(opts.host)}:{opts.port}/v1")
+    name = opts.served_model_name or server.driver.engine.model_name
+    echo(f"dsc serve: {name} on http://{_url_host(opts.host)}:{server.port}/v1")
     if opts.api_key:
         echo("requests need 'Authorization: Bearer <key>' (--api-key / DSC_API_KEY)")
     elif _is_loopback(opts.host):

@@ -6,7 +6,7 @@ Tokens are characters (id = code point, vocab 128). Greedy token j of choice i o
 the letter 97 + (sum(p) + 3 j + i) % 26; with a temperature, letters from a Random seeded by
 the request's seed. A prompt holding BOOM makes the step that runs it raise.
 
-    python tests/serve_fake.py PORT [STEP_DELAY_S]   # `dsc serve` over this engine (SIGTERM test)
+    python tests/serve_fake.py PORT [STEP_DELAY_S [SHUTDOWN_TIMEOUT_S]]   # a server over it (signal tests)
 """
 from __future__ import annotations
 
@@ -185,6 +185,7 @@ if __name__ == "__main__":
 
     opts = ServeOptions(port=int(sys.argv[1]), shutdown_timeout=float(sys.argv[3]) if len(sys.argv) > 3 else 30)
     engine = FakeEngine(step_delay_s=float(sys.argv[2]) if len(sys.argv) > 2 else 0.0)
-    print("ready", flush=True)
-    run(build(engine, opts, FakeSamplingParams))
+    server = build(engine, opts, FakeSamplingParams)
+    print(f"port {server.port}", flush=True)
+    run(server)
     print(f"engine shut down: {engine.is_shut_down}", flush=True)
