@@ -87,14 +87,16 @@ class EngineDriver:
         try:
             self.engine.add_request(rid, prompt, self.sampling_params_cls(**fields))
         except UserError as e:
-            sink(e)
+            self._deliver(sink, e)
             return
         except Exception as e:  # a bug in one request's path: that request fails, the server stays
             log.exception("add_request %s failed", rid)
-            sink(e)
+            self._deliver(sink, e)
             return
-        self._sinks[rid] = sink
-        sink(ACCEPTED)
+        if self._deliver(sink, ACCEPTED):
+            self._sinks[rid] = sink
+        else:
+            self.engine.abort_request(rid)
 
     def _step(self) -> None:
         try:
@@ -103,7 +105,7 @@ class EngineDriver:
             log.exception("engine step failed; aborting %d requests", len(self._sinks))
             for rid, sink in list(self._sinks.items()):
                 self._abort_quietly(rid)
-                sink(e)
+                self._deliver(sink, e)
             self._sinks.clear()
             return
         for out in outputs:
@@ -112,7 +114,20 @@ class EngineDriver:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            sink(out)
+            if not self._deliver(sink, out) and not out.finished:
+                del self._sinks[out.request_id]
+                self.engine.abort_request(out.request_id)
+
+    @staticmethod
+    def _deliver(sink: Sink, item) -> bool:
+        """sink(item); False when the sink raised, i.e. its event loop has closed (the server
+        stopped past its shutdown timeout): nobody is left to read that request's outputs."""
+        try:
+            sink(item)
+            return True
+        except RuntimeError:
+            log.debug("a request's reader has gone; dropping its output", exc_info=True)
+            return False
 
     def _abort_quietly(self, rid: str) -> None:
         try:
@@ -123,7 +138,7 @@ class EngineDriver:
     def _shutdown(self) -> None:
         for rid, sink in list(self._sinks.items()):
             self._abort_quietly(rid)
-            sink(RuntimeError("the server is shutting down"))
+            self._deliver(sink, RuntimeError("the server is shutting down"))
         self._sinks.clear()
         self.stats = self.engine.stats()
         self.engine.shutdown()

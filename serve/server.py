@@ -50,10 +50,12 @@ def listen(host: str, port: int) -> socket.socket:
     if not 0 <= port <= 65535:
         raise UserError(f"--port: must be in [0, 65535], got {port}")
     try:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        family, type_, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        # proto from getaddrinfo (IPPROTO_TCP, not 0): asyncio sets TCP_NODELAY on the accepted
+        # connections only when it sees it, and without it every response waits ~40 ms for an ACK
+        sock = socket.socket(family, type_, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(info[4])
+        sock.bind(address)
         sock.listen(2048)  # connections queue from now on, before uvicorn starts accepting
     except OSError as e:
         raise UserError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e}") from None
