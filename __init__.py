@@ -4,6 +4,7 @@
     dsc.compile("path/to/hf-checkpoint", "build/model", dtype="bf16")   # compiler (needs transformers)
     engine = dsc.load("build/model")                                   # runtime (torch + safetensors)
     engine.generate([[1, 2, 3]], max_new_tokens=16)
+    llm = dsc.LLM("build/model"); llm.generate(["Hello"], dsc.SamplingParams(max_tokens=16))
 """
 __version__ = "0.1.0"
 
@@ -20,3 +21,13 @@ def compile(model, out, **options):  # noqa: A001  (mirrors torch.compile / deep
     from dsc.compiler import compile as _compile
 
     return _compile(model, out, **options)
+
+
+def __getattr__(name):
+    """dsc.LLM, dsc.SamplingParams, dsc.LLMEngine: the continuous-batching API (runtime/llm.py),
+    imported on first use."""
+    if name in ("LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"):
+        from dsc.runtime import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'dsc' has no attribute {name!r}")

@@ -32,9 +32,7 @@ from dsc.compiler.source import Checkpoint, tokenizer_files
 from dsc.compiler.validate import check_destination
 from dsc.compiler.weights import SourceReader, float_tensor, local_dtype, local_shape, write_safetensors
 from dsc.errors import UserError
-from dsc.runtime.artifact import FORMAT, FORMAT_VERSION, file_hashes
-
-PROGRAM_INPUTS = ["input_ids", "position_ids", "cache_pos", "last_idx"]
+from dsc.runtime.artifact import FORMAT, FORMAT_VERSION, PROGRAM_INPUTS, file_hashes
 
 
 def _json(obj: Any) -> str:
@@ -58,7 +56,11 @@ def build_plan(model: Model, ckpt: Checkpoint, dtype: str) -> dict:
     opts = model.options
     programs = {}
     for name, graph in model.graphs():
-        programs[name] = {"inputs": PROGRAM_INPUTS, "nodes": program_nodes(graph, model.sym_names)}
+        nodes = program_nodes(graph, model.sym_names)
+        for n in nodes:  # the pool's block count is the runtime's choice (runtime/kv_pool.py)
+            if n["kind"] == "weight" and n["target"].startswith("kv_pool."):
+                n["shape"][0] = "pool_blocks"
+        programs[name] = {"inputs": PROGRAM_INPUTS[name], "nodes": nodes}
     cfg = ckpt.config
     return {
         "format": FORMAT,
@@ -70,6 +72,7 @@ def build_plan(model: Model, ckpt: Checkpoint, dtype: str) -> dict:
                    "decode_buckets": list(opts.buckets())},
         "tp": opts.tp,
         "kv_cache": model.kv_cache,
+        "kv_pool": model.kv_pool,
         "programs": programs,
         "notes": model.notes,
         "passes": {k: v for k, v in sorted(model.counters.items())},

@@ -98,6 +98,7 @@ class Model:
     fake_mode: Any  # the FakeTensorMode the programs were traced under
     sym_names: dict[str, str] = field(default_factory=dict)  # "s32" -> "batch"
     kv_cache: dict[str, Any] | None = None
+    kv_pool: dict[str, Any] | None = None  # the ragged program's paged cache (passes/bind_kv_cache.py)
     notes: dict[str, Any] = field(default_factory=dict)  # plan-level facts passes record
     counters: Counter = field(default_factory=Counter)  # "pass.rewrite" -> count
     checkpoint: Any = None  # compiler.source.Checkpoint, for passes that run the model (calibration)

@@ -28,6 +28,7 @@ class CompileOptions(BaseModel):
     tp: int = Field(1, ge=1, strict=True, description="tensor-parallel ranks")
     max_batch: int = Field(8, ge=1, strict=True, description="largest batch the KV cache holds")
     max_seq: int = Field(512, ge=2, strict=True, description="longest sequence (prompt + generated)")
+    block_size: Literal[16, 32] = Field(16, description="tokens per block of the paged KV cache (continuous batching)")
     # fusion (kernel injection)
     fuse: bool = Field(True, strict=True, description="run the fusion passes")
     # int8 quantization

@@ -39,6 +39,8 @@ def dsc_attention(module, query, key, value, attention_mask, scaling=None, dropo
     # recorded only where set, so full-attention graphs keep the five-argument form
     window = kwargs.get("sliding_window") or 0
     extra = (int(window),) if window else ()
+    if "dsc_paged" in kwargs:  # the ragged program: flat tokens of several sequences, a paged cache
+        return torch.ops.dsc.ragged_attention(query, key, value, *kwargs["dsc_paged"], scale, *extra), None
     return torch.ops.dsc.causal_attention(query, key, value, kwargs["dsc_cache_pos"], scale, *extra), None
 
 
@@ -66,6 +68,37 @@ class CausalLMProgram(nn.Module):
                                dsc_cache_pos=cache_pos).last_hidden_state  # [B, S, E]
         h = h[torch.arange(h.shape[0], device=h.device), last_idx]  # [B, E]
         return self.lm.get_output_embeddings()(h)  # [B, V]
+
+
+class RaggedProgram(nn.Module):
+    """The continuous-batching step: T new tokens of N sequences as one flat batch (prompt
+    chunks and decode tokens alike; kernels/paged_attention.py has the layout): input_ids and
+    position_ids [1, T], the batch of one the model code sees. Returns the logits [N, V] of the
+    tokens at logits_idx [N] (each sequence's last new token)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, position_ids, slot_mapping, query_start, query_lens, cache_lens, block_tables,
+                logits_idx):
+        paged = (slot_mapping, query_start, query_lens, cache_lens, block_tables)
+        h = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                               dsc_paged=paged).last_hidden_state  # [1, T, E]
+        return self.lm.get_output_embeddings()(h[0, logits_idx])  # [N, V]
+
+
+# the ragged program's inputs: name -> (sample size of each dim, the dims' names, dtype)
+RAGGED_INPUTS = {
+    "input_ids": ((1, 6), ("one", "tokens"), torch.long),
+    "position_ids": ((1, 6), ("one", "tokens"), torch.long),
+    "slot_mapping": ((6,), ("tokens",), torch.int32),
+    "query_start": ((3,), ("seqs",), torch.int32),
+    "query_lens": ((3,), ("seqs",), torch.int32),
+    "cache_lens": ((3,), ("seqs",), torch.int32),
+    "block_tables": ((3, 4), ("seqs", "blocks"), torch.int32),
+    "logits_idx": ((3,), ("seqs",), torch.long),
+}
 
 
 @contextlib.contextmanager
@@ -176,6 +209,19 @@ def _export(program: nn.Module, fake_mode: FakeTensorMode, batch: int, seq: int,
                                    dynamic_shapes=(bs, bs, {0: B}, {0: B}), strict=False)
 
 
+def _export_ragged(program: nn.Module, fake_mode: FakeTensorMode, options) -> torch.export.ExportedProgram:
+    dims = {"tokens": torch.export.Dim("tokens", min=1, max=max(options.max_batch * options.max_seq, 7)),
+            "seqs": torch.export.Dim("seqs", min=1, max=max(options.max_batch, 4)),
+            "blocks": torch.export.Dim("blocks", min=1, max=max(options.max_seq, 5))}
+    with fake_mode:
+        args = tuple(torch.zeros(size, dtype=dtype) for size, _, dtype in RAGGED_INPUTS.values())
+    shapes = tuple({i: dims[n] for i, n in enumerate(names) if n in dims} for _, names, _ in RAGGED_INPUTS.values())
+    logging.getLogger("torch._export").setLevel(logging.ERROR)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.export.export(program, args, dynamic_shapes=shapes, strict=False)
+
+
 def _to_graph(ep: torch.export.ExportedProgram, const_specs: dict[str, WeightSpec]) -> fx.Graph:
     """Copy an exported graph, turning lifted parameters/buffers/constants into get_attr."""
     from torch.export.graph_signature import InputKind
@@ -217,19 +263,23 @@ def trace(ckpt: Checkpoint, arch: Architecture, options) -> Model:
     program = CausalLMProgram(lm)
     programs = {}
     sym_names: dict[str, str] = {}
-    for name, seq, dynamic in (("prefill", 4, True), ("decode", 1, False)):
+    for name, seq, dynamic in (("prefill", 4, True), ("decode", 1, False), ("ragged", 0, True)):
         try:
-            ep = _export(program, fake_mode, 2, seq, options, dynamic)
+            ep = (_export_ragged(RaggedProgram(lm), fake_mode, options) if name == "ragged"
+                  else _export(program, fake_mode, 2, seq, options, dynamic))
         except Exception as e:  # export failures are compiler bugs or unsupported models
             raise RuntimeError(f"torch.export failed for the {name} program of "
                                f"{arch.model_type}: {type(e).__name__}: {e}") from e
         graph = _to_graph(ep, weights)
         programs[name] = graph
-        # every input's dim 0 is the batch, ids' and positions' dim 1 the sequence; with a batch
-        # range of 1..2 (--max-batch 1) export does not unify the inputs' batch symbols
+        # every input's dim 0 is the batch, ids' and positions' dim 1 the sequence (the ragged
+        # program's: RAGGED_INPUTS); with a batch range of 1..2 (--max-batch 1) export does not
+        # unify the inputs' batch symbols
+        inputs = {k: names for k, (_, names, _) in RAGGED_INPUTS.items()} if name == "ragged" else \
+            dict.fromkeys(("input_ids", "position_ids", "cache_pos", "last_idx"), ("batch", "seq"))
         for n in graph.nodes:
-            if n.op == "placeholder" and n.name in ("input_ids", "position_ids", "cache_pos", "last_idx"):
-                for d, dim_name in zip(n.meta["val"].shape, ("batch", "seq")):
+            if n.op == "placeholder" and n.name in inputs:
+                for d, dim_name in zip(n.meta["val"].shape, inputs[n.name]):
                     if isinstance(d, torch.SymInt):
                         sym_names[str(d)] = dim_name
     return Model(programs=programs, weights=weights, config=ckpt.config, arch=arch, checkpoint=ckpt,

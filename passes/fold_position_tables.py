@@ -110,7 +110,9 @@ def fold_position_tables(model: Model) -> Model:
         if not frontier:
             continue
         table_env = _evaluate(pure, pos, torch.arange(max_seq).reshape(1, max_seq), model)
-        probe = torch.randint(0, max_seq, (3, 5), generator=torch.Generator().manual_seed(0))
+        # the ragged program's positions are [1, tokens]: its batch of one is static
+        rows = 1 if pos.meta["val"].shape[0] == 1 else 3
+        probe = torch.randint(0, max_seq, (rows, 5), generator=torch.Generator().manual_seed(0))
         probe_env = _evaluate(pure, pos, probe, model)
         names = stable_names(graph)
         for n in frontier:

@@ -19,7 +19,8 @@ from dsc.passes._pattern import Pattern, insert_fused
 from dsc.passes._util import aten, is_call
 
 dsc = torch.ops.dsc
-_ATTENTION = (dsc.attention.default, dsc.causal_attention.default)
+_ATTENTION = (dsc.attention.default, dsc.causal_attention.default, dsc.paged_attention.default,
+              dsc.ragged_attention.default)
 
 
 def rotary_pattern(x, cos, sin):

@@ -50,10 +50,10 @@ _ELEMENTWISE = {
 }
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
-_ATTENTION = torch.ops.dsc.attention.default
+_ATTENTIONS = {torch.ops.dsc.attention.default, torch.ops.dsc.paged_attention.default}
 _PASS_THROUGH = _VIEWS | _ELEMENTWISE | _REDUCTIONS | _SPLITS | {
     aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.slice.Tensor,
-    aten.cat.default, operator.getitem, _ATTENTION}
+    aten.cat.default, operator.getitem, *_ATTENTIONS}
 
 
 class _Unsupported(Exception):
@@ -244,7 +244,7 @@ class _Solver:
             return self._reduction(n)
         if t in _SPLITS:
             return self._split(n)
-        if t is _ATTENTION:
+        if t in _ATTENTIONS:
             return self._attention(n)
         if t is operator.getitem:
             return self._in(n.args[0])[n.args[1]]
@@ -600,7 +600,7 @@ def _shard_program(model: Model, name: str, graph: fx.Graph, world: int, shards:
     solved, reasons = _find_regions(graph, world)
     inside = {n for s in solved for n in s.region.nodes}
     for n in graph.nodes:
-        if n.target is _ATTENTION and n not in inside:
+        if n.target in _ATTENTIONS and n not in inside:
             why = "; ".join(f"{k.name}: {v}" for k, v in list(reasons.items())[:4])
             raise ValueError(f"{name}: attention {n.name} is not between linears this pass can shard "
                              f"for tp={world}: {why}")
@@ -645,6 +645,9 @@ def shard_tensor_parallel(model: Model) -> Model:
                       f"ranks (rank r holds kv head r * {kv_global} // {world}, the one its q heads read)"))
     else:
         kv_note = "no kv cache"
+    kv_local = facts["ragged"]["kv_heads"] if "ragged" in facts else None
+    if model.kv_pool and kv_local:
+        model.kv_pool = {**model.kv_pool, "kv_heads": kv_local}
     replicated = sorted({r for f in facts.values() for r in f["replicated"]})
     model.notes["tp"] = {
         "size": world,

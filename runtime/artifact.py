@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from dsc.errors import UserError
 
 FORMAT = "dsc-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # files of an artifact folder that its manifest does not list: the manifest itself, and the
 # signature made over the manifest's bytes
 UNLISTED = ("manifest.json", "signature.json")
@@ -70,7 +70,7 @@ class Artifact:
         out: dict[str, tuple[str, list[int]]] = {}
         for prog in self.plan["programs"].values():
             for n in prog["nodes"]:
-                if n["kind"] == "weight" and not n["target"].startswith("kv_cache."):
+                if n["kind"] == "weight" and not n["target"].startswith(("kv_cache.", "kv_pool.")):
                     out[n["target"]] = (n.get("dtype"), n.get("shape"))
         return out
 
@@ -306,8 +306,8 @@ def _check_node(where: str, n) -> None:
         raise UserError(f"{where}: field 'shape': {why}")
     if "dtype" in n and not _is_dtype(n["dtype"]):
         raise UserError(f"{where}: field 'dtype' {_show(n['dtype'], 40)} is not a dtype")
-    if kind == "weight" and (not isinstance(n.get("shape"), list) or not all(_is_count(d) for d in n["shape"])
-                             or "dtype" not in n):
+    if kind == "weight" and (not isinstance(n.get("shape"), list) or "dtype" not in n or not all(
+            _is_count(d) for d in (n["shape"][1:] if _is_pool(n) else n["shape"]))):
         raise UserError(f"{where}: a weight needs a concrete shape and a dtype")
     k = n.get("kernel")
     if k is not None and not (isinstance(k, dict) and isinstance(k.get("name"), str) and _is_count(k.get("launches"))
@@ -315,18 +315,29 @@ def _check_node(where: str, n) -> None:
         raise UserError(f"{where}: field 'kernel' must be {{name, launches, config}}")
 
 
+def _is_pool(n: dict) -> bool:
+    """A paged KV pool's node: its block count is the runtime's choice ("pool_blocks")."""
+    return str(n.get("target", "")).startswith("kv_pool.") and n["shape"][:1] == ["pool_blocks"]
+
+
 # the programs the runtime runs, and the inputs each takes, in order
-PROGRAMS = ("prefill", "decode")
-PROGRAM_INPUTS = ["input_ids", "position_ids", "cache_pos", "last_idx"]
+PROGRAM_INPUTS = {
+    "prefill": ["input_ids", "position_ids", "cache_pos", "last_idx"],
+    "decode": ["input_ids", "position_ids", "cache_pos", "last_idx"],
+    # continuous batching (kernels/paged_attention.py has the layout)
+    "ragged": ["input_ids", "position_ids", "slot_mapping", "query_start", "query_lens", "cache_lens",
+               "block_tables", "logits_idx"],
+}
+PROGRAMS = tuple(PROGRAM_INPUTS)
 
 
-def _check_program(where: str, prog: dict) -> None:
+def _check_program(where: str, prog: dict, want_inputs: list[str]) -> None:
     """Nodes well-formed, names unique, every node reference to an earlier node, the inputs
     the runtime passes, one output, last."""
     from dsc.runtime.memory_plan import _refs
 
-    if prog.get("inputs") != PROGRAM_INPUTS:
-        raise UserError(f"{where}: field 'inputs' must be {PROGRAM_INPUTS}")
+    if prog.get("inputs") != want_inputs:
+        raise UserError(f"{where}: field 'inputs' must be {want_inputs}")
     seen: set[str] = set()
     inputs = []
     for i, n in enumerate(prog["nodes"]):
@@ -346,8 +357,8 @@ def _check_program(where: str, prog: dict) -> None:
             inputs.append(name)
         if (n["kind"] == "output") != (i == len(prog["nodes"]) - 1):
             raise UserError(f"{where}: the program must end in its one output node")
-    if inputs != PROGRAM_INPUTS:
-        raise UserError(f"{where}: the input nodes must be {', '.join(PROGRAM_INPUTS)}")
+    if inputs != want_inputs:
+        raise UserError(f"{where}: the input nodes must be {', '.join(want_inputs)}")
 
 
 def check_plan(where: Path, plan: dict, tp: int) -> None:
@@ -379,18 +390,26 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
                                and all(_is_count(d, 1, 1 << 20) for d in kv["shape"])
                                and kv["shape"][0] == limits["max_batch"] and kv["shape"][2] == limits["max_seq"]):
         raise UserError(f"{where}: field 'kv_cache' must hold dtype, layers and a [max_batch, heads, max_seq, dim] shape")
+    pool = plan.get("kv_pool")
+    if pool is not None and not (isinstance(pool, dict) and _is_dtype(pool.get("dtype"))
+                                 and _is_count(pool.get("layers"), 0, 4096) and pool.get("block_size") in (16, 32)
+                                 and _is_count(pool.get("kv_heads"), 1, 1 << 12)
+                                 and _is_count(pool.get("head_dim"), 1, 1 << 12)):
+        raise UserError(f"{where}: field 'kv_pool' must hold dtype, layers, block_size (16 or 32), kv_heads and head_dim")
     programs = plan.get("programs")
-    if not isinstance(programs, dict) or not set(PROGRAMS) <= set(programs):
+    if not isinstance(programs, dict) or set(PROGRAMS) != set(programs):
         raise UserError(f"{where}: field 'programs' must hold the programs {', '.join(PROGRAMS)}")
     for pname, prog in programs.items():
         if not SAFE_NAME.fullmatch(pname) or not isinstance(prog, dict) or not isinstance(prog.get("nodes"), list):
             raise UserError(f"{where}: program {_show(pname)} must be an object with a 'nodes' list")
         try:
-            _check_program(f"{where}: program '{pname}'", prog)
+            _check_program(f"{where}: program '{pname}'", prog, PROGRAM_INPUTS[pname])
         except RecursionError:
             raise UserError(f"{where}: program '{pname}' is nested too deeply") from None
     weights: dict[str, tuple] = {}
     kv_targets = {f"kv_cache.{i}.{t}" for i in range(kv["layers"]) for t in "kv"} if kv else set()
+    pool_targets = {f"kv_pool.{i}.{t}" for i in range(pool["layers"]) for t in "kv"} if pool else set()
+    pool_sig = (pool["dtype"], ["pool_blocks", pool["kv_heads"], pool["block_size"], pool["head_dim"]]) if pool else None
     for prog in programs.values():
         for n in prog["nodes"]:
             if n["kind"] == "weight":
@@ -400,6 +419,8 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
                 if n["target"].startswith("kv_cache.") and (n["target"] not in kv_targets
                                                             or sig != (kv["dtype"], kv["shape"])):
                     raise UserError(f"{where}: weight '{n['target']}' is not a layer of field 'kv_cache'")
+                if n["target"].startswith("kv_pool.") and (n["target"] not in pool_targets or sig != pool_sig):
+                    raise UserError(f"{where}: weight '{n['target']}' is not a layer of field 'kv_pool'")
     for key in ("passes", "notes"):
         if not isinstance(plan.get(key, {}), dict):
             raise UserError(f"{where}: field '{key}' must be an object")

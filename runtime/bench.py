@@ -94,7 +94,7 @@ def generate_ms_per_token(engine, context: int, device, g: torch.Generator, shor
     def run(n: int) -> float:
         _sync(device)
         t = time.perf_counter()
-        engine.generate(prompt, max_new_tokens=n, stop_tokens=[])
+        engine.generate_static(prompt, max_new_tokens=n, stop_tokens=[])
         _sync(device)
         return time.perf_counter() - t
 

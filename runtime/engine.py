@@ -23,6 +23,7 @@ from dsc.kernels import collectives, registry
 from dsc.runtime.artifact import Artifact, open_artifact
 from dsc.runtime.decode import DecodeRunner
 from dsc.runtime.prefill import PrefillRunner
+from dsc.runtime.ragged import RaggedRunner, allocate_kv_pool
 from dsc.runtime.plan import build_graph
 from dsc.runtime.sampling import check_sampling, sample
 
@@ -52,7 +53,8 @@ def _first_shape(node: dict) -> list:
 
 class Engine:
     def __init__(self, artifact: Artifact, rank: int, world: int, device: torch.device,
-                 cuda_graphs: bool = True, prefill_buckets: bool | None = None):
+                 cuda_graphs: bool = True, prefill_buckets: bool | None = None, static: bool = True,
+                 kv_cache_memory: float | None = None, max_num_seqs: int | None = None):
         self.artifact = artifact
         self.plan = artifact.plan
         self.rank, self.world, self.device = rank, world, device
@@ -62,15 +64,23 @@ class Engine:
         self.vocab_size = self.plan["model"]["vocab_size"]
         self.eos_token_ids = list(self.plan["model"].get("eos_token_ids") or [])
         self.weights = self._load_weights()
-        self.kv_cache = self._allocate_kv_cache()
-        self.programs = {name: self._build(p, name) for name, p in self.plan["programs"].items()}
         self._all_reduces = {name: _all_reduce_nodes(p) for name, p in self.plan["programs"].items()}
         self._slots = {name: sum(n.get("op") in SLOT_OPS for n in p["nodes"]) for name, p in self.plan["programs"].items()}
         self.all_reduce = self._enable_symmetric_all_reduce()
+        # the static programs (prefill + decode over a [max_batch, max_seq] cache): `dsc bench`'s
+        # and the ONNX export's; static=False (the serving engine) holds no static cache
+        self.kv_cache = self._allocate_kv_cache() if static else {}
+        self.kv_pool = allocate_kv_pool(self.plan, device, kv_cache_memory, where=self.artifact.path / "plan.json")
+        self.programs = {name: self._build(p, name) for name, p in self.plan["programs"].items()
+                         if static or name == "ragged"}
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
-        self._decode = DecodeRunner(self._decode_program, self.buckets, device, cuda_graphs)
-        self._prefill = PrefillRunner(lambda *a: self._call("prefill", *a), self.max_seq, device, cuda_graphs,
-                                      buckets=prefill_buckets)
+        if static:
+            self._decode = DecodeRunner(self._decode_program, self.buckets, device, cuda_graphs)
+            self._prefill = PrefillRunner(lambda *a: self._call("prefill", *a), self.max_seq, device, cuda_graphs,
+                                          buckets=prefill_buckets)
+        self.max_num_seqs = max_num_seqs or self.max_batch
+        self.ragged = RaggedRunner(lambda *a: self._call("ragged", *a), self.plan["kv_pool"], self.max_seq,
+                                   self.max_num_seqs, device, cuda_graphs)
 
     def _enable_symmetric_all_reduce(self) -> str:
         """On CUDA with tp > 1: the one-shot all-reduce (kernels/collectives.py) for tensors up
@@ -125,6 +135,8 @@ class Engine:
                 attrs[t] = self.weights[t]
             elif t in self.kv_cache:
                 attrs[t] = self.kv_cache[t]
+            elif t in self.kv_pool:
+                attrs[t] = self.kv_pool[t]
             else:
                 raise UserError(f"{self.artifact.rank_file(self.rank)}: missing tensor '{t}' the plan reads")
         return fx.GraphModule(attrs, graph)
@@ -173,10 +185,10 @@ class Engine:
         Runs in the smallest decode bucket >= B (a CUDA-graph replay on GPU)."""
         return self._decode(tokens, cache_pos).to(torch.float32, copy=True)  # the graph's buffer is reused
 
-    def check_batch(self, prompts: Sequence[Sequence[int]]) -> None:
+    def check_batch(self, prompts: Sequence[Sequence[int]], batch_limit: bool = True) -> None:
         if not prompts:
             raise UserError("generate: no prompts given")
-        if len(prompts) > self.max_batch:
+        if batch_limit and len(prompts) > self.max_batch:
             raise UserError(f"generate: batch of {len(prompts)} prompts exceeds the artifact's "
                             f"max_batch={self.max_batch} (recompile with --max-batch)")
         for i, p in enumerate(prompts):
@@ -192,14 +204,76 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop_tokens: Sequence[int] | None = None,
-                 callback: Callable[[int, list[int | None]], None] | None = None) -> GenerateResult:
-        """Generate for a batch of token-id prompts of different lengths.
+                 callback: Callable[[int, list[int | None]], None] | None = None,
+                 max_num_batched_tokens: int = 512) -> GenerateResult:
+        """Generate for token-id prompts of different lengths (any number: they are scheduled
+        as the KV pool allows), through the continuous-batching scheduler (runtime/scheduler.py).
+
+        Greedy when temperature == 0, else sampled (top-k, top-p); a prompt's sampled tokens
+        depend on the seed (default 0) and the prompt's index only, not on what runs beside it.
+        Stops a sequence at any of `stop_tokens` (default: the model's eos ids), at
+        max_new_tokens or at max_seq. `callback(step, tokens)` is called after every step that
+        produced tokens, with each prompt's new token (None for prompts without one). Under
+        tensor parallelism every rank calls this; rank 0 schedules, and every rank returns the
+        result."""
+        from dsc.runtime.scheduler import Scheduler, SeqParams, Sequence as Seq, STOP, broadcast_step, follow
+
+        prompts = [list(p) for p in prompts]
+        self.check_batch(prompts, batch_limit=False)
+        check_sampling(temperature, top_k, top_p, max_new_tokens, seed)
+        stops = set(self.eos_token_ids if stop_tokens is None else stop_tokens)
+        bad = [t for t in stops if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"generate: stop token {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.rank != 0:
+            follow(self)
+            return self._result_from_rank0(None)
+        try:
+            sched = Scheduler(self, max_num_batched_tokens)
+            seqs = []
+            for i, p in enumerate(prompts):
+                params = SeqParams(max_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
+                                   top_p=float(top_p), seed=((0 if seed is None else seed) + i) % 2**63,
+                                   stop_token_ids=frozenset(stops))
+                seq = Seq(str(i), p, params, index=i)
+                sched.add(seq, where=f"generate: prompt {i}")
+                seqs.append(seq)
+            step = 0
+            while sched.has_work():
+                advanced = sched.step()
+                if callback and advanced:
+                    emitted: list[int | None] = [None] * len(seqs)
+                    for s in advanced:
+                        emitted[s.index] = s.output_ids[-1]
+                    callback(step, emitted)
+                    step += 1
+        finally:
+            if self.world > 1:
+                broadcast_step(STOP)
+        result = GenerateResult([s.output_ids for s in seqs], [s.finish_reason or "length" for s in seqs])
+        return self._result_from_rank0(result)
+
+    def _result_from_rank0(self, result: GenerateResult | None) -> GenerateResult:
+        if self.world == 1:
+            return result
+        import torch.distributed as dist
+
+        box = [result]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def generate_static(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, temperature: float = 0.0,
+                        top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                        stop_tokens: Sequence[int] | None = None,
+                        callback: Callable[[int, list[int | None]], None] | None = None) -> GenerateResult:
+        """Generate for one static batch (at most max_batch prompts) with the static programs:
+        all prompts prefilled together, then decoded in lockstep until the last one stops
+        (`dsc bench`'s and the serving benchmark's baseline).
 
         Greedy when temperature == 0, else sampled (top-k, top-p, seeded). Stops a sequence at
         any of `stop_tokens` (default: the model's eos ids), at max_new_tokens or at max_seq.
         `callback(step, tokens)` is called after every step with each sequence's new token
         (None for sequences already finished).
-
         Pipelined: step t + 1's decode and sampling are queued on the device (from step t's
         tokens, which never leave it) before the host reads step t's tokens, so on a GPU the
         host's per-step work (the read-back, stop checks, callback, the next launches) runs
@@ -312,7 +386,8 @@ def _check_device(device: str | torch.device | None) -> torch.device:
 
 def load(path: str | Path, rank: int | None = None, device: str | torch.device | None = None,
          verify: bool = True, cuda_graphs: bool = True, prefill_buckets: bool | None = None,
-         require_signature: str | Path | None = None) -> Engine:
+         require_signature: str | Path | None = None, static: bool = True, kv_cache_memory: float | None = None,
+         max_num_seqs: int | None = None) -> Engine:
     """Load an artifact for one rank. Checks format version and the sha256 of every file this
     rank reads (skip with verify=False). On CUDA, decode steps are captured as CUDA graphs at
     load, one per batch bucket (cuda_graphs=False runs them eagerly). Prefills are right-padded
@@ -325,7 +400,10 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     (switches.py) are read and checked here, on every device, and kept for the engine's life. The artifact is untrusted data
     (docs/security.md): its file list, plan structure and rank-file header are checked before
     use, with verify=False too; require_signature=PUBKEY (a public key file from `dsc keygen`)
-    also refuses an artifact that is unsigned or altered after `dsc sign`, and implies verify."""
+    also refuses an artifact that is unsigned or altered after `dsc sign`, and implies verify.
+    The ragged program's paged KV pool is sized by kv_cache_memory (GiB; runtime/ragged.py has
+    the default) and its decode steps bucketed up to max_num_seqs sequences (default max_batch);
+    static=False leaves out the static programs and their [max_batch, max_seq] cache (serving)."""
     switches.check_all()
     device = _check_device(device)
     probe = open_artifact(path, ranks=None, verify=False)  # every rank file present, before any rank loads
@@ -337,4 +415,5 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
 
         ensure_process_group(device, world, r)
     artifact = open_artifact(path, ranks=[r], verify=verify, require_signature=require_signature)
-    return Engine(artifact, r, world, device, cuda_graphs=cuda_graphs, prefill_buckets=prefill_buckets)
+    return Engine(artifact, r, world, device, cuda_graphs=cuda_graphs, prefill_buckets=prefill_buckets,
+                  static=static, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)

@@ -130,7 +130,7 @@ def test_streaming_callback_sees_every_token_as_it_is_made(engine, greedy):
 
 
 def _unpipelined(engine, prompts, n, stop, **kw):
-    """generate() as a plain loop: sample, read the tokens back, then decode the next step."""
+    """generate_static() as a plain loop: sample, read the tokens back, then decode the next step."""
     gen = torch.Generator().manual_seed(kw.pop("seed")) if kw.get("temperature", 0) > 0 else None
     engine.reset()
     out, done, lens = [[] for _ in prompts], [False] * len(prompts), torch.tensor([len(p) for p in prompts])
@@ -147,8 +147,9 @@ def _unpipelined(engine, prompts, n, stop, **kw):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.9, top_k=50, top_p=0.9, seed=5)])
-def test_pipelined_generate_gives_the_plain_loops_tokens_and_one_step_more_at_most(engine, greedy, kw, monkeypatch):
-    """generate() queues step t + 1 before it reads step t's tokens: the same tokens (sampled
+def test_pipelined_static_generate_gives_the_plain_loops_tokens_and_one_step_more_at_most(engine, greedy, kw,
+                                                                                          monkeypatch):
+    """generate_static() queues step t + 1 before it reads step t's tokens: the same tokens (sampled
     ones too: the generator is drawn in the same order), and when every sequence has stopped
     early it has decoded one step more than the plain loop, never more."""
     stop = [greedy[0][2], greedy[1][4], greedy[2][3], greedy[3][5]] if not kw else []
@@ -156,7 +157,7 @@ def test_pipelined_generate_gives_the_plain_loops_tokens_and_one_step_more_at_mo
     calls = []
     decode = engine.decode
     monkeypatch.setattr(engine, "decode", lambda tok, pos: calls.append(1) or decode(tok, pos))
-    got = engine.generate(PROMPTS, max_new_tokens=9, stop_tokens=stop, **kw)
+    got = engine.generate_static(PROMPTS, max_new_tokens=9, stop_tokens=stop, **kw)
     assert got.tokens == want
     if stop:
         assert steps < 9 and all(t[-1] in stop for t in got.tokens)  # every sequence stopped early
@@ -184,4 +185,7 @@ def test_prompts_at_the_max_seq_boundary(small_engine, make_checkpoint):
     with pytest.raises(UserError, match="max_seq"):
         small_engine.generate([list(range(16))], max_new_tokens=1)
     with pytest.raises(UserError, match="max_batch"):
-        small_engine.generate([[1], [2], [3]], max_new_tokens=1)
+        small_engine.generate_static([[1], [2], [3]], max_new_tokens=1)
+    # the scheduler takes more prompts than max_batch, as its KV pool allows
+    res = small_engine.generate([[1], [2], [3]], max_new_tokens=3, stop_tokens=[])
+    assert res.tokens == [reference_greedy(ref, [i], 3)[0] for i in (1, 2, 3)]

@@ -1,0 +1,205 @@
+"""The ragged step: T new tokens of N sequences in one flat batch, over a paged KV pool.
+
+The scheduler (runtime/scheduler.py) describes a step as a `Step` of host lists; `pack` turns
+it into one int64 tensor (what rank 0 broadcasts under tensor parallelism, and what one
+host-to-device copy moves), and `RaggedRunner` runs it:
+  - a decode-only step (one token per sequence) runs in the smallest bucket of N sequences
+    >= N, over static buffers: padding sequences bring no token (query_lens 0) and padding
+    tokens write nothing (slot -1). On CUDA each bucket is a CUDA graph captured at load.
+  - any other step (prompt chunks, mixed with decode tokens: SplitFuse) runs the program
+    eagerly at its exact sizes.
+The pool's size is chosen at load from a memory budget (`allocate_kv_pool`).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dsc.errors import UserError
+from dsc.runtime.decode import capture_graph, choose_bucket, register_runner
+
+GiB = 1 << 30
+
+
+def pool_block_bytes(pool: dict) -> int:
+    """Bytes of one block in every layer's k and v pools."""
+    itemsize = torch.empty((), dtype=getattr(torch, pool["dtype"])).element_size()
+    return 2 * pool["layers"] * pool["kv_heads"] * pool["block_size"] * pool["head_dim"] * itemsize
+
+
+def default_num_blocks(plan: dict) -> int:
+    """As many blocks as the static cache's max_batch x max_seq tokens."""
+    lim, bs = plan["limits"], plan["kv_pool"]["block_size"]
+    return lim["max_batch"] * -(-lim["max_seq"] // bs)
+
+
+def allocate_kv_pool(plan: dict, device: torch.device, kv_cache_memory: float | None, where: Path) -> dict[str, torch.Tensor]:
+    """kv_pool.<layer>.k|v [num_blocks, kv_heads, block_size, head_dim]. kv_cache_memory (GiB)
+    sizes it; without it: 90% of the free GPU memory on CUDA, the static cache's size on CPU."""
+    pool = plan["kv_pool"]
+    per_block = pool_block_bytes(pool)
+    if kv_cache_memory is not None:
+        if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)) \
+                or not math.isfinite(kv_cache_memory) or kv_cache_memory <= 0:
+            raise UserError(f"--kv-cache-memory: expected a positive number of GiB, got {kv_cache_memory!r}")
+        num_blocks = int(kv_cache_memory * GiB // per_block)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        num_blocks = int(0.9 * free // per_block)
+    else:
+        num_blocks = default_num_blocks(plan)
+    if num_blocks < 2:
+        raise UserError(f"--kv-cache-memory: {kv_cache_memory} GiB holds {num_blocks} KV blocks of "
+                        f"{per_block / 2**20:.2f} MiB; give at least {2 * per_block / GiB:.4f} GiB")
+    shape = (num_blocks, pool["kv_heads"], pool["block_size"], pool["head_dim"])
+    dtype = getattr(torch, pool["dtype"])
+    try:
+        return {f"kv_pool.{i}.{t}": torch.zeros(shape, dtype=dtype, device=device)
+                for i in range(pool["layers"]) for t in ("k", "v")}
+    except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+        raise UserError(f"{where}: a KV pool of {num_blocks} blocks ({num_blocks * per_block / GiB:.2f} GiB) does "
+                        f"not fit on {device}; give a smaller --kv-cache-memory") from None
+
+
+@dataclass
+class Step:
+    """One ragged step, as host lists. Sequence i brings tokens input_ids[query_start[i]:
+    query_start[i] + query_lens[i]] at positions cache_lens[i].. (the positions the model sees
+    are `positions`); logits are returned for the tokens at logits_idx."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_start: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    cache_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logits_idx: list[int] = field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+def pack(step: Step) -> torch.Tensor:
+    """[T, N, MB, ids, positions, slots, query_start, query_lens, cache_lens, tables, logits_idx]."""
+    T, N = len(step.input_ids), len(step.query_lens)
+    MB = max(1, max((len(b) for b in step.block_tables), default=1))
+    tables = [b + [0] * (MB - len(b)) for b in step.block_tables]
+    flat = [T, N, MB, *step.input_ids, *step.positions, *step.slot_mapping, *step.query_start, *step.query_lens,
+            *step.cache_lens, *(x for b in tables for x in b), *step.logits_idx]
+    return torch.tensor(flat, dtype=torch.long)
+
+
+_INT32 = (2, 3, 4, 5, 6)  # slots, query_start, query_lens, cache_lens, tables
+
+
+class DecodeBucket:
+    """Static inputs of a decode-only step of up to `n` sequences, and its CUDA graph."""
+
+    def __init__(self, program: Callable, n: int, max_blocks: int, device: torch.device):
+        self.program, self.n, self.device = program, n, device
+        i32 = dict(dtype=torch.int32, device=device)
+        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, **i32)
+        self.qs = torch.arange(n, **i32)
+        self.ql = torch.zeros(n, **i32)
+        self.cl = torch.zeros(n, **i32)
+        self.tables = torch.zeros(n, max_blocks, **i32)
+        self.li = torch.arange(n, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _forward(self) -> torch.Tensor:
+        return self.program(self.ids, self.pos, self.slots, self.qs, self.ql, self.cl, self.tables, self.li)
+
+    def capture(self, pool) -> None:
+        self.graph, self.logits = capture_graph(self._forward, self.device, pool)
+
+    def __call__(self, N: int, MB: int, parts: list[torch.Tensor]) -> torch.Tensor:
+        ids, pos, slots, _, _, cl, tables, _ = parts
+        self.ids[0, :N].copy_(ids)
+        self.pos[0, :N].copy_(pos)
+        self.slots[:N].copy_(slots)
+        self.ql[:N].fill_(1)
+        self.cl[:N].copy_(cl)
+        self.tables[:N, :MB].copy_(tables)
+        if N < self.n:  # padding: no token, nothing written
+            self.ids[0, N:].zero_()
+            self.pos[0, N:].zero_()
+            self.slots[N:].fill_(-1)
+            self.ql[N:].zero_()
+            self.cl[N:].zero_()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits = self._forward()
+        return self.logits[:N]
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, then multiples of 16 ... up to max_num_seqs (always included)."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b = b * 2 if b < 16 else b + 16
+    return tuple(out + [max_num_seqs])
+
+
+class RaggedRunner:
+    """runner(packed) -> logits [N, V] of a step `pack` made (on the CPU)."""
+
+    def __init__(self, program: Callable, pool: dict, max_seq: int, max_num_seqs: int, device: torch.device,
+                 cuda_graphs: bool):
+        self.program, self.device = program, device
+        self.max_blocks = -(-max_seq // pool["block_size"])
+        self.buckets = decode_buckets(max_num_seqs)
+        self.steps = {b: DecodeBucket(program, b, self.max_blocks, device) for b in self.buckets}
+        self.captured = False
+        self._pinned = device.type == "cuda"
+        if cuda_graphs and device.type == "cuda":
+            graph_pool = torch.cuda.graph_pool_handle()
+            try:
+                for b in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its pool
+                    self.steps[b].capture(graph_pool)
+                torch.cuda.synchronize(device)
+                self.captured = True
+            except Exception as e:  # an op that cannot be captured: say so, run eagerly
+                print(f"dsc: capturing the decode steps failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); they run eagerly", file=sys.stderr)
+                self.release()
+            register_runner(self)
+
+    def release(self) -> None:
+        for step in self.steps.values():
+            if step.graph is not None:
+                torch.cuda.synchronize(step.device)
+                step.graph.reset()
+            step.graph, step.logits = None, None
+        self.captured = False
+
+    def __call__(self, packed: torch.Tensor) -> torch.Tensor:
+        if self._pinned:
+            packed = packed.pin_memory()
+        dev = packed.to(self.device, non_blocking=True)
+        T, N, MB, parts = unpack_sizes(packed, dev)
+        if T == N and N <= self.buckets[-1] and MB <= self.max_blocks:
+            return self.steps[choose_bucket(self.buckets, N)](N, MB, parts)
+        parts = [p.to(torch.int32) if i in _INT32 else p for i, p in enumerate(parts)]
+        ids, pos, *rest = parts
+        return self.program(ids[None], pos[None], *rest)
+
+
+def unpack_sizes(host: torch.Tensor, dev: torch.Tensor) -> tuple[int, int, int, list[torch.Tensor]]:
+    """The sizes read from the host copy, the parts sliced from the device copy."""
+    T, N, MB = (int(x) for x in host[:3].tolist())
+    sizes = [T, T, T, N, N, N, N * MB, N]
+    parts = list(dev[3:3 + sum(sizes)].split(sizes))
+    parts[6] = parts[6].view(N, MB)
+    return T, N, MB, parts
