@@ -220,6 +220,7 @@ class _Shape:
     n: int
     logprobs: Optional[int]  # top-N asked for; None: no logprobs
     stops: list = field(default_factory=list)
+    token_ids: bool = False  # return_token_ids
 
     def choice(self, server: Server, t: _Track, c, stream: bool):
         """The choice for output c of track t: its new text (stream) or all of it. A stream
@@ -233,13 +234,13 @@ class _Shape:
         if self.logprobs is not None and c.logprobs is not None:
             lp = (_chat_logprobs(server, c, ntok, self.logprobs) if self.chat
                   else _completion_logprobs(server, c, ntok, self.logprobs, chars))
+        common = dict(index=index, logprobs=lp, finish_reason=c.finish_reason,
+                      token_ids=list(c.token_ids[ntok:]) if self.token_ids else None)
         if not self.chat:
-            return P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=c.finish_reason)
+            return P.CompletionChoice(text=text, **common)
         if stream:
-            return P.ChatStreamChoice(index=index, delta=P.ChatResponseMessage(content=text), logprobs=lp,
-                                      finish_reason=c.finish_reason)
-        return P.ChatChoice(index=index, message=P.ChatResponseMessage(role="assistant", content=text), logprobs=lp,
-                            finish_reason=c.finish_reason)
+            return P.ChatStreamChoice(delta=P.ChatResponseMessage(content=text), **common)
+        return P.ChatChoice(message=P.ChatResponseMessage(role="assistant", content=text), **common)
 
     def body(self, rid: str, created: int, model: str, choices: list, usage=None, chunk: bool = False):
         if self.chat:
@@ -333,7 +334,7 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
     async def completions(req: P.CompletionRequest, request: Request):
         server.check_model(req.model)
         fields = dict(req.sampling_fields(), max_tokens=req.max_tokens or 16, logprobs=req.logprobs)
-        shape = _Shape(False, req.n, req.logprobs, fields["stop"] or [])
+        shape = _Shape(False, req.n, req.logprobs, fields["stop"] or [], req.return_token_ids)
         return await _respond(server, request, req, req.prompts(), fields, shape)
 
     @v1.post("/chat/completions")
@@ -344,9 +345,10 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
         except UserError as e:
             raise ApiError(400, str(e), "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens or req.max_tokens or _room_left(server.engine, prompt)
-        fields = dict(req.sampling_fields(), max_tokens=max_tokens, logprobs=top)
-        return await _respond(server, request, req, [prompt], fields, _Shape(True, req.n, top, fields["stop"] or []))
+        # no max_tokens: as many as the context leaves (OpenAI's chat default; the engine's None)
+        fields = dict(req.sampling_fields(), max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=top)
+        shape = _Shape(True, req.n, top, fields["stop"] or [], req.return_token_ids)
+        return await _respond(server, request, req, [prompt], fields, shape)
 
     @app.get("/health")
     async def health():
@@ -360,13 +362,6 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
 
     app.include_router(v1)
     return _Guard(app, server.metrics, max_body_bytes)
-
-
-def _room_left(engine, prompt: str) -> int:
-    """Chat's default max_tokens (OpenAI: as many as fit): the context the prompt leaves."""
-    tok = engine.tokenizer
-    used = len(tok.encode(prompt, add_special_tokens=False).ids) if tok is not None else 0
-    return max(1, engine.max_model_len - used)
 
 
 def _require_key(api_key: str):

@@ -108,6 +108,7 @@ class EngineDriver:
                 self._deliver(sink, e)
             self._sinks.clear()
             return
+        self.stats = self.engine.stats()  # before the outputs: what a client saw, /metrics has seen
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:

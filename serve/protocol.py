@@ -2,7 +2,8 @@
 
 Requests forbid unknown fields (a typo is a 400 naming the field, never a silent default).
 Ranges follow OpenAI's: temperature in [0, 2], top_p in (0, 1], max_tokens >= 1, n >= 1.
-Two fields vLLM's servers also take are accepted: `top_k`, `ignore_eos` and `stop_token_ids`.
+Fields vLLM's servers also take are accepted: `top_k`, `ignore_eos`, `stop_token_ids`, and
+`return_token_ids` (each choice then carries its `token_ids`, exact where text is not).
 """
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ class _Sampling(_Request):
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)  # 0: off
+    top_k: Optional[int] = Field(None, ge=-1)  # 0 or -1: off
     n: int = Field(1, ge=1, le=128)
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
     stop: Optional[StopStrings] = None
     stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: bool = False
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # accepted, unused
@@ -123,6 +125,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -158,6 +161,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -165,6 +169,7 @@ class ChatStreamChoice(BaseModel):
     delta: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = None
 
 
 class ChatCompletionResponse(BaseModel):

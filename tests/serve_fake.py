@@ -14,7 +14,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 from dsc.errors import UserError
@@ -25,7 +25,7 @@ BLOCK = 16
 @dataclass
 class FakeSamplingParams:
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: Optional[int] = 16
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -107,9 +107,10 @@ class FakeEngine:
         ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise UserError("prompt: empty")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise UserError(f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens} exceed the "
-                            f"model's context of {self.max_model_len} tokens (max_model_len)")
+        if len(ids) + 1 > self.max_model_len:
+            raise UserError(f"prompt: {len(ids)} tokens; the artifact's max_seq is {self.max_model_len}")
+        room = self.max_model_len - len(ids)
+        params = replace(params, max_tokens=min(params.max_tokens or room, room))
         self.waiting.append(_Seq(request_id, prompt if isinstance(prompt, str) else None, ids, params))
 
     def abort_request(self, request_id: str) -> None:

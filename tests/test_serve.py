@@ -263,8 +263,8 @@ def test_openai_client_sees_the_errors(live):
         live.client.completions.create(model="gpt-4", prompt="x")
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as e:
-        live.client.completions.create(model=MODEL, prompt="x" * 250, max_tokens=10)
-    assert "max_model_len" in e.value.body["message"] and e.value.body["param"] == "prompt"
+        live.client.completions.create(model=MODEL, prompt="x" * 256, max_tokens=10)
+    assert "max_seq" in e.value.body["message"] and e.value.body["param"] == "prompt"
     with pytest.raises(openai.BadRequestError) as e:
         live.client.completions.create(model=MODEL, prompt="x", max_tokens=1, temperature=-1)
     assert e.value.body["param"] == "temperature"
@@ -477,3 +477,113 @@ def test_serve_bad_flags_are_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     r = _dsc("serve", str(tmp_path), "--max-queue", "-1")
     assert r.returncode == 2 and "--max-queue" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_return_token_ids_and_chat_default_length(live):
+    r = live.client.completions.create(model=MODEL, prompt="ids", max_tokens=4, extra_body={"return_token_ids": True})
+    assert [chr(t) for t in r.choices[0].model_extra["token_ids"]] == list(r.choices[0].text)
+    chat = live.client.chat.completions.create(model=MODEL, messages=_chat("long"))  # no max_tokens: fill the context
+    prompt = live.engine.apply_chat_template(_chat("long"))
+    assert chat.usage.completion_tokens == live.engine.max_model_len - len(prompt)
+    assert chat.choices[0].finish_reason == "length"
+
+
+# -- over the real engine: a tiny compiled Llama, fp32 on the CPU ------------------------------------------
+@pytest.fixture(scope="module")
+def real(compile_artifact):
+    from dsc.runtime.llm import LLMEngine, SamplingParams
+
+    engine = LLMEngine(compile_artifact("llama-tiny", dtype="fp32"), device="cpu", max_num_seqs=32,
+                       max_num_batched_tokens=128)
+    with serving(engine, SamplingParams) as s:
+        yield s
+
+
+def _ids(live, prompt, max_tokens, **kw):
+    r = live.client.completions.create(model=live.engine.model_name, prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True}, **kw)
+    return [c.model_extra["token_ids"] for c in r.choices], r
+
+
+def test_greedy_outputs_equal_transformers_generate(real, make_checkpoint):
+    import torch
+
+    from dsc.compiler.verify import reference_greedy, reference_model
+
+    ref = reference_model(make_checkpoint("llama-tiny"), torch.float32)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 6, 33, 90)]
+    with torch.no_grad():
+        expect = [reference_greedy(ref, p, 10)[0] for p in prompts]
+    got, r = _ids(real, prompts, 10)
+    assert got == expect
+    assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 40
+    text = real.client.completions.create(model=real.engine.model_name, prompt="Hello world", max_tokens=6,
+                                          temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = real.engine.tokenizer.encode("Hello world").ids
+    with torch.no_grad():
+        assert text.choices[0].model_extra["token_ids"] == reference_greedy(ref, ids, 6)[0]
+    # the engine's text holds back a trailing incomplete UTF-8 sequence, which a whole decode shows as U+FFFD
+    assert real.engine.tokenizer.decode(reference_greedy(ref, ids, 6)[0]).startswith(text.choices[0].text)
+
+
+def test_real_64_concurrent_streaming_clients_each_get_what_they_get_alone(real):
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 40))] for _ in range(64)]
+    alone = [_ids(real, p, 6)[0][0] for p in prompts]
+
+    async def one(client, p):
+        ids = []
+        async for chunk in await client.completions.create(
+                model=real.engine.model_name, prompt=p, max_tokens=6, temperature=0, stream=True,
+                extra_body={"return_token_ids": True, "ignore_eos": True}):
+            ids += chunk.choices[0].model_extra["token_ids"] if chunk.choices else []
+        return ids
+
+    async def all_at_once():
+        async with real.aclient() as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+    assert asyncio.run(all_at_once()) == alone
+    assert real.wait_idle()["dsc_kv_blocks_used"] == 0
+
+
+def test_real_seeded_sampling_and_stop_strings(real):
+    name = real.engine.model_name
+
+    def sample(seed):
+        return real.client.completions.create(model=name, prompt="Hello", max_tokens=12, temperature=1.0, seed=seed,
+                                              extra_body={"ignore_eos": True}).choices[0].text
+    assert sample(3) == sample(3)
+    full = real.client.completions.create(model=name, prompt="Hello", max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    streamed = "".join(c.choices[0].text for c in real.client.completions.create(
+        model=name, prompt="Hello", max_tokens=12, temperature=0, stop=stop, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert streamed == full[:full.index(stop)]
+
+
+def test_real_disconnect_frees_the_kv_blocks(real):
+    conn = http.client.HTTPConnection("127.0.0.1", real.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": [5] * 50, "max_tokens": 400, "stream": True,
+                                                        "ignore_eos": True}), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.read(6) == b"data: "
+    used = real.metrics()["dsc_kv_blocks_used"]
+    assert used >= real.engine.scheduler.blocks_for(51)
+    conn.sock.shutdown(2)
+    conn.close()
+    m = real.wait_idle(timeout=5)
+    assert m["dsc_kv_blocks_used"] == 0 and m["dsc_num_requests_running"] == 0
+
+
+def test_real_errors_name_the_limit(real):
+    with pytest.raises(openai.BadRequestError) as e:
+        real.client.completions.create(model=real.engine.model_name, prompt=[5] * (real.engine.max_model_len + 1))
+    assert "max_seq" in e.value.body["message"] and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        real.client.completions.create(model=real.engine.model_name, prompt=[10**6])
+    assert "vocabulary" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # the random checkpoint's tokenizer has no chat template
+        real.client.chat.completions.create(model=real.engine.model_name, messages=_chat("hi"))
+    assert "chat template" in e.value.body["message"]
