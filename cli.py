@@ -409,6 +409,41 @@ def serve_cmd(
         _fail(str(e))
 
 
+@app.command("bench-serve")
+def bench_serve_cmd(
+    url: str = typer.Argument(..., help="the server, e.g. http://127.0.0.1:8000"),
+    rate: List[str] = typer.Option(["1", "4", "16", "inf"], "--rate", help="requests per second (repeatable; inf: all at once)"),
+    num_requests: int = typer.Option(100, "--num-requests", help="requests per rate"),
+    prompt_len: str = typer.Option("128", "--prompt-len", help="prompt tokens: N, LO:HI (uniform) or A,B,... (one of)"),
+    output_len: str = typer.Option("128", "--output-len", help="output tokens: N, LO:HI or A,B,..."),
+    vocab: int = typer.Option(1000, help="prompt token ids are drawn from [10, VOCAB)"),
+    model: Optional[str] = typer.Option(None, help="model name (default: the server's first)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DSC_API_KEY", help="bearer key (env DSC_API_KEY)"),
+    seed: int = typer.Option(0, help="seed of the workload and the arrivals"),
+    as_json: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
+    png: Optional[Path] = typer.Option(None, "--png", help="plot latency against throughput here (needs matplotlib)"),
+) -> None:
+    """Load-test an OpenAI-compatible server: Poisson arrivals per rate; throughput, TTFT, ITL, E2E."""
+    try:
+        from dsc.serve.bench import BenchConfig, Lengths, plot, render, run, write_json
+
+        try:
+            rates = [float(r) for r in rate]
+        except ValueError:
+            raise UserError(f"--rate: expected numbers or inf, got {rate}") from None
+        cfg = BenchConfig(url, rates, num_requests, Lengths.parse(prompt_len, "--prompt-len"),
+                          Lengths.parse(output_len, "--output-len"), vocab, model, api_key or "none", seed)
+        res = run(cfg, progress=lambda line: typer.echo(line, err=True))
+    except UserError as e:
+        _fail(str(e))
+    typer.echo(render(res), nl=False)
+    if as_json:
+        write_json(res, as_json)
+    if png:
+        why = plot(res, png)
+        typer.echo(why or f"wrote {png}", err=bool(why))
+
+
 def main() -> None:
     try:
         app()

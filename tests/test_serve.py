@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -587,3 +589,59 @@ def test_real_errors_name_the_limit(real):
     with pytest.raises(openai.BadRequestError) as e:  # the random checkpoint's tokenizer has no chat template
         real.client.chat.completions.create(model=real.engine.model_name, messages=_chat("hi"))
     assert "chat template" in e.value.body["message"]
+
+
+# -- the load generator -----------------------------------------------------------------------------------
+def test_bench_lengths_and_arrivals():
+    from dsc.errors import UserError
+    from dsc.serve.bench import Lengths, arrivals
+
+    rng = random.Random(0)
+    assert {Lengths.parse("5:7", "--x").draw(rng) for _ in range(200)} == {5, 6, 7}
+    assert {Lengths.parse("128,2048", "--x").draw(rng) for _ in range(50)} == {128, 2048}
+    for bad in ("0", "9:3", "a", "1:2:3", ""):
+        with pytest.raises(UserError, match="--x"):
+            Lengths.parse(bad, "--x")
+    times = arrivals(50.0, 4000, seed=0)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times == sorted(times) and abs(sum(gaps) / len(gaps) - 1 / 50) < 0.002
+    assert abs(sum(g > 1 / 50 for g in gaps) / len(gaps) - math.exp(-1)) < 0.03  # exponential: P(gap > mean) = 1/e
+    assert arrivals(math.inf, 3, seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_bench_serve_reports_every_rate(tmp_path):
+    with serving(FakeEngine(step_delay_s=0.002, max_num_seqs=8)) as s:
+        r = _dsc("bench-serve", s.url, "--rate", "30", "--rate", "inf", "--num-requests", "24", "--prompt-len", "4:40",
+                 "--output-len", "5,9", "--vocab", "120", "--json", str(tmp_path / "b.json"),
+                 "--png", str(tmp_path / "b.png"))
+        assert r.returncode == 0, r.stderr
+        m = s.metrics()
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert [row["rate"] for row in res["results"]] == [30.0, "inf"] and res["model"] == MODEL
+    for row in res["results"]:
+        assert row["completed"] == 24 and row["failed"] == 0 and row["output_tokens_per_s"] > 0
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"]
+        assert row["ttft_ms"]["p99"] <= row["e2e_ms"]["p99"]
+    assert m['dsc_requests_total{code="200",endpoint="/v1/completions"}'] == 48
+    # every request generated exactly its output length (ignore_eos), counted once by the server
+    assert m["dsc_generation_tokens_total"] == 2 * sum(n for _, n in _workload(24, "4:40", "5,9", 120))
+    assert "TTFT p50/p90/p99 ms" in r.stdout and "30.0" in r.stdout
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert "matplotlib is not installed" in r.stderr
+
+
+def _workload(n, prompt_len, output_len, vocab):
+    from dsc.serve.bench import BenchConfig, Lengths, workload
+
+    return workload(BenchConfig("x", [1.0], n, Lengths.parse(prompt_len, "p"), Lengths.parse(output_len, "o"), vocab))
+
+
+def test_bench_serve_bad_input_is_one_line():
+    r = _dsc("bench-serve", "http://127.0.0.1:9", "--rate", "fast")
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: --rate")
+    r = _dsc("bench-serve", "http://127.0.0.1:9", "--num-requests", "1")  # nothing listens on port 9
+    assert r.returncode == 2 and "cannot list the server's models" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
