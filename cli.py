@@ -209,13 +209,19 @@ def generate_cmd(
         _fail(str(e))
 
 
-def _relaunch_under_torchrun(n: int) -> None:
-    """Start n local ranks of this same command with torch.distributed.run."""
+def _relaunch_under_torchrun(n: int, on_sigterm=None) -> None:
+    """Start n local ranks of this same command with torch.distributed.run. `on_sigterm(pid)`,
+    if given, handles a SIGTERM to this process, with torchrun's pid."""
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "dsc"] + sys.argv[1:]
-    rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    if on_sigterm is not None:
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: on_sigterm(proc.pid))
+    rc = proc.wait()
     if rc:
         raise typer.Exit(rc)
 
@@ -388,7 +394,9 @@ def serve_cmd(
             raise UserError(f"--max-queue and --shutdown-timeout: must be >= 0, got {max_queue}, {shutdown_timeout}")
         tp = open_artifact(artifact, ranks=[], verify=False).tp
         if tp > 1 and "WORLD_SIZE" not in os.environ:
-            _relaunch_under_torchrun(tp)
+            from dsc.serve.server import stop_rank0
+
+            _relaunch_under_torchrun(tp, on_sigterm=stop_rank0)  # SIGTERM: rank 0 drains, then releases the others
             return
         from dsc.runtime.llm import LLMEngine, SamplingParams
 
@@ -396,15 +404,23 @@ def serve_cmd(
         sock = listen(host, port) if rank == 0 else None  # a taken port fails before the model loads
         engine = LLMEngine(artifact, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, verify=not no_verify)
-        if rank != 0:  # tp > 1: rank 0 serves HTTP, the others step with it
+        if rank != 0:  # tp > 1: rank 0 serves HTTP, the others step with it until it releases them
+            import signal
+
+            for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop (after draining)
+                signal.signal(sig, signal.SIG_IGN)
             engine.follow()
-            engine.shutdown()
-            return
-        opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
-                            max_queue=max_queue, shutdown_timeout=shutdown_timeout)
-        server = build(engine, opts, SamplingParams, sock)
-        announce(server, opts, typer.echo)
-        run(server)
+        else:
+            opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+                                max_queue=max_queue, shutdown_timeout=shutdown_timeout)
+            server = build(engine, opts, SamplingParams, sock)
+            announce(server, opts, typer.echo)
+            run(server)  # ends with engine.shutdown(), which releases the other ranks
+        if tp > 1:
+            sys.stdout.flush()
+            from dsc.runtime.distributed import shutdown_process_group
+
+            shutdown_process_group()
     except UserError as e:
         _fail(str(e))
 

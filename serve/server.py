@@ -7,10 +7,12 @@ which aborts them in the engine), shuts the engine down and exits 0.
 from __future__ import annotations
 
 import ipaddress
+import os
 import signal
 import socket
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import uvicorn
@@ -74,6 +76,20 @@ def run(server: uvicorn.Server) -> None:
         server.run(sockets=[server.sock])
     finally:
         server.driver.stop()
+
+
+def stop_rank0(torchrun_pid: int) -> None:
+    """SIGTERM to rank 0 of the ranks torchrun started (rank 0 drains, then releases the others,
+    and torchrun sees every rank exit 0); to torchrun itself when rank 0 cannot be found."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == torchrun_pid and b"\0RANK=0\0" in b"\0" + (stat.parent / "environ").read_bytes():
+                os.kill(int(stat.parent.name), signal.SIGTERM)
+                return
+        except (OSError, ValueError, IndexError):  # a process that ended while we looked
+            continue
+    os.kill(torchrun_pid, signal.SIGTERM)
 
 
 def announce(server: uvicorn.Server, opts: ServeOptions, echo: Callable[[str], None]) -> None:

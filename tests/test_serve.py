@@ -645,3 +645,35 @@ def test_bench_serve_bad_input_is_one_line():
     r = _dsc("bench-serve", "http://127.0.0.1:9", "--num-requests", "1")  # nothing listens on port 9
     assert r.returncode == 2 and "cannot list the server's models" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_tp2_serve_starts_its_ranks_answers_like_tp1_and_drains_on_sigterm(compile_artifact, make_checkpoint):
+    """`dsc serve` on a tp=2 artifact starts 2 gloo ranks under torchrun; rank 0 serves HTTP.
+    SIGTERM to `dsc serve`: rank 0 finishes the stream in flight, releases rank 1, all exit 0."""
+    import torch
+
+    from dsc.compiler.verify import reference_greedy, reference_model
+
+    art = compile_artifact("llama-tiny", dtype="fp32", tp=2)
+    proc = subprocess.Popen([sys.executable, "-m", "dsc", "serve", str(art), "--port", "0", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        port = int(re.search(r":(\d+)/v1", line).group(1)) if "/v1" in line else pytest.fail(line + proc.stderr.read())
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        prompt = [7, 99, 301, 45, 12]
+        r = client.completions.create(model=art.name, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        with torch.no_grad():
+            expect = reference_greedy(reference_model(make_checkpoint("llama-tiny"), torch.float32), prompt, 8)[0]
+        assert r.choices[0].model_extra["token_ids"] == expect
+        stream = client.completions.create(model=art.name, prompt=prompt, max_tokens=60, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+        ids = list(next(iter(stream)).choices[0].model_extra["token_ids"])
+        proc.send_signal(signal.SIGTERM)
+        for chunk in stream:
+            ids += chunk.choices[0].model_extra["token_ids"]
+        assert len(ids) == 60 and ids[:8] == expect
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
