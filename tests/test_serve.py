@@ -283,9 +283,12 @@ def test_a_body_over_the_limit_is_413(live):
     assert status == 413 and json.loads(data)["error"]["code"] == "body_too_large"
 
 
-def test_api_key():
-    with serving(FakeEngine(), api_key="s3cret") as s:
-        assert [m.id for m in s.client.models.list().data] == [MODEL]
+def test_api_key_and_served_model_name():
+    with serving(FakeEngine(), api_key="s3cret", served_model_name="alias") as s:
+        assert [m.id for m in s.client.models.list().data] == ["alias"]
+        assert s.client.completions.create(model="alias", prompt="x", max_tokens=2).model == "alias"
+        with pytest.raises(openai.NotFoundError):
+            s.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             status, _, data = s.raw("POST", "/v1/completions", {"prompt": "x"}, headers)
             assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
