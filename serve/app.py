@@ -113,21 +113,24 @@ class _Outputs:
         self.server, self.queue = server, queue
         self.track: dict[str, _Track] = {}
         self.prompt_tokens: dict[int, int] = {}
+        self._early: list = []  # outputs of a prompt that arrived before a later prompt was accepted
 
     async def wait_accepted(self) -> None:
         pending = set(self.track)
         while pending:
             rid, item = await self.queue.get()
-            if item == ACCEPTED:
-                pending.discard(rid)
-            else:
+            if isinstance(item, BaseException):
                 self._finish(rid)
                 raise _as_api_error(item)
+            if item is ACCEPTED:
+                pending.discard(rid)
+            else:
+                self._early.append((rid, item))
 
     async def __aiter__(self) -> AsyncIterator:
         """(track, RequestOutput) per output, until every request finished."""
         while not all(t.finished for t in self.track.values()):
-            rid, item = await self.queue.get()
+            rid, item = self._early.pop(0) if self._early else await self.queue.get()
             if isinstance(item, BaseException):
                 self._finish(rid)
                 raise _as_api_error(item)
