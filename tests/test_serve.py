@@ -370,29 +370,6 @@ def _garbage(rng: random.Random, i: int) -> tuple[str, str, bytes]:
     return "POST", "/v1/completions", json.dumps([1, 2, 3] if rng.random() < 0.5 else "prompt").encode()
 
 
-def test_a_thousand_garbage_requests_leave_it_serving_and_the_pool_empty(live):
-    rng = random.Random(0)
-    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
-    statuses = {}
-    for i in range(1000):
-        method, path, body = _garbage(rng, i)
-        conn.request(method, path, body, {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        payload = r.read()
-        statuses[r.status] = statuses.get(r.status, 0) + 1
-        assert r.status < 500, (method, path, body[:200], payload[:300])
-        if r.status >= 400:
-            assert "message" in json.loads(payload)["error"]
-        if r.getheader("connection") == "close":
-            conn.close()
-            conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
-    conn.close()
-    assert sum(statuses.values()) == 1000 and statuses.get(400, 0) > 500
-    assert live.wait_idle()["dsc_kv_blocks_used"] == 0
-    assert live.client.completions.create(model=MODEL, prompt="still", max_tokens=4).choices[0].text == \
-        greedy_text("still", 4)
-
-
 def test_metrics_count_requests_and_tokens():
     with serving(FakeEngine()) as s:
         r = s.client.completions.create(model=MODEL, prompt="count me", max_tokens=6, n=2)
@@ -552,6 +529,15 @@ def test_real_64_concurrent_streaming_clients_each_get_what_they_get_alone(real)
     assert real.wait_idle()["dsc_kv_blocks_used"] == 0
 
 
+def test_real_logprobs_of_greedy_tokens_are_the_top_ones(real):
+    ids, r = _ids(real, [3, 4, 5, 6], 6, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 6 == len(lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    assert "".join(lp.tokens) == real.engine.tokenizer.decode(ids[0])  # per-token strings, in order
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and chosen >= max(top.values()) - 1e-5  # greedy: the chosen token is the top one
+
+
 def test_real_seeded_sampling_and_stop_strings(real):
     name = real.engine.model_name
 
@@ -680,3 +666,26 @@ def test_tp2_serve_starts_its_ranks_answers_like_tp1_and_drains_on_sigterm(compi
         assert proc.wait(60) == 0, proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_a_thousand_garbage_requests_leave_it_serving_and_the_pool_empty(real):
+    rng = random.Random(0)
+    before = _ids(real, [9, 8, 7], 5)[0]
+    conn = http.client.HTTPConnection("127.0.0.1", real.port, timeout=30)
+    statuses = {}
+    for i in range(1000):
+        method, path, body = _garbage(rng, i)
+        conn.request(method, path, body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        payload = r.read()
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+        assert r.status < 500, (method, path, body[:200], payload[:300])
+        if r.status >= 400:
+            assert "message" in json.loads(payload)["error"]
+        if r.getheader("connection") == "close":
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", real.port, timeout=30)
+    conn.close()
+    assert sum(statuses.values()) == 1000 and statuses.get(400, 0) > 500
+    assert real.wait_idle()["dsc_kv_blocks_used"] == 0
+    assert _ids(real, [9, 8, 7], 5)[0] == before
