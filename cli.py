@@ -387,40 +387,19 @@ def serve_cmd(
 ) -> None:
     """Serve an artifact over the OpenAI API (completions, chat, models, health, metrics)."""
     try:
-        from dsc.serve.server import ServeOptions, announce, build, listen, run  # the serve extra, before the load
+        from dsc.serve.server import ServeOptions, serve_artifact, stop_rank0  # the serve extra, before the load
         from dsc.runtime.artifact import open_artifact
 
         if max_queue < 0 or shutdown_timeout < 0:
             raise UserError(f"--max-queue and --shutdown-timeout: must be >= 0, got {max_queue}, {shutdown_timeout}")
         tp = open_artifact(artifact, ranks=[], verify=False).tp
         if tp > 1 and "WORLD_SIZE" not in os.environ:
-            from dsc.serve.server import stop_rank0
-
             _relaunch_under_torchrun(tp, on_sigterm=stop_rank0)  # SIGTERM: rank 0 drains, then releases the others
             return
-        from dsc.runtime.llm import LLMEngine, SamplingParams
-
-        rank = int(os.environ.get("RANK", "0"))
-        sock = listen(host, port) if rank == 0 else None  # a taken port fails before the model loads
-        engine = LLMEngine(artifact, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, verify=not no_verify)
-        if rank != 0:  # tp > 1: rank 0 serves HTTP, the others step with it until it releases them
-            import signal
-
-            for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop (after draining)
-                signal.signal(sig, signal.SIG_IGN)
-            engine.follow()
-        else:
-            opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
-                                max_queue=max_queue, shutdown_timeout=shutdown_timeout)
-            server = build(engine, opts, SamplingParams, sock)
-            announce(server, opts, typer.echo)
-            run(server)  # ends with engine.shutdown(), which releases the other ranks
-        if tp > 1:
-            sys.stdout.flush()
-            from dsc.runtime.distributed import shutdown_process_group
-
-            shutdown_process_group()
+        opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+                            max_queue=max_queue, shutdown_timeout=shutdown_timeout)
+        serve_artifact(artifact, opts, typer.echo, device=device, kv_cache_memory=kv_cache_memory,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, verify=not no_verify)
     except UserError as e:
         _fail(str(e))
 

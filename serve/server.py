@@ -10,6 +10,7 @@ import ipaddress
 import os
 import signal
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,29 @@ class ServeOptions:
     api_key: Optional[str] = None
     max_queue: int = 1024
     shutdown_timeout: float = 30.0
+
+
+def serve_artifact(artifact, opts: ServeOptions, echo: Callable[[str], None], **engine_kwargs) -> None:
+    """`dsc serve` in this process: load the artifact's LLMEngine (one rank of it under
+    torchrun); rank 0 serves HTTP until SIGTERM, the other ranks step with it until released."""
+    from dsc.runtime.llm import LLMEngine, SamplingParams
+
+    rank = int(os.environ.get("RANK", "0"))
+    sock = listen(opts.host, opts.port) if rank == 0 else None  # a taken port fails before the model loads
+    engine = LLMEngine(artifact, **engine_kwargs)
+    if rank != 0:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop (after draining)
+            signal.signal(sig, signal.SIG_IGN)
+        engine.follow()
+    else:
+        server = build(engine, opts, SamplingParams, sock)
+        announce(server, opts, echo)
+        run(server)  # ends with engine.shutdown(), which releases the other ranks
+    if engine.engine.world > 1:
+        sys.stdout.flush()
+        from dsc.runtime.distributed import shutdown_process_group
+
+        shutdown_process_group()
 
 
 def build(engine, opts: ServeOptions, sampling_params_cls, sock: Optional[socket.socket] = None) -> uvicorn.Server:
