@@ -23,6 +23,9 @@ from dsc.serve.app import create_app
 from dsc.serve.driver import EngineDriver
 
 
+KEEP_ALIVE_S = 65
+
+
 @dataclass
 class ServeOptions:
     host: str = "127.0.0.1"
@@ -63,8 +66,12 @@ def build(engine, opts: ServeOptions, sampling_params_cls, sock: Optional[socket
     driver = EngineDriver(engine, sampling_params_cls)
     app = create_app(driver, served_model_name=opts.served_model_name, api_key=opts.api_key,
                      max_queue=opts.max_queue)
+    # keep idle connections longer than clients do (httpx: 5 s, aiohttp: 15 s) and than load
+    # balancers' idle timeouts (60 s): the side that closes first must be the client, or a request
+    # sent on a connection the server is closing fails with a connection error
     config = uvicorn.Config(app, host=opts.host, port=opts.port, lifespan="off", log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=opts.shutdown_timeout)
+                            access_log=False, timeout_graceful_shutdown=opts.shutdown_timeout,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = uvicorn.Server(config)
     server.driver, server.sock, server.port = driver, sock, sock.getsockname()[1]
     driver.start()
