@@ -406,7 +406,7 @@ def serve_cmd(
 
 @app.command("bench-serve")
 def bench_serve_cmd(
-    url: str = typer.Argument(..., help="the server, e.g. http://127.0.0.1:8000"),
+    url: Optional[str] = typer.Argument(None, help="the server, e.g. http://127.0.0.1:8000"),
     rate: List[str] = typer.Option(["1", "4", "16", "inf"], "--rate", help="requests per second (repeatable; inf: all at once)"),
     num_requests: int = typer.Option(100, "--num-requests", help="requests per rate"),
     prompt_len: str = typer.Option("128", "--prompt-len", help="prompt tokens: N, LO:HI (uniform) or A,B,... (one of)"),
@@ -417,18 +417,27 @@ def bench_serve_cmd(
     seed: int = typer.Option(0, help="seed of the workload and the arrivals"),
     as_json: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     png: Optional[Path] = typer.Option(None, "--png", help="plot latency against throughput here (needs matplotlib)"),
+    offline: Optional[Path] = typer.Option(None, "--offline", help="also run the same requests through dsc.LLM on this artifact"),
+    device: Optional[str] = typer.Option(None, help="(--offline) cpu | cuda"),
 ) -> None:
     """Load-test an OpenAI-compatible server: Poisson arrivals per rate; throughput, TTFT, ITL, E2E."""
     try:
-        from dsc.serve.bench import BenchConfig, Lengths, plot, render, run, write_json
+        from dsc.serve.bench import BenchConfig, Lengths, compare_offline, plot, render, run, run_offline, write_json
 
         try:
             rates = [float(r) for r in rate]
         except ValueError:
             raise UserError(f"--rate: expected numbers or inf, got {rate}") from None
-        cfg = BenchConfig(url, rates, num_requests, Lengths.parse(prompt_len, "--prompt-len"),
+        if url is None and offline is None:
+            raise UserError("bench-serve: give the server's URL, or --offline ARTIFACT, or both")
+        cfg = BenchConfig(url or "", rates, num_requests, Lengths.parse(prompt_len, "--prompt-len"),
                           Lengths.parse(output_len, "--output-len"), vocab, model, api_key or "none", seed)
-        res = run(cfg, progress=lambda line: typer.echo(line, err=True))
+        res = run(cfg, progress=lambda line: typer.echo(line, err=True)) if url else \
+            {"model": offline.name, "config": {"prompt_len": prompt_len, "output_len": output_len}, "results": []}
+        if offline is not None:
+            typer.echo(f"offline: {num_requests} requests through dsc.LLM({offline})", err=True)
+            res["results"].append(run_offline(cfg, offline, device=device))
+            compare_offline(res)
     except UserError as e:
         _fail(str(e))
     typer.echo(render(res), nl=False)

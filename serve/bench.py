@@ -10,6 +10,9 @@ table, JSON, and a PNG of latency against throughput across the rates.
 
 A length distribution is `N` (fixed), `LO:HI` (uniform integers) or `A,B,...` (one of them,
 uniformly): `--prompt-len 32:2048 --output-len 32:512`, or `--prompt-len 128,2048`.
+
+`--offline ARTIFACT` also runs the same requests through `dsc.LLM` in this process, all at
+once, for the throughput the server's saturated rate is compared with.
 """
 from __future__ import annotations
 
@@ -188,6 +191,35 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> d
     return asyncio.run(_bench(cfg, progress))
 
 
+def run_offline(cfg: BenchConfig, artifact, **engine_kwargs) -> dict:
+    """The same requests (workload(cfg)) through dsc.LLM in this process, all at once: the
+    throughput the server's saturated rate is compared with (what the HTTP layer costs)."""
+    from dsc.runtime.llm import LLM, SamplingParams
+
+    llm = LLM(artifact, **engine_kwargs)
+    work = workload(cfg)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in work]
+    llm.generate([p for p, _ in work[:2]], params[:2])  # warm-up: first-step costs out of the timing
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params)
+    duration = time.perf_counter() - t0
+    llm.engine.shutdown()
+    done = [(len(p), len(o.outputs[0].token_ids)) for (p, n), o in zip(work, outs) if len(o.outputs[0].token_ids) == n]
+    return {"rate": "offline", "requests": len(work), "completed": len(done), "failed": len(work) - len(done),
+            "duration_s": duration, "requests_per_s": len(done) / duration,
+            "output_tokens_per_s": sum(n for _, n in done) / duration,
+            "total_tokens_per_s": sum(a + b for a, b in done) / duration,
+            "ttft_ms": _percentiles([]), "itl_ms": _percentiles([]), "e2e_ms": _percentiles([]), "errors": []}
+
+
+def compare_offline(res: dict) -> None:
+    """res["http_over_offline"]: the best HTTP rate's output tokens/s over the offline run's."""
+    http = [r["output_tokens_per_s"] for r in res["results"] if r["rate"] != "offline"]
+    offline = [r["output_tokens_per_s"] for r in res["results"] if r["rate"] == "offline"]
+    if http and offline and offline[0]:
+        res["http_over_offline"] = max(http) / offline[0]
+
+
 def render(res: dict) -> str:
     """The results as a table (rich, plain text)."""
     from rich.console import Console
@@ -205,7 +237,9 @@ def render(res: dict) -> str:
     console = Console(width=160, record=True, file=io.StringIO())
     console.print(t)
     errors = sorted({e for r in res["results"] for e in r["errors"]})
-    return console.export_text() + "".join(f"error: {e}\n" for e in errors)
+    ratio = (f"saturated HTTP throughput / offline dsc.LLM: {res['http_over_offline']:.3f}\n"
+             if "http_over_offline" in res else "")
+    return console.export_text() + ratio + "".join(f"error: {e}\n" for e in errors)
 
 
 def _triple(p: dict) -> str:
@@ -222,7 +256,7 @@ def plot(res: dict, path: Path) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'dsc[bench]'): no PNG written"
-    rows = [r for r in res["results"] if r["completed"]]
+    rows = [r for r in res["results"] if r["completed"] and r["rate"] != "offline"]
     x = [r["output_tokens_per_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (key, label), color in zip((("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")), ("C0", "C1", "C2")):
@@ -230,6 +264,9 @@ def plot(res: dict, path: Path) -> Optional[str]:
             ax.plot(x, [r[key][p] for r in rows], style, color=color, label=f"{label} {p}")
     for xi, r in zip(x, rows):
         ax.annotate(f"{r['rate']}/s", (xi, r["e2e_ms"]["p50"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for r in res["results"]:
+        if r["rate"] == "offline":
+            ax.axvline(r["output_tokens_per_s"], color="gray", linestyle=":", label="offline dsc.LLM")
     ax.set_xlabel("output tokens/s")
     ax.set_ylabel("latency (ms)")
     ax.set_yscale("log")

@@ -689,3 +689,19 @@ def test_a_thousand_garbage_requests_leave_it_serving_and_the_pool_empty(real):
     assert sum(statuses.values()) == 1000 and statuses.get(400, 0) > 500
     assert real.wait_idle()["dsc_kv_blocks_used"] == 0
     assert _ids(real, [9, 8, 7], 5)[0] == before
+
+
+def test_bench_serve_against_the_real_server_and_offline(real, compile_artifact, tmp_path):
+    art = compile_artifact("llama-tiny", dtype="fp32")
+    r = _dsc("bench-serve", real.url, "--rate", "inf", "--num-requests", "12", "--prompt-len", "3:50",
+             "--output-len", "4:9", "--vocab", "500", "--offline", str(art), "--device", "cpu",
+             "--json", str(tmp_path / "b.json"))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "b.json").read_text())
+    http, offline = res["results"]
+    assert http["completed"] == offline["completed"] == 12 and offline["rate"] == "offline"
+    # the same requests, each generating exactly its output length, both ways
+    assert http["output_tokens_per_s"] * http["duration_s"] == pytest.approx(
+        offline["output_tokens_per_s"] * offline["duration_s"])
+    assert res["http_over_offline"] == pytest.approx(http["output_tokens_per_s"] / offline["output_tokens_per_s"])
+    assert "saturated HTTP throughput / offline dsc.LLM" in r.stdout
