@@ -35,7 +35,7 @@ class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (), include_stop: bool = False,
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
+        self.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         self.text = ""

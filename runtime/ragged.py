@@ -143,13 +143,18 @@ class DecodeBucket:
         return self.logits[:N]
 
 
+MAX_BUCKET = 512  # decode-only steps of more sequences run eagerly: their GPU time dwarfs the launches
+
+
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, 16, then multiples of 16 ... up to max_num_seqs (always included)."""
+    """1, 2, 4, 8, 16, then steps of 16 to 64, of 32 to 256, of 64 to MAX_BUCKET; the last
+    min(max_num_seqs, MAX_BUCKET)."""
+    top = min(max_num_seqs, MAX_BUCKET)
     out, b = [], 1
-    while b < max_num_seqs:
+    while b < top:
         out.append(b)
-        b = b * 2 if b < 16 else b + 16
-    return tuple(out + [max_num_seqs])
+        b = b * 2 if b < 16 else b + (16 if b < 64 else 32 if b < 256 else 64)
+    return tuple(out + [top])
 
 
 class RaggedRunner:

@@ -30,16 +30,12 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     if temperature <= 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already hold top_p of the mass
-        drop = probs.cumsum(-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    any_top_k, any_top_p = 0 < top_k < logits.shape[-1], top_p < 1.0
+    if any_top_k or any_top_p:
+        rows = logits.shape[0]
+        logits = _filter_top_k_top_p(logits, torch.full((rows,), top_k, device=logits.device),
+                                     torch.full((rows,), top_p, device=logits.device), any_top_k, any_top_p,
+                                     max_top_k=top_k)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -67,13 +63,27 @@ def _row_keys(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return key.unsqueeze(-1)
 
 
+def _token_bits(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] int64 of 23 random bits; entry (r, t) depends only on (seed[r], step[r], t).
+    The row keys [N] and token hashes [V] are fully mixed; the [N, V] stage, where the cost is,
+    combines them with one multiply-xorshift-multiply round."""
+    tokens = _mix32(torch.arange(vocab, device=seed.device, dtype=torch.int64) ^ 0x5BD1E995)  # [V]
+    x = (_row_keys(seed, step) ^ tokens).mul_(_MIX_MULS[0]).bitwise_and_(_MASK32)  # [N, V]
+    x = x.bitwise_xor_(x >> 15).mul_(_MIX_MULS[1]).bitwise_and_(_MASK32)
+    return x.bitwise_right_shift_(9)
+
+
 def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """[N, vocab] float32 Gumbel(0, 1) noise; entry (r, t) depends only on (seed[r], step[r], t)."""
-    tokens = _mix32(torch.arange(vocab, device=seed.device, dtype=torch.int64) ^ 0x5BD1E995)  # [V]
-    bits = _mix32(_row_keys(seed, step) ^ tokens) >> 9  # [N, V], 23 bits
-    # u in (0, 1) exactly representable in float32 at both ends: -log(u) > 0 and finite
-    u = (bits.float() + 0.5) * (1.0 / (1 << 23))
-    return -torch.log(-torch.log(u))
+    return _neg_gumbel(seed, step, vocab).neg_()
+
+
+def _neg_gumbel(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log(-log(u)), u uniform in (0, 1): minus the Gumbel noise, in place as far as it goes.
+    u = (bits + 0.5) / 2**23 is exactly representable in float32 at both ends, so -log(u) > 0
+    and every value is finite."""
+    u = _token_bits(seed, step, vocab).float().add_(0.5).mul_(1.0 / (1 << 23))
+    return u.log_().neg_().log_()
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, any_top_k: bool,
@@ -123,7 +133,7 @@ def sample_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     scaled = logits.float() / temp
     if any_top_k or any_top_p:
         scaled = _filter_top_k_top_p(scaled, top_k, top_p, any_top_k, any_top_p, max_top_k)
-    noisy = scaled + gumbel_noise(seed, step, logits.shape[-1])
+    noisy = scaled.sub_(_neg_gumbel(seed, step, logits.shape[-1]))  # [N, V]
     return torch.where(sampled_rows, noisy.argmax(dim=-1), greedy)
 
 

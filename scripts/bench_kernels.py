@@ -7,7 +7,8 @@
     python scripts/bench_kernels.py attention --short    # only: batch-1 decode configs at 128-4096 keys
     python scripts/bench_kernels.py attention --prefill-variants [--heads 25,25,64] ['{"BLOCK_M": 256, ...}']
     python scripts/bench_kernels.py fused-decode         # fused decode kernels vs their unfused pairs (graphs)
-    TRITON_INTERPRET=1 python scripts/bench_kernels.py {fused,attention} --smoke   # code path only, CPU
+    python scripts/bench_kernels.py paged [--block-size 32]  # paged decode attention vs the static decode kernel
+    TRITON_INTERPRET=1 python scripts/bench_kernels.py {fused,attention,paged} --smoke   # code path only, CPU
 
 fused: bandwidth = the bytes the op must move (every input read once, every output written once)
 / median time (timing.bench_ms, L2 flushed between runs), as a fraction of 4.33 TB/s.
@@ -44,6 +45,15 @@ GEMV + SwiGLU kernel against the GEMV + swiglu pair, with a small config sweep (
 kernels/tuning.json `gemv_swiglu`); the W8A16 GEMV + SwiGLU against its pair; the W8A16 GEMV at
 Llama-8B's row-parallel shapes under its tuned config and under the GEMV push kernel's configs at
 2 and 4 ranks; the decode attention rotating q and k itself against rotary then attention.
+paged: a decode step of dsc::paged_attention (T == N: kernels/paged_attention.py's decode kernel,
+reading K/V through block tables) against the static decode kernel (kernels/attention.py
+decode_attention) on the same data: Llama-3-8B attention (32 / 8 heads of 128), bf16, batch
+1/8/32/64/128, every sequence at context 512/1024/2048 (the new token at position ctx - 1; the
+static cache's Smax and the block table's max_blocks x block size are both ctx, so both kernels
+take the same splits). The pool holds the static cache's rows, its blocks in a random order.
+Times: us per call of several layers' calls over distinct caches replayed from one CUDA graph,
+as a decode step runs them; "paged/static" is their ratio (the issue's target: decode within
+10% of the static step). The outputs are compared too (max |paged - static|).
 Every time comes from scripts/timing.py. Writes $OUT/bench_<section>.json when OUT is set.
 Loads the kernel files of this checkout by path (torch and triton only).
 """
@@ -67,9 +77,9 @@ from timing import bench_ms, capture, checkout_modules, graph_us
 PEAK_READ = 4.33e12  # B/s, measured on the H200 (docs: DESIGN.md)
 SMOKE = "--smoke" in sys.argv
 
-NORM, ACT, ROT, A, LIN, INT8, LAUNCH = checkout_modules(
+NORM, ACT, ROT, A, LIN, INT8, LAUNCH, PAGED = checkout_modules(
     "kernels.norm", "kernels.activation", "kernels.rotary", "kernels.attention", "kernels.linear", "kernels.int8",
-    "kernels.launch")
+    "kernels.launch", "kernels.paged_attention")
 
 
 # ==== section fused ================================================================================
@@ -682,13 +692,99 @@ def fused_decode_main() -> int:
     return 0
 
 
+# ==== section paged =================================================================================
+def as_pool(cache, perm, block_size: int):
+    """A static cache [B, Hkv, ctx, D] as a pool [B * ctx / block_size, Hkv, block_size, D] whose
+    block i is the cache's block perm[i] (sequence b's j-th block: b * ctx / block_size + j)."""
+    B, Hkv, ctx, D = cache.shape
+    blocks = cache.view(B, Hkv, ctx // block_size, block_size, D).transpose(1, 2).reshape(-1, Hkv, block_size, D)
+    return blocks[perm].contiguous()
+
+
+def time_us(fns) -> float:
+    """us per call of fns replayed from one CUDA graph (smoke: one eager round on the CPU)."""
+    if SMOKE:
+        return 1e3 * bench_ms(lambda: [f() for f in fns]) / len(fns)
+    return graph_us(fns)
+
+
+def bench_paged(B: int, ctx: int, block_size: int) -> dict:
+    """One decode step's attention per layer: the static decode kernel and the paged one."""
+    g = torch.Generator().manual_seed(B * 7919 + ctx)
+    per_layer = 2 * B * HKV * ctx * D * DTYPE.itemsize
+    layers = 1 if SMOKE else int(max(2, min(16, (4 << 30) // per_layer)))  # distinct caches, past the L2
+    q, k, v = rand(B, H, 1, D), rand(B, HKV, 1, D), rand(B, HKV, 1, D)
+    pos = torch.full((B,), ctx - 1, dtype=torch.int64, device=DEVICE)
+    caches = [(rand(B, HKV, ctx, D), rand(B, HKV, ctx, D)) for _ in range(layers)]
+    # one block order for the step (every layer's pool holds a sequence's blocks at the same ids)
+    perm = torch.randperm(B * ctx // block_size, generator=g).to(DEVICE)
+    pools = [(as_pool(kc, perm, block_size), as_pool(vc, perm, block_size)) for kc, vc in caches]
+    tables = torch.argsort(perm).view(B, ctx // block_size).to(torch.int32)  # [B, max_blocks]
+    seq = torch.arange(B, device=DEVICE)
+    step = dict(slot_mapping=(tables[seq, (ctx - 1) // block_size] * block_size + (ctx - 1) % block_size),
+                query_start=seq.to(torch.int32), query_lens=torch.ones(B, dtype=torch.int32, device=DEVICE),
+                cache_lens=torch.full((B,), ctx - 1, dtype=torch.int32, device=DEVICE), block_tables=tables)
+    # the step's rows: q [1, H, B, D], k / v [1, Hkv, B, D] (views of the static kernel's inputs)
+    qp, kp, vp = (x.permute(2, 1, 0, 3) for x in (q, k, v))
+
+    def static(kc, vc):
+        return lambda: A.decode_attention(q, k, v, kc, vc, pos, D**-0.5)
+
+    def paged_call(kpool, vpool):
+        return lambda: PAGED.paged_attention_triton(qp, kp, vp, kpool, vpool, step["slot_mapping"],
+                                                    step["query_start"], step["query_lens"], step["cache_lens"],
+                                                    step["block_tables"], D**-0.5)
+
+    diff = (static(*caches[0])()[:, 0].float() - paged_call(*pools[0])()[0].float()).abs().max().item()
+    row = dict(B=B, ctx=ctx, block_size=block_size, layers=layers,
+               splits=A.decode_num_splits(B, HKV, ctx, A.attention_config("decode", D, A.arch_of(q.device)),
+                                          A.sm_count(q.device)),
+               paged_splits=PAGED.paged_decode_splits(B, HKV, ctx, PAGED.paged_attention_config(
+                   "decode", D, A.arch_of(q.device)), A.sm_count(q.device)),
+               max_abs_diff=diff)
+    row["static_us"] = time_us([static(kc, vc) for kc, vc in caches])
+    row["paged_us"] = time_us([paged_call(kpool, vpool) for kpool, vpool in pools])
+    row["paged_over_static"] = row["paged_us"] / row["static_us"]
+    print(f"{B:>4} {ctx:>5} {row['splits']:>3}/{row['paged_splits']:<3} {row['static_us']:>10.2f} "
+          f"{row['paged_us']:>9.2f} {row['paged_over_static']:>12.3f} {diff:>11.2e}", flush=True)
+    return row
+
+
+def paged_main(argv) -> int:
+    global H, HKV, D, DTYPE, DEVICE
+    ap = argparse.ArgumentParser(prog="bench_kernels.py paged")
+    ap.add_argument("--block-size", type=int, default=16, choices=(16, 32), help="tokens per KV block")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        H, HKV, D, DTYPE, DEVICE = 6, 2, 16, torch.float16, "cpu"
+        shapes = [(1, 64), (3, 32)]
+    elif not torch.cuda.is_available():
+        print("no CUDA device (use --smoke with TRITON_INTERPRET=1 on CPU)")
+        return 2
+    else:
+        print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {A._triton().__version__}")
+        shapes = [(B, ctx) for ctx in (512, 1024, 2048) for B in (1, 8, 32, 64, 128)]
+    print(f"\npaged decode (T == N), {str(DTYPE)[6:]}, H={H} Hkv={HKV} D={D}, block size {args.block_size}; "
+          f"us per call from a CUDA graph of the layers' calls")
+    print(f"{'B':>4} {'ctx':>5} {'splits':>7} {'static us':>10} {'paged us':>9} {'paged/static':>12} {'max |diff|':>11}")
+    rows = [bench_paged(B, ctx, args.block_size) for B, ctx in shapes]
+    write_json("bench_paged.json", dict(device="cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
+                                        shapes=dict(H=H, Hkv=HKV, D=D, dtype=str(DTYPE)), rows=rows))
+    worst = max(rows, key=lambda r: r["max_abs_diff"])["max_abs_diff"]
+    if worst > 0.05:
+        print(f"paged and static outputs differ by up to {worst:.3g}")
+        return 1
+    return 0
+
+
 def write_json(name: str, data) -> None:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], name).write_text(json.dumps(data, indent=1, default=str))
 
 
-SECTIONS = ("fused", "attention", "fused-decode")
+SECTIONS = ("fused", "attention", "fused-decode", "paged")
 
 
 def main() -> int:
@@ -701,6 +797,8 @@ def main() -> int:
         return fused_main(argv)
     if section == "attention":
         return attention_main() or 0
+    if section == "paged":
+        return paged_main(argv)
     return fused_decode_main()
 
 

@@ -69,6 +69,24 @@ def test_streamed_text_is_cut_at_the_first_stop_string(tok, prompt, text, extra,
     assert d.stopped == (reason is not None) and d.stop_reason == reason
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=ids_strategy, gen=ids_strategy)
+def test_any_prompt_ids_stream_what_the_generation_adds_to_the_prompt_text(tok, prompt, gen):
+    # prompts given as ids may end inside a character: where the prompt's text is still a
+    # prefix of the whole text, the stream is exactly the rest
+    d = Detokenizer(tok, prompt)
+    out = _stream(d, gen, [])
+    full, before = tok.decode(prompt + gen), tok.decode(prompt)
+    if full.startswith(before):
+        assert out == full[len(before):]
+
+
+def test_a_single_stop_string(tok):
+    d = Detokenizer(tok, [], stop="fox")
+    assert _stream(d, tok.encode("the quick brown fox jumps").ids, []) == "the quick brown "
+    assert d.stop_reason == "fox"
+
+
 def test_partial_character_is_held_back_until_complete(tok):
     ids = tok.encode("🦊").ids
     assert len(ids) == 4  # one token per byte: the fox is split over four tokens

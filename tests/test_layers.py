@@ -130,7 +130,8 @@ def test_the_collective_vocabulary_comes_from_the_registry():
 
     assert set(engine.ALL_REDUCE_OPS) <= set(engine.SLOT_OPS)
     assert "dsc.all_gather.default" in engine.SLOT_OPS and "dsc.all_gather.default" not in engine.ALL_REDUCE_OPS
-    assert set(plan.ATTENTION_OPS) == {"dsc.attention.default", "dsc.rotary_attention.default"}
+    assert set(plan.ATTENTION_OPS) == {"dsc.attention.default", "dsc.rotary_attention.default",
+                                      "dsc.paged_attention.default"}
     assert all(registry.traits(op).simulate is not None for op in engine.SLOT_OPS)
     assert registry.fused("dsc.linear.default", "dsc.all_reduce_add_rmsnorm.default") == \
         "dsc.linear_all_reduce_add_rmsnorm.default"

@@ -127,11 +127,19 @@ def test_same_seed_and_step_same_token_and_different_ones_differ():
 
 
 def test_noise_is_gumbel_and_uncorrelated_across_neighbours():
-    g = gumbel_noise(torch.tensor([1, 2]), torch.tensor([0, 0]), 200000)
+    g = gumbel_noise(torch.tensor([1, 2, 1]), torch.tensor([0, 0, 1]), 200000)
     assert torch.isfinite(g).all()
     assert abs(float(g.mean()) - 0.5772) < 0.01 and abs(float(g.std()) - 1.2825) < 0.01
-    corr = torch.corrcoef(torch.stack([g[0], g[1], g[0].roll(1)]))
-    assert corr[0, 1].abs() < 0.01 and corr[0, 2].abs() < 0.01
+    # neighbouring seeds, steps and token ids
+    corr = torch.corrcoef(torch.stack([g[0], g[1], g[2], g[0].roll(1)]))
+    assert corr[0, 1:].abs().max() < 0.01
+
+
+def test_consecutive_steps_draw_independent_tokens():
+    n = 100000
+    tokens = _batch(torch.zeros(n, 8), seed=12345, step=torch.arange(n))  # uniform over 8 tokens
+    pairs = torch.bincount(tokens[:-1] * 8 + tokens[1:], minlength=64).double()
+    assert _chi_square_p(pairs, torch.full((64,), 1 / 64, dtype=torch.float64)) > 1e-3
 
 
 def test_logprobs():
@@ -146,3 +154,34 @@ def test_logprobs():
     assert (lps[:, :-1] >= lps[:, 1:]).all()
     chosen0, ids0, lps0 = logprobs(logits, tokens, 0)
     assert ids0.shape == (4, 0) and lps0.shape == (4, 0) and torch.equal(chosen0, chosen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replay_equals_eager_and_the_cpu():
+    dev, n, v = "cuda", 64, 32003
+    gen = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(n, v, device=dev, generator=gen) * 3
+    temperature = torch.full((n,), 0.8, device=dev)
+    temperature[::2] = 0
+    top_k = torch.zeros(n, dtype=torch.int64, device=dev)
+    top_k[1::4] = 50
+    top_p = torch.ones(n, device=dev)
+    top_p[3::4] = 0.9
+    seed, step = torch.arange(n, device=dev) * 1000003, torch.arange(n, device=dev)
+    args = (logits, temperature, top_k, top_p, seed, step)
+    flags = dict(any_sampled=True, any_top_k=True, any_top_p=True)
+    eager = sample_batch(*args, **flags)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sample_batch(*args, **flags)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sample_batch(*args, **flags)
+    graph.replay()
+    assert torch.equal(out, eager)
+    step += 1  # the next step, in place: the graph reads the new values
+    graph.replay()
+    assert torch.equal(out, sample_batch(*args, **flags))
+    assert torch.equal(out.cpu(), sample_batch(*(a.cpu() for a in args), **flags))

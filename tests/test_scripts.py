@@ -125,11 +125,20 @@ def test_bench_kernels_sections_smoke(section, tmp_path):
     assert rows and all(r.get("fused_ms", r.get("dsc_ms")) for r in rows)
 
 
+def test_bench_kernels_paged_smoke(tmp_path):
+    """The paged section: the paged decode kernel and the static one on the same data, timed; their
+    outputs agree."""
+    out = run("bench_kernels.py", "paged", "--smoke", interpret=True, OUT=str(tmp_path))
+    rows = json.loads((tmp_path / "bench_paged.json").read_text())["rows"]
+    assert rows and all(r["static_us"] > 0 and r["paged_us"] > 0 and r["max_abs_diff"] < 1e-3 for r in rows)
+    assert "paged/static" in out
+
+
 def test_bench_kernels_unknown_section():
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_kernels.py"), "nope"], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip() == \
-        "error: section: 'nope' is not one of fused, attention, fused-decode"
+        "error: section: 'nope' is not one of fused, attention, fused-decode, paged"
 
 
 def test_tune_kernels_smoke_writes_a_table(tmp_path):
