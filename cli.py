@@ -378,8 +378,7 @@ def serve_cmd(
     kv_cache_memory: Optional[float] = typer.Option(None, "--kv-cache-memory", help="KV-cache pool in GiB (default: the engine's)"),
     max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="token budget of one step"),
     max_queue: int = typer.Option(1024, "--max-queue", help="requests waiting beyond the running ones; past it: 429"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DSC_API_KEY",
-                                          help="require 'Authorization: Bearer KEY' on /v1 (env DSC_API_KEY)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $DSC_API_KEY)"),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="the model's name in the API (default: the artifact folder's)"),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="seconds SIGTERM lets requests in flight finish"),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda if available)"),
@@ -396,8 +395,11 @@ def serve_cmd(
         if tp > 1 and "WORLD_SIZE" not in os.environ:
             _relaunch_under_torchrun(tp, on_sigterm=stop_rank0)  # SIGTERM: rank 0 drains, then releases the others
             return
-        opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
-                            max_queue=max_queue, shutdown_timeout=shutdown_timeout)
+        from dsc import switches
+
+        opts = ServeOptions(host=host, port=port, served_model_name=served_model_name,
+                            api_key=api_key or switches.get("DSC_API_KEY") or None, max_queue=max_queue,
+                            shutdown_timeout=shutdown_timeout)
         serve_artifact(artifact, opts, typer.echo, device=device, kv_cache_memory=kv_cache_memory,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, verify=not no_verify)
     except UserError as e:
@@ -413,7 +415,7 @@ def bench_serve_cmd(
     output_len: str = typer.Option("128", "--output-len", help="output tokens: N, LO:HI or A,B,..."),
     vocab: int = typer.Option(1000, help="prompt token ids are drawn from [10, VOCAB)"),
     model: Optional[str] = typer.Option(None, help="model name (default: the server's first)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DSC_API_KEY", help="bearer key (env DSC_API_KEY)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="bearer key (default: $DSC_API_KEY)"),
     seed: int = typer.Option(0, help="seed of the workload and the arrivals"),
     as_json: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     png: Optional[Path] = typer.Option(None, "--png", help="plot latency against throughput here (needs matplotlib)"),
@@ -430,8 +432,11 @@ def bench_serve_cmd(
             raise UserError(f"--rate: expected numbers or inf, got {rate}") from None
         if url is None and offline is None:
             raise UserError("bench-serve: give the server's URL, or --offline ARTIFACT, or both")
+        from dsc import switches
+
         cfg = BenchConfig(url or "", rates, num_requests, Lengths.parse(prompt_len, "--prompt-len"),
-                          Lengths.parse(output_len, "--output-len"), vocab, model, api_key or "none", seed)
+                          Lengths.parse(output_len, "--output-len"), vocab, model,
+                          api_key or switches.get("DSC_API_KEY") or "none", seed)
         res = run(cfg, progress=lambda line: typer.echo(line, err=True)) if url else \
             {"model": offline.name, "config": {"prompt_len": prompt_len, "output_len": output_len}, "results": []}
         if offline is not None:

@@ -293,6 +293,10 @@ def test_api_key_and_served_model_name():
             status, _, data = s.raw("POST", "/v1/completions", {"prompt": "x"}, headers)
             assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
         assert s.raw("GET", "/health")[0] == 200  # probes need no key
+        bench = ("bench-serve", s.url, "--rate", "inf", "--num-requests", "2", "--output-len", "2", "--vocab", "100")
+        assert _dsc(*bench, DSC_API_KEY="s3cret").returncode == 0
+        r = _dsc(*bench, DSC_API_KEY="wrong")
+        assert r.returncode == 2 and "cannot list the server's models" in r.stderr
 
 
 def test_a_full_queue_is_429_with_retry_after():
