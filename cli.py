@@ -22,6 +22,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 # `pip install <the same name>`
 _DEPENDENCIES = ("torch", "transformers", "safetensors", "tokenizers", "huggingface_hub", "numpy", "pydantic",
                  "triton", "onnx", "onnxruntime", "onnxscript")
+# the modules of an optional extra, installed with the extra: `pip install 'dsc[serve]'`
+_EXTRAS = {"fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve",
+           "openai": "serve"}
 
 
 def _version(value: bool) -> None:
@@ -236,13 +239,19 @@ def generate_cmd(
         _fail(str(e))
 
 
-def _relaunch_under_torchrun(n: int) -> None:
-    """Start n local ranks of this same command with torch.distributed.run."""
+def _relaunch_under_torchrun(n: int, on_sigterm=None) -> None:
+    """Start n local ranks of this same command with torch.distributed.run. `on_sigterm(pid)`,
+    if given, handles a SIGTERM to this process, with torchrun's pid."""
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "dsc"] + sys.argv[1:]
-    rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    if on_sigterm is not None:
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: on_sigterm(proc.pid))
+    rc = proc.wait()
     if rc:
         raise typer.Exit(rc)
 
@@ -390,14 +399,99 @@ def export_onnx_cmd(
         _fail("onnxruntime's logits differ from the dsc runtime's beyond the tolerance", 1)
 
 
+@app.command("serve")
+def serve_cmd(
+    artifact: Path = typer.Argument(..., help="artifact folder"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (default: this machine only)"),
+    port: int = typer.Option(8000, help="TCP port (0: any free port)"),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="sequences the scheduler runs at once"),
+    kv_cache_memory: Optional[float] = typer.Option(None, "--kv-cache-memory", help="KV-cache pool in GiB (default: the engine's)"),
+    max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="token budget of one step"),
+    max_queue: int = typer.Option(1024, "--max-queue", help="requests waiting beyond the running ones; past it: 429"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $DSC_API_KEY)"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="the model's name in the API (default: the artifact folder's)"),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="seconds SIGTERM lets requests in flight finish"),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda if available)"),
+    no_verify: bool = typer.Option(False, "--no-verify", help="skip checksum verification at load"),
+) -> None:
+    """Serve an artifact over the OpenAI API (completions, chat, models, health, metrics)."""
+    try:
+        from dsc.serve.server import ServeOptions, serve_artifact, stop_rank0  # the serve extra, before the load
+        from dsc.runtime.artifact import open_artifact
+
+        if max_queue < 0 or shutdown_timeout < 0:
+            raise UserError(f"--max-queue and --shutdown-timeout: must be >= 0, got {max_queue}, {shutdown_timeout}")
+        tp = open_artifact(artifact, ranks=[], verify=False).tp
+        if tp > 1 and "WORLD_SIZE" not in os.environ:
+            _relaunch_under_torchrun(tp, on_sigterm=stop_rank0)  # SIGTERM: rank 0 drains, then releases the others
+            return
+        from dsc import switches
+
+        opts = ServeOptions(host=host, port=port, served_model_name=served_model_name,
+                            api_key=api_key or switches.get("DSC_API_KEY") or None, max_queue=max_queue,
+                            shutdown_timeout=shutdown_timeout)
+        serve_artifact(artifact, opts, typer.echo, device=device, kv_cache_memory=kv_cache_memory,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, verify=not no_verify)
+    except UserError as e:
+        _fail(str(e))
+
+
+@app.command("bench-serve")
+def bench_serve_cmd(
+    url: Optional[str] = typer.Argument(None, help="the server, e.g. http://127.0.0.1:8000"),
+    rate: List[str] = typer.Option(["1", "4", "16", "inf"], "--rate", help="requests per second (repeatable; inf: all at once)"),
+    num_requests: int = typer.Option(100, "--num-requests", help="requests per rate"),
+    prompt_len: str = typer.Option("128", "--prompt-len", help="prompt tokens: N, LO:HI (uniform) or A,B,... (one of)"),
+    output_len: str = typer.Option("128", "--output-len", help="output tokens: N, LO:HI or A,B,..."),
+    vocab: int = typer.Option(1000, help="prompt token ids are drawn from [10, VOCAB)"),
+    model: Optional[str] = typer.Option(None, help="model name (default: the server's first)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="bearer key (default: $DSC_API_KEY)"),
+    seed: int = typer.Option(0, help="seed of the workload and the arrivals"),
+    as_json: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
+    png: Optional[Path] = typer.Option(None, "--png", help="plot latency against throughput here (needs matplotlib)"),
+    offline: Optional[Path] = typer.Option(None, "--offline", help="also run the same requests through dsc.LLM on this artifact"),
+    device: Optional[str] = typer.Option(None, help="(--offline) cpu | cuda"),
+) -> None:
+    """Load-test an OpenAI-compatible server: Poisson arrivals per rate; throughput, TTFT, ITL, E2E."""
+    try:
+        from dsc.serve.bench import BenchConfig, Lengths, compare_offline, plot, render, run, run_offline, write_json
+
+        try:
+            rates = [float(r) for r in rate]
+        except ValueError:
+            raise UserError(f"--rate: expected numbers or inf, got {rate}") from None
+        if url is None and offline is None:
+            raise UserError("bench-serve: give the server's URL, or --offline ARTIFACT, or both")
+        from dsc import switches
+
+        cfg = BenchConfig(url or "", rates, num_requests, Lengths.parse(prompt_len, "--prompt-len"),
+                          Lengths.parse(output_len, "--output-len"), vocab, model,
+                          api_key or switches.get("DSC_API_KEY") or "none", seed)
+        res = run(cfg, progress=lambda line: typer.echo(line, err=True)) if url else \
+            {"model": offline.name, "config": {"prompt_len": prompt_len, "output_len": output_len}, "results": []}
+        if offline is not None:
+            typer.echo(f"offline: {num_requests} requests through dsc.LLM({offline})", err=True)
+            res["results"].append(run_offline(cfg, offline, device=device))
+            compare_offline(res)
+    except UserError as e:
+        _fail(str(e))
+    typer.echo(render(res), nl=False)
+    if as_json:
+        write_json(res, as_json)
+    if png:
+        why = plot(res, png)
+        typer.echo(why or f"wrote {png}", err=bool(why))
+
+
 def main() -> None:
     try:
         app()
     except ModuleNotFoundError as e:  # a dependency a command imports is missing: one line, no traceback
         top = (e.name or "").split(".")[0]
-        if top not in _DEPENDENCIES:
+        if top not in _DEPENDENCIES and top not in _EXTRAS:
             raise
-        typer.echo(f"error: {top} is not installed: pip install {top}", err=True)
+        pip = f"'dsc[{_EXTRAS[top]}]'" if top in _EXTRAS else top
+        typer.echo(f"error: {top} is not installed: pip install {pip}", err=True)
         sys.exit(2)
 
 

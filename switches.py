@@ -77,6 +77,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(kernels/launch.py).",
            check=check_tuning_file, value_doc="a JSON file `{arch: {kernel: {shape_class: {...}}}}`; "
                                               "unset: the shipped table"),
+    Switch("DSC_API_KEY", "",
+           "The key `dsc serve` requires as `Authorization: Bearer KEY` on /v1, and the key `dsc bench-serve` "
+           "sends (serve/); `--api-key` wins over it.",
+           value_doc="any string; unset: no key, and `dsc serve` listens on 127.0.0.1 unless `--host` says otherwise"),
     Switch("DSC_UPDATE_GOLDEN", "0",
            "The test suite's golden plans: compare with tests/golden, or rewrite them (tests/test_fusion.py).",
            choices={"0": "compare", "1": "rewrite tests/golden/*.txt"}),

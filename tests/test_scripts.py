@@ -31,7 +31,7 @@ def test_scripts_are_the_maintained_set():
     """scripts/ holds the maintained tools only (each with a test here or beside its kernels)."""
     assert {p.name for p in SCRIPTS.iterdir() if p.name != "__pycache__"} <= {
         "demo.py", "bench_decode.py", "bench_int8.py", "bench_kernels.py", "bench_compile.py", "tune_kernels.py",
-        "tune_gemv.py", "ncu_kernels.py", "timing.py", "gen_docs.py"}
+        "tune_gemv.py", "ncu_kernels.py", "timing.py", "gen_docs.py", "bench_serving.py", "soak_serve.py"}
 
 
 # -- timing.py ------------------------------------------------------------------------------------
@@ -192,3 +192,17 @@ def test_demo_runs_the_whole_loop(tmp_path):
     """`make demo`'s script: checkpoint, compile, inspect, generate, and the same tokens as transformers."""
     out = run("demo.py", "--out", str(tmp_path))
     assert "check against transformers: the same" in out and (tmp_path / "llama-demo.dsc" / "plan.json").exists()
+
+
+# -- soak_serve.py ----------------------------------------------------------------------------------
+def test_soak_serve_short_run(compile_artifact, tmp_path):
+    pytest.importorskip("fastapi")
+    art = compile_artifact("llama-tiny", dtype="fp32")
+    out = run("soak_serve.py", str(art), "--seconds", "6", "--window", "2", "--rate", "4", "--prompt-len", "4:30",
+              "--output-len", "4:8", "--json", str(tmp_path / "soak.json"))
+    res = json.loads((tmp_path / "soak.json").read_text())
+    assert len(res["samples"]) == 3 and res["problems"] == []
+    assert all(s["kv_blocks_used_idle"] == 0 and s["failed"] == 0 and s["completed"] == 8 for s in res["samples"])
+    assert all(s["rss_mib"] > 50 for s in res["samples"])  # the server's (torch-sized) process, not the script's
+    assert out.rstrip().endswith("ok")
+

@@ -1,0 +1,148 @@
+"""`dsc serve`: an engine, its driver thread and the app, under uvicorn.
+
+SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for up to
+`shutdown_timeout` seconds (uvicorn's graceful shutdown; past it their handlers are cancelled,
+which aborts them in the engine), shuts the engine down and exits 0.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import uvicorn
+
+from dsc.errors import UserError
+from dsc.serve.app import create_app
+from dsc.serve.driver import EngineDriver
+
+
+KEEP_ALIVE_S = 65
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    max_queue: int = 1024
+    shutdown_timeout: float = 30.0
+
+
+def serve_artifact(artifact, opts: ServeOptions, echo: Callable[[str], None], **engine_kwargs) -> None:
+    """`dsc serve` in this process: load the artifact's LLMEngine (one rank of it under
+    torchrun); rank 0 serves HTTP until SIGTERM, the other ranks step with it until released."""
+    from dsc.runtime.llm import LLMEngine, SamplingParams
+
+    rank = int(os.environ.get("RANK", "0"))
+    sock = listen(opts.host, opts.port) if rank == 0 else None  # a taken port fails before the model loads
+    engine = LLMEngine(artifact, **engine_kwargs)
+    if rank != 0:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop (after draining)
+            signal.signal(sig, signal.SIG_IGN)
+        engine.follow()
+    else:
+        server = build(engine, opts, SamplingParams, sock)
+        announce(server, opts, echo)
+        run(server)  # ends with engine.shutdown(), which releases the other ranks
+    if engine.engine.world > 1:
+        sys.stdout.flush()
+        from dsc.runtime.distributed import shutdown_process_group
+
+        shutdown_process_group()
+
+
+def build(engine, opts: ServeOptions, sampling_params_cls, sock: Optional[socket.socket] = None) -> uvicorn.Server:
+    """A uvicorn server over `engine` on `sock` (default: listen(opts.host, opts.port)); its
+    driver thread (`.driver`) started; `.port` is the port (the one port 0 picked)."""
+    sock = sock or listen(opts.host, opts.port)
+    driver = EngineDriver(engine, sampling_params_cls)
+    app = create_app(driver, served_model_name=opts.served_model_name, api_key=opts.api_key,
+                     max_queue=opts.max_queue)
+    # keep idle connections longer than clients do (httpx: 5 s, aiohttp: 15 s) and than load
+    # balancers' idle timeouts (60 s): the side that closes first must be the client, or a request
+    # sent on a connection the server is closing fails with a connection error
+    config = uvicorn.Config(app, host=opts.host, port=opts.port, lifespan="off", log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=opts.shutdown_timeout,
+                            timeout_keep_alive=KEEP_ALIVE_S)
+    server = uvicorn.Server(config)
+    server.driver, server.sock, server.port = driver, sock, sock.getsockname()[1]
+    driver.start()
+    return server
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, or a UserError naming the flag (before a model loads)."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port: must be in [0, 65535], got {port}")
+    try:
+        family, type_, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        # proto from getaddrinfo (IPPROTO_TCP, not 0): asyncio sets TCP_NODELAY on the accepted
+        # connections only when it sees it, and without it every response waits ~40 ms for an ACK
+        sock = socket.socket(family, type_, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)  # connections queue from now on, before uvicorn starts accepting
+    except OSError as e:
+        raise UserError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(server: uvicorn.Server) -> None:
+    """Serve until SIGTERM/SIGINT or server.should_exit; then stop the engine thread."""
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal it caught once it has shut down, with the handlers it
+        # found installed: these make that a normal return (exit 0) instead of death by signal
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+    try:
+        server.run(sockets=[server.sock])
+    finally:
+        server.driver.stop()
+
+
+def stop_rank0(torchrun_pid: int) -> None:
+    """SIGTERM to rank 0 of the ranks torchrun started (rank 0 drains, then releases the others,
+    and torchrun sees every rank exit 0); to torchrun itself when rank 0 cannot be found."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == torchrun_pid and b"\0RANK=0\0" in b"\0" + (stat.parent / "environ").read_bytes():
+                os.kill(int(stat.parent.name), signal.SIGTERM)
+                return
+        except (OSError, ValueError, IndexError):  # a process that ended while we looked
+            continue
+    os.kill(torchrun_pid, signal.SIGTERM)
+
+
+def announce(server: uvicorn.Server, opts: ServeOptions, echo: Callable[[str], None]) -> None:
+    """The start-up lines: where it listens, and what the API key (or its absence) means."""
+    name = opts.served_model_name or server.driver.engine.model_name
+    echo(f"dsc serve: {name} on http://{_url_host(opts.host)}:{server.port}/v1")
+    if opts.api_key:
+        echo("requests need 'Authorization: Bearer <key>' (--api-key / DSC_API_KEY)")
+    elif _is_loopback(opts.host):
+        echo(f"no --api-key: listening on {opts.host} only (pass --host to listen elsewhere)")
+    else:
+        echo(f"warning: no --api-key, and listening on {opts.host}: anyone who can reach it can use it")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
