@@ -335,8 +335,12 @@ def _rotated(x, x_half, cos, sin):
 def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
     """One online-softmax step. q: [M, D]; k, v: [N, D]; visible: [M, N] (used if MASKED);
     acc: [M, D] fp32 (unnormalized output); m_i, l_i: [M] running max / sum, base 2.
-    qk_scale (> 0) is log2(e) / sqrt(d): one FMA per score on unmasked tiles."""
-    qk = tl.dot(q, tl.trans(k))  # [M, N]
+    qk_scale (> 0) is log2(e) / sqrt(d): one FMA per score on unmasked tiles. fp32 inputs
+    multiply in full fp32 ("ieee"), not Triton's default TF32: an fp32 model computes in fp32."""
+    if q.dtype == tl.float32:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, N]
+    else:
+        qk = tl.dot(q, tl.trans(k))  # [M, N]
     if MASKED:
         qk = tl.where(visible, qk * qk_scale, -1.0e30)  # finite: a row with nothing visible yet stays NaN-free
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -346,7 +350,10 @@ def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr
         p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulates in place (wgmma's accumulator)
+    if v.dtype == tl.float32:
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulates in place (wgmma's accumulator)
     return acc, m_new, l_i
 
 

@@ -55,7 +55,7 @@ def parse_args(argv=None):
     ap.add_argument("--short-prompt", type=int, default=128)
     ap.add_argument("--short-output", type=int, default=128)
     ap.add_argument("--skip-static", action="store_true", help="no static-batch baseline")
-    ap.add_argument("--work", default=os.environ.get("DSC_BENCH_WORK", "build/bench"))
+    ap.add_argument("--work", default="build/bench", help="where the checkpoint and artifacts are kept")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     return ap.parse_args(argv)
 
