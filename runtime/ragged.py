@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -91,10 +92,16 @@ def pack(step: Step) -> torch.Tensor:
     """[T, N, MB, ids, positions, slots, query_start, query_lens, cache_lens, tables, logits_idx]."""
     T, N = len(step.input_ids), len(step.query_lens)
     MB = max(1, max((len(b) for b in step.block_tables), default=1))
-    tables = [b + [0] * (MB - len(b)) for b in step.block_tables]
-    flat = [T, N, MB, *step.input_ids, *step.positions, *step.slot_mapping, *step.query_start, *step.query_lens,
-            *step.cache_lens, *(x for b in tables for x in b), *step.logits_idx]
-    return torch.tensor(flat, dtype=torch.long)
+    buf = array("q", (T, N, MB))
+    for part in (step.input_ids, step.positions, step.slot_mapping, step.query_start, step.query_lens,
+                 step.cache_lens):
+        buf.extend(part)
+    pad = array("q", bytes(8 * MB))
+    for b in step.block_tables:
+        buf.extend(b)
+        buf.extend(pad[: MB - len(b)])
+    buf.extend(step.logits_idx)
+    return torch.frombuffer(buf, dtype=torch.long)
 
 
 _INT32 = (2, 3, 4, 5, 6)  # slots, query_start, query_lens, cache_lens, tables
@@ -213,6 +220,14 @@ class RaggedRunner:
                 step.graph.reset()
             step.graph, step.logits = None, None
         self.captured = False
+
+    def warm_up(self, max_tokens: int) -> None:
+        """Capture the mixed steps of up to max_tokens tokens (a scheduler's budget) at every
+        sequence bucket now, so that no step of a run pays for a capture."""
+        if self.graphs:
+            for n in self.buckets:
+                self._mixed_step(min(max_tokens, MAX_TOKENS), n)
+            torch.cuda.synchronize(self.device)
 
     def _mixed_step(self, T: int, N: int) -> GraphStep | None:
         if not self.pad or T > MAX_TOKENS or N > self.buckets[-1]:

@@ -49,7 +49,7 @@ class SeqParams:
     logprobs: int | None = None  # top alternatives per token (0: the chosen token's only)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a sequence is one object
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -99,6 +99,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
+        engine.ragged.warm_up(self.budget)
         self.steps = 0
         self.preemptions = 0
         self.prompt_tokens = 0  # prompt tokens computed (cached ones not counted)
@@ -162,21 +163,24 @@ class Scheduler:
         planned: list[tuple[Sequence, int]] = []
         # running sequences: decodes first, then prompt chunks (running order = admission order)
         order = sorted(self.running, key=lambda s: len(s.tokens) - s.num_computed > 1)
+        preempted: set[int] = set()
         for seq in order:
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted below for an earlier one
+            if id(seq) in preempted:  # preempted below for an earlier one
                 continue
             n = min(len(seq.tokens) - seq.num_computed, budget)
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.add(id(victim))
                 if victim is seq:
                     break
-            if seq in self.running:
+            if id(seq) not in preempted:
                 planned.append((seq, n))
                 budget -= n
-        planned = [(s, n) for s, n in planned if s in self.running]
+        running = set(map(id, self.running))
+        planned = [(s, n) for s, n in planned if id(s) in running]
         # new sequences, in arrival order, while budget, seats and blocks last
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

@@ -80,7 +80,8 @@ def prepare(args, max_seq: int) -> tuple[Path, str]:
     art = work / f"serve-{tag}-{args.static_batch}x{max_seq}"
     t = time.perf_counter()
     if not (ckpt / "config.json").exists():
-        make_random_checkpoint(ckpt, args.shape, dtype=args.dtype, tokenizer=False)
+        make_random_checkpoint(ckpt, args.shape, dtype=args.dtype, tokenizer=False,
+                               device="cuda" if torch.cuda.is_available() else "cpu")
     if not (art / "manifest.json").exists():
         dsc.compile(str(ckpt), art, max_batch=args.static_batch, max_seq=max_seq, int8=args.int8 or None)
     print(f"[{tag}] checkpoint and artifact ready in {time.perf_counter() - t:.1f}s", flush=True)
