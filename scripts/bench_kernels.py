@@ -7,7 +7,7 @@
     python scripts/bench_kernels.py attention --short    # only: batch-1 decode configs at 128-4096 keys
     python scripts/bench_kernels.py attention --prefill-variants [--heads 25,25,64] ['{"BLOCK_M": 256, ...}']
     python scripts/bench_kernels.py fused-decode         # fused decode kernels vs their unfused pairs (graphs)
-    python scripts/bench_kernels.py paged [--block-size 32]  # paged decode attention vs the static decode kernel
+    python scripts/bench_kernels.py paged [--block-size 32]   # paged decode attention vs the static decode kernel
     TRITON_INTERPRET=1 python scripts/bench_kernels.py {fused,attention,paged} --smoke   # code path only, CPU
 
 fused: bandwidth = the bytes the op must move (every input read once, every output written once)

@@ -43,9 +43,10 @@ def test_reference_matches_static_attention(name):
     case = REFERENCE_CASES[name]
     step = build(case, torch.float32, seed=3)
     step["k_pool"], step["v_pool"] = step["k_pool"].nan_to_num(), step["v_pool"].nan_to_num()
-    before = step["k_pool"].clone()
+    before = {name: step[name].clone() for name in ("k_pool", "v_pool")}
     out = paged_attention_reference(*args_of(step))
     bt, BS = step["block_tables"], case.BS
+    as_rows = lambda pool, blocks: pool[blocks].transpose(0, 1).reshape(case.Hkv, -1, case.D)  # noqa: E731
     covered = torch.zeros(out.shape[1], dtype=torch.bool)
     for i, (c, n) in enumerate(case.seqs):
         if not n:
@@ -53,20 +54,21 @@ def test_reference_matches_static_attention(name):
         a = int(step["query_start"][i])
         covered[a: a + n] = True
         blocks = bt[i, : -(-(c + n) // BS)].long()
-        gathered = [pool[blocks].transpose(0, 1).reshape(case.Hkv, -1, case.D)[None] for pool in (before, step["v_pool"])]
-        k_cache, v_cache = (x[:, :, : c + n + 5].clone() for x in (gathered[0], gathered[1]))
-        k_cache[:, :, c:], v_cache[:, :, c:] = 0.0, 0.0  # nothing at or past the new tokens yet
-        want = attention_reference(step["q"][:, :, a: a + n], step["k"][:, :, a: a + n], step["v"][:, :, a: a + n],
-                                   k_cache, v_cache, torch.tensor([c]), step["scale"], case.window)
-        torch.testing.assert_close(out[:, a: a + n], want, rtol=1e-5, atol=1e-5)
-        pooled = step["k_pool"][blocks].transpose(0, 1).reshape(case.Hkv, -1, case.D)[:, : c + n]
-        assert torch.equal(pooled, k_cache[0, :, : c + n])
+        caches = [as_rows(before[name], blocks)[None, :, : c + n + 5].clone() for name in ("k_pool", "v_pool")]
+        for cache in caches:
+            cache[:, :, c:] = 0.0  # nothing at or past the new tokens yet
+        rows = slice(a, a + n)
+        want = attention_reference(step["q"][:, :, rows], step["k"][:, :, rows], step["v"][:, :, rows], *caches,
+                                   torch.tensor([c]), step["scale"], case.window)
+        torch.testing.assert_close(out[:, rows], want, rtol=1e-5, atol=1e-5)
+        for name, cache in zip(("k_pool", "v_pool"), caches):
+            assert torch.equal(as_rows(step[name], blocks)[:, : c + n], cache[0, :, : c + n])
     assert torch.equal(out[:, ~covered], torch.zeros_like(out[:, ~covered]))
-    written = step["slot_mapping"][step["slot_mapping"] >= 0].long()
-    untouched = torch.ones(before.shape[0] * BS, dtype=torch.bool)
-    untouched[written] = False
+    untouched = torch.ones(before["k_pool"].shape[0] * BS, dtype=torch.bool)
+    untouched[step["slot_mapping"][step["slot_mapping"] >= 0].long()] = False
     flat = lambda pool: pool.transpose(1, 2).reshape(-1, case.Hkv, case.D)  # noqa: E731  [slots, Hkv, D]
-    assert torch.equal(flat(step["k_pool"])[untouched], flat(before)[untouched])
+    for name in ("k_pool", "v_pool"):
+        assert torch.equal(flat(step[name])[untouched], flat(before[name])[untouched])
 
 
 def test_ragged_reference_is_paged_without_a_cache():
