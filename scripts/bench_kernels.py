@@ -712,7 +712,7 @@ def bench_paged(B: int, ctx: int, block_size: int) -> dict:
     """One decode step's attention per layer: the static decode kernel and the paged one."""
     g = torch.Generator().manual_seed(B * 7919 + ctx)
     per_layer = 2 * B * HKV * ctx * D * DTYPE.itemsize
-    layers = 1 if SMOKE else int(max(2, min(16, (4 << 30) // per_layer)))  # distinct caches, past the L2
+    layers = 1 if SMOKE else int(max(2, min(32, (4 << 30) // per_layer)))  # distinct caches, past the L2
     q, k, v = rand(B, H, 1, D), rand(B, HKV, 1, D), rand(B, HKV, 1, D)
     pos = torch.full((B,), ctx - 1, dtype=torch.int64, device=DEVICE)
     caches = [(rand(B, HKV, ctx, D), rand(B, HKV, ctx, D)) for _ in range(layers)]
