@@ -52,7 +52,7 @@ decode_attention) on the same data: Llama-3-8B attention (32 / 8 heads of 128), 
 static cache's Smax and the block table's max_blocks x block size are both ctx, so both kernels
 take the same splits). The pool holds the static cache's rows, its blocks in a random order.
 Times: us per call of several layers' calls over distinct caches replayed from one CUDA graph,
-as a decode step runs them; "paged/static" is their ratio (the issue's target: decode within
+as a decode step runs them; "paged/static" is their ratio (the target: the paged decode within
 10% of the static step). The outputs are compared too (max |paged - static|).
 Every time comes from scripts/timing.py. Writes $OUT/bench_<section>.json when OUT is set.
 Loads the kernel files of this checkout by path (torch and triton only).
