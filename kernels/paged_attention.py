@@ -24,32 +24,33 @@ Shapes: q [1, H, T, D], k/v [1, Hkv, T, D] (the traced batch of one) -> out [1, 
 slot_mapping [T], query_start/query_lens/cache_lens [N], block_tables [N, max_blocks], int32.
 The CPU implementation is the plain-torch reference below, one sequence at a time.
 
-On CUDA, `paged_attention` runs one Triton kernel per call (`paged_attention_triton`), chosen by
-shapes alone, so that every (T, N) bucket of a step can be captured in a CUDA graph (no host
+On CUDA, `paged_attention` runs Triton kernels (`paged_attention_triton`) chosen by shapes
+alone, so that every (T, N) bucket of a step can be captured in a CUDA graph (no host
 synchronisation; grids from T, N and max_blocks):
-- T == N, a decode step (`_paged_decode_kernel`): every sequence brings one token, or none (a
-  padding sequence; the R real sequences take rows 0..R-1 in any order, rows R.. are padding).
-  kernels/attention.py's flash-decoding adapted to the pool: one program per (sequence, kv
-  head, split of the context); the group's G query heads are the rows of one tile; keys are
-  read block by block through the block table (a gather of one block id per key row); the
+- T == N, a decode step: `_paged_decode_kernel` alone (one launch). Every sequence brings one
+  token, or none (a padding sequence; the R real sequences take rows 0..R-1 in any order, rows
+  R.. are padding). kernels/attention.py's flash-decoding adapted to the pool: one program per
+  (sequence, kv head, split of the context); the group's G query heads are the rows of one
+  tile; keys are read through the block table (a gather of one block id per key row); the
   split that holds the new token writes its k/v to slot_mapping[t] and attends to it from
   registers; splits combine in the last split to finish (a per-(sequence, kv head) counter),
-  as the static decode kernel does: one launch. The split count comes from N, kv heads and
-  max_blocks * block_size (`decode_num_splits`), never from the lengths. Padding sequences'
-  programs write the zeros of the padding rows. A sequence with more than one token breaks
-  the decode contract: its first row is NaN, loudly.
-- otherwise (`_paged_prefill_kernel`): prefill chunks mixed with decode tokens. The rows of a
-  sequence are (token, query head) pairs of one kv head's group packed in tiles of BLOCK_M, as
-  the static prefill kernel packs them; the grid is cdiv(T * G, BLOCK_M) + N tiles (a bound
-  on the sequences' tiles) x kv heads, and each program finds its sequence from the running
-  sum of the tiles of query_lens (tiles past the last sequence exit; a sequence's longest
-  tiles first). Keys come in two
-  phases: the cached positions [0, cache_lens[i]) through the block table (visible to every
-  row; with a window from the tile's first row's window on), then the new tokens from k and v
-  directly (causal), rounded through the pool's dtype as if read back. The program that holds
-  a token's first query head writes its k/v to the pool first; no program reads a slot a new
-  token is written to (a step's new tokens are read from k and v), so there is no race. The
-  output is zeroed first (one memset: rows outside the sequences are zeros) -- 2 launches.
+  as the static decode kernel does. The split count comes from N, kv heads and max_blocks *
+  block_size (`paged_decode_splits`), never from the lengths. Padding sequences' programs
+  write the zeros of the padding rows. A sequence with more than one token breaks the decode
+  contract: its first row is NaN, loudly.
+- otherwise, a mixed step (three launches): the output is zeroed (a memset: rows outside the
+  sequences are zeros), `_paged_prefill_kernel` runs the sequences of 2+ tokens and the decode
+  kernel the single-token ones (its programs for the others exit), so that a decode token does
+  not take a prefill row tile of its own. The varlen kernel packs a sequence's rows as (token,
+  query head) pairs of one kv head's group in tiles of BLOCK_M, as the static prefill kernel
+  does; its grid is cdiv(T * G, BLOCK_M) + N tiles (a bound on the sequences' tiles) x kv
+  heads, and each program finds its sequence from the running sum of the sequences' tiles
+  (tiles past the last exit; a sequence's longest tiles first). Keys come in two phases: the
+  cached positions [0, cache_lens[i]) through the block table (visible to every row; with a
+  window from the tile's first row's window on), then the new tokens from k and v directly
+  (causal), rounded through the pool's dtype as if read back. The program that holds a
+  token's first query head writes its k/v to the pool first; no program reads a slot a new
+  token is written to (a step's new tokens are read from k and v), so there is no race.
 Both kernels assume what the scheduler guarantees: slot_mapping[t] is the slot of token t's
 position in its sequence's block table, and a step does not write a slot another sequence
 reads as cached.
@@ -187,9 +188,17 @@ def _write_pool(src, s_t, pool, sp_b, sp_s, slots, ok, offs_j, offs_d, HEAD_DIM:
     _store_rows(dst, x.to(pool.dtype.element_ty), w, offs_d, HEAD_DIM, BLOCK_D)
 
 
-def _find_tile(QLEN, N, p, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+def _tiles(n, G: tl.constexpr, BLOCK_M: tl.constexpr, SINGLES: tl.constexpr):
+    """Row tiles of sequences of n tokens (none for a single token unless SINGLES)."""
+    tiles = (tl.maximum(n, 0) * G + BLOCK_M - 1) // BLOCK_M
+    if not SINGLES:
+        tiles = tl.where(n == 1, 0, tiles)
+    return tiles
+
+
+def _find_tile(QLEN, N, p, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, SINGLES: tl.constexpr):
     """The sequence i whose row tiles hold tile p of the step, and p's tile m within it, from
-    the running sum of the sequences' tiles cdiv(query_lens * G, BLOCK_M); i == N past them all.
+    the running sum of the sequences' tiles (`_tiles`); i == N past them all.
     A sequence's tiles run last tile first: its longest (causal) ones start before the short
     ones, which fill the schedule's tail (as the static prefill kernel orders them)."""
     i = 0
@@ -198,14 +207,14 @@ def _find_tile(QLEN, N, p, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.c
     for s0 in range(0, N, BLOCK_S):
         offs = s0 + tl.arange(0, BLOCK_S)
         n = tl.load(QLEN + offs, mask=offs < N, other=0).to(tl.int32)
-        tiles = (tl.maximum(n, 0) * G + BLOCK_M - 1) // BLOCK_M
+        tiles = _tiles(n, G, BLOCK_M, SINGLES)
         ends = base + tl.cumsum(tiles, 0)  # [BLOCK_S]: one past each sequence's last tile
         before = (ends <= p) & (offs < N)  # sequences that end at or before tile p
         i += tl.sum(before.to(tl.int32), 0)
         start = tl.maximum(start, tl.max(tl.where(before, ends, 0), 0))
         base += tl.sum(tiles, 0)
     n_i = tl.load(QLEN + i, mask=i < N, other=0).to(tl.int32)
-    return i, (tl.maximum(n_i, 0) * G + BLOCK_M - 1) // BLOCK_M - 1 - (p - start)
+    return i, _tiles(n_i, G, BLOCK_M, SINGLES) - 1 - (p - start)
 
 
 def _padding_row(QLEN, N, i, BLOCK_S: tl.constexpr):
@@ -234,8 +243,11 @@ def _paged_decode_kernel(
     sl_b, sl_h,  # part_lse [N, H, splits] fp32
     T, N, Hkv, split_floor, window,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr, MIXED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    # MIXED: a mixed step's single-token sequences (the varlen kernel runs the others, and the
+    # output was zeroed); else a decode step (every sequence one token or none)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     i = bh // Hkv
@@ -248,13 +260,14 @@ def _paged_decode_kernel(
     d_ok = offs_d < HEAD_DIM
     qlen = tl.load(QLEN + i)
     if qlen != 1:
-        # a padding sequence (0 tokens): its split 0 zeroes a padding row's group heads; more
-        # than one token breaks the decode contract: NaN in its first row
-        broken = qlen > 1
-        row = tl.where(broken, tl.load(QSTART + i), _padding_row(QLEN, N, i, BLOCK_S)).to(tl.int64)
-        val = tl.zeros([BLOCK_H, BLOCK_D], tl.float32) + tl.where(broken, float("nan"), 0.0)
-        _store_rows(OUT + row * so_t + heads[:, None] * so_h + offs_d[None, :], val.to(OUT.dtype.element_ty),
-                    tl.arange(0, BLOCK_H) < tl.where((row < T) & (split == 0), G, 0), offs_d, HEAD_DIM, BLOCK_D)
+        if not MIXED:
+            # a padding sequence (0 tokens): its split 0 zeroes a padding row's group heads; more
+            # than one token breaks the decode contract: NaN in its first row
+            broken = qlen > 1
+            row = tl.where(broken, tl.load(QSTART + i), _padding_row(QLEN, N, i, BLOCK_S)).to(tl.int64)
+            val = tl.zeros([BLOCK_H, BLOCK_D], tl.float32) + tl.where(broken, float("nan"), 0.0)
+            _store_rows(OUT + row * so_t + heads[:, None] * so_h + offs_d[None, :], val.to(OUT.dtype.element_ty),
+                        tl.arange(0, BLOCK_H) < tl.where((row < T) & (split == 0), G, 0), offs_d, HEAD_DIM, BLOCK_D)
         return
     t = tl.load(QSTART + i).to(tl.int64)  # the token's row
     pos = tl.load(CLEN + i).to(tl.int32)  # its position: the keys cached before it
@@ -344,10 +357,11 @@ def _paged_prefill_kernel(
     sbt, so_t, so_h,  # block_tables [N, max_blocks], out [1, T, H, D]
     N, window,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, BS: tl.constexpr, WINDOWED: tl.constexpr,
+    BLOCK_S: tl.constexpr, BS: tl.constexpr, WINDOWED: tl.constexpr, SINGLES: tl.constexpr = True,
 ):
+    # SINGLES: every sequence's tokens; else those of 2+ tokens (the decode kernel runs the others)
     kvh = tl.program_id(1)
-    i, m = _find_tile(QLEN, N, tl.program_id(0), G, BLOCK_M, BLOCK_S)
+    i, m = _find_tile(QLEN, N, tl.program_id(0), G, BLOCK_M, BLOCK_S, SINGLES)
     if i >= N:  # a spare tile of the grid's bound
         return
     qs = tl.load(QSTART + i).to(tl.int64)  # the sequence's first row
@@ -439,7 +453,7 @@ def _kernels():
     module = globals()
     for name in ("_attend_new", "_attend_tile", "_load_rows", "_split_len", "_store_rows"):
         module[name] = getattr(A, name)
-    for fn in (_pool_rows, _attend_pool, _write_pool, _find_tile, _padding_row):
+    for fn in (_pool_rows, _attend_pool, _write_pool, _tiles, _find_tile, _padding_row):
         module[fn.__name__] = jit(fn)
     return jit(_paged_decode_kernel), jit(_paged_prefill_kernel)
 
@@ -473,10 +487,17 @@ def _check_paged(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens,
         raise ValueError(f"paged_attention: head_dim {D} is outside the Triton kernels' range 1..256")
 
 
+PATHS = ("decode", "mixed", "varlen")
+
+
 def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                           scale, window=0, *, out=None, decode=None, config=None, num_splits=None):
-    """`paged_attention` on the Triton kernels: the decode kernel where T == N (decode=None;
-    True / False force a path: tests), else the varlen kernel. out [1, T, H, D] may be given."""
+                           scale, window=0, *, out=None, path=None, config=None, decode_config=None, num_splits=None):
+    """`paged_attention` on the Triton kernels. path: "decode" (the decode kernel alone: every
+    sequence brings one token or none), "mixed" (the output zeroed, the varlen kernel for the
+    sequences of 2+ tokens, the decode kernel for those of one), "varlen" (the output zeroed, the
+    varlen kernel for every sequence); None: "decode" where T == N, else "mixed". config /
+    decode_config: the varlen / decode kernel's launch config (None: the table's); num_splits:
+    the decode kernel's (None: from shapes). out [1, T, H, D] may be given."""
     _check_paged(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables)
     decode_kernel, varlen_kernel = _kernels()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -487,28 +508,32 @@ def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, q
     Hkv, BS = k_pool.shape[1], k_pool.shape[2]
     N = query_lens.shape[0]
     G = H // Hkv
-    decode = T == N if decode is None else decode
-    kind = "decode" if decode else "prefill"
-    cfg = config or paged_attention_config(kind, D, arch_of(q.device), q.element_size())
+    path = path or ("decode" if T == N else "mixed")
+    if path not in PATHS:
+        raise ValueError(f"paged_attention: path {path!r} is not one of {', '.join(PATHS)}")
     if out is None:
-        out = (torch.empty if decode else torch.zeros)(1, T, H, D, dtype=q.dtype, device=q.device)
-    elif not decode:
+        out = (torch.empty if path == "decode" else torch.zeros)(1, T, H, D, dtype=q.dtype, device=q.device)
+    elif path != "decode":
         out.zero_()
     if T == 0 or N == 0:
         return out
+    arch = arch_of(q.device)
     BLOCK_D = max(16, next_power_of_2(D))
-    BLOCK_S = cfg.get("BLOCK_S", _block_s(N))
     pools = (k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2))
     common = (q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), *pools,
               block_tables.stride(0), out.stride(1), out.stride(2))
     args = (q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables, out)
     qk_scale = scale * math.log2(math.e)
-    if not decode:
+    if path != "decode":
+        cfg = config or paged_attention_config("prefill", D, arch, q.element_size())
         grid = (cdiv(T * G, cfg["BLOCK_M"]) + N, Hkv)  # a bound on the sequences' row tiles (see `_find_tile`)
         varlen_kernel[grid](*args, qk_scale, *common, N, window, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D,
-                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_S=BLOCK_S, BS=BS,
-                            WINDOWED=window > 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_S=cfg.get("BLOCK_S", _block_s(N)),
+                            BS=BS, WINDOWED=window > 0, SINGLES=path == "varlen", num_warps=cfg["num_warps"],
+                            num_stages=cfg["num_stages"])
+    if path == "varlen":
         return out
+    cfg = decode_config or paged_attention_config("decode", D, arch, q.element_size())
     splits = num_splits or paged_decode_splits(N, Hkv, block_tables.shape[1] * BS, cfg, A.sm_count(q.device))
     if splits > A.MAX_SPLITS:
         raise ValueError(f"paged_attention: {splits} splits exceed MAX_SPLITS={A.MAX_SPLITS}")
@@ -520,8 +545,8 @@ def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, q
     decode_kernel[(N * Hkv, splits)](
         *args, part_o, part_lse, lock, qk_scale, *common, *parts, T, N, Hkv, cfg.get("SPLIT_FLOOR", cfg["MIN_SPLIT"]),
         window, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_S=BLOCK_S, BS=BS, SPLIT=splits > 1, WINDOWED=window > 0, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl_options(q.device))
+        BLOCK_S=cfg.get("BLOCK_S", _block_s(N)), BS=BS, SPLIT=splits > 1, WINDOWED=window > 0, MIXED=path == "mixed",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device))
     return out
 
 
@@ -573,9 +598,9 @@ def _(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens
 def _plan_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables,
                           scale, window=0, *, arch):
     """The kernels the CUDA implementation launches: the decode kernel where T == N (one launch),
-    else the varlen kernel after zeroing the output (two). The ragged program's T and N are
-    symbolic at compile time: then both configs, and the varlen path's launches (the most);
-    decode splits are counted at N = 1 (the most splits) where N is symbolic."""
+    else the output's memset, the varlen kernel and the decode kernel (three). The ragged
+    program's T and N are symbolic at compile time: then both configs and a mixed step's
+    launches (the most); decode splits are counted at N = 1 (the most splits) where N is symbolic."""
     _, H, T, D = q.shape
     N, max_blocks = block_tables.shape
     Hkv, BS = k_pool.shape[1], k_pool.shape[2]
@@ -585,9 +610,8 @@ def _plan_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, query_start, qu
     max_context = max_blocks * BS if isinstance(max_blocks, int) else A.MAX_SPLITS * dec["MIN_SPLIT"]
     splits = paged_decode_splits(seqs, Hkv, max_context, dec, A.SM_COUNT.get(arch, A.SM_COUNT["sm_90"]))
     dec = {**dec, "splits": splits, "splits_at_seqs": seqs, **extra}
+    if isinstance(T, int) and isinstance(N, int) and T == N:
+        return {"name": "triton.paged_attention_decode", "config": dec, "launches": 1}
     varlen = {**paged_attention_config("prefill", D, arch, q.element_size()), **extra}
-    if isinstance(T, int) and isinstance(N, int):
-        if T == N:
-            return {"name": "triton.paged_attention_decode", "config": dec, "launches": 1}
-        return {"name": "triton.paged_attention_varlen", "config": varlen, "launches": 2}
-    return {"name": "triton.paged_attention", "config": {"decode": dec, "varlen": varlen}, "launches": 2}
+    name = "triton.paged_attention_mixed" if isinstance(T, int) and isinstance(N, int) else "triton.paged_attention"
+    return {"name": name, "config": {"decode": dec, "varlen": varlen}, "launches": 3}

@@ -7,7 +7,7 @@
     python scripts/bench_kernels.py attention --short    # only: batch-1 decode configs at 128-4096 keys
     python scripts/bench_kernels.py attention --prefill-variants [--heads 25,25,64] ['{"BLOCK_M": 256, ...}']
     python scripts/bench_kernels.py fused-decode         # fused decode kernels vs their unfused pairs (graphs)
-    python scripts/bench_kernels.py paged [--block-size 32]  # paged decode attention vs the static decode kernel
+    python scripts/bench_kernels.py paged [--block-size 32]   # paged decode attention vs the static decode kernel
     TRITON_INTERPRET=1 python scripts/bench_kernels.py {fused,attention,paged} --smoke   # code path only, CPU
 
 fused: bandwidth = the bytes the op must move (every input read once, every output written once)
@@ -52,7 +52,7 @@ decode_attention) on the same data: Llama-3-8B attention (32 / 8 heads of 128), 
 static cache's Smax and the block table's max_blocks x block size are both ctx, so both kernels
 take the same splits). The pool holds the static cache's rows, its blocks in a random order.
 Times: us per call of several layers' calls over distinct caches replayed from one CUDA graph,
-as a decode step runs them; "paged/static" is their ratio (the issue's target: decode within
+as a decode step runs them; "paged/static" is their ratio (the target: the paged decode within
 10% of the static step). The outputs are compared too (max |paged - static|).
 Every time comes from scripts/timing.py. Writes $OUT/bench_<section>.json when OUT is set.
 Loads the kernel files of this checkout by path (torch and triton only).
@@ -712,7 +712,7 @@ def bench_paged(B: int, ctx: int, block_size: int) -> dict:
     """One decode step's attention per layer: the static decode kernel and the paged one."""
     g = torch.Generator().manual_seed(B * 7919 + ctx)
     per_layer = 2 * B * HKV * ctx * D * DTYPE.itemsize
-    layers = 1 if SMOKE else int(max(2, min(16, (4 << 30) // per_layer)))  # distinct caches, past the L2
+    layers = 1 if SMOKE else int(max(2, min(32, (4 << 30) // per_layer)))  # distinct caches, past the L2
     q, k, v = rand(B, H, 1, D), rand(B, HKV, 1, D), rand(B, HKV, 1, D)
     pos = torch.full((B,), ctx - 1, dtype=torch.int64, device=DEVICE)
     caches = [(rand(B, HKV, ctx, D), rand(B, HKV, ctx, D)) for _ in range(layers)]

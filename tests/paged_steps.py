@@ -29,9 +29,10 @@ class Case:
     seqs: tuple  # (cached tokens, new tokens) per sequence; new 0: a padding sequence
     pad_rows: int = 0  # rows of q after the sequences' (decode steps: one per padding sequence)
     window: int = 0
-    config: dict | None = field(default=None, hash=False)  # None: the table's
-    num_splits: int | None = None  # decode only
-    decode: bool | None = None  # None: the op's choice (T == N)
+    config: dict | None = field(default=None, hash=False)  # the varlen kernel's launch config (None: the table's)
+    decode_config: dict | None = field(default=None, hash=False)  # the decode kernel's
+    num_splits: int | None = None  # the decode kernel's (None: from shapes)
+    path: str | None = None  # paged_attention_triton's: None, the op's choice (decode where T == N, else mixed)
     pool_dtype: str | None = None  # None: q's
     num_blocks: int = 0  # the pool's blocks (0: the sequences' + 3); with max_blocks: steps of equal shapes
     max_blocks: int = 0  # block table columns (0: the longest sequence's + 1)

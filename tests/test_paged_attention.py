@@ -43,9 +43,10 @@ def test_reference_matches_static_attention(name):
     case = REFERENCE_CASES[name]
     step = build(case, torch.float32, seed=3)
     step["k_pool"], step["v_pool"] = step["k_pool"].nan_to_num(), step["v_pool"].nan_to_num()
-    before = step["k_pool"].clone()
+    before = {name: step[name].clone() for name in ("k_pool", "v_pool")}
     out = paged_attention_reference(*args_of(step))
     bt, BS = step["block_tables"], case.BS
+    as_rows = lambda pool, blocks: pool[blocks].transpose(0, 1).reshape(case.Hkv, -1, case.D)  # noqa: E731
     covered = torch.zeros(out.shape[1], dtype=torch.bool)
     for i, (c, n) in enumerate(case.seqs):
         if not n:
@@ -53,20 +54,21 @@ def test_reference_matches_static_attention(name):
         a = int(step["query_start"][i])
         covered[a: a + n] = True
         blocks = bt[i, : -(-(c + n) // BS)].long()
-        gathered = [pool[blocks].transpose(0, 1).reshape(case.Hkv, -1, case.D)[None] for pool in (before, step["v_pool"])]
-        k_cache, v_cache = (x[:, :, : c + n + 5].clone() for x in (gathered[0], gathered[1]))
-        k_cache[:, :, c:], v_cache[:, :, c:] = 0.0, 0.0  # nothing at or past the new tokens yet
-        want = attention_reference(step["q"][:, :, a: a + n], step["k"][:, :, a: a + n], step["v"][:, :, a: a + n],
-                                   k_cache, v_cache, torch.tensor([c]), step["scale"], case.window)
-        torch.testing.assert_close(out[:, a: a + n], want, rtol=1e-5, atol=1e-5)
-        pooled = step["k_pool"][blocks].transpose(0, 1).reshape(case.Hkv, -1, case.D)[:, : c + n]
-        assert torch.equal(pooled, k_cache[0, :, : c + n])
+        caches = [as_rows(before[name], blocks)[None, :, : c + n + 5].clone() for name in ("k_pool", "v_pool")]
+        for cache in caches:
+            cache[:, :, c:] = 0.0  # nothing at or past the new tokens yet
+        rows = slice(a, a + n)
+        want = attention_reference(step["q"][:, :, rows], step["k"][:, :, rows], step["v"][:, :, rows], *caches,
+                                   torch.tensor([c]), step["scale"], case.window)
+        torch.testing.assert_close(out[:, rows], want, rtol=1e-5, atol=1e-5)
+        for name, cache in zip(("k_pool", "v_pool"), caches):
+            assert torch.equal(as_rows(step[name], blocks)[:, : c + n], cache[0, :, : c + n])
     assert torch.equal(out[:, ~covered], torch.zeros_like(out[:, ~covered]))
-    written = step["slot_mapping"][step["slot_mapping"] >= 0].long()
-    untouched = torch.ones(before.shape[0] * BS, dtype=torch.bool)
-    untouched[written] = False
+    untouched = torch.ones(before["k_pool"].shape[0] * BS, dtype=torch.bool)
+    untouched[step["slot_mapping"][step["slot_mapping"] >= 0].long()] = False
     flat = lambda pool: pool.transpose(1, 2).reshape(-1, case.Hkv, case.D)  # noqa: E731  [slots, Hkv, D]
-    assert torch.equal(flat(step["k_pool"])[untouched], flat(before)[untouched])
+    for name in ("k_pool", "v_pool"):
+        assert torch.equal(flat(step[name])[untouched], flat(before[name])[untouched])
 
 
 def test_ragged_reference_is_paged_without_a_cache():
@@ -103,8 +105,8 @@ def _step_shapes(T, N, H=32, Hkv=8, D=128, BS=16, max_blocks=128, device="meta")
 
 def test_planner_names_the_kernel_and_counts_launches():
     """T == N: the decode kernel (one launch, splits from N and max_blocks * block_size); other
-    T: the varlen kernel after the output's memset (two); symbolic T and N (the traced ragged
-    program): both configs, the launches of the varlen path, splits at N = 1."""
+    T: the output's memset, the varlen kernel and the decode kernel (three); symbolic T and N
+    (the traced ragged program): the same, splits at N = 1."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -117,14 +119,16 @@ def test_planner_names_the_kernel_and_counts_launches():
     one = plan(*_step_shapes(1, 1, max_blocks=256), arch="sm_90")["config"]
     assert one["splits"] == 16  # 4096 keys / MIN_SPLIT 256 (2 programs per SM would allow 33)
     mixed = plan(*_step_shapes(512, 64), 4096, arch="sm_90")
-    assert mixed["name"] == "triton.paged_attention_varlen" and mixed["launches"] == 2
-    assert mixed["config"]["window"] == 4096 and not {"TMA", "WS", "PRE_N"} & set(mixed["config"])
+    assert mixed["name"] == "triton.paged_attention_mixed" and mixed["launches"] == 3
+    assert mixed["config"]["decode"] == {**dec["config"], "window": 4096}
+    varlen = mixed["config"]["varlen"]
+    assert varlen["window"] == 4096 and varlen["BLOCK_M"] == 128 and not {"TMA", "WS", "PRE_N"} & set(varlen)
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:
         T, N = mode.shape_env.create_unbacked_symint(), mode.shape_env.create_unbacked_symint()
         sym = plan(*_step_shapes(T, N, device="cpu"), arch="sm_90")
-    assert sym["name"] == "triton.paged_attention" and sym["launches"] == 2
+    assert sym["name"] == "triton.paged_attention" and sym["launches"] == 3
     assert sym["config"]["decode"]["splits"] == 8  # 2048 keys / MIN_SPLIT 256
-    assert sym["config"]["varlen"] == {key: value for key, value in mixed["config"].items() if key != "window"}
+    assert sym["config"]["varlen"] == {key: value for key, value in varlen.items() if key != "window"}
 
 
 # -- the Triton kernels in the interpreter ----------------------------------------------------------
@@ -134,36 +138,49 @@ SMALL_DECODE = dict(BLOCK_N=16, num_warps=4, num_stages=1, MIN_SPLIT=16, PROGRAM
 
 MANY = tuple((int(c), int(n)) for c, n in zip(torch.arange(40) * 7 % 23, torch.arange(40) * 5 % 4))
 KERNEL_CASES = {
-    # mixed steps: prefill chunks (fresh and on a cached prefix) with decode tokens, padding rows
-    "mixed-gqa3": Case(2, 3, 16, 16, ((0, 7), (21, 1), (5, 20), (40, 1)), pad_rows=3, config=SMALL_PREFILL),
+    # mixed steps: prefill chunks (fresh and on a cached prefix) with decode tokens (the decode
+    # kernel's, here with splits), padding rows
+    "mixed-gqa3": Case(2, 3, 16, 16, ((0, 7), (21, 1), (5, 20), (40, 1)), pad_rows=3, config=SMALL_PREFILL,
+                       decode_config=SMALL_DECODE, num_splits=3),
     "mixed-padding-seqs": Case(2, 2, 16, 16, ((17, 5), (0, 0), (3, 1), (0, 0), (30, 12)), pad_rows=2,
                                config=SMALL_PREFILL),
     # G > BLOCK_M: a token's rows straddle row tiles; odd head_dim; block size 32
     "mixed-mqa-straddle-d24-bs32": Case(1, 24, 24, 32, ((3, 5), (0, 9), (40, 1)), config=SMALL_PREFILL),
     "mixed-mha-d12": Case(3, 1, 12, 16, ((33, 17), (2, 3)), pad_rows=1, config=SMALL_PREFILL),
-    "mixed-window": Case(2, 2, 16, 16, ((30, 12), (0, 20), (50, 1), (6, 3)), window=7, config=SMALL_PREFILL),
+    "mixed-window": Case(2, 2, 16, 16, ((30, 12), (0, 20), (50, 1), (6, 3)), window=7, config=SMALL_PREFILL,
+                         decode_config=SMALL_DECODE, num_splits=2),
     "mixed-window-long": Case(2, 2, 16, 32, ((70, 9), (10, 30)), window=40, config=SMALL_PREFILL),
-    # 40 sequences, many without tokens: the tile lookup's scan runs over several chunks
+    # 40 sequences, many without tokens or with one: the tile lookup's scan runs over several chunks
     "mixed-many-seqs": Case(1, 2, 16, 16, MANY, pad_rows=5, config=dict(SMALL_PREFILL, BLOCK_S=16)),
     "mixed-table-config-d64": Case(2, 4, 64, 16, ((0, 37), (19, 2), (64, 1))),
     "mixed-pool-fp32": Case(2, 2, 16, 16, ((11, 6), (0, 3)), config=SMALL_PREFILL, pool_dtype="float32"),
+    # the varlen kernel for every sequence, single tokens included
+    "mixed-all-varlen": Case(2, 3, 16, 16, ((0, 7), (21, 1), (5, 20), (40, 1)), pad_rows=3, config=SMALL_PREFILL,
+                             path="varlen"),
+    "mixed-many-seqs-all-varlen": Case(1, 2, 16, 16, MANY, pad_rows=5, config=dict(SMALL_PREFILL, BLOCK_S=16),
+                                       path="varlen"),
     # decode steps (T == N): one split, splits, a window, more splits than keys, padding
     # sequences anywhere in the batch (their query_start 0: a real row they must not touch)
     "decode-table-config": decode_case(((0, 1), (20, 1), (36, 1)), Hkv=2, G=3, D=16, BS=16),
-    "decode-splits": decode_case(((0, 1), (20, 1), (47, 1), (0, 0)), Hkv=2, G=3, D=16, BS=16, config=SMALL_DECODE,
-                             num_splits=3),
-    "decode-window": decode_case(((3, 1), (30, 1), (60, 1)), Hkv=2, G=3, D=16, BS=16, config=SMALL_DECODE,
-                             num_splits=3, window=20),
-    "decode-many-splits": decode_case(((36, 1), (69, 1)), Hkv=2, G=2, D=16, BS=16, config=SMALL_DECODE, num_splits=7),
+    "decode-splits": decode_case(((0, 1), (20, 1), (47, 1), (0, 0)), Hkv=2, G=3, D=16, BS=16,
+                                 decode_config=SMALL_DECODE, num_splits=3),
+    "decode-window": decode_case(((3, 1), (30, 1), (60, 1)), Hkv=2, G=3, D=16, BS=16, decode_config=SMALL_DECODE,
+                                 num_splits=3, window=20),
+    "decode-many-splits": decode_case(((36, 1), (69, 1)), Hkv=2, G=2, D=16, BS=16, decode_config=SMALL_DECODE,
+                                      num_splits=7),
     "decode-padding": decode_case(((5, 1), (0, 0), (44, 1), (12, 1), (0, 0), (1, 1)), Hkv=2, G=2, D=16, BS=16,
-                              config=SMALL_DECODE, num_splits=2),
-    "decode-mqa-d24-bs32": decode_case(((70, 1), (0, 0), (31, 1)), Hkv=1, G=8, D=24, BS=32, config=SMALL_DECODE,
-                                   num_splits=2),
+                                  decode_config=SMALL_DECODE, num_splits=2),
+    "decode-mqa-d24-bs32": decode_case(((70, 1), (0, 0), (31, 1)), Hkv=1, G=8, D=24, BS=32,
+                                       decode_config=SMALL_DECODE, num_splits=2),
     "decode-many-seqs": decode_case(tuple((c, 0 if i in (3, 17, 18) else 1) for i, (c, _) in enumerate(MANY[:20])),
-                                Hkv=1, G=2, D=16, BS=16, config=dict(SMALL_DECODE, BLOCK_S=16), num_splits=2),
-    # the varlen kernel on a decode step (the runtime may send one in a mixed bucket)
+                                    Hkv=1, G=2, D=16, BS=16, decode_config=dict(SMALL_DECODE, BLOCK_S=16),
+                                    num_splits=2),
+    # a decode step on the mixed path and on the varlen kernel alone (the runtime may send one
+    # in a mixed bucket)
+    "decode-step-as-mixed": decode_case(((5, 1), (0, 0), (44, 1), (12, 1)), Hkv=2, G=2, D=16, BS=16,
+                                        decode_config=SMALL_DECODE, num_splits=2, path="mixed", window=9),
     "decode-step-as-varlen": decode_case(((5, 1), (0, 0), (44, 1), (12, 1)), Hkv=2, G=2, D=16, BS=16,
-                                     config=SMALL_PREFILL, decode=False, window=9),
+                                         config=SMALL_PREFILL, path="varlen", window=9),
 }
 DTYPES = ("float32", "float16")
 TOL = {"float32": 2e-5, "float16": 2e-3}  # max |kernel - fp32 reference| / max(1, |reference|)
@@ -176,8 +193,8 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     step = build(case, dtype)
     ref, want_k, want_v = expected(step)
     out = torch.full_like(ref, float("nan"), dtype=dtype)
-    paged_attention_triton(*args_of(step), out=out, decode=case.decode, config=case.config,
-                           num_splits=case.num_splits)
+    paged_attention_triton(*args_of(step), out=out, path=case.path, config=case.config,
+                           decode_config=case.decode_config, num_splits=case.num_splits)
     problems = pool_problems(step, want_k, want_v)
     if out.isnan().any():
         problems.append(f"out has NaN at [0, t, h, d] {out.isnan().nonzero()[:3].tolist()}")
@@ -192,7 +209,7 @@ def decode_contract_broken() -> str:
     from dsc.kernels.paged_attention import paged_attention_triton
 
     step = build(Case(1, 2, 16, 16, ((4, 2), (9, 0))), torch.float32)
-    out = paged_attention_triton(*args_of(step), config=SMALL_DECODE)
+    out = paged_attention_triton(*args_of(step), decode_config=SMALL_DECODE)
     start = int(step["query_start"][0])
     return "ok" if bool(out[0, start].isnan().all()) else f"row {start}: {out[0, start, :, :2].tolist()}"
 
@@ -237,13 +254,13 @@ def run_aot(path: str) -> None:
                                            "split_floor", "window")}}
             k = compile_for_arch(P._paged_decode_kernel, types,
                                  dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=dec["BLOCK_N"], BLOCK_S=64,
-                                      BS=16, SPLIT=True, WINDOWED=window, PDL=pdl),
+                                      BS=16, SPLIT=True, WINDOWED=window, MIXED=window, PDL=pdl),
                                  num_warps=dec["num_warps"], num_stages=dec["num_stages"], aligned=aligned)
             report[f"decode{'-window' * window}{'-pdl' * pdl}"] = {"pdl": pdl_check(k, pdl), "spills": spill_bytes(k)}
         types = {**ptrs, **{n: "i32" for n in (*strides, "N", "window")}}
         k = compile_for_arch(P._paged_prefill_kernel, types,
                              dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=pre["BLOCK_M"], BLOCK_N=pre["BLOCK_N"],
-                                  BLOCK_S=64, BS=16, WINDOWED=window),
+                                  BLOCK_S=64, BS=16, WINDOWED=window, SINGLES=window),
                              num_warps=pre["num_warps"], num_stages=pre["num_stages"], aligned=aligned)
         report[f"varlen{'-window' * window}"] = {"pdl": "ok", "spills": spill_bytes(k)}
     Path(path).write_text(json.dumps(report, indent=1))

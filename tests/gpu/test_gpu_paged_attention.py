@@ -59,8 +59,8 @@ def check(name: str, case: Case, dtype=None, run=None) -> dict:
     ref32, want_k, want_v = expected(step)
     ref_low = expected(step, dtype)[0]
     out = torch.full_like(ref32, float("nan"), dtype=dtype)
-    (run or P.paged_attention_triton)(*args_of(step), out=out, decode=case.decode, config=case.config,
-                                      num_splits=case.num_splits)
+    (run or P.paged_attention_triton)(*args_of(step), out=out, path=case.path, config=case.config,
+                                      decode_config=case.decode_config, num_splits=case.num_splits)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     err, err_low = rel_err(out, ref32), rel_err(ref_low, ref32)
@@ -106,8 +106,9 @@ def cases() -> dict:
                                                None)
     out["decode B8 window 4096"] = (decode_case(decode_seqs(8, n(8192), 8), BS=16, window=n(4096), **heads()), None)
     out["decode B8 one split"] = (decode_case(decode_seqs(8, n(8192), 5), BS=16, num_splits=1, **heads()), None)
-    out["decode step on the varlen kernel"] = (decode_case(decode_seqs(16, n(4096), 9, padding=2), BS=16,
-                                                           decode=False, **heads()), None)
+    for path in ("mixed", "varlen"):
+        out[f"decode step on the {path} path"] = (decode_case(decode_seqs(16, n(4096), 9, padding=2), BS=16,
+                                                              path=path, **heads()), None)
     decodes = tuple((c, 1) for c in contexts(63, n(2048), 3))
     out["mixed 2048 fresh + 63 decodes, padded to 2304"] = (
         Case(seqs=((0, n(2048)),) + decodes, pad_rows=max(n(2304) - n(2048) - 63, 3), BS=16, **heads()), None)
@@ -118,6 +119,8 @@ def cases() -> dict:
     out["mixed head_dim 80"] = (Case(seqs=((n(1000), n(300)), (0, n(700)), (n(2000), 1)), BS=16, Hkv=HKV, G=G, D=80),
                                 None)
     out["mixed fp32"] = (Case(seqs=((n(1000), n(300)), (0, n(200)), (n(2000), 1)), BS=16, **heads()), torch.float32)
+    out["mixed, the varlen kernel for every sequence"] = (
+        Case(seqs=((0, n(2048)),) + decodes[:31], pad_rows=7, BS=16, path="varlen", **heads()), None)
     mha = dict(Hkv=25, G=1, D=64) if SHRINK == 1 else dict(Hkv=3, G=1, D=16)
     out["mixed MHA 25x64 fp16 (GPT-2-XL)"] = (Case(seqs=((0, n(1000)), (n(700), n(300)), (n(900), 1)), BS=16, **mha),
                                               torch.float16)
