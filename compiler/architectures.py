@@ -50,6 +50,15 @@ ARCHITECTURES = {
         Architecture("opt", "gpt2", intermediate_field="ffn_dim"),  # LayerNorm, learned positions, ReLU
         Architecture("phi", "gpt2"),  # partial RoPE, parallel attention + MLP off one LayerNorm, GELU
         Architecture("gemma", "llama"),  # RMSNorm (1 + w), scaled embeddings, GeGLU, GQA
+        Architecture("qwen3", "llama"),  # per-head RMSNorm of q and k
+        Architecture("stablelm", "llama"),  # LayerNorm, partial RoPE, gated MLP
+        Architecture("starcoder2", "gpt2"),  # LayerNorm with biases, GELU MLP, GQA, sliding window
+        Architecture("olmo", "llama"),  # LayerNorm without parameters
+        Architecture("olmo2", "llama"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
+        Architecture("cohere", "llama"),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
+        Architecture("granite", "llama"),  # embedding, residual, attention and logit multipliers
+        Architecture("gemma3_text", "llama"),  # local and global layers, per-head q/k RMSNorm, pre/post norms
+        Architecture("falcon", "gpt2", intermediate_field="ffn_hidden_size"),  # multi-query or grouped, parallel
         # their rotary or fused projections are sliced per head in ways the sharding pass does not
         # follow yet; tp=1 is fully supported
         Architecture("gptj", "gpt2", no_tp="interleaved partial rotary (stack of rotated pairs)"),
