@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from dsc.errors import UserError
+
+# What a family's ForCausalLM forward does to the lm_head's output, by the config field it reads.
+# dsc traces the base model and applies the head itself (at one position per sequence), so the
+# head's epilogue is named here.
+LOGIT_EPILOGUES = {
+    "logit_scale": lambda x, v: x * v,  # Cohere
+    "logits_scaling": lambda x, v: x / v,  # Granite
+    "final_logit_softcapping": lambda x, v: torch.tanh(x / v) * v,  # Gemma 2 and 3
+}
 
 
 @dataclass(frozen=True)
@@ -17,6 +28,13 @@ class Architecture:
     family: str  # for readers: the nearer of "llama" (RMSNorm, RoPE, gated MLP) and "gpt2" (LayerNorm, GELU MLP)
     intermediate_field: str = "intermediate_size"  # the config field of the MLP width
     no_tp: str = ""  # why shard_tensor_parallel cannot split this architecture yet ("" = it can)
+    logits: tuple[str, ...] = ()  # LOGIT_EPILOGUES applied after lm_head, where the config sets them
+
+    def logit_epilogue(self, hf_config, logits: torch.Tensor) -> torch.Tensor:
+        for field in self.logits:
+            if (value := getattr(hf_config, field, None)) is not None:
+                logits = LOGIT_EPILOGUES[field](logits, value)
+        return logits
 
     def heads(self, cfg: dict) -> int:
         return cfg.get("num_attention_heads", cfg.get("n_head"))
@@ -55,9 +73,9 @@ ARCHITECTURES = {
         Architecture("starcoder2", "gpt2"),  # LayerNorm with biases, GELU MLP, GQA, sliding window
         Architecture("olmo", "llama"),  # LayerNorm without parameters
         Architecture("olmo2", "llama"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
-        Architecture("cohere", "llama"),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
-        Architecture("granite", "llama"),  # embedding, residual, attention and logit multipliers
-        Architecture("gemma3_text", "llama"),  # local and global layers, per-head q/k RMSNorm, pre/post norms
+        Architecture("cohere", "llama", logits=("logit_scale",)),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
+        Architecture("granite", "llama", logits=("logits_scaling",)),  # embedding, residual, attention and logit multipliers
+        Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",)),  # local and global layers, per-head q/k RMSNorm, pre/post norms
         Architecture("falcon", "gpt2", intermediate_field="ffn_hidden_size"),  # multi-query or grouped, parallel
         # their rotary or fused projections are sliced per head in ways the sharding pass does not
         # follow yet; tp=1 is fully supported

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dsc.kernels  # noqa: F401  (registers dsc ops)
-from dsc.compiler.architectures import Architecture
+from dsc.compiler.architectures import ARCHITECTURES, Architecture
 from dsc.compiler.ir import Model, WeightSpec
 from dsc.compiler.source import Checkpoint, check_weight_dtype
 from dsc.errors import UserError
@@ -65,7 +65,8 @@ class CausalLMProgram(nn.Module):
         h = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                dsc_cache_pos=cache_pos).last_hidden_state  # [B, S, E]
         h = h[torch.arange(h.shape[0], device=h.device), last_idx]  # [B, E]
-        return self.lm.get_output_embeddings()(h)  # [B, V]
+        logits = self.lm.get_output_embeddings()(h)  # [B, V]
+        return ARCHITECTURES[self.lm.config.model_type].logit_epilogue(self.lm.config, logits)
 
 
 @contextlib.contextmanager
