@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import dsc.kernels  # noqa: F401  (registers dsc ops)
 from dsc.compiler.architectures import ARCHITECTURES, Architecture
 from dsc.compiler.ir import Model, WeightSpec
+from dsc.compiler.model_adapters import adapt_model, register_attention_classes
 from dsc.compiler.source import Checkpoint, check_weight_dtype
 from dsc.errors import UserError
 
@@ -114,10 +115,12 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
     except (ValueError, TypeError, KeyError, OSError) as e:
         raise UserError(f"{ckpt.root / 'config.json'}: invalid config ({str(e).splitlines()[0]})")
     _static_rope(hf_config)
+    register_attention_classes(hf_config, ckpt.root / "config.json")
     with _parameters_on_meta(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = AutoModelForCausalLM.from_config(hf_config, attn_implementation="dsc",
                                               dtype=_TORCH_DTYPES[dtype])
+    adapt_model(lm)
     return lm.eval()
 
 
