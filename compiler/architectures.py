@@ -72,11 +72,11 @@ ARCHITECTURES = {
         Architecture("stablelm", "llama"),  # LayerNorm, partial RoPE, gated MLP
         Architecture("starcoder2", "gpt2"),  # LayerNorm with biases, GELU MLP, GQA, sliding window
         Architecture("olmo", "llama"),  # LayerNorm without parameters
-        Architecture("olmo2", "llama"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
-        Architecture("cohere", "llama", logits=("logit_scale",)),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
+        Architecture("olmo2", "llama", no_tp="q/k RMSNorm over all heads: a reduction across ranks"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
+        Architecture("cohere", "llama", logits=("logit_scale",), no_tp="interleaved rotary (stack of rotated pairs)"),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
         Architecture("granite", "llama", logits=("logits_scaling",)),  # embedding, residual, attention and logit multipliers
-        Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",)),  # local and global layers, per-head q/k RMSNorm, pre/post norms
-        Architecture("falcon", "gpt2", intermediate_field="ffn_hidden_size"),  # multi-query or grouped, parallel
+        Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",), no_tp="type_as in its q/k norm"),  # local and global layers, per-head q/k RMSNorm, pre/post norms
+        Architecture("falcon", "gpt2", intermediate_field="ffn_hidden_size", no_tp="query_key_value fused per kv group, then indexed"),  # multi-query or grouped, parallel
         # their rotary or fused projections are sliced per head in ways the sharding pass does not
         # follow yet; tp=1 is fully supported
         Architecture("gptj", "gpt2", no_tp="interleaved partial rotary (stack of rotated pairs)"),

@@ -17,7 +17,8 @@ Rewrites (each counted under `shard_tensor_parallel.<rule>`, per program)
             the bias stays replicated and is added once, after the sum.
   shape     view/reshape sizes and split sizes along a sharded dim -> the rank's local sizes.
   kv_cache  the cache tensors hold the local kv heads (model.kv_cache["shape"][1]).
-  vocab     when tp divides the vocabulary, the token embedding and lm_head are vocab-parallel:
+  vocab     when tp divides the vocabulary, the token embedding and lm_head (under its scalar
+            scale or soft-cap, if any) are vocab-parallel:
             the rank's rows looked up (dsc.vocab_embedding: zeros for others' ids) + dsc.all_reduce,
             and the rank's logits + dsc.all_gather; otherwise both are replicated.
             model.notes["tp"] says which and why.
@@ -50,10 +51,12 @@ _ELEMENTWISE = {
 }
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
+_LOGIT_EPILOGUE = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.tanh.default)
 _ATTENTION = torch.ops.dsc.attention.default
 _PASS_THROUGH = _VIEWS | _ELEMENTWISE | _REDUCTIONS | _SPLITS | {
     aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.slice.Tensor,
-    aten.cat.default, operator.getitem, _ATTENTION}
+    aten.cat.default, operator.getitem, _ATTENTION, aten.chunk.default, aten.stack.default,
+    aten.flatten.using_ints, aten.select.int, aten.type_as.default}
 
 
 class _Unsupported(Exception):
@@ -250,6 +253,20 @@ class _Solver:
             return self._in(n.args[0])[n.args[1]]
         if t is aten.cat.default:
             return self._cat(n)
+        if t is aten.chunk.default:  # equal pieces: a split by the output sizes
+            return self._split(n)
+        if t is aten.stack.default:  # unsqueeze each part, then cat (GPT-J's rotated pairs)
+            d = _norm(n.args[1] if len(n.args) > 1 else 0, _val(n).dim())
+            parts = [self._in(a) for a in n.args[0]]
+            for p in parts[1:]:
+                if p.dim != parts[0].dim:
+                    raise _Unsupported(f"{n.name} stacks values sharded along different dims")
+                self._unify(parts[0], p)
+            return dataclasses.replace(parts[0], dim=parts[0].dim + (d <= parts[0].dim))
+        if t is aten.flatten.using_ints:
+            return self._flatten(n)
+        if t is aten.type_as.default:  # a cast: the layout of its input (the other gives a dtype)
+            return self._in(n.args[0])
         lay, ndim = self._in(n.args[0]), _val(n).dim()
         if t is aten.transpose.int:
             a, b = (_norm(d, ndim) for d in n.args[1:3])
@@ -258,6 +275,11 @@ class _Solver:
             return dataclasses.replace(lay, dim=[_norm(d, ndim) for d in n.args[1]].index(lay.dim))
         if t is aten.unsqueeze.default:
             return dataclasses.replace(lay, dim=lay.dim + (_norm(n.args[1], ndim) <= lay.dim))
+        if t is aten.select.int:
+            d = _norm(n.args[1], ndim + 1)
+            if d == lay.dim:
+                raise _Unsupported(f"{n.name} selects along the sharded dim")
+            return dataclasses.replace(lay, dim=lay.dim - (d < lay.dim))
         if t is aten.slice.Tensor:
             if _norm(n.args[1] if len(n.args) > 1 else 0, ndim) == lay.dim:
                 raise _Unsupported(f"{n.name} slices the sharded dim")
@@ -285,6 +307,19 @@ class _Solver:
         if any(s.denominator != 1 for s in sizes):
             raise _Unsupported(f"{n.name} splits a block across output dims")
         return Layout(j, tuple((int(s), k) for s, (_, k) in zip(sizes, lay.blocks)), lay.scale * factor)
+
+    def _flatten(self, n: fx.Node) -> Layout:
+        """flatten(start, end): a view; the sharded dim must be the outermost of a merged range."""
+        lay, ndim = self._in(n.args[0]), _val(n.args[0]).dim()
+        a, b = (_norm(d, ndim) for d in (n.args[1] if len(n.args) > 1 else 0, n.args[2] if len(n.args) > 2 else -1))
+        if lay.dim < a:
+            return lay
+        if lay.dim > b:
+            return dataclasses.replace(lay, dim=lay.dim - (b - a))
+        if lay.dim != a:
+            raise _Unsupported(f"{n.name} merges the sharded dim with an outer dim")
+        factor = _static_prod(_val(n.args[0]).shape[a + 1:b + 1])
+        return Layout(a, tuple((s * factor, k) for s, k in lay.blocks), lay.scale * factor)
 
     def _elementwise(self, n: fx.Node) -> Layout:
         ndim, out = _val(n).dim(), None
@@ -437,7 +472,7 @@ def _rewrite_sizes(n: fx.Node, s: _Solver) -> None:
         if isinstance(sizes[lay.dim], int) and sizes[lay.dim] != -1:
             sizes[lay.dim] = s.local(lay)
             n.args = (n.args[0], sizes, *n.args[2:])
-    elif n.target in _SPLITS:
+    elif n.target in _SPLITS or n.target is aten.chunk.default:
         src = s.lay[n.args[0]]
         dim = _norm(n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0), _val(n.args[0]).dim())
         if dim == src.dim:
@@ -495,6 +530,8 @@ def _from_input_ids(n) -> bool:
 def _vocab_nodes(graph: fx.Graph) -> tuple[fx.Node | None, list[fx.Node]]:
     """The lm_head linear (it produces the program's output) and the token embeddings."""
     out = next(n for n in graph.nodes if n.op == "output").args[0]
+    while is_call(out, *_LOGIT_EPILOGUE) and not any(isinstance(a, fx.Node) for a in out.args[1:]):
+        out = out.args[0]  # scaled or soft-capped logits (compiler/architectures.py LOGIT_EPILOGUES)
     head = out if _is_linear(out) else None
     embs = [n for n in graph.nodes if is_call(n, aten.embedding.default) and _from_input_ids(n.args[1])
             and getattr(n.args[0], "op", None) == "get_attr"]
