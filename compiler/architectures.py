@@ -36,6 +36,10 @@ class Architecture:
                 logits = LOGIT_EPILOGUES[field](logits, value)
         return logits
 
+    def tp_blocker(self, cfg: dict) -> str:
+        """Why this checkpoint compiles with --tp 1 only ("" = it shards)."""
+        return self.no_tp
+
     def heads(self, cfg: dict) -> int:
         return cfg.get("num_attention_heads", cfg.get("n_head"))
 
@@ -58,6 +62,21 @@ class Architecture:
         return cfg.get("max_position_embeddings", cfg.get("n_positions"))
 
 
+@dataclass(frozen=True)
+class Falcon(Architecture):
+    """Falcon's kv heads: `num_kv_heads` in the new decoder layout, one in 7B's multi-query."""
+
+    def kv_heads(self, cfg: dict) -> int:
+        if cfg.get("new_decoder_architecture"):
+            return cfg.get("num_kv_heads") or self.heads(cfg)
+        return 1 if cfg.get("multi_query", True) else self.heads(cfg)
+
+    def tp_blocker(self, cfg: dict) -> str:
+        if not cfg.get("new_decoder_architecture") and cfg.get("multi_query", True):
+            return "multi-query layout: its one kv head is a size-1 dim the sharding pass cannot place"
+        return self.no_tp
+
+
 ARCHITECTURES = {
     a.model_type: a
     for a in [
@@ -73,14 +92,12 @@ ARCHITECTURES = {
         Architecture("starcoder2", "gpt2"),  # LayerNorm with biases, GELU MLP, GQA, sliding window
         Architecture("olmo", "llama"),  # LayerNorm without parameters
         Architecture("olmo2", "llama", no_tp="q/k RMSNorm over all heads: a reduction across ranks"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
-        Architecture("cohere", "llama", logits=("logit_scale",), no_tp="interleaved rotary (stack of rotated pairs)"),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
+        Architecture("cohere", "llama", logits=("logit_scale",)),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
         Architecture("granite", "llama", logits=("logits_scaling",)),  # embedding, residual, attention and logit multipliers
-        Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",), no_tp="type_as in its q/k norm"),  # local and global layers, per-head q/k RMSNorm, pre/post norms
-        Architecture("falcon", "gpt2", intermediate_field="ffn_hidden_size", no_tp="query_key_value fused per kv group, then indexed"),  # multi-query or grouped, parallel
-        # their rotary or fused projections are sliced per head in ways the sharding pass does not
-        # follow yet; tp=1 is fully supported
-        Architecture("gptj", "gpt2", no_tp="interleaved partial rotary (stack of rotated pairs)"),
-        Architecture("gpt_neox", "gpt2", no_tp="query_key_value fused per head, then chunked"),
+        Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",)),  # local and global layers, per-head q/k RMSNorm, pre/post norms
+        Falcon("falcon", "gpt2", intermediate_field="ffn_hidden_size"),  # multi-query or grouped kv, parallel
+        Architecture("gptj", "gpt2"),  # interleaved partial rotary, parallel attention + MLP
+        Architecture("gpt_neox", "gpt2"),  # query_key_value fused per head, partial rotary
         Architecture("phi3", "llama", no_tp="checkpoint-fused qkv_proj sliced by offsets, then indexed"),
     ]
 }

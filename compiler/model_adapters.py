@@ -34,7 +34,10 @@ def _falcon_attention_class():
             if self.new_decoder_architecture:  # per kv group: its q heads, then k, then v
                 qkv = fused.view(B, S, self.num_kv_heads, self.num_heads // self.num_kv_heads + 2, self.head_dim)
                 q, k, v = qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]
-            else:  # multi-query (q heads, one k, one v) or per head (q, k, v)
+            elif self.multi_query:  # q heads, then one k and one v head
+                H, D = self.num_heads, self.head_dim
+                q, k, v = (t.view(B, S, -1, D) for t in fused.split([H * D, D, D], dim=-1))
+            else:  # per head: its q, k and v
                 q, k, v = self._split_heads(fused)
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 

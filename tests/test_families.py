@@ -27,7 +27,7 @@ FAMILIES = ["qwen3-odd", "stablelm-odd", "starcoder2-odd", "olmo-odd", "olmo2-od
 # sliding windows per layer, shorter than the longest prompt (13) plus its 8 new tokens
 WINDOWS = {"starcoder2-odd": [8, 8], "gemma3_text-odd": [6, 0]}
 TP_SHAPES = [s for s in FAMILIES + ["gptj-tiny", "gpt_neox-tiny", "phi3-tiny", "mistral-tiny", "qwen2-tiny"]
-             if not ARCHITECTURES[SHAPES[s][0]].no_tp]
+             if not ARCHITECTURES[SHAPES[s][0]].tp_blocker(SHAPES[s][1])]
 INT8_MIN_SQNR = 20.0
 
 
