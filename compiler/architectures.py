@@ -91,14 +91,14 @@ ARCHITECTURES = {
         Architecture("stablelm", "llama"),  # LayerNorm, partial RoPE, gated MLP
         Architecture("starcoder2", "gpt2"),  # LayerNorm with biases, GELU MLP, GQA, sliding window
         Architecture("olmo", "llama"),  # LayerNorm without parameters
-        Architecture("olmo2", "llama", no_tp="q/k RMSNorm over all heads: a reduction across ranks"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
+        Architecture("olmo2", "llama"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
         Architecture("cohere", "llama", logits=("logit_scale",)),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
         Architecture("granite", "llama", logits=("logits_scaling",)),  # embedding, residual, attention and logit multipliers
         Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",)),  # local and global layers, per-head q/k RMSNorm, pre/post norms
         Falcon("falcon", "gpt2", intermediate_field="ffn_hidden_size"),  # multi-query or grouped kv, parallel
         Architecture("gptj", "gpt2"),  # interleaved partial rotary, parallel attention + MLP
         Architecture("gpt_neox", "gpt2"),  # query_key_value fused per head, partial rotary
-        Architecture("phi3", "llama", no_tp="checkpoint-fused qkv_proj sliced by offsets, then indexed"),
+        Architecture("phi3", "llama"),  # checkpoint-fused qkv_proj sliced by offsets, gate_up chunked
     ]
 }
 

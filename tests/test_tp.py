@@ -372,7 +372,7 @@ def test_cli_tp_error_is_one_line(make_checkpoint, tmp_path):
         "tp values that work: 1, 2, 4"]
 
 
-@pytest.mark.parametrize("shape", ["phi3-tiny", "falcon-odd"])
+@pytest.mark.parametrize("shape", ["falcon-odd"])
 def test_architecture_without_tp_support_says_so(shape, make_checkpoint, tmp_path):
     """Architectures the sharding pass cannot follow yet stop before tracing, in one line."""
     from typer.testing import CliRunner
