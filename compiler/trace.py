@@ -134,7 +134,7 @@ def _loaded_names(lm: nn.Module, ckpt: Checkpoint, where) -> dict[str, str]:
     transforms = get_model_conversion_mapping(lm)
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    model_names = dict.fromkeys(n for n, _ in lm.named_parameters(remove_duplicate=False))
+    model_names = dict.fromkeys((n for n, _ in lm.named_parameters(remove_duplicate=False)), True)
     loaded: dict[str, str] = {}
     for key in sorted(ckpt.tensors):
         name, converted = rename_source_key(key, renamings, converters, lm.base_model_prefix, model_names)

@@ -58,6 +58,26 @@ def test_gpt_neox_loads_the_head_as_checkpoints_name_it(make_checkpoint, compile
     assert manifest["source"]["model"]
 
 
+def test_keys_without_the_base_model_prefix_resolve(make_checkpoint, tmp_path):
+    """A checkpoint saved from the base model (`h.0...`, not `transformer.h.0...`) loads as
+    transformers loads it: the prefix is added by its own key mapping."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import dsc
+
+    src = make_checkpoint("gpt2-tiny")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    sd = load_file(src / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in sd.items()}, ck / "model.safetensors")
+    assert "h.0.attn.c_attn.weight" in load_file(ck / "model.safetensors")
+    report = verify_artifact(dsc.compile(str(ck), tmp_path / "art", dtype="fp32"), ck,
+                             prompts=prompts(vocab=512, lengths=(5, 2)), new_tokens=3)
+    assert report.tokens_equal and report.max_abs_err <= FP32_ATOL, report.summary()
+
+
 @pytest.fixture(scope="module")
 def tp_runs(compile_artifact):
     """tp=1 references, and every TP family's tp=2 artifact run on 2 gloo ranks in one spawn."""
@@ -102,7 +122,8 @@ def test_int8_report_passes(shape, compile_artifact, capsys):
     assert len(rep["layers"]) >= 2 * 2
 
 
-@pytest.mark.parametrize("shape", FAMILIES + ["gpt_neox-tiny"])
+@pytest.mark.parametrize("shape", FAMILIES + ["gpt_neox-tiny", "gptj-tiny", "phi3-tiny", "opt-tiny", "phi-tiny",
+                                   "gemma-tiny", "mistral-tiny", "qwen2-tiny"])  # llama, gpt2: test_fusion.py
 def test_golden_plan(shape, compile_artifact):
     from dsc import switches
 
