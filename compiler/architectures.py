@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from dsc.errors import UserError
+
+# What a family's ForCausalLM forward does to the lm_head's output, by the config field it reads.
+# dsc traces the base model and applies the head itself (at one position per sequence), so the
+# head's epilogue is named here.
+LOGIT_EPILOGUES = {
+    "logit_scale": lambda x, v: x * v,  # Cohere
+    "logits_scaling": lambda x, v: x / v,  # Granite
+    "final_logit_softcapping": lambda x, v: torch.tanh(x / v) * v,  # Gemma 2 and 3
+}
 
 
 @dataclass(frozen=True)
@@ -17,6 +28,17 @@ class Architecture:
     family: str  # for readers: the nearer of "llama" (RMSNorm, RoPE, gated MLP) and "gpt2" (LayerNorm, GELU MLP)
     intermediate_field: str = "intermediate_size"  # the config field of the MLP width
     no_tp: str = ""  # why shard_tensor_parallel cannot split this architecture yet ("" = it can)
+    logits: tuple[str, ...] = ()  # LOGIT_EPILOGUES applied after lm_head, where the config sets them
+
+    def logit_epilogue(self, hf_config, logits: torch.Tensor) -> torch.Tensor:
+        for field in self.logits:
+            if (value := getattr(hf_config, field, None)) is not None:
+                logits = LOGIT_EPILOGUES[field](logits, value)
+        return logits
+
+    def tp_blocker(self, cfg: dict) -> str:
+        """Why this checkpoint compiles with --tp 1 only ("" = it shards)."""
+        return self.no_tp
 
     def heads(self, cfg: dict) -> int:
         return cfg.get("num_attention_heads", cfg.get("n_head"))
@@ -40,6 +62,21 @@ class Architecture:
         return cfg.get("max_position_embeddings", cfg.get("n_positions"))
 
 
+@dataclass(frozen=True)
+class Falcon(Architecture):
+    """Falcon's kv heads: `num_kv_heads` in the new decoder layout, one in 7B's multi-query."""
+
+    def kv_heads(self, cfg: dict) -> int:
+        if cfg.get("new_decoder_architecture"):
+            return cfg.get("num_kv_heads") or self.heads(cfg)
+        return 1 if cfg.get("multi_query", True) else self.heads(cfg)
+
+    def tp_blocker(self, cfg: dict) -> str:
+        if not cfg.get("new_decoder_architecture") and cfg.get("multi_query", True):
+            return "multi-query layout: its one kv head is a size-1 dim the sharding pass cannot place"
+        return self.no_tp
+
+
 ARCHITECTURES = {
     a.model_type: a
     for a in [
@@ -50,11 +87,18 @@ ARCHITECTURES = {
         Architecture("opt", "gpt2", intermediate_field="ffn_dim"),  # LayerNorm, learned positions, ReLU
         Architecture("phi", "gpt2"),  # partial RoPE, parallel attention + MLP off one LayerNorm, GELU
         Architecture("gemma", "llama"),  # RMSNorm (1 + w), scaled embeddings, GeGLU, GQA
-        # their rotary or fused projections are sliced per head in ways the sharding pass does not
-        # follow yet; tp=1 is fully supported
-        Architecture("gptj", "gpt2", no_tp="interleaved partial rotary (stack of rotated pairs)"),
-        Architecture("gpt_neox", "gpt2", no_tp="query_key_value fused per head, then chunked"),
-        Architecture("phi3", "llama", no_tp="checkpoint-fused qkv_proj sliced by offsets, then indexed"),
+        Architecture("qwen3", "llama"),  # per-head RMSNorm of q and k
+        Architecture("stablelm", "llama"),  # LayerNorm, partial RoPE, gated MLP
+        Architecture("starcoder2", "gpt2"),  # LayerNorm with biases, GELU MLP, GQA, sliding window
+        Architecture("olmo", "llama"),  # LayerNorm without parameters
+        Architecture("olmo2", "llama"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
+        Architecture("cohere", "llama", logits=("logit_scale",)),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
+        Architecture("granite", "llama", logits=("logits_scaling",)),  # embedding, residual, attention and logit multipliers
+        Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",)),  # local and global layers, per-head q/k RMSNorm, pre/post norms
+        Falcon("falcon", "gpt2", intermediate_field="ffn_hidden_size"),  # multi-query or grouped kv, parallel
+        Architecture("gptj", "gpt2"),  # interleaved partial rotary, parallel attention + MLP
+        Architecture("gpt_neox", "gpt2"),  # query_key_value fused per head, partial rotary
+        Architecture("phi3", "llama"),  # checkpoint-fused qkv_proj sliced by offsets, gate_up chunked
     ]
 }
 

@@ -44,6 +44,30 @@ SHAPES = {
                                  head_dim=16, num_hidden_layers=2, vocab_size=512)),
     "phi3-tiny": ("phi3", dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
                                num_hidden_layers=2, vocab_size=512, max_position_embeddings=256, pad_token_id=0)),
+    # the families of tests/test_families.py: sizes that are not powers of two (72 hidden, 6 heads
+    # of 12 over 2 kv heads, 200 MLP, 510 vocabulary), windows shorter than the tests' prompts
+    **{f"{mt}-odd": (mt, dict(hidden_size=72, intermediate_size=200, num_attention_heads=6,
+                              num_key_value_heads=2, num_hidden_layers=2, vocab_size=510,
+                              max_position_embeddings=256, **extra))
+       for mt, extra in [
+           ("qwen3", dict(head_dim=12)),
+           ("stablelm", dict(partial_rotary_factor=0.5)),
+           ("starcoder2", dict(sliding_window=8)),
+           ("olmo", {}),
+           ("olmo2", {}),
+           ("cohere", dict(logit_scale=0.25)),
+           ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                            logits_scaling=4.0)),
+           ("gemma3_text", dict(head_dim=12, query_pre_attn_scalar=10, sliding_window=6,
+                                layer_types=["sliding_attention", "full_attention"])),
+       ]},
+    # Falcon: 7B's layout (multi-query, one LayerNorm before parallel attention and MLP) and the
+    # new decoder layout of 40B/180B (grouped kv heads fused per group, two LayerNorms)
+    "falcon-odd": ("falcon", dict(hidden_size=72, num_attention_heads=6, num_hidden_layers=2, vocab_size=510,
+                                  ffn_hidden_size=200, max_position_embeddings=256)),
+    "falcon-new-odd": ("falcon", dict(hidden_size=72, num_attention_heads=6, num_kv_heads=2, num_hidden_layers=2,
+                                      vocab_size=510, ffn_hidden_size=200, max_position_embeddings=256,
+                                      new_decoder_architecture=True, multi_query=False)),
     "gpt2-tiny": ("gpt2", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=512, n_positions=1024)),
     "gpt2-odd": ("gpt2", dict(n_embd=72, n_head=6, n_layer=3, vocab_size=509, n_positions=1024)),
     "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
@@ -84,6 +108,16 @@ def make_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
     return ids
 
 
+def saved_names(lm, names) -> dict[str, str]:
+    """Parameter name -> the key `save_pretrained` writes it under: transformers' own reverse
+    key mapping (GPT-NeoX's lm_head is stored as `embed_out`, as in real Pythia checkpoints)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    order = list(names)
+    tagged = revert_weight_conversion(lm, {n: torch.tensor(i) for i, n in enumerate(order)})
+    return {order[int(t)]: saved for saved, t in tagged.items()}
+
+
 def make_random_checkpoint(out: str | Path, shape: str = "llama-tiny", dtype: str = "float32",
                            seed: int = 0, tokenizer: bool = True, outlier_channels: int = 0,
                            shard_bytes: int | None = None, device: str = "cpu", **overrides) -> Path:
@@ -108,6 +142,7 @@ def make_random_checkpoint(out: str | Path, shape: str = "llama-tiny", dtype: st
     if getattr(cfg, "tie_word_embeddings", False):
         tied = {n for n, _ in lm.named_parameters(remove_duplicate=False)} - {n for n, _ in lm.named_parameters()}
     params = {n: (tuple(p.shape), getattr(torch, dtype)) for n, p in lm.named_parameters() if n not in tied}
+    params = {saved_names(lm, params)[n]: v for n, v in params.items()}
     gen = torch.Generator(device=device).manual_seed(seed)
     randn = lambda shape_: torch.randn(shape_, generator=gen, device=device)  # noqa: E731
 

@@ -24,8 +24,9 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dsc.kernels  # noqa: F401  (registers dsc ops)
-from dsc.compiler.architectures import Architecture
+from dsc.compiler.architectures import ARCHITECTURES, Architecture
 from dsc.compiler.ir import Model, WeightSpec
+from dsc.compiler.model_adapters import adapt_model, register_attention_classes
 from dsc.compiler.source import Checkpoint, check_weight_dtype
 from dsc.errors import UserError
 
@@ -67,7 +68,8 @@ class CausalLMProgram(nn.Module):
         h = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                dsc_cache_pos=cache_pos).last_hidden_state  # [B, S, E]
         h = h[torch.arange(h.shape[0], device=h.device), last_idx]  # [B, E]
-        return self.lm.get_output_embeddings()(h)  # [B, V]
+        logits = self.lm.get_output_embeddings()(h)  # [B, V]
+        return ARCHITECTURES[self.lm.config.model_type].logit_epilogue(self.lm.config, logits)
 
 
 class RaggedProgram(nn.Module):
@@ -146,19 +148,34 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
     except (ValueError, TypeError, KeyError, OSError) as e:
         raise UserError(f"{ckpt.root / 'config.json'}: invalid config ({str(e).splitlines()[0]})")
     _static_rope(hf_config)
+    register_attention_classes(hf_config, ckpt.root / "config.json")
     with _parameters_on_meta(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = AutoModelForCausalLM.from_config(hf_config, attn_implementation="dsc",
                                               dtype=_TORCH_DTYPES[dtype])
+    adapt_model(lm)
     return lm.eval()
 
 
-def _checkpoint_key(ckpt: Checkpoint, names: list[str], prefix: str) -> str | None:
-    for n in names:
-        for cand in (n, n.removeprefix(prefix + ".") if prefix else n):
-            if cand in ckpt.tensors:
-                return cand
-    return None
+def _loaded_names(lm: nn.Module, ckpt: Checkpoint, where) -> dict[str, str]:
+    """Parameter name -> the checkpoint key it loads from, by transformers' own key mapping
+    (conversion_mapping: GPT-NeoX's `embed_out` -> `lm_head`, legacy gamma/beta names, the
+    base-model prefix added or dropped), as `from_pretrained` renames them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    transforms = get_model_conversion_mapping(lm)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    model_names = dict.fromkeys((n for n, _ in lm.named_parameters(remove_duplicate=False)), True)
+    loaded: dict[str, str] = {}
+    for key in sorted(ckpt.tensors):
+        name, converted = rename_source_key(key, renamings, converters, lm.base_model_prefix, model_names)
+        if converted is not None and name in model_names:  # tensors merged or split on load
+            raise UserError(f"{where}: tensor '{key}' needs transformers' weight conversion "
+                            f"'{converted}', which dsc does not stream yet")
+        loaded.setdefault(name, key)
+    return loaded
 
 
 def weight_specs(lm: nn.Module, ckpt: Checkpoint, dtype: str) -> dict[str, WeightSpec]:
@@ -167,10 +184,10 @@ def weight_specs(lm: nn.Module, ckpt: Checkpoint, dtype: str) -> dict[str, Weigh
     for name, p in lm.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     specs: dict[str, WeightSpec] = {}
-    prefix = getattr(lm, "base_model_prefix", "")
     where = ckpt.files[0] if len(ckpt.files) == 1 else ckpt.root / "model.safetensors.index.json"
-    for names in aliases.values():
-        key = _checkpoint_key(ckpt, names, prefix)
+    loaded = _loaded_names(lm, ckpt, where)
+    for names in aliases.values():  # tied parameters: any of their names may be the stored one
+        key = next((loaded[n] for n in names if n in loaded), None)
         if key is None:
             raise UserError(f"{where}: missing weight tensor '{names[0]}'")
         info = ckpt.tensors[key]

@@ -50,9 +50,9 @@ def tp_problem(sizes: dict[str, int], tp: int) -> str | None:
 def validate_tp(ckpt: Checkpoint, arch: Architecture, tp: int) -> None:
     if tp == 1:
         return
-    if arch.no_tp:
+    if why := arch.tp_blocker(ckpt.config):
         raise UserError(f"--tp {tp}: model_type '{arch.model_type}' ({ckpt.root / 'config.json'}) compiles with "
-                        f"--tp 1 only for now ({arch.no_tp})")
+                        f"--tp 1 only for now ({why})")
     sizes = tp_sizes(ckpt.config, arch)
     problem = tp_problem(sizes, tp)
     if problem:

@@ -5,6 +5,8 @@ Matches / rewrites (each counted under `canonicalize.<rule>`):
   drop_dropout  aten.dropout(x, p, train=False), aten.alias/detach(x)   -> x
   drop_cast     aten.to / _to_copy to the dtype x already has           -> x; a device move is dropped
   drop_mul_one  aten.mul(x, 1.0)                                        -> x
+  out_of_place  aten.add_/mul_(x, y) where nothing reads x after it (Falcon's `mlp_out += attn`)
+                -> aten.add/mul(x, y)
   addmm_to_linear  aten.addmm(b, x, W) with W a weight [in, out] (GPT-2 Conv1D)
                 -> aten.linear(x, W.T, b), the weight transposed at emit
   dedupe_weight two weight names with the same recipe (tied embeddings) -> one
@@ -24,6 +26,7 @@ _ASSERTS = (aten._assert_tensor_metadata.default, aten._assert_scalar.default,
             aten.sym_constrain_range_for_size.default)
 _IDENTITY = (aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default)
 _CASTS = (aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_copy.default)
+_IN_PLACE = {aten.add_.Tensor: aten.add.Tensor, aten.mul_.Tensor: aten.mul.Tensor}
 
 
 def _cast_target_dtype(node):
@@ -57,6 +60,18 @@ def _simplify_nodes(model: Model, graph) -> None:
         elif is_call(node, aten.mul.Tensor) and node.args[1] == 1.0 and not isinstance(node.args[1], bool):
             bypass(node, node.args[0])
             c["canonicalize.drop_mul_one"] += 1
+        elif node.target in _IN_PLACE and _last_reader(node):
+            replace_with(node, _IN_PLACE[node.target], node.args)
+            c["canonicalize.out_of_place"] += 1
+
+
+def _last_reader(node) -> bool:
+    """Nothing reads the in-place op's destination after it (later reads see the op's result)."""
+    later, n = set(), node.next
+    while n.op != "root":
+        later.add(n)
+        n = n.next
+    return not any(u in later for u in node.args[0].users)
 
 
 def _addmm_to_linear(model: Model, graph, transposed: set[str]) -> None:

@@ -106,6 +106,10 @@ def fold_position_tables(model: Model) -> Model:
         pure, from_pos = _position_only(graph, pos, model)
         pure_set = set(pure)
         frontier = [n for n in pure if n in from_pos and any(u not in pure_set for u in n.users)]
+        # an unsqueeze of a table value (cos[:, None] where no rotary fusion took it) stays, reading
+        # the table: the table is of the value before it, [batch, seq, ...]
+        frontier = list(dict.fromkeys(n.args[0] if n.target is aten.unsqueeze.default and n.args[0] in from_pos
+                                      else n for n in frontier))
         frontier = [n for n in frontier if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() >= 2]
         if not frontier:
             continue

@@ -1,8 +1,9 @@
 """shard_tensor_parallel: Megatron-style tensor parallelism, derived from the graph's dataflow.
 
 Matches  a *region*: linears whose outputs flow only through per-head or elementwise work
-         (view/reshape/transpose/unsqueeze, rotary slice/neg/cat/mul/add, split + getitem of a
-         fused projection, activations, reductions over other dims, dsc.attention) into linears
+         (view/reshape/flatten/transpose/unsqueeze/select, rotary slice/neg/cat/stack/mul/add,
+         split/chunk/slice of a fused projection, activations, reductions over other dims,
+         elementwise weights split alike, dsc.attention) into linears
          that read them as their input. The first are column-parallel, the second row-parallel:
              q, k, v -> rotary -> dsc.attention -> o        gate, up -> silu, mul -> down
              GPT-2 c_attn -> split(q, k, v) -> dsc.attention -> c_proj;   c_fc -> gelu -> c_proj
@@ -15,9 +16,13 @@ Rewrites (each counted under `shard_tensor_parallel.<rule>`, per program)
             rank r keeps kv head r * n_kv // tp, the kv head of its own q heads.
   row       weight gets Shard(dim=1, blocks); linear(x, W, b) -> add(dsc.all_reduce(linear(x, W)), b):
             the bias stays replicated and is added once, after the sum.
-  shape     view/reshape sizes and split sizes along a sharded dim -> the rank's local sizes.
+  all_reduce_mean  a mean over the sharded dim (OLMo 2's RMSNorm of all q heads) ->
+            dsc.all_reduce(the rank's mean) * (1 / tp): replicated, then broadcast over the shard.
+  shape     view/reshape, split/chunk sizes and slice bounds along a sharded dim -> the rank's
+            local ones (Phi-3 slices q, k and v out of qkv_proj by offsets).
   kv_cache  the cache tensors hold the local kv heads (model.kv_cache["shape"][1]).
-  vocab     when tp divides the vocabulary, the token embedding and lm_head are vocab-parallel:
+  vocab     when tp divides the vocabulary, the token embedding and lm_head (under its scalar
+            scale or soft-cap, if any) are vocab-parallel:
             the rank's rows looked up (dsc.vocab_embedding: zeros for others' ids) + dsc.all_reduce,
             and the rank's logits + dsc.all_gather; otherwise both are replicated.
             model.notes["tp"] says which and why.
@@ -50,10 +55,12 @@ _ELEMENTWISE = {
 }
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
+_LOGIT_EPILOGUE = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.tanh.default)
 _ATTENTIONS = {torch.ops.dsc.attention.default, torch.ops.dsc.paged_attention.default}
 _PASS_THROUGH = _VIEWS | _ELEMENTWISE | _REDUCTIONS | _SPLITS | {
     aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.slice.Tensor,
-    aten.cat.default, operator.getitem, *_ATTENTIONS}
+    aten.cat.default, operator.getitem, *_ATTENTIONS, aten.chunk.default, aten.stack.default,
+    aten.flatten.using_ints, aten.select.int, aten.type_as.default}
 
 
 class _Unsupported(Exception):
@@ -199,15 +206,22 @@ class _Solver:
         self.pieces = _Pieces(world)
         self.lay: dict[fx.Node, object] = {}
         self.kv: dict[fx.Node, int] = {}  # kv-cache get_attr -> local kv heads
+        self.slices: dict[fx.Node, tuple[list[Layout], Layout]] = {}  # slice -> (pieces before, its piece)
+        self.means: list[tuple[fx.Node, Layout]] = []  # means over the sharded dim, and their input's layout
+        self.weights: list[tuple[fx.Node, int, Layout]] = []  # elementwise weights split as (dim, layout)
 
     def run(self) -> "_Solver":
         for c in self.region.columns:
             sizes = self.column_blocks.get(c.name, (_val(c).shape[-1],))
             self.lay[c] = Layout(_val(c).dim() - 1, tuple((s, (c.name, i)) for i, s in enumerate(sizes)))
         for n in self.region.nodes:
-            self.lay[n] = self._rule(n)
+            if (lay := self._rule(n)) is not None:  # None: replicated (a mean over the sharded dim)
+                self.lay[n] = lay
         for r in self.region.rows:
             self._row(r)
+        for n, lay in self.means:
+            if any(self.pieces.get(k) != self.world for _, k in lay.blocks):
+                raise _Unsupported(f"{n.name} averages replicated pieces that the all-reduce would count twice")
         for n, lay in self.lay.items():
             for l in (lay if isinstance(lay, list) else [lay]):
                 for size, key in l.blocks:
@@ -250,6 +264,20 @@ class _Solver:
             return self._in(n.args[0])[n.args[1]]
         if t is aten.cat.default:
             return self._cat(n)
+        if t is aten.chunk.default:  # equal pieces: a split by the output sizes
+            return self._split(n)
+        if t is aten.stack.default:  # unsqueeze each part, then cat (GPT-J's rotated pairs)
+            d = _norm(n.args[1] if len(n.args) > 1 else 0, _val(n).dim())
+            parts = [self._in(a) for a in n.args[0]]
+            for p in parts[1:]:
+                if p.dim != parts[0].dim:
+                    raise _Unsupported(f"{n.name} stacks values sharded along different dims")
+                self._unify(parts[0], p)
+            return dataclasses.replace(parts[0], dim=parts[0].dim + (d <= parts[0].dim))
+        if t is aten.flatten.using_ints:
+            return self._flatten(n)
+        if t is aten.type_as.default:  # a cast: the layout of its input (the other gives a dtype)
+            return self._in(n.args[0])
         lay, ndim = self._in(n.args[0]), _val(n).dim()
         if t is aten.transpose.int:
             a, b = (_norm(d, ndim) for d in n.args[1:3])
@@ -258,9 +286,14 @@ class _Solver:
             return dataclasses.replace(lay, dim=[_norm(d, ndim) for d in n.args[1]].index(lay.dim))
         if t is aten.unsqueeze.default:
             return dataclasses.replace(lay, dim=lay.dim + (_norm(n.args[1], ndim) <= lay.dim))
+        if t is aten.select.int:
+            d = _norm(n.args[1], ndim + 1)
+            if d == lay.dim:
+                raise _Unsupported(f"{n.name} selects along the sharded dim")
+            return dataclasses.replace(lay, dim=lay.dim - (d < lay.dim))
         if t is aten.slice.Tensor:
             if _norm(n.args[1] if len(n.args) > 1 else 0, ndim) == lay.dim:
-                raise _Unsupported(f"{n.name} slices the sharded dim")
+                return self._slice(n, lay)
             return lay
         raise _Unsupported(f"no layout rule for {t}")
 
@@ -286,6 +319,19 @@ class _Solver:
             raise _Unsupported(f"{n.name} splits a block across output dims")
         return Layout(j, tuple((int(s), k) for s, (_, k) in zip(sizes, lay.blocks)), lay.scale * factor)
 
+    def _flatten(self, n: fx.Node) -> Layout:
+        """flatten(start, end): a view; the sharded dim must be the outermost of a merged range."""
+        lay, ndim = self._in(n.args[0]), _val(n.args[0]).dim()
+        a, b = (_norm(d, ndim) for d in (n.args[1] if len(n.args) > 1 else 0, n.args[2] if len(n.args) > 2 else -1))
+        if lay.dim < a:
+            return lay
+        if lay.dim > b:
+            return dataclasses.replace(lay, dim=lay.dim - (b - a))
+        if lay.dim != a:
+            raise _Unsupported(f"{n.name} merges the sharded dim with an outer dim")
+        factor = _static_prod(_val(n.args[0]).shape[a + 1:b + 1])
+        return Layout(a, tuple((s * factor, k) for s, k in lay.blocks), lay.scale * factor)
+
     def _elementwise(self, n: fx.Node) -> Layout:
         ndim, out = _val(n).dim(), None
         for a in n.args:
@@ -301,11 +347,17 @@ class _Solver:
                     raise _Unsupported(f"{n.name} combines values sharded along different dims")
                 else:
                     self._unify(out, lay)
-        for a in n.args:  # replicated operands must broadcast along the sharded dim
+        if out is None:
+            return None  # replicated operands only
+        for a in n.args:  # replicated operands must broadcast along the sharded dim...
             if isinstance(a, fx.Node) and a not in self.lay and isinstance(_val(a), torch.Tensor):
                 i = out.dim - (ndim - _val(a).dim())
-                if i >= 0 and _val(a).shape[i] != 1:
-                    raise _Unsupported(f"{n.name} combines a sharded value with the full {a.name}")
+                if i < 0 or _val(a).shape[i] == 1:
+                    continue
+                if a.op == "get_attr" and _val(a).shape[i] == sum(out.sizes):  # ...or be a weight split alike
+                    self.weights.append((a, i, out))  # (OLMo 2's q/k norm weight over all heads)
+                    continue
+                raise _Unsupported(f"{n.name} combines a sharded value with the full {a.name}")
         return out
 
     def _reduction(self, n: fx.Node) -> Layout:
@@ -313,6 +365,9 @@ class _Solver:
         dims = [_norm(d, ndim) for d in (n.args[1] if len(n.args) > 1 else range(ndim))]
         keep = (n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
         if lay.dim in dims:
+            if n.target is aten.mean.dim and dims == [lay.dim]:  # OLMo 2's q/k norm over all heads
+                self.means.append((n, lay))
+                return None
             raise _Unsupported(f"{n.name} reduces over the sharded dim")
         return dataclasses.replace(lay, dim=lay.dim - (0 if keep else sum(d < lay.dim for d in dims)))
 
@@ -332,7 +387,26 @@ class _Solver:
         sizes = [_val(o).shape[dim] for o in _val(n)]
         if dim != lay.dim:
             return [lay] * len(sizes)
-        cuts = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+        return self._cut(n, lay, [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)])
+
+    def _slice(self, n: fx.Node, lay: Layout) -> Layout:
+        """x[..., a:b] along the sharded dim (Phi-3's q, k, v by offsets): the blocks between a
+        and b, cut there first; the rank's slice is its pieces of those blocks."""
+        total = sum(lay.sizes)
+        a, b, step = (list(n.args[2:5]) + [None, None, 1][len(n.args[2:5]):])
+        a, b = (0 if a is None else a), (total if b is None else b)
+        a, b = (min(x + total if x < 0 else x, total) for x in (a, b))
+        if step != 1 or not all(isinstance(x, int) for x in (a, b)):
+            raise _Unsupported(f"{n.name} slices the sharded dim with a step or a symbolic bound")
+        cuts = [c for c in (a, b) if 0 < c < total]
+        pieces = self._cut(n, lay, cuts)
+        before = [p for p, c in zip(pieces, cuts + [total]) if c <= a]
+        self.slices[n] = (before, pieces[len(before)])
+        return pieces[len(before)]
+
+    def _cut(self, n: fx.Node, lay: Layout, cuts: list[int]) -> list[Layout]:
+        """The layouts of the pieces between cuts along the sharded dim; a cut inside a column
+        block refines that block first (_Refine)."""
         bounds = [sum(lay.sizes[: i + 1]) for i in range(len(lay.sizes))]
         start = 0
         for i, (size, (col, idx)) in enumerate(lay.blocks):
@@ -437,7 +511,11 @@ def _rewrite_sizes(n: fx.Node, s: _Solver) -> None:
         if isinstance(sizes[lay.dim], int) and sizes[lay.dim] != -1:
             sizes[lay.dim] = s.local(lay)
             n.args = (n.args[0], sizes, *n.args[2:])
-    elif n.target in _SPLITS:
+    elif n in s.slices:
+        before, piece = s.slices[n]
+        start = sum(s.local(p) for p in before)
+        n.args = (n.args[0], n.args[1], start, start + s.local(piece), *n.args[4:])
+    elif n.target in _SPLITS or n.target is aten.chunk.default:
         src = s.lay[n.args[0]]
         dim = _norm(n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0), _val(n.args[0]).dim())
         if dim == src.dim:
@@ -465,6 +543,19 @@ def _insert_all_reduce(model: Model, row: fx.Node) -> list[fx.Node]:
     return [red] if out is red else [red, out]
 
 
+def _all_reduce_mean(model: Model, mean: fx.Node, world: int) -> list[fx.Node]:
+    """mean(x, [d], keep) over the sharded dim -> all_reduce(mean of the rank's part) * (1 / tp):
+    every rank holds an equal part, so this is the global mean, the same on every rank."""
+    g = mean.graph
+    with g.inserting_after(mean):
+        red = copy_meta(g.call_function(torch.ops.dsc.all_reduce.default, (mean,)), mean)
+    with g.inserting_after(red):
+        out = copy_meta(g.call_function(aten.mul.Tensor, (red, 1.0 / world)), mean)
+    mean.replace_all_uses_with(out, delete_user_cb=lambda u: u is not red)
+    model.counters["shard_tensor_parallel.all_reduce_mean"] += 1
+    return [mean, red, out]
+
+
 def _apply_region(model: Model, s: _Solver, shards: dict[str, Shard]) -> list[fx.Node]:
     """Record the region's weight shards and rewrite its graph; returns nodes to re-infer."""
     touched = []
@@ -475,7 +566,12 @@ def _apply_region(model: Model, s: _Solver, shards: dict[str, Shard]) -> list[fx
                 _set_shard(shards, w.target, shard)
         model.counters["shard_tensor_parallel.column"] += 1
     for n in s.region.nodes:
-        _rewrite_sizes(n, s)
+        if n in s.lay:
+            _rewrite_sizes(n, s)
+    for n, lay in s.means:
+        touched += _all_reduce_mean(model, n, s.world)
+    for w, dim, lay in s.weights:
+        _set_shard(shards, w.target, s.shard(lay, dim))
     for r in s.region.rows:
         lay = s.lay[r.args[0]]
         _set_shard(shards, r.args[1].target, s.shard(lay, 1))
@@ -495,6 +591,8 @@ def _from_input_ids(n) -> bool:
 def _vocab_nodes(graph: fx.Graph) -> tuple[fx.Node | None, list[fx.Node]]:
     """The lm_head linear (it produces the program's output) and the token embeddings."""
     out = next(n for n in graph.nodes if n.op == "output").args[0]
+    while is_call(out, *_LOGIT_EPILOGUE) and not any(isinstance(a, fx.Node) for a in out.args[1:]):
+        out = out.args[0]  # scaled or soft-capped logits (compiler/architectures.py LOGIT_EPILOGUES)
     head = out if _is_linear(out) else None
     embs = [n for n in graph.nodes if is_call(n, aten.embedding.default) and _from_input_ids(n.args[1])
             and getattr(n.args[0], "op", None) == "get_attr"]

@@ -372,7 +372,7 @@ def test_cli_tp_error_is_one_line(make_checkpoint, tmp_path):
         "tp values that work: 1, 2, 4"]
 
 
-@pytest.mark.parametrize("shape", ["gptj-tiny", "gpt_neox-tiny", "phi3-tiny"])
+@pytest.mark.parametrize("shape", ["falcon-odd"])
 def test_architecture_without_tp_support_says_so(shape, make_checkpoint, tmp_path):
     """Architectures the sharding pass cannot follow yet stop before tracing, in one line."""
     from typer.testing import CliRunner
@@ -383,7 +383,7 @@ def test_architecture_without_tp_support_says_so(shape, make_checkpoint, tmp_pat
     r = CliRunner().invoke(app, ["compile", str(ck), "-o", str(tmp_path / "a"), "--tp", "2"])
     assert r.exit_code == 2 and not (tmp_path / "a").exists()
     line, = r.stderr.strip().splitlines()
-    assert line.startswith(f"error: --tp 2: model_type '{shape.removesuffix('-tiny')}' ({ck / 'config.json'}) "
+    assert line.startswith(f"error: --tp 2: model_type '{shape.split('-')[0]}' ({ck / 'config.json'}) "
                            "compiles with --tp 1 only for now")
 
 

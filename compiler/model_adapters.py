@@ -1,0 +1,105 @@
+"""What dsc adds to transformers' model code so that every family traces the same way.
+
+Most families call attention through transformers' AttentionInterface with the decoder's
+keyword arguments passed down, and need nothing here. The gaps:
+  - decoder layers that do not pass their keyword arguments on to attention (StableLM): the
+    cache positions (`dsc_cache_pos`; the ragged program's `dsc_paged`) reach every
+    attention module by a forward pre-hook;
+  - families whose attention is a class of their own rather than the interface (Falcon): a
+    subclass registered under the "dsc" implementation computes q, k and v with the model's
+    own projections and layout, and calls the registered dsc attention function;
+  - linears that spell nn.Linear's math as `x @ W.T + b` (FalconLinear): they run nn.Linear's
+    forward, so the graph holds the aten.linear every pass expects.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+
+from dsc.errors import UserError
+
+DSC_KWARGS = ("dsc_cache_pos", "dsc_paged")  # what compiler/trace.py's programs pass attention
+
+
+def _falcon_attention_class():
+    from transformers.models.falcon import modeling_falcon as mf
+
+    class DscFalconAttention(mf.FalconAttention):
+        """Falcon's fused query_key_value, split per its layout, RoPE, then dsc attention."""
+
+        def _split_qkv(self, fused: torch.Tensor):
+            """fused [B, S, (H + 2 Hkv) D] -> q [B, H, S, D], k and v [B, Hkv, S, D]."""
+            B, S, _ = fused.shape
+            if self.new_decoder_architecture:  # per kv group: its q heads, then k, then v
+                qkv = fused.view(B, S, self.num_kv_heads, self.num_heads // self.num_kv_heads + 2, self.head_dim)
+                q, k, v = qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]
+            elif self.multi_query:  # q heads, then one k and one v head
+                H, D = self.num_heads, self.head_dim
+                q, k, v = (t.view(B, S, -1, D) for t in fused.split([H * D, D, D], dim=-1))
+            else:  # per head: its q, k and v
+                q, k, v = self._split_heads(fused)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+        def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
+                    use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            B, S, _ = hidden_states.shape
+            q, k, v = self._split_qkv(self.query_key_value(hidden_states))
+            q, k = mf.apply_rotary_pos_emb(q, k, *position_embeddings)
+            out, _ = ALL_ATTENTION_FUNCTIONS["dsc"](self, q, k, v, None, scaling=self.inv_norm_factor,
+                                                    **kwargs)  # [B, S, H, D]
+            return self.dense(out.reshape(B, S, self.num_heads * self.head_dim)), None
+
+    return mf, DscFalconAttention
+
+
+def register_attention_classes(hf_config, where) -> None:
+    """Before the model is built: the "dsc" attention class of families without the interface."""
+    if hf_config.model_type == "falcon":
+        if hf_config.alibi:
+            raise UserError(f"{where}: falcon with alibi=true is not supported yet (RoPE Falcon is)")
+        mf, cls = _falcon_attention_class()
+        mf.FALCON_ATTENTION_CLASSES["dsc"] = cls
+
+
+def _attention_classes(lm: nn.Module) -> tuple[type, ...]:
+    """The model's attention module classes, as transformers records their outputs."""
+    rec = getattr(lm.base_model, "_can_record_outputs", None) or {}
+    target = rec.get("attentions")
+    classes = {getattr(t, "target_class", t) for t in (target if isinstance(target, list) else [target]) if t}
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    return tuple(c for c in classes | {FalconAttention} if isinstance(c, type))
+
+
+def adapt_model(lm: nn.Module) -> None:
+    """After the model is built: cache positions to attention, nn.Linear's forward for linears."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    _pass_cache_pos_to_attention(lm)
+    for mod in lm.modules():
+        if isinstance(mod, FalconLinear):
+            mod.forward = types.MethodType(nn.Linear.forward, mod)
+
+
+def _pass_cache_pos_to_attention(lm: nn.Module) -> None:
+    """Every attention module receives the base model's dsc keywords (DSC_KWARGS) of this
+    call, whether or not the decoder layers between them pass their keyword arguments on."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(module, args, kwargs):
+        seen.clear()
+        seen.update({k: kwargs[k] for k in DSC_KWARGS if k in kwargs})
+
+    def inject(module, args, kwargs):
+        missing = {k: v for k, v in seen.items() if k not in kwargs}
+        return (args, {**kwargs, **missing}) if missing else None
+
+    lm.base_model.register_forward_pre_hook(capture, with_kwargs=True)
+    classes = _attention_classes(lm)
+    for mod in lm.modules():
+        if isinstance(mod, classes):
+            mod.register_forward_pre_hook(inject, with_kwargs=True)
