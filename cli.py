@@ -191,6 +191,10 @@ def generate_cmd(
         if prompt:
             _tokenizer(art)
         prompts = list(prompt) + [_parse_ids(t) for t in token_ids]
+        vocab = art.plan["model"]["vocab_size"]
+        bad = [t for t in stop_token if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"--stop-token: stop token {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         from dsc.runtime.llm import LLM, SamplingParams
 
         llm = LLM(artifact, device=device, verify=not no_verify, require_signature=require_signature,

@@ -181,7 +181,7 @@ def _edit_manifest(**changes):
 ARTIFACT_CASES = {
     "flipped_byte_in_rank_file": (_flip_byte("rank0.safetensors"), ["rank0.safetensors", "checksum"]),
     "flipped_byte_in_plan": (_flip_byte("plan.json"), ["plan.json", "checksum"]),
-    "other_format_version": (_edit_manifest(format_version=2), ["manifest.json", "format version 2"]),
+    "other_format_version": (_edit_manifest(format_version=3), ["manifest.json", "format version 3"]),
     "not_an_artifact": (lambda art: (art / "manifest.json").unlink(), ["manifest.json"]),
     "missing_rank_file": (lambda art: (art / "rank0.safetensors").unlink(), ["rank0.safetensors"]),
 }
@@ -201,8 +201,9 @@ GENERATE_CASES = {
     "prompt_of_exactly_max_seq": (["--token-ids", ",".join(["5"] * 16)], ["prompt 0", "max_seq"]),
     "text_prompt_longer_than_max_seq": (["--prompt", "the quick brown fox jumps over the lazy dog " * 3],
                                         ["prompt 0", "max_seq"]),
-    "batch_larger_than_max_batch": (["--token-ids", "1", "--token-ids", "2", "--token-ids", "3"],
-                                    ["batch of 3", "max_batch"]),
+    "kv_cache_memory_not_positive": (["--token-ids", "1,2", "--kv-cache-memory", "0"], ["--kv-cache-memory", "0"]),
+    "kv_cache_memory_too_small_for_the_prompt": (["--token-ids", ",".join(["5"] * 12), "--kv-cache-memory", "0.00001"],
+                                                 ["prompt 0", "KV blocks", "--kv-cache-memory"]),
     "token_ids_not_integers": (["--token-ids", "1,two,3"], ["--token-ids", "1,two,3"]),
     "token_id_outside_vocabulary": (["--token-ids", "1,512"], ["prompt 0", "512", "vocabulary"]),
     "negative_token_id": (["--token-ids", "1,-4"], ["prompt 0", "-4", "vocabulary"]),
