@@ -87,7 +87,8 @@ class RaggedProgram(nn.Module):
         paged = (slot_mapping, query_start, query_lens, cache_lens, block_tables)
         h = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                dsc_paged=paged).last_hidden_state  # [1, T, E]
-        return self.lm.get_output_embeddings()(h[0, logits_idx])  # [N, V]
+        logits = self.lm.get_output_embeddings()(h[0, logits_idx])  # [N, V]
+        return ARCHITECTURES[self.lm.config.model_type].logit_epilogue(self.lm.config, logits)
 
 
 # the ragged program's inputs: name -> (sample size of each dim, the dims' names, dtype)

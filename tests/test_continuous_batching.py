@@ -306,3 +306,27 @@ def test_an_artifact_of_the_previous_format_version_is_one_clear_error(compile_a
     (old / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(UserError, match="format version 1, this dsc reads version 2"):
         dsc.load(old, device="cpu", verify=False)
+
+
+@pytest.mark.parametrize("shape", ["llama-tiny", "granite-odd", "cohere-odd"])
+def test_ragged_logits_equal_the_static_prefill(shape, compile_artifact):
+    """The ragged program's logits (two prompts in one flat step) are the static prefill's,
+    the head's logit epilogue included (Granite's scaling, Cohere's logit scale)."""
+    from dsc.runtime.ragged import Step, pack
+
+    engine = dsc.load(compile_artifact(shape, dtype="fp32"), device="cpu")
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 300]]
+    want = engine.prefill(prompts)
+    bs = engine.plan["kv_pool"]["block_size"]
+    step = Step()
+    for i, p in enumerate(prompts):
+        step.query_start.append(len(step.input_ids))
+        step.query_lens.append(len(p))
+        step.cache_lens.append(0)
+        step.block_tables.append([i])
+        step.input_ids += p
+        step.positions += range(len(p))
+        step.slot_mapping += [i * bs + j for j in range(len(p))]
+        step.logits_idx.append(len(step.input_ids) - 1)
+    got = engine.ragged(pack(step)).float()
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
