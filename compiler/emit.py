@@ -200,7 +200,7 @@ def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[st
         t0 = time.perf_counter()
         files = _file_hashes(tmp)
         if on_timing:
-            on_timing("hash artifact", time.perf_counter() - t0)
+            on_timing("emit.hash artifact", time.perf_counter() - t0)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,

@@ -1,6 +1,7 @@
-"""Turn weight recipes (`WeightSpec`) into tensors, one rank at a time, reading only the
-slices a rank needs from the source safetensors (plain file reads, no mmap), and write
-them with a streaming safetensors writer so that no more than one tensor is in memory."""
+"""Turn weight recipes (`WeightSpec`) into tensors, one rank at a time, from slices of the
+source safetensors: read with plain file reads (no mmap), or cut from whole tensors already in
+memory (`SourceReader.hold`, or `keep_bytes`); and the safetensors layout and streaming writer
+of rank files, so that no more than a few tensors are in memory."""
 from __future__ import annotations
 
 import dataclasses
