@@ -121,6 +121,11 @@ def compile_cmd(
     timings: Optional[Path] = typer.Option(None, "--timings", help="write the stage times here (JSON); the artifact never holds them"),
 ) -> None:
     """Compile a Hugging Face causal LM into a dsc artifact."""
+    # torch's CPU allocator: 2 MB pages for tensors of 2 MB and more. The compile allocates and
+    # frees weight-sized temporaries all along (slices, fp32 copies, int8 parts); on 4 KB pages
+    # the kernel faults and zeroes each page of each one, which took most of the quantizing time.
+    # Read once, when torch allocates its first tensor: set here, before this command imports it.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from dsc.compiler import compile as dsc_compile
 
     if timings is not None and not timings.parent.is_dir():
