@@ -41,7 +41,7 @@ REPORT_PROMPTS = 4  # calibration prompts the report evaluates (the first ones)
 REPORT_TOKENS = 64  # ... cut to this many tokens: rows x tokens bounds the KV cache and activations
 POSITIONS = 4  # evaluated positions per prompt (its last ones): rows x length is the cost
 _CAP_DB = 999.0  # SQNR of an exact match (infinite) is written as this
-READ_KEEP = 512 << 20  # bytes of whole source tensors kept while the ranks take their slices
+READ_KEEP = 256 << 20  # bytes of whole source tensors kept while the ranks take their slices
 
 
 def unquantized(model: Model) -> Model:
@@ -187,11 +187,12 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     # whole tensors kept across the ranks: each rank's slice of a weight comes from one read
     with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
         ref = _run(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader), seqs, last)
-        if written is not None:
-            with RankFiles(written, world) as files:
-                q = _run(model, files.tensor, seqs, last)
-            layers = weight_sqnr or {}
-        else:
+    if written is not None:
+        with RankFiles(written, world) as files:
+            q = _run(model, files.tensor, seqs, last)
+        layers = weight_sqnr or {}
+    else:
+        with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
             makers = [RankTensors(model, reader, r, world) for r in range(world)]
             sq = _WeightSQNR(model, reader)
 
@@ -203,7 +204,7 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
                 return t
 
             q = _run(model, produce, seqs, last)
-            layers = sq.layers()
+        layers = sq.layers()
     worst = sorted(layers, key=layers.get)[:5]
     vals = sorted(layers.values())
     return {

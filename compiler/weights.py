@@ -101,9 +101,9 @@ class HeldSlice:
 class SourceReader:
     """Opens each source file once (header parsed, no mmap); hands out lazy slices.
 
-    Tensors put in with `hold` (or, with `keep_bytes`, every tensor read: whole, the most
-    recent ones up to that many bytes) are served from memory, so the ranks' slices of a
-    tensor come from one read of it."""
+    Tensors put in with `hold` (or, with `keep_bytes`, every tensor read of at most that size:
+    whole, the most recent ones up to that many bytes) are served from memory, so the ranks'
+    slices of a tensor come from one read of it."""
 
     def __init__(self, ckpt: Checkpoint, keep_bytes: int = 0):
         self.ckpt, self.keep_bytes = ckpt, keep_bytes
@@ -128,7 +128,7 @@ class SourceReader:
         if key in self._held:
             return HeldSlice(self._held[key])
         sl = self._file_slice(key)
-        if not self.keep_bytes:
+        if sl.nbytes > self.keep_bytes:  # read slice by slice: holding it whole would cost more
             return sl
         while self._held and sum(t.nbytes for t in self._held.values()) + sl.nbytes > self.keep_bytes:
             del self._held[next(iter(self._held))]
