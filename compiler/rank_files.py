@@ -36,7 +36,7 @@ from dsc.compiler.weights import (_ST_TO_TORCH, SourceReader, float_tensor, loca
 from dsc.errors import UserError
 from dsc.runtime.artifact import sha256_file
 
-READ_AHEAD = 512 << 20  # bytes the reader may hold beyond what the writer is working on
+READ_AHEAD = 256 << 20  # bytes of read tensors the writer has not finished with, beyond which the reader waits
 _CHUNK = 64 << 20  # reads of bytes no weight needs (hashed only)
 
 Timing = Callable[[str, float], None]

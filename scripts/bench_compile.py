@@ -68,14 +68,16 @@ def largest_tensor(ckpt: Path) -> tuple[str, int]:
     return best
 
 
-# the child: `dsc compile` run in-process, writing its own /proc/self/io to FD 3 as it exits
+# the child: `dsc compile` run in-process, writing its own /proc/self/io to the file descriptor
+# given first as it exits
 _CHILD = """
 import os, runpy, sys
-sys.argv = ["dsc"] + sys.argv[1:]
+fd = int(sys.argv[1])
+sys.argv = ["dsc"] + sys.argv[2:]
 try:
     runpy.run_module("dsc", run_name="__main__")
 finally:
-    os.write(3, open("/proc/self/io", "rb").read())
+    os.write(fd, open("/proc/self/io", "rb").read())
 """
 
 
@@ -113,8 +115,8 @@ def run_compile(ckpt: Path, out: Path, tp: int, dtype: str, int8: bool = False) 
     drop_cached(sorted(ckpt.glob("*.safetensors")))
     rfd, wfd = os.pipe()
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         pass_fds=(wfd,), preexec_fn=lambda: os.dup2(wfd, 3))
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(wfd), *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, pass_fds=(wfd,))
     os.close(wfd)
     err = p.stderr.read().decode()
     io_text = os.read(rfd, 1 << 16).decode()

@@ -123,7 +123,7 @@ def test_memory_is_bounded_by_the_largest_tensors_not_the_model(make_checkpoint,
     ckpt_dir = make_checkpoint("llama-tiny", hidden_size=512, intermediate_size=1408, num_hidden_layers=24,
                                vocab_size=8000)
     largest = 8000 * 512 * 4
-    monkeypatch.setattr(rank_files, "READ_AHEAD", 4 * largest)
+    monkeypatch.setattr(rank_files, "READ_AHEAD", largest)
     rises = {}
     for tp in (1, 4):
         ckpt, model = traced(ckpt_dir, tp=tp, dtype="fp32", int8=True)
@@ -133,8 +133,10 @@ def test_memory_is_bounded_by_the_largest_tensors_not_the_model(make_checkpoint,
         rises[tp] = _peak_rise(lambda: rank_files.write_rank_files(model, ckpt, out, weight_sqnr=True))
     assert total > 180e6
     for tp, rise in rises.items():
-        assert rise < 12 * largest, f"tp={tp}: peak RSS rose {rise / 1e6:.0f} MB writing {total / 1e6:.0f} MB"
-    assert abs(rises[4] - rises[1]) < 2 * largest, rises
+        assert rise < min(8 * largest, total / 2), f"tp={tp}: peak RSS rose {rise / 1e6:.0f} MB writing {total / 1e6:.0f} MB"
+    # tp=4 holds no rank's tensors for the others: never more than tp=1 (which quantizes whole
+    # weights, the ranks their quarters) plus a tensor
+    assert rises[4] <= rises[1] + largest, rises
 
 
 def test_timings_are_printed_with_v_and_written_with_timings_file(make_checkpoint, compile_artifact, tmp_path):
