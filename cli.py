@@ -47,26 +47,34 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 class _RichProgress:
-    """Renders compile progress: one line per stage, a bytes bar while weights are written.
-    Only on an interactive terminal: when stderr is a file or pipe it stays silent, so that a
-    failed compile leaves exactly one line there (the error)."""
+    """Renders compile progress: one line per stage, then its wall time, and a bytes bar while
+    weights are written. On an interactive terminal, or with `verbose` (then plain lines, no
+    bar); otherwise silent, so that a failed compile leaves exactly one line on stderr (the
+    error). Every timing is also kept (`timings`) for --timings FILE."""
 
-    def __init__(self):
+    def __init__(self, verbose: bool = False):
         from rich.console import Console
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.console = Console(stderr=True)
-        self.quiet = not self.console.is_terminal
+        self.interactive = self.console.is_terminal
+        self.quiet = not (self.interactive or verbose)
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                             TimeElapsedColumn(), console=self.console, transient=False)
         self.task = None
+        self.timings: list[tuple[str, float]] = []
 
     def stage(self, name: str) -> None:
         if not self.quiet:
             self.console.print(f"[bold]{name}[/bold]", highlight=False)
 
+    def timing(self, name: str, seconds: float) -> None:
+        self.timings.append((name, seconds))
+        if not self.quiet:
+            self.console.print(f"  {seconds:7.1f} s  {name}", highlight=False)
+
     def start_bytes(self, total: int) -> None:
-        if self.quiet:
+        if not self.interactive:
             return
         self.bar.start()
         self.task = self.bar.add_task("writing rank files", total=total)
@@ -78,6 +86,16 @@ class _RichProgress:
     def close(self) -> None:
         if self.task is not None:
             self.bar.stop()
+            self.task = None
+
+    def write_timings(self, path: Path) -> None:
+        """Stage wall times in order, then the emit's parts ("emit.<part>", summed over tensors)."""
+        stages = [(n, s) for n, s in self.timings if not n.startswith("emit.")]
+        doc = {"stages": [{"name": n, "seconds": round(s, 3)} for n, s in stages],
+               "emit_parts": [{"name": n.removeprefix("emit."), "seconds": round(s, 3)}
+                              for n, s in self.timings if n.startswith("emit.")],
+               "total_seconds": round(sum(s for _, s in stages), 3)}
+        path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 @app.command("compile")
@@ -103,11 +121,20 @@ def compile_cmd(
     int8_min_sqnr: Optional[float] = typer.Option(None, "--int8-min-sqnr", help="fail below this logits SQNR (dB)"),
     calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="calibration prompts, one per line (SmoothQuant)"),
     decode_buckets: Optional[str] = typer.Option(None, "--decode-buckets", help="CUDA-graph batch buckets, e.g. 1,2,4,8"),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="print stages and their times also when stderr is not a terminal"),
+    timings: Optional[Path] = typer.Option(None, "--timings", help="write the stage times here (JSON); the artifact never holds them"),
 ) -> None:
     """Compile a Hugging Face causal LM into a dsc artifact."""
+    # torch's CPU allocator: 2 MB pages for tensors of 2 MB and more. The compile allocates and
+    # frees weight-sized temporaries all along (slices, fp32 copies, int8 parts); on 4 KB pages
+    # the kernel faults and zeroes each page of each one, which took most of the quantizing time.
+    # Read once, when torch allocates its first tensor: set here, before this command imports it.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from dsc.compiler import compile as dsc_compile
 
-    progress = _RichProgress()
+    if timings is not None and not timings.parent.is_dir():
+        _fail(f"--timings: {timings.parent} is not a folder")
+    progress = _RichProgress(verbose)
     try:
         path = dsc_compile(model, out, config_file=config, dump_passes=dump_passes, verify=verify,
                            command=["dsc"] + sys.argv[1:], progress=progress,
@@ -124,6 +151,8 @@ def compile_cmd(
         progress.close()
         _fail(str(e), 3)
     progress.close()
+    if timings is not None:
+        progress.write_timings(timings)
     typer.echo(f"wrote {path}")
 
 

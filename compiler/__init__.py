@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,11 +13,33 @@ from dsc.errors import UserError
 
 
 class Progress:
-    """What compile reports while it works; the CLI renders it with rich."""
+    """What compile reports while it works; the CLI renders it with rich.
+
+    `timing(name, seconds)` follows each stage (`name` as `stage` gave it) and reports parts of
+    the emit ("emit.<part>": the source read, each rank's slicing/quantizing and writing, summed
+    over the tensors; parts run on two threads, so they may add up to more than the stage)."""
 
     def stage(self, name: str) -> None: ...
+    def timing(self, name: str, seconds: float) -> None: ...
     def start_bytes(self, total: int) -> None: ...
     def advance_bytes(self, n: int) -> None: ...
+
+
+class _Stages:
+    """Starts a named stage (ending the previous one) and reports each one's wall time."""
+
+    def __init__(self, progress: Progress):
+        self.progress, self.name, self.t0 = progress, None, 0.0
+
+    def __call__(self, name: str) -> None:
+        self.end()
+        self.progress.stage(name)
+        self.name, self.t0 = name, time.perf_counter()
+
+    def end(self) -> None:
+        if self.name is not None:
+            self.progress.timing(self.name, time.perf_counter() - self.t0)
+            self.name = None
 
 
 def compile(model: Any, out: str | Path, *, options: CompileOptions | None = None,
@@ -33,6 +56,8 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
     from dsc.compiler.validate import check_destination, validate_options
 
     progress = progress or Progress()
+    stages = _Stages(progress)
+    stages("load")
     if options is None:
         base = options_from_config_file(Path(config_file)) if config_file else {}
         base.update({k: v for k, v in fields.items() if v is not None})
@@ -57,19 +82,22 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
         from dsc.compiler.trace import target_dtype, trace
         from dsc.compiler.weights import local_dtype, local_shape
 
-        progress.stage("trace")
+        stages("trace")
         m = trace(ckpt, arch, options)
-        m = run_passes(m, Path(dump_passes) if dump_passes else None, on_pass=progress.stage)
-        extra = None
-        if options.int8:  # measured before emit: a compile below --int8-min-sqnr writes nothing
-            progress.stage("int8 report")
-            from dsc.compiler.int8_report import check_min_sqnr, int8_report, summary
+        m = run_passes(m, Path(dump_passes) if dump_passes else None, on_pass=stages)
+        report = None
+        if options.int8:
+            def report(folder: Path, weight_sqnr: dict | None) -> dict:
+                # measured on the written rank files; a compile below --int8-min-sqnr publishes nothing
+                from dsc.compiler.int8_report import check_min_sqnr, int8_report, summary
 
-            report = int8_report(m)
-            print(summary(report))
-            check_min_sqnr(report, options.int8_min_sqnr)
-            extra = {"int8_report": report}
-        progress.stage("emit")
+                stages("int8 report")
+                rep = int8_report(m, written=folder, weight_sqnr=weight_sqnr)
+                print(summary(rep))
+                check_min_sqnr(rep, options.int8_min_sqnr)
+                stages("finish")
+                return {"int8_report": rep}
+        stages("emit")
         dtype = target_dtype(ckpt, options)
         total = 0
         for spec in m.weights.values():
@@ -79,13 +107,14 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
             total += n * options.tp
         progress.start_bytes(total)
         out = emit(m, ckpt, Path(out), dtype, command or ["dsc.compile", str(model if isinstance(model, (str, Path)) else type(model).__name__)],
-                   on_bytes=progress.advance_bytes, extra_manifest=extra)
+                   on_bytes=progress.advance_bytes, before_manifest=report, on_timing=progress.timing)
         if verify:
-            progress.stage("verify")
+            stages("verify")
             from dsc.compiler.verify import verify_artifact
 
-            report = verify_artifact(out, ckpt.root)
-            print(report.summary())
+            vrep = verify_artifact(out, ckpt.root)
+            print(vrep.summary())
+    stages.end()
     return out
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import errno
 import json
 import os
@@ -21,18 +20,19 @@ import secrets
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from dsc.compiler.ir import Model, WeightSpec
+from dsc.compiler.ir import Model
+from dsc.compiler.rank_files import Timing, write_rank_files
 from dsc.compiler.serialize import program_nodes
 from dsc.compiler.source import Checkpoint, tokenizer_files
 from dsc.compiler.validate import check_destination
-from dsc.compiler.weights import SourceReader, float_tensor, local_dtype, local_shape, write_safetensors
 from dsc.errors import UserError
-from dsc.runtime.artifact import FORMAT, FORMAT_VERSION, PROGRAM_INPUTS, file_hashes
+from dsc.runtime.artifact import FORMAT, FORMAT_VERSION, PROGRAM_INPUTS, UNLISTED, sha256_file
 
 
 def _json(obj: Any) -> str:
@@ -77,51 +77,6 @@ def build_plan(model: Model, ckpt: Checkpoint, dtype: str) -> dict:
         "notes": model.notes,
         "passes": {k: v for k, v in sorted(model.counters.items())},
     }
-
-
-class RankTensors:
-    """Produces the tensors of one rank, quantizing each weight once for all its parts.
-
-    A row-parallel shard (its input features split across ranks) of a weight that tp=1
-    quantizes per channel takes its whole rows' scales, so every rank's int8 entries and scales
-    are tp=1's and the all-reduced output equals tp=1's up to the order of the sum (scale groups,
-    --int8-group-size, never cross a shard boundary, so grouped shards are tp=1's already; a
-    shard that is one whole group is per channel locally and keeps its own scales).
-    `row_params` keeps those scales across the ranks of one emit (one read of the whole weight)."""
-
-    def __init__(self, model: Model, reader: SourceReader, rank: int, world: int,
-                 row_params: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
-        self.model, self.reader, self.rank, self.world = model, reader, rank, world
-        self._qkey: Any = None
-        self._qparts: dict[str, torch.Tensor] = {}
-        self._row_params = {} if row_params is None else row_params
-
-    def __call__(self, name: str) -> torch.Tensor:
-        spec = self.model.weights[name]
-        if spec.quant is None:
-            return float_tensor(spec, self.rank, self.world, self.reader)
-        base = dataclasses.replace(spec, quant=dataclasses.replace(spec.quant, part="qweight"))
-        if self._qkey != base:
-            from dsc.kernels.int8 import quantize_weight, weight_qparams
-            from dsc.passes.quantize_int8 import group_size_for
-
-            unquantized = dataclasses.replace(spec, quant=None, dtype="float32")
-            params = None
-            key = name.rpartition(".")[0]  # the weight's name, shared by its parts
-            if spec.shard is not None and spec.shard.dim == 1 and self.world > 1 and spec.quant.group_size is None \
-                    and group_size_for(self.model, f"{key}.qweight", tp=1) is None:
-                if key not in self._row_params:
-                    whole = float_tensor(dataclasses.replace(unquantized, shard=None), 0, 1, self.reader)
-                    self._row_params[key] = weight_qparams(whole, None, spec.quant.symmetric)
-                params = self._row_params[key]
-            w = float_tensor(unquantized, self.rank, self.world, self.reader)
-            self._qparts = quantize_weight(w, spec.quant.group_size, spec.quant.symmetric, params)
-            self._qkey = base
-        return self._qparts[spec.quant.part]
-
-
-def rank_entries(model: Model, world: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    return [(n, local_shape(s, world), local_dtype(s)) for n, s in model.weights.items()]
 
 
 _SCRATCH = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)(-[0-9a-f]+)?$")
@@ -223,41 +178,59 @@ def _removed_on_termination(tmp: Path):
 
 
 def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[str],
-         on_bytes: Callable[[int], None] | None = None, extra_manifest: dict | None = None) -> Path:
+         on_bytes: Callable[[int], None] | None = None, extra_manifest: dict | None = None,
+         before_manifest: Callable[[Path, dict | None], dict] | None = None,
+         on_timing: Timing | None = None) -> Path:
+    """Write the artifact at `out`. `before_manifest(folder, weight_sqnr)` runs once the rank
+    files are in the (temporary) folder, before the manifest: it may read them, and returns
+    more manifest entries (an exception leaves nothing at `out`). `weight_sqnr`: the int8
+    report's per-layer weight SQNR, measured as the weights were written (None without --int8)."""
     out = Path(out)
     tmp = _prepare_destination(out)
     with _removed_on_termination(tmp):
         world = model.options.tp
         (tmp / "plan.json").write_text(_json(build_plan(model, ckpt, dtype)))
-        entries = rank_entries(model, world)
-        with SourceReader(ckpt) as reader:
-            row_params: dict = {}
-            for rank in range(world):
-                write_safetensors(tmp / f"rank{rank}.safetensors", entries,
-                                  RankTensors(model, reader, rank, world, row_params), on_bytes)
+        written = write_rank_files(model, ckpt, tmp, on_bytes=on_bytes, on_timing=on_timing,
+                                   weight_sqnr=before_manifest is not None and model.options.int8)
+        extra = dict(extra_manifest or {})
+        if before_manifest is not None:
+            extra.update(before_manifest(tmp, written.weight_sqnr))
         toks = tokenizer_files(ckpt.root)
         if toks:
             (tmp / "tokenizer").mkdir()
             for f in toks:
                 shutil.copyfile(f, tmp / "tokenizer" / f.name)
+        t0 = time.perf_counter()
+        files = _file_hashes(tmp)
+        if on_timing:
+            on_timing("emit.hash artifact", time.perf_counter() - t0)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "versions": _versions(),
             "source": {"model": ckpt.name, "model_type": ckpt.config["model_type"],
-                       "files": ckpt.file_hashes()},
+                       "files": written.source_hashes},
             "options": model.options.model_dump(mode="json"),
             "dtype": dtype,
             "tp": world,
             "command": command,
-            "files": file_hashes(tmp),
+            "files": files,
             "passes": {k: v for k, v in sorted(model.counters.items())},
         }
-        if extra_manifest:
-            manifest.update(extra_manifest)
+        manifest.update(extra)
         (tmp / "manifest.json").write_text(_json(manifest))
         _publish(tmp, out)
     return out
+
+
+def _file_hashes(root: Path) -> dict[str, str]:
+    """runtime.artifact.file_hashes(root), two files at a time (sha256 and reads release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    names = [n for n in names if n not in UNLISTED]
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(names, pool.map(lambda n: sha256_file(root / n), names)))
 
 
 def _versions() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The int8 accuracy report, measured at compile time before anything is written.
+"""The int8 accuracy report, measured at compile time before the artifact is published.
 
     weight SQNR per layer   10 log10(|W|^2 / |W - dequant(Q)|^2) over all ranks' shards, in the
                             original weight space (SmoothQuant's column scales divided out)
@@ -9,18 +9,25 @@
     memory                  bytes of the quantized linears: int8 values, scales/zero points,
                             and the same weights at 16 bits
 Both are the prefill program the artifact will hold (sharded and fused), run for every rank in
-the compiler's process (compiler/simulate.py), each weight produced from the checkpoint once
+the compiler's process (compiler/simulate.py), each weight produced when a node first reads it
 (memory stays bounded); the twin is the quantized program with each dsc int8 linear turned
 back into aten.linear on its float weight. Inputs: the calibration prompts when given (the
 first REPORT_PROMPTS, cut to REPORT_TOKENS), else three random-token prompts (lengths 11, 7, 3).
 
-`compile` prints the summary, writes the report into manifest.json ("int8_report"), and with
---int8-min-sqnr fails (before the artifact is written) when the logits SQNR is lower.
+`compile` runs it once the rank files are written (in the temporary folder): the quantized
+program reads the written weights, the twin reads the checkpoint once (each tensor whole, then
+every rank's slice of it), and the weight SQNR comes from the emit, measured as it quantized:
+the report costs one more read of the checkpoint and of the rank files. It prints the summary,
+writes the report into manifest.json ("int8_report"), and with --int8-min-sqnr fails when the
+logits SQNR is lower (the artifact is then not published: nothing at the destination).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import struct
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -34,6 +41,7 @@ REPORT_PROMPTS = 4  # calibration prompts the report evaluates (the first ones)
 REPORT_TOKENS = 64  # ... cut to this many tokens: rows x tokens bounds the KV cache and activations
 POSITIONS = 4  # evaluated positions per prompt (its last ones): rows x length is the cost
 _CAP_DB = 999.0  # SQNR of an exact match (infinite) is written as this
+READ_KEEP = 256 << 20  # bytes of whole source tensors kept while the ranks take their slices
 
 
 def unquantized(model: Model) -> Model:
@@ -154,9 +162,14 @@ def _memory(model: Model) -> dict:
     return out
 
 
-def int8_report(model: Model, prompts: list[list[int]] | None = None, positions: int = POSITIONS) -> dict:
-    """Measure the quantized model against its unquantized twin (module docstring)."""
-    from dsc.compiler.emit import RankTensors
+def int8_report(model: Model, prompts: list[list[int]] | None = None, positions: int = POSITIONS,
+                written: Path | None = None, weight_sqnr: dict[str, float] | None = None) -> dict:
+    """Measure the quantized model against its unquantized twin (module docstring).
+
+    `written`: a folder whose rank{i}.safetensors hold the model's weights (the artifact being
+    emitted): the quantized program reads them instead of quantizing again, and
+    `weight_sqnr` is the per-layer weight SQNR the emit measured as it quantized them."""
+    from dsc.compiler.rank_files import RankTensors
     from dsc.compiler.verify import sample_prompts
     from dsc.compiler.weights import SourceReader, float_tensor
 
@@ -171,20 +184,27 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
         source = "given"
     seqs, last = eval_rows(prompts, positions)
     twin = unquantized(model)
-    with SourceReader(model.checkpoint) as reader:
+    # whole tensors kept across the ranks: each rank's slice of a weight comes from one read
+    with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
         ref = _run(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader), seqs, last)
-        makers = [RankTensors(model, reader, r, world) for r in range(world)]
-        sq = _WeightSQNR(model, reader)
+    if written is not None:
+        with RankFiles(written, world) as files:
+            q = _run(model, files.tensor, seqs, last)
+        layers = weight_sqnr or {}
+    else:
+        with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
+            makers = [RankTensors(model, reader, r, world) for r in range(world)]
+            sq = _WeightSQNR(model, reader)
 
-        def produce(name: str, rank: int) -> torch.Tensor:
-            t = makers[rank](name)
-            if name.endswith(".qweight") and model.weights[name].quant:
-                base = name.removesuffix("qweight")
-                sq.add(name, rank, lambda part: t if part == "qweight" else makers[rank](base + part))
-            return t
+            def produce(name: str, rank: int) -> torch.Tensor:
+                t = makers[rank](name)
+                if name.endswith(".qweight") and model.weights[name].quant:
+                    base = name.removesuffix("qweight")
+                    sq.add(name, rank, lambda part: t if part == "qweight" else makers[rank](base + part))
+                return t
 
-        q = _run(model, produce, seqs, last)
-    layers = sq.layers()
+            q = _run(model, produce, seqs, last)
+        layers = sq.layers()
     worst = sorted(layers, key=layers.get)[:5]
     vals = sorted(layers.values())
     return {
@@ -198,6 +218,36 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
         "layers": layers,
         "memory": _memory(model),
     }
+
+
+class RankFiles:
+    """Tensors of rank{i}.safetensors in a folder, read with plain file reads (no mmap: the
+    pages of a mapped file count in the RSS while it is open)."""
+
+    def __init__(self, folder: Path, world: int):
+        self.folder, self.world = Path(folder), world
+        self._stack = contextlib.ExitStack()
+        self._files: list[tuple] = []
+
+    def __enter__(self) -> "RankFiles":
+        from dsc.runtime.artifact import read_safetensors_header
+
+        for r in range(self.world):
+            path = self.folder / f"rank{r}.safetensors"
+            f = self._stack.enter_context(open(path, "rb"))
+            (n,) = struct.unpack("<Q", f.read(8))
+            self._files.append((f, 8 + n, read_safetensors_header(path)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def tensor(self, name: str, rank: int) -> torch.Tensor:
+        from dsc.compiler.weights import _ST_TO_TORCH, FileSlice
+
+        f, start, header = self._files[rank]
+        info = header[name]
+        return FileSlice(f, start + info["data_offsets"][0], _ST_TO_TORCH[info["dtype"]], tuple(info["shape"]))[:]
 
 
 def summary(report: dict) -> str:

@@ -1,6 +1,7 @@
-"""Turn weight recipes (`WeightSpec`) into tensors, one rank at a time, reading only the
-slices a rank needs from the source safetensors (plain file reads, no mmap), and write
-them with a streaming safetensors writer so that no more than one tensor is in memory."""
+"""Turn weight recipes (`WeightSpec`) into tensors, one rank at a time, from slices of the
+source safetensors: read with plain file reads (no mmap), or cut from whole tensors already in
+memory (`SourceReader.hold`, or `keep_bytes`); and the safetensors layout and streaming writer
+of rank files, so that no more than a few tensors are in memory."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,6 +65,10 @@ class FileSlice:
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
     def __getitem__(self, idx) -> torch.Tensor:
         idx = (idx if isinstance(idx, tuple) else (idx,)) + (slice(None),) * len(self.shape)
         lo, hi, step = idx[0].indices(self.shape[0]) if self.shape else (0, 1, 1)
@@ -80,21 +85,57 @@ class FileSlice:
         return t
 
 
-class SourceReader:
-    """Opens each source file once (header parsed, no mmap); hands out lazy slices."""
+class HeldSlice:
+    """A whole tensor already in memory, with FileSlice's interface: indexing gives views."""
 
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def get_shape(self) -> list[int]:
+        return list(self.t.shape)
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        return self.t[idx]
+
+
+class SourceReader:
+    """Opens each source file once (header parsed, no mmap); hands out lazy slices.
+
+    Tensors put in with `hold` (or, with `keep_bytes`, every tensor read of at most that size:
+    whole, the most recent ones up to that many bytes) are served from memory, so the ranks'
+    slices of a tensor come from one read of it."""
+
+    def __init__(self, ckpt: Checkpoint, keep_bytes: int = 0):
+        self.ckpt, self.keep_bytes = ckpt, keep_bytes
         self._stack = ExitStack()
         self._files: dict[Path, tuple] = {}  # path -> (file object, data start, header)
+        self._held: dict[str, torch.Tensor] = {}  # insertion order: oldest first
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
+        self._held.clear()
         self._stack.close()
 
-    def slice(self, key: str) -> FileSlice:
+    def hold(self, key: str, t: torch.Tensor) -> None:
+        self._held[key] = t
+
+    def release(self, key: str) -> None:
+        self._held.pop(key, None)
+
+    def slice(self, key: str) -> FileSlice | HeldSlice:
+        if key in self._held:
+            return HeldSlice(self._held[key])
+        sl = self._file_slice(key)
+        if sl.nbytes > self.keep_bytes:  # read slice by slice: holding it whole would cost more
+            return sl
+        while self._held and sum(t.nbytes for t in self._held.values()) + sl.nbytes > self.keep_bytes:
+            del self._held[next(iter(self._held))]
+        self._held[key] = sl[:]
+        return HeldSlice(self._held[key])
+
+    def _file_slice(self, key: str) -> FileSlice:
         path = self.ckpt.tensors[key].file
         if path not in self._files:
             f = self._stack.enter_context(open(path, "rb"))
@@ -155,30 +196,39 @@ def float_tensor(spec: WeightSpec, rank: int, world: int, reader: SourceReader) 
     return out.contiguous()
 
 
-def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-                      produce: Callable[[str], torch.Tensor], on_tensor: Callable[[int], None] | None = None) -> None:
-    """Stream tensors into a safetensors file. The header is computed from the declared
-    shapes first; `produce(name)` is then called once per tensor, in header order."""
-    entries = sorted(entries)
+def safetensors_layout(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[bytes, dict[str, int]]:
+    """The file's first bytes (header length + JSON header, padded to 8) and each tensor's
+    offset in the file, for `entries` stored in name order."""
     header: dict = {}
     offset = 0
-    for name, shape, dtype in entries:
-        n = torch.empty((), dtype=dtype).element_size()
-        for d in shape:
-            n *= d
+    for name, shape, dtype in sorted(entries):
+        n = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
         header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     raw += b" " * (-len(raw) % 8)
+    start = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, {k: start + v["data_offsets"][0] for k, v in header.items()}
+
+
+def tensor_bytes(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> memoryview:
+    """The raw bytes of `t` as a safetensors file stores them, after checking it is what the
+    header declares."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise RuntimeError(f"weight {name}: produced {t.dtype}{list(t.shape)}, declared {dtype}{list(shape)}")
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+                      produce: Callable[[str], torch.Tensor], on_tensor: Callable[[int], None] | None = None) -> None:
+    """Stream tensors into a safetensors file. The header is computed from the declared
+    shapes first; `produce(name)` is then called once per tensor, in header order."""
+    head, _ = safetensors_layout(entries)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, shape, dtype in entries:
-            t = produce(name)
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise RuntimeError(f"weight {name}: produced {t.dtype}{list(t.shape)}, declared {dtype}{list(shape)}")
-            data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-            f.write(memoryview(data))
+        f.write(head)
+        for name, shape, dtype in sorted(entries):
+            data = tensor_bytes(produce(name), name, shape, dtype)
+            f.write(data)
             if on_tensor:
                 on_tensor(data.nbytes)
-            del t, data
+            del data

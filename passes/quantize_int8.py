@@ -13,7 +13,7 @@ Rewrites (each counted under `quantize_int8.<rule>`, per node)
   smooth      (w8a8 with --calibrate) a weight whose columns carry SmoothQuant factors
 Weight specs: `<W>.qweight`, `<W>.scale` (and `<W>.zero` when asymmetric) are W's spec with
   `quant=Quant(part, group_size, symmetric)`; emit quantizes each rank's shard after sharding
-  (compiler/emit.py RankTensors), so scale groups are groups of the rank's local input
+  (compiler/rank_files.py RankTensors), so scale groups are groups of the rank's local input
   features; a row-parallel shard of a weight that tp=1 quantizes per channel takes its whole
   rows' scales, so at any tp every int8 entry and scale is tp=1's. W itself is dropped when
   nothing else reads it (a tied embedding keeps it).

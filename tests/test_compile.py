@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import dsc
+from dsc.compiler import Progress
 from dsc.compiler.options import CompileOptions, make_options, options_from_config_file
 from dsc.compiler.verify import reference_greedy, reference_model, verify_artifact
 from dsc.errors import PassError, UserError
@@ -228,28 +229,29 @@ def test_compile_is_deterministic(tmp_path, make_checkpoint):
         assert second[name] == first[name], name
 
 
-def test_interrupted_compile_leaves_nothing(tmp_path, make_checkpoint, monkeypatch):
-    import dsc.compiler.emit as emit_mod
+class _InterruptedWrite(Progress):
+    """Presses ^C after a few tensors of the rank files are on disk."""
 
+    def __init__(self):
+        self.written = 0
+
+    def advance_bytes(self, n: int) -> None:
+        self.written += 1
+        if self.written == 3:
+            raise KeyboardInterrupt
+
+
+def test_interrupted_compile_leaves_nothing(tmp_path, make_checkpoint):
     ckpt = make_checkpoint("llama-tiny")
     out = tmp_path / "out" / "art"
-    real = emit_mod.write_safetensors
-
-    def interrupted(path, entries, produce, on_tensor=None):
-        real(path, entries[:3], produce, on_tensor)  # part of a rank file is on disk...
-        raise KeyboardInterrupt  # ...when the user presses ^C
-
-    monkeypatch.setattr(emit_mod, "write_safetensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        dsc.compile(str(ckpt), out)
+        dsc.compile(str(ckpt), out, progress=_InterruptedWrite())
     assert siblings(out) == []
     # over an existing artifact, a failed compile keeps the old one intact
-    monkeypatch.setattr(emit_mod, "write_safetensors", real)
     dsc.compile(str(ckpt), out)
     before = digests(out)
-    monkeypatch.setattr(emit_mod, "write_safetensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        dsc.compile(str(ckpt), out, max_seq=64)
+        dsc.compile(str(ckpt), out, max_seq=64, progress=_InterruptedWrite())
     assert digests(out) == before and siblings(out) == ["art"]
 
 

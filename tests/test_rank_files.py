@@ -1,0 +1,180 @@
+"""The streaming emit (compiler/rank_files.py): every rank file from one read of the checkpoint,
+byte-identical to writing each rank's file on its own, in memory bounded by the largest
+tensors whatever the model size and tp; and the stage timings of `dsc compile`."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsc
+from dsc.compiler import rank_files
+from dsc.compiler.weights import FileSlice
+
+
+def traced(ckpt_dir: Path, **options):
+    """(checkpoint, the model after the pass pipeline)."""
+    from dsc.compiler.architectures import architecture_for
+    from dsc.compiler.options import make_options
+    from dsc.compiler.pipeline import run_passes
+    from dsc.compiler.source import open_checkpoint
+    from dsc.compiler.trace import trace
+
+    ckpt = open_checkpoint(str(ckpt_dir))
+    opts = make_options(**options)
+    return ckpt, run_passes(trace(ckpt, architecture_for(ckpt.config, "config.json"), opts))
+
+
+def write_each_rank_alone(model, ckpt, folder: Path) -> None:
+    """The reference: each rank's file in header order, its slices read from the files."""
+    from dsc.compiler.weights import SourceReader, write_safetensors
+
+    world = model.options.tp
+    with SourceReader(ckpt) as reader:
+        row_params: dict = {}
+        for r in range(world):
+            write_safetensors(folder / f"rank{r}.safetensors", rank_files.rank_entries(model, world),
+                              rank_files.RankTensors(model, reader, r, world, row_params))
+
+
+CASES = {  # name: (checkpoint shape, checkpoint kwargs, compile options)
+    "llama-tp1-bf16": ("llama-tiny", {"dtype": "bfloat16"}, {"tp": 1}),
+    "llama-tp2-int8": ("llama-tiny", {"outlier_channels": 3}, {"tp": 2, "dtype": "fp32", "int8": True}),
+    "llama-tp4-int8-asym": ("llama-tiny", {}, {"tp": 4, "dtype": "fp32", "int8": True, "int8_asymmetric": True}),
+    "odd-tp2-int8-grouped": ("llama-odd", {"outlier_channels": 2}, {"tp": 2, "dtype": "fp32", "int8": True,
+                                                                   "int8_group_size": 4}),
+    "gpt2-tp4-bf16": ("gpt2-tiny", {}, {"tp": 4, "dtype": "bf16"}),
+    "sharded-tp2-int8": ("llama-tiny", {"shard_bytes": 40_000}, {"tp": 2, "dtype": "fp32", "int8": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_read_writes_what_each_rank_alone_writes(case, make_checkpoint, tmp_path, monkeypatch):
+    shape, ckpt_kw, options = CASES[case]
+    ckpt, model = traced(make_checkpoint(shape, **ckpt_kw), **options)
+    (tmp_path / "ref").mkdir()
+    write_each_rank_alone(model, ckpt, tmp_path / "ref")
+
+    file_reads = []
+    real = FileSlice.__getitem__
+    monkeypatch.setattr(FileSlice, "__getitem__", lambda self, idx: file_reads.append(idx) or real(self, idx))
+    handed: list[str] = []
+    real_next = rank_files.SourceStream.next
+
+    def next_(self):
+        item = real_next(self)
+        if item is not None:
+            handed.append(item[0])
+        return item
+
+    monkeypatch.setattr(rank_files.SourceStream, "next", next_)
+    (tmp_path / "new").mkdir()
+    written = rank_files.write_rank_files(model, ckpt, tmp_path / "new", weight_sqnr=model.options.int8)
+
+    for r in range(model.options.tp):
+        name = f"rank{r}.safetensors"
+        assert (tmp_path / "new" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
+    # each source tensor a weight reads came whole from the one pass over the files, once
+    assert file_reads == []
+    assert sorted(handed) == sorted({k for s in model.weights.values() for k in s.sources})
+    assert written.source_hashes == ckpt.file_hashes()
+    if model.options.int8:
+        from dsc.compiler.int8_report import int8_report
+
+        assert written.weight_sqnr == int8_report(model)["layers"]
+
+
+def test_an_unreadable_checkpoint_is_one_error_line(make_checkpoint, tmp_path):
+    import shutil
+
+    src = make_checkpoint("llama-tiny")
+    ckpt_dir = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt_dir)
+    ckpt, model = traced(ckpt_dir, tp=2)
+    f = ckpt_dir / "model.safetensors"
+    os.truncate(f, f.stat().st_size - 100)
+    from dsc.errors import UserError
+
+    with pytest.raises(UserError, match="truncated safetensors file"):
+        rank_files.write_rank_files(model, ckpt, tmp_path)
+
+
+def _peak_rise(fn) -> int:
+    """Bytes the process's peak RSS rose above its RSS before `fn` (Linux: the peak is reset
+    through /proc/self/clear_refs)."""
+    def status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+        raise KeyError(field)
+
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status("VmRSS:")
+    fn()
+    return status("VmHWM:") - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
+def test_memory_is_bounded_by_the_largest_tensors_not_the_model(make_checkpoint, tmp_path, monkeypatch):
+    # 24 layers of a 512-wide Llama in fp32: 190 MB of weights, largest tensor 16 MB (embedding)
+    ckpt_dir = make_checkpoint("llama-tiny", hidden_size=512, intermediate_size=1408, num_hidden_layers=24,
+                               vocab_size=8000)
+    largest = 8000 * 512 * 4
+    monkeypatch.setattr(rank_files, "READ_AHEAD", largest)
+    rises = {}
+    for tp in (1, 4):
+        ckpt, model = traced(ckpt_dir, tp=tp, dtype="fp32", int8=True)
+        total = sum(f.stat().st_size for f in ckpt.files)
+        out = tmp_path / f"tp{tp}"
+        out.mkdir()
+        rises[tp] = _peak_rise(lambda: rank_files.write_rank_files(model, ckpt, out, weight_sqnr=True))
+    assert total > 180e6
+    for tp, rise in rises.items():
+        assert rise < min(8 * largest, total / 2), f"tp={tp}: peak RSS rose {rise / 1e6:.0f} MB writing {total / 1e6:.0f} MB"
+    # tp=4 holds no rank's tensors for the others: never more than tp=1 (which quantizes whole
+    # weights, the ranks their quarters) plus a tensor
+    assert rises[4] <= rises[1] + largest, rises
+
+
+def test_timings_are_printed_with_v_and_written_with_timings_file(make_checkpoint, compile_artifact, tmp_path):
+    from typer.testing import CliRunner
+
+    from dsc.cli import app
+
+    ckpt = make_checkpoint("llama-tiny")
+    out, tfile = tmp_path / "art", tmp_path / "t.json"
+    res = CliRunner().invoke(app, ["compile", str(ckpt), "-o", str(out), "--tp", "2", "--int8", "-v",
+                                   "--timings", str(tfile)])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    for stage in ("load", "trace", "shard_tensor_parallel", "quantize_int8", "emit", "int8 report"):
+        assert any(ln.strip().endswith(f"s  {stage}") for ln in lines), stage
+    assert any("emit.rank 1: slice and quantize" in ln for ln in lines)
+    doc = json.loads(tfile.read_text())
+    names = [s["name"] for s in doc["stages"]]
+    assert names[:2] == ["load", "trace"] and "emit" in names and names.index("emit") < names.index("int8 report")
+    assert {p["name"] for p in doc["emit_parts"]} >= {"read source", "hash source", "rank 0: write", "rank 1: write"}
+    assert doc["total_seconds"] == pytest.approx(sum(s["seconds"] for s in doc["stages"]), abs=0.01)
+    # the timings stay out of the artifact: the same compile without them writes the same bytes
+    plain = compile_artifact("llama-tiny", tp=2, int8=True)
+    for f in sorted(p.relative_to(plain) for p in plain.rglob("*") if p.is_file() and p.name != "manifest.json"):
+        assert (out / f).read_bytes() == (plain / f).read_bytes(), f
+    m_out, m_plain = (json.loads((d / "manifest.json").read_text()) for d in (out, plain))
+    assert {k: v for k, v in m_out.items() if k != "command"} == {k: v for k, v in m_plain.items() if k != "command"}
+    # without -v, a compile whose stderr is not a terminal prints no stage lines
+    quiet = CliRunner().invoke(app, ["compile", str(ckpt), "-o", str(tmp_path / "q")])
+    assert quiet.exit_code == 0 and not any(ln.strip().endswith("s  trace") for ln in quiet.output.splitlines())
+
+
+def test_timings_file_in_a_missing_folder_is_one_error_line(make_checkpoint, tmp_path):
+    from typer.testing import CliRunner
+
+    from dsc.cli import app
+
+    res = CliRunner().invoke(app, ["compile", str(make_checkpoint("llama-tiny")), "-o", str(tmp_path / "a"),
+                                   "--timings", str(tmp_path / "no" / "t.json")])
+    assert res.exit_code == 2 and res.output.strip().startswith("error: --timings:")
+    assert not (tmp_path / "a").exists()
