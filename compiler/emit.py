@@ -56,7 +56,7 @@ def build_plan(model: Model, ckpt: Checkpoint, dtype: str) -> dict:
     opts = model.options
     programs = {}
     for name, graph in model.graphs():
-        nodes = program_nodes(graph, model.sym_names)
+        nodes = program_nodes(graph, model.sym_names.get(name, {}))
         for n in nodes:  # the pool's block count is the runtime's choice (runtime/kv_pool.py)
             if n["kind"] == "weight" and n["target"].startswith("kv_pool."):
                 n["shape"][0] = "pool_blocks"

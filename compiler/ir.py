@@ -96,7 +96,7 @@ class Model:
     arch: Any  # compiler.architectures.Architecture
     options: Any  # CompileOptions
     fake_mode: Any  # the FakeTensorMode the programs were traced under
-    sym_names: dict[str, str] = field(default_factory=dict)  # "s32" -> "batch"
+    sym_names: dict[str, dict[str, str]] = field(default_factory=dict)  # program -> {"s32": "batch"}
     kv_cache: dict[str, Any] | None = None
     kv_pool: dict[str, Any] | None = None  # the ragged program's paged cache (passes/bind_kv_cache.py)
     notes: dict[str, Any] = field(default_factory=dict)  # plan-level facts passes record

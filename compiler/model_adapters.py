@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from dsc.errors import UserError
 
-DSC_KWARGS = ("dsc_cache_pos", "dsc_paged")  # what compiler/trace.py's programs pass attention
+ATTENTION_KWARGS = ("dsc_cache_pos", "dsc_paged")  # what compiler/trace.py's programs pass attention
 
 
 def _falcon_attention_class():
@@ -86,13 +86,13 @@ def adapt_model(lm: nn.Module) -> None:
 
 
 def _pass_cache_pos_to_attention(lm: nn.Module) -> None:
-    """Every attention module receives the base model's dsc keywords (DSC_KWARGS) of this
+    """Every attention module receives the base model's dsc keywords (ATTENTION_KWARGS) of this
     call, whether or not the decoder layers between them pass their keyword arguments on."""
     seen: dict[str, torch.Tensor] = {}
 
     def capture(module, args, kwargs):
         seen.clear()
-        seen.update({k: kwargs[k] for k in DSC_KWARGS if k in kwargs})
+        seen.update({k: kwargs[k] for k in ATTENTION_KWARGS if k in kwargs})
 
     def inject(module, args, kwargs):
         missing = {k: v for k, v in seen.items() if k not in kwargs}

@@ -70,7 +70,7 @@ def dump(model: Model, dump_dir: Path, index: int, name: str) -> None:
     d = Path(dump_dir) / f"{index:02d}_{name}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "graph.txt").write_text(model_to_text(model))
-    plan = {"programs": {p: {"nodes": program_nodes(g, model.sym_names)} for p, g in model.graphs()},
+    plan = {"programs": {p: {"nodes": program_nodes(g, model.sym_names.get(p, {}))} for p, g in model.graphs()},
             "weights": {k: v.describe() for k, v in sorted(model.weights.items())},
             "kv_cache": model.kv_cache, "pass": name,
             "counters": {k: v for k, v in sorted(model.counters.items())}}

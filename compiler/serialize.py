@@ -142,7 +142,7 @@ def nodes_to_text(nodes: list[dict]) -> str:
 def model_to_text(model: Model) -> str:
     parts = []
     for name, graph in model.graphs():
-        parts.append(f"program {name}:\n" + nodes_to_text(program_nodes(graph, model.sym_names)))
+        parts.append(f"program {name}:\n" + nodes_to_text(program_nodes(graph, model.sym_names.get(name, {}))))
     w = [f"  {k}: {v.describe()}" for k, v in sorted(model.weights.items())]
     parts.append("weights:\n" + "\n".join(w) + "\n")
     return "\n".join(parts)

@@ -280,7 +280,7 @@ def trace(ckpt: Checkpoint, arch: Architecture, options) -> Model:
     _fake_parameters(lm, fake_mode)
     program = CausalLMProgram(lm)
     programs = {}
-    sym_names: dict[str, str] = {}
+    sym_names: dict[str, dict[str, str]] = {}
     for name, seq, dynamic in (("prefill", 4, True), ("decode", 1, False), ("ragged", 0, True)):
         try:
             ep = (_export_ragged(RaggedProgram(lm), fake_mode, options) if name == "ragged"
@@ -299,6 +299,6 @@ def trace(ckpt: Checkpoint, arch: Architecture, options) -> Model:
             if n.op == "placeholder" and n.name in inputs:
                 for d, dim_name in zip(n.meta["val"].shape, inputs[n.name]):
                     if isinstance(d, torch.SymInt):
-                        sym_names[str(d)] = dim_name
+                        sym_names.setdefault(name, {})[str(d)] = dim_name
     return Model(programs=programs, weights=weights, config=ckpt.config, arch=arch, checkpoint=ckpt,
                  options=options, fake_mode=fake_mode, sym_names=sym_names)

@@ -138,7 +138,7 @@ def plan_kernels(model: Model) -> Model:
                 n.meta["kernel"] = plan_node(n, arch, program)
     summary = {}
     for p, g in model.graphs():
-        counts = launches([n for n in program_nodes(g, model.sym_names) if n["kind"] == "call"])
+        counts = launches([n for n in program_nodes(g, model.sym_names.get(p, {})) if n["kind"] == "call"])
         summary[p] = {k: counts[k] for k in ("launches", "launches_per_layer", "layers", "launches_outside_layers")}
     model.notes["kernels"] = {"arch": arch, "launches": summary}
     return model

@@ -57,7 +57,7 @@ def allocate_kv_pool(plan: dict, device: torch.device, kv_cache_memory: float | 
         num_blocks = default_num_blocks(plan)
     if num_blocks < 2:
         raise UserError(f"--kv-cache-memory: {kv_cache_memory} GiB holds {num_blocks} KV blocks of "
-                        f"{per_block / 2**20:.2f} MiB; give at least {2 * per_block / GiB:.4f} GiB")
+                        f"{per_block / 2**20:.3f} MiB; give at least {2 * per_block / 2**20:.3f} MiB")
     shape = (num_blocks, pool["kv_heads"], pool["block_size"], pool["head_dim"])
     dtype = getattr(torch, pool["dtype"])
     try:

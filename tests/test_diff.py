@@ -47,17 +47,23 @@ def test_adjacent_pass_dumps_name_exactly_what_bind_kv_cache_rewrote(dumped):
     before, after = by_pass["canonicalize"], by_pass["bind_kv_cache"]
     assert int(after.name[:2]) == int(before.name[:2]) + 1  # adjacent
     d = diff(before, after)
+    named: set[str] = set()
     for prog, p in d["programs"].items():
-        old = [n["name"] for n in nodes(before, prog) if n.get("op") == "dsc.causal_attention.default"]
-        new = [n["name"] for n in nodes(after, prog) if n.get("op") == "dsc.attention.default"]
-        caches = [n["name"] for n in nodes(after, prog) if n.get("target", "").startswith("kv_cache.")]
+        traced, bound, cache = (("dsc.ragged_attention.default", "dsc.paged_attention.default", "kv_pool.")
+                                if prog == "ragged" else
+                                ("dsc.causal_attention.default", "dsc.attention.default", "kv_cache."))
+        old = [n["name"] for n in nodes(before, prog) if n.get("op") == traced]
+        new = [n["name"] for n in nodes(after, prog) if n.get("op") == bound]
+        caches = [n["name"] for n in nodes(after, prog) if n.get("target", "").startswith(cache)]
         assert len(old) == len(new) == 2 and len(caches) == 4
         assert [(r["a"]["name"], r["b"]["name"]) for r in p["replaced"]] == list(zip(old, new))
         assert [n["name"] for n in p["added"]] == caches
         assert not p["removed"] and not p["changed"]  # the attention's readers are not "changed"
-        assert p["op_counts"] == {"dsc.attention.default": [0, 2], "dsc.causal_attention.default": [2, 0]}
-    assert mentioned_names(d) == set(old + new + caches)
-    assert d["plan"]["counters.bind_kv_cache.attention"] == [None, 4]
+        assert p["op_counts"] == {bound: [0, 2], traced: [2, 0]}
+        named |= set(old + new + caches)
+    assert mentioned_names(d) == named
+    assert d["plan"]["counters.bind_kv_cache.attention"] == [None, 4]  # prefill and decode
+    assert d["plan"]["counters.bind_kv_cache.paged_attention"] == [None, 2]  # the ragged program
 
 
 def test_diff_reports_dtype_change_and_exit_code(compile_artifact):
