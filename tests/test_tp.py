@@ -122,7 +122,7 @@ def test_plan_shows_collectives_and_local_shapes(shape, tp, compile_artifact):
     vocab_split = cfg["vocab_size"] % tp == 0
     assert p["tp"] == tp
     assert p["passes"]["shard_tensor_parallel.row"] == len(p["programs"]) * 2 * layers  # attention + mlp
-    assert p["passes"].get("shard_tensor_parallel.vocab_lm_head", 0) == 2 * vocab_split
+    assert p["passes"].get("shard_tensor_parallel.vocab_lm_head", 0) == len(p["programs"]) * vocab_split
     assert p["kv_cache"]["shape"][1] == (kv // tp if kv >= tp else 1)
     for name, prog in p["programs"].items():
         ops = [n["op"] for n in prog["nodes"] if n["kind"] == "call"]
@@ -152,7 +152,8 @@ def test_plan_shows_collectives_and_local_shapes(shape, tp, compile_artifact):
         assert len(attn) == layers and all(n["shape"][2] == heads // tp for n in attn)
         by_name = {n["name"]: n for n in prog["nodes"]}
         logits = by_name[prog["nodes"][-1]["args"]["node"]]
-        assert logits["shape"] == ["batch", cfg["vocab_size"]]  # full logits on every rank
+        rows = "seqs" if name == "ragged" else "batch"  # the ragged program: one row per sequence
+        assert logits["shape"] == [rows, cfg["vocab_size"]]  # full logits on every rank
     note = p["notes"]["tp"]
     assert note["vocab"].startswith("vocab-parallel" if vocab_split else "replicated")
     assert "replicated_linears" not in note
