@@ -48,6 +48,16 @@ def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device, poo
     return graph, out
 
 
+def reset_graphs(steps) -> None:
+    """Destroy the CUDA graphs of these static-buffer steps (each with .graph, .logits, .device);
+    they then run eagerly."""
+    for step in steps:
+        if step.graph is not None:
+            torch.cuda.synchronize(step.device)
+            step.graph.reset()
+        step.graph, step.logits = None, None
+
+
 def choose_bucket(buckets: tuple[int, ...] | list[int], batch: int) -> int:
     """Smallest bucket that holds `batch` sequences."""
     i = bisect.bisect_left(list(buckets), batch)
@@ -106,11 +116,7 @@ class DecodeRunner:
     def release(self) -> None:
         if not self.captured:
             return
-        for step in self.steps.values():
-            if step.graph is not None:
-                torch.cuda.synchronize(step.device)
-                step.graph.reset()
-            step.graph, step.logits = None, None
+        reset_graphs(self.steps.values())
         self.captured = False
 
     def __call__(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from dsc.errors import UserError
-from dsc.runtime.decode import capture_graph, choose_bucket, register_runner
+from dsc.runtime.decode import capture_graph, choose_bucket, register_runner, reset_graphs
 
 GiB = 1 << 30
 
@@ -214,11 +214,7 @@ class RaggedRunner:
         self.graphs = self.pad = False
 
     def release(self) -> None:
-        for step in self.steps.values():
-            if step.graph is not None:
-                torch.cuda.synchronize(step.device)
-                step.graph.reset()
-            step.graph, step.logits = None, None
+        reset_graphs(self.steps.values())
         self.captured = False
 
     def warm_up(self, max_tokens: int) -> None:
