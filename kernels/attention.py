@@ -806,8 +806,8 @@ def _check(q, k, v, k_cache, v_cache, cache_pos):
         raise ValueError(f"attention: cache_pos must be an int tensor of shape ({B},), got {tuple(cache_pos.shape)} {cache_pos.dtype}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"attention: k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
-    if not 16 <= D <= 256:
-        raise ValueError(f"attention: head_dim {D} is outside the Triton kernels' range 16..256")
+    if not 1 <= D <= 256:
+        raise ValueError(f"attention: head_dim {D} is outside the Triton kernels' range 1..256")
 
 
 def _last_contiguous(*ts):

@@ -88,6 +88,10 @@ CASES = {
     "decode-mha": Case("decode", 2, 3, 3, 1, 32, 37, (11, 30), config=SMALL_DECODE, num_splits=2),
     "decode-mqa": Case("decode", 2, 8, 1, 1, 16, 37, (2, 35), config=SMALL_DECODE, num_splits=3),
     "decode-d48": Case("decode", 2, 4, 2, 1, 48, 37, (9, 36), config=SMALL_DECODE, num_splits=3),
+    # head_dim below the tiles' 16 columns (tiny models: 72 hidden over 6 heads), padded like 48
+    "prefill-d12": Case("prefill", 2, 6, 2, 9, 12, 37, (0, 5), config=SMALL_PREFILL),
+    "decode-d12": Case("decode", 2, 6, 2, 1, 12, 37, (9, 36), config=SMALL_DECODE, num_splits=2),
+    "decode-rotary-d12": Case("decode", 2, 6, 2, 1, 12, 37, (9, 36), config=SMALL_DECODE, num_splits=2, rotary=True),
     # more splits than a sequence has tiles: most exit at once, the reduce skips them
     "decode-many-splits": Case("decode", 2, 4, 2, 1, 16, 70, (36, 69), config=SMALL_DECODE, num_splits=7),
     # sliding window: keys below each query's window are skipped (their slots are poisoned);
