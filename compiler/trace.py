@@ -152,8 +152,18 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
     register_attention_classes(hf_config, ckpt.root / "config.json")
     with _parameters_on_meta(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        lm = AutoModelForCausalLM.from_config(hf_config, attn_implementation="dsc",
-                                              dtype=_TORCH_DTYPES[dtype])
+        try:
+            lm = AutoModelForCausalLM.from_config(hf_config, attn_implementation="dsc",
+                                                  dtype=_TORCH_DTYPES[dtype])
+        except KeyError as e:  # a family whose attention classes are looked up by implementation name
+            if e.args != ("dsc",):
+                raise
+            import transformers
+
+            raise UserError(f"{ckpt.root / 'config.json'}: model_type {hf_config.model_type!r}: transformers "
+                            f"{transformers.__version__} builds its attention from classes of its own, which dsc "
+                            "cannot route; a newer transformers calls it through the attention interface "
+                            "(dsc is tested with 5.24)") from None
     adapt_model(lm)
     return lm.eval()
 

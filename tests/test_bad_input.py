@@ -285,3 +285,22 @@ def test_bad_runtime_switch_is_one_line_at_load(var, value, names, small_artifac
     # the kernels read these only on CUDA; load checks them everywhere
     monkeypatch.setenv(var, value)
     assert_one_line_error(run_dsc("generate", str(small_artifact), "--token-ids", "1,2"), *names)
+
+
+def test_transformers_without_the_attention_interface_for_a_family_is_one_line(tmp_path, make_checkpoint, monkeypatch):
+    """A transformers release that builds a family's attention from a class table keyed by
+    implementation name (GPT-J before it moved to the attention interface) fails inside
+    from_config with KeyError('dsc'): compile names the family, the version and the way out."""
+    import transformers
+
+    from dsc.compiler import compile as dsc_compile
+    from dsc.errors import UserError
+
+    def from_config(*args, **kwargs):
+        raise KeyError("dsc")
+
+    ckpt = make_checkpoint("llama-tiny")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", from_config)
+    with pytest.raises(UserError, match=r"model_type 'llama': transformers \S+ builds its attention"):
+        dsc_compile(str(ckpt), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
