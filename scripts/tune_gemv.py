@@ -36,19 +36,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def linear_shapes(shape: str, tp: int) -> dict[str, tuple[int, int]]:
-    """{linear: (N, K)} of one rank's weights for a model shape of compiler/random_checkpoint."""
+    """{linear: (N, K)} of one rank's weights for a model shape of compiler/random_checkpoint
+    (the sizes read through compiler/architectures.py, so every family's config spelling works;
+    a single kv head, Falcon-7B's, is replicated on every rank)."""
+    from dsc.compiler.architectures import ARCHITECTURES
     from dsc.compiler.random_checkpoint import SHAPES
 
     model_type, c = SHAPES[shape]
+    arch = ARCHITECTURES[model_type]
+    e, i, v = arch.hidden(c), arch.intermediate(c), c["vocab_size"]
+    hd = arch.head_dim(c)
+    q, kv = arch.heads(c) * hd // tp, arch.kv_heads(c) * hd // min(tp, arch.kv_heads(c))
     if model_type == "gpt2":
-        e, v = c["n_embd"], c["vocab_size"]
         out = {"c_attn": (3 * e // tp, e), "attn.c_proj": (e, e // tp), "c_fc": (4 * e // tp, e),
                "mlp.c_proj": (e, 4 * e // tp)}
+    elif arch.family == "gpt2":  # LayerNorm, one up projection (Falcon, GPT-J, GPT-NeoX, ...)
+        out = {"qkv": (q + 2 * kv, e), "o": (e, q), "up": (i // tp, e), "down": (e, i // tp)}
     else:
-        e, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-        hd = c.get("head_dim") or e // c["num_attention_heads"]
-        q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-        out = {"qkv": ((q + 2 * kv) // tp, e), "o": (e, q // tp), "gate_up": (2 * i // tp, e), "down": (e, i // tp)}
+        out = {"qkv": (q + 2 * kv, e), "o": (e, q), "gate_up": (2 * i // tp, e), "down": (e, i // tp)}
     out["lm_head"] = (v // tp if v % tp == 0 else v, e)
     return out
 
