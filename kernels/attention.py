@@ -561,9 +561,9 @@ def _prefill_kernel(
     cache_ty = KC.dtype.element_ty
     if ALIBI:  # each row's head's slope, in base 2 (`_variant_scores`)
         slope = tl.load(SLOPES + qh) * 1.4426950408889634  # [BLOCK_M]
+        q_pos = start + qi  # the rows' positions: the variant's query index for cached keys (new keys: qi)
     else:
-        slope = 0.0
-    q_pos = start + qi  # the rows' positions: the variant's query index for cached keys (new keys: qi)
+        slope, q_pos = 0.0, 0
     n_fit = Smax - start  # new tokens j < n_fit have a cache slot
     i_min = (pid_m * BLOCK_M) // G
     i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
@@ -795,9 +795,9 @@ def _decode_kernel(
         q = _rotated(q, q_half, cos[None, :], sin[None, :])
     if ALIBI:  # each query head's slope, in base 2 (`_variant_scores`)
         slope = tl.load(SLOPES + heads, mask=head_ok, other=0.0) * 1.4426950408889634  # [BLOCK_H]
+        q_pos = tl.zeros([BLOCK_H], tl.int32) + pos  # every row's position (the variant's query index)
     else:
-        slope = 0.0
-    q_pos = tl.zeros([BLOCK_H], tl.int32) + pos  # every row's position (the variant's query index)
+        slope, q_pos = 0.0, 0
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)

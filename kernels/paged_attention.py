@@ -288,9 +288,9 @@ def _paged_decode_kernel(
     q = _load_rows(Q + heads[:, None] * sq_h + t * sq_t + offs_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
     if ALIBI:  # each query head's slope, in base 2
         slope = tl.load(SLOPES + heads, mask=head_ok, other=0.0) * 1.4426950408889634  # [BLOCK_H]
+        q_pos = tl.zeros([BLOCK_H], tl.int32) + pos  # every row's position (the variant's query index)
     else:
-        slope = 0.0
-    q_pos = tl.zeros([BLOCK_H], tl.int32) + pos  # every row's position (the variant's query index)
+        slope, q_pos = 0.0, 0
     kp = KP + kvh * skp_h
     vp = VP + kvh * svp_h
     bt_row = BT + i.to(tl.int64) * sbt
@@ -412,9 +412,9 @@ def _paged_prefill_kernel(
     pool_ty = KP.dtype.element_ty
     if ALIBI:  # each row's head's slope, in base 2
         slope = tl.load(SLOPES + qh) * 1.4426950408889634  # [BLOCK_M]
+        q_pos = c + qi  # the rows' positions: the variant's query index for cached keys (new keys: qi)
     else:
-        slope = 0.0
-    q_pos = c + qi  # the rows' positions: the variant's query index for cached keys (new keys: qi)
+        slope, q_pos = 0.0, 0
     if WINDOWED:
         # row qi (position c + qi) sees positions (c + qi - window, c + qi]; nothing below the
         # first row's window is loaded

@@ -354,6 +354,18 @@ def test_plan_accepts_the_variant_arguments():
         check_nodes([*nodes[:-1], {**nodes[-1], "args": [*args[:8], "big", args[9]]}])
 
 
+
+def test_inspect_names_the_variant():
+    """`dsc inspect` reads each attention's variant from its kernel config (what the planner wrote)."""
+    from dsc.runtime.inspect import score_variant
+
+    node = lambda **cfg: {"kernel": {"name": "triton.attention_decode", "config": {"splits": 4, **cfg}}}  # noqa: E731
+    assert score_variant(node()) == "" and score_variant({"op": "aten.mm.default"}) == ""
+    assert score_variant(node(softcap=50.0)) == "softcap 50"
+    assert score_variant(node(softcap=30.5, alibi=True, window=4096)) == "softcap 30.5 + ALiBi"
+    assert score_variant(node(alibi=True)) == "ALiBi"
+    assert score_variant(node(softcap="x", alibi="yes")) == ""  # artifact text of the wrong type: not shown
+
 # -- the Triton kernels in the interpreter, and built for sm_90 -------------------------------------
 # The cases run through the kernel tests' own harnesses (tests/test_attention_kernels.py and
 # tests/test_paged_attention.py `run_case`: NaN-poisoned cache slots no query may read, the cache
