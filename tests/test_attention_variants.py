@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-import dsc.kernels  # noqa: F401  (registers the dsc ops)
+from dsc import kernels as _kernels  # noqa: F401  (registers the dsc ops)
 from paged_steps import Case as StepCase, alibi_slopes_for, args_of, build
 
 dsc = torch.ops.dsc
@@ -484,7 +484,8 @@ def run_aot(path: str) -> None:
         builds = {f"prefill-D{D}": (A._prefill_kernel, types, consts, pre)}
         dec = A.attention_config("decode", D, "sm_90")
         f32 = {"PART_O": "*fp32", "PART_LSE": "*fp32", "LOCK": "*i32"}
-        consts = {**{n: none[n] for n in ("COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")}, "G": 4, "HEAD_DIM": D, "BLOCK_D": D, "BLOCK_H": 16, "BLOCK_N": dec["BLOCK_N"],
+        consts = {**{n: none[n] for n in ("COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")}, "G": 4, "HEAD_DIM": D,
+                  "BLOCK_D": D, "BLOCK_H": 16, "BLOCK_N": dec["BLOCK_N"],
                   "SPLIT": True, "WINDOWED": False, "PRE_N": dec.get("PRE_N", 0), "PDL": True, **on}
         types = {**t, **f32, **ints(A._decode_kernel, {**t, **f32, **consts})}
         builds[f"decode-D{D}"] = (A._decode_kernel, types, consts, dec)
