@@ -16,6 +16,11 @@ compute garbage that nothing reads, and their cache slots are overwritten by lat
 steps before any valid query can see them.  Keys/values of tokens at positions >= Smax are
 not written (they do not fit); such a token attends to the whole cache.
 
+Scores are q.k * scale; two optional arguments after `window` change them (`attend_reference`):
+softcap > 0 caps them to softcap * tanh(score / softcap) before the mask (gemma2), and
+alibi_slopes [H] (fp32, this rank's query heads) adds slope_h * (key position - query position)
+(bloom's ALiBi). The kernels take them as the constexprs SOFTCAP / ALIBI (`_variant_scores`).
+
 `causal_attention` is what tracing records (no cache: the model is traced functionally); the
 `bind_kv_cache` pass turns every such node into `attention` with the layer's cache tensors.
 
@@ -82,14 +87,36 @@ from dsc.kernels.rotary import (ROTATE_OPTIONS, check_rotary, check_rotary_table
                                rotary_rows, rotary_triton, rotate)
 
 
-def causal_attention_reference(q, k, v, cache_pos, scale, window=0):
+def attend_reference(q, k, v, visible, scale, softcap=0.0, alibi_slopes=None, q_pos=None, k_pos=None):
+    """softmax(scores) @ v over the visible keys: q [B, H, S, D], k/v [B, Hkv, L, D] (query head h
+    reads kv head h // (H / Hkv)), visible: bool, broadcastable to [B, H, S, L] -> [B, H, S, D].
+    scores = q.k * scale, then softcap * tanh(scores / softcap) where softcap > 0 (gemma2), then
+    + alibi_slopes[h] * (k_pos - q_pos) where slopes [H] are given (bloom's ALiBi; q_pos [B, S],
+    k_pos [L]). Without either it is SDPA's arithmetic; with one, fp32 scores, output in q's dtype."""
+    if not softcap and alibi_slopes is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    G = q.shape[1] // k.shape[1]
+    s = q.float() @ k.float().repeat_interleave(G, 1).transpose(-1, -2) * scale  # [B, H, S, L]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        rel = (k_pos[None, None, :] - q_pos[:, :, None]).float()  # [B, S, L]
+        s = s + alibi_slopes.float()[None, :, None, None] * rel[:, None]
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    return (p @ v.float().repeat_interleave(G, 1)).to(q.dtype)
+
+
+def causal_attention_reference(q, k, v, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
     # q: [B, H, S, D]; k, v: [B, Hkv, S, D] -> [B, S, H, D]
-    if window:
-        i = torch.arange(q.shape[2], device=q.device)
-        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [S, S]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    else:
+    S = q.shape[2]
+    if not (window or softcap or alibi_slopes is not None):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).contiguous()
+    i = torch.arange(S, device=q.device)
+    mask = i[None, :] <= i[:, None]  # [S, S]
+    if window:
+        mask &= i[None, :] > i[:, None] - window
+    out = attend_reference(q, k, v, mask, scale, softcap, alibi_slopes, i[None, :], i)
     return out.transpose(1, 2).contiguous()
 
 
@@ -102,7 +129,7 @@ def write_kv_cache_reference(k, v, k_cache, v_cache, cache_pos):
     v_cache[b, :, pos[b, i]] = v[b, :, i].to(v_cache.dtype)
 
 
-def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
+def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
     B, H, S, D = q.shape
     write_kv_cache_reference(k, v, k_cache, v_cache, cache_pos)
     kc, vc = k_cache[:B], v_cache[:B]  # [B, Hkv, Smax, D]
@@ -111,19 +138,18 @@ def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
     mask = k_pos[None, None, None, :] <= q_pos[:, None, :, None]  # [B, 1, S, Smax]
     if window:
         mask &= k_pos[None, None, None, :] > q_pos[:, None, :, None] - window
-    out = F.scaled_dot_product_attention(
-        q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    out = attend_reference(q, kc.to(q.dtype), vc.to(q.dtype), mask, scale, softcap, alibi_slopes, q_pos, k_pos)
     return out.transpose(1, 2).contiguous()
 
 
-def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None):
+def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None,
+                               softcap=0.0, alibi_slopes=None):
     """dsc.rotary of q and k, then attention: the pair `fuse_rotary_attention` makes one op.
     With rot_pos, cos and sin are tables [P, D] and dsc.rotary's cos, sin their rows rot_pos."""
     if rot_pos is not None:
         cos, sin = rotary_rows(cos, sin, rot_pos)
     q, k = rotary_reference(q, k, cos, sin)
-    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window, softcap, alibi_slopes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,16 +358,47 @@ def _rotated(x, x_half, cos, sin):
 
 
 @_jit_on_first_use
-def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
+def _tanh(x):
+    # tanh from one exp2 (no libdevice: the interpreter runs it too): sign(x) (1 - e^-2|x|) / (1 + e^-2|x|)
+    t = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 log2(e)
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@_jit_on_first_use
+def _variant_scores(qk, qk_scale, cap, slope, q_idx, k_idx, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Base-2 scores of raw q.k products qk [M, N] under the variant: SOFTCAP: cap * tanh(qk *
+    qk_scale), where the wrapper passes qk_scale = scale / softcap and cap = softcap * log2(e)
+    (the tanh takes the natural-scale score / softcap); else qk * qk_scale (scale * log2(e)).
+    ALIBI: + slope [M] (slope * log2(e)) * (k_idx [N] - q_idx [M]), positions of one numbering."""
+    if SOFTCAP:
+        s = _tanh(qk * qk_scale) * cap
+    else:
+        s = qk * qk_scale
+    if ALIBI:
+        s += slope[:, None] * (k_idx[None, :] - q_idx[:, None]).to(tl.float32)
+    return s
+
+
+@_jit_on_first_use
+def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr, cap=None, slope=None, q_idx=None,
+                 k_idx=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
     """One online-softmax step. q: [M, D]; k, v: [N, D]; visible: [M, N] (used if MASKED);
     acc: [M, D] fp32 (unnormalized output); m_i, l_i: [M] running max / sum, base 2.
     qk_scale (> 0) is log2(e) / sqrt(d): one FMA per score on unmasked tiles. fp32 inputs
-    multiply in full fp32 ("ieee"), not Triton's default TF32: an fp32 model computes in fp32."""
+    multiply in full fp32 ("ieee"), not Triton's default TF32: an fp32 model computes in fp32.
+    SOFTCAP / ALIBI: the scores of `_variant_scores` (cap, slope, q_idx, k_idx as there)."""
     if q.dtype == tl.float32:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, N]
     else:
         qk = tl.dot(q, tl.trans(k))  # [M, N]
-    if MASKED:
+    if SOFTCAP or ALIBI:
+        qk = _variant_scores(qk, qk_scale, cap, slope, q_idx, k_idx, SOFTCAP, ALIBI)
+        if MASKED:
+            qk = tl.where(visible, qk, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+    elif MASKED:
         qk = tl.where(visible, qk * qk_scale, -1.0e30)  # finite: a row with nothing visible yet stays NaN-free
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -359,27 +416,33 @@ def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr
 
 @_jit_on_first_use
 def _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d, visible, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """Attend to cache slots offs_j (if MASKED, rows with ok false read 0; else all are read)."""
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, cap=None, slope=None,
+                   q_idx=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+    """Attend to cache slots offs_j (if MASKED, rows with ok false read 0; else all are read).
+    The variant's q_idx: the rows' positions (cache slots are positions)."""
     k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, MASKED)
+    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, MASKED, cap, slope, q_idx,
+                        offs_j, SOFTCAP, ALIBI)
 
 
 @_jit_on_first_use
 def _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d, visible, qk_scale, cache_ty,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """Attend to new tokens offs_j, rounded through the cache dtype as if read back from it."""
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, cap=None, slope=None, q_idx=None,
+                SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+    """Attend to new tokens offs_j, rounded through the cache dtype as if read back from it.
+    The variant's q_idx: the rows' token indices among the new tokens (offs_j's numbering)."""
     k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     return _attend_tile(acc, m_i, l_i, q, k.to(cache_ty).to(q.dtype), v.to(cache_ty).to(q.dtype), visible,
-                        qk_scale, MASKED)
+                        qk_scale, MASKED, cap, slope, q_idx, offs_j, SOFTCAP, ALIBI)
 
 
 @_jit_on_first_use
 def _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v_cache, skc_s, svc_s, start,
                           offs_j, ok, own, offs_d, visible, qk_scale, cache_ty,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, cap=None, slope=None, q_idx=None,
+                          SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
     """`_attend_new` on a masked tile that also writes the tokens this program owns (own: [N])
     to their cache slots start + offs_j: the cache write costs no second read of k/v."""
     k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D).to(cache_ty)
@@ -387,7 +450,8 @@ def _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v
     slots = (start + offs_j)[:, None]
     _store_rows(k_cache + slots * skc_s + offs_d[None, :], k, own, offs_d, HEAD_DIM, BLOCK_D)
     _store_rows(v_cache + slots * svc_s + offs_d[None, :], v, own, offs_d, HEAD_DIM, BLOCK_D)
-    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, True)
+    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, True, cap, slope, q_idx,
+                        offs_j, SOFTCAP, ALIBI)
 
 
 @_jit_on_first_use
@@ -470,9 +534,11 @@ def _prefill_kernel(
     so_b, so_s, so_h,  # out [B, S, H, D]
     Hkv, S, Smax, window,
     KD, VD, KCD, VCD,  # TMA: descriptors of k, v, k_cache, v_cache (blocks [1, 1, BLOCK_N, BLOCK_D]); else None
+    SLOPES, cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
-    TMA: tl.constexpr = False, DEFER_PV: tl.constexpr = False,
+    TMA: tl.constexpr = False, DEFER_PV: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
 ):
     # one program per (sequence b, row tile pid_m, kv head kvh), launched sequence by sequence,
     # and within a sequence the longest (causal: last) row tiles first, every kv head's at once:
@@ -498,6 +564,11 @@ def _prefill_kernel(
     k_cache = KC + b * skc_b + kvh * skc_h
     v_cache = VC + b * svc_b + kvh * svc_h
     cache_ty = KC.dtype.element_ty
+    if ALIBI:  # each row's head's slope, in base 2 (`_variant_scores`)
+        slope = tl.load(SLOPES + qh) * 1.4426950408889634  # [BLOCK_M]
+        q_pos = start + qi  # the rows' positions: the variant's query index for cached keys (new keys: qi)
+    else:
+        slope, q_pos = 0.0, 0
     n_fit = Smax - start  # new tokens j < n_fit have a cache slot
     i_min = (pid_m * BLOCK_M) // G
     i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
@@ -539,7 +610,8 @@ def _prefill_kernel(
             ok = (offs_j < n_old) & (offs_j >= lo_pos)  # no row reads below lo_pos: not loaded
             visible = ok[None, :] & (offs_j[None, :] > (start + qi - window)[:, None])
             acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
-                                           visible, qk_scale, HEAD_DIM, BLOCK_D, True)
+                                           visible, qk_scale, HEAD_DIM, BLOCK_D, True, cap, slope, q_pos, SOFTCAP,
+                                           ALIBI)
         lo_new = (tl.minimum(tl.maximum(lo_pos - start, 0), hi) // BLOCK_N) * BLOCK_N
         for j0 in range(lo_new, hi, BLOCK_N):
             offs_j = j0 + offs_n
@@ -547,12 +619,14 @@ def _prefill_kernel(
             visible = ((offs_j[None, :] <= qi[:, None]) & (offs_j[None, :] > qi[:, None] - window)
                        & ok[None, :])
             acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
-                                        visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True)
+                                        visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True, cap, slope, qi, SOFTCAP,
+                                        ALIBI)
     else:
         # phase 1: the cached prefix, positions [0, n_old), visible to every row; full tiles
         # unmasked, then the partial last tile, if any
         n_old_full = (n_old // BLOCK_N) * BLOCK_N
-        if TMA or DEFER_PV:  # see `_attend_full_tiles`; the loop below is the pointer-load path
+        if TMA or DEFER_PV:  # see `_attend_full_tiles` (never with the variant: the wrapper turns them
+            # off); the loop below is the pointer-load path
             acc, m_i, l_i = _attend_full_tiles(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, KCD, VCD, b, kvh, 0,
                                                n_old_full, offs_n, offs_d, qk_scale, cache_ty, HEAD_DIM, BLOCK_D,
                                                BLOCK_N, TMA, DEFER_PV)
@@ -560,12 +634,14 @@ def _prefill_kernel(
             for j0 in range(0, n_old_full, BLOCK_N):
                 offs_j = j0 + offs_n
                 acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, None, offs_d,
-                                               None, qk_scale, HEAD_DIM, BLOCK_D, False)
+                                               None, qk_scale, HEAD_DIM, BLOCK_D, False, cap, slope, q_pos, SOFTCAP,
+                                               ALIBI)
         for j0 in range(n_old_full, n_old, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < n_old
             acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
-                                           ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, True)
+                                           ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, True, cap, slope, q_pos, SOFTCAP,
+                                           ALIBI)
 
         # phase 2: the new tokens, causal (j <= qi) and only those with a cache slot (j < n_fit);
         # keys < free are visible to every row (free <= j_lo <= i_min + 1): unmasked tiles.  The
@@ -583,18 +659,21 @@ def _prefill_kernel(
             for j0 in range(0, free, BLOCK_N):
                 offs_j = j0 + offs_n
                 acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, None, offs_d,
-                                            None, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, False)
+                                            None, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, False, cap, slope, qi,
+                                            SOFTCAP, ALIBI)
         for j0 in range(free, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
             visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
             if (BLOCK_M + G - 1) // G > BLOCK_N:
                 acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
-                                            visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True)
+                                            visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True, cap, slope, qi,
+                                            SOFTCAP, ALIBI)
             else:
                 acc, m_i, l_i = _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v_cache,
                                                       skc_s, svc_s, start, offs_j, ok, ok & (offs_j >= j_lo), offs_d,
-                                                      visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D)
+                                                      visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, cap, slope, qi,
+                                                      SOFTCAP, ALIBI)
 
     out = acc / l_i[:, None]  # the softmax's normalisation, once
     _store_rows(OUT + b * so_b + qi[:, None] * so_s + qh[:, None] * so_h + offs_d[None, :],
@@ -612,6 +691,16 @@ def _new_kv(k_new, v_new, offs_d, d_ok, HEAD_DIM: tl.constexpr, ROTARY: tl.const
     else:
         k_half = k
     return k, v, k_half
+
+
+@_jit_on_first_use
+def _new_key_scores(qk, qk_scale, cap, SOFTCAP: tl.constexpr):
+    """Base-2 scores of the new token's key (qk [R]: its raw q.k per row): `_variant_scores` at
+    key position = query position, where ALiBi adds 0."""
+    if SOFTCAP:
+        return _tanh(qk * qk_scale) * cap
+    else:
+        return qk * qk_scale
 
 
 @_jit_on_first_use
@@ -638,10 +727,11 @@ def _decode_kernel(
     Hkv, Smax, split_floor, window,
     COS, SIN, sc_b, ss_b,  # ROTARY: cos, sin [B, 1, D] (dsc.rotary's inputs); else None
     RPOS, srp_b,  # ROT_TABLE: COS / SIN are tables [P, D] and RPOS [B, 1] the rows to read; else None
+    SLOPES, cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
     ROTARY: tl.constexpr = False, PDL: tl.constexpr = False, PRE_N: tl.constexpr = 0,
-    ROT_TABLE: tl.constexpr = False,
+    ROT_TABLE: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -708,6 +798,11 @@ def _decode_kernel(
     if ROTARY:
         sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
         q = _rotated(q, q_half, cos[None, :], sin[None, :])
+    if ALIBI:  # each query head's slope, in base 2 (`_variant_scores`)
+        slope = tl.load(SLOPES + heads, mask=head_ok, other=0.0) * 1.4426950408889634  # [BLOCK_H]
+        q_pos = tl.zeros([BLOCK_H], tl.int32) + pos  # every row's position (the variant's query index)
+    else:
+        slope, q_pos = 0.0, 0
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -717,13 +812,14 @@ def _decode_kernel(
         # its columns score -1e30 and carry zero values, and the new token's alpha of 0 then
         # clears them, as it clears -inf's running sums
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_pre.to(q.dtype), v_pre.to(q.dtype), ok_p[None, :],
-                                     qk_scale, True)
+                                     qk_scale, True, cap, slope, q_pos, offs_p, SOFTCAP, ALIBI)
     for j0 in range(lo + PRE_N, hi, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         ok = offs_j < hi
         k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
         v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True,
+                                     cap, slope, q_pos, offs_j, SOFTCAP, ALIBI)
 
     if PDL:  # the next kernel may start now, not at the top, so that its programs' early
         # weight loads overlap this kernel's end rather than the key loop's chain of loads
@@ -741,7 +837,8 @@ def _decode_kernel(
         vn = v_in.to(cache_ty)
         tl.store(k_cache + pos * skc_s + offs_d, kn, mask=d_ok)
         tl.store(v_cache + pos * svc_s + offs_d, vn, mask=d_ok)
-        s = tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_H]
+        s = _new_key_scores(tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1), qk_scale, cap,
+                            SOFTCAP)  # [BLOCK_H]
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
@@ -791,8 +888,9 @@ def _decode_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Wrappers: check shapes, allocate, launch.
-def _check(q, k, v, k_cache, v_cache, cache_pos):
+def _check(q, k, v, k_cache, v_cache, cache_pos, softcap=0.0, alibi_slopes=None):
     B, H, S, D = q.shape
+    check_variant("attention", softcap, alibi_slopes, H)
     Hkv = k.shape[1]
     if k.shape != (B, Hkv, S, D) or v.shape != k.shape:
         raise ValueError(f"attention: k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
@@ -810,13 +908,33 @@ def _check(q, k, v, k_cache, v_cache, cache_pos):
         raise ValueError(f"attention: head_dim {D} is outside the Triton kernels' range 1..256")
 
 
+def check_variant(op: str, softcap: float, alibi_slopes, heads: int) -> None:
+    """softcap >= 0 (0: none); alibi_slopes: None, or one fp32 slope per query head [H]."""
+    if not softcap >= 0:
+        raise ValueError(f"{op}: softcap must be >= 0 (0: none), got {softcap}")
+    if alibi_slopes is not None and (alibi_slopes.shape != (heads,) or alibi_slopes.dtype != torch.float32):
+        raise ValueError(f"{op}: alibi_slopes must be a float32 tensor of shape ({heads},), got "
+                         f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype}")
+
+
+def variant_launch(scale: float, softcap: float, alibi_slopes) -> tuple:
+    """A kernel launch's (qk_scale, SLOPES, cap, constexprs) for the variant (`_variant_scores`):
+    without soft-capping qk_scale = scale * log2(e) and cap unused; with it the tanh's input
+    scale, scale / softcap, and cap = softcap * log2(e)."""
+    log2e = math.log2(math.e)
+    qk_scale, cap = (scale / softcap, softcap * log2e) if softcap else (scale * log2e, 0.0)
+    slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
+    return qk_scale, slopes, cap, dict(SOFTCAP=bool(softcap), ALIBI=slopes is not None)
+
+
 def _last_contiguous(*ts):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
 
-def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, out=None, config=None):
+def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None, *,
+                      out=None, config=None):
     """`attention` for any S (the prefill kernel); out [B, S, H, D] may be given (tests poison it)."""
-    _check(q, k, v, k_cache, v_cache, cache_pos)
+    _check(q, k, v, k_cache, v_cache, cache_pos, softcap, alibi_slopes)
     _triton()
     q, k, v = _last_contiguous(q, k, v)
     B, H, S, D = q.shape
@@ -829,21 +947,23 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
         # tile comes from its own table, WS_CONFIGS (a config's WS_<key> entries override it)
         from dsc.kernels.attention_sm90 import prefill_ws, prefill_ws_supported
 
-        if prefill_ws_supported(q, k, v, k_cache, v_cache, window):
+        if prefill_ws_supported(q, k, v, k_cache, v_cache, window, softcap, alibi_slopes):
             ws = {key[3:]: value for key, value in cfg.items() if key.startswith("WS_")}
             if prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, ws) is not None:
                 return out
     grid = (_cdiv(S * G, cfg["BLOCK_M"]) * B * Hkv,)  # the kernel orders (sequence, row tile, kv head)
     BLOCK_D = max(16, next_power_of_2(D))
-    # the variant's keys (kernel `_attend_full_tiles`) matter only in the unwindowed loops: a
-    # windowed call runs the default code, whatever the config says; TMA only for 16-bit q/k/v
-    # and caches (what the GPU runs measured: fp32 tiles are twice the bytes)
-    defer_pv = bool(cfg.get("DEFER_PV", False)) and not window
+    # the config's variant keys (kernel `_attend_full_tiles`) matter only in the unwindowed
+    # loops without soft-capping or ALiBi: such a call runs the default code, whatever the config
+    # says; TMA only for 16-bit q/k/v and caches (what the GPU runs measured: fp32 tiles are twice the bytes)
+    qk_scale, slopes, cap, variant = variant_launch(scale, softcap, alibi_slopes)
+    plain = not window and not any(variant.values())
+    defer_pv = bool(cfg.get("DEFER_PV", False)) and plain
     sixteen = all(t.dtype in (torch.float16, torch.bfloat16) for t in (q, k, v, k_cache, v_cache))
     descs = _kv_descriptors(k, v, k_cache, v_cache, cfg["BLOCK_N"], BLOCK_D) \
-        if cfg.get("TMA", False) and not window and sixteen else None
+        if cfg.get("TMA", False) and plain and sixteen else None
     _prefill_kernel[grid](
-        q, k, v, k_cache, v_cache, cache_pos, out, scale * math.log2(math.e),
+        q, k, v, k_cache, v_cache, cache_pos, out, qk_scale,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -851,10 +971,10 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         Hkv, S, Smax, window,
-        *(descs or (None,) * 4),
+        *(descs or (None,) * 4), slopes, cap,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], WINDOWED=window > 0, TMA=descs is not None, DEFER_PV=defer_pv,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **variant,
     )
     return out
 
@@ -872,13 +992,13 @@ def _kv_descriptors(k, v, k_cache, v_cache, block_n: int, block_d: int):
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d]) for t in ts]
 
 
-def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, rotary=None, rot_pos=None,
-                     out=None, config=None, num_splits=None):
+def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None, *,
+                     rotary=None, rot_pos=None, out=None, config=None, num_splits=None):
     """`attention` for S == 1 (flash-decoding). The grid depends on shapes only.
     rotary=(cos, sin): `rotary_attention`, q and k are dsc.rotary's inputs, rotated in the kernel;
     with rot_pos [B, 1] (integers), cos and sin are tables [P, D] and the kernel reads their rows
     rot_pos (dsc.rotary's cos, sin = table[rot_pos]: the gathers' launches are saved)."""
-    _check(q, k, v, k_cache, v_cache, cache_pos)
+    _check(q, k, v, k_cache, v_cache, cache_pos, softcap, alibi_slopes)
     if q.shape[2] != 1:
         raise ValueError(f"decode_attention: one query per sequence, got S={q.shape[2]}")
     if rot_pos is not None:
@@ -905,8 +1025,9 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, r
     part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     BLOCK_D = max(16, next_power_of_2(D))
     lock = split_counters(q.device, B * Hkv) if splits > 1 else out
+    qk_scale, slopes, cap, variant = variant_launch(scale, softcap, alibi_slopes)
     _decode_kernel[(B * Hkv, splits)](
-        q, k, v, k_cache, v_cache, cache_pos, out, part_o, part_lse, lock, scale * math.log2(math.e),
+        q, k, v, k_cache, v_cache, cache_pos, out, part_o, part_lse, lock, qk_scale,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -916,22 +1037,33 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, r
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         Hkv, Smax, cfg.get("SPLIT_FLOOR", cfg["MIN_SPLIT"]), window,
-        *rot,
+        *rot, slopes, cap,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
         BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0, ROTARY=rotary is not None,
         ROT_TABLE=rot_pos is not None, num_stages=cfg["num_stages"], **decode_preload(cfg), **pdl_options(q.device),
+        **variant,
         **ROTATE_OPTIONS,  # with or without ROTARY: one arithmetic for both (the rotary pair's bits)
     )
     return out
+
+
+def variant_config(window=0, softcap=0.0, alibi_slopes=None) -> dict:
+    """The plan's record of an attention's variant: only what is set (a plain attention's
+    config stays as it was without the variants)."""
+    return {**({"window": window} if window else {}), **({"softcap": float(softcap)} if softcap else {}),
+            **({"alibi": True} if alibi_slopes is not None else {})}
 
 
 # ---------------------------------------------------------------------------------------------
 # Ops
 @torch.library.custom_op("dsc::causal_attention", mutates_args=())
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_pos: torch.Tensor, scale: float, window: int = 0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_pos: torch.Tensor, scale: float, window: int = 0,
+    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return causal_attention_reference(q, k, v, cache_pos, scale, window)
+    """softcap > 0: scores s -> softcap * tanh(s / softcap) (after the scale, before the mask);
+    alibi_slopes [H] fp32: + slope_h * (key position - query position) (`attend_reference`)."""
+    return causal_attention_reference(q, k, v, cache_pos, scale, window, softcap, alibi_slopes)
 
 
 def _out_like(q):
@@ -943,7 +1075,7 @@ declare("dsc.causal_attention.default")
 
 
 @causal_attention.register_fake
-def _(q, k, v, cache_pos, scale, window=0):
+def _(q, k, v, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
     return _out_like(q)
 
 
@@ -957,27 +1089,30 @@ def attention(
     cache_pos: torch.Tensor,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window, softcap, alibi_slopes)
 
 
 declare("dsc.attention.default", attention=True)
 
 
 @attention.register_kernel("cuda")
-def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
+def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
+    variant = dict(softcap=softcap, alibi_slopes=alibi_slopes)
     if q.shape[2] == 1:
-        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window)
-    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, **variant)
+    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, **variant)
 
 
 @attention.register_fake
-def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
+def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
     return _out_like(q)
 
 
 @planner("dsc.attention.default")
-def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, arch):
+def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None, *, arch):
     """The kernels and configs the CUDA implementation will launch. The decode batch is
     symbolic at compile time: splits are counted at batch 1 (the most splits); one launch."""
     B, H, S, D = q.shape
@@ -986,17 +1121,17 @@ def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, ar
         cfg = attention_config("decode", D, arch, q.element_size())
         batch = B if isinstance(B, int) else 1
         splits = decode_num_splits(batch, Hkv, Smax, cfg, SM_COUNT.get(arch, SM_COUNT["sm_90"]))
-        cfg = {**cfg, "splits": splits, "splits_at_batch": batch, **({"window": window} if window else {})}
+        cfg = {**cfg, "splits": splits, "splits_at_batch": batch, **variant_config(window, softcap, alibi_slopes)}
         return {"name": "triton.attention_decode", "config": cfg, "launches": 1}
     cfg = attention_config("prefill", D, arch, q.element_size())
     if cfg.get("WS") and arch == "sm_90":
         from dsc.kernels.attention_sm90 import WS_CONFIGS, prefill_ws_supported
 
-        if prefill_ws_supported(q, k, v, k_cache, v_cache, window):
+        if prefill_ws_supported(q, k, v, k_cache, v_cache, window, softcap, alibi_slopes):
             return {"name": "gluon.attention_prefill_ws", "config": {**WS_CONFIGS[D], "group": H // Hkv},
                     "launches": 1}
     cfg = {key: value for key, value in cfg.items() if key != "WS"}
-    cfg = {**cfg, "group": H // Hkv, **({"window": window} if window else {})}
+    cfg = {**cfg, "group": H // Hkv, **variant_config(window, softcap, alibi_slopes)}
     return {"name": "triton.attention_prefill", "config": cfg, "launches": 1}
 
 
@@ -1013,36 +1148,42 @@ def rotary_attention(
     scale: float,
     window: int = 0,
     rot_pos: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rot_pos [B, S] (fuse_rotary_attention, where cos and sin were rows of the position tables
     that fold_position_tables made): cos and sin are those tables [P, D], and the decode kernel
-    reads the rows itself, so the step launches no gathers for them."""
-    return rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window, rot_pos)
+    reads the rows itself, so the step launches no gathers for them. softcap, alibi_slopes: as
+    `attention`'s (after rot_pos: the arguments every attention op ends with)."""
+    return rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window, rot_pos,
+                                      softcap, alibi_slopes)
 
 
 declare("dsc.rotary_attention.default", attention=True)
 
 
 @rotary_attention.register_kernel("cuda")
-def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None):
+def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None, softcap=0.0, alibi_slopes=None):
+    variant = dict(softcap=softcap, alibi_slopes=alibi_slopes)
     if q.shape[2] == 1:
         return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, rotary=(cos, sin),
-                                rot_pos=rot_pos)
+                                rot_pos=rot_pos, **variant)
     if rot_pos is not None:
         cos, sin = rotary_rows(cos, sin, rot_pos)
     q, k = rotary_triton(q, k, cos, sin)  # the prefill kernel reads each key many times: rotate once
-    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, **variant)
 
 
 @rotary_attention.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None):
+def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None, softcap=0.0, alibi_slopes=None):
     return _out_like(q)
 
 
 @planner("dsc.rotary_attention.default")
-def _plan_rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None, *, arch):
+def _plan_rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None,
+                           softcap=0.0, alibi_slopes=None, *, arch):
     """Decode: the decode kernel with ROTARY, one launch; otherwise the rotary kernel, then prefill."""
-    plan = _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, arch=arch)
+    plan = _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, softcap, alibi_slopes, arch=arch)
     if plan["name"] == "triton.attention_decode":
         return {**plan, "name": "triton.rotary_attention_decode"}
     return {"name": f"triton.rotary + {plan['name']}",
