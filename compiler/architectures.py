@@ -94,6 +94,7 @@ ARCHITECTURES = {
         Architecture("olmo2", "llama"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
         Architecture("cohere", "llama", logits=("logit_scale",)),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
         Architecture("granite", "llama", logits=("logits_scaling",)),  # embedding, residual, attention and logit multipliers
+        Architecture("gemma2", "llama", logits=("final_logit_softcapping",)),  # alternating sliding/full layers, attention and logit soft-capping, pre/post norms
         Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",)),  # local and global layers, per-head q/k RMSNorm, pre/post norms
         Falcon("falcon", "gpt2", intermediate_field="ffn_hidden_size"),  # multi-query or grouped kv, parallel
         Architecture("gptj", "gpt2"),  # interleaved partial rotary, parallel attention + MLP
