@@ -71,11 +71,6 @@ class Falcon(Architecture):
             return cfg.get("num_kv_heads") or self.heads(cfg)
         return 1 if cfg.get("multi_query", True) else self.heads(cfg)
 
-    def tp_blocker(self, cfg: dict) -> str:
-        if not cfg.get("new_decoder_architecture") and cfg.get("multi_query", True):
-            return "multi-query layout: its one kv head is a size-1 dim the sharding pass cannot place"
-        return self.no_tp
-
 
 ARCHITECTURES = {
     a.model_type: a

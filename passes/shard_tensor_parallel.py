@@ -313,6 +313,11 @@ class _Solver:
                 raise _Unsupported(f"{n.name} merges the sharded dim with an outer dim")
         else:
             raise _Unsupported(f"{n.name}: no output dim matches the sharded dim")
+        if j > lay.dim and all(str(a) == str(b) for a, b in zip(src[:lay.dim], dst)) and \
+                all(isinstance(d, int) and d == 1 for d in dst[lay.dim:j]):
+            # the leading dims kept and size-1 dims before the match (Falcon-7B's one kv head:
+            # [B, S, D] -> [B, S, 1, D]): the outermost of the group, the heads dim, is sharded
+            j, inner = lay.dim, extent
         factor = Fraction(inner_src, inner)
         sizes = [s * factor for s in lay.sizes]
         if any(s.denominator != 1 for s in sizes):
