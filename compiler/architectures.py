@@ -91,6 +91,7 @@ ARCHITECTURES = {
         Architecture("granite", "llama", logits=("logits_scaling",)),  # embedding, residual, attention and logit multipliers
         Architecture("gemma2", "llama", logits=("final_logit_softcapping",)),  # alternating sliding/full layers, attention and logit soft-capping, pre/post norms
         Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",)),  # local and global layers, per-head q/k RMSNorm, pre/post norms
+        Architecture("bloom", "gpt2"),  # ALiBi (no positions), fused query_key_value per head, embedding LayerNorm, tied head
         Falcon("falcon", "gpt2", intermediate_field="ffn_hidden_size"),  # multi-query or grouped kv, parallel
         Architecture("gptj", "gpt2"),  # interleaved partial rotary, parallel attention + MLP
         Architecture("gpt_neox", "gpt2"),  # query_key_value fused per head, partial rotary

@@ -20,7 +20,9 @@ Rewrites (each counted under `shard_tensor_parallel.<rule>`, per program)
             dsc.all_reduce(the rank's mean) * (1 / tp): replicated, then broadcast over the shard.
   shape     view/reshape, split/chunk sizes and slice bounds along a sharded dim -> the rank's
             local ones (Phi-3 slices q, k and v out of qkv_proj by offsets).
-  kv_cache  the cache tensors hold the local kv heads (model.kv_cache["shape"][1]).
+  kv_cache  the cache tensors hold the local kv heads (model.kv_cache["shape"][1]); a single
+            kv head (Falcon-7B's multi-query) is replicated, each rank keeps it whole.
+  alibi     an attention's ALiBi slopes [H] (a constant weight) are split with its q heads.
   vocab     when tp divides the vocabulary, the token embedding and lm_head (under its scalar
             scale or soft-cap, if any) are vocab-parallel:
             the rank's rows looked up (dsc.vocab_embedding: zeros for others' ids) + dsc.all_reduce,
@@ -449,6 +451,10 @@ class _Solver:
         self._check_gqa(n, lq, lk, hq // hkv)
         for c in (kc, vc):
             self.kv[c] = hkv // kv_pieces
+        if isinstance(slopes := _alibi_slopes(n), fx.Node):  # [H] per q head: split with the q heads
+            if slopes.op != "get_attr" or _val(slopes).shape != (hq,):
+                raise _Unsupported(f"{n.name}: ALiBi slopes {slopes.name} are not a [{hq}] weight")
+            self.weights.append((slopes, 0, Layout(0, lq.blocks, lq.scale)))
         return Layout(2, lq.blocks, lq.scale)
 
     def _check_gqa(self, n: fx.Node, lq: Layout, lk: Layout, group: int) -> None:
@@ -466,6 +472,15 @@ class _Solver:
             raise _Unsupported(f"{r.name} reads a value sharded along a non-feature dim")
         if any(self.pieces.get(k) != self.world for _, k in lay.blocks):
             raise _Unsupported(f"{r.name} reads replicated pieces that the all-reduce would count twice")
+
+
+def _alibi_slopes(attention: fx.Node):
+    """The attention node's `alibi_slopes` argument (BLOOM), None where it has none."""
+    names = [a.name for a in attention.target._schema.arguments]
+    if "alibi_slopes" not in names:
+        return None
+    i = names.index("alibi_slopes")
+    return attention.args[i] if i < len(attention.args) else attention.kwargs.get("alibi_slopes")
 
 
 def _solve(region: _Region, world: int) -> _Solver:
