@@ -46,8 +46,8 @@ class Architecture:
     def kv_heads(self, cfg: dict) -> int:
         return cfg.get("num_key_value_heads") or self.heads(cfg)
 
-    def hidden(self, cfg: dict) -> int:
-        return cfg.get("hidden_size", cfg.get("n_embd"))
+    def hidden(self, cfg: dict) -> int:  # GPT-2's n_embd, older BLOOM configs' n_embed
+        return cfg.get("hidden_size", cfg.get("n_embd", cfg.get("n_embed")))
 
     def head_dim(self, cfg: dict) -> int:
         return cfg.get("head_dim") or self.hidden(cfg) // self.heads(cfg)

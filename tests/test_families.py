@@ -23,9 +23,9 @@ from test_fusion import GOLDEN, plan_text
 from test_tp import PROMPTS, _rank_work, teacher_forced
 
 FAMILIES = ["qwen3-odd", "stablelm-odd", "starcoder2-odd", "olmo-odd", "olmo2-odd", "cohere-odd", "granite-odd",
-            "gemma3_text-odd", "falcon-odd", "falcon-new-odd"]
+            "gemma2-odd", "gemma3_text-odd", "falcon-odd", "falcon-new-odd", "bloom-odd"]
 # sliding windows per layer, shorter than the longest prompt (13) plus its 8 new tokens
-WINDOWS = {"starcoder2-odd": [8, 8], "gemma3_text-odd": [6, 0]}
+WINDOWS = {"starcoder2-odd": [8, 8], "gemma2-odd": [6, 0], "gemma3_text-odd": [6, 0]}
 TP_SHAPES = [s for s in FAMILIES + ["gptj-tiny", "gpt_neox-tiny", "phi3-tiny", "mistral-tiny", "qwen2-tiny"]
              if not ARCHITECTURES[SHAPES[s][0]].tp_blocker(SHAPES[s][1])]
 INT8_MIN_SQNR = 20.0
@@ -144,9 +144,19 @@ def test_unsupported_family_is_one_line_listing_the_supported(make_checkpoint, t
     cfg = json.loads((ck / "config.json").read_text())
     bad = tmp_path / "ck"
     bad.mkdir()
-    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "bloom"}))
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba"}))
     (bad / "model.safetensors").write_bytes((ck / "model.safetensors").read_bytes())
     r = CliRunner().invoke(app, ["compile", str(bad), "-o", str(tmp_path / "a")])
     assert r.exit_code != 0 and not (tmp_path / "a").exists()
     line, = r.stderr.strip().splitlines()
-    assert "unsupported model_type 'bloom'" in line and ", ".join(sorted(ARCHITECTURES)) in line
+    assert "unsupported model_type 'mamba'" in line and ", ".join(sorted(ARCHITECTURES)) in line
+
+
+def test_bloom_config_as_released_checkpoints_spell_it():
+    """bigscience/bloom-560m's config.json: n_embed, n_head, n_layer, no MLP width (4 x hidden)."""
+    from dsc.compiler.architectures import architecture_for
+
+    cfg = {"model_type": "bloom", "n_embed": 1024, "n_head": 16, "n_layer": 24, "vocab_size": 250880}
+    arch = architecture_for(cfg, "config.json")
+    assert (arch.hidden(cfg), arch.heads(cfg), arch.kv_heads(cfg), arch.head_dim(cfg), arch.layers(cfg),
+            arch.intermediate(cfg)) == (1024, 16, 16, 64, 24, 4096)
