@@ -160,3 +160,13 @@ def test_bloom_config_as_released_checkpoints_spell_it():
     arch = architecture_for(cfg, "config.json")
     assert (arch.hidden(cfg), arch.heads(cfg), arch.kv_heads(cfg), arch.head_dim(cfg), arch.layers(cfg),
             arch.intermediate(cfg)) == (1024, 16, 16, 64, 24, 4096)
+
+
+def test_falcon_multi_query_keeps_its_kv_head_on_every_rank(compile_artifact):
+    """Falcon-7B's layout under --tp 2: each rank computes 3 of the 6 q heads against the one kv
+    head, which every rank holds whole (its cache too); test_tp2_matches_tp1 checks the numbers."""
+    plan = _plan(compile_artifact("falcon-odd", dtype="fp32", tp=2))
+    assert plan["kv_cache"]["shape"][1] == 1 and plan["kv_pool"]["kv_heads"] == 1
+    for program in ("prefill", "decode"):
+        attn = [n for n in plan["programs"][program]["nodes"] if n.get("op") in ATTENTION_OPS]
+        assert [n["shape"][2] for n in attn] == [3] * plan["model"]["layers"]
