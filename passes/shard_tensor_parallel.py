@@ -203,8 +203,11 @@ def _norm(d: int, ndim: int) -> int:
 class _Solver:
     """Assigns a Layout to every value of a region, in graph order, checking each op."""
 
-    def __init__(self, region: _Region, world: int, column_blocks: dict[str, tuple[int, ...]]):
+    def __init__(self, region: _Region, world: int, column_blocks: dict[str, tuple[int, ...]],
+                 outer_views: frozenset[str] = frozenset()):
         self.region, self.world, self.column_blocks = region, world, column_blocks
+        self.outer_views = outer_views  # views read as splitting the sharded dim into (1, rest)
+        self.ambiguous: set[str] = set()  # views that read either way
         self.pieces = _Pieces(world)
         self.lay: dict[fx.Node, object] = {}
         self.kv: dict[fx.Node, int] = {}  # kv-cache get_attr -> local kv heads
@@ -317,9 +320,12 @@ class _Solver:
             raise _Unsupported(f"{n.name}: no output dim matches the sharded dim")
         if j > lay.dim and all(str(a) == str(b) for a, b in zip(src[:lay.dim], dst)) and \
                 all(isinstance(d, int) and d == 1 for d in dst[lay.dim:j]):
-            # the leading dims kept and size-1 dims before the match (Falcon-7B's one kv head:
-            # [B, S, D] -> [B, S, 1, D]): the outermost of the group, the heads dim, is sharded
-            j, inner = lay.dim, extent
+            # size-1 dims inserted before the sharded one: a new outer dim (GPT-2's decode
+            # [B, E] -> [B, 1, E]) or a split into (1 head, head_dim) (Falcon-7B's one kv head:
+            # [B, S, D] -> [B, S, 1, D]); _solve tries the first reading, then the second
+            self.ambiguous.add(n.name)
+            if n.name in self.outer_views:
+                j, inner = lay.dim, extent
         factor = Fraction(inner_src, inner)
         sizes = [s * factor for s in lay.sizes]
         if any(s.denominator != 1 for s in sizes):
@@ -484,14 +490,22 @@ def _alibi_slopes(attention: fx.Node):
 
 
 def _solve(region: _Region, world: int) -> _Solver:
+    """Solve, refining column blocks where a split cuts one; where no layout fits, once more
+    with the views that insert a size-1 dim before the sharded one read as heads splits."""
     blocks: dict[str, tuple[int, ...]] = {}
+    outer: frozenset[str] = frozenset()
     for _ in range(8):
+        solver = _Solver(region, world, blocks, outer)
         try:
-            return _Solver(region, world, blocks).run()
+            return solver.run()
         except _Refine as e:
             col = next(c for c in region.columns if c.name == e.column)
             old = blocks.get(e.column, (_val(col).shape[-1],))
             blocks[e.column] = old[: e.index] + tuple(e.sizes) + old[e.index + 1:]
+        except _Unsupported:
+            if solver.ambiguous <= outer:
+                raise
+            outer |= solver.ambiguous
     raise _Unsupported("block refinement did not converge")
 
 
