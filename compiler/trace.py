@@ -36,10 +36,13 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 def dsc_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: q [B,H,S,D], k/v [B,Hkv,S,D] -> ([B,S,H,D], None)."""
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    # sliding-window layers (Mistral, Qwen2's use_sliding_window) pass their window; it is
-    # recorded only where set, so full-attention graphs keep the five-argument form
-    window = kwargs.get("sliding_window") or 0
-    extra = (int(window),) if window else ()
+    # sliding-window layers (Mistral, Qwen2's use_sliding_window) pass their window, gemma2 its
+    # softcap, bloom its ALiBi slopes ([H] fp32); the trailing arguments are recorded only up to
+    # the last one set, so plain graphs keep the five-argument form
+    window, softcap = int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0)
+    slopes = kwargs.get("alibi_slopes")
+    extra = ((window, softcap, slopes) if slopes is not None else (window, softcap) if softcap
+             else (window,) if window else ())
     if "dsc_paged" in kwargs:  # the ragged program: flat tokens of several sequences, a paged cache
         return torch.ops.dsc.ragged_attention(query, key, value, *kwargs["dsc_paged"], scale, *extra), None
     return torch.ops.dsc.causal_attention(query, key, value, kwargs["dsc_cache_pos"], scale, *extra), None

@@ -82,14 +82,36 @@ from dsc.kernels.rotary import (ROTATE_OPTIONS, check_rotary, check_rotary_table
                                rotary_rows, rotary_triton, rotate)
 
 
-def causal_attention_reference(q, k, v, cache_pos, scale, window=0):
+def attend_reference(q, k, v, visible, scale, softcap=0.0, alibi_slopes=None, q_pos=None, k_pos=None):
+    """softmax(scores) @ v over the visible keys: q [B, H, S, D], k/v [B, Hkv, L, D] (query head h
+    reads kv head h // (H / Hkv)), visible: bool, broadcastable to [B, H, S, L] -> [B, H, S, D].
+    scores = q.k * scale, then softcap * tanh(scores / softcap) where softcap > 0 (gemma2), then
+    + alibi_slopes[h] * (k_pos - q_pos) where slopes [H] are given (bloom's ALiBi; q_pos [B, S],
+    k_pos [L]). Without either it is SDPA's arithmetic; with one, fp32 scores, output in q's dtype."""
+    if not softcap and alibi_slopes is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    G = q.shape[1] // k.shape[1]
+    s = q.float() @ k.float().repeat_interleave(G, 1).transpose(-1, -2) * scale  # [B, H, S, L]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        rel = (k_pos[None, None, :] - q_pos[:, :, None]).float()  # [B, S, L]
+        s = s + alibi_slopes.float()[None, :, None, None] * rel[:, None]
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    return (p @ v.float().repeat_interleave(G, 1)).to(q.dtype)
+
+
+def causal_attention_reference(q, k, v, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
     # q: [B, H, S, D]; k, v: [B, Hkv, S, D] -> [B, S, H, D]
-    if window:
-        i = torch.arange(q.shape[2], device=q.device)
-        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [S, S]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    else:
+    S = q.shape[2]
+    if not (window or softcap or alibi_slopes is not None):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).contiguous()
+    i = torch.arange(S, device=q.device)
+    mask = i[None, :] <= i[:, None]  # [S, S]
+    if window:
+        mask &= i[None, :] > i[:, None] - window
+    out = attend_reference(q, k, v, mask, scale, softcap, alibi_slopes, i[None, :], i)
     return out.transpose(1, 2).contiguous()
 
 
@@ -102,7 +124,7 @@ def write_kv_cache_reference(k, v, k_cache, v_cache, cache_pos):
     v_cache[b, :, pos[b, i]] = v[b, :, i].to(v_cache.dtype)
 
 
-def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
+def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
     B, H, S, D = q.shape
     write_kv_cache_reference(k, v, k_cache, v_cache, cache_pos)
     kc, vc = k_cache[:B], v_cache[:B]  # [B, Hkv, Smax, D]
@@ -111,19 +133,18 @@ def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
     mask = k_pos[None, None, None, :] <= q_pos[:, None, :, None]  # [B, 1, S, Smax]
     if window:
         mask &= k_pos[None, None, None, :] > q_pos[:, None, :, None] - window
-    out = F.scaled_dot_product_attention(
-        q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    out = attend_reference(q, kc.to(q.dtype), vc.to(q.dtype), mask, scale, softcap, alibi_slopes, q_pos, k_pos)
     return out.transpose(1, 2).contiguous()
 
 
-def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None):
+def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None,
+                               softcap=0.0, alibi_slopes=None):
     """dsc.rotary of q and k, then attention: the pair `fuse_rotary_attention` makes one op.
     With rot_pos, cos and sin are tables [P, D] and dsc.rotary's cos, sin their rows rot_pos."""
     if rot_pos is not None:
         cos, sin = rotary_rows(cos, sin, rot_pos)
     q, k = rotary_reference(q, k, cos, sin)
-    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window, softcap, alibi_slopes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -791,8 +812,9 @@ def _decode_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Wrappers: check shapes, allocate, launch.
-def _check(q, k, v, k_cache, v_cache, cache_pos):
+def _check(q, k, v, k_cache, v_cache, cache_pos, alibi_slopes=None):
     B, H, S, D = q.shape
+    check_alibi_slopes("attention", alibi_slopes, H)
     Hkv = k.shape[1]
     if k.shape != (B, Hkv, S, D) or v.shape != k.shape:
         raise ValueError(f"attention: k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
@@ -810,13 +832,23 @@ def _check(q, k, v, k_cache, v_cache, cache_pos):
         raise ValueError(f"attention: head_dim {D} is outside the Triton kernels' range 16..256")
 
 
+def check_alibi_slopes(op: str, alibi_slopes, heads: int) -> None:
+    """alibi_slopes: None, or one fp32 slope per query head [H]."""
+    if alibi_slopes is not None and (alibi_slopes.shape != (heads,) or alibi_slopes.dtype != torch.float32):
+        raise ValueError(f"{op}: alibi_slopes must be a float32 tensor of shape ({heads},), got "
+                         f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype}")
+
+
 def _last_contiguous(*ts):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
 
-def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, out=None, config=None):
+def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None, *,
+                      out=None, config=None):
     """`attention` for any S (the prefill kernel); out [B, S, H, D] may be given (tests poison it)."""
-    _check(q, k, v, k_cache, v_cache, cache_pos)
+    _check(q, k, v, k_cache, v_cache, cache_pos, alibi_slopes)
+    if softcap or alibi_slopes is not None:
+        raise NotImplementedError("prefill_attention: softcap / alibi_slopes in the Triton kernels")
     _triton()
     q, k, v = _last_contiguous(q, k, v)
     B, H, S, D = q.shape
@@ -829,7 +861,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, 
         # tile comes from its own table, WS_CONFIGS (a config's WS_<key> entries override it)
         from dsc.kernels.attention_sm90 import prefill_ws, prefill_ws_supported
 
-        if prefill_ws_supported(q, k, v, k_cache, v_cache, window):
+        if prefill_ws_supported(q, k, v, k_cache, v_cache, window, softcap, alibi_slopes):
             ws = {key[3:]: value for key, value in cfg.items() if key.startswith("WS_")}
             if prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, ws) is not None:
                 return out
@@ -872,13 +904,15 @@ def _kv_descriptors(k, v, k_cache, v_cache, block_n: int, block_d: int):
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d]) for t in ts]
 
 
-def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, rotary=None, rot_pos=None,
-                     out=None, config=None, num_splits=None):
+def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None, *,
+                     rotary=None, rot_pos=None, out=None, config=None, num_splits=None):
     """`attention` for S == 1 (flash-decoding). The grid depends on shapes only.
     rotary=(cos, sin): `rotary_attention`, q and k are dsc.rotary's inputs, rotated in the kernel;
     with rot_pos [B, 1] (integers), cos and sin are tables [P, D] and the kernel reads their rows
     rot_pos (dsc.rotary's cos, sin = table[rot_pos]: the gathers' launches are saved)."""
-    _check(q, k, v, k_cache, v_cache, cache_pos)
+    _check(q, k, v, k_cache, v_cache, cache_pos, alibi_slopes)
+    if softcap or alibi_slopes is not None:
+        raise NotImplementedError("decode_attention: softcap / alibi_slopes in the Triton kernels")
     if q.shape[2] != 1:
         raise ValueError(f"decode_attention: one query per sequence, got S={q.shape[2]}")
     if rot_pos is not None:
@@ -925,13 +959,23 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, r
     return out
 
 
+def variant_config(window=0, softcap=0.0, alibi_slopes=None) -> dict:
+    """The plan's record of an attention's variant: only what is set (a plain attention's
+    config stays as it was without the variants)."""
+    return {**({"window": window} if window else {}), **({"softcap": float(softcap)} if softcap else {}),
+            **({"alibi": True} if alibi_slopes is not None else {})}
+
+
 # ---------------------------------------------------------------------------------------------
 # Ops
 @torch.library.custom_op("dsc::causal_attention", mutates_args=())
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_pos: torch.Tensor, scale: float, window: int = 0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_pos: torch.Tensor, scale: float, window: int = 0,
+    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return causal_attention_reference(q, k, v, cache_pos, scale, window)
+    """softcap > 0: scores s -> softcap * tanh(s / softcap) (after the scale, before the mask);
+    alibi_slopes [H] fp32: + slope_h * (key position - query position) (`attend_reference`)."""
+    return causal_attention_reference(q, k, v, cache_pos, scale, window, softcap, alibi_slopes)
 
 
 def _out_like(q):
@@ -943,7 +987,7 @@ declare("dsc.causal_attention.default")
 
 
 @causal_attention.register_fake
-def _(q, k, v, cache_pos, scale, window=0):
+def _(q, k, v, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
     return _out_like(q)
 
 
@@ -957,27 +1001,30 @@ def attention(
     cache_pos: torch.Tensor,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+    return attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window, softcap, alibi_slopes)
 
 
 declare("dsc.attention.default", attention=True)
 
 
 @attention.register_kernel("cuda")
-def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
+def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
+    variant = dict(softcap=softcap, alibi_slopes=alibi_slopes)
     if q.shape[2] == 1:
-        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window)
-    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, **variant)
+    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, **variant)
 
 
 @attention.register_fake
-def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0):
+def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
     return _out_like(q)
 
 
 @planner("dsc.attention.default")
-def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, arch):
+def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None, *, arch):
     """The kernels and configs the CUDA implementation will launch. The decode batch is
     symbolic at compile time: splits are counted at batch 1 (the most splits); one launch."""
     B, H, S, D = q.shape
@@ -986,17 +1033,17 @@ def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, *, ar
         cfg = attention_config("decode", D, arch, q.element_size())
         batch = B if isinstance(B, int) else 1
         splits = decode_num_splits(batch, Hkv, Smax, cfg, SM_COUNT.get(arch, SM_COUNT["sm_90"]))
-        cfg = {**cfg, "splits": splits, "splits_at_batch": batch, **({"window": window} if window else {})}
+        cfg = {**cfg, "splits": splits, "splits_at_batch": batch, **variant_config(window, softcap, alibi_slopes)}
         return {"name": "triton.attention_decode", "config": cfg, "launches": 1}
     cfg = attention_config("prefill", D, arch, q.element_size())
     if cfg.get("WS") and arch == "sm_90":
         from dsc.kernels.attention_sm90 import WS_CONFIGS, prefill_ws_supported
 
-        if prefill_ws_supported(q, k, v, k_cache, v_cache, window):
+        if prefill_ws_supported(q, k, v, k_cache, v_cache, window, softcap, alibi_slopes):
             return {"name": "gluon.attention_prefill_ws", "config": {**WS_CONFIGS[D], "group": H // Hkv},
                     "launches": 1}
     cfg = {key: value for key, value in cfg.items() if key != "WS"}
-    cfg = {**cfg, "group": H // Hkv, **({"window": window} if window else {})}
+    cfg = {**cfg, "group": H // Hkv, **variant_config(window, softcap, alibi_slopes)}
     return {"name": "triton.attention_prefill", "config": cfg, "launches": 1}
 
 
@@ -1013,36 +1060,42 @@ def rotary_attention(
     scale: float,
     window: int = 0,
     rot_pos: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rot_pos [B, S] (fuse_rotary_attention, where cos and sin were rows of the position tables
     that fold_position_tables made): cos and sin are those tables [P, D], and the decode kernel
-    reads the rows itself, so the step launches no gathers for them."""
-    return rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window, rot_pos)
+    reads the rows itself, so the step launches no gathers for them. softcap, alibi_slopes: as
+    `attention`'s (after rot_pos: the arguments every attention op ends with)."""
+    return rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window, rot_pos,
+                                      softcap, alibi_slopes)
 
 
 declare("dsc.rotary_attention.default", attention=True)
 
 
 @rotary_attention.register_kernel("cuda")
-def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None):
+def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None, softcap=0.0, alibi_slopes=None):
+    variant = dict(softcap=softcap, alibi_slopes=alibi_slopes)
     if q.shape[2] == 1:
         return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, rotary=(cos, sin),
-                                rot_pos=rot_pos)
+                                rot_pos=rot_pos, **variant)
     if rot_pos is not None:
         cos, sin = rotary_rows(cos, sin, rot_pos)
     q, k = rotary_triton(q, k, cos, sin)  # the prefill kernel reads each key many times: rotate once
-    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window)
+    return prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, **variant)
 
 
 @rotary_attention.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None):
+def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None, softcap=0.0, alibi_slopes=None):
     return _out_like(q)
 
 
 @planner("dsc.rotary_attention.default")
-def _plan_rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None, *, arch):
+def _plan_rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None,
+                           softcap=0.0, alibi_slopes=None, *, arch):
     """Decode: the decode kernel with ROTARY, one launch; otherwise the rotary kernel, then prefill."""
-    plan = _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, arch=arch)
+    plan = _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, softcap, alibi_slopes, arch=arch)
     if plan["name"] == "triton.attention_decode":
         return {**plan, "name": "triton.rotary_attention_decode"}
     return {"name": f"triton.rotary + {plan['name']}",

@@ -355,12 +355,13 @@ def ws_descriptors(q, k, v, k_cache, v_cache, block_n: int):
             for t, (block, swizzled) in zip(tensors, boxes)]
 
 
-def prefill_ws_supported(q, k, v, k_cache, v_cache, window: int) -> bool:
+def prefill_ws_supported(q, k, v, k_cache, v_cache, window: int, softcap: float = 0.0, alibi_slopes=None) -> bool:
     """Whether `prefill_ws` can run these tensors (the caller has checked the device is sm_90):
     16-bit and one dtype, head_dim in WS_CONFIGS, G = H / Hkv query heads per kv head in 1, 2, 4,
-    8 (a warpgroup's 64 rows are 64 / G tokens of each head, a multiple of 8), no sliding window."""
+    8 (a warpgroup's 64 rows are 64 / G tokens of each head, a multiple of 8), no sliding window,
+    no soft-capping and no ALiBi (the generic Triton kernel runs those)."""
     dtypes = {t.dtype for t in (q, k, v, k_cache, v_cache)}
-    return (not window and len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16}
+    return (not window and not softcap and alibi_slopes is None and len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16}
             and q.shape[-1] in WS_CONFIGS and q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] in (1, 2, 4, 8))
 
 

@@ -61,7 +61,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
 from dsc.kernels import attention as A
 from dsc.kernels.attention import _attend_new, _attend_tile, _load_rows, _split_len, _store_rows
@@ -81,7 +80,7 @@ def write_paged_kv_reference(k, v, k_pool, v_pool, slot_mapping):
     v_pool[s // bs, :, s % bs] = v[0][:, keep].transpose(0, 1).to(v_pool.dtype)
 
 
-def _attend_sequence(q, kc, vc, first_pos, scale, window):
+def _attend_sequence(q, kc, vc, first_pos, scale, window, softcap=0.0, alibi_slopes=None):
     """q [H, L, D] at positions first_pos.., kc/vc [Hkv, n_ctx, D] -> [L, H, D]."""
     L, n_ctx = q.shape[1], kc.shape[1]
     q_pos = first_pos + torch.arange(L, device=q.device)
@@ -89,13 +88,13 @@ def _attend_sequence(q, kc, vc, first_pos, scale, window):
     mask = k_pos[None, :] <= q_pos[:, None]
     if window:
         mask &= k_pos[None, :] > q_pos[:, None] - window
-    out = F.scaled_dot_product_attention(q[None], kc[None].to(q.dtype), vc[None].to(q.dtype), attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
+    out = A.attend_reference(q[None], kc[None].to(q.dtype), vc[None].to(q.dtype), mask, scale, softcap,
+                             alibi_slopes, q_pos[None], k_pos)
     return out[0].transpose(0, 1)
 
 
 def paged_attention_reference(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens,
-                              block_tables, scale, window=0):
+                              block_tables, scale, window=0, softcap=0.0, alibi_slopes=None):
     write_paged_kv_reference(k, v, k_pool, v_pool, slot_mapping)
     _, H, T, D = q.shape
     Hkv, bs = k_pool.shape[1], k_pool.shape[2]
@@ -107,12 +106,12 @@ def paged_attention_reference(q, k, v, k_pool, v_pool, slot_mapping, query_start
         blocks = block_tables[i, : -(-n_ctx // bs)].long()
         kc = k_pool[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :n_ctx]
         vc = v_pool[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :n_ctx]
-        out[0, a: a + n] = _attend_sequence(q[0, :, a: a + n], kc, vc, c, scale, window)
+        out[0, a: a + n] = _attend_sequence(q[0, :, a: a + n], kc, vc, c, scale, window, softcap, alibi_slopes)
     return out
 
 
 def ragged_attention_reference(q, k, v, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                               scale, window=0):
+                               scale, window=0, softcap=0.0, alibi_slopes=None):
     """Without a cache: each sequence's new tokens attend causally among themselves (what a
     step computes when every cache_lens is 0)."""
     _, H, T, D = q.shape
@@ -120,7 +119,7 @@ def ragged_attention_reference(q, k, v, slot_mapping, query_start, query_lens, c
     for a, n in zip(query_start.tolist(), query_lens.tolist()):
         if n > 0:
             out[0, a: a + n] = _attend_sequence(q[0, :, a: a + n], k[0, :, a: a + n], v[0, :, a: a + n], 0,
-                                                scale, window)
+                                                scale, window, softcap, alibi_slopes)
     return out
 
 
@@ -491,7 +490,8 @@ PATHS = ("decode", "mixed", "varlen")
 
 
 def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                           scale, window=0, *, out=None, path=None, config=None, decode_config=None, num_splits=None):
+                           scale, window=0, softcap=0.0, alibi_slopes=None, *, out=None, path=None, config=None,
+                           decode_config=None, num_splits=None):
     """`paged_attention` on the Triton kernels. path: "decode" (the decode kernel alone: every
     sequence brings one token or none), "mixed" (the output zeroed, the varlen kernel for the
     sequences of 2+ tokens, the decode kernel for those of one), "varlen" (the output zeroed, the
@@ -499,6 +499,9 @@ def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, q
     decode_config: the varlen / decode kernel's launch config (None: the table's); num_splits:
     the decode kernel's (None: from shapes). out [1, T, H, D] may be given."""
     _check_paged(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables)
+    A.check_alibi_slopes("paged_attention", alibi_slopes, q.shape[1])
+    if softcap or alibi_slopes is not None:
+        raise NotImplementedError("paged_attention: softcap / alibi_slopes in the Triton kernels")
     decode_kernel, varlen_kernel = _kernels()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     query_start, query_lens, cache_lens, slot_mapping, block_tables = (
@@ -558,13 +561,16 @@ def _out_like(q):
 @torch.library.custom_op("dsc::ragged_attention", mutates_args=())
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                      query_start: torch.Tensor, query_lens: torch.Tensor, cache_lens: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                     block_tables: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """softcap, alibi_slopes: as dsc::attention's (kernels/attention.py `attend_reference`)."""
     return ragged_attention_reference(q, k, v, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                                      scale, window)
+                                      scale, window, softcap, alibi_slopes)
 
 
 @ragged_attention.register_fake
-def _(q, k, v, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window=0):
+def _(q, k, v, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window=0, softcap=0.0,
+      alibi_slopes=None):
     return _out_like(q)
 
 
@@ -575,13 +581,14 @@ declare("dsc.ragged_attention.default")
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     slot_mapping: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
                     cache_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     return paged_attention_reference(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens,
-                                     block_tables, scale, window)
+                                     block_tables, scale, window, softcap, alibi_slopes)
 
 
 @paged_attention.register_fake
-def _(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window=0):
+def _(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window=0,
+      softcap=0.0, alibi_slopes=None):
     return _out_like(q)
 
 
@@ -589,14 +596,15 @@ declare("dsc.paged_attention.default", attention=True)
 
 
 @paged_attention.register_kernel("cuda")
-def _(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window=0):
+def _(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window=0,
+      softcap=0.0, alibi_slopes=None):
     return paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens,
-                                  block_tables, scale, window)
+                                  block_tables, scale, window, softcap, alibi_slopes)
 
 
 @planner("dsc.paged_attention.default")
 def _plan_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                          scale, window=0, *, arch):
+                          scale, window=0, softcap=0.0, alibi_slopes=None, *, arch):
     """The kernels the CUDA implementation launches: the decode kernel where T == N (one launch),
     else the output's memset, the varlen kernel and the decode kernel (three). The ragged
     program's T and N are symbolic at compile time: then both configs and a mixed step's
@@ -604,7 +612,7 @@ def _plan_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, query_start, qu
     _, H, T, D = q.shape
     N, max_blocks = block_tables.shape
     Hkv, BS = k_pool.shape[1], k_pool.shape[2]
-    extra = {"group": H // Hkv, "block_size": BS, **({"window": window} if window else {})}
+    extra = {"group": H // Hkv, "block_size": BS, **A.variant_config(window, softcap, alibi_slopes)}
     seqs = N if isinstance(N, int) else 1
     dec = paged_attention_config("decode", D, arch, q.element_size())
     max_context = max_blocks * BS if isinstance(max_blocks, int) else A.MAX_SPLITS * dec["MIN_SPLIT"]

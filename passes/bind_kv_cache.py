@@ -1,12 +1,14 @@
 """bind_kv_cache: give every attention its layer's KV cache.
 
-Matches  dsc.causal_attention(q, k, v, cache_pos, scale[, window])  (the static programs')
-Rewrites dsc.attention(q, k, v, kv_cache.<i>.k, kv_cache.<i>.v, cache_pos, scale[, window])
+Matches  dsc.causal_attention(q, k, v, cache_pos, scale[, window[, softcap[, alibi_slopes]]])
+         (the static programs')
+Rewrites dsc.attention(q, k, v, kv_cache.<i>.k, kv_cache.<i>.v, cache_pos, scale[, ...])
 Matches  dsc.ragged_attention(q, k, v, slot_mapping, query_start, query_lens, cache_lens,
-                              block_tables, scale[, window])  (the ragged program's)
+                              block_tables, scale[, window[, softcap[, alibi_slopes]]])
+         (the ragged program's)
 Rewrites dsc.paged_attention(q, k, v, kv_pool.<i>.k, kv_pool.<i>.v, slot_mapping, ...),
-         i = the attention's index in program order (the same in every program); a sliding
-         window, where the layer has one, is carried over.
+         i = the attention's index in program order (the same in every program); the trailing
+         arguments (a sliding window, soft-capping, ALiBi slopes), where set, are carried over.
 Requires: canonicalize ran. Guarantees: model.kv_cache describes the static programs' cache
          {layers, shape [max_batch, kv_heads, max_seq, head_dim], dtype}; model.kv_pool the
          ragged program's block pool {layers, block_size, kv_heads, head_dim, dtype}, whose

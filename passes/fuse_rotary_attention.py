@@ -2,9 +2,10 @@
 
 Matches / rewrites (counted under `fuse_rotary_attention.decode`), in the decode program only:
   q', k' = dsc.rotary(q, k, cos, sin)                 (its outputs read through getitem 0 / 1)
-  out = dsc.attention(q', k', v, k_cache, v_cache, cache_pos, scale[, window]), q' and k' read
-  by nothing else
-  -> out = dsc.rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale[, window])
+  out = dsc.attention(q', k', v, k_cache, v_cache, cache_pos, scale[, window[, softcap[, alibi_slopes]]]),
+  q' and k' read by nothing else
+  -> out = dsc.rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale[, window, rot_pos
+  [, softcap[, alibi_slopes]]]): the variant's arguments follow rot_pos, where they are set
   On CUDA the decode attention kernel rotates the group's query rows as it loads them and the
   new token's key before it writes it to the cache: one launch fewer per layer. Measured alone
   on an H200 (`scripts/bench_kernels.py fused-decode`, CUDA graphs of back-to-back calls, batch 1)
@@ -76,17 +77,18 @@ def fuse_rotary_attention(model: Model) -> Model:
         if attn is None:
             continue
         q, k, cos, sin = rotary.args
-        v, rest = attn.args[2], attn.args[3:]  # rest: k_cache, v_cache, cache_pos, scale[, window]
+        v, rest = attn.args[2], attn.args[3:]  # rest: k_cache, v_cache, cache_pos, scale[, window[, variant]]
+        window, variant = rest[4:5], rest[5:]  # variant: softcap[, alibi_slopes]
         tc, ts = _table_lookup(cos), _table_lookup(sin)
         if tc and ts and tc[1] is ts[1] and tc[0].meta["val"].shape == ts[0].meta["val"].shape:
-            window = rest[4] if len(rest) > 4 else 0
             # the output is the attention's (its value kept: the tables' fake values come from the
             # model's fake mode, not the program's, so the op is not run on them here)
-            replace_with(attn, dsc.rotary_attention.default, (q, k, v, tc[0], ts[0], *rest[:4], window, tc[1]),
-                         infer=False)
+            replace_with(attn, dsc.rotary_attention.default,
+                         (q, k, v, tc[0], ts[0], *rest[:4], *(window or (0,)), tc[1], *variant), infer=False)
             model.counters["fuse_rotary_attention.tables"] += 1
         else:
-            replace_with(attn, dsc.rotary_attention.default, (q, k, v, cos, sin, *rest))
+            tail = (*rest[:4], *(window or (0,)), None, *variant) if variant else rest  # rot_pos None
+            replace_with(attn, dsc.rotary_attention.default, (q, k, v, cos, sin, *tail))
         for item in list(rotary.users):
             graph.erase_node(item)
         graph.erase_node(rotary)
