@@ -353,16 +353,47 @@ def _rotated(x, x_half, cos, sin):
 
 
 @_jit_on_first_use
-def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
+def _tanh(x):
+    # tanh from one exp2 (no libdevice: the interpreter runs it too): sign(x) (1 - e^-2|x|) / (1 + e^-2|x|)
+    t = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 log2(e)
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@_jit_on_first_use
+def _variant_scores(qk, qk_scale, cap, slope, q_idx, k_idx, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Base-2 scores of raw q.k products qk [M, N] under the variant: SOFTCAP: cap * tanh(qk *
+    qk_scale), where the wrapper passes qk_scale = scale / softcap and cap = softcap * log2(e)
+    (the tanh takes the natural-scale score / softcap); else qk * qk_scale (scale * log2(e)).
+    ALIBI: + slope [M] (slope * log2(e)) * (k_idx [N] - q_idx [M]), positions of one numbering."""
+    if SOFTCAP:
+        s = _tanh(qk * qk_scale) * cap
+    else:
+        s = qk * qk_scale
+    if ALIBI:
+        s += slope[:, None] * (k_idx[None, :] - q_idx[:, None]).to(tl.float32)
+    return s
+
+
+@_jit_on_first_use
+def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr, cap=None, slope=None, q_idx=None,
+                 k_idx=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
     """One online-softmax step. q: [M, D]; k, v: [N, D]; visible: [M, N] (used if MASKED);
     acc: [M, D] fp32 (unnormalized output); m_i, l_i: [M] running max / sum, base 2.
     qk_scale (> 0) is log2(e) / sqrt(d): one FMA per score on unmasked tiles. fp32 inputs
-    multiply in full fp32 ("ieee"), not Triton's default TF32: an fp32 model computes in fp32."""
+    multiply in full fp32 ("ieee"), not Triton's default TF32: an fp32 model computes in fp32.
+    SOFTCAP / ALIBI: the scores of `_variant_scores` (cap, slope, q_idx, k_idx as there)."""
     if q.dtype == tl.float32:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, N]
     else:
         qk = tl.dot(q, tl.trans(k))  # [M, N]
-    if MASKED:
+    if SOFTCAP or ALIBI:
+        qk = _variant_scores(qk, qk_scale, cap, slope, q_idx, k_idx, SOFTCAP, ALIBI)
+        if MASKED:
+            qk = tl.where(visible, qk, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+    elif MASKED:
         qk = tl.where(visible, qk * qk_scale, -1.0e30)  # finite: a row with nothing visible yet stays NaN-free
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -380,27 +411,33 @@ def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr
 
 @_jit_on_first_use
 def _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d, visible, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """Attend to cache slots offs_j (if MASKED, rows with ok false read 0; else all are read)."""
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, cap=None, slope=None,
+                   q_idx=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+    """Attend to cache slots offs_j (if MASKED, rows with ok false read 0; else all are read).
+    The variant's q_idx: the rows' positions (cache slots are positions)."""
     k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, MASKED)
+    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, MASKED, cap, slope, q_idx,
+                        offs_j, SOFTCAP, ALIBI)
 
 
 @_jit_on_first_use
 def _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d, visible, qk_scale, cache_ty,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """Attend to new tokens offs_j, rounded through the cache dtype as if read back from it."""
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, cap=None, slope=None, q_idx=None,
+                SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+    """Attend to new tokens offs_j, rounded through the cache dtype as if read back from it.
+    The variant's q_idx: the rows' token indices among the new tokens (offs_j's numbering)."""
     k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     return _attend_tile(acc, m_i, l_i, q, k.to(cache_ty).to(q.dtype), v.to(cache_ty).to(q.dtype), visible,
-                        qk_scale, MASKED)
+                        qk_scale, MASKED, cap, slope, q_idx, offs_j, SOFTCAP, ALIBI)
 
 
 @_jit_on_first_use
 def _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v_cache, skc_s, svc_s, start,
                           offs_j, ok, own, offs_d, visible, qk_scale, cache_ty,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, cap=None, slope=None, q_idx=None,
+                          SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
     """`_attend_new` on a masked tile that also writes the tokens this program owns (own: [N])
     to their cache slots start + offs_j: the cache write costs no second read of k/v."""
     k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D).to(cache_ty)
@@ -408,7 +445,8 @@ def _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v
     slots = (start + offs_j)[:, None]
     _store_rows(k_cache + slots * skc_s + offs_d[None, :], k, own, offs_d, HEAD_DIM, BLOCK_D)
     _store_rows(v_cache + slots * svc_s + offs_d[None, :], v, own, offs_d, HEAD_DIM, BLOCK_D)
-    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, True)
+    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, True, cap, slope, q_idx,
+                        offs_j, SOFTCAP, ALIBI)
 
 
 @_jit_on_first_use
@@ -491,9 +529,11 @@ def _prefill_kernel(
     so_b, so_s, so_h,  # out [B, S, H, D]
     Hkv, S, Smax, window,
     KD, VD, KCD, VCD,  # TMA: descriptors of k, v, k_cache, v_cache (blocks [1, 1, BLOCK_N, BLOCK_D]); else None
+    SLOPES, cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
-    TMA: tl.constexpr = False, DEFER_PV: tl.constexpr = False,
+    TMA: tl.constexpr = False, DEFER_PV: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
 ):
     # one program per (sequence b, row tile pid_m, kv head kvh), launched sequence by sequence,
     # and within a sequence the longest (causal: last) row tiles first, every kv head's at once:
@@ -519,6 +559,11 @@ def _prefill_kernel(
     k_cache = KC + b * skc_b + kvh * skc_h
     v_cache = VC + b * svc_b + kvh * svc_h
     cache_ty = KC.dtype.element_ty
+    if ALIBI:  # each row's head's slope, in base 2 (`_variant_scores`)
+        slope = tl.load(SLOPES + qh) * 1.4426950408889634  # [BLOCK_M]
+        q_pos = start + qi  # the rows' positions: the variant's query index for cached keys (new keys: qi)
+    else:
+        slope, q_pos = 0.0, 0
     n_fit = Smax - start  # new tokens j < n_fit have a cache slot
     i_min = (pid_m * BLOCK_M) // G
     i_max = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G, S - 1)
@@ -560,7 +605,8 @@ def _prefill_kernel(
             ok = (offs_j < n_old) & (offs_j >= lo_pos)  # no row reads below lo_pos: not loaded
             visible = ok[None, :] & (offs_j[None, :] > (start + qi - window)[:, None])
             acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
-                                           visible, qk_scale, HEAD_DIM, BLOCK_D, True)
+                                           visible, qk_scale, HEAD_DIM, BLOCK_D, True, cap, slope, q_pos, SOFTCAP,
+                                           ALIBI)
         lo_new = (tl.minimum(tl.maximum(lo_pos - start, 0), hi) // BLOCK_N) * BLOCK_N
         for j0 in range(lo_new, hi, BLOCK_N):
             offs_j = j0 + offs_n
@@ -568,12 +614,14 @@ def _prefill_kernel(
             visible = ((offs_j[None, :] <= qi[:, None]) & (offs_j[None, :] > qi[:, None] - window)
                        & ok[None, :])
             acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
-                                        visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True)
+                                        visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True, cap, slope, qi, SOFTCAP,
+                                        ALIBI)
     else:
         # phase 1: the cached prefix, positions [0, n_old), visible to every row; full tiles
         # unmasked, then the partial last tile, if any
         n_old_full = (n_old // BLOCK_N) * BLOCK_N
-        if TMA or DEFER_PV:  # see `_attend_full_tiles`; the loop below is the pointer-load path
+        if TMA or DEFER_PV:  # see `_attend_full_tiles` (never with the variant: the wrapper turns them
+            # off); the loop below is the pointer-load path
             acc, m_i, l_i = _attend_full_tiles(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, KCD, VCD, b, kvh, 0,
                                                n_old_full, offs_n, offs_d, qk_scale, cache_ty, HEAD_DIM, BLOCK_D,
                                                BLOCK_N, TMA, DEFER_PV)
@@ -581,12 +629,14 @@ def _prefill_kernel(
             for j0 in range(0, n_old_full, BLOCK_N):
                 offs_j = j0 + offs_n
                 acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, None, offs_d,
-                                               None, qk_scale, HEAD_DIM, BLOCK_D, False)
+                                               None, qk_scale, HEAD_DIM, BLOCK_D, False, cap, slope, q_pos, SOFTCAP,
+                                               ALIBI)
         for j0 in range(n_old_full, n_old, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < n_old
             acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
-                                           ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, True)
+                                           ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, True, cap, slope, q_pos, SOFTCAP,
+                                           ALIBI)
 
         # phase 2: the new tokens, causal (j <= qi) and only those with a cache slot (j < n_fit);
         # keys < free are visible to every row (free <= j_lo <= i_min + 1): unmasked tiles.  The
@@ -604,18 +654,21 @@ def _prefill_kernel(
             for j0 in range(0, free, BLOCK_N):
                 offs_j = j0 + offs_n
                 acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, None, offs_d,
-                                            None, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, False)
+                                            None, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, False, cap, slope, qi,
+                                            SOFTCAP, ALIBI)
         for j0 in range(free, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
             visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
             if (BLOCK_M + G - 1) // G > BLOCK_N:
                 acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
-                                            visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True)
+                                            visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True, cap, slope, qi,
+                                            SOFTCAP, ALIBI)
             else:
                 acc, m_i, l_i = _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v_cache,
                                                       skc_s, svc_s, start, offs_j, ok, ok & (offs_j >= j_lo), offs_d,
-                                                      visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D)
+                                                      visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, cap, slope, qi,
+                                                      SOFTCAP, ALIBI)
 
     out = acc / l_i[:, None]  # the softmax's normalisation, once
     _store_rows(OUT + b * so_b + qi[:, None] * so_s + qh[:, None] * so_h + offs_d[None, :],
@@ -633,6 +686,16 @@ def _new_kv(k_new, v_new, offs_d, d_ok, HEAD_DIM: tl.constexpr, ROTARY: tl.const
     else:
         k_half = k
     return k, v, k_half
+
+
+@_jit_on_first_use
+def _new_key_scores(qk, qk_scale, cap, SOFTCAP: tl.constexpr):
+    """Base-2 scores of the new token's key (qk [R]: its raw q.k per row): `_variant_scores` at
+    key position = query position, where ALiBi adds 0."""
+    if SOFTCAP:
+        return _tanh(qk * qk_scale) * cap
+    else:
+        return qk * qk_scale
 
 
 @_jit_on_first_use
@@ -659,10 +722,11 @@ def _decode_kernel(
     Hkv, Smax, split_floor, window,
     COS, SIN, sc_b, ss_b,  # ROTARY: cos, sin [B, 1, D] (dsc.rotary's inputs); else None
     RPOS, srp_b,  # ROT_TABLE: COS / SIN are tables [P, D] and RPOS [B, 1] the rows to read; else None
+    SLOPES, cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
     ROTARY: tl.constexpr = False, PDL: tl.constexpr = False, PRE_N: tl.constexpr = 0,
-    ROT_TABLE: tl.constexpr = False,
+    ROT_TABLE: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -729,6 +793,11 @@ def _decode_kernel(
     if ROTARY:
         sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
         q = _rotated(q, q_half, cos[None, :], sin[None, :])
+    if ALIBI:  # each query head's slope, in base 2 (`_variant_scores`)
+        slope = tl.load(SLOPES + heads, mask=head_ok, other=0.0) * 1.4426950408889634  # [BLOCK_H]
+        q_pos = tl.zeros([BLOCK_H], tl.int32) + pos  # every row's position (the variant's query index)
+    else:
+        slope, q_pos = 0.0, 0
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -738,13 +807,14 @@ def _decode_kernel(
         # its columns score -1e30 and carry zero values, and the new token's alpha of 0 then
         # clears them, as it clears -inf's running sums
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_pre.to(q.dtype), v_pre.to(q.dtype), ok_p[None, :],
-                                     qk_scale, True)
+                                     qk_scale, True, cap, slope, q_pos, offs_p, SOFTCAP, ALIBI)
     for j0 in range(lo + PRE_N, hi, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         ok = offs_j < hi
         k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
         v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True,
+                                     cap, slope, q_pos, offs_j, SOFTCAP, ALIBI)
 
     if PDL:  # the next kernel may start now, not at the top, so that its programs' early
         # weight loads overlap this kernel's end rather than the key loop's chain of loads
@@ -762,7 +832,8 @@ def _decode_kernel(
         vn = v_in.to(cache_ty)
         tl.store(k_cache + pos * skc_s + offs_d, kn, mask=d_ok)
         tl.store(v_cache + pos * svc_s + offs_d, vn, mask=d_ok)
-        s = tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_H]
+        s = _new_key_scores(tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1), qk_scale, cap,
+                            SOFTCAP)  # [BLOCK_H]
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
@@ -812,9 +883,9 @@ def _decode_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Wrappers: check shapes, allocate, launch.
-def _check(q, k, v, k_cache, v_cache, cache_pos, alibi_slopes=None):
+def _check(q, k, v, k_cache, v_cache, cache_pos, softcap=0.0, alibi_slopes=None):
     B, H, S, D = q.shape
-    check_alibi_slopes("attention", alibi_slopes, H)
+    check_variant("attention", softcap, alibi_slopes, H)
     Hkv = k.shape[1]
     if k.shape != (B, Hkv, S, D) or v.shape != k.shape:
         raise ValueError(f"attention: k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
@@ -832,11 +903,23 @@ def _check(q, k, v, k_cache, v_cache, cache_pos, alibi_slopes=None):
         raise ValueError(f"attention: head_dim {D} is outside the Triton kernels' range 16..256")
 
 
-def check_alibi_slopes(op: str, alibi_slopes, heads: int) -> None:
-    """alibi_slopes: None, or one fp32 slope per query head [H]."""
+def check_variant(op: str, softcap: float, alibi_slopes, heads: int) -> None:
+    """softcap >= 0 (0: none); alibi_slopes: None, or one fp32 slope per query head [H]."""
+    if not softcap >= 0:
+        raise ValueError(f"{op}: softcap must be >= 0 (0: none), got {softcap}")
     if alibi_slopes is not None and (alibi_slopes.shape != (heads,) or alibi_slopes.dtype != torch.float32):
         raise ValueError(f"{op}: alibi_slopes must be a float32 tensor of shape ({heads},), got "
                          f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype}")
+
+
+def variant_launch(scale: float, softcap: float, alibi_slopes) -> tuple:
+    """A kernel launch's (qk_scale, SLOPES, cap, constexprs) for the variant (`_variant_scores`):
+    without soft-capping qk_scale = scale * log2(e) and cap unused; with it the tanh's input
+    scale, scale / softcap, and cap = softcap * log2(e)."""
+    log2e = math.log2(math.e)
+    qk_scale, cap = (scale / softcap, softcap * log2e) if softcap else (scale * log2e, 0.0)
+    slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
+    return qk_scale, slopes, cap, dict(SOFTCAP=bool(softcap), ALIBI=slopes is not None)
 
 
 def _last_contiguous(*ts):
@@ -846,9 +929,7 @@ def _last_contiguous(*ts):
 def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None, *,
                       out=None, config=None):
     """`attention` for any S (the prefill kernel); out [B, S, H, D] may be given (tests poison it)."""
-    _check(q, k, v, k_cache, v_cache, cache_pos, alibi_slopes)
-    if softcap or alibi_slopes is not None:
-        raise NotImplementedError("prefill_attention: softcap / alibi_slopes in the Triton kernels")
+    _check(q, k, v, k_cache, v_cache, cache_pos, softcap, alibi_slopes)
     _triton()
     q, k, v = _last_contiguous(q, k, v)
     B, H, S, D = q.shape
@@ -867,15 +948,17 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, sof
                 return out
     grid = (_cdiv(S * G, cfg["BLOCK_M"]) * B * Hkv,)  # the kernel orders (sequence, row tile, kv head)
     BLOCK_D = max(16, next_power_of_2(D))
-    # the variant's keys (kernel `_attend_full_tiles`) matter only in the unwindowed loops: a
-    # windowed call runs the default code, whatever the config says; TMA only for 16-bit q/k/v
-    # and caches (what the GPU runs measured: fp32 tiles are twice the bytes)
-    defer_pv = bool(cfg.get("DEFER_PV", False)) and not window
+    # the config's variant keys (kernel `_attend_full_tiles`) matter only in the unwindowed
+    # loops without soft-capping or ALiBi: such a call runs the default code, whatever the config
+    # says; TMA only for 16-bit q/k/v and caches (what the GPU runs measured: fp32 tiles are twice the bytes)
+    qk_scale, slopes, cap, variant = variant_launch(scale, softcap, alibi_slopes)
+    plain = not window and not any(variant.values())
+    defer_pv = bool(cfg.get("DEFER_PV", False)) and plain
     sixteen = all(t.dtype in (torch.float16, torch.bfloat16) for t in (q, k, v, k_cache, v_cache))
     descs = _kv_descriptors(k, v, k_cache, v_cache, cfg["BLOCK_N"], BLOCK_D) \
-        if cfg.get("TMA", False) and not window and sixteen else None
+        if cfg.get("TMA", False) and plain and sixteen else None
     _prefill_kernel[grid](
-        q, k, v, k_cache, v_cache, cache_pos, out, scale * math.log2(math.e),
+        q, k, v, k_cache, v_cache, cache_pos, out, qk_scale,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -883,10 +966,10 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, sof
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         Hkv, S, Smax, window,
-        *(descs or (None,) * 4),
+        *(descs or (None,) * 4), slopes, cap,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], WINDOWED=window > 0, TMA=descs is not None, DEFER_PV=defer_pv,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **variant,
     )
     return out
 
@@ -910,9 +993,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, soft
     rotary=(cos, sin): `rotary_attention`, q and k are dsc.rotary's inputs, rotated in the kernel;
     with rot_pos [B, 1] (integers), cos and sin are tables [P, D] and the kernel reads their rows
     rot_pos (dsc.rotary's cos, sin = table[rot_pos]: the gathers' launches are saved)."""
-    _check(q, k, v, k_cache, v_cache, cache_pos, alibi_slopes)
-    if softcap or alibi_slopes is not None:
-        raise NotImplementedError("decode_attention: softcap / alibi_slopes in the Triton kernels")
+    _check(q, k, v, k_cache, v_cache, cache_pos, softcap, alibi_slopes)
     if q.shape[2] != 1:
         raise ValueError(f"decode_attention: one query per sequence, got S={q.shape[2]}")
     if rot_pos is not None:
@@ -939,8 +1020,9 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, soft
     part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     BLOCK_D = max(16, next_power_of_2(D))
     lock = split_counters(q.device, B * Hkv) if splits > 1 else out
+    qk_scale, slopes, cap, variant = variant_launch(scale, softcap, alibi_slopes)
     _decode_kernel[(B * Hkv, splits)](
-        q, k, v, k_cache, v_cache, cache_pos, out, part_o, part_lse, lock, scale * math.log2(math.e),
+        q, k, v, k_cache, v_cache, cache_pos, out, part_o, part_lse, lock, qk_scale,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -950,10 +1032,11 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, soft
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         Hkv, Smax, cfg.get("SPLIT_FLOOR", cfg["MIN_SPLIT"]), window,
-        *rot,
+        *rot, slopes, cap,
         G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
         BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0, ROTARY=rotary is not None,
         ROT_TABLE=rot_pos is not None, num_stages=cfg["num_stages"], **decode_preload(cfg), **pdl_options(q.device),
+        **variant,
         **ROTATE_OPTIONS,  # with or without ROTARY: one arithmetic for both (the rotary pair's bits)
     )
     return out

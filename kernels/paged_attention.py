@@ -58,12 +58,11 @@ reads as cached.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from dsc.kernels import attention as A
-from dsc.kernels.attention import _attend_new, _attend_tile, _load_rows, _split_len, _store_rows
+from dsc.kernels.attention import _attend_new, _attend_tile, _load_rows, _new_key_scores, _split_len, _store_rows
 from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
 from dsc.kernels.registry import declare
 
@@ -167,14 +166,17 @@ def _pool_rows(pool, bt_row, offs_j, ok, sp_b, sp_s, BS: tl.constexpr, MASKED: t
 
 
 def _attend_pool(acc, m_i, l_i, q, kp, vp, skp_b, skp_s, svp_b, svp_s, bt_row, offs_j, ok, offs_d, visible, qk_scale,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr, cap=None,
+                 slope=None, q_idx=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
     """Attend to cached positions offs_j read from the pool through the block table (if MASKED,
-    rows with ok false read 0 and `visible` [M, N] masks the scores; else all are read and seen)."""
+    rows with ok false read 0 and `visible` [M, N] masks the scores; else all are read and seen).
+    The variant (kernels/attention.py `_variant_scores`): q_idx, the rows' positions."""
     k = _load_rows(_pool_rows(kp, bt_row, offs_j, ok, skp_b, skp_s, BS, MASKED) + offs_d[None, :], ok, offs_d,
                    HEAD_DIM, BLOCK_D, MASKED)
     v = _load_rows(_pool_rows(vp, bt_row, offs_j, ok, svp_b, svp_s, BS, MASKED) + offs_d[None, :], ok, offs_d,
                    HEAD_DIM, BLOCK_D, MASKED)
-    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, MASKED)
+    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, MASKED, cap, slope, q_idx,
+                        offs_j, SOFTCAP, ALIBI)
 
 
 def _write_pool(src, s_t, pool, sp_b, sp_s, slots, ok, offs_j, offs_d, HEAD_DIM: tl.constexpr,
@@ -241,9 +243,10 @@ def _paged_decode_kernel(
     sp_b, sp_h, sp_s,  # part_o [N, H, splits, D] fp32
     sl_b, sl_h,  # part_lse [N, H, splits] fp32
     T, N, Hkv, split_floor, window,
+    SLOPES, cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr, MIXED: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     # MIXED: a mixed step's single-token sequences (the varlen kernel runs the others, and the
     # output was zeroed); else a decode step (every sequence one token or none)
@@ -283,6 +286,11 @@ def _paged_decode_kernel(
     n_written = tl.cdiv(n_keys - first, split_len)  # splits that did not return early
 
     q = _load_rows(Q + heads[:, None] * sq_h + t * sq_t + offs_d[None, :], head_ok, offs_d, HEAD_DIM, BLOCK_D)
+    if ALIBI:  # each query head's slope, in base 2
+        slope = tl.load(SLOPES + heads, mask=head_ok, other=0.0) * 1.4426950408889634  # [BLOCK_H]
+        q_pos = tl.zeros([BLOCK_H], tl.int32) + pos  # every row's position (the variant's query index)
+    else:
+        slope, q_pos = 0.0, 0
     kp = KP + kvh * skp_h
     vp = VP + kvh * svp_h
     bt_row = BT + i.to(tl.int64) * sbt
@@ -293,7 +301,8 @@ def _paged_decode_kernel(
         offs_j = j0 + tl.arange(0, BLOCK_N)
         ok = offs_j < hi
         acc, m_i, l_i = _attend_pool(acc, m_i, l_i, q, kp, vp, skp_b, skp_s, svp_b, svp_s, bt_row, offs_j, ok, offs_d,
-                                     ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, BS, True)
+                                     ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, BS, True, cap, slope, q_pos, SOFTCAP,
+                                     ALIBI)
     if PDL:  # the next kernel may start (it waits for this one's end before reading its output)
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -306,7 +315,8 @@ def _paged_decode_kernel(
             blk = (slot // BS).to(tl.int64)
             tl.store(kp + blk * skp_b + (slot % BS) * skp_s + offs_d, kn, mask=d_ok)
             tl.store(vp + blk * svp_b + (slot % BS) * svp_s + offs_d, vn, mask=d_ok)
-        s = tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_H]
+        s = _new_key_scores(tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1), qk_scale, cap,
+                            SOFTCAP)  # [BLOCK_H]
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
@@ -355,8 +365,10 @@ def _paged_prefill_kernel(
     skp_b, skp_h, skp_s, svp_b, svp_h, svp_s,  # pools [num_blocks, Hkv, BS, D]
     sbt, so_t, so_h,  # block_tables [N, max_blocks], out [1, T, H, D]
     N, window,
+    SLOPES, cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, BS: tl.constexpr, WINDOWED: tl.constexpr, SINGLES: tl.constexpr = True,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     # SINGLES: every sequence's tokens; else those of 2+ tokens (the decode kernel runs the others)
     kvh = tl.program_id(1)
@@ -398,6 +410,11 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     pool_ty = KP.dtype.element_ty
+    if ALIBI:  # each row's head's slope, in base 2
+        slope = tl.load(SLOPES + qh) * 1.4426950408889634  # [BLOCK_M]
+        q_pos = c + qi  # the rows' positions: the variant's query index for cached keys (new keys: qi)
+    else:
+        slope, q_pos = 0.0, 0
     if WINDOWED:
         # row qi (position c + qi) sees positions (c + qi - window, c + qi]; nothing below the
         # first row's window is loaded
@@ -407,37 +424,40 @@ def _paged_prefill_kernel(
             ok = offs_j < c
             visible = ok[None, :] & (offs_j[None, :] > (c + qi - window)[:, None])
             acc, m_i, l_i = _attend_pool(acc, m_i, l_i, q, kp, vp, skp_b, skp_s, svp_b, svp_s, bt_row, offs_j, ok,
-                                         offs_d, visible, qk_scale, HEAD_DIM, BLOCK_D, BS, True)
+                                         offs_d, visible, qk_scale, HEAD_DIM, BLOCK_D, BS, True, cap, slope, q_pos,
+                                         SOFTCAP, ALIBI)
         for j0 in range(tl.maximum(lo_pos - c, 0), hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
             visible = (offs_j[None, :] <= qi[:, None]) & (offs_j[None, :] > qi[:, None] - window) & ok[None, :]
             acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_t, sv_t, offs_j, ok, offs_d, visible,
-                                        qk_scale, pool_ty, HEAD_DIM, BLOCK_D, True)
+                                        qk_scale, pool_ty, HEAD_DIM, BLOCK_D, True, cap, slope, qi, SOFTCAP, ALIBI)
     else:
         # phase 1: the cached positions [0, c), visible to every row: full tiles unmasked
         c_full = (c // BLOCK_N) * BLOCK_N
         for j0 in range(0, c_full, BLOCK_N):
             offs_j = j0 + offs_n
             acc, m_i, l_i = _attend_pool(acc, m_i, l_i, q, kp, vp, skp_b, skp_s, svp_b, svp_s, bt_row, offs_j, None,
-                                         offs_d, None, qk_scale, HEAD_DIM, BLOCK_D, BS, False)
+                                         offs_d, None, qk_scale, HEAD_DIM, BLOCK_D, BS, False, cap, slope, q_pos,
+                                         SOFTCAP, ALIBI)
         for j0 in range(c_full, c, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < c
             acc, m_i, l_i = _attend_pool(acc, m_i, l_i, q, kp, vp, skp_b, skp_s, svp_b, svp_s, bt_row, offs_j, ok,
-                                         offs_d, ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, BS, True)
+                                         offs_d, ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, BS, True, cap, slope, q_pos,
+                                         SOFTCAP, ALIBI)
         # phase 2: the new tokens, causal; keys < free (<= i_min + 1) are seen by every row
         free = ((i_min + 1) // BLOCK_N) * BLOCK_N
         for j0 in range(0, free, BLOCK_N):
             offs_j = j0 + offs_n
             acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_t, sv_t, offs_j, None, offs_d, None,
-                                        qk_scale, pool_ty, HEAD_DIM, BLOCK_D, False)
+                                        qk_scale, pool_ty, HEAD_DIM, BLOCK_D, False, cap, slope, qi, SOFTCAP, ALIBI)
         for j0 in range(free, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
             visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
             acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_t, sv_t, offs_j, ok, offs_d, visible,
-                                        qk_scale, pool_ty, HEAD_DIM, BLOCK_D, True)
+                                        qk_scale, pool_ty, HEAD_DIM, BLOCK_D, True, cap, slope, qi, SOFTCAP, ALIBI)
 
     out = acc / l_i[:, None]
     _store_rows(OUT + (qs + qi)[:, None] * so_t + qh[:, None] * so_h + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -450,7 +470,7 @@ def _kernels():
     call are bound here in their jitted form first."""
     A._triton()
     module = globals()
-    for name in ("_attend_new", "_attend_tile", "_load_rows", "_split_len", "_store_rows"):
+    for name in ("_attend_new", "_attend_tile", "_load_rows", "_new_key_scores", "_split_len", "_store_rows"):
         module[name] = getattr(A, name)
     for fn in (_pool_rows, _attend_pool, _write_pool, _tiles, _find_tile, _padding_row):
         module[fn.__name__] = jit(fn)
@@ -499,9 +519,7 @@ def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, q
     decode_config: the varlen / decode kernel's launch config (None: the table's); num_splits:
     the decode kernel's (None: from shapes). out [1, T, H, D] may be given."""
     _check_paged(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables)
-    A.check_alibi_slopes("paged_attention", alibi_slopes, q.shape[1])
-    if softcap or alibi_slopes is not None:
-        raise NotImplementedError("paged_attention: softcap / alibi_slopes in the Triton kernels")
+    A.check_variant("paged_attention", softcap, alibi_slopes, q.shape[1])
     decode_kernel, varlen_kernel = _kernels()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     query_start, query_lens, cache_lens, slot_mapping, block_tables = (
@@ -526,14 +544,14 @@ def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, q
     common = (q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), *pools,
               block_tables.stride(0), out.stride(1), out.stride(2))
     args = (q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables, out)
-    qk_scale = scale * math.log2(math.e)
+    qk_scale, slopes, cap, variant = A.variant_launch(scale, softcap, alibi_slopes)
     if path != "decode":
         cfg = config or paged_attention_config("prefill", D, arch, q.element_size())
         grid = (cdiv(T * G, cfg["BLOCK_M"]) + N, Hkv)  # a bound on the sequences' row tiles (see `_find_tile`)
-        varlen_kernel[grid](*args, qk_scale, *common, N, window, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+        varlen_kernel[grid](*args, qk_scale, *common, N, window, slopes, cap, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D,
                             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_S=cfg.get("BLOCK_S", _block_s(N)),
                             BS=BS, WINDOWED=window > 0, SINGLES=path == "varlen", num_warps=cfg["num_warps"],
-                            num_stages=cfg["num_stages"])
+                            num_stages=cfg["num_stages"], **variant)
     if path == "varlen":
         return out
     cfg = decode_config or paged_attention_config("decode", D, arch, q.element_size())
@@ -547,9 +565,9 @@ def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, q
         if splits > 1 else (0,) * 5
     decode_kernel[(N * Hkv, splits)](
         *args, part_o, part_lse, lock, qk_scale, *common, *parts, T, N, Hkv, cfg.get("SPLIT_FLOOR", cfg["MIN_SPLIT"]),
-        window, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"],
+        window, slopes, cap, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"],
         BLOCK_S=cfg.get("BLOCK_S", _block_s(N)), BS=BS, SPLIT=splits > 1, WINDOWED=window > 0, MIXED=path == "mixed",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device), **variant)
     return out
 
 

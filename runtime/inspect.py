@@ -55,6 +55,7 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
             "dtype": plan["model"]["dtype"], "tp": plan["tp"], "options": man.get("options"),
             "limits": plan["limits"], "kv_cache": plan.get("kv_cache"), "programs": programs,
             "attention_windows": {str(w): c for w, c in sorted(windows.items())},
+            "attention_variants": {v: c for v, c in sorted(Counter(score_variant(n) for n in attn).items()) if v},
             "ranks": ranks, "passes": plan.get("passes", {}), "notes": plan.get("notes", {}),
             "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)}}
 
@@ -63,6 +64,15 @@ def _window(node: dict) -> int:
     """An attention node's sliding window (0: full attention)."""
     w = (node.get("kernel") or {}).get("config", {}).get("window", 0)
     return w if type(w) is int and w >= 0 else 0
+
+
+def score_variant(node: dict) -> str:
+    """An attention node's score variant as its kernel config records it ("" where none):
+    "softcap 50", "ALiBi" or both, joined by " + "."""
+    cfg = (node.get("kernel") or {}).get("config", {})
+    cap = cfg.get("softcap")
+    parts = [f"softcap {cap:g}"] if type(cap) in (int, float) and cap > 0 else []
+    return " + ".join(parts + (["ALiBi"] if cfg.get("alibi") is True else []))
 
 
 def _fmt_bytes(n: int) -> str:
@@ -89,6 +99,9 @@ def render(info: dict) -> None:
     if any(windows):
         c.print("attention: " + ", ".join(f"{n} layer{'s' * (n != 1)} " + (f"sliding window {w}" if w else "full")
                                           for w, n in sorted(windows.items())))
+    variants = info.get("attention_variants", {})
+    if variants:
+        c.print("attention scores: " + ", ".join(f"{n} layer{'s' * (n != 1)} {v}" for v, n in variants.items()))
     c.print("decode buckets (CUDA graphs): " + ", ".join(
         f"{b} (workspace {_fmt_bytes(w)})" for b, w in info["decode_workspace"].items()))
     for name, p in info["programs"].items():

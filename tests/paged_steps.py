@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 ARGS = ("q", "k", "v", "k_pool", "v_pool", "slot_mapping", "query_start", "query_lens", "cache_lens", "block_tables",
-        "scale", "window")
+        "scale", "window", "softcap", "alibi_slopes")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class Case:
     seqs: tuple  # (cached tokens, new tokens) per sequence; new 0: a padding sequence
     pad_rows: int = 0  # rows of q after the sequences' (decode steps: one per padding sequence)
     window: int = 0
+    softcap: float = 0.0  # logit soft-capping (0: none)
+    alibi: bool = False  # ALiBi with alibi_slopes_for(H)
     config: dict | None = field(default=None, hash=False)  # the varlen kernel's launch config (None: the table's)
     decode_config: dict | None = field(default=None, hash=False)  # the decode kernel's
     num_splits: int | None = None  # the decode kernel's (None: from shapes)
@@ -36,6 +38,12 @@ class Case:
     pool_dtype: str | None = None  # None: q's
     num_blocks: int = 0  # the pool's blocks (0: the sequences' + 3); with max_blocks: steps of equal shapes
     max_blocks: int = 0  # block table columns (0: the longest sequence's + 1)
+
+
+def alibi_slopes_for(heads: int, device: str = "cpu") -> torch.Tensor:
+    """Test slopes [heads] fp32: distinct per head, large enough to move a softmax over a few
+    dozen keys (bloom's own are 2^(-8 h / H), down to 2^-8)."""
+    return torch.linspace(0.05, 0.6, heads, dtype=torch.float32, device=device)
 
 
 def decode_case(seqs: tuple, **kw) -> Case:
@@ -83,7 +91,8 @@ def build(case: Case, dtype: torch.dtype, seed: int = 0, device: str = "cpu") ->
     ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
     return dict(q=q, k=k, v=v, k_pool=pools[0], v_pool=pools[1], slot_mapping=slot_mapping.to(device),
                 query_start=query_start.to(device), query_lens=ints(lens), cache_lens=ints([c for c, _ in case.seqs]),
-                block_tables=block_tables.to(device), scale=D**-0.5, window=case.window)
+                block_tables=block_tables.to(device), scale=D**-0.5, window=case.window, softcap=case.softcap,
+                alibi_slopes=alibi_slopes_for(H, device) if case.alibi else None)
 
 
 def args_of(step: dict) -> list:

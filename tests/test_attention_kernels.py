@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import pytest
 import torch
 from kernel_child import pdl_check
+from paged_steps import alibi_slopes_for
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Case:
     fused_qkv: bool = False  # q, k, v as the runtime passes them: transposed views of one [B, S, (H + 2 Hkv) D]
     rotary: bool = False  # dsc.rotary_attention: q and k are rotated in the kernel (decode only)
     rot_table: bool = False  # ... with rot_pos: cos / sin are tables [P, D] whose rows the kernel reads
+    softcap: float = 0.0  # logit soft-capping (0: none)
+    alibi: bool = False  # ALiBi with paged_steps.alibi_slopes_for(H)
 
 
 SMALL_PREFILL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -197,19 +200,20 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     k_cache.masked_fill_(unread[:, None, :, None], float("nan"))
     v_cache.masked_fill_(unread[:, None, :, None], float("nan"))
     out = torch.full((B, S, H, D), float("nan"), dtype=dtype)
+    variant = dict(softcap=case.softcap, alibi_slopes=alibi_slopes_for(H) if case.alibi else None)
 
     want_k, want_v = k_cache.clone(), v_cache.clone()
     twin_k, twin_v = k_cache.clone(), v_cache.clone()  # for the unfused kernels (rotary cases)
     A.write_kv_cache_reference(k_in, v, want_k, want_v, cache_pos)
     ref = A.attention_reference(q_in.float(), k_in.float(), v.float(), k_cache.float().nan_to_num(),
-                                v_cache.float().nan_to_num(), cache_pos, D**-0.5, case.window)
+                                v_cache.float().nan_to_num(), cache_pos, D**-0.5, case.window, **variant)
 
     if case.kind == "prefill":
         A.prefill_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, out=out,
-                            config=case.config)
+                            config=case.config, **variant)
     else:
         A.decode_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, rotary=tables or cos_sin,
-                           rot_pos=rot_pos, out=out, config=case.config, num_splits=case.num_splits)
+                           rot_pos=rot_pos, out=out, config=case.config, num_splits=case.num_splits, **variant)
     problems = []
     for name, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
         if not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
@@ -219,7 +223,7 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
         problems.append(f"out has NaN at [b, s, h, d] {out.isnan().nonzero()[:3].tolist()}")
     if case.rotary:  # dsc.rotary's kernel, then the plain decode kernel: the same bits, out and cache
         twin = A.decode_attention(*A.rotary_triton(q, k, *cos_sin), v, twin_k, twin_v, cache_pos, D**-0.5, case.window,
-                                  config=case.config, num_splits=case.num_splits)
+                                  config=case.config, num_splits=case.num_splits, **variant)
         if not (torch.equal(out, twin) and torch.equal(k_cache.nan_to_num(7.0), twin_k.nan_to_num(7.0))):
             problems.append("out or k_cache differs from the unfused kernels' (rotary, then decode attention)")
     err = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1)).item()
@@ -314,9 +318,9 @@ def _compile_sm90() -> None:
         consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
         # the prefill kernel's TMA descriptors, the decode kernel's rotary tables and their strides:
         # None (a constexpr) unless the build gives their types
-        consts |= {n: None for n in ("KD", "VD", "KCD", "VCD", "COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")
+        consts |= {n: None for n in ("KD", "VD", "KCD", "VCD", "COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b", "SLOPES")
                    if n in fn.arg_names and n not in ptr_types}
-        sig = {n: "constexpr" if n in consts else ptr_types.get(n, "fp32" if n == "qk_scale" else "i32")
+        sig = {n: "constexpr" if n in consts else ptr_types.get(n, "fp32" if n in ("qk_scale", "cap") else "i32")
                for n in fn.arg_names}
         # what a launch specializes on at Llama's shapes: 16-byte aligned pointers, strides that
         # are multiples of 16 elements (without it the loads are not vectorized, so not pipelined)

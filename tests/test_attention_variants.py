@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 import dsc.kernels  # noqa: F401  (registers the dsc ops)
-from paged_steps import Case as StepCase, args_of, build
+from paged_steps import Case as StepCase, alibi_slopes_for, args_of, build
 
 dsc = torch.ops.dsc
 
@@ -42,11 +42,6 @@ VARIANTS = {
 }
 
 
-def slopes_of(H: int) -> torch.Tensor:
-    """Distinct slopes large enough that the bias moves the softmax over a few dozen keys."""
-    return torch.linspace(0.05, 0.6, H, dtype=torch.float32)
-
-
 def naive(q, k, v, q_pos, k_pos, scale, window=0, softcap=0.0, slopes=None):
     """The definition, head by head in float64: q [B, H, S, D], k/v [B, Hkv, L, D], q_pos [B, S],
     k_pos [L] -> [B, S, H, D]."""
@@ -69,7 +64,7 @@ def naive(q, k, v, q_pos, k_pos, scale, window=0, softcap=0.0, slopes=None):
 
 
 def _args(var: Variant):
-    return dict(softcap=var.softcap, alibi_slopes=slopes_of(var.H) if var.alibi else None)
+    return dict(softcap=var.softcap, alibi_slopes=alibi_slopes_for(var.H) if var.alibi else None)
 
 
 def _close(got, want, tol=2e-5):
@@ -142,8 +137,9 @@ def test_rotary_attention_reference(name):
 
 
 STEPS = {  # (cached tokens, new tokens) per sequence: prompt chunks, decode tokens, a padding sequence
-    "both-window-gqa2-d72": StepCase(3, 2, 72, 16, ((0, 9), (21, 1), (0, 0), (12, 6)), pad_rows=2, window=5),
-    "both-gqa3-d40": StepCase(2, 3, 40, 16, ((5, 4), (0, 1), (33, 1)), pad_rows=1),
+    "both-window-gqa2-d72": StepCase(3, 2, 72, 16, ((0, 9), (21, 1), (0, 0), (12, 6)), pad_rows=2, window=5,
+                                     softcap=1.5, alibi=True),
+    "both-gqa3-d40": StepCase(2, 3, 40, 16, ((5, 4), (0, 1), (33, 1)), pad_rows=1, softcap=2.0, alibi=True),
 }
 
 
@@ -153,10 +149,11 @@ def test_paged_and_ragged_reference(name):
     tokens, padding rows zeros; dsc.ragged_attention is the same with every cache_lens 0."""
     var = VARIANTS[name]
     case = STEPS[name]
-    assert (case.Hkv * case.G, case.Hkv, case.D, case.window) == (var.H, var.Hkv, var.D, var.window)
+    assert (case.Hkv * case.G, case.Hkv, case.D, case.window, case.softcap, case.alibi) == \
+        (var.H, var.Hkv, var.D, var.window, var.softcap, var.alibi)
     step = build(case, torch.float32, seed=5)
     step["k_pool"], step["v_pool"] = step["k_pool"].nan_to_num(), step["v_pool"].nan_to_num()
-    out = dsc.paged_attention(*args_of(step), **_args(var))
+    out = dsc.paged_attention(*args_of(step))
     as_rows = lambda pool, blocks: pool[blocks].transpose(0, 1).reshape(var.Hkv, -1, var.D)  # noqa: E731
     covered = torch.zeros(out.shape[1], dtype=torch.bool)
     for i, (c, n) in enumerate(case.seqs):
@@ -174,8 +171,8 @@ def test_paged_and_ragged_reference(name):
     fresh = build(replace(case, seqs=tuple((0, n) for _, n in case.seqs)), torch.float32, seed=6)
     fresh["k_pool"], fresh["v_pool"] = fresh["k_pool"].nan_to_num(), fresh["v_pool"].nan_to_num()
     ragged_args = [a for i, a in enumerate(args_of(fresh)) if i not in (3, 4)]  # no pools
-    torch.testing.assert_close(dsc.ragged_attention(*ragged_args, **_args(var)),
-                               dsc.paged_attention(*args_of(fresh), **_args(var)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dsc.ragged_attention(*ragged_args), dsc.paged_attention(*args_of(fresh)), rtol=1e-6,
+                               atol=1e-6)
 
 
 def test_unset_variant_is_the_plain_reference():
@@ -316,7 +313,7 @@ def test_trace_records_only_what_is_set(kwargs, want):
 
     from dsc.compiler.trace import dsc_attention
 
-    slopes = slopes_of(6)
+    slopes = alibi_slopes_for(6)
     kwargs = {key: slopes if a == "slopes" else a for key, a in kwargs.items()}
     gm = make_fx(lambda q, k, v, pos: dsc_attention(None, q, k, v, None, scaling=0.25, dsc_cache_pos=pos,
                                                     **kwargs)[0])(
@@ -355,3 +352,189 @@ def test_plan_accepts_the_variant_arguments():
     check_nodes(nodes)
     with pytest.raises(Exception, match="softcap"):
         check_nodes([*nodes[:-1], {**nodes[-1], "args": [*args[:8], "big", args[9]]}])
+
+
+
+def test_inspect_names_the_variant():
+    """`dsc inspect` reads each attention's variant from its kernel config (what the planner wrote)."""
+    from dsc.runtime.inspect import score_variant
+
+    node = lambda **cfg: {"kernel": {"name": "triton.attention_decode", "config": {"splits": 4, **cfg}}}  # noqa: E731
+    assert score_variant(node()) == "" and score_variant({"op": "aten.mm.default"}) == ""
+    assert score_variant(node(softcap=50.0)) == "softcap 50"
+    assert score_variant(node(softcap=30.5, alibi=True, window=4096)) == "softcap 30.5 + ALiBi"
+    assert score_variant(node(alibi=True)) == "ALiBi"
+    assert score_variant(node(softcap="x", alibi="yes")) == ""  # artifact text of the wrong type: not shown
+
+# -- the Triton kernels in the interpreter, and built for sm_90 -------------------------------------
+# The cases run through the kernel tests' own harnesses (tests/test_attention_kernels.py and
+# tests/test_paged_attention.py `run_case`: NaN-poisoned cache slots no query may read, the cache
+# write checked bit for bit, the output against the fp32 reference), in a child process with the
+# interpreter on (tests/kernel_child.py), fp32 and fp16.
+def _static_cases() -> dict:
+    from test_attention_kernels import SMALL_DECODE, SMALL_PREFILL, Case
+
+    return {
+        # cached prefix with a full (unmasked) tile and a partial one; new tokens with full tiles
+        "prefill-both-gqa3-d40": Case("prefill", 2, 6, 2, 23, 40, 61, (0, 21), config=SMALL_PREFILL, softcap=1.5,
+                                      alibi=True),
+        "prefill-alibi-window-mqa-d72": Case("prefill", 2, 6, 1, 11, 72, 40, (3, 25), config=SMALL_PREFILL, window=5,
+                                             alibi=True),
+        # G = 1 with row tiles longer than key tiles: the cache write in its own loop
+        "prefill-softcap-mha-long-tiles": Case("prefill", 2, 3, 3, 45, 40, 80, (0, 21), softcap=1.0,
+                                               config=dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)),
+        # the config's TMA / DEFER_PV keys are ignored for the variant (the plain loops run)
+        "prefill-both-variant-keys-off": Case("prefill", 2, 6, 2, 13, 40, 37, (0, 19), softcap=2.0, alibi=True,
+                                              config=dict(SMALL_PREFILL, TMA=True, DEFER_PV=True)),
+        "decode-both-splits": Case("decode", 3, 6, 2, 1, 40, 37, (0, 20, 36), config=SMALL_DECODE, num_splits=3,
+                                   softcap=1.5, alibi=True),
+        "decode-alibi-window-preload-d72": Case("decode", 3, 6, 3, 1, 72, 61, (3, 30, 60), num_splits=3, window=20,
+                                                config=dict(SMALL_DECODE, PRE_N=16), alibi=True),
+        "decode-rotary-table-both": Case("decode", 3, 6, 2, 1, 40, 37, (0, 20, 36), config=SMALL_DECODE, num_splits=2,
+                                         rotary=True, rot_table=True, softcap=1.5, alibi=True),
+        "decode-softcap-overflow": Case("decode", 3, 6, 2, 1, 40, 37, (37, 50, 15), config=SMALL_DECODE,
+                                        num_splits=3, softcap=1.0),
+    }
+
+
+def _paged_cases() -> dict:
+    from paged_steps import decode_case
+    from test_paged_attention import SMALL_DECODE, SMALL_PREFILL
+
+    return {
+        "paged-mixed-both-gqa3-d40": StepCase(2, 3, 40, 16, ((0, 7), (21, 1), (5, 20), (40, 1)), pad_rows=3,
+                                              config=SMALL_PREFILL, decode_config=SMALL_DECODE, num_splits=3,
+                                              softcap=1.5, alibi=True),
+        "paged-varlen-alibi-window-d72": StepCase(3, 2, 72, 16, ((30, 12), (0, 20), (50, 1)), window=7,
+                                                  config=SMALL_PREFILL, path="varlen", alibi=True),
+        "paged-decode-both-splits": decode_case(((0, 1), (20, 1), (47, 1), (0, 0)), Hkv=2, G=3, D=40, BS=16,
+                                                decode_config=SMALL_DECODE, num_splits=3, softcap=1.0, alibi=True),
+    }
+
+
+STATIC_NAMES = ["prefill-both-gqa3-d40", "prefill-alibi-window-mqa-d72", "prefill-softcap-mha-long-tiles",
+                "prefill-both-variant-keys-off", "decode-both-splits", "decode-alibi-window-preload-d72",
+                "decode-rotary-table-both", "decode-softcap-overflow"]
+PAGED_NAMES = ["paged-mixed-both-gqa3-d40", "paged-varlen-alibi-window-d72", "paged-decode-both-splits"]
+KERNEL_DTYPES = ("float32", "float16")
+
+
+def run_interpreted(path: str) -> None:
+    import json
+    from pathlib import Path
+
+    from test_attention_kernels import run_case as run_static
+    from test_paged_attention import run_case as run_paged
+
+    torch.set_num_threads(1)
+    report = {}
+    for cases, run in ((_static_cases(), run_static), (_paged_cases(), run_paged)):
+        for name, case in cases.items():
+            for dtype in KERNEL_DTYPES:
+                try:
+                    report[f"{name}/{dtype}"] = run(case, getattr(torch, dtype))
+                except Exception as e:  # reported per case by the parent, not swallowed
+                    report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"
+    Path(path).write_text(json.dumps(report, indent=1))
+
+
+AOT_BUILDS = ["prefill-D128", "prefill-D256", "decode-D128", "decode-rotary-table-D128", "decode-D256",
+              "paged-decode-D128", "varlen-D128"]
+
+
+def run_aot(path: str) -> None:
+    """bf16 builds for sm_90 at the table's configs with SOFTCAP and ALIBI on (Llama-8B-like heads,
+    gemma2's head_dim 256): each builds; the decode ones spill no registers."""
+    import inspect
+    import json
+    from pathlib import Path
+
+    from kernel_child import spill_bytes
+
+    from dsc.kernels import attention as A, paged_attention as P
+    from dsc.kernels.launch import compile_for_arch
+
+    A._triton()
+    P._kernels()
+    on = dict(SOFTCAP=True, ALIBI=True)
+    t = {n: "*bf16" for n in ("Q", "K", "V", "KC", "VC", "OUT")} | {"POS": "*i64", "qk_scale": "fp32",
+                                                                     "SLOPES": "*fp32", "cap": "fp32"}
+    none = {n: None for n in ("KD", "VD", "KCD", "VCD", "COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")}
+    def ints(fn, given):  # the runtime arguments not given: sizes and strides, i32
+        params = inspect.signature(getattr(fn, "fn", fn)).parameters.values()
+        return {p.name: "i32" for p in params if p.name not in given and "constexpr" not in str(p.annotation)}
+
+    report = {}
+    for D in (128, 256):
+        pre = A.attention_config("prefill", D, "sm_90")
+        consts = {**{n: none[n] for n in ("KD", "VD", "KCD", "VCD")}, "G": 4, "HEAD_DIM": D, "BLOCK_D": D,
+                  "BLOCK_M": pre["BLOCK_M"], "BLOCK_N": pre["BLOCK_N"], "WINDOWED": False, **on}
+        types = {**t, **ints(A._prefill_kernel, {**t, **consts})}
+        builds = {f"prefill-D{D}": (A._prefill_kernel, types, consts, pre)}
+        dec = A.attention_config("decode", D, "sm_90")
+        f32 = {"PART_O": "*fp32", "PART_LSE": "*fp32", "LOCK": "*i32"}
+        consts = {**{n: none[n] for n in ("COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")}, "G": 4, "HEAD_DIM": D, "BLOCK_D": D, "BLOCK_H": 16, "BLOCK_N": dec["BLOCK_N"],
+                  "SPLIT": True, "WINDOWED": False, "PRE_N": dec.get("PRE_N", 0), "PDL": True, **on}
+        types = {**t, **f32, **ints(A._decode_kernel, {**t, **f32, **consts})}
+        builds[f"decode-D{D}"] = (A._decode_kernel, types, consts, dec)
+        if D == 128:
+            rot = {"COS": "*bf16", "SIN": "*bf16", "sc_b": "i32", "ss_b": "i32", "RPOS": "*i64", "srp_b": "i32"}
+            consts = {**{k: v for k, v in consts.items() if k not in rot}, "ROTARY": True, "ROT_TABLE": True}
+            builds["decode-rotary-table-D128"] = (A._decode_kernel, {**types, **rot}, consts, dec)
+            pt = {n: "*bf16" for n in ("Q", "K", "V", "KP", "VP", "OUT")} | {
+                n: "*i32" for n in ("SLOTS", "QSTART", "QLEN", "CLEN", "BT")} | {
+                "qk_scale": "fp32", "SLOPES": "*fp32", "cap": "fp32"}
+            pdec = P.paged_attention_config("decode", D, "sm_90")
+            consts = dict(G=4, HEAD_DIM=D, BLOCK_D=D, BLOCK_H=16, BLOCK_N=pdec["BLOCK_N"], BLOCK_S=64, BS=16,
+                          SPLIT=True, WINDOWED=False, PDL=True, **on)
+            types = {**pt, **f32, **ints(P._paged_decode_kernel, {**pt, **f32, **consts})}
+            builds["paged-decode-D128"] = (P._paged_decode_kernel, types, consts, pdec)
+            pvar = P.paged_attention_config("prefill", D, "sm_90")
+            consts = dict(G=4, HEAD_DIM=D, BLOCK_D=D, BLOCK_M=pvar["BLOCK_M"], BLOCK_N=pvar["BLOCK_N"], BLOCK_S=64,
+                          BS=16, WINDOWED=False, **on)
+            types = {**pt, **ints(P._paged_prefill_kernel, {**pt, **consts})}
+            builds["varlen-D128"] = (P._paged_prefill_kernel, types, consts, pvar)
+        for name, (fn, types, consts, cfg) in builds.items():
+            aligned = tuple(n for n, ty in types.items() if ty.startswith("*") or (n.startswith("s") and "_" in n
+                                                                                  and not n.startswith("sl_")))
+            try:
+                k = compile_for_arch(getattr(fn, "fn", fn), types, consts, num_warps=cfg["num_warps"],
+                                     num_stages=cfg["num_stages"],
+                                     aligned=aligned)
+                report[name] = {"built": True, "spills": spill_bytes(k)}
+            except Exception as e:  # reported per build by the parent, not swallowed
+                report[name] = {"built": f"{type(e).__name__}: {str(e)[-400:]}"}
+    Path(path).write_text(json.dumps(report, indent=1))
+
+
+def _fixtures():
+    from kernel_child import child_fixtures
+
+    return child_fixtures(__file__, "variants")
+
+
+interpreted, compiled = _fixtures()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("case", STATIC_NAMES + PAGED_NAMES)
+def test_kernel_matches_reference(interpreted, case, dtype):
+    assert interpreted[f"{case}/{dtype}"] == "ok"
+
+
+@pytest.mark.parametrize("build", AOT_BUILDS)
+def test_variant_kernels_build_for_sm90(compiled, build):
+    result = compiled[build]
+    assert result["built"] is True
+    if "decode" in build:
+        assert result["spills"] == 0
+
+
+def test_case_names_match():
+    assert list(_static_cases()) == STATIC_NAMES and list(_paged_cases()) == PAGED_NAMES
+
+
+if __name__ == "__main__":
+    import sys
+
+    {"interpret": run_interpreted, "aot": run_aot}[sys.argv[1]](sys.argv[2])

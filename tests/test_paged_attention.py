@@ -240,10 +240,10 @@ def run_aot(path: str) -> None:
 
     P._kernels()
     ptrs = {**{n: "*bf16" for n in ("Q", "K", "V", "KP", "VP", "OUT")},
-            **{n: "*i32" for n in ("SLOTS", "QSTART", "QLEN", "CLEN", "BT")}, "qk_scale": "fp32"}
+            **{n: "*i32" for n in ("SLOTS", "QSTART", "QLEN", "CLEN", "BT")}, "qk_scale": "fp32", "cap": "fp32"}
     strides = ("sq_h", "sq_t", "sk_h", "sk_t", "sv_h", "sv_t", "skp_b", "skp_h", "skp_s", "svp_b", "svp_h", "svp_s",
                "sbt", "so_t", "so_h")
-    aligned = tuple(n for n in (*ptrs, *strides) if n not in ("qk_scale", "sbt"))
+    aligned = tuple(n for n in (*ptrs, *strides) if n not in ("qk_scale", "cap", "sbt"))
     report = {}
     dec = P.paged_attention_config("decode", 128, "sm_90")
     pre = P.paged_attention_config("prefill", 128, "sm_90")
@@ -254,13 +254,13 @@ def run_aot(path: str) -> None:
                                            "split_floor", "window")}}
             k = compile_for_arch(P._paged_decode_kernel, types,
                                  dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=dec["BLOCK_N"], BLOCK_S=64,
-                                      BS=16, SPLIT=True, WINDOWED=window, MIXED=window, PDL=pdl),
+                                      BS=16, SPLIT=True, WINDOWED=window, MIXED=window, PDL=pdl, SLOPES=None),
                                  num_warps=dec["num_warps"], num_stages=dec["num_stages"], aligned=aligned)
             report[f"decode{'-window' * window}{'-pdl' * pdl}"] = {"pdl": pdl_check(k, pdl), "spills": spill_bytes(k)}
         types = {**ptrs, **{n: "i32" for n in (*strides, "N", "window")}}
         k = compile_for_arch(P._paged_prefill_kernel, types,
                              dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=pre["BLOCK_M"], BLOCK_N=pre["BLOCK_N"],
-                                  BLOCK_S=64, BS=16, WINDOWED=window, SINGLES=window),
+                                  BLOCK_S=64, BS=16, WINDOWED=window, SINGLES=window, SLOPES=None),
                              num_warps=pre["num_warps"], num_stages=pre["num_stages"], aligned=aligned)
         report[f"varlen{'-window' * window}"] = {"pdl": "ok", "spills": spill_bytes(k)}
     Path(path).write_text(json.dumps(report, indent=1))
