@@ -81,6 +81,12 @@ SHAPES = {
     "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256,
                                rope_theta=500000.0, max_position_embeddings=131072)),
+    # the batch-1 decode comparisons beside llama-8b: Falcon-7B (multi-query, 71 heads) and Qwen3-8B
+    "falcon-7b": ("falcon", dict(hidden_size=4544, num_attention_heads=71, num_hidden_layers=32, vocab_size=65024,
+                                 max_position_embeddings=2048)),
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, num_hidden_layers=36, vocab_size=151936,
+                               rope_theta=1000000.0, max_position_embeddings=40960)),
     "gpt2-xl": ("gpt2", dict(n_embd=1600, n_head=25, n_layer=48, vocab_size=50257, n_positions=1024)),
 }
 
