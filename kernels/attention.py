@@ -16,6 +16,11 @@ compute garbage that nothing reads, and their cache slots are overwritten by lat
 steps before any valid query can see them.  Keys/values of tokens at positions >= Smax are
 not written (they do not fit); such a token attends to the whole cache.
 
+Scores are q.k * scale; two optional arguments after `window` change them (`attend_reference`):
+softcap > 0 caps them to softcap * tanh(score / softcap) before the mask (gemma2), and
+alibi_slopes [H] (fp32, this rank's query heads) adds slope_h * (key position - query position)
+(bloom's ALiBi). The kernels take them as the constexprs SOFTCAP / ALIBI (`_variant_scores`).
+
 `causal_attention` is what tracing records (no cache: the model is traced functionally); the
 `bind_kv_cache` pass turns every such node into `attention` with the layer's cache tensors.
 

@@ -16,10 +16,12 @@ the sequences (padding up to a CUDA-graph bucket) give zeros.
 
 Ops:
   dsc::ragged_attention(q, k, v, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                        scale[, window])  what tracing records (compiler/trace.py); no cache yet
+                        scale[, window[, softcap[, alibi_slopes]]])
+                                          what tracing records (compiler/trace.py); no cache yet
   dsc::paged_attention(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens,
-                       cache_lens, block_tables, scale[, window])
+                       cache_lens, block_tables, scale[, window[, softcap[, alibi_slopes]]])
                                           after passes/bind_kv_cache.py gives it its layer's pool
+  softcap and alibi_slopes change the scores as in kernels/attention.py (soft-capping, ALiBi).
 Shapes: q [1, H, T, D], k/v [1, Hkv, T, D] (the traced batch of one) -> out [1, T, H, D];
 slot_mapping [T], query_start/query_lens/cache_lens [N], block_tables [N, max_blocks], int32.
 The CPU implementation is the plain-torch reference below, one sequence at a time.

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-import dsc.kernels  # noqa: F401  (registers the dsc ops)
+from dsc import kernels as _kernels  # noqa: F401  (registers the dsc ops)
 from paged_steps import Case as StepCase, alibi_slopes_for, args_of, build
 
 dsc = torch.ops.dsc
@@ -225,10 +225,11 @@ def test_softcap_matches_gemma2():
 
 
 # -- the passes and the plan -------------------------------------------------------------------------
-def _graph(extra: tuple, rotary: bool) -> tuple[fx.Graph, object]:
+def _graph(extra: tuple, rotary: bool, tables: bool = False) -> tuple[fx.Graph, object]:
     """One layer's attention with trailing arguments `extra` ("slopes": a get_attr of the
     slopes), node vals fake: the traced dsc.causal_attention, or (rotary) the decode program's
-    dsc.rotary then dsc.attention over its cache, as fuse_rotary_attention finds them."""
+    dsc.rotary then dsc.attention over its cache, as fuse_rotary_attention finds them (tables:
+    cos and sin are lookups table[position_ids] of [P, D] tables, as fold_position_tables makes)."""
     import operator
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -246,7 +247,13 @@ def _graph(extra: tuple, rotary: bool) -> tuple[fx.Graph, object]:
     pos = node(g.placeholder, "cache_pos", shape=(2,), dtype=torch.long)
     extra = tuple(node(g.get_attr, "alibi_slopes.0", shape=(6,)) if a == "slopes" else a for a in extra)
     if rotary:
-        cos, sin = (node(g.placeholder, name, shape=(2, 1, 40)) for name in ("cos", "sin"))
+        if tables:
+            ids = node(g.placeholder, "position_ids", shape=(2, 1), dtype=torch.long)
+            cos, sin = (node(g.call_function, torch.ops.aten.index.Tensor,
+                             (node(g.get_attr, f"{name}_table", shape=(64, 40)), [ids]), shape=(2, 1, 40))
+                        for name in ("cos", "sin"))
+        else:
+            cos, sin = (node(g.placeholder, name, shape=(2, 1, 40)) for name in ("cos", "sin"))
         kc, vc = (node(g.get_attr, f"kv_cache.0.{n}", shape=(4, 2, 32, 40)) for n in "kv")
         rot = g.call_function(dsc.rotary.default, (q, k, cos, sin))
         rot.meta["val"] = (q.meta["val"], k.meta["val"])
@@ -262,7 +269,7 @@ def _graph(extra: tuple, rotary: bool) -> tuple[fx.Graph, object]:
 
 
 def _tail(node: fx.Node, start: int) -> list:
-    return [a.target if isinstance(a, fx.Node) else a for a in node.args[start:]]
+    return [(a.target if a.op == "get_attr" else a.name) if isinstance(a, fx.Node) else a for a in node.args[start:]]
 
 
 EXTRAS = [(), (5,), (0, 1.5), (5, 1.5, "slopes"), (0, 0.0, "slopes")]
@@ -282,22 +289,26 @@ def test_bind_kv_cache_carries_the_variant(extra):
     assert _tail(attn, 7) == [("alibi_slopes.0" if a == "slopes" else a) for a in extra]
 
 
+@pytest.mark.parametrize("tables", [False, True])
 @pytest.mark.parametrize("extra", EXTRAS)
-def test_fuse_rotary_attention_carries_the_variant(extra):
-    """dsc.rotary + dsc.attention -> dsc.rotary_attention: the variant after rot_pos (None: cos
-    and sin are not table lookups here); without a variant the short form stays."""
+def test_fuse_rotary_attention_carries_the_variant(extra, tables):
+    """dsc.rotary + dsc.attention -> dsc.rotary_attention: the variant after rot_pos (None where
+    cos and sin are not table lookups, else the positions); without a variant the short form stays."""
     from collections import Counter
 
     from dsc.passes.fuse_rotary_attention import fuse_rotary_attention
 
-    g, _ = _graph(extra, rotary=True)
+    g, _ = _graph(extra, rotary=True, tables=tables)
     model = SimpleNamespace(programs={"decode": g}, counters=Counter())
     fuse_rotary_attention(model)
     assert model.counters["fuse_rotary_attention.decode"] == 1
+    assert model.counters["fuse_rotary_attention.tables"] == int(tables)
     (fused,) = [n for n in g.nodes if n.target is dsc.rotary_attention.default]
     want = [("alibi_slopes.0" if a == "slopes" else a) for a in extra]
-    if len(extra) > 1:
-        want = [want[0], None, *want[1:]]  # window, rot_pos, softcap[, slopes]
+    if tables:
+        want = [(want or [0])[0], "position_ids", *want[1:]]  # window, rot_pos, softcap[, slopes]
+    elif len(extra) > 1:
+        want = [want[0], None, *want[1:]]
     assert _tail(fused, 9) == want
     g.lint()
 
@@ -473,7 +484,8 @@ def run_aot(path: str) -> None:
         builds = {f"prefill-D{D}": (A._prefill_kernel, types, consts, pre)}
         dec = A.attention_config("decode", D, "sm_90")
         f32 = {"PART_O": "*fp32", "PART_LSE": "*fp32", "LOCK": "*i32"}
-        consts = {**{n: none[n] for n in ("COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")}, "G": 4, "HEAD_DIM": D, "BLOCK_D": D, "BLOCK_H": 16, "BLOCK_N": dec["BLOCK_N"],
+        consts = {**{n: none[n] for n in ("COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")}, "G": 4, "HEAD_DIM": D,
+                  "BLOCK_D": D, "BLOCK_H": 16, "BLOCK_N": dec["BLOCK_N"],
                   "SPLIT": True, "WINDOWED": False, "PRE_N": dec.get("PRE_N", 0), "PDL": True, **on}
         types = {**t, **f32, **ints(A._decode_kernel, {**t, **f32, **consts})}
         builds[f"decode-D{D}"] = (A._decode_kernel, types, consts, dec)
