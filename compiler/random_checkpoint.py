@@ -58,6 +58,7 @@ SHAPES = {
            ("cohere", dict(logit_scale=0.25)),
            ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
                             logits_scaling=4.0)),
+           # soft-caps small enough to change these random weights' scores and logits
            ("gemma2", dict(head_dim=12, query_pre_attn_scalar=10, sliding_window=6, attn_logit_softcapping=2.0,
                            final_logit_softcapping=3.0)),
            ("gemma3_text", dict(head_dim=12, query_pre_attn_scalar=10, sliding_window=6,
