@@ -46,8 +46,8 @@ class Architecture:
     def kv_heads(self, cfg: dict) -> int:
         return cfg.get("num_key_value_heads") or self.heads(cfg)
 
-    def hidden(self, cfg: dict) -> int:
-        return cfg.get("hidden_size", cfg.get("n_embd"))
+    def hidden(self, cfg: dict) -> int:  # GPT-2's n_embd, older BLOOM configs' n_embed
+        return cfg.get("hidden_size", cfg.get("n_embd", cfg.get("n_embed")))
 
     def head_dim(self, cfg: dict) -> int:
         return cfg.get("head_dim") or self.hidden(cfg) // self.heads(cfg)
@@ -71,11 +71,6 @@ class Falcon(Architecture):
             return cfg.get("num_kv_heads") or self.heads(cfg)
         return 1 if cfg.get("multi_query", True) else self.heads(cfg)
 
-    def tp_blocker(self, cfg: dict) -> str:
-        if not cfg.get("new_decoder_architecture") and cfg.get("multi_query", True):
-            return "multi-query layout: its one kv head is a size-1 dim the sharding pass cannot place"
-        return self.no_tp
-
 
 ARCHITECTURES = {
     a.model_type: a
@@ -94,7 +89,9 @@ ARCHITECTURES = {
         Architecture("olmo2", "llama"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
         Architecture("cohere", "llama", logits=("logit_scale",)),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
         Architecture("granite", "llama", logits=("logits_scaling",)),  # embedding, residual, attention and logit multipliers
+        Architecture("gemma2", "llama", logits=("final_logit_softcapping",)),  # alternating sliding/full layers, attention and logit soft-capping, pre/post norms
         Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",)),  # local and global layers, per-head q/k RMSNorm, pre/post norms
+        Architecture("bloom", "gpt2"),  # ALiBi (no positions), fused query_key_value per head, embedding LayerNorm, tied head
         Falcon("falcon", "gpt2", intermediate_field="ffn_hidden_size"),  # multi-query or grouped kv, parallel
         Architecture("gptj", "gpt2"),  # interleaved partial rotary, parallel attention + MLP
         Architecture("gpt_neox", "gpt2"),  # query_key_value fused per head, partial rotary

@@ -5,9 +5,10 @@ keyword arguments passed down, and need nothing here. The gaps:
   - decoder layers that do not pass their keyword arguments on to attention (StableLM): the
     cache positions (`dsc_cache_pos`; the ragged program's `dsc_paged`) reach every
     attention module by a forward pre-hook;
-  - families whose attention is a class of their own rather than the interface (Falcon): a
-    subclass registered under the "dsc" implementation computes q, k and v with the model's
-    own projections and layout, and calls the registered dsc attention function;
+  - families whose attention is a class of their own rather than the interface (Falcon, BLOOM):
+    a subclass (registered under the "dsc" implementation where the family has a registry)
+    computes q, k and v with the model's own projections and layout, and calls the registered
+    dsc attention function; BLOOM's passes its ALiBi slopes, a buffer of the module;
   - linears that spell nn.Linear's math as `x @ W.T + b` (FalconLinear): they run nn.Linear's
     forward, so the graph holds the aten.linear every pass expects.
 """
@@ -56,6 +57,40 @@ def _falcon_attention_class():
     return mf, DscFalconAttention
 
 
+def _bloom_attention_class():
+    from transformers.models.bloom import modeling_bloom as mb
+
+    class DscBloomAttention(mb.BloomAttention):
+        """BLOOM's fused query_key_value (per head: its q, k and v), then dsc attention with the
+        ALiBi slopes as its bias: no [S, S] alibi tensor or mask. `alibi_slopes` [H] fp32 is a
+        buffer, so the graph reads it as a constant weight the sharding pass splits with the
+        q heads."""
+
+        def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                    output_attentions=False, **kwargs):
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            B, S, _ = hidden_states.shape
+            q, k, v = self._reshape(self.query_key_value(hidden_states))  # each [B, H, S, D]
+            out, _ = ALL_ATTENTION_FUNCTIONS["dsc"](self, q, k, v, None, scaling=self.inv_norm_factor,
+                                                    alibi_slopes=self.alibi_slopes, **kwargs)  # [B, S, H, D]
+            out = self.dense(out.reshape(B, S, self.num_heads * self.head_dim))
+            return mb.dropout_add(out, residual, self.hidden_dropout, self.training), None
+
+    return mb, DscBloomAttention
+
+
+def _use_bloom_attention(lm: nn.Module) -> None:
+    """BloomBlock builds BloomAttention by name, with no registry to choose another class: each
+    instance becomes the dsc subclass (same parameters) and gets the slopes of its heads."""
+    mb, cls = _bloom_attention_class()
+    for mod in lm.modules():
+        if type(mod) is mb.BloomAttention:
+            mod.__class__ = cls
+            mod.register_buffer("alibi_slopes", mb._get_alibi_slopes(mod.num_heads, torch.device("cpu")),
+                                persistent=False)
+
+
 def register_attention_classes(hf_config, where) -> None:
     """Before the model is built: the "dsc" attention class of families without the interface."""
     if hf_config.model_type == "falcon":
@@ -70,15 +105,18 @@ def _attention_classes(lm: nn.Module) -> tuple[type, ...]:
     rec = getattr(lm.base_model, "_can_record_outputs", None) or {}
     target = rec.get("attentions")
     classes = {getattr(t, "target_class", t) for t in (target if isinstance(target, list) else [target]) if t}
+    from transformers.models.bloom.modeling_bloom import BloomAttention
     from transformers.models.falcon.modeling_falcon import FalconAttention
 
-    return tuple(c for c in classes | {FalconAttention} if isinstance(c, type))
+    return tuple(c for c in classes | {BloomAttention, FalconAttention} if isinstance(c, type))
 
 
 def adapt_model(lm: nn.Module) -> None:
     """After the model is built: cache positions to attention, nn.Linear's forward for linears."""
     from transformers.models.falcon.modeling_falcon import FalconLinear
 
+    if lm.config.model_type == "bloom":
+        _use_bloom_attention(lm)
     _pass_cache_pos_to_attention(lm)
     for mod in lm.modules():
         if isinstance(mod, FalconLinear):

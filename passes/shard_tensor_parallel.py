@@ -20,7 +20,9 @@ Rewrites (each counted under `shard_tensor_parallel.<rule>`, per program)
             dsc.all_reduce(the rank's mean) * (1 / tp): replicated, then broadcast over the shard.
   shape     view/reshape, split/chunk sizes and slice bounds along a sharded dim -> the rank's
             local ones (Phi-3 slices q, k and v out of qkv_proj by offsets).
-  kv_cache  the cache tensors hold the local kv heads (model.kv_cache["shape"][1]).
+  kv_cache  the cache tensors hold the local kv heads (model.kv_cache["shape"][1]); a single
+            kv head (Falcon-7B's multi-query) is replicated, each rank keeps it whole.
+  alibi     an attention's ALiBi slopes [H] (a constant weight) are split with its q heads.
   vocab     when tp divides the vocabulary, the token embedding and lm_head (under its scalar
             scale or soft-cap, if any) are vocab-parallel:
             the rank's rows looked up (dsc.vocab_embedding: zeros for others' ids) + dsc.all_reduce,
@@ -201,8 +203,11 @@ def _norm(d: int, ndim: int) -> int:
 class _Solver:
     """Assigns a Layout to every value of a region, in graph order, checking each op."""
 
-    def __init__(self, region: _Region, world: int, column_blocks: dict[str, tuple[int, ...]]):
+    def __init__(self, region: _Region, world: int, column_blocks: dict[str, tuple[int, ...]],
+                 outer_views: frozenset[str] = frozenset()):
         self.region, self.world, self.column_blocks = region, world, column_blocks
+        self.outer_views = outer_views  # views read as splitting the sharded dim into (1, rest)
+        self.ambiguous: set[str] = set()  # views that read either way
         self.pieces = _Pieces(world)
         self.lay: dict[fx.Node, object] = {}
         self.kv: dict[fx.Node, int] = {}  # kv-cache get_attr -> local kv heads
@@ -313,6 +318,14 @@ class _Solver:
                 raise _Unsupported(f"{n.name} merges the sharded dim with an outer dim")
         else:
             raise _Unsupported(f"{n.name}: no output dim matches the sharded dim")
+        if j > lay.dim and all(str(a) == str(b) for a, b in zip(src[:lay.dim], dst)) and \
+                all(isinstance(d, int) and d == 1 for d in dst[lay.dim:j]):
+            # size-1 dims inserted before the sharded one: a new outer dim (GPT-2's decode
+            # [B, E] -> [B, 1, E]) or a split into (1 head, head_dim) (Falcon-7B's one kv head:
+            # [B, S, D] -> [B, S, 1, D]); _solve tries the first reading, then the second
+            self.ambiguous.add(n.name)
+            if n.name in self.outer_views:
+                j, inner = lay.dim, extent
         factor = Fraction(inner_src, inner)
         sizes = [s * factor for s in lay.sizes]
         if any(s.denominator != 1 for s in sizes):
@@ -444,6 +457,10 @@ class _Solver:
         self._check_gqa(n, lq, lk, hq // hkv)
         for c in (kc, vc):
             self.kv[c] = hkv // kv_pieces
+        if isinstance(slopes := _alibi_slopes(n), fx.Node):  # [H] per q head: split with the q heads
+            if slopes.op != "get_attr" or _val(slopes).shape != (hq,):
+                raise _Unsupported(f"{n.name}: ALiBi slopes {slopes.name} are not a [{hq}] weight")
+            self.weights.append((slopes, 0, Layout(0, lq.blocks, lq.scale)))
         return Layout(2, lq.blocks, lq.scale)
 
     def _check_gqa(self, n: fx.Node, lq: Layout, lk: Layout, group: int) -> None:
@@ -463,15 +480,32 @@ class _Solver:
             raise _Unsupported(f"{r.name} reads replicated pieces that the all-reduce would count twice")
 
 
+def _alibi_slopes(attention: fx.Node):
+    """The attention node's `alibi_slopes` argument (BLOOM), None where it has none."""
+    names = [a.name for a in attention.target._schema.arguments]
+    if "alibi_slopes" not in names:
+        return None
+    i = names.index("alibi_slopes")
+    return attention.args[i] if i < len(attention.args) else attention.kwargs.get("alibi_slopes")
+
+
 def _solve(region: _Region, world: int) -> _Solver:
+    """Solve, refining column blocks where a split cuts one; where no layout fits, once more
+    with the views that insert a size-1 dim before the sharded one read as heads splits."""
     blocks: dict[str, tuple[int, ...]] = {}
+    outer: frozenset[str] = frozenset()
     for _ in range(8):
+        solver = _Solver(region, world, blocks, outer)
         try:
-            return _Solver(region, world, blocks).run()
+            return solver.run()
         except _Refine as e:
             col = next(c for c in region.columns if c.name == e.column)
             old = blocks.get(e.column, (_val(col).shape[-1],))
             blocks[e.column] = old[: e.index] + tuple(e.sizes) + old[e.index + 1:]
+        except _Unsupported:
+            if solver.ambiguous <= outer:
+                raise
+            outer |= solver.ambiguous
     raise _Unsupported("block refinement did not converge")
 
 

@@ -23,9 +23,10 @@ from test_fusion import GOLDEN, plan_text
 from test_tp import PROMPTS, _rank_work, teacher_forced
 
 FAMILIES = ["qwen3-odd", "stablelm-odd", "starcoder2-odd", "olmo-odd", "olmo2-odd", "cohere-odd", "granite-odd",
-            "gemma3_text-odd", "falcon-odd", "falcon-new-odd"]
+            "gemma2-odd", "gemma3_text-odd", "falcon-odd", "falcon-new-odd", "bloom-odd"]
 # sliding windows per layer, shorter than the longest prompt (13) plus its 8 new tokens
-WINDOWS = {"starcoder2-odd": [8, 8], "gemma3_text-odd": [6, 0]}
+WINDOWS = {"starcoder2-odd": [8, 8], "gemma2-odd": [6, 0], "gemma3_text-odd": [6, 0]}
+SOFTCAPS = {"gemma2-odd": 2.0}  # attention logit soft-cap, small enough to change these models' scores
 TP_SHAPES = [s for s in FAMILIES + ["gptj-tiny", "gpt_neox-tiny", "phi3-tiny", "mistral-tiny", "qwen2-tiny"]
              if not ARCHITECTURES[SHAPES[s][0]].tp_blocker(SHAPES[s][1])]
 INT8_MIN_SQNR = 20.0
@@ -46,6 +47,7 @@ def test_fp32_generation_matches_transformers(shape, compile_artifact, make_chec
         assert sum(plan_ops(art, program).count(op) for op in ATTENTION_OPS) == plan["model"]["layers"]
         attn = [n for n in plan["programs"][program]["nodes"] if n.get("op") in ATTENTION_OPS]
         assert [n["kernel"]["config"].get("window", 0) for n in attn] == WINDOWS.get(shape, [0, 0])
+        assert {n["kernel"]["config"].get("softcap", 0.0) for n in attn} == {SOFTCAPS.get(shape, 0.0)}
 
 
 def test_gpt_neox_loads_the_head_as_checkpoints_name_it(make_checkpoint, compile_artifact):
@@ -144,9 +146,53 @@ def test_unsupported_family_is_one_line_listing_the_supported(make_checkpoint, t
     cfg = json.loads((ck / "config.json").read_text())
     bad = tmp_path / "ck"
     bad.mkdir()
-    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "bloom"}))
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba"}))
     (bad / "model.safetensors").write_bytes((ck / "model.safetensors").read_bytes())
     r = CliRunner().invoke(app, ["compile", str(bad), "-o", str(tmp_path / "a")])
     assert r.exit_code != 0 and not (tmp_path / "a").exists()
     line, = r.stderr.strip().splitlines()
-    assert "unsupported model_type 'bloom'" in line and ", ".join(sorted(ARCHITECTURES)) in line
+    assert "unsupported model_type 'mamba'" in line and ", ".join(sorted(ARCHITECTURES)) in line
+
+
+def test_bloom_config_as_released_checkpoints_spell_it():
+    """bigscience/bloom-560m's config.json: n_embed, n_head, n_layer, no MLP width (4 x hidden)."""
+    from dsc.compiler.architectures import architecture_for
+
+    cfg = {"model_type": "bloom", "n_embed": 1024, "n_head": 16, "n_layer": 24, "vocab_size": 250880}
+    arch = architecture_for(cfg, "config.json")
+    assert (arch.hidden(cfg), arch.heads(cfg), arch.kv_heads(cfg), arch.head_dim(cfg), arch.layers(cfg),
+            arch.intermediate(cfg)) == (1024, 16, 16, 64, 24, 4096)
+
+
+def test_falcon_multi_query_keeps_its_kv_head_on_every_rank(compile_artifact):
+    """Falcon-7B's layout under --tp 2: each rank computes 3 of the 6 q heads against the one kv
+    head, which every rank holds whole (its cache too); test_tp2_matches_tp1 checks the numbers."""
+    plan = _plan(compile_artifact("falcon-odd", dtype="fp32", tp=2))
+    assert plan["kv_cache"]["shape"][1] == 1 and plan["kv_pool"]["kv_heads"] == 1
+    for program in ("prefill", "decode"):
+        attn = [n for n in plan["programs"][program]["nodes"] if n.get("op") in ATTENTION_OPS]
+        assert [n["shape"][2] for n in attn] == [3] * plan["model"]["layers"]
+
+
+def test_bloom_alibi_slopes_are_constants_split_with_the_q_heads(compile_artifact):
+    """BLOOM's ALiBi enters every attention op as its layer's [H] fp32 slopes, a constant of the
+    artifact: no bias tensor, no mask, no softmax in the graph. Under --tp 2, rank r holds the
+    slopes of its own q heads (test_tp2_matches_tp1 checks the numbers)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    slopes = _get_alibi_slopes(6, torch.device("cpu"))
+    for tp in (1, 2):
+        art = compile_artifact("bloom-odd", dtype="fp32", tp=tp)
+        plan = _plan(art)
+        names = [f"transformer.h.{i}.self_attention.alibi_slopes" for i in range(plan["model"]["layers"])]
+        for program in plan["programs"].values():
+            attn = [n for n in program["nodes"] if n.get("op") in ATTENTION_OPS]
+            assert [n["args"][-1] for n in attn] == [{"node": name} for name in names]
+            assert not [n["name"] for n in program["nodes"] if n.get("op", "").startswith(
+                ("aten.baddbmm", "aten.bmm", "aten._softmax")) or n.get("shape", []).count("seq") > 1]
+        for r in range(tp):
+            held = load_file(art / f"rank{r}.safetensors")
+            for name in names:
+                assert held[name].dtype == torch.float32 and torch.equal(held[name], slopes.view(tp, -1)[r])
