@@ -58,6 +58,9 @@ SHAPES = {
            ("cohere", dict(logit_scale=0.25)),
            ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
                             logits_scaling=4.0)),
+           # soft-caps small enough to change these random weights' scores and logits
+           ("gemma2", dict(head_dim=12, query_pre_attn_scalar=10, sliding_window=6, attn_logit_softcapping=2.0,
+                           final_logit_softcapping=3.0)),
            ("gemma3_text", dict(head_dim=12, query_pre_attn_scalar=10, sliding_window=6,
                                 layer_types=["sliding_attention", "full_attention"])),
        ]},
@@ -68,6 +71,8 @@ SHAPES = {
     "falcon-new-odd": ("falcon", dict(hidden_size=72, num_attention_heads=6, num_kv_heads=2, num_hidden_layers=2,
                                       vocab_size=510, ffn_hidden_size=200, max_position_embeddings=256,
                                       new_decoder_architecture=True, multi_query=False)),
+    # BLOOM: ALiBi; 6 heads take the slopes of a non-power-of-two head count
+    "bloom-odd": ("bloom", dict(hidden_size=72, n_head=6, n_layer=2, vocab_size=510)),
     "gpt2-tiny": ("gpt2", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=512, n_positions=1024)),
     "gpt2-odd": ("gpt2", dict(n_embd=72, n_head=6, n_layer=3, vocab_size=509, n_positions=1024)),
     "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
