@@ -1,7 +1,7 @@
 """GPU check section `families`: every decoder family beyond Llama and GPT-2 on the GPU against
 the CPU runtime, which tests/test_families.py checks against transformers.
 
-    pytest tests/gpu/test_gpu_families.py      # $OUT/gpu_families.json when OUT is set
+    pytest tests/gpu/test_gpu_families.py      # $OUT/gpu_families_<shape>.json when OUT is set
 
 Each family's tiny random checkpoint (compiler/random_checkpoint.py: the `*-odd` shapes, sizes
 that are not powers of two, sliding windows shorter than the prompts) compiled in fp32, run on
@@ -15,14 +15,13 @@ both devices through both paths:
 from __future__ import annotations
 
 import random
-import traceback
 
 import pytest
 
 from gpu_util import write_summary
 
 FP32_ATOL = 1e-4  # the CPU tests' tolerance (tests/test_compile.py)
-# the families of issue-sized tests: Llama's and GPT-2's own odd shapes have GPU checks elsewhere
+# Llama and GPT-2: tests/gpu/test_gpu_serving.py and test_gpu_runtime.py
 SKIP = {"llama-odd", "gpt2-odd"}
 
 
@@ -49,29 +48,21 @@ def _paged(art, device: str, reqs) -> list[list[int]]:
 
 
 @pytest.mark.gpu
-def test_families_on_the_gpu_equal_the_cpu(tmp_path):
+@pytest.mark.parametrize("shape", _family_shapes())
+def test_family_on_the_gpu_equals_the_cpu_and_transformers(shape, tmp_path):
     import dsc
     from dsc.compiler.random_checkpoint import SHAPES, make_random_checkpoint
     from dsc.compiler.verify import verify_artifact
     from dsc.runtime.engine import load
 
-    rows, fails = {}, []
-    for shape in _family_shapes():
-        try:
-            vocab = SHAPES[shape][1].get("vocab_size", 512)
-            ck = make_random_checkpoint(tmp_path / shape, shape, dtype="float32")
-            art = dsc.compile(str(ck), tmp_path / f"a-{shape}", max_batch=6, max_seq=128)
-            reqs = _requests(vocab, 16, 40)
-            static = verify_artifact(art, ck, prompts=[p for p, _ in reqs[:6]], new_tokens=8,
-                                     engine=load(art, device="cuda"))
-            paged = {dev: _paged(art, dev, reqs) for dev in ("cpu", "cuda")}
-            row = {"static_tokens_equal_transformers": static.tokens_equal, "static_max_abs_err": static.max_abs_err,
-                   "paged_equal_cpu": paged["cuda"] == paged["cpu"],
-                   "paged_agreement": sum(a == b for a, b in zip(paged["cuda"], paged["cpu"])) / len(reqs)}
-            rows[shape] = row
-            assert static.tokens_equal and static.max_abs_err <= FP32_ATOL and row["paged_equal_cpu"], f"{shape}: {row}"
-            print(f"ok   {shape}: {row}", flush=True)
-        except Exception:  # noqa: BLE001  every family runs; the failures are listed at the end
-            fails.append(f"{shape}:\n" + "".join(traceback.format_exc().splitlines(True)[-8:]))
-    write_summary("gpu_families", rows)
-    assert not fails, "\n".join(fails)
+    vocab = SHAPES[shape][1].get("vocab_size", 512)
+    ck = make_random_checkpoint(tmp_path / shape, shape, dtype="float32")
+    art = dsc.compile(str(ck), tmp_path / f"a-{shape}", max_batch=6, max_seq=128)
+    reqs = _requests(vocab, 16, 40)
+    static = verify_artifact(art, ck, prompts=[p for p, _ in reqs[:6]], new_tokens=8, engine=load(art, device="cuda"))
+    paged = {dev: _paged(art, dev, reqs) for dev in ("cpu", "cuda")}
+    row = {"static_tokens_equal_transformers": static.tokens_equal, "static_max_abs_err": static.max_abs_err,
+           "paged_equal_cpu": paged["cuda"] == paged["cpu"],
+           "paged_agreement": sum(a == b for a, b in zip(paged["cuda"], paged["cpu"])) / len(reqs)}
+    write_summary(f"gpu_families_{shape}", row)
+    assert static.tokens_equal and static.max_abs_err <= FP32_ATOL and row["paged_equal_cpu"], row
