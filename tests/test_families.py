@@ -110,7 +110,9 @@ def test_tp2_matches_tp1(shape, tp_runs, compile_artifact):
     assert "replicated_linears" not in plan["notes"]["tp"], plan["notes"]["tp"]
 
 
-@pytest.mark.parametrize("shape", FAMILIES)
+# llama and gpt2: tests/test_int8.py
+@pytest.mark.parametrize("shape", FAMILIES + ["gpt_neox-tiny", "gptj-tiny", "phi3-tiny", "opt-tiny", "phi-tiny",
+                                   "gemma-tiny", "mistral-tiny", "qwen2-tiny"])
 def test_int8_report_passes(shape, compile_artifact, capsys):
     art = compile_artifact(shape, dtype="fp32", int8=True, int8_min_sqnr=INT8_MIN_SQNR)
     manifest = json.loads((art / "manifest.json").read_text())
