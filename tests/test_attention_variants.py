@@ -5,7 +5,9 @@ the mask) and `alibi_slopes` ([H] fp32: + slope_h * (key position - query positi
 window. The plain-torch references are checked against a per-head float64 loop written from
 that definition, and against transformers' own formulas (bloom's `build_alibi_tensor` +
 baddbmm, gemma2's eager attention); the passes carry the arguments from the traced op to the
-bound and fused ones, and record nothing where they are unset.
+bound and fused ones, and record nothing where they are unset. The Triton kernels run every
+variant (static prefill, decode, rotary decode; paged decode, varlen, mixed) in the interpreter
+at odd shapes against the references, and build for sm_90 with the variant on.
 """
 from __future__ import annotations
 
