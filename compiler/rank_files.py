@@ -25,14 +25,14 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from dsc.compiler.ir import Model
 from dsc.compiler.source import Checkpoint
-from dsc.compiler.weights import (_ST_TO_TORCH, SourceReader, float_tensor, local_dtype, local_shape,
-                                  safetensors_layout, tensor_bytes)
+from dsc.compiler.weights import (_ST_TO_TORCH, SourceReader, float_tensor, local_columns, local_dtype,
+                                  local_shape, safetensors_layout, tensor_bytes)
 from dsc.errors import UserError
 from dsc.runtime.artifact import sha256_file
 
@@ -43,48 +43,113 @@ Timing = Callable[[str, float], None]
 
 
 class RankTensors:
-    """Produces the tensors of one rank, quantizing each weight once for all its parts.
+    """Produces every rank's tensors: `(name, rank) -> tensor`, quantizing each weight once for
+    all ranks.
 
-    A row-parallel shard (its input features split across ranks) of a weight that tp=1
-    quantizes per channel takes its whole rows' scales, so every rank's int8 entries and scales
-    are tp=1's and the all-reduced output equals tp=1's up to the order of the sum (scale groups,
-    --int8-group-size, never cross a shard boundary, so grouped shards are tp=1's already; a
-    shard that is one whole group is per channel locally and keeps its own scales).
-    `row_params` keeps those scales across the ranks of one emit (one read of the whole weight)."""
+    A quantized weight is quantized whole (its sources as stored, each element cast to fp32 as
+    it is quantized), then each rank takes its rows or columns of the int8 values and scales:
+    the bytes every rank's own quantization of its shard gives, whenever the rank's scale
+    groups are groups of the whole weight. They are: scales are per row, or per group of input
+    features that never crosses a shard boundary; a row-parallel shard (its input features
+    split across ranks) of a weight that tp=1 quantizes per channel takes its whole rows'
+    scales, so every rank's int8 entries and scales are tp=1's and the all-reduced output
+    equals tp=1's up to the order of the sum; a shard that is one whole group keeps its own
+    scales (a group of the shard's width). A shard whose groups are not groups of the whole
+    weight (its columns in pieces) is quantized on its own.
+    With `error`, each quantized weight's (signal, noise) over the whole weight, in the original
+    weight space (int8_report's weight SQNR), accumulates there as it is quantized."""
 
-    def __init__(self, model: Model, reader: SourceReader, rank: int, world: int,
-                 row_params: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
-        self.model, self.reader, self.rank, self.world = model, reader, rank, world
-        self._qkey: Any = None
-        self._qparts: dict[str, torch.Tensor] = {}
-        self._row_params = {} if row_params is None else row_params
+    def __init__(self, model: Model, reader: SourceReader, error: dict[str, tuple[float, float]] | None = None):
+        self.model, self.reader, self.world, self.error = model, reader, model.options.tp, error
+        self._key: str | None = None
+        self._whole: dict[str, torch.Tensor] = {}
+        self._group: int | None = None
+        self._own: dict[int, dict[str, torch.Tensor]] = {}  # rank -> parts, for shards quantized alone
+        self._own_error: dict[int, tuple] = {}
+        self.quantize_s = self.error_s = 0.0  # seconds quantizing, and measuring the error
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str, rank: int) -> torch.Tensor:
         spec = self.model.weights[name]
         if spec.quant is None:
-            return float_tensor(spec, self.rank, self.world, self.reader)
-        base = dataclasses.replace(spec, quant=dataclasses.replace(spec.quant, part="qweight"))
-        if self._qkey != base:
-            from dsc.kernels.int8 import quantize_weight, weight_qparams
-            from dsc.passes.quantize_int8 import group_size_for
+            return float_tensor(spec, rank, self.world, self.reader)
+        key, _, part = name.rpartition(".")  # the weight's name, shared by its parts
+        if self._key != key:
+            self.drop()
+            self._quantize(key, spec)
+            self._key = key
+        if not self._whole:
+            if rank not in self._own:
+                self._quantize_shard(key, spec, rank)
+            return self._own[rank][part]
+        t = self._whole[part]
+        if spec.shard is None:
+            return t
+        ranges = spec.shard.ranges(rank, self.world)
+        if spec.shard.dim == 0:  # rows: parts' rows alike
+            return torch.cat([t[a:b] for a, b in ranges]) if len(ranges) > 1 else t[ranges[0][0]:ranges[0][1]]
+        if part != "qweight":  # columns: the scale groups the rank's columns span
+            if self._group is None:
+                return t
+            ranges = [(a // self._group, b // self._group) for a, b in ranges]
+        return torch.cat([t[:, a:b] for a, b in ranges], 1)
 
-            unquantized = dataclasses.replace(spec, quant=None, dtype="float32")
-            params = None
-            key = name.rpartition(".")[0]  # the weight's name, shared by its parts
-            if spec.shard is not None and spec.shard.dim == 1 and self.world > 1 and spec.quant.group_size is None \
-                    and group_size_for(self.model, f"{key}.qweight", tp=1) is None:
-                if key not in self._row_params:
-                    whole = float_tensor(dataclasses.replace(unquantized, shard=None), 0, 1, self.reader)
-                    self._row_params[key] = weight_qparams(whole, None, spec.quant.symmetric)
-                params = self._row_params[key]
-            w = float_tensor(unquantized, self.rank, self.world, self.reader)
-            self._qparts = quantize_weight(w, spec.quant.group_size, spec.quant.symmetric, params)
-            self._qkey = base
-        return self._qparts[spec.quant.part]
+    def _quantize(self, key: str, spec) -> None:
+        """The whole weight's parts, when the ranks' shards are slices of them."""
+        whole, self._group = _whole_groups(self.model, key, spec, self.world)
+        if whole:
+            src = dataclasses.replace(spec, quant=None, shard=None, col_scale=None)
+            w = float_tensor(dataclasses.replace(src, dtype=_source_dtype(src, self.reader)), 0, 1, self.reader)
+            self._whole, err = self._quantized(w, self._group, spec, spec.col_scale)
+            if self.error is not None:
+                self.error[key] = err
+
+    def _quantize_shard(self, key: str, spec, rank: int) -> None:
+        """One rank's shard, quantized on its own; the error sums over the ranks' shards."""
+        w = float_tensor(dataclasses.replace(spec, quant=None, col_scale=None, dtype="float32"), rank, self.world,
+                         self.reader)
+        cols = None if spec.col_scale is None else local_columns(spec, spec.col_scale, rank, self.world)
+        self._own[rank], self._own_error[rank] = self._quantized(w, spec.quant.group_size, spec, cols)
+        if self.error is not None:
+            self.error[key] = tuple(map(sum, zip(*self._own_error.values())))
+
+    def _quantized(self, w: torch.Tensor, group: int | None, spec, col_scale) -> tuple[dict, tuple | None]:
+        from dsc.kernels.int8 import quantization_error, quantize_weight
+
+        t0 = time.perf_counter()
+        parts = quantize_weight(w, group, spec.quant.symmetric, col_scale=col_scale)
+        t1 = time.perf_counter()
+        err = None if self.error is None else quantization_error(w, parts, col_scale, zero=not spec.quant.symmetric)
+        self.quantize_s += t1 - t0
+        self.error_s += time.perf_counter() - t1
+        return parts, err
 
     def drop(self) -> None:
         """Forget the quantized parts of the last weight (all of them were written)."""
-        self._qkey, self._qparts = None, {}
+        self._key, self._whole, self._own, self._own_error = None, {}, {}, {}
+
+
+def _whole_groups(model: Model, key: str, spec, world: int) -> tuple[bool, int | None]:
+    """(whether every rank's quantized shard is a slice of the whole weight's quantization, the
+    whole weight's scale group size then: None for one scale per row)."""
+    q = spec.quant
+    if spec.shard is None or spec.shard.dim == 0 or world == 1:
+        return True, q.group_size
+    from dsc.passes.quantize_int8 import group_size_for
+
+    if q.group_size is None and group_size_for(model, f"{key}.qweight", tp=1) is None:
+        return True, None  # whole rows' scales
+    group = q.group_size or spec.shard.local_size(world)
+    aligned = all(a % group == 0 and b % group == 0 for r in range(world) for a, b in spec.shard.ranges(r, world))
+    return aligned, group
+
+
+def _source_dtype(spec, reader: SourceReader) -> str:
+    """The dtype a weight's sources are stored in (float32 when they differ): quantizing casts
+    each element to fp32 as it goes, so the whole weight is never held in fp32."""
+    if spec.const is not None:
+        return str(spec.const.dtype).removeprefix("torch.")
+    dtypes = {reader.slice(k).dtype for k in spec.sources}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
 
 
 def rank_entries(model: Model, world: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -216,37 +281,28 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
     shapes = {n: (s, d) for n, s, d in entries}
     produce_s, write_s = [0.0] * world, [0.0] * world  # per rank: slicing/quantizing, writing
     fds = []
-    sq = None
     try:
         for r, (head, _) in enumerate(layouts):
             fds.append(os.open(folder / f"rank{r}.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
             _pwrite(fds[r], memoryview(head), 0)
         with SourceReader(ckpt) as reader, SourceStream(ckpt, set(users)) as stream:
-            row_params: dict = {}
-            makers = [RankTensors(model, reader, r, world, row_params) for r in range(world)]
-            if weight_sqnr:
-                from dsc.compiler.int8_report import _WeightSQNR
-
-                sq = _WeightSQNR(model, reader)
+            errors: dict[str, tuple[float, float]] | None = {} if weight_sqnr else None
+            make = RankTensors(model, reader, errors)
 
             def write_group(srcs: tuple[str, ...]) -> None:
                 for name in groups[srcs]:
                     for r in range(world):
-                        t0 = time.perf_counter()
-                        t = makers[r](name)
-                        if sq is not None and name.endswith(".qweight") and model.weights[name].quant:
-                            base = name.removesuffix("qweight")
-                            sq.add(name, r, lambda part: t if part == "qweight" else makers[r](base + part))
+                        t0, busy = time.perf_counter(), make.quantize_s + make.error_s
+                        t = make(name, r)
                         t1 = time.perf_counter()
                         data = tensor_bytes(t, name, *shapes[name])
                         _pwrite(fds[r], data, layouts[r][1][name])
-                        produce_s[r] += t1 - t0
+                        produce_s[r] += t1 - t0 - (make.quantize_s + make.error_s - busy)
                         write_s[r] += time.perf_counter() - t1
                         if on_bytes:
                             on_bytes(data.nbytes)
                         del t, data
-                for m in makers:
-                    m.drop()
+                make.drop()
 
             pending = {srcs for srcs in groups if srcs}
             if () in groups:
@@ -279,12 +335,19 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
         on_timing("emit.read source", stream.read_s)
         on_timing("emit.hash source", stream.hash_s)
         on_timing("emit.wait for reads", waited)
+        if model.options.int8:
+            on_timing("emit.quantize", make.quantize_s)
+            if weight_sqnr:
+                on_timing("emit.quantization error", make.error_s)
         for r in range(world):
-            on_timing(f"emit.rank {r}: slice and quantize" if model.options.int8 else f"emit.rank {r}: slice",
-                      produce_s[r])
+            on_timing(f"emit.rank {r}: slice", produce_s[r])
             on_timing(f"emit.rank {r}: write", write_s[r])
     hashes = {"config.json": sha256_file(ckpt.root / "config.json"), **stream.hashes}
-    return Written(dict(sorted(hashes.items())), sq.layers() if sq is not None else None)
+    if errors is None:
+        return Written(dict(sorted(hashes.items())), None)
+    from dsc.compiler.int8_report import weight_sqnr_db
+
+    return Written(dict(sorted(hashes.items())), weight_sqnr_db(errors))
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> None:

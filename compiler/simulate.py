@@ -11,7 +11,12 @@ Memory stays bounded like the rest of the compiler: a weight is produced when a 
 reads it and dropped after its last reader, unless all of them fit in `cache_bytes` (small
 models keep them across runs). Values die after their last use. One run of a batch reads each
 weight once, so callers put all their sequences in one batch (the simulator's KV cache is
-sized for it, not for the artifact's max_batch).
+sized for it, not for the artifact's max_batch); `logits_at` takes the logits at several
+positions of every sequence from that one run.
+
+With `dtype` (float32), the program computes in that dtype whatever the artifact's: every
+floating weight is cast as it is produced, the KV cache is allocated in it, and a floating
+dtype a node names (a cast) is replaced by it.
 """
 from __future__ import annotations
 
@@ -35,11 +40,13 @@ class Simulator:
     `.kv_cache` ({layers, shape, dtype}), and for the cache decision `.weights` specs (optional)."""
 
     def __init__(self, model: Any, produce: Produce, world: int, batch: int, seq: int,
-                 cache_bytes: int = 1 << 30, weight_bytes: int | None = None):
-        self.model, self.produce, self.world = model, produce, world
+                 cache_bytes: int = 1 << 30, weight_bytes: int | None = None, dtype: torch.dtype | None = None):
+        self.model, self.produce, self.world, self.dtype = model, produce, world, dtype
+        self.graphs = dict(model.programs)
         kv = model.kv_cache
         shape = [batch, kv["shape"][1], seq, kv["shape"][3]] if kv else None  # rows x local kv heads x seq x head_dim
-        self.caches = [{f"kv_cache.{i}.{t}": torch.zeros(shape, dtype=getattr(torch, kv["dtype"]))
+        kv_dtype = dtype or (getattr(torch, kv["dtype"]) if kv else None)
+        self.caches = [{f"kv_cache.{i}.{t}": torch.zeros(shape, dtype=kv_dtype)
                         for i in range(kv["layers"]) for t in ("k", "v")} if kv else {} for _ in range(world)]
         self.keep = weight_bytes is not None and weight_bytes <= cache_bytes
         self.kept: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
@@ -50,6 +57,8 @@ class Simulator:
         if name in self.kept[rank]:
             return self.kept[rank][name]
         t = self.produce(name, rank)
+        if self.dtype is not None and t.is_floating_point():
+            t = t.to(self.dtype)
         if self.keep:
             self.kept[rank][name] = t
         return t
@@ -57,7 +66,7 @@ class Simulator:
     @torch.inference_mode()
     def run(self, program: str, inputs: Sequence[torch.Tensor], observe: Observer | None = None) -> Any:
         """Rank 0's output of `program` on its inputs."""
-        nodes = list(self.model.programs[program].nodes)
+        nodes = list(self.graphs[program].nodes)
         last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
         ranks = range(self.world)
         env: list[dict[fx.Node, Any]] = [{} for _ in ranks]
@@ -85,6 +94,8 @@ class Simulator:
             else:
                 for r in ranks:
                     args, kwargs = args_of(node, r)
+                    if self.dtype is not None:
+                        args, kwargs = fx.node.map_aggregate((args, kwargs), self._cast)
                     if observe is not None:
                         observe(node, r, args)
                     env[r][node] = node.target(*args, **kwargs)
@@ -104,6 +115,42 @@ class Simulator:
         ids, pos = pad(sequences)
         last = torch.tensor(list(last_idx) if last_idx is not None else [len(s) - 1 for s in sequences])
         return self.run("prefill", (ids, pos, torch.zeros(len(sequences), dtype=torch.long), last), observe).float()
+
+
+    def _cast(self, a: Any) -> Any:
+        return self.dtype if isinstance(a, torch.dtype) and a.is_floating_point else a
+
+    def logits_at(self, sequences: Sequence[Sequence[int]], positions: int) -> torch.Tensor:
+        """Logits [n, V] fp32 at the last `positions` positions of every sequence (each of a
+        shorter one), sequence by sequence, from one prefill run of the batch: the program's
+        `h[arange(B), last_idx]` ([B, S, E] -> [B, E]) is run as `h.flatten(0, 1)[rows]`."""
+        if "prefill_rows" not in self.graphs:
+            self.graphs["prefill_rows"] = _flat_rows(self.graphs["prefill"])
+        L = max(2, max(len(s) for s in sequences))
+        rows = [b * L + j for b, s in enumerate(sequences) for j in range(max(0, len(s) - positions), len(s))]
+        for c in self.caches:
+            for t in c.values():
+                t.zero_()
+        ids, pos = pad(sequences)
+        return self.run("prefill_rows", (ids, pos, torch.zeros(len(sequences), dtype=torch.long),
+                                         torch.tensor(rows))).float()
+
+
+def _flat_rows(graph: fx.Graph) -> fx.Graph:
+    """A copy of a prefill program whose last input picks rows of the flattened [B * S, E]
+    hidden states instead of one position per sequence."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    g.output(g.graph_copy(graph, env))
+    last = [n for n in g.nodes if n.op == "placeholder"][3]
+    (index,) = [u for u in last.users if u.target is torch.ops.aten.index.Tensor]
+    h, (arange, _) = index.args
+    with g.inserting_before(index):
+        flat = g.call_function(torch.ops.aten.flatten.using_ints, (h, 0, 1))
+    index.args = (flat, [last])
+    if not arange.users:
+        g.erase_node(arange)
+    return g
 
 
 def _collective(node: fx.Node) -> Callable[[list[tuple]], list] | None:

@@ -89,7 +89,7 @@ class HeldSlice:
     """A whole tensor already in memory, with FileSlice's interface: indexing gives views."""
 
     def __init__(self, t: torch.Tensor):
-        self.t = t
+        self.t, self.dtype = t, t.dtype
 
     def get_shape(self) -> list[int]:
         return list(self.t.shape)
