@@ -14,7 +14,7 @@ float32 whatever the artifact's dtype (each weight upcast as it is read, the KV 
 the difference between them is the quantization error of the weights (and, in w8a8, of the
 activations), not 16-bit rounding. Each weight is produced when a node first reads it (memory
 stays bounded); the twin is the quantized program with each dsc int8 linear turned back into
-aten.linear on its float weight as the checkpoint stores it. Inputs: the calibration prompts
+aten.linear on its float weight. Inputs: the calibration prompts
 when given (the first REPORT_PROMPTS, cut to REPORT_TOKENS), else three random-token prompts
 (lengths 11, 7, 3).
 
@@ -62,7 +62,7 @@ def unquantized(model: Model) -> Model:
                 continue
             x, qw, bias = new.args[0], new.args[1], new.args[4]
             base = qw.target.removesuffix(".qweight")
-            weights[base] = dataclasses.replace(model.weights[qw.target], quant=None, col_scale=None, dtype="float32")
+            weights[base] = dataclasses.replace(model.weights[qw.target], quant=None, col_scale=None)
             if base not in attrs:
                 with g.inserting_before(qw):
                     attrs[base] = g.get_attr(base)

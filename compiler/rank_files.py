@@ -15,6 +15,7 @@ writes differs, so artifacts are byte-identical whatever the order of the source
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -285,7 +286,7 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
         for r, (head, _) in enumerate(layouts):
             fds.append(os.open(folder / f"rank{r}.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
             _pwrite(fds[r], memoryview(head), 0)
-        with SourceReader(ckpt) as reader, SourceStream(ckpt, set(users)) as stream:
+        with SourceReader(ckpt) as reader, SourceStream(ckpt, set(users)) as stream, _torch_threads(1):
             errors: dict[str, tuple[float, float]] | None = {} if weight_sqnr else None
             make = RankTensors(model, reader, errors)
 
@@ -348,6 +349,18 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
     from dsc.compiler.int8_report import weight_sqnr_db
 
     return Written(dict(sorted(hashes.items())), weight_sqnr_db(errors))
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """Torch ops on `n` threads in the block: the reader thread (reads, sha256) has the other
+    core, and OpenMP workers that wait for a descheduled peer spin instead of computing."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> None:

@@ -78,6 +78,13 @@ class Simulator:
 
         args_of = lambda n, r: fx.node.map_arg((n.args, n.kwargs), lambda a: value(a, r))  # noqa: E731
         feed = iter(inputs)
+
+        def free(i: int, node: fx.Node, of_ranks) -> None:  # what nothing reads any more
+            for a in node.all_input_nodes:
+                if last_use[a] == i:
+                    for r in of_ranks:
+                        env[r].pop(a, None)
+
         for i, node in enumerate(nodes):
             if node.op == "placeholder":
                 x = next(feed)
@@ -91,18 +98,11 @@ class Simulator:
                 per_rank = [args_of(node, r)[0] for r in ranks]
                 for r, y in zip(ranks, combine(per_rank)):
                     env[r][node] = y
-            else:
+            else:  # rank by rank, each rank's inputs freed before the next rank's are made
                 for r in ranks:
-                    args, kwargs = args_of(node, r)
-                    if self.dtype is not None:
-                        args, kwargs = fx.node.map_aggregate((args, kwargs), self._cast)
-                    if observe is not None:
-                        observe(node, r, args)
-                    env[r][node] = node.target(*args, **kwargs)
-            for a in node.all_input_nodes:  # free what nothing reads any more
-                if last_use[a] == i:
-                    for r in ranks:
-                        env[r].pop(a, None)
+                    env[r][node] = self._call(node, r, args_of(node, r), observe)
+                    free(i, node, [r])
+            free(i, node, ranks)
         raise RuntimeError(f"program {program} has no output node")
 
     def prefill(self, sequences: Sequence[Sequence[int]], last_idx: Sequence[int] | None = None,
@@ -116,6 +116,14 @@ class Simulator:
         last = torch.tensor(list(last_idx) if last_idx is not None else [len(s) - 1 for s in sequences])
         return self.run("prefill", (ids, pos, torch.zeros(len(sequences), dtype=torch.long), last), observe).float()
 
+
+    def _call(self, node: fx.Node, rank: int, args_kwargs: tuple, observe: Observer | None) -> Any:
+        if self.dtype is not None:
+            args_kwargs = fx.node.map_aggregate(args_kwargs, self._cast)
+        args, kwargs = args_kwargs
+        if observe is not None:
+            observe(node, rank, args)
+        return node.target(*args, **kwargs)
 
     def _cast(self, a: Any) -> Any:
         return self.dtype if isinstance(a, torch.dtype) and a.is_floating_point else a
