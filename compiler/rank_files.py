@@ -1,10 +1,11 @@
 """Write every rank's safetensors file from one read of the checkpoint.
 
-The source files are read once, front to back, by a background thread that also hashes them
-(the manifest's source hashes) and hands each tensor a weight needs, whole, to the writer.
-As soon as all the sources of a weight are in memory, every rank's tensors of it (sliced,
-cast, quantized: `RankTensors`) are produced and written at their offsets in the rank files
-(the headers are computed from the declared shapes first), then the sources are dropped.
+The source files are read once, front to back, by a background thread that hands each tensor
+a weight needs, whole, to the writer; a second thread hashes the bytes read (the manifest's
+source hashes) while the next are read. As soon as all the sources of a weight are in memory,
+every rank's tensors of it (sliced, cast, quantized: `RankTensors`, which quantizes a weight
+once for all ranks) are produced and written at their offsets in the rank files (the headers
+are computed from the declared shapes first), then the sources are dropped.
 Peak memory is a few of the largest tensors, whatever the model size and the tp: a tensor
 waits only for the other sources of its weight (a fused q/k/v reads three), and the reader
 runs at most `READ_AHEAD` bytes ahead of the writer. Torch kernels, file reads, writes and
@@ -38,7 +39,8 @@ from dsc.errors import UserError
 from dsc.runtime.artifact import sha256_file
 
 READ_AHEAD = 256 << 20  # bytes of read tensors the writer has not finished with, beyond which the reader waits
-_CHUNK = 64 << 20  # reads of bytes no weight needs (hashed only)
+_CHUNK = 64 << 20  # reads of bytes no weight needs (hashed only); pieces hashed at a time
+_HASH_BEHIND = 4  # pieces read and not yet hashed, beyond which the reader waits
 
 Timing = Callable[[str, float], None]
 
@@ -97,12 +99,18 @@ class RankTensors:
     def _quantize(self, key: str, spec) -> None:
         """The whole weight's parts, when the ranks' shards are slices of them."""
         whole, self._group = _whole_groups(self.model, key, spec, self.world)
-        if whole:
-            src = dataclasses.replace(spec, quant=None, shard=None, col_scale=None)
-            w = float_tensor(dataclasses.replace(src, dtype=_source_dtype(src, self.reader)), 0, 1, self.reader)
-            self._whole, err = self._quantized(w, self._group, spec, spec.col_scale)
-            if self.error is not None:
-                self.error[key] = err
+        if not whole:
+            return
+        n, k = spec.shape
+        g = k // self._group if self._group else 1
+        self._whole = {"qweight": torch.empty(n, k, dtype=torch.int8), "scale": torch.empty(n, g),
+                       "zero": torch.empty(n, g, dtype=torch.int8)}
+        errors = []
+        for r0, w in _row_pieces(spec, self.reader):  # each source's rows into its rows of the parts
+            rows = {p: t[r0:r0 + w.shape[0]] for p, t in self._whole.items()}
+            errors.append(self._quantized(w, self._group, spec, spec.col_scale, rows)[1])
+        if self.error is not None:
+            self.error[key] = tuple(map(sum, zip(*errors)))
 
     def _quantize_shard(self, key: str, spec, rank: int) -> None:
         """One rank's shard, quantized on its own; the error sums over the ranks' shards."""
@@ -113,11 +121,11 @@ class RankTensors:
         if self.error is not None:
             self.error[key] = tuple(map(sum, zip(*self._own_error.values())))
 
-    def _quantized(self, w: torch.Tensor, group: int | None, spec, col_scale) -> tuple[dict, tuple | None]:
+    def _quantized(self, w: torch.Tensor, group: int | None, spec, col_scale, out=None) -> tuple[dict, tuple | None]:
         from dsc.kernels.int8 import quantization_error, quantize_weight
 
         t0 = time.perf_counter()
-        parts = quantize_weight(w, group, spec.quant.symmetric, col_scale=col_scale)
+        parts = quantize_weight(w, group, spec.quant.symmetric, col_scale=col_scale, out=out)
         t1 = time.perf_counter()
         err = None if self.error is None else quantization_error(w, parts, col_scale, zero=not spec.quant.symmetric)
         self.quantize_s += t1 - t0
@@ -144,13 +152,19 @@ def _whole_groups(model: Model, key: str, spec, world: int) -> tuple[bool, int |
     return aligned, group
 
 
-def _source_dtype(spec, reader: SourceReader) -> str:
-    """The dtype a weight's sources are stored in (float32 when they differ): quantizing casts
-    each element to fp32 as it goes, so the whole weight is never held in fp32."""
-    if spec.const is not None:
-        return str(spec.const.dtype).removeprefix("torch.")
-    dtypes = {reader.slice(k).dtype for k in spec.sources}
-    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+def _row_pieces(spec, reader: SourceReader) -> list[tuple[int, torch.Tensor]]:
+    """(first row, rows) of a weight's unsharded, unquantized [N, K] value, as its sources store
+    them (no copy of a source in memory, no cast): each source's rows, or the whole weight made
+    once (transposed sources, a constant)."""
+    if spec.const is None and not spec.transpose:
+        pieces, r0 = [], 0
+        for key in spec.sources:
+            t = reader.slice(key)[:]
+            pieces.append((r0, t))
+            r0 += t.shape[0]
+        return pieces
+    whole = dataclasses.replace(spec, quant=None, shard=None, col_scale=None, dtype="float32")
+    return [(0, float_tensor(whole, 0, 1, reader))]
 
 
 def rank_entries(model: Model, world: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -217,33 +231,29 @@ class SourceStream:
         except BaseException as e:  # handed to the writer's thread, which raises it
             self._q.put(e)
 
-    def _read(self, f, buf: memoryview, h) -> None:
+    def _read(self, f, buf: memoryview, h: "_Hasher") -> None:
         t0 = time.perf_counter()
         if f.readinto(buf) != len(buf):
             raise UserError(f"{f.name}: truncated safetensors file")
-        t1 = time.perf_counter()
+        self.read_s += time.perf_counter() - t0
         h.update(buf)
-        self.read_s += t1 - t0
-        self.hash_s += time.perf_counter() - t1
 
     def _read_file(self, path: Path) -> bool:
-        h = hashlib.sha256()
-        with open(path, "rb", buffering=0) as f:
+        h = _Hasher(path.name, self.hashes)
+        with open(path, "rb", buffering=0) as f, h:
             head = f.read(8)
             (n,) = struct.unpack("<Q", head)
             raw = f.read(n)
-            h.update(head)
-            h.update(raw)
+            h.update(memoryview(head + raw))
             header = json.loads(raw)
             pos, start = 8 + n, 8 + n
             spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
                            for name, info in header.items() if name != "__metadata__")
-            scratch = torch.empty(_CHUNK, dtype=torch.uint8)
             for lo, hi, name in spans + [(None, None, None)]:
                 end = start + lo if lo is not None else os.fstat(f.fileno()).st_size
                 while pos < end:  # bytes between tensors or after the last: hashed only
                     k = min(_CHUNK, end - pos)
-                    self._read(f, memoryview(scratch.numpy())[:k], h)
+                    self._read(f, memoryview(bytearray(k)), h)
                     pos += k
                 if name is None:
                     break
@@ -256,8 +266,40 @@ class SourceStream:
                 pos += hi - lo
                 info = header[name]
                 self._q.put((name, buf.view(_ST_TO_TORCH[info["dtype"]]).reshape(info["shape"])))
-        self.hashes[path.name] = h.hexdigest()
+        self.hash_s += h.seconds
         return True
+
+
+class _Hasher:
+    """sha256 of one file's bytes, computed by a thread of its own while the next bytes are
+    read (sha256 releases the GIL): at most _HASH_BEHIND pieces of _CHUNK bytes wait for it,
+    so a buffer outlives its reading by that much at most. On leaving the block (the file
+    read whole), waits for the digest and records it in `hashes[name]`."""
+
+    def __init__(self, name: str, hashes: dict[str, str]):
+        self.name, self.hashes, self.seconds = name, hashes, 0.0
+        self._q: queue.Queue = queue.Queue(maxsize=_HASH_BEHIND)
+        self._thread = threading.Thread(target=self._run, name="dsc-source-hash", daemon=True)
+
+    def __enter__(self) -> "_Hasher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+    def update(self, data: memoryview) -> None:
+        for i in range(0, len(data), _CHUNK):
+            self._q.put(data[i:i + _CHUNK])
+
+    def _run(self) -> None:
+        h = hashlib.sha256()
+        while (piece := self._q.get()) is not None:
+            t0 = time.perf_counter()
+            h.update(piece)
+            self.seconds += time.perf_counter() - t0
+        self.hashes[self.name] = h.hexdigest()
 
 
 @dataclasses.dataclass

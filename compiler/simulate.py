@@ -15,8 +15,9 @@ sized for it, not for the artifact's max_batch); `logits_at` takes the logits at
 positions of every sequence from that one run.
 
 With `dtype` (float32), the program computes in that dtype whatever the artifact's: every
-floating weight is cast as it is produced, the KV cache is allocated in it, and a floating
-dtype a node names (a cast) is replaced by it.
+16-bit tensor an op reads is cast to it (a linear's weight a block of rows at a time, so no
+whole weight is held twice), the KV cache is allocated in it, and a floating dtype a node
+names (a cast) is replaced by it.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch.fx as fx
 import dsc.kernels  # noqa: F401  (registers the dsc ops the programs call)
 from dsc.kernels.registry import op_name, traits
 
+ROW_BLOCK = 1 << 20  # weight elements per block of a linear computed in `dtype` (a few MB in fp32)
 Observer = Callable[[fx.Node, int, tuple], None]  # (node, rank, its evaluated args), before the call
 Produce = Callable[[str, int], torch.Tensor]  # (weight name, rank) -> tensor
 
@@ -57,8 +59,6 @@ class Simulator:
         if name in self.kept[rank]:
             return self.kept[rank][name]
         t = self.produce(name, rank)
-        if self.dtype is not None and t.is_floating_point():
-            t = t.to(self.dtype)
         if self.keep:
             self.kept[rank][name] = t
         return t
@@ -95,7 +95,8 @@ class Simulator:
             elif node.op == "output":
                 return args_of(node, 0)[0][0]
             elif (combine := _collective(node)) is not None:
-                per_rank = [args_of(node, r)[0] for r in ranks]
+                per_rank = [args_of(node, r)[0] if self.dtype is None else self._cast(args_of(node, r)[0])
+                            for r in ranks]
                 for r, y in zip(ranks, combine(per_rank)):
                     env[r][node] = y
             else:  # rank by rank, each rank's inputs freed before the next rank's are made
@@ -118,15 +119,35 @@ class Simulator:
 
 
     def _call(self, node: fx.Node, rank: int, args_kwargs: tuple, observe: Observer | None) -> Any:
-        if self.dtype is not None:
-            args_kwargs = fx.node.map_aggregate(args_kwargs, self._cast)
         args, kwargs = args_kwargs
         if observe is not None:
             observe(node, rank, args)
-        return node.target(*args, **kwargs)
+        if self.dtype is None:
+            return node.target(*args, **kwargs)
+        bias_arg = _bias_arg(node)
+        if bias_arg is None:
+            args, kwargs = self._cast((args, kwargs))
+            return node.target(*args, **kwargs)
+        # a linear: output columns a block of weight rows at a time, each block cast as it is
+        # used (args 1..bias_arg are indexed by output row), so no whole weight is copied
+        n, k = args[1].shape
+        rows = max(1, ROW_BLOCK // k)
+        outs = []
+        for a in range(0, n, rows):
+            part = [t[a:a + rows] if 1 <= i <= bias_arg and t is not None else t for i, t in enumerate(args)]
+            outs.append(node.target(*self._cast(part), **self._cast(kwargs)))
+        return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
 
-    def _cast(self, a: Any) -> Any:
-        return self.dtype if isinstance(a, torch.dtype) and a.is_floating_point else a
+    def _cast(self, x: Any) -> Any:
+        """x with every lower-precision float tensor, and every float dtype, made self.dtype."""
+        def cast(a: Any) -> Any:
+            if isinstance(a, torch.dtype):
+                return self.dtype if a.is_floating_point else a
+            if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype.itemsize < self.dtype.itemsize:
+                return a.to(self.dtype)
+            return a
+
+        return fx.node.map_aggregate(x, cast)
 
     def logits_at(self, sequences: Sequence[Sequence[int]], positions: int) -> torch.Tensor:
         """Logits [n, V] fp32 at the last `positions` positions of every sequence (each of a
@@ -159,6 +180,16 @@ def _flat_rows(graph: fx.Graph) -> fx.Graph:
     if not arange.users:
         g.erase_node(arange)
     return g
+
+
+def _bias_arg(node: fx.Node) -> int | None:
+    """A linear's bias argument index (its weight is argument 1): aten.linear's, or a dsc op's
+    as its kernel file declares it; None for other ops."""
+    if node.target is torch.ops.aten.linear.default:
+        return 2
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "dsc":
+        return traits(op_name(node.target)).bias_arg
+    return None
 
 
 def _collective(node: fx.Node) -> Callable[[list[tuple]], list] | None:

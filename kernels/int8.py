@@ -107,7 +107,8 @@ QUANT_CHUNK = 1 << 18  # elements quantized at a time on CPU: one fp32 scratch b
 
 def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: bool = True,
                     params: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    col_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                    col_scale: torch.Tensor | None = None,
+                    out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """w [N, K] float (any float dtype) -> {"qweight": int8 [N, K], "scale": fp32 [N, G], "zero": int8 [N, G]}.
 
     Scales and zero points from `weight_qparams`, or `params` where given: those of a larger
@@ -115,15 +116,18 @@ def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: b
     scales), so every entry is quantized as the whole tensor quantizes it. `col_scale` [K]
     (SmoothQuant) multiplies w's columns, in fp32, first. Round-trip error is at most
     scale / 2 per element. On CPU the rows are quantized a block at a time in one fp32 scratch
-    buffer, in place (each element's arithmetic is the same as on the whole tensor)."""
+    buffer, in place (each element's arithmetic is the same as on the whole tensor). `out`:
+    parts of these shapes to write into (the rows of a larger weight's parts)."""
     n, k = w.shape
     if params is not None and (params[0].shape[0] != n or k % params[0].shape[1]):
         raise ValueError(f"quantize_weight: params of shape {list(params[0].shape)} for a [{n}, {k}] weight")
     g = params[0].shape[1] if params is not None else _groups(k, group_size)
     lo, hi = (-127, 127) if symmetric else (-128, 127)
-    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
-    scale = torch.empty(n, g, dtype=torch.float32, device=w.device)
-    zero = torch.empty(n, g, dtype=torch.float32, device=w.device)
+    if out is None:
+        out = {"qweight": torch.empty(n, k, dtype=torch.int8, device=w.device),
+               "scale": torch.empty(n, g, dtype=torch.float32, device=w.device),
+               "zero": torch.empty(n, g, dtype=torch.int8, device=w.device)}
+    q, scale, zero = out["qweight"], out["scale"], out["zero"]
     rows = n if w.device.type != "cpu" else max(1, min(n, QUANT_CHUNK // max(k, 1)))
     buf = torch.empty(rows * k, dtype=torch.float32, device=w.device)
     for a in range(0, n, rows):
@@ -139,8 +143,8 @@ def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: b
             fg.add_(z[..., None])
         f.clamp_(lo, hi)
         q[a:b].copy_(f)
-        scale[a:b], zero[a:b] = s, z
-    return {"qweight": q, "scale": scale, "zero": zero.to(torch.int8)}
+        scale[a:b], zero[a:b] = s, z  # zero points: integer-valued, exact in int8
+    return out
 
 
 def quantization_error(w: torch.Tensor, parts: dict[str, torch.Tensor], col_scale: torch.Tensor | None = None,

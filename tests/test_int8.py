@@ -109,10 +109,20 @@ def reference():
     return ref
 
 
+def eval_rows(prompts: list[list[int]], positions: int) -> tuple[list[list[int]], list[int]]:
+    """One row per (prompt, position) for the last `positions` positions of each prompt, in the
+    report's order: (sequences, last_idx) of a prefill batch whose logits are the report's."""
+    seqs, last = [], []
+    for p in prompts:
+        for j in range(max(0, len(p) - positions), len(p)):
+            seqs.append(p)
+            last.append(j)
+    return seqs, last
+
+
 def position_logits(art, prompts, positions: int) -> torch.Tensor:
     """Runtime prefill logits [rows, V] at the last `positions` positions of every prompt (the
     report's evaluation rows), in batches of the artifact's max_batch."""
-    from dsc.compiler.int8_report import eval_rows
     from dsc.compiler.simulate import pad
 
     e = dsc.load(art, device="cpu")
@@ -384,7 +394,6 @@ def simulate_artifact(art, prompts, positions: int = STEPS) -> torch.Tensor:
     (compiler/simulate.py: collectives combined in-process), in one batch."""
     import types
 
-    from dsc.compiler.int8_report import eval_rows
     from dsc.compiler.simulate import Simulator
     from dsc.runtime.artifact import open_artifact
     from dsc.runtime.plan import build_graph
