@@ -8,8 +8,9 @@ once for all ranks) are produced and written at their offsets in the rank files 
 are computed from the declared shapes first), then the sources are dropped.
 Peak memory is a few of the largest tensors, whatever the model size and the tp: a tensor
 waits only for the other sources of its weight (a fused q/k/v reads three), and the reader
-runs at most `READ_AHEAD` bytes ahead of the writer. Torch kernels, file reads, writes and
-sha256 release the GIL, so reading and hashing overlap quantizing and writing.
+runs at most `READ_AHEAD` bytes ahead of the writer. Reading, hashing, producing (on one
+torch thread) and writing (`_Writer`) each have a thread: torch kernels, file reads, writes
+and sha256 release the GIL, so they overlap on the machine's cores.
 
 The bytes written are those of writing each file in header order: only the order of the
 writes differs, so artifacts are byte-identical whatever the order of the source files.
@@ -25,7 +26,8 @@ import queue
 import struct
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +40,7 @@ from dsc.compiler.weights import (_ST_TO_TORCH, SourceReader, float_tensor, loca
 from dsc.errors import UserError
 from dsc.runtime.artifact import sha256_file
 
+WRITE_BEHIND = 256 << 20  # bytes of produced tensors not yet written, beyond which the writer waits
 READ_AHEAD = 256 << 20  # bytes of read tensors the writer has not finished with, beyond which the reader waits
 _CHUNK = 64 << 20  # reads of bytes no weight needs (hashed only); pieces hashed at a time
 _HASH_BEHIND = 4  # pieces read and not yet hashed, beyond which the reader waits
@@ -328,7 +331,8 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
         for r, (head, _) in enumerate(layouts):
             fds.append(os.open(folder / f"rank{r}.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
             _pwrite(fds[r], memoryview(head), 0)
-        with SourceReader(ckpt) as reader, SourceStream(ckpt, set(users)) as stream, _torch_threads(1):
+        with SourceReader(ckpt) as reader, SourceStream(ckpt, set(users)) as stream, _torch_threads(1), \
+                _Writer(fds, write_s) as writer:
             errors: dict[str, tuple[float, float]] | None = {} if weight_sqnr else None
             make = RankTensors(model, reader, errors)
 
@@ -337,11 +341,9 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
                     for r in range(world):
                         t0, busy = time.perf_counter(), make.quantize_s + make.error_s
                         t = make(name, r)
-                        t1 = time.perf_counter()
+                        produce_s[r] += time.perf_counter() - t0 - (make.quantize_s + make.error_s - busy)
                         data = tensor_bytes(t, name, *shapes[name])
-                        _pwrite(fds[r], data, layouts[r][1][name])
-                        produce_s[r] += t1 - t0 - (make.quantize_s + make.error_s - busy)
-                        write_s[r] += time.perf_counter() - t1
+                        writer.write(r, data, layouts[r][1][name])
                         if on_bytes:
                             on_bytes(data.nbytes)
                         del t, data
@@ -391,6 +393,43 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
     from dsc.compiler.int8_report import weight_sqnr_db
 
     return Written(dict(sorted(hashes.items())), weight_sqnr_db(errors))
+
+
+class _Writer:
+    """pwrite on a thread of its own, so that writing a tensor overlaps producing the next; at
+    most WRITE_BEHIND bytes (and the tensors they belong to) wait for it. Leaving the block
+    waits for every write and raises the first error."""
+
+    def __init__(self, fds: list[int], seconds: list[float]):
+        self.fds, self.seconds = fds, seconds
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsc-rank-writer")
+        self._pending: deque = deque()  # (future, bytes)
+        self._bytes = 0
+
+    def __enter__(self) -> "_Writer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._wait(0)
+        finally:
+            self._pool.shutdown()
+
+    def write(self, rank: int, data: memoryview, offset: int) -> None:
+        self._wait(WRITE_BEHIND - data.nbytes)
+        self._pending.append((self._pool.submit(self._write, rank, data, offset), data.nbytes))
+        self._bytes += data.nbytes
+
+    def _wait(self, limit: int) -> None:
+        while self._pending and self._bytes > limit:
+            fut, n = self._pending.popleft()
+            self._bytes -= n
+            fut.result()
+
+    def _write(self, rank: int, data: memoryview, offset: int) -> None:
+        t0 = time.perf_counter()
+        _pwrite(self.fds[rank], data, offset)
+        self.seconds[rank] += time.perf_counter() - t0
 
 
 @contextlib.contextmanager
