@@ -10,13 +10,13 @@
 The logits come from the prefill program the artifact will hold (sharded and fused), run for
 every rank in the compiler's process (compiler/simulate.py), once per program: all prompts in
 one batch, the logits taken at every evaluated position of that run. Both programs compute in
-float32 whatever the artifact's dtype (each weight upcast as it is read, the KV cache in fp32):
-the difference between them is the quantization error of the weights (and, in w8a8, of the
-activations), not 16-bit rounding. Each weight is produced when a node first reads it (memory
-stays bounded); the twin is the quantized program with each dsc int8 linear turned back into
-aten.linear on its float weight. Inputs: the calibration prompts
-when given (the first REPORT_PROMPTS, cut to REPORT_TOKENS), else three random-token prompts
-(lengths 11, 7, 3).
+float32 whatever the artifact's dtype (each weight upcast a block at a time as it is read, the
+KV cache in fp32): the difference between them is the quantization error of the weights (and,
+in w8a8, of the activations), not 16-bit rounding. The two programs run at the same time, on
+two threads. Each weight is produced when a node first reads it (memory stays bounded); the
+twin is the quantized program with each dsc int8 linear turned back into aten.linear on its
+float weight. Inputs: the calibration prompts when given (the first REPORT_PROMPTS, cut to
+REPORT_TOKENS), else three random-token prompts (lengths 11, 7, 3).
 
 `compile` runs it once the rank files are written (in the temporary folder): the quantized
 program reads the written weights, the twin reads the checkpoint once (each tensor whole, then
@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import math
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -142,7 +143,7 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     `weight_sqnr` is the per-layer weight SQNR the emit measured as it quantized them."""
     from dsc.compiler.rank_files import RankTensors
     from dsc.compiler.verify import sample_prompts
-    from dsc.compiler.weights import SourceReader, float_tensor
+    from dsc.compiler.weights import SourceReader, float_tensor, torch_threads
 
     opts, world = model.options, model.options.tp
     if prompts is None and opts.calibrate:
@@ -154,18 +155,25 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     else:
         source = "given"
     twin = unquantized(model)
-    # whole tensors kept across the ranks: each rank's slice of a weight comes from one read
-    with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
-        ref = _run(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader), prompts, positions)
-    if written is not None:
-        with RankFiles(written, world) as files:
-            q = _run(model, files.tensor, prompts, positions)
-        layers = weight_sqnr or {}
-    else:
-        errors: dict[str, tuple[float, float]] = {}
+    errors: dict[str, tuple[float, float]] = {}
+
+    def run_twin() -> torch.Tensor:
+        # whole tensors kept across the ranks: each rank's slice of a weight comes from one read
         with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
-            q = _run(model, RankTensors(model, reader, errors), prompts, positions)
-        layers = weight_sqnr_db(errors)
+            return _run(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader), prompts, positions)
+
+    def run_quantized() -> torch.Tensor:
+        if written is not None:
+            with RankFiles(written, world) as files:
+                return _run(model, files.tensor, prompts, positions)
+        with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
+            return _run(model, RankTensors(model, reader, errors), prompts, positions)
+
+    # the two programs on two threads, torch ops on one thread each (weights/torch_threads)
+    with torch_threads(1), ThreadPoolExecutor(2, thread_name_prefix="dsc-int8-report") as pool:
+        ref_run, q_run = pool.submit(run_twin), pool.submit(run_quantized)
+        ref, q = ref_run.result(), q_run.result()
+    layers = (weight_sqnr or {}) if written is not None else weight_sqnr_db(errors)
     worst = sorted(layers, key=layers.get)[:5]
     vals = sorted(layers.values())
     return {

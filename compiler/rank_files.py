@@ -17,7 +17,6 @@ writes differs, so artifacts are byte-identical whatever the order of the source
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -36,7 +35,7 @@ import torch
 from dsc.compiler.ir import Model
 from dsc.compiler.source import Checkpoint
 from dsc.compiler.weights import (_ST_TO_TORCH, SourceReader, float_tensor, local_columns, local_dtype,
-                                  local_shape, safetensors_layout, tensor_bytes)
+                                  local_shape, safetensors_layout, tensor_bytes, torch_threads)
 from dsc.errors import UserError
 from dsc.runtime.artifact import sha256_file
 
@@ -331,7 +330,7 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
         for r, (head, _) in enumerate(layouts):
             fds.append(os.open(folder / f"rank{r}.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
             _pwrite(fds[r], memoryview(head), 0)
-        with SourceReader(ckpt) as reader, SourceStream(ckpt, set(users)) as stream, _torch_threads(1), \
+        with SourceReader(ckpt) as reader, SourceStream(ckpt, set(users)) as stream, torch_threads(1), \
                 _Writer(fds, write_s) as writer:
             errors: dict[str, tuple[float, float]] | None = {} if weight_sqnr else None
             make = RankTensors(model, reader, errors)
@@ -430,18 +429,6 @@ class _Writer:
         t0 = time.perf_counter()
         _pwrite(self.fds[rank], data, offset)
         self.seconds[rank] += time.perf_counter() - t0
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    """Torch ops on `n` threads in the block: the reader thread (reads, sha256) has the other
-    core, and OpenMP workers that wait for a descheduled peer spin instead of computing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> None:

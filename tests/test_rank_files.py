@@ -75,13 +75,26 @@ CASES = {  # name: (checkpoint shape, checkpoint kwargs, compile options)
                                                                    "int8_group_size": 4}),
     "gpt2-tp4-bf16": ("gpt2-tiny", {}, {"tp": 4, "dtype": "bf16"}),
     "sharded-tp2-int8": ("llama-tiny", {"shard_bytes": 40_000}, {"tp": 2, "dtype": "fp32", "int8": True}),
+    # bf16 sources quantized as stored (each element cast to fp32 in the quantizer)
+    "llama-tp4-int8-bf16": ("llama-tiny", {"dtype": "bfloat16"}, {"tp": 4, "int8": True}),
+    # transposed sources; row-parallel shards of one whole group each (their own scales)
+    "gpt2-tp4-int8-grouped": ("gpt2-tiny", {}, {"tp": 4, "dtype": "fp32", "int8": True, "int8_group_size": 16}),
+    # SmoothQuant: columns scaled before quantizing
+    "llama-tp2-w8a8-smoothquant": ("llama-tiny", {"outlier_channels": 3}, {"tp": 2, "dtype": "fp32", "int8": True,
+                                                                         "int8_mode": "w8a8", "calibrate": "PROMPTS"}),
 }
+PROMPTS = "The quick brown fox jumps over the lazy dog.\nHello world! The weather today is sunny and warm.\n"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_read_writes_what_each_rank_alone_writes(case, make_checkpoint, tmp_path, monkeypatch):
     shape, ckpt_kw, options = CASES[case]
+    if options.get("calibrate"):
+        (tmp_path / "prompts.txt").write_text(PROMPTS)
+        options = {**options, "calibrate": str(tmp_path / "prompts.txt")}
     ckpt, model = traced(make_checkpoint(shape, **ckpt_kw), **options)
+    if model.options.calibrate:
+        assert any(s.col_scale is not None for s in model.weights.values())
     (tmp_path / "ref").mkdir()
     write_each_rank_alone(model, ckpt, tmp_path / "ref")
 
