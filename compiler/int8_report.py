@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import math
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -104,11 +105,11 @@ def _logits_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
             "positions": int(ref.shape[0])}
 
 
-def _run(model: Model, produce, prompts: list[list[int]], positions: int) -> torch.Tensor:
+def _run(model: Model, produce, prompts: list[list[int]], positions: int, lock: threading.Lock) -> torch.Tensor:
     from dsc.compiler.simulate import Simulator, weight_bytes
 
     sim = Simulator(model, produce, model.options.tp, batch=len(prompts), seq=max(2, max(map(len, prompts))),
-                    weight_bytes=weight_bytes(model), dtype=torch.float32)
+                    weight_bytes=weight_bytes(model), dtype=torch.float32, lock=lock)
     return sim.logits_at(prompts, positions)
 
 
@@ -156,18 +157,19 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
         source = "given"
     twin = unquantized(model)
     errors: dict[str, tuple[float, float]] = {}
+    lock = threading.Lock()  # one program at a time holds a whole table (simulate.py)
 
     def run_twin() -> torch.Tensor:
         # whole tensors kept across the ranks: each rank's slice of a weight comes from one read
         with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
-            return _run(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader), prompts, positions)
+            return _run(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader), prompts, positions, lock)
 
     def run_quantized() -> torch.Tensor:
         if written is not None:
             with RankFiles(written, world) as files:
-                return _run(model, files.tensor, prompts, positions)
+                return _run(model, files.tensor, prompts, positions, lock)
         with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
-            return _run(model, RankTensors(model, reader, errors), prompts, positions)
+            return _run(model, RankTensors(model, reader, errors), prompts, positions, lock)
 
     # the two programs on two threads, torch ops on one thread each (weights/torch_threads)
     with torch_threads(1), ThreadPoolExecutor(2, thread_name_prefix="dsc-int8-report") as pool:

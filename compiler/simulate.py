@@ -15,13 +15,17 @@ sized for it, not for the artifact's max_batch); `logits_at` takes the logits at
 positions of every sequence from that one run.
 
 With `dtype` (float32), the program computes in that dtype whatever the artifact's: every
-16-bit tensor an op reads is cast to it (a linear's weight a block of rows at a time, so no
-whole weight is held twice), the KV cache is allocated in it, and a floating dtype a node
-names (a cast) is replaced by it.
+16-bit tensor an op reads is cast to it (a linear's weight a block of rows at a time, a
+lookup's table not at all: its rows read are), so no whole weight is held twice; the KV cache
+is allocated in it, and a floating dtype a node names (a cast) is replaced by it. Simulators
+run on several threads may share a `lock`: the nodes that hold every rank's weight at once (a
+collective: an embedding's lookup all-reduced) or a whole table run under it, one at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,8 +46,10 @@ class Simulator:
     `.kv_cache` ({layers, shape, dtype}), and for the cache decision `.weights` specs (optional)."""
 
     def __init__(self, model: Any, produce: Produce, world: int, batch: int, seq: int,
-                 cache_bytes: int = 1 << 30, weight_bytes: int | None = None, dtype: torch.dtype | None = None):
+                 cache_bytes: int = 1 << 30, weight_bytes: int | None = None, dtype: torch.dtype | None = None,
+                 lock: threading.Lock | None = None):
         self.model, self.produce, self.world, self.dtype = model, produce, world, dtype
+        self.lock = lock or contextlib.nullcontext()
         self.graphs = dict(model.programs)
         kv = model.kv_cache
         shape = [batch, kv["shape"][1], seq, kv["shape"][3]] if kv else None  # rows x local kv heads x seq x head_dim
@@ -95,14 +101,16 @@ class Simulator:
             elif node.op == "output":
                 return args_of(node, 0)[0][0]
             elif (combine := _collective(node)) is not None:
-                per_rank = [args_of(node, r)[0] if self.dtype is None else self._cast(args_of(node, r)[0])
-                            for r in ranks]
-                for r, y in zip(ranks, combine(per_rank)):
-                    env[r][node] = y
+                with self.lock:  # every rank's inputs at once
+                    per_rank = [self._cast(node, args_of(node, r))[0] for r in ranks]
+                    for r, y in zip(ranks, combine(per_rank)):
+                        env[r][node] = self._cast_out(node, y)
+                    free(i, node, ranks)
             else:  # rank by rank, each rank's inputs freed before the next rank's are made
-                for r in ranks:
-                    env[r][node] = self._call(node, r, args_of(node, r), observe)
-                    free(i, node, [r])
+                with self.lock if _gathers(node) else contextlib.nullcontext():
+                    for r in ranks:
+                        env[r][node] = self._call(node, r, args_of(node, r), observe)
+                        free(i, node, [r])
             free(i, node, ranks)
         raise RuntimeError(f"program {program} has no output node")
 
@@ -122,12 +130,10 @@ class Simulator:
         args, kwargs = args_kwargs
         if observe is not None:
             observe(node, rank, args)
-        if self.dtype is None:
-            return node.target(*args, **kwargs)
         bias_arg = _bias_arg(node)
-        if bias_arg is None:
-            args, kwargs = self._cast((args, kwargs))
-            return node.target(*args, **kwargs)
+        if self.dtype is None or bias_arg is None:
+            args, kwargs = self._cast(node, (args, kwargs))
+            return self._cast_out(node, node.target(*args, **kwargs))
         # a linear: output columns a block of weight rows at a time, each block cast as it is
         # used (args 1..bias_arg are indexed by output row), so no whole weight is copied
         n, k = args[1].shape
@@ -135,19 +141,30 @@ class Simulator:
         outs = []
         for a in range(0, n, rows):
             part = [t[a:a + rows] if 1 <= i <= bias_arg and t is not None else t for i, t in enumerate(args)]
-            outs.append(node.target(*self._cast(part), **self._cast(kwargs)))
+            part, kw = self._cast(node, (part, kwargs))
+            outs.append(node.target(*part, **kw))
         return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
 
-    def _cast(self, x: Any) -> Any:
-        """x with every lower-precision float tensor, and every float dtype, made self.dtype."""
-        def cast(a: Any) -> Any:
-            if isinstance(a, torch.dtype):
-                return self.dtype if a.is_floating_point else a
-            if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype.itemsize < self.dtype.itemsize:
-                return a.to(self.dtype)
-            return a
+    def _cast(self, node: fx.Node, args_kwargs: Any) -> Any:
+        """(args, kwargs) with every lower-precision float tensor, and every float dtype, made
+        self.dtype; a lookup's table (argument 0) stays as it is (its result is cast instead:
+        the same values, without a copy of the whole table)."""
+        if self.dtype is None:
+            return args_kwargs
+        args, kwargs = args_kwargs
+        table = args[0] if _gathers(node) else None
+        args, kwargs = fx.node.map_aggregate((args, kwargs), self._cast_one)
+        return ((table, *args[1:]) if table is not None else args), kwargs
 
-        return fx.node.map_aggregate(x, cast)
+    def _cast_out(self, node: fx.Node, y: Any) -> Any:
+        return fx.node.map_aggregate(y, self._cast_one) if self.dtype is not None and _gathers(node) else y
+
+    def _cast_one(self, a: Any) -> Any:
+        if isinstance(a, torch.dtype):
+            return self.dtype if a.is_floating_point else a
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype.itemsize < self.dtype.itemsize:
+            return a.to(self.dtype)
+        return a
 
     def logits_at(self, sequences: Sequence[Sequence[int]], positions: int) -> torch.Tensor:
         """Logits [n, V] fp32 at the last `positions` positions of every sequence (each of a
@@ -180,6 +197,13 @@ def _flat_rows(graph: fx.Graph) -> fx.Graph:
     if not arange.users:
         g.erase_node(arange)
     return g
+
+
+def _gathers(node: fx.Node) -> bool:
+    """A table lookup (argument 0 the table: an embedding), as its kernel file declares it."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        return traits(op_name(node.target)).gather
+    return False
 
 
 def _bias_arg(node: fx.Node) -> int | None:
