@@ -19,7 +19,8 @@ With `dtype` (float32), the program computes in that dtype whatever the artifact
 lookup's table not at all: its rows read are), so no whole weight is held twice; the KV cache
 is allocated in it, and a floating dtype a node names (a cast) is replaced by it. Simulators
 run on several threads may share a `lock`: the nodes that hold every rank's weight at once (a
-collective: an embedding's lookup all-reduced) or a whole table run under it, one at a time.
+collective: an embedding's lookup all-reduced), a whole table, or more than SERIAL_BYTES of
+weights (an lm_head) run under it, one at a time.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torch.fx as fx
 import dsc.kernels  # noqa: F401  (registers the dsc ops the programs call)
 from dsc.kernels.registry import op_name, traits
 
+SERIAL_BYTES = 256 << 20  # a node reading more weight bytes than this per rank runs under `lock`
 ROW_BLOCK = 1 << 20  # weight elements per block of a linear computed in `dtype` (a few MB in fp32)
 Observer = Callable[[fx.Node, int, tuple], None]  # (node, rank, its evaluated args), before the call
 Produce = Callable[[str, int], torch.Tensor]  # (weight name, rank) -> tensor
@@ -107,7 +109,7 @@ class Simulator:
                         env[r][node] = self._cast_out(node, y)
                     free(i, node, ranks)
             else:  # rank by rank, each rank's inputs freed before the next rank's are made
-                with self.lock if _gathers(node) else contextlib.nullcontext():
+                with self.lock if _gathers(node) or self._reads_bytes(node) > SERIAL_BYTES else contextlib.nullcontext():
                     for r in ranks:
                         env[r][node] = self._call(node, r, args_of(node, r), observe)
                         free(i, node, [r])
@@ -144,6 +146,14 @@ class Simulator:
             part, kw = self._cast(node, (part, kwargs))
             outs.append(node.target(*part, **kw))
         return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+
+    def _reads_bytes(self, node: fx.Node) -> int:
+        """Bytes of one rank's weights the node reads, from the model's weight specs (0 without)."""
+        from dsc.compiler.weights import local_dtype, local_shape
+
+        specs = getattr(self.model, "weights", {})
+        return sum(math.prod(local_shape(specs[a.target], self.world)) * local_dtype(specs[a.target]).itemsize
+                   for a in node.all_input_nodes if a.op == "get_attr" and a.target in specs)
 
     def _cast(self, node: fx.Node, args_kwargs: Any) -> Any:
         """(args, kwargs) with every lower-precision float tensor, and every float dtype, made
