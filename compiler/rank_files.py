@@ -263,11 +263,14 @@ class SourceStream:
                     continue  # read and hashed as a gap by the next span
                 if not self._reserve(hi - lo):
                     return False
+                if hi - lo > READ_AHEAD:
+                    h.drain()  # a large tensor: the last one's bytes are hashed (and freed) first
                 buf = torch.empty(hi - lo, dtype=torch.uint8)
                 self._read(f, memoryview(buf.numpy()), h)
                 pos += hi - lo
                 info = header[name]
                 self._q.put((name, buf.view(_ST_TO_TORCH[info["dtype"]]).reshape(info["shape"])))
+                del buf  # the writer's, until it is done
         self.hash_s += h.seconds
         return True
 
@@ -295,12 +298,19 @@ class _Hasher:
         for i in range(0, len(data), _CHUNK):
             self._q.put(data[i:i + _CHUNK])
 
+    def drain(self) -> None:
+        """Wait until every piece given so far is hashed (and no longer referenced here)."""
+        self._q.join()
+
     def _run(self) -> None:
         h = hashlib.sha256()
         while (piece := self._q.get()) is not None:
             t0 = time.perf_counter()
             h.update(piece)
             self.seconds += time.perf_counter() - t0
+            del piece
+            self._q.task_done()
+        self._q.task_done()
         self.hashes[self.name] = h.hexdigest()
 
 
@@ -359,15 +369,17 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
                 waited += time.perf_counter() - t0
                 if item is None:
                     break
-                key, tensor = item
-                held[key] = tensor
-                reader.hold(key, tensor)
+                key, held[key] = item
+                reader.hold(key, held[key])
+                del item  # `held` alone keeps the tensor, until it is done
                 for srcs in users[key]:
                     if srcs in pending and all(k in held for k in srcs):
                         write_group(srcs)
                         pending.discard(srcs)
                 for k in [k for k in held if not any(s in pending for s in users[k])]:
                     reader.release(k)
+                    if held[k].nbytes > WRITE_BEHIND:
+                        writer.drain()  # writes of views of a large source done before the reader moves on
                     stream.done(held.pop(k))
             if pending:
                 missing = sorted({k for srcs in pending for k in srcs} - set(held))
@@ -413,6 +425,10 @@ class _Writer:
             self._wait(0)
         finally:
             self._pool.shutdown()
+
+    def drain(self) -> None:
+        """Wait for every write given so far (their tensors are then no longer referenced here)."""
+        self._wait(0)
 
     def write(self, rank: int, data: memoryview, offset: int) -> None:
         self._wait(WRITE_BEHIND - data.nbytes)
