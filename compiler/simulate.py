@@ -162,9 +162,10 @@ class Simulator:
         if self.dtype is None:
             return args_kwargs
         args, kwargs = args_kwargs
-        table = args[0] if _gathers(node) else None
-        args, kwargs = fx.node.map_aggregate((args, kwargs), self._cast_one)
-        return ((table, *args[1:]) if table is not None else args), kwargs
+        if _gathers(node):
+            rest, kwargs = fx.node.map_aggregate((tuple(args[1:]), kwargs), self._cast_one)
+            return (args[0], *rest), kwargs
+        return fx.node.map_aggregate((args, kwargs), self._cast_one)
 
     def _cast_out(self, node: fx.Node, y: Any) -> Any:
         return fx.node.map_aggregate(y, self._cast_one) if self.dtype is not None and _gathers(node) else y
