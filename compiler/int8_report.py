@@ -1,18 +1,22 @@
 """The int8 accuracy report, measured at compile time before the artifact is published.
 
-    weight SQNR per layer   10 log10(|W|^2 / |W - dequant(Q)|^2) over all ranks' shards, in the
+    weight SQNR per layer   10 log10(|W|^2 / |W - dequant(Q)|^2) over the whole weight, in the
                             original weight space (SmoothQuant's column scales divided out)
     logits                  SQNR (dB), mean KL(P_fp || P_int8) and top-1 agreement between the
                             quantized program and its unquantized twin at the last POSITIONS
                             positions of every prompt, teacher-forced on the prompt's own tokens
-                            (one prefill batch: a row per position)
     memory                  bytes of the quantized linears: int8 values, scales/zero points,
                             and the same weights at 16 bits
-Both are the prefill program the artifact will hold (sharded and fused), run for every rank in
-the compiler's process (compiler/simulate.py), each weight produced when a node first reads it
-(memory stays bounded); the twin is the quantized program with each dsc int8 linear turned
-back into aten.linear on its float weight. Inputs: the calibration prompts when given (the
-first REPORT_PROMPTS, cut to REPORT_TOKENS), else three random-token prompts (lengths 11, 7, 3).
+The logits come from the prefill program the artifact will hold (sharded and fused), run for
+every rank in the compiler's process (compiler/simulate.py), once per program: all prompts in
+one batch, the logits taken at every evaluated position of that run. Both programs compute in
+float32 whatever the artifact's dtype (each weight upcast a block at a time as it is read, the
+KV cache in fp32): the difference between them is the quantization error of the weights (and,
+in w8a8, of the activations), not 16-bit rounding. The two programs run at the same time, on
+two threads. Each weight is produced when a node first reads it (memory stays bounded); the
+twin is the quantized program with each dsc int8 linear turned back into aten.linear on its
+float weight. Inputs: the calibration prompts when given (the first REPORT_PROMPTS, cut to
+REPORT_TOKENS), else three random-token prompts (lengths 11, 7, 3).
 
 `compile` runs it once the rank files are written (in the temporary folder): the quantized
 program reads the written weights, the twin reads the checkpoint once (each tensor whole, then
@@ -27,6 +31,8 @@ import contextlib
 import dataclasses
 import math
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -99,50 +105,17 @@ def _logits_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
             "positions": int(ref.shape[0])}
 
 
-def eval_rows(prompts: list[list[int]], positions: int) -> tuple[list[list[int]], list[int]]:
-    """The evaluation batch: one row per (prompt, position) for the last `positions` positions
-    of each prompt, teacher-forced on the prompt's own tokens: (sequences, last_idx)."""
-    seqs, last = [], []
-    for p in prompts:
-        for j in range(max(0, len(p) - positions), len(p)):
-            seqs.append(p)
-            last.append(j)
-    return seqs, last
-
-
-def _run(model: Model, produce, seqs: list[list[int]], last: list[int]) -> torch.Tensor:
+def _run(model: Model, produce, prompts: list[list[int]], positions: int, lock: threading.Lock) -> torch.Tensor:
     from dsc.compiler.simulate import Simulator, weight_bytes
 
-    sim = Simulator(model, produce, model.options.tp, batch=len(seqs), seq=max(2, max(map(len, seqs))),
-                    weight_bytes=weight_bytes(model))
-    return sim.prefill(seqs, last)
+    sim = Simulator(model, produce, model.options.tp, batch=len(prompts), seq=max(2, max(map(len, prompts))),
+                    weight_bytes=weight_bytes(model), dtype=torch.float32, lock=lock)
+    return sim.logits_at(prompts, positions)
 
 
-class _WeightSQNR:
-    """Per quantized weight, over all ranks: signal and noise of dequant(Q) against W, in the
-    original weight space (SmoothQuant's column scales divided out)."""
-
-    def __init__(self, model: Model, reader):
-        self.model, self.reader, self.acc = model, reader, {}
-
-    def add(self, name: str, rank: int, parts) -> None:
-        from dsc.compiler.weights import float_tensor, local_columns
-        from dsc.kernels.int8 import dequantize_weight
-
-        spec, world = self.model.weights[name], self.model.options.tp
-        base = name.removesuffix(".qweight")
-        w = float_tensor(dataclasses.replace(spec, quant=None, col_scale=None, dtype="float32"), rank, world, self.reader)
-        dq = dequantize_weight(parts("qweight"), parts("scale"), parts("zero") if f"{base}.zero" in self.model.weights else None)
-        if spec.col_scale is not None:
-            dq = dq / local_columns(spec, spec.col_scale, rank, world)
-        # fp32 sums (torch's cascade summation: ~1e-7 relative error, far below the report's
-        # rounding) over ranks in Python floats; float64 copies took 3x as long as quantizing
-        # (w may be a constant the model holds: not modified in place; dq is this call's own)
-        s, n = self.acc.get(base, (0.0, 0.0))
-        self.acc[base] = (s + float(w.square().sum()), n + float(dq.sub_(w).square_().sum()))
-
-    def layers(self) -> dict[str, float]:
-        return {base.removesuffix(".weight"): round(_sqnr(*sn), 3) for base, sn in sorted(self.acc.items())}
+def weight_sqnr_db(errors: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """{layer: SQNR dB} from {weight name: (|W|^2, |W - dequant(Q)|^2)} (compiler/rank_files.py)."""
+    return {key.removesuffix(".weight"): round(_sqnr(*sn), 3) for key, sn in sorted(errors.items())}
 
 
 def _memory(model: Model) -> dict:
@@ -171,7 +144,7 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     `weight_sqnr` is the per-layer weight SQNR the emit measured as it quantized them."""
     from dsc.compiler.rank_files import RankTensors
     from dsc.compiler.verify import sample_prompts
-    from dsc.compiler.weights import SourceReader, float_tensor
+    from dsc.compiler.weights import SourceReader, float_tensor, torch_threads
 
     opts, world = model.options, model.options.tp
     if prompts is None and opts.calibrate:
@@ -182,29 +155,27 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
         prompts, source = sample_prompts(model.config["vocab_size"], batch=3), "random tokens"
     else:
         source = "given"
-    seqs, last = eval_rows(prompts, positions)
     twin = unquantized(model)
-    # whole tensors kept across the ranks: each rank's slice of a weight comes from one read
-    with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
-        ref = _run(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader), seqs, last)
-    if written is not None:
-        with RankFiles(written, world) as files:
-            q = _run(model, files.tensor, seqs, last)
-        layers = weight_sqnr or {}
-    else:
+    errors: dict[str, tuple[float, float]] = {}
+    lock = threading.Lock()  # one program at a time holds a whole table (simulate.py)
+
+    def run_twin() -> torch.Tensor:
+        # whole tensors kept across the ranks: each rank's slice of a weight comes from one read
         with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
-            makers = [RankTensors(model, reader, r, world) for r in range(world)]
-            sq = _WeightSQNR(model, reader)
+            return _run(twin, lambda n, r: float_tensor(twin.weights[n], r, world, reader), prompts, positions, lock)
 
-            def produce(name: str, rank: int) -> torch.Tensor:
-                t = makers[rank](name)
-                if name.endswith(".qweight") and model.weights[name].quant:
-                    base = name.removesuffix("qweight")
-                    sq.add(name, rank, lambda part: t if part == "qweight" else makers[rank](base + part))
-                return t
+    def run_quantized() -> torch.Tensor:
+        if written is not None:
+            with RankFiles(written, world) as files:
+                return _run(model, files.tensor, prompts, positions, lock)
+        with SourceReader(model.checkpoint, keep_bytes=READ_KEEP) as reader:
+            return _run(model, RankTensors(model, reader, errors), prompts, positions, lock)
 
-            q = _run(model, produce, seqs, last)
-        layers = sq.layers()
+    # the two programs on two threads, torch ops on one thread each (weights/torch_threads)
+    with torch_threads(1), ThreadPoolExecutor(2, thread_name_prefix="dsc-int8-report") as pool:
+        ref_run, q_run = pool.submit(run_twin), pool.submit(run_quantized)
+        ref, q = ref_run.result(), q_run.result()
+    layers = (weight_sqnr or {}) if written is not None else weight_sqnr_db(errors)
     worst = sorted(layers, key=layers.get)[:5]
     vals = sorted(layers.values())
     return {

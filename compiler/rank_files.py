@@ -1,14 +1,16 @@
 """Write every rank's safetensors file from one read of the checkpoint.
 
-The source files are read once, front to back, by a background thread that also hashes them
-(the manifest's source hashes) and hands each tensor a weight needs, whole, to the writer.
-As soon as all the sources of a weight are in memory, every rank's tensors of it (sliced,
-cast, quantized: `RankTensors`) are produced and written at their offsets in the rank files
-(the headers are computed from the declared shapes first), then the sources are dropped.
+The source files are read once, front to back, by a background thread that hands each tensor
+a weight needs, whole, to the writer; a second thread hashes the bytes read (the manifest's
+source hashes) while the next are read. As soon as all the sources of a weight are in memory,
+every rank's tensors of it (sliced, cast, quantized: `RankTensors`, which quantizes a weight
+once for all ranks) are produced and written at their offsets in the rank files (the headers
+are computed from the declared shapes first), then the sources are dropped.
 Peak memory is a few of the largest tensors, whatever the model size and the tp: a tensor
 waits only for the other sources of its weight (a fused q/k/v reads three), and the reader
-runs at most `READ_AHEAD` bytes ahead of the writer. Torch kernels, file reads, writes and
-sha256 release the GIL, so reading and hashing overlap quantizing and writing.
+runs at most `READ_AHEAD` bytes ahead of the writer. Reading, hashing, producing (on one
+torch thread) and writing (`_Writer`) each have a thread: torch kernels, file reads, writes
+and sha256 release the GIL, so they overlap on the machine's cores.
 
 The bytes written are those of writing each file in header order: only the order of the
 writes differs, so artifacts are byte-identical whatever the order of the source files.
@@ -23,68 +25,148 @@ import queue
 import struct
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from dsc.compiler.ir import Model
 from dsc.compiler.source import Checkpoint
-from dsc.compiler.weights import (_ST_TO_TORCH, SourceReader, float_tensor, local_dtype, local_shape,
-                                  safetensors_layout, tensor_bytes)
+from dsc.compiler.weights import (_ST_TO_TORCH, SourceReader, float_tensor, local_columns, local_dtype,
+                                  local_shape, safetensors_layout, tensor_bytes, torch_threads)
 from dsc.errors import UserError
 from dsc.runtime.artifact import sha256_file
 
+WRITE_BEHIND = 256 << 20  # bytes of produced tensors not yet written, beyond which the writer waits
 READ_AHEAD = 256 << 20  # bytes of read tensors the writer has not finished with, beyond which the reader waits
-_CHUNK = 64 << 20  # reads of bytes no weight needs (hashed only)
+_CHUNK = 64 << 20  # reads of bytes no weight needs (hashed only); pieces hashed at a time
+_HASH_BEHIND = 4  # pieces read and not yet hashed, beyond which the reader waits
 
 Timing = Callable[[str, float], None]
 
 
 class RankTensors:
-    """Produces the tensors of one rank, quantizing each weight once for all its parts.
+    """Produces every rank's tensors: `(name, rank) -> tensor`, quantizing each weight once for
+    all ranks.
 
-    A row-parallel shard (its input features split across ranks) of a weight that tp=1
-    quantizes per channel takes its whole rows' scales, so every rank's int8 entries and scales
-    are tp=1's and the all-reduced output equals tp=1's up to the order of the sum (scale groups,
-    --int8-group-size, never cross a shard boundary, so grouped shards are tp=1's already; a
-    shard that is one whole group is per channel locally and keeps its own scales).
-    `row_params` keeps those scales across the ranks of one emit (one read of the whole weight)."""
+    A quantized weight is quantized whole (its sources as stored, each element cast to fp32 as
+    it is quantized), then each rank takes its rows or columns of the int8 values and scales:
+    the bytes every rank's own quantization of its shard gives, whenever the rank's scale
+    groups are groups of the whole weight. They are: scales are per row, or per group of input
+    features that never crosses a shard boundary; a row-parallel shard (its input features
+    split across ranks) of a weight that tp=1 quantizes per channel takes its whole rows'
+    scales, so every rank's int8 entries and scales are tp=1's and the all-reduced output
+    equals tp=1's up to the order of the sum; a shard that is one whole group keeps its own
+    scales (a group of the shard's width). A shard whose groups are not groups of the whole
+    weight (its columns in pieces) is quantized on its own.
+    With `error`, each quantized weight's (signal, noise) over the whole weight, in the original
+    weight space (int8_report's weight SQNR), accumulates there as it is quantized."""
 
-    def __init__(self, model: Model, reader: SourceReader, rank: int, world: int,
-                 row_params: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
-        self.model, self.reader, self.rank, self.world = model, reader, rank, world
-        self._qkey: Any = None
-        self._qparts: dict[str, torch.Tensor] = {}
-        self._row_params = {} if row_params is None else row_params
+    def __init__(self, model: Model, reader: SourceReader, error: dict[str, tuple[float, float]] | None = None):
+        self.model, self.reader, self.world, self.error = model, reader, model.options.tp, error
+        self._key: str | None = None
+        self._whole: dict[str, torch.Tensor] = {}
+        self._group: int | None = None
+        self._own: dict[int, dict[str, torch.Tensor]] = {}  # rank -> parts, for shards quantized alone
+        self._own_error: dict[int, tuple] = {}
+        self.quantize_s = self.error_s = 0.0  # seconds quantizing, and measuring the error
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str, rank: int) -> torch.Tensor:
         spec = self.model.weights[name]
         if spec.quant is None:
-            return float_tensor(spec, self.rank, self.world, self.reader)
-        base = dataclasses.replace(spec, quant=dataclasses.replace(spec.quant, part="qweight"))
-        if self._qkey != base:
-            from dsc.kernels.int8 import quantize_weight, weight_qparams
-            from dsc.passes.quantize_int8 import group_size_for
+            return float_tensor(spec, rank, self.world, self.reader)
+        key, _, part = name.rpartition(".")  # the weight's name, shared by its parts
+        if self._key != key:
+            self.drop()
+            self._quantize(key, spec)
+            self._key = key
+        if not self._whole:
+            if rank not in self._own:
+                self._quantize_shard(key, spec, rank)
+            return self._own[rank][part]
+        t = self._whole[part]
+        if spec.shard is None:
+            return t
+        ranges = spec.shard.ranges(rank, self.world)
+        if spec.shard.dim == 0:  # rows: parts' rows alike
+            return torch.cat([t[a:b] for a, b in ranges]) if len(ranges) > 1 else t[ranges[0][0]:ranges[0][1]]
+        if part != "qweight":  # columns: the scale groups the rank's columns span
+            if self._group is None:
+                return t
+            ranges = [(a // self._group, b // self._group) for a, b in ranges]
+        return torch.cat([t[:, a:b] for a, b in ranges], 1)
 
-            unquantized = dataclasses.replace(spec, quant=None, dtype="float32")
-            params = None
-            key = name.rpartition(".")[0]  # the weight's name, shared by its parts
-            if spec.shard is not None and spec.shard.dim == 1 and self.world > 1 and spec.quant.group_size is None \
-                    and group_size_for(self.model, f"{key}.qweight", tp=1) is None:
-                if key not in self._row_params:
-                    whole = float_tensor(dataclasses.replace(unquantized, shard=None), 0, 1, self.reader)
-                    self._row_params[key] = weight_qparams(whole, None, spec.quant.symmetric)
-                params = self._row_params[key]
-            w = float_tensor(unquantized, self.rank, self.world, self.reader)
-            self._qparts = quantize_weight(w, spec.quant.group_size, spec.quant.symmetric, params)
-            self._qkey = base
-        return self._qparts[spec.quant.part]
+    def _quantize(self, key: str, spec) -> None:
+        """The whole weight's parts, when the ranks' shards are slices of them."""
+        whole, self._group = _whole_groups(self.model, key, spec, self.world)
+        if not whole:
+            return
+        n, k = spec.shape
+        g = k // self._group if self._group else 1
+        self._whole = {"qweight": torch.empty(n, k, dtype=torch.int8), "scale": torch.empty(n, g),
+                       "zero": torch.empty(n, g, dtype=torch.int8)}
+        errors = []
+        for r0, w in _row_pieces(spec, self.reader):  # each source's rows into its rows of the parts
+            rows = {p: t[r0:r0 + w.shape[0]] for p, t in self._whole.items()}
+            errors.append(self._quantized(w, self._group, spec, spec.col_scale, rows)[1])
+        if self.error is not None:
+            self.error[key] = tuple(map(sum, zip(*errors)))
+
+    def _quantize_shard(self, key: str, spec, rank: int) -> None:
+        """One rank's shard, quantized on its own; the error sums over the ranks' shards."""
+        w = float_tensor(dataclasses.replace(spec, quant=None, col_scale=None, dtype="float32"), rank, self.world,
+                         self.reader)
+        cols = None if spec.col_scale is None else local_columns(spec, spec.col_scale, rank, self.world)
+        self._own[rank], self._own_error[rank] = self._quantized(w, spec.quant.group_size, spec, cols)
+        if self.error is not None:
+            self.error[key] = tuple(map(sum, zip(*self._own_error.values())))
+
+    def _quantized(self, w: torch.Tensor, group: int | None, spec, col_scale, out=None) -> tuple[dict, tuple | None]:
+        from dsc.kernels.int8 import quantization_error, quantize_weight
+
+        t0 = time.perf_counter()
+        parts = quantize_weight(w, group, spec.quant.symmetric, col_scale=col_scale, out=out)
+        t1 = time.perf_counter()
+        err = None if self.error is None else quantization_error(w, parts, col_scale, zero=not spec.quant.symmetric)
+        self.quantize_s += t1 - t0
+        self.error_s += time.perf_counter() - t1
+        return parts, err
 
     def drop(self) -> None:
         """Forget the quantized parts of the last weight (all of them were written)."""
-        self._qkey, self._qparts = None, {}
+        self._key, self._whole, self._own, self._own_error = None, {}, {}, {}
+
+
+def _whole_groups(model: Model, key: str, spec, world: int) -> tuple[bool, int | None]:
+    """(whether every rank's quantized shard is a slice of the whole weight's quantization, the
+    whole weight's scale group size then: None for one scale per row)."""
+    q = spec.quant
+    if spec.shard is None or spec.shard.dim == 0 or world == 1:
+        return True, q.group_size
+    from dsc.passes.quantize_int8 import group_size_for
+
+    if q.group_size is None and group_size_for(model, f"{key}.qweight", tp=1) is None:
+        return True, None  # whole rows' scales
+    group = q.group_size or spec.shard.local_size(world)
+    aligned = all(a % group == 0 and b % group == 0 for r in range(world) for a, b in spec.shard.ranges(r, world))
+    return aligned, group
+
+
+def _row_pieces(spec, reader: SourceReader) -> list[tuple[int, torch.Tensor]]:
+    """(first row, rows) of a weight's unsharded, unquantized [N, K] value, as its sources store
+    them (no copy of a source in memory, no cast): each source's rows, or the whole weight made
+    once (transposed sources, a constant)."""
+    if spec.const is None and not spec.transpose:
+        pieces, r0 = [], 0
+        for key in spec.sources:
+            t = reader.slice(key)[:]
+            pieces.append((r0, t))
+            r0 += t.shape[0]
+        return pieces
+    whole = dataclasses.replace(spec, quant=None, shard=None, col_scale=None, dtype="float32")
+    return [(0, float_tensor(whole, 0, 1, reader))]
 
 
 def rank_entries(model: Model, world: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -151,33 +233,29 @@ class SourceStream:
         except BaseException as e:  # handed to the writer's thread, which raises it
             self._q.put(e)
 
-    def _read(self, f, buf: memoryview, h) -> None:
+    def _read(self, f, buf: memoryview, h: "_Hasher") -> None:
         t0 = time.perf_counter()
         if f.readinto(buf) != len(buf):
             raise UserError(f"{f.name}: truncated safetensors file")
-        t1 = time.perf_counter()
+        self.read_s += time.perf_counter() - t0
         h.update(buf)
-        self.read_s += t1 - t0
-        self.hash_s += time.perf_counter() - t1
 
     def _read_file(self, path: Path) -> bool:
-        h = hashlib.sha256()
-        with open(path, "rb", buffering=0) as f:
+        h = _Hasher(path.name, self.hashes)
+        with open(path, "rb", buffering=0) as f, h:
             head = f.read(8)
             (n,) = struct.unpack("<Q", head)
             raw = f.read(n)
-            h.update(head)
-            h.update(raw)
+            h.update(memoryview(head + raw))
             header = json.loads(raw)
             pos, start = 8 + n, 8 + n
             spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
                            for name, info in header.items() if name != "__metadata__")
-            scratch = torch.empty(_CHUNK, dtype=torch.uint8)
             for lo, hi, name in spans + [(None, None, None)]:
                 end = start + lo if lo is not None else os.fstat(f.fileno()).st_size
                 while pos < end:  # bytes between tensors or after the last: hashed only
                     k = min(_CHUNK, end - pos)
-                    self._read(f, memoryview(scratch.numpy())[:k], h)
+                    self._read(f, memoryview(bytearray(k)), h)
                     pos += k
                 if name is None:
                     break
@@ -185,13 +263,55 @@ class SourceStream:
                     continue  # read and hashed as a gap by the next span
                 if not self._reserve(hi - lo):
                     return False
+                if hi - lo > READ_AHEAD:
+                    h.drain()  # a large tensor: the last one's bytes are hashed (and freed) first
                 buf = torch.empty(hi - lo, dtype=torch.uint8)
                 self._read(f, memoryview(buf.numpy()), h)
                 pos += hi - lo
                 info = header[name]
                 self._q.put((name, buf.view(_ST_TO_TORCH[info["dtype"]]).reshape(info["shape"])))
-        self.hashes[path.name] = h.hexdigest()
+                del buf  # the writer's, until it is done
+        self.hash_s += h.seconds
         return True
+
+
+class _Hasher:
+    """sha256 of one file's bytes, computed by a thread of its own while the next bytes are
+    read (sha256 releases the GIL): at most _HASH_BEHIND pieces of _CHUNK bytes wait for it,
+    so a buffer outlives its reading by that much at most. On leaving the block (the file
+    read whole), waits for the digest and records it in `hashes[name]`."""
+
+    def __init__(self, name: str, hashes: dict[str, str]):
+        self.name, self.hashes, self.seconds = name, hashes, 0.0
+        self._q: queue.Queue = queue.Queue(maxsize=_HASH_BEHIND)
+        self._thread = threading.Thread(target=self._run, name="dsc-source-hash", daemon=True)
+
+    def __enter__(self) -> "_Hasher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+    def update(self, data: memoryview) -> None:
+        for i in range(0, len(data), _CHUNK):
+            self._q.put(data[i:i + _CHUNK])
+
+    def drain(self) -> None:
+        """Wait until every piece given so far is hashed (and no longer referenced here)."""
+        self._q.join()
+
+    def _run(self) -> None:
+        h = hashlib.sha256()
+        while (piece := self._q.get()) is not None:
+            t0 = time.perf_counter()
+            h.update(piece)
+            self.seconds += time.perf_counter() - t0
+            del piece
+            self._q.task_done()
+        self._q.task_done()
+        self.hashes[self.name] = h.hexdigest()
 
 
 @dataclasses.dataclass
@@ -216,37 +336,27 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
     shapes = {n: (s, d) for n, s, d in entries}
     produce_s, write_s = [0.0] * world, [0.0] * world  # per rank: slicing/quantizing, writing
     fds = []
-    sq = None
     try:
         for r, (head, _) in enumerate(layouts):
             fds.append(os.open(folder / f"rank{r}.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
             _pwrite(fds[r], memoryview(head), 0)
-        with SourceReader(ckpt) as reader, SourceStream(ckpt, set(users)) as stream:
-            row_params: dict = {}
-            makers = [RankTensors(model, reader, r, world, row_params) for r in range(world)]
-            if weight_sqnr:
-                from dsc.compiler.int8_report import _WeightSQNR
-
-                sq = _WeightSQNR(model, reader)
+        with SourceReader(ckpt) as reader, SourceStream(ckpt, set(users)) as stream, torch_threads(1), \
+                _Writer(fds, write_s) as writer:
+            errors: dict[str, tuple[float, float]] | None = {} if weight_sqnr else None
+            make = RankTensors(model, reader, errors)
 
             def write_group(srcs: tuple[str, ...]) -> None:
                 for name in groups[srcs]:
                     for r in range(world):
-                        t0 = time.perf_counter()
-                        t = makers[r](name)
-                        if sq is not None and name.endswith(".qweight") and model.weights[name].quant:
-                            base = name.removesuffix("qweight")
-                            sq.add(name, r, lambda part: t if part == "qweight" else makers[r](base + part))
-                        t1 = time.perf_counter()
+                        t0, busy = time.perf_counter(), make.quantize_s + make.error_s
+                        t = make(name, r)
+                        produce_s[r] += time.perf_counter() - t0 - (make.quantize_s + make.error_s - busy)
                         data = tensor_bytes(t, name, *shapes[name])
-                        _pwrite(fds[r], data, layouts[r][1][name])
-                        produce_s[r] += t1 - t0
-                        write_s[r] += time.perf_counter() - t1
+                        writer.write(r, data, layouts[r][1][name])
                         if on_bytes:
                             on_bytes(data.nbytes)
                         del t, data
-                for m in makers:
-                    m.drop()
+                make.drop()
 
             pending = {srcs for srcs in groups if srcs}
             if () in groups:
@@ -259,15 +369,17 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
                 waited += time.perf_counter() - t0
                 if item is None:
                     break
-                key, tensor = item
-                held[key] = tensor
-                reader.hold(key, tensor)
+                key, held[key] = item
+                reader.hold(key, held[key])
+                del item  # `held` alone keeps the tensor, until it is done
                 for srcs in users[key]:
                     if srcs in pending and all(k in held for k in srcs):
                         write_group(srcs)
                         pending.discard(srcs)
                 for k in [k for k in held if not any(s in pending for s in users[k])]:
                     reader.release(k)
+                    if held[k].nbytes > WRITE_BEHIND:
+                        writer.drain()  # writes of views of a large source done before the reader moves on
                     stream.done(held.pop(k))
             if pending:
                 missing = sorted({k for srcs in pending for k in srcs} - set(held))
@@ -279,12 +391,60 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
         on_timing("emit.read source", stream.read_s)
         on_timing("emit.hash source", stream.hash_s)
         on_timing("emit.wait for reads", waited)
+        if model.options.int8:
+            on_timing("emit.quantize", make.quantize_s)
+            if weight_sqnr:
+                on_timing("emit.quantization error", make.error_s)
         for r in range(world):
-            on_timing(f"emit.rank {r}: slice and quantize" if model.options.int8 else f"emit.rank {r}: slice",
-                      produce_s[r])
+            on_timing(f"emit.rank {r}: slice", produce_s[r])
             on_timing(f"emit.rank {r}: write", write_s[r])
     hashes = {"config.json": sha256_file(ckpt.root / "config.json"), **stream.hashes}
-    return Written(dict(sorted(hashes.items())), sq.layers() if sq is not None else None)
+    if errors is None:
+        return Written(dict(sorted(hashes.items())), None)
+    from dsc.compiler.int8_report import weight_sqnr_db
+
+    return Written(dict(sorted(hashes.items())), weight_sqnr_db(errors))
+
+
+class _Writer:
+    """pwrite on a thread of its own, so that writing a tensor overlaps producing the next; at
+    most WRITE_BEHIND bytes (and the tensors they belong to) wait for it. Leaving the block
+    waits for every write and raises the first error."""
+
+    def __init__(self, fds: list[int], seconds: list[float]):
+        self.fds, self.seconds = fds, seconds
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsc-rank-writer")
+        self._pending: deque = deque()  # (future, bytes)
+        self._bytes = 0
+
+    def __enter__(self) -> "_Writer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._wait(0)
+        finally:
+            self._pool.shutdown()
+
+    def drain(self) -> None:
+        """Wait for every write given so far (their tensors are then no longer referenced here)."""
+        self._wait(0)
+
+    def write(self, rank: int, data: memoryview, offset: int) -> None:
+        self._wait(WRITE_BEHIND - data.nbytes)
+        self._pending.append((self._pool.submit(self._write, rank, data, offset), data.nbytes))
+        self._bytes += data.nbytes
+
+    def _wait(self, limit: int) -> None:
+        while self._pending and self._bytes > limit:
+            fut, n = self._pending.popleft()
+            self._bytes -= n
+            fut.result()
+
+    def _write(self, rank: int, data: memoryview, offset: int) -> None:
+        t0 = time.perf_counter()
+        _pwrite(self.fds[rank], data, offset)
+        self.seconds[rank] += time.perf_counter() - t0
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> None:

@@ -11,11 +11,22 @@ Memory stays bounded like the rest of the compiler: a weight is produced when a 
 reads it and dropped after its last reader, unless all of them fit in `cache_bytes` (small
 models keep them across runs). Values die after their last use. One run of a batch reads each
 weight once, so callers put all their sequences in one batch (the simulator's KV cache is
-sized for it, not for the artifact's max_batch).
+sized for it, not for the artifact's max_batch); `logits_at` takes the logits at several
+positions of every sequence from that one run.
+
+With `dtype` (float32), the program computes in that dtype whatever the artifact's: every
+16-bit tensor an op reads is cast to it (a linear's weight a block of rows at a time, a
+lookup's table not at all: its rows read are), so no whole weight is held twice; the KV cache
+is allocated in it, and a floating dtype a node names (a cast) is replaced by it. Simulators
+run on several threads may share a `lock`: the nodes that hold every rank's weight at once (a
+collective: an embedding's lookup all-reduced), a whole table, or more than SERIAL_BYTES of
+weights (an lm_head) run under it, one at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,6 +35,8 @@ import torch.fx as fx
 import dsc.kernels  # noqa: F401  (registers the dsc ops the programs call)
 from dsc.kernels.registry import op_name, traits
 
+SERIAL_BYTES = 256 << 20  # a node reading more weight bytes than this per rank runs under `lock`
+ROW_BLOCK = 1 << 20  # weight elements per block of a linear computed in `dtype` (a few MB in fp32)
 Observer = Callable[[fx.Node, int, tuple], None]  # (node, rank, its evaluated args), before the call
 Produce = Callable[[str, int], torch.Tensor]  # (weight name, rank) -> tensor
 
@@ -35,11 +48,15 @@ class Simulator:
     `.kv_cache` ({layers, shape, dtype}), and for the cache decision `.weights` specs (optional)."""
 
     def __init__(self, model: Any, produce: Produce, world: int, batch: int, seq: int,
-                 cache_bytes: int = 1 << 30, weight_bytes: int | None = None):
-        self.model, self.produce, self.world = model, produce, world
+                 cache_bytes: int = 1 << 30, weight_bytes: int | None = None, dtype: torch.dtype | None = None,
+                 lock: threading.Lock | None = None):
+        self.model, self.produce, self.world, self.dtype = model, produce, world, dtype
+        self.lock = lock or contextlib.nullcontext()
+        self.graphs = dict(model.programs)
         kv = model.kv_cache
         shape = [batch, kv["shape"][1], seq, kv["shape"][3]] if kv else None  # rows x local kv heads x seq x head_dim
-        self.caches = [{f"kv_cache.{i}.{t}": torch.zeros(shape, dtype=getattr(torch, kv["dtype"]))
+        kv_dtype = dtype or (getattr(torch, kv["dtype"]) if kv else None)
+        self.caches = [{f"kv_cache.{i}.{t}": torch.zeros(shape, dtype=kv_dtype)
                         for i in range(kv["layers"]) for t in ("k", "v")} if kv else {} for _ in range(world)]
         self.keep = weight_bytes is not None and weight_bytes <= cache_bytes
         self.kept: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
@@ -57,7 +74,7 @@ class Simulator:
     @torch.inference_mode()
     def run(self, program: str, inputs: Sequence[torch.Tensor], observe: Observer | None = None) -> Any:
         """Rank 0's output of `program` on its inputs."""
-        nodes = list(self.model.programs[program].nodes)
+        nodes = list(self.graphs[program].nodes)
         last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
         ranks = range(self.world)
         env: list[dict[fx.Node, Any]] = [{} for _ in ranks]
@@ -69,6 +86,13 @@ class Simulator:
 
         args_of = lambda n, r: fx.node.map_arg((n.args, n.kwargs), lambda a: value(a, r))  # noqa: E731
         feed = iter(inputs)
+
+        def free(i: int, node: fx.Node, of_ranks) -> None:  # what nothing reads any more
+            for a in node.all_input_nodes:
+                if last_use[a] == i:
+                    for r in of_ranks:
+                        env[r].pop(a, None)
+
         for i, node in enumerate(nodes):
             if node.op == "placeholder":
                 x = next(feed)
@@ -79,19 +103,17 @@ class Simulator:
             elif node.op == "output":
                 return args_of(node, 0)[0][0]
             elif (combine := _collective(node)) is not None:
-                per_rank = [args_of(node, r)[0] for r in ranks]
-                for r, y in zip(ranks, combine(per_rank)):
-                    env[r][node] = y
-            else:
-                for r in ranks:
-                    args, kwargs = args_of(node, r)
-                    if observe is not None:
-                        observe(node, r, args)
-                    env[r][node] = node.target(*args, **kwargs)
-            for a in node.all_input_nodes:  # free what nothing reads any more
-                if last_use[a] == i:
+                with self.lock:  # every rank's inputs at once
+                    per_rank = [self._cast(node, args_of(node, r))[0] for r in ranks]
+                    for r, y in zip(ranks, combine(per_rank)):
+                        env[r][node] = self._cast_out(node, y)
+                    free(i, node, ranks)
+            else:  # rank by rank, each rank's inputs freed before the next rank's are made
+                with self.lock if _gathers(node) or self._reads_bytes(node) > SERIAL_BYTES else contextlib.nullcontext():
                     for r in ranks:
-                        env[r].pop(a, None)
+                        env[r][node] = self._call(node, r, args_of(node, r), observe)
+                        free(i, node, [r])
+            free(i, node, ranks)
         raise RuntimeError(f"program {program} has no output node")
 
     def prefill(self, sequences: Sequence[Sequence[int]], last_idx: Sequence[int] | None = None,
@@ -104,6 +126,105 @@ class Simulator:
         ids, pos = pad(sequences)
         last = torch.tensor(list(last_idx) if last_idx is not None else [len(s) - 1 for s in sequences])
         return self.run("prefill", (ids, pos, torch.zeros(len(sequences), dtype=torch.long), last), observe).float()
+
+
+    def _call(self, node: fx.Node, rank: int, args_kwargs: tuple, observe: Observer | None) -> Any:
+        args, kwargs = args_kwargs
+        if observe is not None:
+            observe(node, rank, args)
+        bias_arg = _bias_arg(node)
+        if self.dtype is None or bias_arg is None:
+            args, kwargs = self._cast(node, (args, kwargs))
+            return self._cast_out(node, node.target(*args, **kwargs))
+        # a linear: output columns a block of weight rows at a time, each block cast as it is
+        # used (args 1..bias_arg are indexed by output row), so no whole weight is copied
+        n, k = args[1].shape
+        rows = max(1, ROW_BLOCK // k)
+        outs = []
+        for a in range(0, n, rows):
+            part = [t[a:a + rows] if 1 <= i <= bias_arg and t is not None else t for i, t in enumerate(args)]
+            part, kw = self._cast(node, (part, kwargs))
+            outs.append(node.target(*part, **kw))
+        return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+
+    def _reads_bytes(self, node: fx.Node) -> int:
+        """Bytes of one rank's weights the node reads, from the model's weight specs (0 without)."""
+        from dsc.compiler.weights import local_dtype, local_shape
+
+        specs = getattr(self.model, "weights", {})
+        return sum(math.prod(local_shape(specs[a.target], self.world)) * local_dtype(specs[a.target]).itemsize
+                   for a in node.all_input_nodes if a.op == "get_attr" and a.target in specs)
+
+    def _cast(self, node: fx.Node, args_kwargs: Any) -> Any:
+        """(args, kwargs) with every lower-precision float tensor, and every float dtype, made
+        self.dtype; a lookup's table (argument 0) stays as it is (its result is cast instead:
+        the same values, without a copy of the whole table)."""
+        if self.dtype is None:
+            return args_kwargs
+        args, kwargs = args_kwargs
+        if _gathers(node):
+            rest, kwargs = fx.node.map_aggregate((tuple(args[1:]), kwargs), self._cast_one)
+            return (args[0], *rest), kwargs
+        return fx.node.map_aggregate((args, kwargs), self._cast_one)
+
+    def _cast_out(self, node: fx.Node, y: Any) -> Any:
+        return fx.node.map_aggregate(y, self._cast_one) if self.dtype is not None and _gathers(node) else y
+
+    def _cast_one(self, a: Any) -> Any:
+        if isinstance(a, torch.dtype):
+            return self.dtype if a.is_floating_point else a
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype.itemsize < self.dtype.itemsize:
+            return a.to(self.dtype)
+        return a
+
+    def logits_at(self, sequences: Sequence[Sequence[int]], positions: int) -> torch.Tensor:
+        """Logits [n, V] fp32 at the last `positions` positions of every sequence (each of a
+        shorter one), sequence by sequence, from one prefill run of the batch: the program's
+        `h[arange(B), last_idx]` ([B, S, E] -> [B, E]) is run as `h.flatten(0, 1)[rows]`."""
+        if "prefill_rows" not in self.graphs:
+            self.graphs["prefill_rows"] = _flat_rows(self.graphs["prefill"])
+        L = max(2, max(len(s) for s in sequences))
+        rows = [b * L + j for b, s in enumerate(sequences) for j in range(max(0, len(s) - positions), len(s))]
+        for c in self.caches:
+            for t in c.values():
+                t.zero_()
+        ids, pos = pad(sequences)
+        return self.run("prefill_rows", (ids, pos, torch.zeros(len(sequences), dtype=torch.long),
+                                         torch.tensor(rows))).float()
+
+
+def _flat_rows(graph: fx.Graph) -> fx.Graph:
+    """A copy of a prefill program whose last input picks rows of the flattened [B * S, E]
+    hidden states instead of one position per sequence."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    g.output(g.graph_copy(graph, env))
+    last = [n for n in g.nodes if n.op == "placeholder"][3]
+    (index,) = [u for u in last.users if u.target is torch.ops.aten.index.Tensor]
+    h, (arange, _) = index.args
+    with g.inserting_before(index):
+        flat = g.call_function(torch.ops.aten.flatten.using_ints, (h, 0, 1))
+    index.args = (flat, [last])
+    if not arange.users:
+        g.erase_node(arange)
+    return g
+
+
+def _gathers(node: fx.Node) -> bool:
+    """A table lookup (argument 0 the table: an embedding), as its kernel file declares it."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        return traits(op_name(node.target)).gather
+    return False
+
+
+def _bias_arg(node: fx.Node) -> int | None:
+    """A linear's bias argument index (its weight is argument 1): aten.linear's, or a dsc op's
+    as its kernel file declares it; None for other ops."""
+    if node.target is torch.ops.aten.linear.default:
+        return 2
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "dsc":
+        return traits(op_name(node.target)).bias_arg
+    return None
 
 
 def _collective(node: fx.Node) -> Callable[[list[tuple]], list] | None:

@@ -4,6 +4,7 @@ memory (`SourceReader.hold`, or `keep_bytes`); and the safetensors layout and st
 of rank files, so that no more than a few tensors are in memory."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -25,6 +26,21 @@ _ST_TO_TORCH = {v: k for k, v in ST_DTYPES.items()} | {"F64": torch.float64, "I1
 
 def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Torch ops on `n` threads in the block. The compiler's stages that stream weights run
+    their own threads (reading, hashing, writing; the int8 report's two programs), each
+    calling torch ops on one thread: OpenMP workers that wait for a descheduled peer spin
+    instead of computing, which on a 2-core machine with other threads busy costs far more
+    than they gain."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def local_shape(spec: WeightSpec, world: int) -> tuple[int, ...]:
@@ -89,7 +105,7 @@ class HeldSlice:
     """A whole tensor already in memory, with FileSlice's interface: indexing gives views."""
 
     def __init__(self, t: torch.Tensor):
-        self.t = t
+        self.t, self.dtype = t, t.dtype
 
     def get_shape(self) -> list[int]:
         return list(self.t.shape)

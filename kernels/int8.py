@@ -75,6 +75,20 @@ def _groups(k: int, group_size: int | None) -> int:
     return k // group_size
 
 
+def _group_qparams(wg: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg [N, G, group] fp32 -> (scale fp32 [N, G], zero fp32 [N, G]); max|w| is taken as
+    max(max w, -min w), which is exact and needs no |w| temporary."""
+    wmin, wmax = wg.amin(-1), wg.amax(-1)
+    if symmetric:
+        amax = torch.maximum(wmax, wmin.neg())  # [N, G]
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).clamp(min=SCALE_MIN)
+        return scale, torch.zeros_like(scale)
+    wmin, wmax = wmin.clamp(max=0), wmax.clamp(min=0)
+    span = wmax - wmin
+    scale = torch.where(span > 0, span / 255, torch.ones_like(span)).clamp(min=SCALE_MIN)
+    return scale, (-128 - torch.round(wmin / scale)).clamp(-128, 127)
+
+
 def weight_qparams(w: torch.Tensor, group_size: int | None = None,
                    symmetric: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (scale fp32 [N, G], zero fp32 [N, G]) of quantize_weight.
@@ -85,37 +99,80 @@ def weight_qparams(w: torch.Tensor, group_size: int | None = None,
     w = w.float()
     n, k = w.shape
     g = _groups(k, group_size)
-    wg = w.reshape(n, g, k // g)  # wg: [N, G, group]
-    if symmetric:
-        amax = wg.abs().amax(-1)  # [N, G]
-        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).clamp(min=SCALE_MIN)
-        return scale, torch.zeros_like(scale)
-    wmin = wg.amin(-1).clamp(max=0)
-    wmax = wg.amax(-1).clamp(min=0)
-    span = wmax - wmin
-    scale = torch.where(span > 0, span / 255, torch.ones_like(span)).clamp(min=SCALE_MIN)
-    return scale, (-128 - torch.round(wmin / scale)).clamp(-128, 127)
+    return _group_qparams(w.reshape(n, g, k // g), symmetric)  # [N, G, group]
+
+
+QUANT_CHUNK = 1 << 18  # elements quantized at a time on CPU: one fp32 scratch block that stays in cache
 
 
 def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: bool = True,
-                    params: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """w [N, K] float -> {"qweight": int8 [N, K], "scale": fp32 [N, G], "zero": int8 [N, G]}.
+                    params: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    col_scale: torch.Tensor | None = None,
+                    out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """w [N, K] float (any float dtype) -> {"qweight": int8 [N, K], "scale": fp32 [N, G], "zero": int8 [N, G]}.
 
     Scales and zero points from `weight_qparams`, or `params` where given: those of a larger
     tensor whose columns w is a slice of (a row-parallel shard quantized with its whole rows'
-    scales, compiler/emit.py), so every entry is quantized as the whole tensor quantizes it.
-    Round-trip error is at most scale / 2 per element."""
-    w = w.float()
+    scales), so every entry is quantized as the whole tensor quantizes it. `col_scale` [K]
+    (SmoothQuant) multiplies w's columns, in fp32, first. Round-trip error is at most
+    scale / 2 per element. On CPU the rows are quantized a block at a time in one fp32 scratch
+    buffer, in place (each element's arithmetic is the same as on the whole tensor). `out`:
+    parts of these shapes to write into (the rows of a larger weight's parts)."""
     n, k = w.shape
-    scale, zero = weight_qparams(w, group_size, symmetric) if params is None else params
-    g = scale.shape[1]
-    if scale.shape[0] != n or k % g:
-        raise ValueError(f"quantize_weight: params of shape {list(scale.shape)} for a [{n}, {k}] weight")
+    if params is not None and (params[0].shape[0] != n or k % params[0].shape[1]):
+        raise ValueError(f"quantize_weight: params of shape {list(params[0].shape)} for a [{n}, {k}] weight")
+    g = params[0].shape[1] if params is not None else _groups(k, group_size)
     lo, hi = (-127, 127) if symmetric else (-128, 127)
-    wg = w.reshape(n, g, k // g)
-    q = (torch.round(wg / scale[..., None]) + zero[..., None]).clamp(lo, hi)
-    return {"qweight": q.reshape(n, k).to(torch.int8).contiguous(), "scale": scale.contiguous(),
-            "zero": zero.to(torch.int8).contiguous()}
+    if out is None:
+        out = {"qweight": torch.empty(n, k, dtype=torch.int8, device=w.device),
+               "scale": torch.empty(n, g, dtype=torch.float32, device=w.device),
+               "zero": torch.empty(n, g, dtype=torch.int8, device=w.device)}
+    q, scale, zero = out["qweight"], out["scale"], out["zero"]
+    rows = n if w.device.type != "cpu" else max(1, min(n, QUANT_CHUNK // max(k, 1)))
+    buf = torch.empty(rows * k, dtype=torch.float32, device=w.device)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        f = buf[:(b - a) * k].view(b - a, k)
+        f.copy_(w[a:b])
+        if col_scale is not None:
+            f.mul_(col_scale)
+        fg = f.view(b - a, g, k // g)  # [rows, G, group]
+        s, z = _group_qparams(fg, symmetric) if params is None else (params[0][a:b], params[1][a:b])
+        fg.div_(s[..., None]).round_()
+        if not symmetric:
+            fg.add_(z[..., None])
+        f.clamp_(lo, hi)
+        q[a:b].copy_(f)
+        scale[a:b], zero[a:b] = s, z  # zero points: integer-valued, exact in int8
+    return out
+
+
+def quantization_error(w: torch.Tensor, parts: dict[str, torch.Tensor], col_scale: torch.Tensor | None = None,
+                       zero: bool = True) -> tuple[float, float]:
+    """(|w|^2, |w - dequant(parts)|^2) of quantize_weight(w, ..., col_scale=col_scale), in w's
+    space (the dequantized columns divided by col_scale); `zero`: subtract the zero points.
+    fp32 sums of blocks of rows (~1e-7 relative error), added up in Python floats."""
+    n, k = w.shape
+    q, scale, z = parts["qweight"], parts["scale"], parts["zero"] if zero else None
+    g = scale.shape[1]
+    rows = n if w.device.type != "cpu" else max(1, min(n, QUANT_CHUNK // max(k, 1)))
+    bufs = torch.empty(2, rows * k, dtype=torch.float32, device=w.device)
+    signal = noise = 0.0
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        f, d = (x[:(b - a) * k].view(b - a, k) for x in bufs)
+        f.copy_(w[a:b])
+        d.copy_(q[a:b])
+        dg = d.view(b - a, g, k // g)  # [rows, G, group]
+        if z is not None:
+            dg.sub_(z[a:b, :, None])
+        dg.mul_(scale[a:b, :, None])
+        if col_scale is not None:
+            d.div_(col_scale)
+        d.sub_(f)
+        signal += float(torch.dot(f.view(-1), f.view(-1)))
+        noise += float(torch.dot(d.view(-1), d.view(-1)))
+    return signal, noise
 
 
 def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,8 @@ so pages that another process maps stay cached) and times it, then runs
 after dropping the checkpoint's cached pages the same way. Per run: wall and CPU seconds, the
 child's own peak RSS (os.wait4 ru_maxrss), bytes it read and wrote (/proc/<pid>/io at its exit:
 rchar/wchar, all reads and writes through system calls, page cache included), the ratio of the
-wall time to the cold read, and the compile's stage times (--timings). This script never
+wall time to the cold read, the compile's stage times (--timings), and the load average at its
+end (the machine may be shared: times are upper bounds then). This script never
 imports torch: Linux carries the parent's peak RSS into a forked child's ru_maxrss across exec,
 so a fat parent would inflate every number. Artifacts are deleted after each run (unless
 --keep), checkpoints this run wrote at its end (unless --keep). Targets: peak RSS a small
@@ -131,6 +132,7 @@ def run_compile(ckpt: Path, out: Path, tp: int, dtype: str, int8: bool = False) 
     stages = json.loads(timings.read_text())
     timings.unlink()
     return {"tp": tp, "int8": int8, "wall_s": round(wall, 1), "peak_rss_bytes": usage.ru_maxrss * 1024,  # Linux: KiB
+            "load_avg": [round(x, 2) for x in os.getloadavg()],  # 1, 5, 15 min, at the compile's end
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "read_bytes": io["rchar"], "written_bytes": io["wchar"],
             "disk_read_bytes": io["read_bytes"], "rank_files": ranks, "timings": stages,
             "command": "dsc " + " ".join(args[:-2] + (["--int8"] if int8 else []))}
@@ -188,14 +190,14 @@ def bench(shape: str, dtype: str, tps: list[int], workdir: Path, keep: bool, var
 def table(rows: list[dict]) -> str:
     """The results as a Markdown table."""
     out = ["| shape | ckpt GB | cold read s | variant | tp | wall s | wall / cold read | cpu s | peak RSS GB | "
-           "read GB | written GB | int8 report s |", "|" + "---|" * 12]
+           "read GB | written GB | int8 report s | load 5 min |", "|" + "---|" * 13]
     for r in rows:
         for x in r["runs"]:
             report = next((s["seconds"] for s in x["timings"]["stages"] if s["name"] == "int8 report"), None)
             out.append(f"| {r['shape']} | {r['source_bytes'] / GB:.2f} | {r['cold_read_s']:.1f} | {x['variant']} | "
                        f"{x['tp']} | {x['wall_s']:.1f} | {x['wall_over_cold_read']:.1f} | {x['cpu_s']:.1f} | "
                        f"{x['peak_rss_bytes'] / GB:.2f} | {x['read_bytes'] / GB:.1f} | {x['written_bytes'] / GB:.1f} | "
-                       f"{'-' if report is None else f'{report:.1f}'} |")
+                       f"{'-' if report is None else f'{report:.1f}'} | {x['load_avg'][1]:.1f} |")
     return "\n".join(out)
 
 

@@ -109,10 +109,20 @@ def reference():
     return ref
 
 
+def eval_rows(prompts: list[list[int]], positions: int) -> tuple[list[list[int]], list[int]]:
+    """One row per (prompt, position) for the last `positions` positions of each prompt, in the
+    report's order: (sequences, last_idx) of a prefill batch whose logits are the report's."""
+    seqs, last = [], []
+    for p in prompts:
+        for j in range(max(0, len(p) - positions), len(p)):
+            seqs.append(p)
+            last.append(j)
+    return seqs, last
+
+
 def position_logits(art, prompts, positions: int) -> torch.Tensor:
     """Runtime prefill logits [rows, V] at the last `positions` positions of every prompt (the
     report's evaluation rows), in batches of the artifact's max_batch."""
-    from dsc.compiler.int8_report import eval_rows
     from dsc.compiler.simulate import pad
 
     e = dsc.load(art, device="cpu")
@@ -205,6 +215,44 @@ def test_plan_records_the_gluon_kernel_where_it_runs(compile_artifact):
         for c in cfgs:
             assert [c[b]["kernel"] for b in ("M1", "M8", "M16", "M64")] == ["w8a16_gemv", want, "w8a16_mma", "w8a16_mma"]
             assert bool(c["M8"].get("REGS")) == (want == "w8a16_regs")
+
+
+def test_report_takes_every_position_from_one_run_in_fp32(make_checkpoint):
+    """The report's simulation (compiler/simulate.py `logits_at`): one prefill run of the
+    batch gives the logits at every evaluated position, equal to a run per position, each
+    weight produced once per rank; with dtype=float32 a bf16 program computes in fp32 (its
+    logits nearer the fp32 program's than its own bf16 run's)."""
+    from dsc.compiler.rank_files import RankTensors
+    from dsc.compiler.simulate import Simulator
+    from dsc.compiler.weights import SourceReader
+
+    prompts = sample_prompts(512, batch=3)
+    seqs, last = eval_rows(prompts, 4)
+    L = max(map(len, prompts))
+    fp32 = traced(make_checkpoint, tp=2)
+    with SourceReader(fp32.checkpoint) as reader:
+        make = RankTensors(fp32, reader)
+        made = []
+        one_run = Simulator(fp32, lambda n, r: made.append((n, r)) or make(n, r), 2, batch=3, seq=L,
+                            dtype=torch.float32).logits_at(prompts, 4)
+        per_position = Simulator(fp32, make, 2, batch=len(seqs), seq=L).prefill(seqs, last)
+    read = {n.target for n in fp32.programs["prefill"].nodes if n.op == "get_attr" and n.target in fp32.weights}
+    assert sorted(made) == sorted((n, r) for n in read for r in range(2))
+    assert one_run.shape == per_position.shape == (11, 512)
+    assert (one_run - per_position).abs().max() <= 1e-4 * per_position.abs().max()
+
+    from dsc.compiler.architectures import architecture_for
+    from dsc.compiler.options import make_options
+    from dsc.compiler.pipeline import run_passes
+    from dsc.compiler.trace import trace
+
+    bf16 = run_passes(trace(fp32.checkpoint, architecture_for(fp32.checkpoint.config, "config.json"),
+                            make_options(dtype="bf16", int8=True, tp=2)))
+    with SourceReader(bf16.checkpoint) as reader:
+        make = RankTensors(bf16, reader)
+        in_bf16 = Simulator(bf16, make, 2, batch=3, seq=L).logits_at(prompts, 4)
+        in_fp32 = Simulator(bf16, make, 2, batch=3, seq=L, dtype=torch.float32).logits_at(prompts, 4)
+    assert sqnr_db(one_run, in_fp32) > sqnr_db(one_run, in_bf16) + 3
 
 
 def test_report_measures_what_the_runtime_runs(compile_artifact, reference):
@@ -384,7 +432,6 @@ def simulate_artifact(art, prompts, positions: int = STEPS) -> torch.Tensor:
     (compiler/simulate.py: collectives combined in-process), in one batch."""
     import types
 
-    from dsc.compiler.int8_report import eval_rows
     from dsc.compiler.simulate import Simulator
     from dsc.runtime.artifact import open_artifact
     from dsc.runtime.plan import build_graph

@@ -3,6 +3,7 @@ byte-identical to writing each rank's file on its own, in memory bounded by the 
 tensors whatever the model size and tp; and the stage timings of `dsc compile`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -28,16 +29,42 @@ def traced(ckpt_dir: Path, **options):
     return ckpt, run_passes(trace(ckpt, architecture_for(ckpt.config, "config.json"), opts))
 
 
+def rank_alone(model, reader, rank: int):
+    """The reference producer of one rank's tensors: each quantized weight's shard quantized on
+    its own, from the rank's own fp32 slice; a row-parallel shard of a weight that tp=1
+    quantizes per channel with its whole rows' scales (so its entries are tp=1's)."""
+    from dsc.compiler.weights import float_tensor
+    from dsc.kernels.int8 import quantize_weight, weight_qparams
+    from dsc.passes.quantize_int8 import group_size_for
+
+    world = model.options.tp
+
+    def produce(name: str) -> torch.Tensor:
+        spec = model.weights[name]
+        if spec.quant is None:
+            return float_tensor(spec, rank, world, reader)
+        key, _, part = name.rpartition(".")
+        fp32 = dataclasses.replace(spec, quant=None, dtype="float32")
+        params = None
+        if spec.shard is not None and spec.shard.dim == 1 and world > 1 and spec.quant.group_size is None \
+                and group_size_for(model, f"{key}.qweight", tp=1) is None:
+            params = weight_qparams(float_tensor(dataclasses.replace(fp32, shard=None), 0, 1, reader), None,
+                                    spec.quant.symmetric)
+        w = float_tensor(fp32, rank, world, reader)
+        return quantize_weight(w, spec.quant.group_size, spec.quant.symmetric, params)[part]
+
+    return produce
+
+
 def write_each_rank_alone(model, ckpt, folder: Path) -> None:
     """The reference: each rank's file in header order, its slices read from the files."""
     from dsc.compiler.weights import SourceReader, write_safetensors
 
     world = model.options.tp
     with SourceReader(ckpt) as reader:
-        row_params: dict = {}
         for r in range(world):
             write_safetensors(folder / f"rank{r}.safetensors", rank_files.rank_entries(model, world),
-                              rank_files.RankTensors(model, reader, r, world, row_params))
+                              rank_alone(model, reader, r))
 
 
 CASES = {  # name: (checkpoint shape, checkpoint kwargs, compile options)
@@ -48,13 +75,26 @@ CASES = {  # name: (checkpoint shape, checkpoint kwargs, compile options)
                                                                    "int8_group_size": 4}),
     "gpt2-tp4-bf16": ("gpt2-tiny", {}, {"tp": 4, "dtype": "bf16"}),
     "sharded-tp2-int8": ("llama-tiny", {"shard_bytes": 40_000}, {"tp": 2, "dtype": "fp32", "int8": True}),
+    # bf16 sources quantized as stored (each element cast to fp32 in the quantizer)
+    "llama-tp4-int8-bf16": ("llama-tiny", {"dtype": "bfloat16"}, {"tp": 4, "int8": True}),
+    # transposed sources; row-parallel shards of one whole group each (their own scales)
+    "gpt2-tp4-int8-grouped": ("gpt2-tiny", {}, {"tp": 4, "dtype": "fp32", "int8": True, "int8_group_size": 16}),
+    # SmoothQuant: columns scaled before quantizing
+    "llama-tp2-w8a8-smoothquant": ("llama-tiny", {"outlier_channels": 3}, {"tp": 2, "dtype": "fp32", "int8": True,
+                                                                         "int8_mode": "w8a8", "calibrate": "PROMPTS"}),
 }
+PROMPTS = "The quick brown fox jumps over the lazy dog.\nHello world! The weather today is sunny and warm.\n"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_read_writes_what_each_rank_alone_writes(case, make_checkpoint, tmp_path, monkeypatch):
     shape, ckpt_kw, options = CASES[case]
+    if options.get("calibrate"):
+        (tmp_path / "prompts.txt").write_text(PROMPTS)
+        options = {**options, "calibrate": str(tmp_path / "prompts.txt")}
     ckpt, model = traced(make_checkpoint(shape, **ckpt_kw), **options)
+    if model.options.calibrate:
+        assert any(s.col_scale is not None for s in model.weights.values())
     (tmp_path / "ref").mkdir()
     write_each_rank_alone(model, ckpt, tmp_path / "ref")
 
@@ -152,11 +192,12 @@ def test_timings_are_printed_with_v_and_written_with_timings_file(make_checkpoin
     lines = res.output.splitlines()
     for stage in ("load", "trace", "shard_tensor_parallel", "quantize_int8", "emit", "int8 report"):
         assert any(ln.strip().endswith(f"s  {stage}") for ln in lines), stage
-    assert any("emit.rank 1: slice and quantize" in ln for ln in lines)
+    assert any("emit.rank 1: slice" in ln for ln in lines) and any("emit.quantize" in ln for ln in lines)
     doc = json.loads(tfile.read_text())
     names = [s["name"] for s in doc["stages"]]
     assert names[:2] == ["load", "trace"] and "emit" in names and names.index("emit") < names.index("int8 report")
-    assert {p["name"] for p in doc["emit_parts"]} >= {"read source", "hash source", "rank 0: write", "rank 1: write"}
+    assert {p["name"] for p in doc["emit_parts"]} >= {"read source", "hash source", "quantize", "quantization error",
+                                                     "rank 0: write", "rank 1: write"}
     assert doc["total_seconds"] == pytest.approx(sum(s["seconds"] for s in doc["stages"]), abs=0.01)
     # the timings stay out of the artifact: the same compile without them writes the same bytes
     plain = compile_artifact("llama-tiny", tp=2, int8=True)
