@@ -350,6 +350,26 @@ def _store_rows(ptrs, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.con
 
 
 @_jit_on_first_use
+def _combine_splits(part_o, part_lse, sp_s, n_written, head_ok, d_ok, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The decode kernels' last split: the n_written splits' partial outputs [BLOCK_H, BLOCK_D]
+    (at part_o + s * sp_s) merged by their base-2 log-sum-exps (part_lse + s) -> the output, fp32."""
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    o = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    o_ok = head_ok[:, None] & d_ok[None, :]
+    for s in range(0, n_written):  # online log-sum-exp over the splits' partials
+        lse_s = tl.load(part_lse + s, mask=head_ok, other=0.0, cache_modifier=".cg")
+        o_s = tl.load(part_o + s * sp_s, mask=o_ok, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse_s)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse_s - m_new)
+        o = o * alpha[:, None] + w[:, None] * o_s
+        l = l * alpha + w
+        m = m_new
+    return o / l[:, None]
+
+
+@_jit_on_first_use
 def _rotated(x, x_half, cos, sin):
     """dsc.rotary of x (any shape; fp32 cos / sin broadcast to it) in x's dtype, rotary.py's
     arithmetic (`rotate`): x_half[d] = x[(d + D/2) mod D], sin negated below D/2 (rotate_half's
@@ -868,21 +888,9 @@ def _decode_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(LOCK + bh, 1, sem="acq_rel", scope="gpu")
         if done == n_written - 1:
-            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_H], tl.float32)
-            o = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-            o_ok = head_ok[:, None] & d_ok[None, :]
-            for s in range(0, n_written):  # online log-sum-exp over the splits' partials
-                lse_s = tl.load(part_lse + s, mask=head_ok, other=0.0, cache_modifier=".cg")
-                o_s = tl.load(part_o + s * sp_s, mask=o_ok, other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, lse_s)
-                alpha = tl.exp2(m - m_new)
-                w = tl.exp2(lse_s - m_new)
-                o = o * alpha[:, None] + w[:, None] * o_s
-                l = l * alpha + w
-                m = m_new
+            o = _combine_splits(part_o, part_lse, sp_s, n_written, head_ok, d_ok, BLOCK_H, BLOCK_D)
             _store_rows(OUT + b * so_b + heads[:, None] * so_h + offs_d[None, :],
-                        (o / l[:, None]).to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)
+                        o.to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)
             tl.store(LOCK + bh, 0)  # ready for the next step (and the next graph replay)
 
 

@@ -64,7 +64,8 @@ import functools
 import torch
 
 from dsc.kernels import attention as A
-from dsc.kernels.attention import _attend_new, _attend_tile, _load_rows, _new_key_scores, _split_len, _store_rows
+from dsc.kernels.attention import (_attend_new, _attend_tile, _combine_splits, _load_rows, _new_key_scores, _split_len,
+                                   _store_rows)
 from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
 from dsc.kernels.registry import declare
 
@@ -344,20 +345,8 @@ def _paged_decode_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(LOCK + bh, 1, sem="acq_rel", scope="gpu")
         if done == n_written - 1:
-            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_H], tl.float32)
-            o = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-            o_ok = head_ok[:, None] & d_ok[None, :]
-            for s in range(0, n_written):  # online log-sum-exp over the splits' partials
-                lse_s = tl.load(part_lse + s, mask=head_ok, other=0.0, cache_modifier=".cg")
-                o_s = tl.load(part_o + s * sp_s, mask=o_ok, other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, lse_s)
-                alpha = tl.exp2(m - m_new)
-                w = tl.exp2(lse_s - m_new)
-                o = o * alpha[:, None] + w[:, None] * o_s
-                l = l * alpha + w
-                m = m_new
-            _store_rows(out_rows, (o / l[:, None]).to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)
+            o = _combine_splits(part_o, part_lse, sp_s, n_written, head_ok, d_ok, BLOCK_H, BLOCK_D)
+            _store_rows(out_rows, o.to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)
             tl.store(LOCK + bh, 0)  # ready for the next step (and the next graph replay)
 
 
@@ -472,8 +461,9 @@ def _kernels():
     call are bound here in their jitted form first."""
     A._triton()
     module = globals()
-    for name in ("_attend_new", "_attend_tile", "_load_rows", "_new_key_scores", "_split_len", "_store_rows"):
-        module[name] = getattr(A, name)
+    for name in A._JIT_FUNCTIONS:  # those imported above
+        if name in module:
+            module[name] = getattr(A, name)
     for fn in (_pool_rows, _attend_pool, _write_pool, _tiles, _find_tile, _padding_row):
         module[fn.__name__] = jit(fn)
     return jit(_paged_decode_kernel), jit(_paged_prefill_kernel)
