@@ -70,7 +70,8 @@ class Engine:
         # the static programs (prefill + decode over a [max_batch, max_seq] cache): `dsc bench`'s
         # and the ONNX export's; static=False (the serving engine) holds no static cache
         self.kv_cache = self._allocate_kv_cache() if static else {}
-        self.kv_pool = allocate_kv_pool(self.plan, device, kv_cache_memory, where=self.artifact.path / "plan.json")
+        self.kv_pool = allocate_kv_pool(self.plan, device, kv_cache_memory, where=self.artifact.path / "plan.json",
+                                        serving=not static)
         self.programs = {name: self._build(p, name) for name, p in self.plan["programs"].items()
                          if static or name == "ragged"}
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
@@ -401,9 +402,10 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     (docs/security.md): its file list, plan structure and rank-file header are checked before
     use, with verify=False too; require_signature=PUBKEY (a public key file from `dsc keygen`)
     also refuses an artifact that is unsigned or altered after `dsc sign`, and implies verify.
-    The ragged program's paged KV pool is sized by kv_cache_memory (GiB; runtime/ragged.py has
-    the default) and its decode steps bucketed up to max_num_seqs sequences (default max_batch);
-    static=False leaves out the static programs and their [max_batch, max_seq] cache (serving)."""
+    The ragged program's paged KV pool is sized by kv_cache_memory (GiB; default: 90% of the
+    free GPU memory with static=False, else the static cache's size) and its decode steps
+    bucketed up to max_num_seqs sequences (default max_batch); static=False leaves out the
+    static programs and their [max_batch, max_seq] cache (serving)."""
     switches.check_all()
     device = _check_device(device)
     probe = open_artifact(path, ranks=None, verify=False)  # every rank file present, before any rank loads

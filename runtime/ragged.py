@@ -40,9 +40,11 @@ def default_num_blocks(plan: dict) -> int:
     return lim["max_batch"] * -(-lim["max_seq"] // bs)
 
 
-def allocate_kv_pool(plan: dict, device: torch.device, kv_cache_memory: float | None, where: Path) -> dict[str, torch.Tensor]:
+def allocate_kv_pool(plan: dict, device: torch.device, kv_cache_memory: float | None, where: Path,
+                     serving: bool = True) -> dict[str, torch.Tensor]:
     """kv_pool.<layer>.k|v [num_blocks, kv_heads, block_size, head_dim]. kv_cache_memory (GiB)
-    sizes it; without it: 90% of the free GPU memory on CUDA, the static cache's size on CPU."""
+    sizes it; without it: 90% of the free GPU memory for a serving engine on CUDA, else the
+    static cache's size (on CPU, and beside the static programs, which hold their own cache)."""
     pool = plan["kv_pool"]
     per_block = pool_block_bytes(pool)
     if kv_cache_memory is not None:
@@ -50,7 +52,7 @@ def allocate_kv_pool(plan: dict, device: torch.device, kv_cache_memory: float | 
                 or not math.isfinite(kv_cache_memory) or kv_cache_memory <= 0:
             raise UserError(f"--kv-cache-memory: expected a positive number of GiB, got {kv_cache_memory!r}")
         num_blocks = int(kv_cache_memory * GiB // per_block)
-    elif device.type == "cuda":
+    elif device.type == "cuda" and serving:
         free, _ = torch.cuda.mem_get_info(device)
         num_blocks = int(0.9 * free // per_block)
     else:
