@@ -18,18 +18,6 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-# files whose tests take minutes on CI's two cores, heaviest first, run before the others:
-# pytest-xdist (--dist loadfile) hands whole files to its workers in collection order, and a
-# heavy file handed out last keeps one worker busy while the other idles
-SLOW_FILES = ("test_families.py", "test_compile.py", "test_continuous_batching.py", "test_bad_input.py",
-              "test_int8.py", "test_attention_kernels.py", "test_rank_files.py", "test_tp.py", "test_fusion.py",
-              "test_scripts.py", "test_onnx.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: in-file order kept
-
 
 @pytest.fixture(autouse=True)
 def _fresh_switches():
