@@ -22,6 +22,20 @@ def write_summary(name: str, data) -> None:
         Path(out, f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
 
 
+def out_problems(out, err: float, limit: float, caches=()) -> list[str]:
+    """A kernel case's problems: NaN in out, a relative error past its limit, and each cache
+    (name, got, want) that differs from what the reference wrote (NaN poison equal to NaN)."""
+    problems = []
+    if out.isnan().any():
+        problems.append(f"NaN in out at {out.isnan().nonzero()[:3].tolist()}")
+    if not err <= limit:
+        problems.append(f"relative error {err:.3g} > {limit:.3g}")
+    for what, got, want in caches:
+        if not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
+            problems.append(f"{what} differs at {(got.nan_to_num(7.0) != want.nan_to_num(7.0)).nonzero()[:3].tolist()}")
+    return problems
+
+
 # the interpreter smoke variants: what the ordinary (CPU) suite runs of a section; on a GPU
 # machine the section's `gpu` tests run the same code at real shapes instead
 cpu_smoke = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke variant: the gpu tests cover it here")

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from dsc.kernels import attention as A
-from gpu_util import ROOT, cpu_smoke, run_smoke, write_summary
+from gpu_util import ROOT, cpu_smoke, out_problems, run_smoke, write_summary
 
 H, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -89,14 +89,7 @@ def check(name, run, B, S, Smax, cache_pos, Bmax=None, window=0, config="default
         torch.cuda.synchronize()
     err, err_bf16 = rel_err(out, ref32), rel_err(ref16, ref32)
     limit = max(1e-2, 2 * err_bf16)
-    problems = []
-    if out.isnan().any():
-        problems.append(f"NaN in out at {out.isnan().nonzero()[:3].tolist()}")
-    if not err <= limit:
-        problems.append(f"relative error {err:.3g} > {limit:.3g}")
-    for what, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
-        if not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
-            problems.append(f"{what} differs at {(got.nan_to_num(7.0) != want.nan_to_num(7.0)).nonzero()[:3].tolist()}")
+    problems = out_problems(out, err, limit, (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)))
     row = dict(case=name, config=config, B=B, S=S, Smax=Smax, rel_err=err, bf16_reference_rel_err=err_bf16,
                ok=not problems, problems=problems, seconds=round(time.time() - t0, 2))
     print(f"{'ok  ' if not problems else 'FAIL'} {name:44s} rel_err {err:.2e} (reference in {str(DTYPE)[6:]}: {err_bf16:.2e})"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gpu_util import ROOT, write_summary
+from gpu_util import ROOT, out_problems, write_summary
 
 sys.path.insert(0, str(ROOT / "tests"))  # tests/paged_steps.py: the steps the CPU tests build too
 from paged_steps import Case, decode_case  # noqa: E402
@@ -116,14 +116,7 @@ def check_static(name, heads: Heads, dtype, B, S, Smax, cache_pos, window=0, rot
         torch.cuda.synchronize()
     err, err_low = rel_err(out, ref32), rel_err(ref_low, ref32)
     limit = max(FLOOR[dtype], 2 * err_low)
-    problems = []
-    if out.isnan().any():
-        problems.append(f"NaN in out at {out.isnan().nonzero()[:3].tolist()}")
-    if not err <= limit:
-        problems.append(f"relative error {err:.3g} > {limit:.3g}")
-    for what, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
-        if not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
-            problems.append(f"{what} differs at {(got.nan_to_num(7.0) != want.nan_to_num(7.0)).nonzero()[:3].tolist()}")
+    problems = out_problems(out, err, limit, (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)))
     print(f"{'ok  ' if not problems else 'FAIL'} {name:48s} rel_err {err:.2e} (reference in the dtype: {err_low:.2e})"
           f"  {'; '.join(problems)}", flush=True)
     return dict(case=name, rel_err=err, low_precision_reference_rel_err=err_low, ok=not problems, problems=problems,

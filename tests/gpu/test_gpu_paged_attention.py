@@ -30,7 +30,7 @@ import time
 import pytest
 import torch
 
-from gpu_util import ROOT, cpu_smoke, run_smoke, write_summary
+from gpu_util import ROOT, cpu_smoke, out_problems, run_smoke, write_summary
 
 sys.path.insert(0, str(ROOT / "tests"))  # tests/paged_steps.py: the steps the CPU tests build too
 from paged_steps import Case, args_of, build, decode_case, expected, pool_problems  # noqa: E402
@@ -65,11 +65,7 @@ def check(name: str, case: Case, dtype=None, run=None) -> dict:
         torch.cuda.synchronize()
     err, err_low = rel_err(out, ref32), rel_err(ref_low, ref32)
     limit = max(1e-2, 2 * err_low)
-    problems = pool_problems(step, want_k, want_v)
-    if out.isnan().any():
-        problems.append(f"NaN in out at {out.isnan().nonzero()[:3].tolist()}")
-    if not err <= limit:
-        problems.append(f"relative error {err:.3g} > {limit:.3g}")
+    problems = pool_problems(step, want_k, want_v) + out_problems(out, err, limit)
     T, N = step["q"].shape[2], len(case.seqs)
     row = dict(case=name, T=T, N=N, dtype=str(dtype)[6:], rel_err=err, low_precision_reference_rel_err=err_low,
                ok=not problems, problems=problems, seconds=round(time.time() - t0, 2))
