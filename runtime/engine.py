@@ -217,7 +217,8 @@ class Engine:
         produced tokens, with each prompt's new token (None for prompts without one). Under
         tensor parallelism every rank calls this; rank 0 schedules, and every rank returns the
         result."""
-        from dsc.runtime.scheduler import Scheduler, SeqParams, Sequence as Seq, STOP, broadcast_step, follow
+        from dsc.runtime.executor import EngineCore, follow, release_followers
+        from dsc.runtime.scheduler import SeqParams, Sequence as Seq
 
         prompts = [list(p) for p in prompts]
         self.check_batch(prompts, batch_limit=False)
@@ -230,27 +231,28 @@ class Engine:
             follow(self)
             return self._result_from_rank0(None)
         try:
-            sched = Scheduler(self, max_num_batched_tokens)
+            core = EngineCore(self, max_num_batched_tokens)
             seqs = []
             for i, p in enumerate(prompts):
                 params = SeqParams(max_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
                                    top_p=float(top_p), seed=((0 if seed is None else seed) + i) % 2**63,
                                    stop_token_ids=frozenset(stops))
                 seq = Seq(str(i), p, params, index=i)
-                sched.add(seq, where=f"generate: prompt {i}")
+                core.scheduler.add(seq, where=f"generate: prompt {i}")
                 seqs.append(seq)
-            step = 0
-            while sched.has_work():
-                advanced = sched.step()
-                if callback and advanced:
+            step, seen = 0, [0] * len(seqs)
+            while core.has_work():
+                core.step()
+                while callback and any(len(s.output_ids) > n for s, n in zip(seqs, seen)):
                     emitted: list[int | None] = [None] * len(seqs)
-                    for s in advanced:
-                        emitted[s.index] = s.output_ids[-1]
+                    for s in seqs:
+                        if len(s.output_ids) > seen[s.index]:
+                            emitted[s.index] = s.output_ids[seen[s.index]]
+                            seen[s.index] += 1
                     callback(step, emitted)
                     step += 1
         finally:
-            if self.world > 1:
-                broadcast_step(STOP)
+            release_followers(self)
         result = GenerateResult([s.output_ids for s in seqs], [s.finish_reason or "length" for s in seqs])
         return self._result_from_rank0(result)
 

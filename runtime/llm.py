@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Sequence as Seq
 
 from dsc.errors import UserError
-from dsc.runtime.scheduler import STOP, Scheduler, SeqParams, Sequence, broadcast_step, follow
+from dsc.runtime.executor import EngineCore, follow, release_followers
+from dsc.runtime.scheduler import SeqParams, Sequence
 
 
 @dataclass
@@ -38,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int | None = None  # no eos / stop token before this many tokens (default: the artifact's, else 0)
 
 
 @dataclass
@@ -77,13 +79,14 @@ class _Request:
     detoks: list[Any]
     stops: list[str]
     stop_reasons: list[str | int | None] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)  # per sequence: output tokens given to its detokenizer
 
 
 class LLMEngine:
     def __init__(self, artifact: str | Path | None = None, *, device=None, kv_cache_memory: float | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  verify: bool = True, cuda_graphs: bool = True, require_signature: str | Path | None = None,
-                 prefill_buckets: bool | None = None, engine=None):
+                 prefill_buckets: bool | None = None, engine=None, async_scheduling: bool = True):
         if engine is None:
             from dsc.runtime.engine import load
 
@@ -93,7 +96,8 @@ class LLMEngine:
                           require_signature=require_signature, static=False, kv_cache_memory=kv_cache_memory,
                           max_num_seqs=max_num_seqs, prefill_buckets=prefill_buckets)
         self.engine = engine
-        self.scheduler = Scheduler(engine, max_num_batched_tokens, max_num_seqs, enable_prefix_caching)
+        self.core = EngineCore(engine, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, async_scheduling)
+        self.scheduler = self.core.scheduler
         self.tokenizer = engine.artifact.tokenizer()
         self.model_name = Path(engine.artifact.path).name
         self.max_model_len = engine.max_seq
@@ -121,6 +125,9 @@ class LLMEngine:
                 out[key] = g[key]
         if g.get("do_sample") is False:  # transformers' greedy default
             out["temperature"] = 0.0
+        min_tokens = (self.engine.artifact.manifest.get("options") or {}).get("min_tokens")
+        if _is_int(min_tokens) and min_tokens > 0:
+            out["min_tokens"] = min_tokens
         return out
 
     def apply_chat_template(self, messages: list[dict]) -> str:
@@ -183,10 +190,13 @@ class LLMEngine:
             raise UserError(f"stop_token_ids: expected token ids in 0..{self.vocab_size - 1}")
         if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= 20):
             raise UserError(f"logprobs: expected an integer from 0 to 20, got {p.logprobs!r}")
+        min_tokens = p.min_tokens if p.min_tokens is not None else d.get("min_tokens", 0)
+        if not _is_int(min_tokens) or min_tokens < 0 or (p.max_tokens is not None and min_tokens > p.max_tokens):
+            raise UserError(f"min_tokens: expected an integer from 0 to max_tokens, got {min_tokens!r}")
         from dataclasses import replace
 
         return replace(p, temperature=float(temperature), top_p=float(top_p), top_k=max(int(top_k), 0), stop=stop,
-                       stop_token_ids=ids)
+                       stop_token_ids=ids, min_tokens=min_tokens)
 
     def encode(self, prompt: str | Seq[int], where: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -216,11 +226,12 @@ class LLMEngine:
         seqs, detoks = [], []
         for i in range(p.n):
             sp = SeqParams(max_tokens=max(max_tokens, 1), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                           seed=(base_seed + i) % 2**63, stop_token_ids=stop_ids, logprobs=p.logprobs)
+                           seed=(base_seed + i) % 2**63, stop_token_ids=stop_ids, logprobs=p.logprobs,
+                           min_tokens=p.min_tokens)
             seqs.append(Sequence(request_id, ids, sp, index=i))
             detoks.append(self._detokenizer(ids, p))
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, ids, p, seqs, detoks, p.stop,
-                       [None] * p.n)
+                       [None] * p.n, [0] * p.n)
         for s in seqs:
             self.scheduler.add(s)
         self._requests[request_id] = req
@@ -246,15 +257,17 @@ class LLMEngine:
         return bool(self._requests)
 
     def step(self) -> list[RequestOutput]:
-        advanced = self.scheduler.step()
+        """One scheduler step; the requests that advanced, with their outputs so far. A step may
+        bring a sequence more than one token (tokens in flight collected together)."""
         touched: dict[str, _Request] = {}
-        for seq in advanced:
+        for seq in dict.fromkeys(self.core.step()):
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
             d = req.detoks[seq.index]
-            if d is not None and seq.new_tokens:
-                d.add(seq.output_ids[-seq.new_tokens:])
+            if d is not None and len(seq.output_ids) > req.fed[seq.index]:
+                d.add(seq.output_ids[req.fed[seq.index]:])
+                req.fed[seq.index] = len(seq.output_ids)
                 if d.stopped and not seq.finished:
                     self.scheduler.finish(seq, "stop")
                     req.stop_reasons[seq.index] = d.stop_reason
@@ -291,8 +304,7 @@ class LLMEngine:
 
     def release_followers(self) -> None:
         """Rank 0: let the other ranks' `follow` return."""
-        if self.engine.world > 1:
-            broadcast_step(STOP)
+        release_followers(self.engine)
 
     def shutdown(self) -> None:
         self.release_followers()

@@ -243,11 +243,17 @@ class RaggedRunner:
                     return None
         return step
 
-    def __call__(self, packed: torch.Tensor) -> torch.Tensor:
-        if self._pinned:
-            packed = packed.pin_memory()
-        dev = packed.to(self.device, non_blocking=True)
+    def __call__(self, packed: torch.Tensor, prev: torch.Tensor | None = None,
+                 upload: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """packed: a step from `pack`, on the host. An input id -(r + 1) is the token at row r of
+        prev (the previous step's sampled tokens, on the device), gathered there. upload moves
+        the packed step to the device (default: through a pinned copy)."""
+        dev = upload(packed) if upload is not None else packed.pin_memory().to(self.device, non_blocking=True) \
+            if self._pinned else packed
         T, N, MB, parts = unpack_sizes(packed, dev)
+        if prev is not None:  # ids [T]: pending inputs taken from the device
+            ids = parts[0]
+            parts[0] = torch.where(ids < 0, prev.index_select(0, (-ids - 1).clamp_(0, prev.numel() - 1)), ids)
         if MB <= self.max_blocks:
             if T == N and N <= self.buckets[-1]:
                 b = choose_bucket(self.buckets, N)

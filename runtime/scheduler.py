@@ -1,5 +1,15 @@
 """Continuous batching: which tokens of which sequences each ragged step computes.
 
+    sched = Scheduler(SchedulerLimits(num_blocks=..., block_size=16, max_num_batched_tokens=512,
+                                      max_num_seqs=256, max_seq=4096))
+    sched.add(seq)
+    plan = sched.schedule()            # a StepPlan, or None when nothing can run
+    ... an executor runs plan.step and samples one token per row of plan.sample ...
+    advanced = sched.update(plan, tokens, logprobs)
+
+The scheduler is plain bookkeeping over host lists and a block allocator: it imports no
+device code and is unit-tested without an artifact. runtime/executor.py runs its plans.
+
 Every step packs a token budget (`max_num_batched_tokens`) as DeepSpeed-FastGen's Dynamic
 SplitFuse does: first every running sequence's next token (decode), then chunks of prompts
 still being computed, then new sequences from the queue, in arrival order, while the budget,
@@ -14,12 +24,16 @@ are freed and it goes back to the front of the queue, to be recomputed (prompt a
 far) when blocks are free again; its tokens are unchanged by that. A finished or aborted
 sequence frees its blocks at once.
 
-Sampling is per sequence, batched on the device (runtime/sampling.py `sample_batch`): the
-randomness of a sequence's n-th token depends only on its seed and n, so a seeded request gets
-the same tokens whatever else runs with it, preempted or not.
-
-Under tensor parallelism rank 0 schedules and broadcasts each step (`pack`ed) to the other
-ranks before running it; they run the same step (`follow`). This module imports no compiler code.
+**Tokens in flight.** `schedule()` may run before the tokens of the previous plan are known on
+the host (async scheduling: the host plans step t+1 while the device runs step t). A sampled
+token the host has not seen yet is *pending*: it counts in the sequence's length, and when the
+next step needs it as an input the step names it by its row in the previous step's sampled
+tokens (`Step.input_ids` holds -(row + 1); the executor gathers it on the device). `update`
+appends it once known, and applies the stop rules then, one step late: a sequence that stopped
+on a token (eos, a stop token) may already be in the next plan, whose token for it is dropped.
+A sequence whose length limit (max_tokens, max_seq) is reached by its pending tokens is not
+scheduled again. Sequences never wait on the host otherwise: with `update` called right after
+each plan's tokens (sync stepping) nothing is ever pending, and the tokens are the same.
 """
 from __future__ import annotations
 
@@ -27,13 +41,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from dsc.errors import UserError
 from dsc.runtime.kv_pool import BlockPool
-from dsc.runtime.ragged import Step, pack
-from dsc.runtime.sampling import logprobs as token_logprobs
-from dsc.runtime.sampling import sample_batch
+from dsc.runtime.ragged import Step
 
 
 @dataclass
@@ -47,6 +57,7 @@ class SeqParams:
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     logprobs: int | None = None  # top alternatives per token (0: the chosen token's only)
+    min_tokens: int = 0  # no stop token may be sampled before this many tokens
 
 
 @dataclass(eq=False)  # compared by identity: a sequence is one object
@@ -59,16 +70,29 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose keys and values are in the pool
+    num_computed: int = 0  # tokens whose keys and values are in the pool (or being computed)
     finish_reason: str | None = None
-    new_tokens: int = 0  # tokens added by the last step
+    new_tokens: int = 0  # tokens added by the last update
+    num_pending: int = 0  # sampled tokens not yet on the host (after output_ids)
+    pending_row: int = -1  # the row of the latest pending token in its step's sampled tokens
+    epoch: int = 0  # preemptions so far: a plan made before one no longer holds for the sequence
 
     def __post_init__(self):
-        self._tokens = list(self.prompt_ids) + self.output_ids  # prompt + output, grown by append
+        self._tokens = list(self.prompt_ids) + self.output_ids  # prompt + known output, grown by append
 
     @property
     def tokens(self) -> list[int]:
+        """The known tokens (prompt and output; pending ones excluded)."""
         return self._tokens
+
+    @property
+    def length(self) -> int:
+        """Prompt + output tokens, pending ones included."""
+        return len(self._tokens) + self.num_pending
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids) + self.num_pending
 
     def append(self, token: int) -> None:
         self.output_ids.append(token)
@@ -79,27 +103,52 @@ class Sequence:
         return self.finish_reason is not None
 
 
-STOP = torch.tensor([-1, 0, 0], dtype=torch.long)  # what rank 0 broadcasts when the followers may return
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """What bounds a step: the KV pool's blocks, the token budget, the sequences at once."""
+
+    num_blocks: int
+    block_size: int
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    max_seq: int = 2048
+    prefix_caching: bool = True
+
+    def __post_init__(self):
+        for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_seq"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {v!r}")
+
+
+@dataclass
+class StepPlan:
+    """One step: `step` (host lists) computes entries[i] = (seq, n tokens from start) in order;
+    `sample` lists the rows (indices into entries, which are the rows of the step's logits)
+    whose sequence catches up and gets its next token."""
+
+    step: Step
+    entries: list[tuple[Sequence, int, int, int]]  # (seq, start, n, seq.epoch at planning)
+    sample: list[int]
+    counters: list[int]  # per sampled row: the index of the token it samples in its sequence's output
+    pending_inputs: bool  # some input is a token of the previous step still on the device
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        return [self.entries[r][0] for r in self.sample]
 
 
 class Scheduler:
-    def __init__(self, engine, max_num_batched_tokens: int = 512, max_num_seqs: int | None = None,
-                 prefix_caching: bool = True):
-        pool = engine.plan["kv_pool"]
-        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
-                or max_num_batched_tokens < 1:
-            raise UserError(f"--max-num-batched-tokens: expected an integer >= 1, got {max_num_batched_tokens!r}")
-        self.engine = engine
-        self.block_size = pool["block_size"]
-        num_blocks = next(iter(engine.kv_pool.values())).shape[0]
-        self.pool = BlockPool(num_blocks, self.block_size, prefix_caching=prefix_caching)
-        self.budget = max_num_batched_tokens
-        self.max_num_seqs = min(max_num_seqs or engine.max_num_seqs, engine.max_num_seqs)
-        self.max_seq = engine.max_seq
+    def __init__(self, limits: SchedulerLimits):
+        self.limits = limits
+        self.block_size = limits.block_size
+        self.pool = BlockPool(limits.num_blocks, limits.block_size, prefix_caching=limits.prefix_caching)
+        self.budget = limits.max_num_batched_tokens
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_seq = limits.max_seq
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
-        engine.ragged.warm_up(self.budget)
         self.steps = 0
         self.preemptions = 0
         self.prompt_tokens = 0  # prompt tokens computed (cached ones not counted)
@@ -125,7 +174,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence (stopped, aborted) and free its blocks now."""
+        """End a sequence (stopped, aborted) and free its blocks now. A step in flight may still
+        write its keys into them: the device runs it before any later step that reuses them."""
         if seq.finish_reason is None:
             seq.finish_reason = reason
         if seq in self.running:
@@ -138,7 +188,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- one step -------------------------------------------------------------------------------
+    def _at_limit(self, seq: Sequence) -> bool:
+        """Its pending tokens reach max_tokens or max_seq: it ends once they are known."""
+        return seq.num_output >= seq.params.max_tokens or seq.length >= self.max_seq
+
+    # -- planning -------------------------------------------------------------------------------
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Blocks for seq's next n tokens."""
         need = self.blocks_for(seq.num_computed + n) - len(seq.block_table)
@@ -154,22 +208,24 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free(seq.block_table)
         seq.block_table, seq.num_computed = [], 0
+        seq.epoch += 1
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
+    def _pick(self) -> list[tuple[Sequence, int]]:
         """The sequences of the next step and how many tokens each brings."""
         budget = self.budget
         planned: list[tuple[Sequence, int]] = []
         # running sequences: decodes first, then prompt chunks (running order = admission order)
-        order = sorted(self.running, key=lambda s: len(s.tokens) - s.num_computed > 1)
+        order = sorted((s for s in self.running if not self._at_limit(s)),
+                       key=lambda s: s.length - s.num_computed > 1)
         preempted: set[int] = set()
         for seq in order:
             if budget == 0:
                 break
             if id(seq) in preempted:  # preempted below for an earlier one
                 continue
-            n = min(len(seq.tokens) - seq.num_computed, budget)
+            n = min(seq.length - seq.num_computed, budget)
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -181,8 +237,9 @@ class Scheduler:
                 budget -= n
         running = set(map(id, self.running))
         planned = [(s, n) for s, n in planned if id(s) in running]
-        # new sequences, in arrival order, while budget, seats and blocks last
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # new sequences, in arrival order, while budget, seats and blocks last; a preempted one
+        # whose last token is still in flight waits for it
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not self.waiting[0].num_pending:
             seq = self.waiting[0]
             tokens = seq.tokens
             cached = self.pool.match_prefix(tokens[:-1])  # the last token is computed: its logits are needed
@@ -198,89 +255,70 @@ class Scheduler:
             budget -= n
         return planned
 
-    def build(self, planned: list[tuple[Sequence, int]]) -> Step:
-        step = Step()
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan; the sequences' computed counts advance as if it ran."""
+        planned = self._pick()
+        if not planned:
+            return None
+        step, entries, sample, counters = Step(), [], [], []
+        pending_inputs = False
         bs = self.block_size
-        for seq, n in planned:
+        for row, (seq, n) in enumerate(planned):
             start, tokens = seq.num_computed, seq.tokens
+            known = min(start + n, len(tokens))
             step.query_start.append(len(step.input_ids))
             step.query_lens.append(n)
             step.cache_lens.append(start)
             step.block_tables.append(seq.block_table)
-            step.input_ids += tokens[start:start + n]
+            step.input_ids += tokens[start:known]
+            if known < start + n:  # the one pending token (decode): the previous step's row
+                step.input_ids.append(-(seq.pending_row + 1))
+                pending_inputs = True
             step.positions += range(start, start + n)
-            step.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            table = seq.block_table
+            step.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             step.logits_idx.append(len(step.input_ids) - 1)
-        return step
-
-    def step(self) -> list[Sequence]:
-        """Run one step; returns the sequences that got a token this step (finished ones included)."""
-        for seq in self.running:
-            seq.new_tokens = 0
-        planned = self.schedule()
-        if not planned:
-            return []
-        packed = pack(self.build(planned))
-        if self.engine.world > 1:
-            broadcast_step(packed)
-        logits = self.engine.ragged(packed)  # [N, V]
+            if start < len(seq.prompt_ids):
+                self.prompt_tokens += min(n, len(seq.prompt_ids) - start)
+            entries.append((seq, start, n, seq.epoch))
+            seq.num_computed = start + n
+            if seq.num_computed == seq.length:  # caught up: its last logits give the next token
+                sample.append(row)
+                counters.append(seq.num_output)
+                seq.num_pending += 1
+                seq.pending_row = row
         self.steps += 1
-        done: list[tuple[int, Sequence]] = []
-        for i, (seq, n) in enumerate(planned):
-            if seq.num_computed < len(seq.prompt_ids):
-                self.prompt_tokens += min(n, len(seq.prompt_ids) - seq.num_computed)
-            if (seq.num_computed + n) // self.block_size > seq.num_computed // self.block_size:  # a block filled
-                self.pool.register(seq.block_table, seq.tokens[:seq.num_computed + n])
-            seq.num_computed += n
-            if seq.num_computed == len(seq.tokens):  # caught up: its last logits give the next token
-                done.append((i, seq))
-        if not done:
-            return []
-        rows = torch.tensor([i for i, _ in done], device=logits.device)
-        tokens, lps = self._sample(logits.index_select(0, rows).float(), [s for _, s in done])
+        return StepPlan(step, entries, sample, counters, pending_inputs)
+
+    # -- results --------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, tokens: list[int], logprobs: list[dict[int, float]] | None = None
+               ) -> list[Sequence]:
+        """tokens[i]: the token sampled for row plan.sample[i] (logprobs[i] its log-probabilities
+        when asked). Registers the blocks the step filled, appends the tokens and applies the stop
+        rules; returns the sequences that got a token (finished ones included)."""
+        for seq, start, n, epoch in plan.entries:
+            if epoch == seq.epoch and not seq.finished \
+                    and (start + n) // self.block_size > start // self.block_size:  # a block filled
+                self.pool.register(seq.block_table, seq.tokens[:start + n])
         out = []
-        for j, (_, seq) in enumerate(done):
-            t = tokens[j]
+        for i, row in enumerate(plan.sample):
+            seq = plan.entries[row][0]
+            if seq.finished:  # stopped on an earlier token, or aborted: this one is dropped
+                continue
+            seq.num_pending -= 1
+            t = tokens[i]
             seq.append(t)
             seq.new_tokens = 1
             self.generated_tokens += 1
-            if lps is not None and seq.params.logprobs is not None:
-                seq.logprobs.append(lps[j])
             p = seq.params
-            if t in p.stop_token_ids:
+            if logprobs is not None and p.logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+            if t in p.stop_token_ids and len(seq.output_ids) >= p.min_tokens:
                 self.finish(seq, "stop")
             elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_seq:
                 self.finish(seq, "length")
             out.append(seq)
         return out
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict] | None]:
-        dev = logits.device
-        ps = [s.params for s in seqs]
-        temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32).to(dev, non_blocking=True)
-        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long).to(dev, non_blocking=True)
-        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32).to(dev, non_blocking=True)
-        seed = torch.tensor([p.seed for p in ps], dtype=torch.long).to(dev, non_blocking=True)
-        counter = torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long).to(dev, non_blocking=True)
-        tokens = sample_batch(logits, temp, top_k, top_p, seed, counter,
-                              any_sampled=any(p.temperature > 0 for p in ps),
-                              any_top_k=any(p.top_k > 0 and p.temperature > 0 for p in ps),
-                              any_top_p=any(p.top_p < 1 and p.temperature > 0 for p in ps))
-        want = [p.logprobs for p in ps if p.logprobs is not None]
-        if not want:
-            return tokens.tolist(), None
-        k = max(want)
-        chosen, top_ids, top_lps = token_logprobs(logits, tokens, k)
-        host_tokens = tokens.tolist()
-        chosen, top_ids, top_lps = chosen.tolist(), top_ids.tolist(), top_lps.tolist()
-        lps = []
-        for j, p in enumerate(ps):
-            n = p.logprobs or 0
-            d = {host_tokens[j]: chosen[j]}
-            for tid, lp in zip(top_ids[j][:n], top_lps[j][:n]):
-                d.setdefault(tid, lp)
-            lps.append(d)
-        return host_tokens, lps
 
     def stats(self) -> dict:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
@@ -288,37 +326,3 @@ class Scheduler:
                 "prefix_cache_hit_tokens": self.pool.stats.prefix_hits, "prompt_tokens_total": self.prompt_tokens,
                 "generation_tokens_total": self.generated_tokens, "preemptions": self.preemptions,
                 "steps": self.steps}
-
-
-def broadcast_step(packed: torch.Tensor) -> None:
-    """Rank 0: send a packed step (or STOP) to the other ranks."""
-    import torch.distributed as dist
-
-    dev = _comm_device()
-    size = torch.tensor([packed.numel()], dtype=torch.long, device=dev)
-    dist.broadcast(size, src=0)
-    dist.broadcast(packed.to(dev), src=0)
-
-
-def follow(engine) -> None:
-    """Ranks > 0: run the steps rank 0 broadcasts, until it broadcasts STOP."""
-    import torch.distributed as dist
-
-    dev = _comm_device()
-    while True:
-        size = torch.zeros(1, dtype=torch.long, device=dev)
-        dist.broadcast(size, src=0)
-        packed = torch.zeros(int(size.item()), dtype=torch.long, device=dev)
-        dist.broadcast(packed, src=0)
-        packed = packed.cpu()
-        if int(packed[0]) < 0:
-            return
-        engine.ragged(packed)
-
-
-def _comm_device() -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -1,0 +1,250 @@
+"""Run the scheduler's plans on an engine, with one step in flight.
+
+    core = EngineCore(engine, max_num_batched_tokens=512, max_num_seqs=256)
+    core.scheduler.add(seq)
+    while core.has_work():
+        advanced = core.step()     # the sequences that got a token
+
+`Executor.launch(plan)` packs the plan's step, runs the ragged program and samples one token per
+sequence of the step, on the device; the tokens stay there (the next step's pending inputs are
+gathered from them on the device) and one non-blocking copy brings them to pinned host memory.
+`Executor.collect` waits for that copy. `EngineCore.step` schedules and launches step t+1
+before it collects step t, so the host plans, packs and copies while the device computes, and
+waits only for a step that has already been followed by another in the device's queue
+(async scheduling, vLLM v1's and SGLang's overlap). With `async_scheduling=False` each step is
+collected at once; the tokens are the same either way (runtime/scheduler.py says why).
+
+Under tensor parallelism rank 0 schedules; it broadcasts each packed step and then its sampled
+tokens (the other ranks gather pending inputs from them as rank 0 does), and STOP when the
+other ranks may return from `follow`.
+"""
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from dsc.runtime.ragged import pack
+from dsc.runtime.sampling import logprobs as token_logprobs
+from dsc.runtime.sampling import sample_batch
+from dsc.runtime.scheduler import Scheduler, SchedulerLimits, StepPlan
+
+STOP = torch.tensor([-1, 0, 0], dtype=torch.long)  # what rank 0 broadcasts when the followers may return
+
+
+class _HostRing:
+    """Pinned host buffers reused round-robin (allocated once, grown when a step needs more),
+    each with the event of the last copy that used it."""
+
+    def __init__(self, device: torch.device, slots: int = 3):
+        self.cuda = device.type == "cuda"
+        self.bufs: list[torch.Tensor | None] = [None] * slots
+        self.events: list[torch.cuda.Event | None] = [None] * slots
+        self.i = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        i = self.i = (self.i + 1) % len(self.bufs)
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # its last copy is done before the buffer is rewritten
+        buf = self.bufs[i]
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if buf is None or buf.numel() < nbytes:
+            buf = self.bufs[i] = torch.empty(max(nbytes, 2 * (buf.numel() if buf is not None else 0), 4096),
+                                             dtype=torch.uint8, pin_memory=self.cuda)
+        return buf[:nbytes].view(dtype), i
+
+    def record(self, i: int) -> torch.cuda.Event | None:
+        if not self.cuda:
+            return None
+        ev = self.events[i] = torch.cuda.Event()
+        ev.record()
+        return ev
+
+
+@dataclass
+class Launched:
+    """A launched step: its sampled tokens (and log-probabilities) being copied to the host."""
+
+    tokens: torch.Tensor  # host [S] int64 (pinned on CUDA)
+    done: torch.cuda.Event | None
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # host chosen, top ids, top lps
+    top_n: list[int] | None = None
+
+
+class Executor:
+    def __init__(self, engine):
+        self.engine = engine
+        self.device = engine.device
+        self.world = engine.world
+        self.vocab = engine.vocab_size
+        self.prev: torch.Tensor | None = None  # the last launched step's sampled tokens [N], on the device
+        self._in = _HostRing(self.device)
+        self._out = _HostRing(self.device)
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host int64 tensor on the device, through a pinned staging buffer."""
+        if self.device.type != "cuda":
+            return host
+        buf, i = self._in.take(host.numel(), torch.long)
+        buf.copy_(host)
+        dev = buf.to(self.device, non_blocking=True)
+        self._in.record(i)
+        return dev
+
+    def launch(self, plan: StepPlan) -> Launched:
+        packed = pack(plan.step)
+        if self.world > 1:
+            broadcast(packed)
+        logits = self.engine.ragged(packed, self.prev if plan.pending_inputs else None,
+                                    upload=self._upload)  # [N, V]
+        tokens = self._sample(logits, plan)  # [N]
+        if self.world > 1:
+            broadcast(tokens)
+        self.prev = tokens
+        rows = plan.sample
+        chosen = tokens if len(rows) == tokens.shape[0] else tokens.index_select(
+            0, self._upload(torch.tensor(rows, dtype=torch.long)))
+        host, i = self._out.take(len(rows), torch.long)
+        host.copy_(chosen, non_blocking=True)
+        lp = self._logprobs(logits, tokens, plan)
+        return Launched(host, self._out.record(i), *lp)
+
+    def _sample(self, logits: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """One token per row of the step: the plan's sampled rows with their sequences' rules,
+        the others greedy (their tokens are never read)."""
+        seqs = plan.sampled_seqs
+        ps = [s.params for s in seqs]
+        masks = [(r, t) for r, s, c in zip(plan.sample, seqs, plan.counters)
+                 if c < s.params.min_tokens for t in s.params.stop_token_ids]
+        if masks:  # min_tokens: no stop token yet
+            idx = self._upload(torch.tensor(masks, dtype=torch.long).T.contiguous())
+            logits = logits.index_put((idx[0], idx[1]), torch.tensor(float("-inf"), device=logits.device))
+        if not any(p.temperature > 0 for p in ps):
+            return logits.argmax(dim=-1)
+        N = logits.shape[0]
+        temp, top_p = [0.0] * N, [1.0] * N
+        top_k, seed, counter = [0] * N, [0] * N, [0] * N
+        for r, p, c in zip(plan.sample, ps, plan.counters):
+            temp[r], top_p[r], top_k[r], seed[r], counter[r] = p.temperature, p.top_p, p.top_k, p.seed, c
+        ints = array("q", top_k + seed + counter)
+        ints.frombytes(array("d", temp + top_p).tobytes())
+        dev = self._upload(torch.frombuffer(ints, dtype=torch.long))
+        k, sd, ctr, floats = dev[:N], dev[N:2 * N], dev[2 * N:3 * N], dev[3 * N:].view(torch.float64).float()
+        sampled = [p for p in ps if p.temperature > 0]
+        top_ks = [p.top_k for p in sampled]
+        return sample_batch(logits, floats[:N], k, floats[N:], sd, ctr, any_sampled=True,
+                            any_top_k=any(top_ks), any_top_p=any(p.top_p < 1 for p in sampled),
+                            max_top_k=max(top_ks) if all(top_ks) else None)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, plan: StepPlan):
+        want = [s.params.logprobs for s in plan.sampled_seqs]
+        if all(w is None for w in want):
+            return None, None
+        rows = torch.tensor(plan.sample, dtype=torch.long, device=logits.device)
+        chosen, top_ids, top_lps = token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows),
+                                                  max(w for w in want if w is not None))
+        pin = self.device.type == "cuda"
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=True)
+                     for t in (chosen, top_ids, top_lps))
+        return host, [w or 0 for w in want]
+
+    def collect(self, launched: Launched) -> tuple[list[int], list[dict[int, float]] | None]:
+        if launched.done is not None:
+            launched.done.synchronize()
+        tokens = launched.tokens.tolist()
+        if launched.logprobs is None:
+            return tokens, None
+        chosen, top_ids, top_lps = (t.tolist() for t in launched.logprobs)
+        lps = []
+        for j, n in enumerate(launched.top_n):
+            d = {tokens[j]: chosen[j]}
+            for tid, lp in zip(top_ids[j][:n], top_lps[j][:n]):
+                d.setdefault(tid, lp)
+            lps.append(d)
+        return tokens, lps
+
+
+class EngineCore:
+    """The scheduler over an engine's KV pool, its executor, and the steps in flight."""
+
+    def __init__(self, engine, max_num_batched_tokens: int = 512, max_num_seqs: int | None = None,
+                 prefix_caching: bool = True, async_scheduling: bool = True):
+        num_blocks = next(iter(engine.kv_pool.values())).shape[0]
+        self.scheduler = Scheduler(SchedulerLimits(
+            num_blocks=num_blocks, block_size=engine.plan["kv_pool"]["block_size"],
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=min(max_num_seqs or engine.max_num_seqs, engine.max_num_seqs),
+            max_seq=engine.max_seq, prefix_caching=prefix_caching))
+        self.executor = Executor(engine)
+        self.async_scheduling = async_scheduling
+        self._inflight: deque[tuple[StepPlan, Launched]] = deque()
+        engine.ragged.warm_up(max_num_batched_tokens)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._inflight)
+
+    def step(self) -> list:
+        """Schedule and launch the next step, then collect the one before it (or, stepping
+        synchronously, this one); returns the sequences that got a token."""
+        plan = self.scheduler.schedule()
+        if plan is not None:
+            self._inflight.append((plan, self.executor.launch(plan)))
+        keep = 1 if self.async_scheduling and plan is not None and self.scheduler.has_work() else 0
+        out = []
+        while len(self._inflight) > keep:
+            done, launched = self._inflight.popleft()
+            out += self.scheduler.update(done, *self.executor.collect(launched))
+        if not self.scheduler.has_work():  # what is left in flight is dropped tokens only
+            while self._inflight:
+                done, launched = self._inflight.popleft()
+                self.scheduler.update(done, *self.executor.collect(launched))
+        return out
+
+
+def broadcast(t: torch.Tensor) -> None:
+    """Rank 0: a packed step (its size first) or a step's sampled tokens, to the other ranks."""
+    import torch.distributed as dist
+
+    dev = _comm_device()
+    size = torch.tensor([t.numel()], dtype=torch.long, device=dev)
+    dist.broadcast(size, src=0)
+    dist.broadcast(t.to(dev), src=0)
+
+
+def _receive() -> torch.Tensor:
+    import torch.distributed as dist
+
+    dev = _comm_device()
+    size = torch.zeros(1, dtype=torch.long, device=dev)
+    dist.broadcast(size, src=0)
+    t = torch.zeros(int(size.item()), dtype=torch.long, device=dev)
+    dist.broadcast(t, src=0)
+    return t
+
+
+def release_followers(engine) -> None:
+    """Rank 0: let the other ranks' `follow` return."""
+    if engine.world > 1:
+        broadcast(STOP)
+
+
+def follow(engine) -> None:
+    """Ranks > 0: run the steps rank 0 broadcasts, until it broadcasts STOP."""
+    prev = None
+    while True:
+        packed = _receive().cpu()
+        if int(packed[0]) < 0:
+            return
+        has_pending = bool((packed[3:3 + int(packed[0])] < 0).any())
+        engine.ragged(packed, prev.to(engine.device) if has_pending and prev is not None else None)
+        prev = _receive()
+
+
+def _comm_device() -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
