@@ -231,7 +231,7 @@ class Engine:
             follow(self)
             return self._result_from_rank0(None)
         try:
-            core = EngineCore(self, max_num_batched_tokens)
+            core = EngineCore.for_engine(self, max_num_batched_tokens)
             seqs = []
             for i, p in enumerate(prompts):
                 params = SeqParams(max_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,

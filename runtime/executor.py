@@ -167,20 +167,24 @@ class Executor:
 
 
 class EngineCore:
-    """The scheduler over an engine's KV pool, its executor, and the steps in flight."""
+    """A scheduler, an executor of its plans, and the steps in flight."""
 
-    def __init__(self, engine, max_num_batched_tokens: int = 512, max_num_seqs: int | None = None,
-                 prefix_caching: bool = True, async_scheduling: bool = True):
+    def __init__(self, scheduler: Scheduler, executor, async_scheduling: bool = True):
+        self.scheduler, self.executor, self.async_scheduling = scheduler, executor, async_scheduling
+        self._inflight: deque[tuple[StepPlan, Launched]] = deque()
+
+    @classmethod
+    def for_engine(cls, engine, max_num_batched_tokens: int = 512, max_num_seqs: int | None = None,
+                   prefix_caching: bool = True, async_scheduling: bool = True) -> "EngineCore":
+        """Over an engine's KV pool and ragged program; the mixed steps of the budget captured now."""
         num_blocks = next(iter(engine.kv_pool.values())).shape[0]
-        self.scheduler = Scheduler(SchedulerLimits(
+        scheduler = Scheduler(SchedulerLimits(
             num_blocks=num_blocks, block_size=engine.plan["kv_pool"]["block_size"],
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=min(max_num_seqs or engine.max_num_seqs, engine.max_num_seqs),
             max_seq=engine.max_seq, prefix_caching=prefix_caching))
-        self.executor = Executor(engine)
-        self.async_scheduling = async_scheduling
-        self._inflight: deque[tuple[StepPlan, Launched]] = deque()
         engine.ragged.warm_up(max_num_batched_tokens)
+        return cls(scheduler, Executor(engine), async_scheduling)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._inflight)

@@ -96,7 +96,8 @@ class LLMEngine:
                           require_signature=require_signature, static=False, kv_cache_memory=kv_cache_memory,
                           max_num_seqs=max_num_seqs, prefill_buckets=prefill_buckets)
         self.engine = engine
-        self.core = EngineCore(engine, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, async_scheduling)
+        self.core = EngineCore.for_engine(engine, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
+                                          async_scheduling)
         self.scheduler = self.core.scheduler
         self.tokenizer = engine.artifact.tokenizer()
         self.model_name = Path(engine.artifact.path).name
