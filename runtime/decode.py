@@ -12,12 +12,17 @@ runs eagerly, so bucket choice and padding are exercised everywhere.
 from __future__ import annotations
 
 import bisect
+import time
 import weakref
+from collections import defaultdict
 from typing import Callable
 
 import torch
 
 _RUNNERS: weakref.WeakSet = weakref.WeakSet()  # decode and prefill runners (anything with release())
+# seconds spent in capture_graph by this process: its warm-up runs ("kernels": the Triton JIT and
+# cuBLAS set-up happen in the first of them) and the captures ("graphs"); the load timings read it
+CAPTURE_TIMES: defaultdict[str, float] = defaultdict(float)
 
 
 def register_runner(runner) -> None:
@@ -36,15 +41,20 @@ def release_cuda_graphs() -> None:
 def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Warm `forward` up on a side stream (Triton JIT, cuBLAS handles), then capture it into a
     CUDA graph in `pool`; returns the graph and the output tensor its replays write."""
+    t0 = time.perf_counter()
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(s):
         for _ in range(2):
             forward()
     torch.cuda.current_stream(device).wait_stream(s)
+    torch.cuda.synchronize(device)
+    t1 = time.perf_counter()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = forward()
+    CAPTURE_TIMES["kernels"] += t1 - t0
+    CAPTURE_TIMES["graphs"] += time.perf_counter() - t1
     return graph, out
 
 

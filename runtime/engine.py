@@ -41,6 +41,24 @@ ALL_REDUCE_OPS = registry.ops_with("all_reduce")
 SLOT_OPS = registry.ops_with("collective_slot")
 
 
+class _Stages:
+    """Wall seconds between marks, by stage name (device work of a stage waited for)."""
+
+    def __init__(self):
+        import time
+
+        self._now = time.perf_counter
+        self._last = self._now()
+        self.times: dict[str, float] = {}
+
+    def mark(self, stage: str) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        now = self._now()
+        self.times[stage] = now - self._last
+        self._last = now
+
+
 def _all_reduce_nodes(program: dict) -> list[dict]:
     """The program's all-reduces, fused with a norm or not, in order."""
     return [n for n in program["nodes"] if n.get("op") in ALL_REDUCE_OPS]
@@ -63,7 +81,12 @@ class Engine:
         self.max_seq = self.plan["limits"]["max_seq"]
         self.vocab_size = self.plan["model"]["vocab_size"]
         self.eos_token_ids = list(self.plan["model"].get("eos_token_ids") or [])
+        from dsc.runtime.decode import CAPTURE_TIMES
+
+        captured = dict(CAPTURE_TIMES)
+        clock = _Stages()
         self.weights = self._load_weights()
+        clock.mark("weights")
         self._all_reduces = {name: _all_reduce_nodes(p) for name, p in self.plan["programs"].items()}
         self._slots = {name: sum(n.get("op") in SLOT_OPS for n in p["nodes"]) for name, p in self.plan["programs"].items()}
         self.all_reduce = self._enable_symmetric_all_reduce()
@@ -72,8 +95,10 @@ class Engine:
         self.kv_cache = self._allocate_kv_cache() if static else {}
         self.kv_pool = allocate_kv_pool(self.plan, device, kv_cache_memory, where=self.artifact.path / "plan.json",
                                         serving=not static)
+        clock.mark("kv_cache")
         self.programs = {name: self._build(p, name) for name, p in self.plan["programs"].items()
                          if static or name == "ragged"}
+        clock.mark("programs")
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
         if static:
             self._decode = DecodeRunner(self._decode_program, self.buckets, device, cuda_graphs)
@@ -82,6 +107,11 @@ class Engine:
         self.max_num_seqs = max_num_seqs or self.max_batch
         self.ragged = RaggedRunner(lambda *a: self._call("ragged", *a), self.plan["kv_pool"], self.max_seq,
                                    self.max_num_seqs, device, cuda_graphs, pad=prefill_buckets)
+        clock.mark("kernels_and_graphs")
+        # seconds by stage; "kernels" (warm-up runs: Triton JIT) and "graphs" (captures) split the
+        # capture stage, and grow when the serving engine captures its mixed steps
+        self.load_times = clock.times
+        self.load_times.update({k: v - captured.get(k, 0.0) for k, v in CAPTURE_TIMES.items()})
 
     def _enable_symmetric_all_reduce(self) -> str:
         """On CUDA with tp > 1: the one-shot all-reduce (kernels/collectives.py) for tensors up
@@ -418,6 +448,12 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
         from dsc.runtime.distributed import ensure_process_group
 
         ensure_process_group(device, world, r)
+    import time
+
+    t = time.perf_counter()
     artifact = open_artifact(path, ranks=[r], verify=verify, require_signature=require_signature)
-    return Engine(artifact, r, world, device, cuda_graphs=cuda_graphs, prefill_buckets=prefill_buckets,
-                  static=static, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
+    checked = time.perf_counter() - t
+    engine = Engine(artifact, r, world, device, cuda_graphs=cuda_graphs, prefill_buckets=prefill_buckets,
+                    static=static, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
+    engine.load_times = {"checksums": checked, **engine.load_times}
+    return engine

@@ -80,7 +80,7 @@ class Executor:
         self.world = engine.world
         self.vocab = engine.vocab_size
         self.prev: torch.Tensor | None = None  # the last launched step's sampled tokens [N], on the device
-        self._in = _HostRing(self.device)
+        self._in = _HostRing(self.device, slots=8)  # a step uploads at most 4 times: no slot reused within 2 steps
         self._out = _HostRing(self.device)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
@@ -88,20 +88,21 @@ class Executor:
         if self.device.type != "cuda":
             return host
         buf, i = self._in.take(host.numel(), torch.long)
-        buf.copy_(host)
+        buf.copy_(host.reshape(-1))
         dev = buf.to(self.device, non_blocking=True)
         self._in.record(i)
-        return dev
+        return dev.view(host.shape)
 
     def launch(self, plan: StepPlan) -> Launched:
         packed = pack(plan.step)
+        dev = self._upload(packed)
         if self.world > 1:
-            broadcast(packed)
+            broadcast(dev, self._upload)
         logits = self.engine.ragged(packed, self.prev if plan.pending_inputs else None,
-                                    upload=self._upload)  # [N, V]
+                                    upload=lambda _: dev)  # [N, V]
         tokens = self._sample(logits, plan)  # [N]
         if self.world > 1:
-            broadcast(tokens)
+            broadcast(tokens, self._upload)
         self.prev = tokens
         rows = plan.sample
         chosen = tokens if len(rows) == tokens.shape[0] else tokens.index_select(
@@ -120,7 +121,8 @@ class Executor:
                  if c < s.params.min_tokens for t in s.params.stop_token_ids]
         if masks:  # min_tokens: no stop token yet
             idx = self._upload(torch.tensor(masks, dtype=torch.long).T.contiguous())
-            logits = logits.index_put((idx[0], idx[1]), torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put((idx[0], idx[1]), torch.full((1,), float("-inf"), dtype=logits.dtype,
+                                                                    device=logits.device))
         if not any(p.temperature > 0 for p in ps):
             return logits.argmax(dim=-1)
         N = logits.shape[0]
@@ -142,7 +144,7 @@ class Executor:
         want = [s.params.logprobs for s in plan.sampled_seqs]
         if all(w is None for w in want):
             return None, None
-        rows = torch.tensor(plan.sample, dtype=torch.long, device=logits.device)
+        rows = self._upload(torch.tensor(plan.sample, dtype=torch.long))
         chosen, top_ids, top_lps = token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows),
                                                   max(w for w in want if w is not None))
         pin = self.device.type == "cuda"
@@ -207,14 +209,16 @@ class EngineCore:
         return out
 
 
-def broadcast(t: torch.Tensor) -> None:
-    """Rank 0: a packed step (its size first) or a step's sampled tokens, to the other ranks."""
+def broadcast(t: torch.Tensor, upload=None) -> None:
+    """Rank 0: a packed step (its size first) or a step's sampled tokens, to the other ranks.
+    upload: how a host tensor reaches the communication device (Executor._upload: through
+    pinned memory, so the host does not wait for the device's queue)."""
     import torch.distributed as dist
 
     dev = _comm_device()
-    size = torch.tensor([t.numel()], dtype=torch.long, device=dev)
-    dist.broadcast(size, src=0)
-    dist.broadcast(t.to(dev), src=0)
+    size = torch.tensor([t.numel()], dtype=torch.long)
+    dist.broadcast(upload(size) if upload is not None and dev.type == "cuda" else size.to(dev), src=0)
+    dist.broadcast(t if t.device == dev else t.to(dev), src=0)
 
 
 def _receive() -> torch.Tensor:

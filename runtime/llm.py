@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence as Seq
@@ -96,8 +97,17 @@ class LLMEngine:
                           require_signature=require_signature, static=False, kv_cache_memory=kv_cache_memory,
                           max_num_seqs=max_num_seqs, prefill_buckets=prefill_buckets)
         self.engine = engine
+        from dsc.runtime.decode import CAPTURE_TIMES
+
+        before, t = dict(CAPTURE_TIMES), time.perf_counter()
         self.core = EngineCore.for_engine(engine, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
                                           async_scheduling)
+        # seconds by load stage (checksums, weights, kv_cache, programs, kernels, graphs), the
+        # scheduler's mixed-step captures included
+        self.load_times = dict(getattr(engine, "load_times", {}))
+        for k, v in CAPTURE_TIMES.items():
+            self.load_times[k] = self.load_times.get(k, 0.0) + v - before.get(k, 0.0)
+        self.load_times["scheduler"] = time.perf_counter() - t
         self.scheduler = self.core.scheduler
         self.tokenizer = engine.artifact.tokenizer()
         self.model_name = Path(engine.artifact.path).name
