@@ -121,6 +121,7 @@ def compile_cmd(
     int8_min_sqnr: Optional[float] = typer.Option(None, "--int8-min-sqnr", help="fail below this logits SQNR (dB)"),
     calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="calibration prompts, one per line (SmoothQuant)"),
     decode_buckets: Optional[str] = typer.Option(None, "--decode-buckets", help="CUDA-graph batch buckets, e.g. 1,2,4,8"),
+    min_tokens: Optional[int] = typer.Option(None, "--min-tokens", help="default min_tokens of requests: tokens generated before eos or a stop token can end one (default 0)"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="print stages and their times also when stderr is not a terminal"),
     timings: Optional[Path] = typer.Option(None, "--timings", help="write the stage times here (JSON); the artifact never holds them"),
 ) -> None:
@@ -143,7 +144,7 @@ def compile_cmd(
                            int8_asymmetric=int8_asymmetric, int8_lm_head=int8_lm_head,
                            int8_skip=tuple(int8_skip) or None, int8_min_sqnr=int8_min_sqnr,
                            calibrate=str(calibrate) if calibrate else None,
-                           decode_buckets=_parse_buckets(decode_buckets))
+                           decode_buckets=_parse_buckets(decode_buckets), min_tokens=min_tokens)
     except UserError as e:
         progress.close()
         _fail(str(e))
