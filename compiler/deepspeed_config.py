@@ -51,9 +51,10 @@ def refused(default: Any, why: str, **kw: Any) -> Any:
 
 
 class DSConfig(BaseModel):
-    """A DeepSpeed config section: unknown keys refused, fields by name or alias, "auto" = default."""
+    """A DeepSpeed config section: unknown keys refused, fields by name or alias, "auto" = default,
+    values of their JSON type (no "8" for 8: a config is checked, not coerced)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -275,7 +276,10 @@ def _validation_error(path: Path, e: ValidationError) -> UserError:
                          "nor fields of DeepSpeed's inference config)")
     err = errs[0]
     loc = ".".join(str(x) for x in err["loc"])
-    return UserError(f"{path}: field '{loc}': {err['msg'].removeprefix('Value error, ')}")
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] != "value_error" and not isinstance(err.get("input"), (dict, list)):
+        msg += f", got {err.get('input')!r}"
+    return UserError(f"{path}: field '{loc}': {msg}")
 
 
 def _check_refused(cfg: BaseModel, path: Path, spelled: dict[str, str], where: str = "") -> None:

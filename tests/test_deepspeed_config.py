@@ -264,6 +264,8 @@ def test_quant_and_dtype_together(tmp_path, config, expect):
     ({"tensor_parallel": {"tp_size": "two"}}, ["tensor_parallel.tp_size"]),
     ({"max_out_tokens": 1}, ["max_out_tokens"]),
     ({"quant": {"weight": {"q_type": "nf4"}}}, ["quant.weight.q_type"]),
+    ({"enable_cuda_graph": "false"}, ["enable_cuda_graph", "'false'"]),  # checked, not coerced
+    ({"dtype": "int8", "quant": {"weight": {"q_groups": "4"}}}, ["quant.weight.q_groups", "'4'"]),
 ])
 def test_bad_configs_are_one_line_naming_the_field(tmp_path, config, names):
     with pytest.raises(UserError) as e:
