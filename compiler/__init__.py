@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dsc.compiler.options import CompileOptions, make_options, options_from_config_file
 from dsc.errors import UserError
