@@ -415,13 +415,16 @@ def _quant(cfg: InferenceConfig, dtype: str | None, qs: Any, out: _Out, dsc_int8
     quant_given = "quant" in cfg.model_fields_set and bool(q.model_fields_set)
     enabled = q.enabled and q.weight.enabled
     off = "quant.enabled" if not q.enabled else "quant.weight.enabled"
-    if dtype == "int8" or dsc_int8:
-        want, why = True, "dtype int8" if dtype == "int8" else "int8"
+    # what asks for int8 weights (the field that sets `int8`, None: dsc's own `int8` does)
+    if dtype == "int8":
+        want, why, field = True, "dtype int8", "dtype"
+    elif dsc_int8:
+        want, why, field = True, "int8", None
     elif setting is not None:
-        want, why = True, "quantization_setting"
+        want, why, field = True, "quantization_setting", "quantization_setting"
     else:
-        want, why = dtype is None and quant_given and enabled, "quant"
-    if want and not enabled and quant_given:
+        want, why, field = dtype is None and quant_given and enabled, "quant", "quant"
+    if want and not enabled:
         raise UserError(f"{path}: field '{out.name(off)}': false, but {why} asks for int8 weights")
     if setting is not None and dtype in ("fp16", "bf16", "fp32"):
         raise UserError(f"{path}: field 'quantization_setting': applies to int8 weights, and dtype is {dtype} "
@@ -433,8 +436,8 @@ def _quant(cfg: InferenceConfig, dtype: str | None, qs: Any, out: _Out, dsc_int8
                       else f"DeepSpeed quantizes only with dtype int8, and dtype is {dtype}")
             raise UserError(f"{path}: field '{out.name(unused[0])}': has no effect ({reason}); set dtype to int8, or remove it")
         return
-    if why != "int8":
-        out.set("int8", True, why if why != "quant" else "quant.enabled")
+    if field:
+        out.set("int8", True, field)
     w = q.weight
     groups, qtype = w.q_groups, w.q_type
     if setting is not None:
@@ -453,7 +456,7 @@ def _quant(cfg: InferenceConfig, dtype: str | None, qs: Any, out: _Out, dsc_int8
 
 
 # -- docs/deepspeed.md ---------------------------------------------------------------------------
-_SECTIONS = [("", InferenceConfig), ("tensor_parallel.", TensorParallelConfig), ("moe.", MoEConfig),
+SECTIONS = [("", InferenceConfig), ("tensor_parallel.", TensorParallelConfig), ("moe.", MoEConfig),
              ("quant.", QuantizationConfig), ("quant.weight.", WeightQuantConfig),
              ("quant.activation.", ActivationQuantConfig), ("quant.qkv.", QKVQuantConfig),
              ("checkpoint_config.", CheckpointConfig), ("zero.", _ZeroBase)]
@@ -481,7 +484,7 @@ def markdown() -> str:
            "different values (`mp_size` and `tensor_parallel.tp_size`), are refused.\n\n",
            "Generated from `compiler/deepspeed_config.py` by `python scripts/gen_docs.py`; do not edit by hand.\n\n",
            "| field | aliases | DeepSpeed's default | in dsc |\n|---|---|---|---|\n"]
-    for prefix, model in _SECTIONS:
+    for prefix, model in SECTIONS:
         for name, f in model.model_fields.items():
             extra = f.json_schema_extra or {}
             if "dsc" in extra:

@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 
 import dsc
-from dsc.compiler.deepspeed_config import QKV_MODULES, InferenceConfig, ZERO_SETTINGS, _SECTIONS
+from dsc.compiler.deepspeed_config import QKV_MODULES, InferenceConfig, ZERO_SETTINGS, SECTIONS
 from dsc.compiler.options import make_options, options_from_config_file
 from dsc.errors import UserError
 
@@ -140,14 +140,14 @@ def _read(tmp_path: Path, config: dict):
 
 def _declared() -> set[str]:
     """Every field dsc declares, dotted, the sub-configs themselves left out."""
-    subs = {p.rstrip(".") for p, _ in _SECTIONS if p}
-    names = {f"{p}{n}" for p, model in _SECTIONS for n in model.model_fields}
+    subs = {p.rstrip(".") for p, _ in SECTIONS if p}
+    names = {f"{p}{n}" for p, model in SECTIONS for n in model.model_fields}
     return names - subs
 
 
 def test_every_field_of_deepspeeds_config_is_declared():
     assert {f for f, *_ in DS_FIELDS} == _declared()
-    aliases = {f"{p}{f.alias}" for p, model in _SECTIONS for f in model.model_fields.values() if f.alias}
+    aliases = {f"{p}{f.alias}" for p, model in SECTIONS for f in model.model_fields.values() if f.alias}
     expect = {(f.rsplit(".", 1)[0] + "." + a) if "." in f else a for f, a, *_ in DS_FIELDS if a}
     assert aliases - {"tp", "ckpt_config"} == expect
     assert InferenceConfig.model_fields["tensor_parallel"].alias == "tp"
