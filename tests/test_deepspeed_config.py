@@ -264,6 +264,7 @@ def test_quant_and_dtype_together(tmp_path, config, expect):
     ({"tensor_parallel": {"tp_size": "two"}}, ["tensor_parallel.tp_size"]),
     ({"max_out_tokens": 1}, ["max_out_tokens"]),
     ({"quant": {"weight": {"q_type": "nf4"}}}, ["quant.weight.q_type"]),
+    ({"dtype": "int8", "int8": False}, ["'dtype'", "'int8'"]),
     ({"enable_cuda_graph": "false"}, ["enable_cuda_graph", "'false'"]),  # checked, not coerced
     ({"dtype": "int8", "quant": {"weight": {"q_groups": "4"}}}, ["quant.weight.q_groups", "'4'"]),
 ])
