@@ -121,6 +121,7 @@ def compile_cmd(
     int8_min_sqnr: Optional[float] = typer.Option(None, "--int8-min-sqnr", help="fail below this logits SQNR (dB)"),
     calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="calibration prompts, one per line (SmoothQuant)"),
     decode_buckets: Optional[str] = typer.Option(None, "--decode-buckets", help="CUDA-graph batch buckets, e.g. 1,2,4,8"),
+    min_tokens: Optional[int] = typer.Option(None, "--min-tokens", help="default min_tokens of requests: tokens generated before eos or a stop token can end one (default 0)"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="print stages and their times also when stderr is not a terminal"),
     timings: Optional[Path] = typer.Option(None, "--timings", help="write the stage times here (JSON); the artifact never holds them"),
 ) -> None:
@@ -143,7 +144,7 @@ def compile_cmd(
                            int8_asymmetric=int8_asymmetric, int8_lm_head=int8_lm_head,
                            int8_skip=tuple(int8_skip) or None, int8_min_sqnr=int8_min_sqnr,
                            calibrate=str(calibrate) if calibrate else None,
-                           decode_buckets=_parse_buckets(decode_buckets))
+                           decode_buckets=_parse_buckets(decode_buckets), min_tokens=min_tokens)
     except UserError as e:
         progress.close()
         _fail(str(e))
@@ -474,9 +475,9 @@ def bench_serve_cmd(
     url: Optional[str] = typer.Argument(None, help="the server, e.g. http://127.0.0.1:8000"),
     rate: List[str] = typer.Option(["1", "4", "16", "inf"], "--rate", help="requests per second (repeatable; inf: all at once)"),
     num_requests: int = typer.Option(100, "--num-requests", help="requests per rate"),
-    prompt_len: str = typer.Option("128", "--prompt-len", help="prompt tokens: N, LO:HI (uniform) or A,B,... (one of)"),
-    output_len: str = typer.Option("128", "--output-len", help="output tokens: N, LO:HI or A,B,..."),
-    vocab: int = typer.Option(1000, help="prompt token ids are drawn from [10, VOCAB)"),
+    prompt_len: Optional[str] = typer.Option(None, "--prompt-len", help="prompt tokens: N, LO:HI (uniform) or A,B,... (one of); default 128, or half the server's max_model_len"),
+    output_len: Optional[str] = typer.Option(None, "--output-len", help="output tokens: N, LO:HI or A,B,...; default as --prompt-len"),
+    vocab: Optional[int] = typer.Option(None, help="prompt token ids are drawn from [10, VOCAB); default: the server's vocab_size"),
     model: Optional[str] = typer.Option(None, help="model name (default: the server's first)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="bearer key (default: $DSC_API_KEY)"),
     seed: int = typer.Option(0, help="seed of the workload and the arrivals"),
@@ -487,7 +488,7 @@ def bench_serve_cmd(
 ) -> None:
     """Load-test an OpenAI-compatible server: Poisson arrivals per rate; throughput, TTFT, ITL, E2E."""
     try:
-        from dsc.serve.bench import BenchConfig, Lengths, compare_offline, plot, render, run, run_offline, write_json
+        from dsc.serve.bench import BenchConfig, Lengths, check, compare_offline, plot, render, run, run_offline, write_json
 
         try:
             rates = [float(r) for r in rate]
@@ -497,14 +498,16 @@ def bench_serve_cmd(
             raise UserError("bench-serve: give the server's URL, or --offline ARTIFACT, or both")
         from dsc import switches
 
-        cfg = BenchConfig(url or "", rates, num_requests, Lengths.parse(prompt_len, "--prompt-len"),
-                          Lengths.parse(output_len, "--output-len"), vocab, model,
+        cfg = BenchConfig(url or "", rates, num_requests, prompt_len and Lengths.parse(prompt_len, "--prompt-len"),
+                          output_len and Lengths.parse(output_len, "--output-len"), vocab, model,
                           api_key or switches.get("DSC_API_KEY") or "none", seed)
-        res = run(cfg, progress=lambda line: typer.echo(line, err=True)) if url else \
-            {"model": offline.name, "config": {"prompt_len": prompt_len, "output_len": output_len}, "results": []}
+        check(cfg)
+        res = run(cfg, progress=lambda line: typer.echo(line, err=True)) if url else {"model": offline.name, "results": []}
         if offline is not None:
             typer.echo(f"offline: {num_requests} requests through dsc.LLM({offline})", err=True)
-            res["results"].append(run_offline(cfg, offline, device=device))
+            row, used = run_offline(cfg, offline, device=device)
+            res["results"].append(row)
+            res.setdefault("config", {"prompt_len": used.prompt_len.spec, "output_len": used.output_len.spec})
             compare_offline(res)
     except UserError as e:
         _fail(str(e))

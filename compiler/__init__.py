@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dsc.compiler.options import CompileOptions, make_options, options_from_config_file
 from dsc.errors import UserError
@@ -45,11 +44,12 @@ class _Stages:
 def compile(model: Any, out: str | Path, *, options: CompileOptions | None = None,
             config_file: str | Path | None = None, dump_passes: str | Path | None = None,
             verify: bool = False, command: list[str] | None = None, progress: Progress | None = None,
-            **fields: Any) -> Path:
+            tokenizer: Any = None, **fields: Any) -> Path:
     """Compile `model` (a checkpoint folder, a hub id in the local cache, or a loaded
     transformers model) into an artifact at `out`. Option fields (dtype, tp, max_batch,
     max_seq, ...) may be given as keywords, as a CompileOptions, or through a dsc/DeepSpeed
-    JSON config file (keywords win)."""
+    JSON config file (keywords win). `tokenizer`: a loaded model's transformers tokenizer, saved
+    into the artifact's tokenizer/ as a checkpoint folder's is (a folder brings its own)."""
     # torch-free checks first: bad input fails in a fraction of a second, before any tracing
     from dsc.compiler.architectures import architecture_for
     from dsc.compiler.source import open_checkpoint
@@ -68,7 +68,7 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
     if verify and options.tp > 1:
         raise UserError("--verify runs the artifact in one process, so it needs --tp 1; compare a tp "
                         "artifact with its tp=1 twin with `dsc diff --numeric`")
-    with _as_checkpoint(model) as src:
+    with _as_checkpoint(model, tokenizer) as src:
         ckpt = open_checkpoint(src)
         if not isinstance(model, (str, Path)):  # a loaded model: record its name, not the temp folder
             ckpt.name = getattr(model, "name_or_path", "") or type(model).__name__
@@ -119,16 +119,35 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
 
 
 @contextlib.contextmanager
-def _as_checkpoint(model: Any):
-    """A path is used as is; a loaded transformers model is saved to a temporary folder."""
+def _as_checkpoint(model: Any, tokenizer: Any = None):
+    """A path is used as is; a loaded transformers model is saved to a temporary folder, with
+    its tokenizer when one is given."""
     if isinstance(model, (str, Path)):
+        if tokenizer is not None:
+            raise UserError(f"compile: tokenizer= is for a loaded model; {model} brings the tokenizer files "
+                            "in its folder")
         yield str(model)
         return
     if not hasattr(model, "save_pretrained"):
         raise UserError(f"compile: expected a checkpoint path or a transformers model, got {type(model).__name__}")
+    if tokenizer is not None:
+        _check_tokenizer(tokenizer, model)
     with tempfile.TemporaryDirectory(prefix="dsc-model-") as d:
         model.save_pretrained(d, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(d)
         yield d
+
+
+def _check_tokenizer(tokenizer: Any, model: Any) -> None:
+    """A transformers tokenizer whose ids fit the model's embedding."""
+    if not hasattr(tokenizer, "save_pretrained") or not hasattr(tokenizer, "__len__"):
+        raise UserError(f"compile: tokenizer= expects a transformers tokenizer (AutoTokenizer.from_pretrained), "
+                        f"got {type(tokenizer).__name__}")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise UserError(f"compile: tokenizer= has {len(tokenizer)} tokens, more than the model's vocab_size {vocab}: "
+                        "not this model's tokenizer")
 
 
 __all__ = ["compile", "CompileOptions", "Progress"]

@@ -42,6 +42,8 @@ class CompileOptions(BaseModel):
     int8_min_sqnr: float | None = Field(None, description="fail the compile if logits SQNR (dB) is lower")
     calibrate: str | None = Field(None, description="calibration prompts file (SmoothQuant), one per line")
     # runtime
+    min_tokens: int = Field(0, ge=0, strict=True, description="default SamplingParams.min_tokens: tokens generated "
+                                                             "before a stop token or eos can end a sequence")
     decode_buckets: tuple[int, ...] | None = Field(
         None, description="CUDA-graph batch buckets for decode; default powers of two up to max_batch")
 
@@ -52,7 +54,8 @@ class CompileOptions(BaseModel):
             return v
         key = str(v).lower()
         if key not in _DTYPE_ALIASES:
-            raise ValueError(f"unknown dtype {v!r}; use one of fp32, fp16, bf16")
+            why = " (int8 weights: --int8)" if key in ("int8", "torch.int8") else ""
+            raise ValueError(f"unknown dtype {v!r}; use one of fp32, fp16, bf16{why}")
         return _DTYPE_ALIASES[key]
 
     @model_validator(mode="after")
@@ -63,6 +66,8 @@ class CompileOptions(BaseModel):
             raise ValueError("int8 options need --int8")
         if self.calibrate and self.int8_mode != "w8a8":
             raise ValueError("--calibrate (SmoothQuant) applies to --int8-mode w8a8")
+        if self.min_tokens >= self.max_seq:
+            raise ValueError(f"min_tokens {self.min_tokens} leaves no room for a prompt in max_seq {self.max_seq}")
         if self.decode_buckets is not None:
             b = self.decode_buckets
             if not b or any(x < 1 for x in b) or list(b) != sorted(set(b)):
@@ -82,95 +87,31 @@ class CompileOptions(BaseModel):
         return tuple(out + [self.max_batch])
 
 
-# DeepSpeed inference config keys -> what dsc does with them.
-_DS_ALIASES = {"dtype": "dtype", "max_out_tokens": "max_seq", "max_tokens": "max_seq"}
-_DS_NOT_BUILT: dict[str, str] = {}
-_DS_IGNORED_IF_DEFAULT: dict[str, tuple] = {}
-
-
-def _ds_quant(path: Path, key: str, val: Any) -> dict[str, Any]:
-    """DeepSpeed's `quant: {enabled, weight: {num_bits, q_groups}}` or
-    `quantization_setting: q_groups | [mlp_extra_grouping, q_groups]` -> int8 options."""
-    if val in (None, False, {}):
-        return {}
-    if key == "quantization_setting":
-        groups = val[-1] if isinstance(val, (list, tuple)) and val else val
-        if type(groups) is not int or groups < 1:
-            raise UserError(f"{path}: field 'quantization_setting': expected q_groups (int) or [extra_grouping, q_groups]")
-        return {"int8": True, "int8_group_size": None} if groups == 1 else {"int8": True, "int8_q_groups": groups}
-    if not isinstance(val, dict):
-        raise UserError(f"{path}: field 'quant' must be an object")
-    extra = set(val) - {"enabled", "weight", "activation", "qkv"}
-    if extra:
-        raise UserError(f"{path}: unknown keys in 'quant': {', '.join(sorted(extra))}")
-    for sub in ("weight", "activation", "qkv"):
-        if not isinstance(val.get(sub) or {}, dict):
-            raise UserError(f"{path}: field 'quant.{sub}' must be an object")
-    flags = {"quant.enabled": val.get("enabled", True), "quant.activation.enabled": (val.get("activation") or {}).get("enabled", False)}
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise UserError(f"{path}: field '{name}' must be true or false, got {flag!r}")
-    if not val.get("enabled", True):
-        return {}
-    out: dict[str, Any] = {"int8": True}
-    w = val.get("weight") or {}
-    bits, groups = w.get("num_bits", 8), w.get("q_groups", 1)
-    if type(bits) is not int or bits != 8:
-        raise UserError(f"{path}: field 'quant.weight.num_bits': only the integer 8 is supported, got {bits!r}")
-    if type(groups) is not int or groups < 1:
-        raise UserError(f"{path}: field 'quant.weight.q_groups': expected an integer >= 1, got {groups!r}")
-    if groups > 1:
-        out["int8_q_groups"] = groups
-    if flags["quant.activation.enabled"]:
-        out["int8_mode"] = "w8a8"
-    return out
-
-
 def options_from_config_file(path: Path) -> dict[str, Any]:
-    """Read a dsc or DeepSpeed inference config (JSON) into CompileOptions fields."""
+    """Read a dsc or DeepSpeed inference config (JSON) into CompileOptions fields: dsc's own
+    field names as they are, DeepSpeed's fields as compiler/deepspeed_config.py maps them."""
+    from dsc.compiler.deepspeed_config import deepspeed_options, field_names
+
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise UserError(f"{path}: config file not found")
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read the config file ({getattr(e, 'strerror', None) or e})")
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a JSON object")
-    fields = set(CompileOptions.model_fields)
-    out: dict[str, Any] = {}
-    unknown = []
-    for key, val in raw.items():
-        if key in fields:
-            out[key] = val
-        elif key in _DS_ALIASES:
-            out[_DS_ALIASES[key]] = val
-        elif key == "tensor_parallel":
-            if not isinstance(val, dict):
-                raise UserError(f"{path}: field 'tensor_parallel' must be an object")
-            extra = set(val) - {"tp_size", "enabled"}
-            if extra:
-                raise UserError(f"{path}: unknown keys in 'tensor_parallel': {', '.join(sorted(extra))}")
-            if "tp_size" in val:
-                out["tp"] = val["tp_size"]
-        elif key == "mp_size":
-            out["tp"] = val
-        elif key == "replace_with_kernel_inject":
-            out["fuse"] = val
-        elif key == "enable_cuda_graph":
-            if val is False:
-                raise UserError(f"{path}: 'enable_cuda_graph': false is not supported; the dsc runtime "
-                                "always replays CUDA graphs on GPU")
-        elif key in ("quant", "quantization_setting"):
-            out.update(_ds_quant(path, key, val))
-        elif key in _DS_NOT_BUILT:
-            if val in _DS_IGNORED_IF_DEFAULT.get(key, ()) or val in (None, {}, False):
-                continue
-            raise UserError(f"{path}: option '{key}' is not supported yet: {_DS_NOT_BUILT[key]}")
-        else:
-            unknown.append(key)
-    if unknown:
-        raise UserError(f"{path}: unknown config keys: {', '.join(sorted(unknown))}")
-    return out
+    ds_names = field_names() | {"quantization_setting"}
+    # dsc's `tp` is a count; DeepSpeed's `tp` (an alias of tensor_parallel) an object
+    own = {k: v for k, v in raw.items()
+           if k in CompileOptions.model_fields and (k not in ds_names or (k == "tp" and not isinstance(v, dict)))}
+    ds = {k: v for k, v in raw.items() if k not in own}
+    mapped, source = deepspeed_options(Path(path), ds, dsc_int8=own.get("int8") is True)
+    for option, value in mapped.items():
+        if option in own and own[option] != value:
+            raise UserError(f"{path}: field '{source[option]}' ({value!r}) contradicts '{option}' ({own[option]!r})")
+    return {**mapped, **own}
 
 
 def make_options(path_for_errors: str = "options", **fields: Any) -> CompileOptions:

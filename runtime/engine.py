@@ -138,11 +138,20 @@ class Engine:
     def _load_weights(self) -> dict[str, torch.Tensor]:
         path = self.artifact.rank_file(self.rank)
         header = self.artifact.rank_header(self.rank)  # checked against the plan before any read
+        need = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+        free = free_device_bytes(self.device)
+        if free is not None and need > free:
+            raise UserError(weights_do_not_fit(path, need, free, self.device))
         out = {}
-        with safe_open(path, framework="pt", device=str(self.device)) as f:
-            for k in header:
-                if k != "__metadata__":
-                    out[k] = f.get_tensor(k)
+        try:
+            with safe_open(path, framework="pt", device=str(self.device)) as f:
+                for k in header:
+                    if k != "__metadata__":
+                        out[k] = f.get_tensor(k)
+        except torch.OutOfMemoryError:  # free memory shrank since the check (another process), or is fragmented
+            out.clear()
+            torch.cuda.empty_cache()  # what this load held goes back, so the free bytes reported are the device's
+            raise UserError(weights_do_not_fit(path, need, free_device_bytes(self.device) or 0, self.device)) from None
         return out
 
     def _allocate_kv_cache(self) -> dict[str, torch.Tensor]:
@@ -372,6 +381,20 @@ class Engine:
                 break
             tok = queued
         return GenerateResult(out, reasons)
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Free memory on a CUDA device (None on the CPU, where rank files are memory-mapped)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def weights_do_not_fit(path: Path, need: int, free: int, device: torch.device) -> str:
+    return (f"{path}: the weights need {need / 2**30:.2f} GiB ({need} bytes) on {device}, which has "
+            f"{free / 2**30:.2f} GiB ({free} bytes) free; split them over more GPUs (`dsc compile --tp N`), halve "
+            "them (`dsc compile --int8`), or run on the CPU (`--device cpu`): dsc does not offload weights")
 
 
 def _dist_rank_world(artifact: Artifact, rank: int | None) -> tuple[int, int]:

@@ -4,6 +4,7 @@
     python scripts/gen_docs.py --check    # exit 1, naming the stale pages, if any differs
 
 docs/switches.md comes from the switch registry (switches.py).
+docs/deepspeed.md comes from the DeepSpeed config declarations (compiler/deepspeed_config.py).
 docs/passes.md comes from compiler/pipeline.py: its module docstring (why the order) and, in
 pipeline order, each pass file's docstring (what it matches, requires and guarantees).
 tests/test_docs.py fails when a page on disk differs from what this script writes.
@@ -70,9 +71,16 @@ def switches_page() -> str:
     return switches.markdown()
 
 
+def deepspeed_page() -> str:
+    from dsc.compiler.deepspeed_config import markdown
+
+    return markdown()
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "docs/passes.md": passes_page,
     "docs/switches.md": switches_page,
+    "docs/deepspeed.md": deepspeed_page,
 }
 
 

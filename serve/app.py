@@ -330,7 +330,8 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
 
     @v1.get("/models")
     async def models():
-        card = P.ModelCard(id=server.model_name, created=server.created, max_model_len=server.engine.max_model_len)
+        card = P.ModelCard(id=server.model_name, created=server.created, max_model_len=server.engine.max_model_len,
+                           vocab_size=server.engine.vocab_size)
         return P.ModelList(data=[card]).model_dump()
 
     @v1.post("/completions")

@@ -11,6 +11,11 @@ table, JSON, and a PNG of latency against throughput across the rates.
 A length distribution is `N` (fixed), `LO:HI` (uniform integers) or `A,B,...` (one of them,
 uniformly): `--prompt-len 32:2048 --output-len 32:512`, or `--prompt-len 128,2048`.
 
+The vocabulary prompt ids are drawn from and the longest request are the server's, from
+/v1/models (`vocab_size`, dsc's; `max_model_len`, as vLLM reports it): by default prompts and
+outputs of 128 tokens each, or half of max_model_len each when that is smaller; given lengths or
+`--vocab` that the server cannot take are one error line before any request.
+
 `--offline ARTIFACT` also runs the same requests through `dsc.LLM` in this process, all at
 once, for the throughput the server's saturated rate is compared with.
 """
@@ -22,7 +27,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -61,9 +66,9 @@ class BenchConfig:
     url: str
     rates: list  # requests per second; math.inf: all at once
     num_requests: int = 100
-    prompt_len: Lengths = field(default_factory=lambda: Lengths.parse("128", "--prompt-len"))
-    output_len: Lengths = field(default_factory=lambda: Lengths.parse("128", "--output-len"))
-    vocab: int = 1000  # prompt token ids are drawn from [10, vocab)
+    prompt_len: Optional[Lengths] = None  # None: DEFAULT_LEN, or half the model's max length
+    output_len: Optional[Lengths] = None
+    vocab: Optional[int] = None  # prompt token ids are drawn from [10, vocab); None: the model's
     model: Optional[str] = None  # None: the server's first model
     api_key: str = "none"
     seed: int = 0
@@ -83,8 +88,38 @@ class RequestResult:
     completion_tokens: int = 0
 
 
+DEFAULT_LEN = 128  # prompt and output tokens when not given
+FALLBACK_VOCAB = 1000  # prompt ids below this when the server does not report its vocabulary
+
+
+def fit(cfg: BenchConfig, vocab: Optional[int], max_model_len: Optional[int], where: str) -> BenchConfig:
+    """cfg for a model of this vocabulary and max length (None: unknown): the lengths not given
+    fitted to it, the given ones and --vocab checked against it."""
+    if cfg.vocab is not None and vocab and cfg.vocab > vocab:
+        raise UserError(f"--vocab {cfg.vocab}: {where} has a vocabulary of {vocab} token ids")
+    use_vocab = cfg.vocab or vocab or FALLBACK_VOCAB
+    if use_vocab <= 10:
+        raise UserError(f"--vocab: prompt ids are drawn from [10, vocab), so it must be > 10, got {use_vocab}"
+                        + ("" if cfg.vocab else f" (the vocabulary of {where})"))
+    prompt, output = cfg.prompt_len, cfg.output_len
+    if max_model_len:
+        if prompt is None:
+            prompt = Lengths.parse(str(max(1, min(DEFAULT_LEN, max_model_len // 2))), "--prompt-len")
+        if prompt.hi >= max_model_len:
+            raise UserError(f"--prompt-len {prompt.spec}: {where} takes prompts of at most {max_model_len - 1} "
+                            f"tokens (max_model_len {max_model_len})")
+        if output is None:
+            output = Lengths.parse(str(min(DEFAULT_LEN, max_model_len - prompt.hi)), "--output-len")
+        if prompt.hi + output.hi > max_model_len:
+            raise UserError(f"--prompt-len {prompt.spec}, --output-len {output.spec}: the longest request "
+                            f"({prompt.hi} + {output.hi} tokens) exceeds the max_model_len {max_model_len} of {where}")
+    default = Lengths.parse(str(DEFAULT_LEN), "--prompt-len")
+    return replace(cfg, vocab=use_vocab, prompt_len=prompt or default, output_len=output or default)
+
+
 def workload(cfg: BenchConfig) -> list[tuple[list[int], int]]:
-    """The (prompt token ids, output length) of every request: the same at every rate."""
+    """The (prompt token ids, output length) of every request: the same at every rate (cfg as
+    `fit` returns it)."""
     rng = random.Random(cfg.seed)
     return [([rng.randrange(10, cfg.vocab) for _ in range(cfg.prompt_len.draw(rng))], cfg.output_len.draw(rng))
             for _ in range(cfg.num_requests)]
@@ -170,9 +205,17 @@ async def _bench(cfg: BenchConfig, progress: Callable[[str], None]) -> dict:
     base = base if base.endswith("/v1") else base + "/v1"
     async with openai.AsyncOpenAI(base_url=base, api_key=cfg.api_key, max_retries=0, timeout=cfg.timeout_s) as client:
         try:
-            model = cfg.model or (await client.models.list()).data[0].id
+            cards = (await client.models.list()).data
         except openai.APIError as e:
             raise UserError(f"{cfg.url}: cannot list the server's models: {e}") from None
+        card = next((c for c in cards if c.id == cfg.model), None) if cfg.model else (cards[0] if cards else None)
+        if card is None:
+            raise UserError(f"--model: {cfg.url} serves {', '.join(c.id for c in cards) or 'no model'}"
+                            + (f", not {cfg.model!r}" if cfg.model else ""))
+        model, extra = card.id, card.model_extra or {}
+        cfg = fit(cfg, _count(extra.get("vocab_size")), _count(extra.get("max_model_len")), f"{cfg.url} ({model})")
+        progress(f"{model}: prompt ids from [10, {cfg.vocab}), prompts {cfg.prompt_len.spec} and outputs "
+                 f"{cfg.output_len.spec} tokens")
         work = workload(cfg)
         rows = []
         for rate in cfg.rates:
@@ -183,33 +226,48 @@ async def _bench(cfg: BenchConfig, progress: Callable[[str], None]) -> dict:
     return {"model": model, "config": config, "results": rows}
 
 
-def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> dict:
+def _count(v) -> Optional[int]:
+    """A positive integer the server reported, else None (not reported, or not a count)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def check(cfg: BenchConfig) -> None:
     if not cfg.rates or any(not (r > 0) for r in cfg.rates):
         raise UserError(f"--rate: request rates must be > 0 (inf: all at once), got {cfg.rates}")
-    if cfg.num_requests < 1 or cfg.vocab <= 10:
-        raise UserError(f"--num-requests must be >= 1 and --vocab > 10, got {cfg.num_requests}, {cfg.vocab}")
+    if cfg.num_requests < 1:
+        raise UserError(f"--num-requests must be >= 1, got {cfg.num_requests}")
+    if cfg.vocab is not None and cfg.vocab <= 10:
+        raise UserError(f"--vocab: prompt ids are drawn from [10, vocab), so it must be > 10, got {cfg.vocab}")
+
+
+def run(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> dict:
+    check(cfg)
     return asyncio.run(_bench(cfg, progress))
 
 
-def run_offline(cfg: BenchConfig, artifact, **engine_kwargs) -> dict:
-    """The same requests (workload(cfg)) through dsc.LLM in this process, all at once: the
-    throughput the server's saturated rate is compared with (what the HTTP layer costs)."""
+def run_offline(cfg: BenchConfig, artifact, **engine_kwargs) -> tuple[dict, BenchConfig]:
+    """The same requests (workload(cfg), fitted to the artifact) through dsc.LLM in this process,
+    all at once: the throughput the server's saturated rate is compared with (what the HTTP layer
+    costs). Returns the result row and the config it ran."""
     from dsc.runtime.llm import LLM, SamplingParams
 
     llm = LLM(artifact, **engine_kwargs)
-    work = workload(cfg)
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in work]
-    llm.generate([p for p, _ in work[:2]], params[:2])  # warm-up: first-step costs out of the timing
-    t0 = time.perf_counter()
-    outs = llm.generate([p for p, _ in work], params)
-    duration = time.perf_counter() - t0
-    llm.engine.shutdown()
+    try:
+        cfg = fit(cfg, llm.engine.vocab_size, llm.engine.max_model_len, str(artifact))
+        work = workload(cfg)
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in work]
+        llm.generate([p for p, _ in work[:2]], params[:2])  # warm-up: first-step costs out of the timing
+        t0 = time.perf_counter()
+        outs = llm.generate([p for p, _ in work], params)
+        duration = time.perf_counter() - t0
+    finally:
+        llm.engine.shutdown()
     done = [(len(p), len(o.outputs[0].token_ids)) for (p, n), o in zip(work, outs) if len(o.outputs[0].token_ids) == n]
     return {"rate": "offline", "requests": len(work), "completed": len(done), "failed": len(work) - len(done),
             "duration_s": duration, "requests_per_s": len(done) / duration,
             "output_tokens_per_s": sum(n for _, n in done) / duration,
             "total_tokens_per_s": sum(a + b for a, b in done) / duration,
-            "ttft_ms": _percentiles([]), "itl_ms": _percentiles([]), "e2e_ms": _percentiles([]), "errors": []}
+            "ttft_ms": _percentiles([]), "itl_ms": _percentiles([]), "e2e_ms": _percentiles([]), "errors": []}, cfg
 
 
 def compare_offline(res: dict) -> None:

@@ -186,7 +186,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "dsc"
-    max_model_len: int
+    max_model_len: int  # prompt + generated tokens, as vLLM reports it
+    vocab_size: int  # token ids of a prompt are 0..vocab_size-1
 
 
 class ModelList(BaseModel):

@@ -87,10 +87,10 @@ def _copy(o: CompletionOutput) -> CompletionOutput:
 
 class FakeEngine:
     def __init__(self, max_num_seqs: int = 256, kv_blocks: int = 512, max_model_len: int = 256,
-                 step_delay_s: float = 0.0, chat_template: bool = True):
+                 step_delay_s: float = 0.0, chat_template: bool = True, vocab_size: int = 128):
         self.tokenizer = CharTokenizer()
         self.model_name = "fake-model"
-        self.max_model_len = max_model_len
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.max_num_seqs, self.kv_blocks, self.step_delay_s = max_num_seqs, kv_blocks, step_delay_s
         self.chat_template = chat_template
         self.waiting: list[_Seq] = []
@@ -107,6 +107,8 @@ class FakeEngine:
         ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise UserError("prompt: empty")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise UserError(f"prompt: a token id is outside the vocabulary (0..{self.vocab_size - 1})")
         if len(ids) + 1 > self.max_model_len:
             raise UserError(f"prompt: {len(ids)} tokens; the artifact's max_seq is {self.max_model_len}")
         room = self.max_model_len - len(ids)

@@ -187,3 +187,30 @@ def test_profile_averages_each_launch_of_the_step_in_order():
     assert [r["start_us"] for r in rows] == [0, 11, 15]
     assert [r["us"] for r in rows] == [11, 5, 8]
     assert [r["exposed_us"] for r in rows] == [11, 5, 7]
+
+
+def test_generate_ms_per_token_is_the_span_of_one_run_never_negative(monkeypatch):
+    """Each token takes 1 ms on a fake clock and each run's prefill a different, larger time (the
+    noise that, subtracted between runs, gave negative times): the measure is exactly 1 ms."""
+    import itertools
+
+    from dsc.runtime import bench as bench_mod
+
+    clock = [0.0]
+    prefills = itertools.cycle([0.050, 0.001, 0.030, 0.200])
+    runs = []
+
+    class FakeEngine:
+        vocab_size = 50
+
+        def generate_static(self, prompts, max_new_tokens, stop_tokens, callback):
+            runs.append(max_new_tokens)
+            clock[0] += next(prefills)
+            for step in range(max_new_tokens):
+                clock[0] += 0.001
+                callback(step, [7])
+
+    monkeypatch.setattr(bench_mod.time, "perf_counter", lambda: clock[0])
+    res = bench_mod.generate_ms_per_token(FakeEngine(), 16, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert res["ms_per_token"] == pytest.approx(1.0) and res["tokens"] == [8, 40]
+    assert runs == [40] * 4  # a warm-up and the best of 3, each of the long length
