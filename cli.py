@@ -200,7 +200,7 @@ def generate_cmd(
     as_json: bool = typer.Option(False, "--json", help="one JSON line per prompt: tokens, text, finish reason"),
     kv_cache_memory: Optional[float] = typer.Option(None, "--kv-cache-memory", help="GiB of paged KV cache (default: 90%% of free GPU memory; on CPU the static cache's size)"),
     max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="sequences decoded at once"),
-    max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="tokens per step (prompt chunks + decodes)"),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="tokens per step (prompt chunks + decodes)"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip checksum verification at load"),
     require_signature: Optional[Path] = typer.Option(None, "--require-signature", help=_REQUIRE_SIGNATURE_HELP),
 ) -> None:
@@ -440,7 +440,7 @@ def serve_cmd(
     port: int = typer.Option(8000, help="TCP port (0: any free port)"),
     max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="sequences the scheduler runs at once"),
     kv_cache_memory: Optional[float] = typer.Option(None, "--kv-cache-memory", help="KV-cache pool in GiB (default: the engine's)"),
-    max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="token budget of one step"),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="token budget of one step"),
     max_queue: int = typer.Option(1024, "--max-queue", help="requests waiting beyond the running ones; past it: 429"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $DSC_API_KEY)"),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="the model's name in the API (default: the artifact folder's)"),

@@ -57,6 +57,14 @@ class Artifact:
     path: Path
     manifest: dict
     plan: dict
+    pending_checks: list | None = None  # (path, sha256 wanted, future of the sha256 found) per rank file
+
+    def finish_checks(self) -> None:
+        """Wait for the deferred rank-file checksums; a mismatch is the same error as at open."""
+        pending, self.pending_checks = self.pending_checks or [], None
+        for p, want, got in pending:
+            if got.result() != want:
+                raise UserError(f"{p}: checksum mismatch (file changed or corrupt since compile)")
 
     @property
     def tp(self) -> int:
@@ -427,12 +435,14 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
 
 
 def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool = True,
-                  require_signature: str | Path | None = None) -> Artifact:
+                  require_signature: str | Path | None = None, defer_rank_checksums: bool = False) -> Artifact:
     """Open and check an artifact. With `verify`, every file this process reads (plan,
     tokenizer and the rank files in `ranks`; all rank files when ranks is None) must match
     the sha256 the manifest records. With `require_signature` (a public key file), the
     manifest must carry a valid signature by that key, and verification is on whatever
-    `verify` says."""
+    `verify` says. defer_rank_checksums: the rank files are hashed on threads of their own
+    (sha256 releases the GIL) while the caller goes on loading; the caller must call
+    `Artifact.finish_checks()` before it uses what it read."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"{path}: no such artifact folder")
@@ -460,8 +470,17 @@ def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool
             rank_file = re.fullmatch(r"rank\d+\.safetensors", rel)
             raise UserError(f"{path / rel}: missing " + (f"rank file (artifact compiled for tp={tp})" if rank_file
                                                          else "(listed in manifest.json)"))
+    pending = None
     if verify:
-        check = ["plan.json"] + wanted + [f for f in files if f.startswith("tokenizer/")]
+        check = ["plan.json"] + [f for f in files if f.startswith("tokenizer/")]
+        if defer_rank_checksums:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="dsc-checksum")
+            pending = [(path / rel, files[rel], pool.submit(sha256_file, path / rel)) for rel in wanted]
+            pool.shutdown(wait=False)
+        else:
+            check += wanted
         for rel in check:
             p = path / rel
             if sha256_file(p) != files[rel]:
@@ -473,4 +492,4 @@ def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool
             raise UserError(f"{path / 'plan.json'}: checksum mismatch (file changed or corrupt since compile)") from None
         raise
     check_plan(path / "plan.json", plan, tp)
-    return Artifact(path=path, manifest=manifest, plan=plan)
+    return Artifact(path=path, manifest=manifest, plan=plan, pending_checks=pending)

@@ -1,6 +1,6 @@
 """Run the scheduler's plans on an engine, with one step in flight.
 
-    core = EngineCore(engine, max_num_batched_tokens=512, max_num_seqs=256)
+    core = EngineCore.for_engine(engine, max_num_batched_tokens=2048, max_num_seqs=256)
     core.scheduler.add(seq)
     while core.has_work():
         advanced = core.step()     # the sequences that got a token
@@ -29,7 +29,7 @@ import torch
 from dsc.runtime.ragged import pack
 from dsc.runtime.sampling import logprobs as token_logprobs
 from dsc.runtime.sampling import sample_batch
-from dsc.runtime.scheduler import Scheduler, SchedulerLimits, StepPlan
+from dsc.runtime.scheduler import DEFAULT_BUDGET, Scheduler, SchedulerLimits, StepPlan
 
 STOP = torch.tensor([-1, 0, 0], dtype=torch.long)  # what rank 0 broadcasts when the followers may return
 
@@ -176,7 +176,7 @@ class EngineCore:
         self._inflight: deque[tuple[StepPlan, Launched]] = deque()
 
     @classmethod
-    def for_engine(cls, engine, max_num_batched_tokens: int = 512, max_num_seqs: int | None = None,
+    def for_engine(cls, engine, max_num_batched_tokens: int = DEFAULT_BUDGET, max_num_seqs: int | None = None,
                    prefix_caching: bool = True, async_scheduling: bool = True) -> "EngineCore":
         """Over an engine's KV pool and ragged program; the mixed steps of the budget captured now."""
         num_blocks = next(iter(engine.kv_pool.values())).shape[0]

@@ -23,7 +23,7 @@ from typing import Any, Sequence as Seq
 
 from dsc.errors import UserError
 from dsc.runtime.executor import EngineCore, follow, release_followers
-from dsc.runtime.scheduler import SeqParams, Sequence
+from dsc.runtime.scheduler import DEFAULT_BUDGET, SeqParams, Sequence
 
 
 @dataclass
@@ -85,7 +85,7 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, artifact: str | Path | None = None, *, device=None, kv_cache_memory: float | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = DEFAULT_BUDGET, enable_prefix_caching: bool = True,
                  verify: bool = True, cuda_graphs: bool = True, require_signature: str | Path | None = None,
                  prefill_buckets: bool | None = None, engine=None, async_scheduling: bool = True):
         if engine is None:

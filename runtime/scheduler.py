@@ -1,6 +1,6 @@
 """Continuous batching: which tokens of which sequences each ragged step computes.
 
-    sched = Scheduler(SchedulerLimits(num_blocks=..., block_size=16, max_num_batched_tokens=512,
+    sched = Scheduler(SchedulerLimits(num_blocks=..., block_size=16, max_num_batched_tokens=2048,
                                       max_num_seqs=256, max_seq=4096))
     sched.add(seq)
     plan = sched.schedule()            # a StepPlan, or None when nothing can run
@@ -103,13 +103,18 @@ class Sequence:
         return self.finish_reason is not None
 
 
+# tokens per step: of the budgets measured on an H200 (docs/performance.md: 512, 2,048, 8,192 on
+# the serving workload of Llama-8B), the fastest
+DEFAULT_BUDGET = 2048
+
+
 @dataclass(frozen=True)
 class SchedulerLimits:
     """What bounds a step: the KV pool's blocks, the token budget, the sequences at once."""
 
     num_blocks: int
     block_size: int
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_BUDGET
     max_num_seqs: int = 256
     max_seq: int = 2048
     prefix_caching: bool = True

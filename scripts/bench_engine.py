@@ -144,18 +144,48 @@ def run_engine(llm_engine, reqs, profile_to: Path | None = None) -> dict:
             llm_engine.core.step()
         return {"profile_steps": steps, "profile_wall_s": wall}
     s0 = dict(llm_engine.stats())
+    launches = []  # (time, tokens, sequences) of every step launched
+    executor = llm_engine.core.executor
+    launch = executor.launch
+
+    def traced(plan):
+        launches.append((time.perf_counter(), len(plan.step.input_ids), len(plan.step.query_lens)))
+        return launch(plan)
+
+    executor.launch = traced
     t = time.perf_counter()
     gen = 0
-    while llm_engine.has_unfinished_requests():
-        for out in llm_engine.step():
-            if out.finished:
-                gen += len(out.outputs[0].token_ids)
-    _sync(dev)
+    try:
+        while llm_engine.has_unfinished_requests():
+            for out in llm_engine.step():
+                if out.finished:
+                    gen += len(out.outputs[0].token_ids)
+        _sync(dev)
+    finally:
+        executor.launch = launch
     wall = time.perf_counter() - t
     assert gen == sum(n for _, n in reqs), "every request gets its max_tokens (eos ignored)"
-    steps = llm_engine.stats()["steps"] - s0["steps"]
+    stats = llm_engine.stats()
+    steps = stats["steps"] - s0["steps"]
     return {"wall_s": wall, "generated_tokens": gen, "prompt_tokens": sum(len(p) for p, _ in reqs),
-            "gen_tok_s": gen / wall, "steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1)}
+            "gen_tok_s": gen / wall, "steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1),
+            "preemptions": stats["preemptions"] - s0["preemptions"], "by_step_kind": by_kind(launches, t + wall)}
+
+
+def by_kind(launches, end: float) -> dict:
+    """Steps by kind (decode only; mixed of up to 2,048 tokens, the largest captured; larger
+    mixed), with the seconds from each launch to the next (the step's device time, when the
+    device is the bottleneck) and the tokens they computed."""
+    out: dict = {}
+    for i, (t0, T, N) in enumerate(launches):
+        t1 = launches[i + 1][0] if i + 1 < len(launches) else end
+        kind = "decode" if T == N else "mixed<=2048" if T <= 2048 else "mixed>2048"
+        k = out.setdefault(kind, {"steps": 0, "s": 0.0, "tokens": 0, "seqs": 0})
+        k["steps"] += 1
+        k["s"] += t1 - t0
+        k["tokens"] += T
+        k["seqs"] += N
+    return out
 
 
 def part_offline(args) -> dict:
@@ -201,6 +231,19 @@ def part_batch1(args) -> dict:
         return lambda: _drain(eng, prompt, n)
 
     out = {}
+    if args.profile_budgets:
+        import torch
+
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        for name, fn in (("static", lambda: engine.generate_static([prompt], max_new_tokens=64, stop_tokens=[])),
+                         ("paged", lambda: _drain(LLMEngine(engine=engine), prompt, 64))):
+            fn()
+            _sync(engine.device)
+            with torch.profiler.profile(activities=acts) as prof:
+                fn()
+                _sync(engine.device)
+            (Path(args.out) / f"profile-batch1-{name}.txt").write_text(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
     for name, fn in (("static", static), ("dsc.LLM", paged(True)), ("dsc.LLM sync", paged(False))):
         fn()
         _sync(engine.device)

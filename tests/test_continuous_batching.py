@@ -334,3 +334,24 @@ def test_ragged_logits_equal_the_static_prefill(shape, compile_artifact):
         step.logits_idx.append(len(step.input_ids) - 1)
     got = engine.ragged(pack(step)).float()
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("shape, budget, blocks", [("llama-tiny", 7, None), ("mistral-tiny", 512, 14)])
+def test_async_and_sync_stepping_give_the_same_tokens(shape, budget, blocks, compile_artifact):
+    """Async scheduling (one step in flight, stops applied a step late) against sync stepping:
+    chunked prompts, eos stops (random weights: some outputs hit eos), stop strings absent,
+    and a pool short enough to preempt."""
+    art = compile_artifact(shape, dtype="fp32")
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4
+    kw = dict(device="cpu", max_num_seqs=8, max_num_batched_tokens=budget,
+              kv_cache_memory=blocks * block_bytes / 2**30 if blocks else None)
+    outs = {}
+    for async_scheduling in (True, False):
+        eng = LLMEngine(art, async_scheduling=async_scheduling, **kw)
+        reqs = workload(eng.vocab_size, 16 if blocks else 10, 100 if blocks else 50, 40, seed=budget)
+        params = [SamplingParams(max_tokens=m, temperature=0, stop_token_ids=[7, 11, 13]) for _, _, m in reqs]
+        outs[async_scheduling] = (run_arrivals(eng, reqs, params), eng.stats()["preemptions"])
+        _no_leak(eng)
+    assert outs[True][0] == outs[False][0]
+    if blocks:
+        assert outs[True][1] > 0
