@@ -12,7 +12,8 @@ Why this order:
   fuse_rotary_attention (a fusion, decode only) after sharding and fold_position_tables, so it
   fuses the rank's final rotary + attention pair, with cos/sin already table lookups;
   select_decode_token (decode only) before decode_linears, so lm_head's linear reads a view;
-  decode_linears after every pass that matches aten.linear (it renames the decode program's);
+  decode_linears after every pass that matches aten.linear (it renames the decode and ragged
+  programs' linears);
   plan_kernels last, so it plans the ops every other pass left.
 """
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""decode_linears: the decode program's 16-bit linears -> dsc.linear (GEMV at batch 1).
+"""decode_linears: the decode and ragged programs' 16-bit linears -> dsc.linear (GEMV at one row).
+
+The ragged program's steps of one token (batch-1 decode) then run the same GEMV kernels as the
+static decode step; its steps of more tokens reach cuBLAS through the same op (its rewrites are
+counted under `decode_linears.ragged_gemv` / `.ragged_swiglu`). The fused all-reduces are the
+decode program's only (their buffers are sized for its step).
 
 Matches / rewrites (counted under `decode_linears.gemv`):
   aten.linear(x, W[, b]) in the decode program, W a 16-bit weight from the rank file
@@ -45,9 +50,17 @@ _16BIT = (torch.float16, torch.bfloat16)
 
 
 def decode_linears(model: Model) -> Model:
-    graph = model.programs.get("decode")
-    if graph is None:
-        return model
+    for name, prefix in (("decode", "decode_linears."), ("ragged", "decode_linears.ragged_")):
+        graph = model.programs.get(name)
+        if graph is not None:
+            _gemv_linears(model, graph, prefix)
+            if name == "decode":  # the fused collectives' buffers are sized for the decode step
+                _fuse_all_reduces(model, graph)
+            _fuse_gate_up(model, graph, prefix)
+    return model
+
+
+def _gemv_linears(model: Model, graph: fx.Graph, prefix: str) -> None:
     for n in list(graph.nodes):
         if not is_call(n, aten.linear.default) or n.kwargs:
             continue
@@ -56,7 +69,10 @@ def decode_linears(model: Model) -> Model:
         if getattr(w, "op", None) != "get_attr" or not isinstance(wv, torch.Tensor) or wv.dtype not in _16BIT:
             continue
         replace_with(n, torch.ops.dsc.linear.default, tuple(n.args))
-        model.counters["decode_linears.gemv"] += 1
+        model.counters[prefix + "gemv"] += 1
+
+
+def _fuse_all_reduces(model: Model, graph: fx.Graph) -> None:
     for n in list(graph.nodes):
         if not is_call(n, torch.ops.dsc.all_reduce_add_rmsnorm.default):
             continue
@@ -67,6 +83,9 @@ def decode_linears(model: Model) -> Model:
         n.target, n.args = op, (r, *_bias_free_args(lin), w, eps)
         graph.erase_node(lin)
         model.counters["decode_linears.all_reduce"] += 1
+
+
+def _fuse_gate_up(model: Model, graph: fx.Graph, prefix: str) -> None:
     for n in list(graph.nodes):
         found = _gate_up_of(n)
         if found is not None:
@@ -74,8 +93,7 @@ def decode_linears(model: Model) -> Model:
             replace_with(n, _fused_over(lin, n), _bias_free_args(lin))
             for d in dead:
                 graph.erase_node(d)
-            model.counters["decode_linears.swiglu"] += 1
-    return model
+            model.counters[prefix + "swiglu"] += 1
 
 
 def _fused_over(lin, n: fx.Node):

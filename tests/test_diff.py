@@ -103,8 +103,8 @@ def test_int8_diff_names_every_quantized_linear_and_nothing_else(compile_artifac
                      if name not in swiglu and not any(name.startswith(m + ".") for m in quantized))
     assert not outside, f"names outside the quantized linears: {outside}"
     for prog, p in d["programs"].items():  # every quantized linear shows as the op it replaced
-        linears = ("aten.linear.default", "dsc.linear.default")  # decode's 16-bit linears are dsc.linear
-        fused = {f"{m}.gate_up_proj" for m in mlps} if prog == "decode" else set()
+        linears = ("aten.linear.default", "dsc.linear.default")  # decode's and ragged's 16-bit linears are dsc.linear
+        fused = {f"{m}.gate_up_proj" for m in mlps} if prog in ("decode", "ragged") else set()
         assert {r["a"]["name"].rsplit(".", 1)[0] for r in p["replaced"] if r["a"].get("op") in linears} \
             == quantized - fused
 
