@@ -100,7 +100,7 @@ class _RichProgress:
 
 @app.command("compile")
 def compile_cmd(
-    model: str = typer.Argument(..., help="checkpoint folder, or a hub id in the local HF cache"),
+    model: str = typer.Argument(..., help="checkpoint folder, a .gguf file, or a hub id in the local HF cache"),
     out: Path = typer.Option(..., "-o", "--out", help="artifact folder to write"),
     dtype: Optional[str] = typer.Option(None, help="fp16 | bf16 | fp32 (default: the checkpoint's)"),
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel ranks"),
