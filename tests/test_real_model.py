@@ -59,9 +59,13 @@ def test_gguf_artifact_equals_the_dequantized_checkpoints(smollm2, hf, tmp_path)
 
     tok, model = hf
     ckpt = tmp_path / "ckpt"
-    model.config.quantization_config = None  # save_pretrained refuses a "quantized" model
+    quantizer, qconfig = model.hf_quantizer, model.config.quantization_config
+    model.hf_quantizer = None  # save_pretrained refuses a model loaded from GGUF as "quantized"
     del model.config.quantization_config
-    model.save_pretrained(ckpt)
+    try:
+        model.save_pretrained(ckpt)
+    finally:
+        model.hf_quantizer, model.config.quantization_config = quantizer, qconfig
     tok.save_pretrained(ckpt)
     art = dsc.compile(str(ckpt), tmp_path / "art", dtype="fp32", max_seq=256)
     gguf_art = smollm2[1]
