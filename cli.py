@@ -100,7 +100,7 @@ class _RichProgress:
 
 @app.command("compile")
 def compile_cmd(
-    model: str = typer.Argument(..., help="checkpoint folder, or a hub id in the local HF cache"),
+    model: str = typer.Argument(..., help="checkpoint folder, a .gguf file, or a hub id in the local HF cache"),
     out: Path = typer.Option(..., "-o", "--out", help="artifact folder to write"),
     dtype: Optional[str] = typer.Option(None, help="fp16 | bf16 | fp32 (default: the checkpoint's)"),
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel ranks"),
@@ -408,6 +408,26 @@ def diff_cmd(
     else:
         render(res)
     raise typer.Exit(0 if same else 1)
+
+
+@app.command("eval")
+def eval_cmd(
+    artifact: Path = typer.Argument(..., help="artifact folder"),
+    text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text to measure on (default: the built-in sample)"),
+    against: Optional[str] = typer.Option(None, "--against", help="reference: an artifact, or a checkpoint (folder, hub id, .gguf)"),
+    seq: int = typer.Option(128, "--seq", help="tokens per window (at most the artifact's max_seq)"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="tokens of the text measured"),
+    as_json: bool = typer.Option(False, "--json", help="print the measurements as JSON"),
+) -> None:
+    """Perplexity of the artifact on a text and, with --against, its logits' SQNR, KL and top-1
+    agreement with another artifact or the checkpoint."""
+    try:
+        from dsc.compiler.evaluate import evaluate, summary
+
+        res = evaluate(artifact, text, against, seq=seq, max_tokens=max_tokens)
+    except UserError as e:
+        _fail(str(e))
+    typer.echo(json.dumps(res, indent=1, sort_keys=True) if as_json else summary(res))
 
 
 @app.command("export-onnx")

@@ -45,13 +45,14 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
             config_file: str | Path | None = None, dump_passes: str | Path | None = None,
             verify: bool = False, command: list[str] | None = None, progress: Progress | None = None,
             tokenizer: Any = None, **fields: Any) -> Path:
-    """Compile `model` (a checkpoint folder, a hub id in the local cache, or a loaded
-    transformers model) into an artifact at `out`. Option fields (dtype, tp, max_batch,
+    """Compile `model` (a checkpoint folder, a hub id in the local cache, a .gguf file, or a
+    loaded transformers model) into an artifact at `out`. Option fields (dtype, tp, max_batch,
     max_seq, ...) may be given as keywords, as a CompileOptions, or through a dsc/DeepSpeed
     JSON config file (keywords win). `tokenizer`: a loaded model's transformers tokenizer, saved
     into the artifact's tokenizer/ as a checkpoint folder's is (a folder brings its own)."""
     # torch-free checks first: bad input fails in a fraction of a second, before any tracing
     from dsc.compiler.architectures import architecture_for
+    from dsc.compiler.gguf_source import is_gguf
     from dsc.compiler.source import open_checkpoint
     from dsc.compiler.validate import check_destination, validate_options
 
@@ -69,7 +70,12 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
         raise UserError("--verify runs the artifact in one process, so it needs --tp 1; compare a tp "
                         "artifact with its tp=1 twin with `dsc diff --numeric`")
     with _as_checkpoint(model, tokenizer) as src:
-        ckpt = open_checkpoint(src)
+        if is_gguf(model):  # config.json and the tokenizer converted into the temporary folder
+            from dsc.compiler.gguf_source import open_gguf
+
+            ckpt = open_gguf(Path(model), src)
+        else:
+            ckpt = open_checkpoint(src)
         if not isinstance(model, (str, Path)):  # a loaded model: record its name, not the temp folder
             ckpt.name = getattr(model, "name_or_path", "") or type(model).__name__
         arch = architecture_for(ckpt.config, str(ckpt.root / "config.json"))
@@ -112,7 +118,7 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
             stages("verify")
             from dsc.compiler.verify import verify_artifact
 
-            vrep = verify_artifact(out, ckpt.root)
+            vrep = verify_artifact(out, model if ckpt.gguf is not None else ckpt.root)
             print(vrep.summary())
     stages.end()
     return out
@@ -121,7 +127,14 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
 @contextlib.contextmanager
 def _as_checkpoint(model: Any, tokenizer: Any = None):
     """A path is used as is; a loaded transformers model is saved to a temporary folder, with
-    its tokenizer when one is given."""
+    its tokenizer when one is given; a GGUF file gets an empty temporary folder (for its
+    converted config and tokenizer)."""
+    from dsc.compiler.gguf_source import is_gguf
+
+    if is_gguf(model) and tokenizer is None:
+        with tempfile.TemporaryDirectory(prefix="dsc-gguf-") as d:
+            yield d
+        return
     if isinstance(model, (str, Path)):
         if tokenizer is not None:
             raise UserError(f"compile: tokenizer= is for a loaded model; {model} brings the tokenizer files "

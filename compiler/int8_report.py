@@ -16,7 +16,10 @@ in w8a8, of the activations), not 16-bit rounding. The two programs run at the s
 two threads. Each weight is produced when a node first reads it (memory stays bounded); the
 twin is the quantized program with each dsc int8 linear turned back into aten.linear on its
 float weight. Inputs: the calibration prompts when given (the first REPORT_PROMPTS, cut to
-REPORT_TOKENS), else three random-token prompts (lengths 11, 7, 3).
+REPORT_TOKENS), else the first REPORT_PROMPTS chunks of REPORT_TOKENS tokens of the built-in
+sample text (compiler/sample_text.py) in the checkpoint's tokenizer; only a checkpoint without
+a tokenizer gets three random-token prompts (lengths 11, 7, 3), and the report says so: on
+random tokens the logits are flat and their SQNR is far below what the same model reaches on text.
 
 `compile` runs it once the rank files are written (in the temporary folder): the quantized
 program reads the written weights, the twin reads the checkpoint once (each tensor whole, then
@@ -43,9 +46,9 @@ from dsc.errors import UserError
 from dsc.kernels import registry
 from dsc.passes import quantize_int8
 
-REPORT_PROMPTS = 4  # calibration prompts the report evaluates (the first ones)
-REPORT_TOKENS = 64  # ... cut to this many tokens: rows x tokens bounds the KV cache and activations
-POSITIONS = 4  # evaluated positions per prompt (its last ones): rows x length is the cost
+REPORT_PROMPTS = 4  # prompts the report evaluates (the first calibration prompts, or sample-text chunks)
+REPORT_TOKENS = 128  # ... of this many tokens: rows x tokens is the cost (and bounds the KV cache)
+POSITIONS = REPORT_TOKENS  # evaluated positions per prompt (its last ones): the lm_head runs on rows x positions
 _CAP_DB = 999.0  # SQNR of an exact match (infinite) is written as this
 READ_KEEP = 256 << 20  # bytes of whole source tensors kept while the ranks take their slices
 
@@ -94,7 +97,7 @@ def _sqnr(signal: float, noise: float) -> float:
     return _CAP_DB if noise == 0 else min(_CAP_DB, 10 * math.log10(signal / noise)) if signal > 0 else -_CAP_DB
 
 
-def _logits_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
+def logits_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
     # ref, q: [positions, V]
     ref, q = ref.double(), q.double()
     lp, lq = ref.log_softmax(-1), q.log_softmax(-1)
@@ -143,16 +146,21 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     emitted): the quantized program reads them instead of quantizing again, and
     `weight_sqnr` is the per-layer weight SQNR the emit measured as it quantized them."""
     from dsc.compiler.rank_files import RankTensors
-    from dsc.compiler.verify import sample_prompts
+    from dsc.compiler.sample_text import sample_prompts as text_prompts
+    from dsc.compiler.verify import sample_prompts as random_prompts
     from dsc.compiler.weights import SourceReader, float_tensor, torch_threads
 
     opts, world = model.options, model.options.tp
+    length = min(REPORT_TOKENS, opts.max_seq - 1)
     if prompts is None and opts.calibrate:
         prompts = quantize_int8.calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)
-        prompts = [p[:REPORT_TOKENS] for p in prompts]
+        prompts = [p[:length] for p in prompts]
         prompts, source = prompts[:REPORT_PROMPTS], "calibration"
     elif prompts is None:
-        prompts, source = sample_prompts(model.config["vocab_size"], batch=3), "random tokens"
+        prompts, source = text_prompts(model.checkpoint.root, REPORT_PROMPTS, length, model.config["vocab_size"]), \
+            "sample text"
+        if prompts is None:
+            prompts, source = random_prompts(model.config["vocab_size"], batch=3), "random tokens"
     else:
         source = "given"
     twin = unquantized(model)
@@ -183,7 +191,7 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
         "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
         "smoothquant": any(s.col_scale is not None for s in model.weights.values()),
         "inputs": {"source": source, "prompts": len(prompts), "positions_per_prompt": positions},
-        "logits": _logits_metrics(ref, q),
+        "logits": logits_metrics(ref, q),
         "weight_sqnr_db": {"min": vals[0] if vals else None, "median": vals[len(vals) // 2] if vals else None,
                            "worst": [[k, layers[k]] for k in worst]},  # a list: JSON keys get sorted
         "layers": layers,
@@ -230,7 +238,9 @@ def summary(report: dict) -> str:
     scheme += ", SmoothQuant" if report["smoothquant"] else ""
     inp = report["inputs"]
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    lines = [f"int8 report ({scheme}; {lg['positions']} positions of {inp['prompts']} {inp['source']} prompts):",
+    inputs = {"random tokens": "random-token prompts: the checkpoint has no tokenizer",
+              "sample text": "prompts of the built-in sample text"}.get(inp["source"], f"{inp['source']} prompts")
+    lines = [f"int8 report ({scheme}; {lg['positions']} positions of {inp['prompts']} {inputs}):",
              f"  logits: SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, top-1 agreement {lg['top1_agreement']:.1%}"]
     if ws["min"] is not None:
         worst = ", ".join(f"{k} {v:.1f}" for k, v in ws["worst"][:3])

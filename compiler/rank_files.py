@@ -236,23 +236,16 @@ class SourceStream:
     def _read(self, f, buf: memoryview, h: "_Hasher") -> None:
         t0 = time.perf_counter()
         if f.readinto(buf) != len(buf):
-            raise UserError(f"{f.name}: truncated safetensors file")
+            raise UserError(f"{f.name}: truncated file")
         self.read_s += time.perf_counter() - t0
         h.update(buf)
 
     def _read_file(self, path: Path) -> bool:
         h = _Hasher(path.name, self.hashes)
         with open(path, "rb", buffering=0) as f, h:
-            head = f.read(8)
-            (n,) = struct.unpack("<Q", head)
-            raw = f.read(n)
-            h.update(memoryview(head + raw))
-            header = json.loads(raw)
-            pos, start = 8 + n, 8 + n
-            spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
-                           for name, info in header.items() if name != "__metadata__")
+            pos, spans, decode, held_bytes = self._layout(f, h)
             for lo, hi, name in spans + [(None, None, None)]:
-                end = start + lo if lo is not None else os.fstat(f.fileno()).st_size
+                end = lo if lo is not None else os.fstat(f.fileno()).st_size
                 while pos < end:  # bytes between tensors or after the last: hashed only
                     k = min(_CHUNK, end - pos)
                     self._read(f, memoryview(bytearray(k)), h)
@@ -261,18 +254,39 @@ class SourceStream:
                     break
                 if name not in self.wanted:
                     continue  # read and hashed as a gap by the next span
-                if not self._reserve(hi - lo):
+                size = held_bytes(name, hi - lo)
+                if not self._reserve(size):
                     return False
-                if hi - lo > READ_AHEAD:
+                if size > READ_AHEAD:
                     h.drain()  # a large tensor: the last one's bytes are hashed (and freed) first
                 buf = torch.empty(hi - lo, dtype=torch.uint8)
                 self._read(f, memoryview(buf.numpy()), h)
                 pos += hi - lo
-                info = header[name]
-                self._q.put((name, buf.view(_ST_TO_TORCH[info["dtype"]]).reshape(info["shape"])))
+                self._q.put((name, decode(name, buf)))
                 del buf  # the writer's, until it is done
         self.hash_s += h.seconds
         return True
+
+    def _layout(self, f, h: "_Hasher"):
+        """(bytes already read, [(first byte, end byte, name)] of the file's tensors in file
+        order, decode(name, raw bytes) -> tensor, bytes a tensor holds once decoded)."""
+        if self.ckpt.gguf is not None:  # the header is hashed with the gap before the first tensor
+            g = self.ckpt.gguf
+            return 0, g.spans(), g.decode, lambda name, n: g.decoded_bytes(name)
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head)
+        raw = f.read(n)
+        h.update(memoryview(head + raw))
+        header = json.loads(raw)
+        start = 8 + n
+        spans = sorted((start + info["data_offsets"][0], start + info["data_offsets"][1], name)
+                       for name, info in header.items() if name != "__metadata__")
+
+        def decode(name: str, buf: torch.Tensor) -> torch.Tensor:
+            info = header[name]
+            return buf.view(_ST_TO_TORCH[info["dtype"]]).reshape(info["shape"])
+
+        return start, spans, decode, lambda name, n: n
 
 
 class _Hasher:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dsc.errors import UserError
 from dsc.runtime.artifact import read_safetensors_header, sha256_file
@@ -30,17 +31,18 @@ class Checkpoint:
     config: dict
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)
+    gguf: Any = None  # compiler.gguf_source.GGUFTensors: the weights are a GGUF file's (files[0])
 
     def file_hashes(self) -> dict[str, str]:
-        names = ["config.json"] + [p.name for p in self.files]
-        return {n: sha256_file(self.root / n) for n in sorted(set(names))}
+        paths = {"config.json": self.root / "config.json"} | {p.name: p for p in self.files}
+        return {n: sha256_file(p) for n, p in sorted(paths.items())}
 
 
 def resolve_model_path(model: str) -> Path:
     p = Path(model)
     if p.exists():
         if not p.is_dir():
-            raise UserError(f"{model}: expected a checkpoint folder (config.json + *.safetensors)")
+            raise UserError(f"{model}: expected a checkpoint folder (config.json + *.safetensors) or a .gguf file")
         return p
     if model.count("/") <= 1 and not model.startswith((".", "/")):
         try:

@@ -50,7 +50,10 @@ def reference_model(checkpoint: str | Path, dtype: torch.dtype):
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
 
-    m = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="eager")
+    path = Path(checkpoint)
+    where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) if path.suffix == ".gguf" \
+        else dict(pretrained_model_name_or_path=checkpoint)  # transformers dequantizes a GGUF file itself
+    m = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation="eager")
     return m.eval()
 
 

@@ -1,6 +1,6 @@
 """Turn weight recipes (`WeightSpec`) into tensors, one rank at a time, from slices of the
 source safetensors: read with plain file reads (no mmap), or cut from whole tensors already in
-memory (`SourceReader.hold`, or `keep_bytes`); and the safetensors layout and streaming writer
+memory (`SourceReader.hold`, or `keep_bytes`; a GGUF file's tensors are read and dequantized whole); and the safetensors layout and streaming writer
 of rank files, so that no more than a few tensors are in memory."""
 from __future__ import annotations
 
@@ -143,13 +143,20 @@ class SourceReader:
     def slice(self, key: str) -> FileSlice | HeldSlice:
         if key in self._held:
             return HeldSlice(self._held[key])
+        if self.ckpt.gguf is not None:  # a GGUF tensor dequantizes whole
+            return self._keep(key, self.ckpt.gguf.read(key))
         sl = self._file_slice(key)
         if sl.nbytes > self.keep_bytes:  # read slice by slice: holding it whole would cost more
             return sl
-        while self._held and sum(t.nbytes for t in self._held.values()) + sl.nbytes > self.keep_bytes:
-            del self._held[next(iter(self._held))]
-        self._held[key] = sl[:]
-        return HeldSlice(self._held[key])
+        return self._keep(key, sl[:])
+
+    def _keep(self, key: str, t: torch.Tensor) -> HeldSlice:
+        """`t`, kept (the oldest dropped first) when it fits in keep_bytes."""
+        if t.nbytes <= self.keep_bytes:
+            while self._held and sum(h.nbytes for h in self._held.values()) + t.nbytes > self.keep_bytes:
+                del self._held[next(iter(self._held))]
+            self._held[key] = t
+        return HeldSlice(t)
 
     def _file_slice(self, key: str) -> FileSlice:
         path = self.ckpt.tensors[key].file

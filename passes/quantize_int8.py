@@ -10,7 +10,7 @@ Rewrites (each counted under `quantize_int8.<rule>`, per node)
   skip        the module path (the weight name minus ".weight", any of its checkpoint sources,
               or the node's HF module path) matches an --int8-skip fnmatch pattern; a fused
               weight is kept whole when any member matches
-  smooth      (w8a8 with --calibrate) a weight whose columns carry SmoothQuant factors
+  smooth      (w8a8) a weight whose columns carry SmoothQuant factors
 Weight specs: `<W>.qweight`, `<W>.scale` (and `<W>.zero` when asymmetric) are W's spec with
   `quant=Quant(part, group_size, symmetric)`; emit quantizes each rank's shard after sharding
   (compiler/rank_files.py RankTensors), so scale groups are groups of the rank's local input
@@ -25,8 +25,9 @@ Group size per layer: --int8-group-size G, which must divide the layer's local i
   and dsc's one scale per row is strictly finer, so per-channel is used; when Q > out, a chunk
   is out*in/Q consecutive elements of one row, and group_size is the largest divisor of the
   row's (local) input features not above that: never coarser than DeepSpeed's.
-SmoothQuant (--calibrate FILE, w8a8): the program as it stands (sharded, fused, unquantized) runs
-  on the calibration prompts (compiler/simulate.py) to record max|x| per input channel of
+SmoothQuant (w8a8): the program as it stands (sharded, fused, unquantized) runs on the
+  calibration prompts (--calibrate FILE, else 512 tokens of the built-in sample text in the
+  checkpoint's tokenizer; a checkpoint without one is not smoothed) (compiler/simulate.py) to record max|x| per input channel of
   every quantized linear; s = max|x|^0.5 / max|W[:, k]|^0.5 (clamped to [1e-5, 1e5]). The
   weight spec gets col_scale = s (columns scaled before quantization) and the op gets
   inv_smooth = 1/s, which the activation-quantization kernel applies as it reads x. Every
@@ -222,7 +223,8 @@ def quantize_int8(model: Model) -> Model:
             else:
                 targets.setdefault(node.args[1].target, []).append((graph, node))
     groups = {name: group_size_for(model, name) for name in targets}  # all checks before any rewrite
-    smooth = smoothing_factors(model, targets) if opts.calibrate else {}
+    prompts = smoothing_prompts(model) if opts.int8_mode == "w8a8" else None
+    smooth = smoothing_factors(model, targets, prompts) if prompts else {}
     for name, uses in targets.items():
         _parts(model, name, groups[name], smooth.get(name))
         if name in smooth:
@@ -248,6 +250,7 @@ def quantize_int8(model: Model) -> Model:
 
 
 CALIBRATION_BATCH = 8  # prompts per prefill run (each run reads every weight once)
+SAMPLE_PROMPTS, SAMPLE_TOKENS = 8, 64  # the built-in sample's calibration chunks: one run of 512 tokens
 
 
 def activation_maxima(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]],
@@ -285,11 +288,24 @@ def activation_maxima(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.N
     return amax
 
 
-def smoothing_factors(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]]) -> dict[str, torch.Tensor]:
+def smoothing_prompts(model: Model) -> list[list[int]] | None:
+    """SmoothQuant's calibration prompts: --calibrate's, else SAMPLE_PROMPTS chunks of
+    SAMPLE_TOKENS tokens of the built-in sample text (compiler/sample_text.py) in the
+    checkpoint's tokenizer; None (no smoothing) for a checkpoint without a tokenizer."""
+    from dsc.compiler.sample_text import sample_prompts
+
+    opts = model.options
+    if opts.calibrate:
+        return calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)
+    return sample_prompts(model.checkpoint.root, SAMPLE_PROMPTS, min(SAMPLE_TOKENS, opts.max_seq - 1),
+                          model.config["vocab_size"])
+
+
+def smoothing_factors(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]],
+                      prompts: list[list[int]]) -> dict[str, torch.Tensor]:
     """s [in] per weight: max|x|^a / max|W[:, k]|^(1-a), a = SMOOTH_ALPHA."""
     from dsc.compiler.weights import SourceReader, float_tensor
 
-    prompts = calibration_prompts(model.options.calibrate, model.checkpoint, model.options.max_seq)
     xmax = activation_maxima(model, targets, prompts)
     out = {}
     with SourceReader(model.checkpoint) as reader:

