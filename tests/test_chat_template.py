@@ -195,17 +195,29 @@ def test_reserved_and_unknown_names_are_refused(renderers):
 
 # -- through the artifact --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def templated(make_checkpoint, tmp_path_factory):
-    """A llama-tiny checkpoint with Qwen3's template as chat_template.jinja and Llama 3.1's as
-    additional_chat_templates/tool_use.jinja, compiled."""
-    import dsc
+def templated(make_checkpoint, compile_artifact, tmp_path_factory):
+    """(tokenizer folder, artifact): llama-tiny's tokenizer with Qwen3's template as
+    chat_template.jinja and Llama 3.1's as additional_chat_templates/tool_use.jinja, as
+    transformers saves them, and the compiled llama-tiny with those files in its tokenizer/
+    (tests/test_compile.py checks that `dsc compile` copies them there)."""
+    import sys
 
-    ckpt = tmp_path_factory.mktemp("templated") / "ckpt"
-    shutil.copytree(make_checkpoint("llama-tiny"), ckpt)
-    shutil.copy(DATA / "qwen3.jinja", ckpt / "chat_template.jinja")
-    (ckpt / "additional_chat_templates").mkdir()
-    shutil.copy(DATA / "llama-3.1-instruct.jinja", ckpt / "additional_chat_templates" / "tool_use.jinja")
-    return ckpt, Path(dsc.compile(str(ckpt), ckpt.parent / "artifact", dtype="fp32"))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from artifact_edits import copy_artifact, rehash
+
+    root = tmp_path_factory.mktemp("templated")
+    tok = root / "tokenizer"
+    tok.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(make_checkpoint("llama-tiny") / f, tok / f)
+    shutil.copy(DATA / "qwen3.jinja", tok / "chat_template.jinja")
+    (tok / "additional_chat_templates").mkdir()
+    shutil.copy(DATA / "llama-3.1-instruct.jinja", tok / "additional_chat_templates" / "tool_use.jinja")
+    art = copy_artifact(compile_artifact("llama-tiny", dtype="fp32"), root / "artifact")
+    shutil.rmtree(art / "tokenizer")
+    shutil.copytree(tok, art / "tokenizer")
+    rehash(art)
+    return tok, art
 
 
 def test_the_artifact_carries_the_templates_and_renders_as_the_tokenizer(templated):
@@ -213,10 +225,8 @@ def test_the_artifact_carries_the_templates_and_renders_as_the_tokenizer(templat
 
     from dsc.runtime.llm import LLM
 
-    ckpt, art = templated
-    files = json.loads((art / "manifest.json").read_text())["files"]
-    assert {"tokenizer/chat_template.jinja", "tokenizer/additional_chat_templates/tool_use.jinja"} <= set(files)
-    tok = AutoTokenizer.from_pretrained(ckpt)
+    folder, art = templated
+    tok = AutoTokenizer.from_pretrained(folder)
     llm = LLM(art, device="cpu")
     for messages, tools, kwargs in CONVERSATIONS.values():
         expect = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
