@@ -229,8 +229,8 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
     def _resolve(self, p: SamplingParams) -> SamplingParams:
         """p with its unset fields taken from the defaults, every field checked against the model
-        (top_k and token ids within the vocabulary, lengths within max_seq, seeds within 63 bits):
-        a value that passes cannot fail a step."""
+        (top_k and token ids within the vocabulary, min_tokens within max_tokens, seeds within 63
+        bits; max_tokens kept at most max_seq): a value that passes cannot fail a step."""
         if not isinstance(p, SamplingParams):
             raise UserError(f"sampling_params: expected dsc.SamplingParams, got {type(p).__name__}")
         d = self.generation_defaults
@@ -238,10 +238,11 @@ class LLMEngine:
         top_p = p.top_p if p.top_p is not None else d.get("top_p", 1.0)
         top_k = p.top_k if p.top_k is not None else d.get("top_k", 0)
         check_sampling_fields(n=p.n, temperature=temperature, top_p=top_p, top_k=top_k, vocab_size=self.vocab_size)
-        if p.max_tokens is not None and (not _is_int(p.max_tokens) or not 1 <= p.max_tokens <= self.max_model_len):
-            raise UserError(f"max_tokens: expected an integer from 1 to the artifact's max_seq ({self.max_model_len}), "
-                            f"got {_short(p.max_tokens)}")
-        most = p.max_tokens if p.max_tokens is not None else self.max_model_len
+        if p.max_tokens is not None and (not _is_int(p.max_tokens) or not 1 <= p.max_tokens < 2**63):
+            raise UserError(f"max_tokens: expected an integer >= 1, got {_short(p.max_tokens)}")
+        # a sequence ends at max_seq whatever max_tokens says: larger values are kept as max_seq
+        max_tokens = None if p.max_tokens is None else min(p.max_tokens, self.max_model_len)
+        most = max_tokens if max_tokens is not None else self.max_model_len
         if not _is_int(p.min_tokens) or not 0 <= p.min_tokens <= most:
             raise UserError(f"min_tokens: expected an integer from 0 to max_tokens ({most}), got {_short(p.min_tokens)}")
         if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < 2**63):
@@ -262,8 +263,8 @@ class LLMEngine:
                 raise UserError(f"{name}: expected true or false, got {_short(getattr(p, name))}")
         from dataclasses import replace
 
-        return replace(p, temperature=float(temperature), top_p=float(top_p), top_k=max(int(top_k), 0), stop=list(stop),
-                       stop_token_ids=list(ids))
+        return replace(p, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                       top_k=max(int(top_k), 0), stop=list(stop), stop_token_ids=list(ids))
 
     def encode(self, prompt: str | Seq[int], where: str = "prompt") -> list[int]:
         if isinstance(prompt, str):

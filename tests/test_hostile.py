@@ -100,12 +100,13 @@ def test_the_engine_bounds_every_field_itself(real):
 
     eng = real.engine
     for kw, field in (({"top_k": 2**63}, "top_k"), ({"top_k": eng.vocab_size + 1}, "top_k"), ({"seed": 2**63}, "seed"),
-                      ({"n": True}, "n"), ({"max_tokens": eng.max_model_len + 1}, "max_tokens"),
+                      ({"n": True}, "n"), ({"max_tokens": 2**63}, "max_tokens"), ({"max_tokens": 1.0}, "max_tokens"),
                       ({"min_tokens": 17}, "min_tokens"), ({"logprobs": 10**9}, "logprobs"),
                       ({"temperature": float("nan")}, "temperature"), ({"ignore_eos": "yes"}, "ignore_eos")):
         with pytest.raises(UserError, match=f"^{field}:"):
             eng._resolve(SamplingParams(**kw))
     assert eng._resolve(SamplingParams(top_k=eng.vocab_size, min_tokens=16)).min_tokens == 16
+    assert eng._resolve(SamplingParams(max_tokens=10**30)).max_tokens == eng.max_model_len
 
 
 @pytest.mark.parametrize("bad, field", [({"top_k": 10**30}, "top_k"), ({"top_p": 7}, "top_p"),
