@@ -95,11 +95,12 @@ def test_every_template_renders_as_transformers_does(renderers, name, add_genera
 def test_the_environment_is_transformers_own():
     """Each global and filter transformers adds, and the sandbox, behave the same."""
     cases = {
-        "tojson": ("{{ {'k': 'é<&>', 'n': [1, 2.5, none, true]} | tojson }}", '{"k": "é<&>", "n": [1, 2.5, null, true]}'),
+        "tojson": ("{{ {'k': 'é<&>', 'n': [1, 2.5, none, true]} | tojson }}",
+                   '{"k": "é<&>", "n": [1, 2.5, null, true]}'),
         "tojson-indent": ("{{ {'b': 1, 'a': [1]} | tojson(indent=2, sort_keys=true) }}", None),
         "strftime": ("{{ strftime_now('%Y') }}", time.strftime("%Y")),
-        "loopcontrols": ("{% for i in range(9) %}{% if i == 1 %}{% continue %}{% endif %}{% if i > 3 %}{% break %}{% endif %}"
-                         "{{ i }}{% endfor %}", "023"),
+        "loopcontrols": ("{% for i in range(9) %}{% if i == 1 %}{% continue %}{% endif %}"
+                         "{% if i > 3 %}{% break %}{% endif %}{{ i }}{% endfor %}", "023"),
         "trim-lstrip": ("  {% if true %}\n  x\n  {% endif %}\ny", "  x\ny"),
         "generation": ("{% generation %}abc{% endgeneration %}", "abc"),
         "namespace": ("{% set ns = namespace(n=1) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}", "2"),
@@ -247,7 +248,8 @@ def test_tokenizer_config_templates_and_a_refused_one(templated, tmp_path):
     from artifact_edits import copy_artifact, rehash
 
     _, art = templated
-    for value, expect in ((DATA.joinpath("phi-3-mini-instruct.jinja").read_text(), "<|user|>\nHi<|end|>\n<|assistant|>\n"),
+    phi3 = DATA.joinpath("phi-3-mini-instruct.jinja").read_text()
+    for value, expect in ((phi3, "<|user|>\nHi<|end|>\n<|assistant|>\n"),
                           ([{"name": "default", "template": "D{{ messages[0].content }}"},
                             {"name": "rag", "template": "R"}], "DHi"),
                           ("{{ raise_exception('no probe for me') }}", None)):
