@@ -196,10 +196,10 @@ def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[st
         if before_manifest is not None:
             extra.update(before_manifest(tmp, written.weight_sqnr))
         toks = tokenizer_files(ckpt.root)
-        if toks:
-            (tmp / "tokenizer").mkdir()
-            for f in toks:
-                shutil.copyfile(f, tmp / "tokenizer" / f.name)
+        for f in toks:
+            dst = tmp / "tokenizer" / f.relative_to(ckpt.root)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst)
         t0 = time.perf_counter()
         files = _file_hashes(tmp)
         if on_timing:

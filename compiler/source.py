@@ -103,8 +103,15 @@ def open_checkpoint(model: str) -> Checkpoint:
 
 
 def tokenizer_files(root: Path) -> list[Path]:
+    """The checkpoint's tokenizer files the artifact's tokenizer/ folder takes (paths under
+    root): the tokenizer, its config, the generation defaults, and the chat templates as
+    transformers saves them (chat_template.jinja, additional_chat_templates/NAME.jinja)."""
     names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-             "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json"]
-    return [root / n for n in names if (root / n).is_file()]
+             "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja"]
+    files = [root / n for n in names if (root / n).is_file()]
+    extra = root / "additional_chat_templates"
+    if extra.is_dir():
+        files += sorted(f for f in extra.iterdir() if f.suffix == ".jinja" and f.is_file())
+    return files
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import stat
@@ -128,15 +129,44 @@ def file_hashes(root: Path) -> dict[str, str]:
             if p.relative_to(root).as_posix() not in UNLISTED}
 
 
+_MAX_INT_DIGITS = 300  # an integer literal longer than this is no size, count or id an artifact holds
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise ValueError(f"an integer literal of {len(text)} digits")
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"the number {text[:40]} overflows a float")
+    return x
+
+
+def _json_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_json(data: bytes | str):
+    """json.loads with the limits an artifact's JSON keeps: integers of at most _MAX_INT_DIGITS
+    digits, finite floats only (no NaN, Infinity or overflowing literals). Raises ValueError
+    (JSONDecodeError included) or RecursionError."""
+    return json.loads(data, parse_int=_json_int, parse_float=_json_float, parse_constant=_json_constant)
+
+
 def read_json_object(path: Path, data: bytes | None = None) -> dict:
     if data is None:
         if not path.exists():
             raise UserError(f"{path}: missing (is {path.parent} a dsc artifact?)")
         data = path.read_bytes()
     try:
-        d = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise UserError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+        d = load_json(data)
+    except RecursionError:
+        raise UserError(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError and the limits of load_json
+        raise UserError(f"{path}: not valid JSON ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(d, dict):
         raise UserError(f"{path}: expected a JSON object")
     return d
@@ -159,8 +189,8 @@ def read_safetensors_header(path: Path) -> dict:
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        header = load_json(raw)
+    except (ValueError, RecursionError):
         raise UserError(f"{path}: corrupt safetensors file (header is not valid JSON)") from None
     if not isinstance(header, dict):
         raise UserError(f"{path}: corrupt safetensors file (header is not a JSON object)")
@@ -228,6 +258,9 @@ def _listed_files(path: Path, manifest: dict) -> dict[str, str]:
             if stat.S_ISLNK(mode):
                 raise UserError(f"{path}: {_show(rel, 80)} is a link; an artifact holds plain files only")
             if stat.S_ISREG(mode):
+                if full.lstat().st_nlink > 1:  # a hard link: the same file may be reachable from outside
+                    raise UserError(f"{path}: {_show(rel, 80)} has {full.lstat().st_nlink} hard links; an artifact "
+                                    "holds plain files with one link each (copy it, do not link it)")
                 present.add(rel)
             elif not stat.S_ISDIR(mode):
                 raise UserError(f"{path}: {_show(rel, 80)} is not a plain file; an artifact holds plain files only")

@@ -71,7 +71,7 @@ def score_variant(node: dict) -> str:
     "softcap 50", "ALiBi" or both, joined by " + "."""
     cfg = (node.get("kernel") or {}).get("config", {})
     cap = cfg.get("softcap")
-    parts = [f"softcap {cap:g}"] if type(cap) in (int, float) and cap > 0 else []
+    parts = [f"softcap {cap:g}"] if type(cap) in (int, float) and 0 < cap < 1e300 else []
     return " + ".join(parts + (["ALiBi"] if cfg.get("alibi") is True else []))
 
 
@@ -150,7 +150,7 @@ def render(info: dict) -> None:
     if rep:
         try:
             lines = int8_summary(rep)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError):  # a hand-edited manifest
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError):  # a hand-edited manifest
             lines = ["int8 report: malformed in manifest.json (see --json)"]
         for line in lines:
             c.print(line, highlight=False)

@@ -70,6 +70,43 @@ def _is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _check_text(value: Any, where: str) -> None:
+    """Every string in value (nested in lists and dicts) is valid Unicode: a lone surrogate,
+    which JSON's \\ud800 escapes can carry, has no UTF-8 encoding and no tokenization."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UserError(f"{where}: invalid Unicode (a lone surrogate at character {e.start})") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, where)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_text(v, where)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_sampling_fields(*, n: Any = 1, temperature: Any = 1.0, top_p: Any = 1.0, top_k: Any = 0,
+                          vocab_size: int, where: str = "") -> None:
+    """The bounds of n, temperature, top_p and top_k (for a request, and for the artifact's
+    generation_config.json defaults, which `where` then names)."""
+    if not _is_int(n) or not 1 <= n <= 128:
+        raise UserError(f"{where}n: expected an integer from 1 to 128, got {_short(n)}")
+    if not _is_num(temperature) or temperature < 0:
+        raise UserError(f"{where}temperature: expected a finite number >= 0, got {_short(temperature)}")
+    if not _is_num(top_p) or not 0 < top_p <= 1:
+        raise UserError(f"{where}top_p: expected a number in (0, 1], got {_short(top_p)}")
+    if not _is_int(top_k) or not -1 <= top_k <= vocab_size:
+        raise UserError(f"{where}top_k: expected an integer from -1 to the vocabulary size {vocab_size} "
+                        f"(0 or -1: off), got {_short(top_k)}")
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -115,6 +152,7 @@ class LLMEngine:
         self.vocab_size = engine.vocab_size
         self.eos_token_ids = list(engine.eos_token_ids)
         self.generation_defaults = self._generation_config()
+        self.chat_templates = self._chat_templates()
         self._requests: dict[str, _Request] = {}
 
     # -- artifact facts ---------------------------------------------------------------------------
@@ -129,11 +167,13 @@ class LLMEngine:
         return d if isinstance(d, dict) else {}
 
     def _generation_config(self) -> dict:
+        """The sampling defaults of the artifact's generation_config.json, under the bounds a
+        request's values have (a value out of them is refused at load: one line naming it)."""
         g = self._tokenizer_json("generation_config.json")
-        out = {}
-        for key, ok in (("temperature", _is_num), ("top_p", _is_num), ("top_k", _is_int)):
-            if ok(g.get(key)):
-                out[key] = g[key]
+        out = {key: g[key] for key in ("temperature", "top_p", "top_k") if g.get(key) is not None}
+        if out:
+            where = f"{Path(self.engine.artifact.path) / 'tokenizer' / 'generation_config.json'}: field "
+            check_sampling_fields(**out, vocab_size=self.vocab_size, where=where)
         if g.get("do_sample") is False:  # transformers' greedy default
             out["temperature"] = 0.0
         min_tokens = (self.engine.artifact.manifest.get("options") or {}).get("min_tokens")
@@ -141,76 +181,112 @@ class LLMEngine:
             out["min_tokens"] = min_tokens
         return out
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The tokenizer's chat template (tokenizer_config.json) over `messages`, with the
-        assistant's turn opened. Rendered in jinja2's sandbox: the artifact is untrusted data."""
+    def _chat_templates(self):
+        """The artifact's chat templates (runtime/chat_template.py), or None: tokenizer/
+        chat_template.jinja and additional_chat_templates/NAME.jinja, else tokenizer_config.json's
+        chat_template (a string, or a list of {name, template}), as transformers reads them."""
+        from dsc.runtime.chat_template import SPECIAL_TOKENS, ChatTemplates
+
+        art, root = self.engine.artifact, Path(self.engine.artifact.path) / "tokenizer"
         cfg = self._tokenizer_json("tokenizer_config.json")
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                            None)
-        if not isinstance(template, str):
+        templates, where = {}, root / "tokenizer_config.json"
+        files = sorted(f for f in art.manifest["files"] if f == "tokenizer/chat_template.jinja"
+                       or (f.startswith("tokenizer/additional_chat_templates/") and f.endswith(".jinja")
+                           and f.count("/") == 2))
+        for f in files:
+            name = "default" if f == "tokenizer/chat_template.jinja" else f.rsplit("/", 1)[1][:-len(".jinja")]
+            try:
+                templates[name] = (Path(art.path) / f).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                raise UserError(f"{Path(art.path) / f}: not a readable UTF-8 text file") from None
+            where = Path(art.path) / f if len(files) == 1 else root
+        if not templates:
+            t = cfg.get("chat_template")
+            if isinstance(t, str):
+                templates["default"] = t
+            elif isinstance(t, list) and all(isinstance(e, dict) and isinstance(e.get("name"), str)
+                                             and isinstance(e.get("template"), str) for e in t):
+                templates = {e["name"]: e["template"] for e in t}
+            elif t is not None:
+                raise UserError(f"{where}: field 'chat_template' must be a string or a list of {{name, template}}")
+        if not templates:
+            return None
+        special = {**cfg, **self._tokenizer_json("special_tokens_map.json")}
+        tokens = {}
+        for key in SPECIAL_TOKENS:
+            t = special.get(key)
+            t = t.get("content") if isinstance(t, dict) else t
+            if isinstance(t, str):
+                tokens[key] = t
+        return ChatTemplates(templates, tokens, str(where))
+
+    def apply_chat_template(self, messages: list[dict], *, tools: list[dict] | None = None,
+                            documents: list[dict] | None = None, add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
+        """The artifact's chat template over `messages`, as transformers' apply_chat_template(...,
+        tokenize=False) renders it (the assistant's turn opened by default). `chat_template_kwargs`
+        are the template's extra variables (enable_thinking, ...); `chat_template` names one of the
+        artifact's templates. Rendered in a sandboxed worker with time, memory and size limits."""
+        if self.chat_templates is None:
             raise UserError(f"{self.model_name}: the artifact's tokenizer has no chat template")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                     and isinstance(m.get("content"), str) for m in messages):
-            raise UserError("messages: expected a list of {\"role\": str, \"content\": str}")
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg):
-            raise TemplateError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-
-        def token(name):
-            t = cfg.get(name)
-            return t.get("content") if isinstance(t, dict) else t if isinstance(t, str) else ""
-
-        try:
-            return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                    bos_token=token("bos_token"), eos_token=token("eos_token"))
-        except TemplateError as e:
-            raise UserError(f"chat template: {e}") from None
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise UserError("messages: expected a non-empty list of {\"role\": str, \"content\": ...}")
+        for name, value in (("tools", tools), ("documents", documents)):
+            if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+                raise UserError(f"{name}: expected a list of objects")
+        if chat_template_kwargs is not None and not (isinstance(chat_template_kwargs, dict)
+                                                     and all(isinstance(k, str) for k in chat_template_kwargs)):
+            raise UserError("chat_template_kwargs: expected an object")
+        _check_text(messages, "messages")
+        return self.chat_templates.render(messages, tools=tools, documents=documents,
+                                          add_generation_prompt=add_generation_prompt,
+                                          kwargs=chat_template_kwargs, template=chat_template)
 
     # -- requests ---------------------------------------------------------------------------------
     def _resolve(self, p: SamplingParams) -> SamplingParams:
+        """p with its unset fields taken from the defaults, every field checked against the model
+        (top_k and token ids within the vocabulary, min_tokens within max_tokens, seeds within 63
+        bits; max_tokens kept at most max_seq): a value that passes cannot fail a step."""
         if not isinstance(p, SamplingParams):
             raise UserError(f"sampling_params: expected dsc.SamplingParams, got {type(p).__name__}")
         d = self.generation_defaults
         temperature = p.temperature if p.temperature is not None else d.get("temperature", 1.0)
         top_p = p.top_p if p.top_p is not None else d.get("top_p", 1.0)
         top_k = p.top_k if p.top_k is not None else d.get("top_k", 0)
-        if not _is_int(p.n) or not 1 <= p.n <= 128:
-            raise UserError(f"n: expected an integer from 1 to 128, got {p.n!r}")
-        if p.max_tokens is not None and (not _is_int(p.max_tokens) or p.max_tokens < 1):
-            raise UserError(f"max_tokens: expected an integer >= 1, got {p.max_tokens!r}")
-        if not _is_num(temperature) or temperature < 0:
-            raise UserError(f"temperature: expected a number >= 0, got {temperature!r}")
-        if not _is_num(top_p) or not 0 < top_p <= 1:
-            raise UserError(f"top_p: expected a number in (0, 1], got {top_p!r}")
-        if not _is_int(top_k) or top_k < -1:
-            raise UserError(f"top_k: expected an integer >= 0 (0 or -1: off), got {top_k!r}")
+        check_sampling_fields(n=p.n, temperature=temperature, top_p=top_p, top_k=top_k, vocab_size=self.vocab_size)
+        if p.max_tokens is not None and (not _is_int(p.max_tokens) or not 1 <= p.max_tokens < 2**63):
+            raise UserError(f"max_tokens: expected an integer >= 1, got {_short(p.max_tokens)}")
+        # a sequence ends at max_seq whatever max_tokens says: larger values are kept as max_seq
+        max_tokens = None if p.max_tokens is None else min(p.max_tokens, self.max_model_len)
+        most = max_tokens if max_tokens is not None else self.max_model_len
+        min_tokens = p.min_tokens if p.min_tokens is not None else min(d.get("min_tokens", 0), most)
+        if not _is_int(min_tokens) or not 0 <= min_tokens <= most:
+            raise UserError(f"min_tokens: expected an integer from 0 to max_tokens ({most}), got {_short(min_tokens)}")
         if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < 2**63):
-            raise UserError(f"seed: expected an integer in [0, 2^63), got {p.seed!r}")
-        stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
-        if not all(isinstance(s, str) and s for s in stop):
+            raise UserError(f"seed: expected an integer in [0, 2^63), got {_short(p.seed)}")
+        stop = [p.stop] if isinstance(p.stop, str) else p.stop if isinstance(p.stop, (list, tuple)) else \
+            [] if p.stop is None else None
+        if stop is None or not all(isinstance(s, str) and s for s in stop):
             raise UserError("stop: expected a non-empty string or a list of them")
-        ids = list(p.stop_token_ids or [])
-        if not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
-            raise UserError(f"stop_token_ids: expected token ids in 0..{self.vocab_size - 1}")
-        if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= 20):
-            raise UserError(f"logprobs: expected an integer from 0 to 20, got {p.logprobs!r}")
-        min_tokens = p.min_tokens if p.min_tokens is not None else d.get("min_tokens", 0)
-        if not _is_int(min_tokens) or min_tokens < 0 or (p.max_tokens is not None and min_tokens > p.max_tokens):
-            raise UserError(f"min_tokens: expected an integer from 0 to max_tokens, got {min_tokens!r}")
+        _check_text(stop, "stop")
+        ids = p.stop_token_ids if p.stop_token_ids is not None else []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
+            raise UserError(f"stop_token_ids: expected a list of token ids in 0..{self.vocab_size - 1}")
+        most_logprobs = min(20, self.vocab_size)
+        if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= most_logprobs):
+            raise UserError(f"logprobs: expected an integer from 0 to {most_logprobs}, got {_short(p.logprobs)}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(p, name), bool):
+                raise UserError(f"{name}: expected true or false, got {_short(getattr(p, name))}")
         from dataclasses import replace
 
-        return replace(p, temperature=float(temperature), top_p=float(top_p), top_k=max(int(top_k), 0), stop=stop,
-                       stop_token_ids=ids, min_tokens=min_tokens)
+        return replace(p, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                       top_k=max(int(top_k), 0), stop=list(stop), stop_token_ids=list(ids), min_tokens=min_tokens)
 
     def encode(self, prompt: str | Seq[int], where: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
+            _check_text(prompt, where)
             if self.tokenizer is None:
                 raise UserError(f"{where}: the artifact has no tokenizer; give token ids")
             ids = self.tokenizer.encode(prompt).ids
@@ -376,11 +452,19 @@ class LLM:
         finally:
             eng.release_followers()
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, callback=None) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"}) or a list of them."""
+    def chat(self, messages, sampling_params: SamplingParams | None = None, callback=None, *,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             documents: list[dict] | None = None, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of them, rendered
+        by the artifact's chat template (LLMEngine.apply_chat_template takes the keywords)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         if self.engine.engine.rank != 0:
             self.engine.follow()
             return []
-        return self.generate([self.engine.apply_chat_template(c) for c in convs], sampling_params, callback)
+        if not isinstance(convs, list) or not convs:
+            raise UserError("messages: expected a conversation (a list of messages) or a list of them")
+        kw = dict(chat_template_kwargs=chat_template_kwargs, tools=tools, documents=documents,
+                  add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+        return self.generate([self.engine.apply_chat_template(c, **kw) for c in convs], sampling_params, callback)
 

@@ -117,6 +117,9 @@ def _refs(a) -> list[str]:
     return []
 
 
+_SPAN = 64
+
+
 def plan_memory(nodes: list[dict], sizes: dict[str, int]) -> tuple[int, list[Buffer]]:
     """Arena bytes and buffer placement for one program at concrete sizes (e.g. {"batch": 8})."""
     index = {n["name"]: i for i, n in enumerate(nodes)}
@@ -143,8 +146,13 @@ def plan_memory(nodes: list[dict], sizes: dict[str, int]) -> tuple[int, list[Buf
             if owner in bufs:
                 bufs[owner].end = len(nodes)
     placed: list[Buffer] = []
+    # placed buffers by the spans of _SPAN nodes their lifetimes touch: finding the ones alive
+    # with b looks at b's spans only, so placement is linear in the program, not quadratic
+    by_span: dict[int, list[Buffer]] = {}
     for b in sorted(bufs.values(), key=lambda b: (-b.nbytes, b.start)):
-        live = sorted((p.offset, p.offset + p.nbytes) for p in placed if p.start <= b.end and b.start <= p.end)
+        spans = range(b.start // _SPAN, b.end // _SPAN + 1)
+        alive = {id(p): p for k in spans for p in by_span.get(k, ()) if p.start <= b.end and b.start <= p.end}
+        live = sorted((p.offset, p.offset + p.nbytes) for p in alive.values())
         off = 0
         for lo, hi in live:
             if off + b.nbytes <= lo:
@@ -152,6 +160,8 @@ def plan_memory(nodes: list[dict], sizes: dict[str, int]) -> tuple[int, list[Buf
             off = max(off, _align(hi))
         b.offset = off
         placed.append(b)
+        for k in spans:
+            by_span.setdefault(k, []).append(b)
     arena = max((b.offset + b.nbytes for b in placed), default=0)
     del index
     return arena, placed

@@ -4,10 +4,15 @@
     GET /health, GET /metrics (Prometheus)
 
 Every error is OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 for a body
-that does not validate (naming the field) or a prompt that does not fit (naming the limit),
-401 without the API key, 404 for an unknown model, 413 for a body over the size limit, 429
-with Retry-After when the queue is full. A request whose client goes away is aborted in the
-engine at once, which frees its KV blocks.
+that does not validate (naming the field), a value past the model's bounds, a prompt that does
+not fit (naming the limit) or a chat template that fails or runs past its budget (naming the
+template), 401 without the API key, 404 for an unknown model, 413 for a body over the size
+limit (with a Content-Length or chunked), 429 with Retry-After when more requests wait than
+--max-queue allows. A request whose client goes away is aborted in the engine at once, which
+frees its KV blocks. Chat templates render in a worker off the event loop, so /health and the
+streams in flight never wait for one. When shutdown's timeout passes (`Server.begin_shutdown`),
+the requests still open end with a 503 error: a stream's last events are the error and
+`data: [DONE]`.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import asyncio
 import secrets
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
@@ -29,6 +35,7 @@ from dsc.serve.driver import ACCEPTED, EngineDriver
 from dsc.serve.metrics import Metrics
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt as token ids is about 1 MiB of JSON
+_CUT = "cut"  # queued into a request's outputs when the shutdown timeout has passed
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -49,6 +56,7 @@ class _Track:
     """One engine request seen from the HTTP side: for metrics and for streaming deltas."""
     prompt_index: int
     arrival: float
+    seqs: int = 1  # the engine sequences it runs (its n)
     last: Optional[float] = None
     tokens: int = 0
     finished: bool = False
@@ -65,9 +73,24 @@ class Server:
         self.model_name = served_model_name or self.engine.model_name
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
-        self.in_flight = 0  # engine requests submitted and not yet finished (asyncio thread only)
+        self.in_flight = 0  # engine sequences submitted and not yet finished (asyncio thread only)
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.driver.stats)
+        sched = getattr(self.engine, "scheduler", self.engine)
+        self.max_num_seqs = int(getattr(sched, "max_num_seqs", 1))
+        self.open: "weakref.WeakSet[_Outputs]" = weakref.WeakSet()  # requests not finished
+        self.closing = False
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Called on the event loop as shutdown starts: requests still open after timeout_s end
+        with a 503 error (streams: the error event, then [DONE])."""
+        self.closing = True
+        asyncio.get_running_loop().call_later(max(timeout_s, 0.0), self._cut)
+
+    def _cut(self) -> None:
+        for outs in list(self.open):
+            outs.queue.put_nowait((None, _CUT))
 
     # -- admission --------------------------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> None:
@@ -75,24 +98,36 @@ class Server:
             raise ApiError(404, f"model: {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
+    def waiting(self) -> int:
+        """Sequences waiting for a slot: the engine's waiting queue as of its latest stats, plus
+        the sequences submitted since then (not yet in those stats) that the free slots cannot
+        take. Free slots count only while nothing waits (else the KV pool is what holds them)."""
+        s = self.driver.stats
+        running, waiting = s["num_running"], s["num_waiting"]
+        unseen = max(0, self.in_flight - running - waiting)
+        free = max(0, self.max_num_seqs - running) if waiting == 0 else 0
+        return waiting + max(0, unseen - free)
+
     def check_queue(self, count: int) -> None:
-        waiting = self.in_flight - self.driver.stats["num_running"]
-        if waiting + count > self.max_queue:
+        if self.closing:
+            raise ApiError(503, "the server is shutting down", None, "server_shutting_down", "server_error")
+        if self.waiting() + count > self.max_queue:
             raise ApiError(429, f"the request queue is full ({self.max_queue} waiting, --max-queue); retry later",
                            None, "queue_full", "rate_limit_error", {"Retry-After": str(self.retry_after_s)})
 
     async def submit(self, prompts: list, fields: dict) -> "_Outputs":
         """Add one engine request per prompt; return once the engine took them all, or raise
         ApiError(400) for the first one it refused (the others are aborted)."""
-        self.check_queue(len(prompts))
+        self.check_queue(len(prompts) * fields.get("n", 1))
         outs = _Outputs(self, asyncio.Queue())
+        self.open.add(outs)
         loop = asyncio.get_running_loop()
         base = uuid.uuid4().hex
         try:
             for i, prompt in enumerate(prompts):
                 rid = f"{base}-{i}"
-                outs.track[rid] = _Track(i, time.perf_counter())
-                self.in_flight += 1
+                outs.track[rid] = _Track(i, time.perf_counter(), seqs=fields.get("n", 1))
+                self.in_flight += fields.get("n", 1)
                 self.driver.add(rid, prompt, fields, lambda item, rid=rid: loop.call_soon_threadsafe(
                     outs.queue.put_nowait, (rid, item)))
             await outs.wait_accepted()
@@ -119,6 +154,8 @@ class _Outputs:
         pending = set(self.track)
         while pending:
             rid, item = await self.queue.get()
+            if item is _CUT:
+                raise _shutdown_error()
             if isinstance(item, BaseException):
                 self._finish(rid)
                 raise _as_api_error(item)
@@ -131,6 +168,8 @@ class _Outputs:
         """(track, RequestOutput) per output, until every request finished."""
         while not all(t.finished for t in self.track.values()):
             rid, item = self._early.pop(0) if self._early else await self.queue.get()
+            if item is _CUT:
+                raise _shutdown_error()
             if isinstance(item, BaseException):
                 self._finish(rid)
                 raise _as_api_error(item)
@@ -157,7 +196,7 @@ class _Outputs:
         t = self.track[rid]
         if not t.finished:
             t.finished = True
-            self.server.in_flight -= 1
+            self.server.in_flight -= t.seqs
 
     def abort(self) -> None:
         """Abort every request not finished (the client went away, or the server stops)."""
@@ -170,6 +209,11 @@ class _Outputs:
         prompt = sum(self.prompt_tokens.values())
         completion = sum(t.tokens for t in self.track.values())
         return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _shutdown_error() -> ApiError:
+    return ApiError(503, "the server is shutting down and its --shutdown-timeout has passed; request aborted",
+                    None, "server_shutting_down", "server_error")
 
 
 def _as_api_error(item: BaseException) -> ApiError:
@@ -315,6 +359,7 @@ async def _stream(server: Server, outs: _Outputs, shape: _Shape, rid: str, creat
         yield "data: [DONE]\n\n"
     except ApiError as e:
         yield f"data: {JSONResponse(P.error_body(e.message, e.type, e.param, e.code)).body.decode()}\n\n"
+        yield "data: [DONE]\n\n"
     finally:
         outs.abort()  # a no-op when every request finished; frees the KV blocks when the client left
 
@@ -334,9 +379,16 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
                            vocab_size=server.engine.vocab_size)
         return P.ModelList(data=[card]).model_dump()
 
+    def check_limits(req: P._Sampling) -> None:
+        try:
+            req.check_limits(server.engine.vocab_size, server.engine.max_model_len)
+        except ValueError as e:
+            raise ApiError(400, str(e), str(e).split(":", 1)[0]) from None
+
     @v1.post("/completions")
     async def completions(req: P.CompletionRequest, request: Request):
         server.check_model(req.model)
+        check_limits(req)
         fields = dict(req.sampling_fields(), max_tokens=req.max_tokens or 16, logprobs=req.logprobs)
         shape = _Shape(False, req.n, req.logprobs, fields["stop"] or [], req.return_token_ids)
         return await _respond(server, request, req, req.prompts(), fields, shape)
@@ -344,13 +396,17 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
     @v1.post("/chat/completions")
     async def chat(req: P.ChatCompletionRequest, request: Request):
         server.check_model(req.model)
-        try:
-            prompt = server.engine.apply_chat_template([m.as_template_input() for m in req.messages])
+        check_limits(req)
+        server.check_queue(req.n)  # before the render: a full server refuses at once
+        try:  # in a worker thread: the render waits on the template's sandboxed process, not the loop
+            prompt = await asyncio.to_thread(server.engine.apply_chat_template,
+                                             [m.as_template_input() for m in req.messages], **req.template_inputs())
         except UserError as e:
-            raise ApiError(400, str(e), "messages")
+            head = str(e).split(":", 1)[0]
+            raise ApiError(400, str(e), head if head in ("tools", "documents", "chat_template_kwargs") else "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
         # no max_tokens: as many as the context leaves (OpenAI's chat default; the engine's None)
-        fields = dict(req.sampling_fields(), max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=top)
+        fields = dict(req.sampling_fields(), max_tokens=req.requested_max_tokens(), logprobs=top)
         shape = _Shape(True, req.n, top, fields["stop"] or [], req.return_token_ids)
         return await _respond(server, request, req, [prompt], fields, shape)
 
@@ -424,7 +480,9 @@ def _short(value) -> str:
 
 class _Guard:
     """ASGI wrapper: counts every HTTP response by endpoint and status (the metrics' requests),
-    and answers 413 to a body whose Content-Length is over the limit before it is read."""
+    and answers 413 to a body over the limit: at once when its Content-Length says so, else
+    (a chunked body) as soon as what has arrived passes it; such a body is read here in full
+    before the app sees it."""
 
     def __init__(self, app: FastAPI, metrics: Metrics, max_body_bytes: int):
         self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
@@ -440,23 +498,42 @@ class _Guard:
                 self.metrics.requests.labels(endpoint, str(msg["status"])).inc()
             await send(msg)
 
-        length = dict(scope.get("headers") or []).get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.max_body_bytes:
-            err = ApiError(413, f"request body: over {self.max_body_bytes} bytes", None, "body_too_large")
-            return await err.response()(scope, receive, counted_send)
-        await self.app(scope, _limited(receive, self.max_body_bytes), counted_send)
+        too_large = ApiError(413, f"request body: over {self.max_body_bytes} bytes", None, "body_too_large")
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_body_bytes:
+                return await too_large.response()(scope, receive, counted_send)
+            return await self.app(scope, receive, counted_send)
+        body = await _read_body(receive, self.max_body_bytes)
+        if body is None:
+            return await too_large.response()(scope, receive, counted_send)
+        await self.app(scope, _replay(body, receive), counted_send)
 
 
-def _limited(receive, limit: int):
-    """receive() that fails once a body without Content-Length passes the limit."""
-    seen = 0
+async def _read_body(receive, limit: int):
+    """The whole body (b"" when the client left first), or None once it passes `limit` bytes."""
+    chunks, seen = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return b""
+        chunk = msg.get("body", b"")
+        seen += len(chunk)
+        if seen > limit:
+            return None
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """receive() that gives `body` once, then what the connection says (a disconnect)."""
+    sent = False
 
     async def wrapped():
-        nonlocal seen
-        msg = await receive()
-        if msg["type"] == "http.request":
-            seen += len(msg.get("body", b""))
-            if seen > limit:
-                raise ValueError(f"request body: over {limit} bytes")
-        return msg
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
     return wrapped

@@ -1,8 +1,12 @@
 """`dsc serve`: an engine, its driver thread and the app, under uvicorn.
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for up to
-`shutdown_timeout` seconds (uvicorn's graceful shutdown; past it their handlers are cancelled,
-which aborts them in the engine), shuts the engine down and exits 0.
+`shutdown_timeout` seconds; past it the app ends the ones still open itself (a 503 error; a
+stream's error event, then `data: [DONE]`) and aborts them in the engine, so uvicorn has no
+handler left to cancel. Then the engine shuts down and the process exits 0.
+
+HTTP/1.1 is uvicorn's h11 protocol with one change: a request h11 cannot parse (a malformed
+request line or header, `Content-Length: abc`) gets the OpenAI JSON error shape, not plain text.
 """
 from __future__ import annotations
 
@@ -17,13 +21,50 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dsc.errors import UserError
 from dsc.serve.app import create_app
 from dsc.serve.driver import EngineDriver
+from dsc.serve.protocol import error_body
 
 
 KEEP_ALIVE_S = 65
+# uvicorn's own graceful-shutdown timeout is this much longer than --shutdown-timeout: the app
+# ends its requests first, so uvicorn never cancels a handler mid-response
+_SHUTDOWN_GRACE_S = 2.0
+
+
+class JsonErrorH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, whose answer to a request it cannot parse is a JSON error body."""
+
+    def send_400_response(self, msg: str) -> None:
+        import json
+
+        import h11
+
+        body = json.dumps(error_body(f"malformed HTTP request: {msg}", code="bad_http_request")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        try:
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:  # h11 cannot answer in this state: close, as uvicorn would
+            pass
+        self.transport.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when shutdown starts (Server.begin_shutdown)."""
+
+    def __init__(self, config: uvicorn.Config, app_server, shutdown_timeout: float):
+        super().__init__(config)
+        self.app_server, self.shutdown_timeout = app_server, shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        self.app_server.begin_shutdown(self.shutdown_timeout)
+        await super().shutdown(sockets)
 
 
 @dataclass
@@ -70,9 +111,9 @@ def build(engine, opts: ServeOptions, sampling_params_cls, sock: Optional[socket
     # balancers' idle timeouts (60 s): the side that closes first must be the client, or a request
     # sent on a connection the server is closing fails with a connection error
     config = uvicorn.Config(app, host=opts.host, port=opts.port, lifespan="off", log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=opts.shutdown_timeout,
-                            timeout_keep_alive=KEEP_ALIVE_S)
-    server = uvicorn.Server(config)
+                            access_log=False, timeout_graceful_shutdown=opts.shutdown_timeout + _SHUTDOWN_GRACE_S,
+                            timeout_keep_alive=KEEP_ALIVE_S, http=JsonErrorH11Protocol)
+    server = _Server(config, app.state.server, opts.shutdown_timeout)
     server.driver, server.sock, server.port = driver, sock, sock.getsockname()[1]
     driver.start()
     return server

@@ -34,6 +34,7 @@ class FakeSamplingParams:
     stop_token_ids: Optional[list] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    min_tokens: Optional[int] = None
     include_stop_str_in_output: bool = False
 
 
@@ -87,18 +88,29 @@ def _copy(o: CompletionOutput) -> CompletionOutput:
 
 class FakeEngine:
     def __init__(self, max_num_seqs: int = 256, kv_blocks: int = 512, max_model_len: int = 256,
-                 step_delay_s: float = 0.0, chat_template: bool = True, vocab_size: int = 128):
+                 step_delay_s: float = 0.0, chat_template: Union[bool, str] = True, vocab_size: int = 128):
+        """chat_template: True (a fixed format), False (none), or a jinja template's source, rendered
+        by the runtime's sandboxed renderer (runtime/chat_template.py)."""
         self.tokenizer = CharTokenizer()
         self.model_name = "fake-model"
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.max_num_seqs, self.kv_blocks, self.step_delay_s = max_num_seqs, kv_blocks, step_delay_s
         self.chat_template = chat_template
+        self.chat_templates = None
+        if isinstance(chat_template, str):
+            from dsc.runtime.chat_template import ChatTemplates
+
+            self.chat_templates = ChatTemplates({"default": chat_template}, {"bos_token": "<s>"}, "fake/chat_template.jinja")
         self.waiting: list[_Seq] = []
         self.running: list[_Seq] = []
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.is_shut_down = False
 
-    def apply_chat_template(self, messages: list) -> str:
+    def apply_chat_template(self, messages: list, tools=None, documents=None, add_generation_prompt=True,
+                            chat_template_kwargs=None) -> str:
+        if self.chat_templates is not None:
+            return self.chat_templates.render(messages, tools=tools, documents=documents,
+                                              add_generation_prompt=add_generation_prompt, kwargs=chat_template_kwargs)
         if not self.chat_template:
             raise UserError("chat: the artifact's tokenizer has no chat template")
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"

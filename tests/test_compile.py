@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -172,11 +173,13 @@ def _fake_hub_cache(root: Path, repo: str, ckpt: Path) -> None:
     (repo_dir / "refs").mkdir()
     snap = repo_dir / "snapshots" / rev
     snap.mkdir(parents=True)
-    for f in ckpt.iterdir():
+    for f in sorted(p for p in ckpt.rglob("*") if p.is_file()):
         data = f.read_bytes()
         blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
         blob.write_bytes(data)
-        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+        link = snap / f.relative_to(ckpt)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
     (repo_dir / "refs" / "main").write_text(rev)
 
 
@@ -186,7 +189,14 @@ def _offline_env(hf_home: Path) -> dict:
 
 
 def test_hub_id_in_local_cache_compiles_offline(tmp_path, make_checkpoint, compile_artifact):
-    _fake_hub_cache(tmp_path / "hf", "acme/tiny-llama", make_checkpoint("llama-tiny"))
+    """...and the artifact's tokenizer/ takes the chat templates as transformers saves them."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(make_checkpoint("llama-tiny"), ckpt)
+    templates = Path(__file__).parent / "data" / "chat_templates"
+    shutil.copy(templates / "qwen3.jinja", ckpt / "chat_template.jinja")
+    (ckpt / "additional_chat_templates").mkdir()
+    shutil.copy(templates / "llama-3.1-instruct.jinja", ckpt / "additional_chat_templates" / "tool_use.jinja")
+    _fake_hub_cache(tmp_path / "hf", "acme/tiny-llama", ckpt)
     out = tmp_path / "out" / "art"
     r = subprocess.run([sys.executable, "-m", "dsc", "compile", "acme/tiny-llama", "-o", str(out), "--dtype", "fp32"],
                        capture_output=True, text=True, env=_offline_env(tmp_path / "hf"), timeout=300)
@@ -195,6 +205,8 @@ def test_hub_id_in_local_cache_compiles_offline(tmp_path, make_checkpoint, compi
     for f in ("plan.json", "rank0.safetensors", "tokenizer/tokenizer.json"):
         assert (out / f).read_bytes() == (from_folder / f).read_bytes(), f
     assert json.loads((out / "manifest.json").read_text())["source"]["model"] == "acme/tiny-llama"
+    for f in ("chat_template.jinja", "additional_chat_templates/tool_use.jinja"):
+        assert (out / "tokenizer" / f).read_bytes() == (ckpt / f).read_bytes(), f
 
 
 def test_missing_hub_id_is_a_clear_error(tmp_path):
