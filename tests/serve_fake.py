@@ -90,6 +90,7 @@ class FakeEngine:
                  step_delay_s: float = 0.0, chat_template: bool = True):
         self.tokenizer = CharTokenizer()
         self.model_name = "fake-model"
+        self.vocab_size = 128
         self.max_model_len = max_model_len
         self.max_num_seqs, self.kv_blocks, self.step_delay_s = max_num_seqs, kv_blocks, step_delay_s
         self.chat_template = chat_template
@@ -116,6 +117,16 @@ class FakeEngine:
     def abort_request(self, request_id: str) -> None:
         self.waiting = [s for s in self.waiting if s.rid != request_id]
         self.running = [s for s in self.running if s.rid != request_id]
+
+    def finish_sequence(self, request_id: str, index: int, reason: str = "stop") -> bool:
+        for seq in self.waiting + self.running:
+            if seq.rid == request_id:
+                o = seq.outs[index]
+                o.finish_reason = o.finish_reason or reason
+                if not seq.finished():
+                    return False
+                self.abort_request(request_id)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
