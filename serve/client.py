@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,7 +36,6 @@ import zmq
 
 from dsc.errors import UserError
 from dsc.runtime.detokenize import Detokenizer
-from dsc.runtime.llm import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
 from dsc.serve.driver import ACCEPTED, Sink
 from dsc.serve.engine_process import pack, unpack
 
@@ -55,9 +53,9 @@ class EngineFacts:
     """What the app reads of its engine (`driver.engine`), in the API process: the artifact's
     tokenizer and chat template, read from its files, and the limits the engine reported."""
 
-    def __init__(self, artifact, ready: dict):
+    def __init__(self, artifact, tokenizer, ready: dict):
         self.artifact = artifact
-        self.tokenizer = artifact.tokenizer()
+        self.tokenizer = tokenizer
         self.model_name = ready["model_name"]
         self.max_model_len = ready["max_model_len"]
         self.vocab_size = ready["vocab_size"]
@@ -68,6 +66,8 @@ class EngineFacts:
         self.load_s = ready.get("load_s")
 
     def apply_chat_template(self, messages: list[dict]) -> str:
+        from dsc.runtime.llm import LLMEngine
+
         # LLMEngine's template code reads only the artifact's tokenizer files and the model's name
         shim = SimpleNamespace(engine=SimpleNamespace(artifact=self.artifact), model_name=self.model_name)
         shim._tokenizer_json = lambda name: LLMEngine._tokenizer_json(shim, name)
@@ -125,31 +125,30 @@ class EngineClient:
         self._stopping = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="dsc-engine-client", daemon=True)
+        from dsc.runtime import llm
+
+        self._llm = llm  # SamplingParams' defaults, the RequestOutput the app reads
 
     # -- starting the engine process --------------------------------------------------------------
     @classmethod
-    def launch(cls, artifact, engine_kwargs: dict, echo: Callable[[str], None] = lambda s: None) -> "EngineClient":
-        """Start the engine process (its ranks under torchrun for a tp > 1 artifact), wait for it
-        to load, and return the client. A load that fails raises the engine's UserError."""
+    def launch(cls, artifact, engine_kwargs: dict, env: Optional[dict] = None) -> "EngineClient":
+        """Start the engine process (its ranks under torchrun for a tp > 1 artifact; `env` added
+        to its environment), wait for it to load, and return the client. A load that fails
+        raises the engine's UserError."""
         from dsc.runtime.artifact import open_artifact
 
         art = open_artifact(artifact, ranks=[], verify=engine_kwargs.get("verify", True))
-        art.tokenizer()  # a broken tokenizer fails here, before the weights load
+        tokenizer = art.tokenizer()  # a broken tokenizer fails here, before the weights load
         workdir = tempfile.mkdtemp(prefix="dsc-serve-")
-        ctx = zmq.Context()
-        requests, outputs = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        requests.setsockopt(zmq.SNDHWM, 0)  # never drop or block an add: the queue limit is the app's (429)
-        requests.setsockopt(zmq.LINGER, 0)
-        outputs.setsockopt(zmq.RCVHWM, 0)
-        requests.bind(f"ipc://{workdir}/requests")
-        outputs.bind(f"ipc://{workdir}/outputs")
-        cfg = dict(artifact=os.path.abspath(artifact), engine=engine_kwargs, requests=f"ipc://{workdir}/requests",
-                   outputs=f"ipc://{workdir}/outputs", api_pid=os.getpid())
-        proc = subprocess.Popen(_engine_command(art.tp, json.dumps(cfg)), env=_engine_env(art.tp),
+        ctx, requests, outputs, addresses = bind_sockets(workdir)
+        cfg = dict(artifact=os.path.abspath(artifact), engine=engine_kwargs, api_pid=os.getpid(), **addresses)
+        proc = subprocess.Popen(_engine_command(art.tp, json.dumps(cfg)), env={**_engine_env(art.tp), **(env or {})},
                                 stdout=2, start_new_session=True)  # stdout is the API's
         try:
+            import dsc.runtime.llm  # noqa: F401  (torch: imported here while the engine process loads)
+
             ready = _wait_ready(outputs, proc)
-            client = cls(ctx, requests, outputs, EngineFacts(art, ready), ready["stats"], proc, workdir)
+            client = cls(ctx, requests, outputs, EngineFacts(art, tokenizer, ready), ready["stats"], proc, workdir)
         except BaseException:
             _kill(proc)
             ctx.destroy(linger=0)
@@ -262,7 +261,7 @@ class EngineClient:
             req = self._reqs.get(rid)
             if req is None:  # aborted before the engine took it; its abort follows the add
                 continue
-            p = SamplingParams(**req.fields)
+            p = self._llm.SamplingParams(**req.fields)
             stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
             req.choices = [_Choice(i, self._detokenizer(req.prompt_ids, p, stop),
                                    logprobs=[] if p.logprobs is not None else None) for i in range(p.n)]
@@ -277,7 +276,7 @@ class EngineClient:
             if req is not None and req.choices is not None:
                 self._output(rid, req, choices)
 
-    def _detokenizer(self, prompt_ids: list, p: SamplingParams, stop: list) -> Optional[Detokenizer]:
+    def _detokenizer(self, prompt_ids: list, p, stop: list) -> Optional[Detokenizer]:
         if self.engine.tokenizer is None:
             return None
         return Detokenizer(self.engine.tokenizer, prompt_ids, stop=stop, include_stop=p.include_stop_str_in_output,
@@ -314,8 +313,8 @@ class EngineClient:
             with self._lock:
                 for index in stopped:
                     self._send(["finish", rid, index])
-        out = RequestOutput(rid, req.prompt, req.prompt_ids, [
-            CompletionOutput(c.index, c.detok.text if c.detok is not None else "", list(c.token_ids),
+        out = self._llm.RequestOutput(rid, req.prompt, req.prompt_ids, [
+            self._llm.CompletionOutput(c.index, c.detok.text if c.detok is not None else "", list(c.token_ids),
                              list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
             for c in req.choices], finished)
         if not _deliver(req.sink, out) and not finished:
@@ -328,15 +327,27 @@ class EngineClient:
                 rc = self._proc.wait(1.0)
             except subprocess.TimeoutExpired:
                 pass
-        how = ("killed by " + signal.Signals(-rc).name if rc is not None and rc < 0
-               else f"exit code {rc}" if rc is not None else "its socket closed")
         with self._lock:
-            self.failure = f"the engine process has gone ({how})"
+            self.failure = f"the engine process has gone ({_exit_status(rc)})"
             left, self._reqs = self._reqs, {}
         log.error("%s; failing %d requests", self.failure, len(left))
         for req in left.values():
             _deliver(req.sink, EngineError(self.failure))
         self.on_death()
+
+
+def bind_sockets(workdir: str) -> tuple[zmq.Context, zmq.Socket, zmq.Socket, dict]:
+    """The API process's two sockets, bound to ipc files in `workdir`, and their addresses
+    ({"requests", "outputs"}) for the engine to connect to."""
+    ctx = zmq.Context()
+    requests, outputs = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    requests.setsockopt(zmq.SNDHWM, 0)  # never drop or block an add: the queue limit is the app's (429)
+    requests.setsockopt(zmq.LINGER, 0)
+    outputs.setsockopt(zmq.RCVHWM, 0)
+    addresses = {"requests": f"ipc://{workdir}/requests", "outputs": f"ipc://{workdir}/outputs"}
+    requests.bind(addresses["requests"])
+    outputs.bind(addresses["outputs"])
+    return ctx, requests, outputs, addresses
 
 
 def _deliver(sink: Sink, item) -> bool:
@@ -386,8 +397,13 @@ def _wait_ready(outputs: zmq.Socket, proc: subprocess.Popen) -> dict:
                 raise UserError(msg[1])
         rc = proc.poll()
         if rc is not None:
-            raise UserError(f"the engine process exited while loading ({'signal ' + str(-rc) if rc < 0 else f'exit code {rc}'}; "
-                            "its output is above)")
+            raise UserError(f"the engine process exited while loading ({_exit_status(rc)}; its output is above)")
+
+
+def _exit_status(rc: Optional[int]) -> str:
+    if rc is None:
+        return "its socket closed"
+    return f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
 
 
 def _kill(proc: subprocess.Popen) -> None:

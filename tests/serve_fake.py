@@ -87,17 +87,19 @@ def _copy(o: CompletionOutput) -> CompletionOutput:
 
 class FakeEngine:
     def __init__(self, max_num_seqs: int = 256, kv_blocks: int = 512, max_model_len: int = 256,
-                 step_delay_s: float = 0.0, chat_template: bool = True):
+                 step_delay_s: float = 0.0, chat_template: bool = True, detokenize: bool = True):
         self.tokenizer = CharTokenizer()
         self.model_name = "fake-model"
         self.vocab_size = 128
         self.max_model_len = max_model_len
         self.max_num_seqs, self.kv_blocks, self.step_delay_s = max_num_seqs, kv_blocks, step_delay_s
         self.chat_template = chat_template
+        self.detokenize = detokenize  # False: stop strings are the caller's (LLMEngine's detokenize)
         self.waiting: list[_Seq] = []
         self.running: list[_Seq] = []
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.is_shut_down = False
+        self.finished_early: list = []  # finish_sequence's (request id, index)
 
     def apply_chat_template(self, messages: list) -> str:
         if not self.chat_template:
@@ -119,6 +121,7 @@ class FakeEngine:
         self.running = [s for s in self.running if s.rid != request_id]
 
     def finish_sequence(self, request_id: str, index: int, reason: str = "stop") -> bool:
+        self.finished_early.append((request_id, index))
         for seq in self.waiting + self.running:
             if seq.rid == request_id:
                 o = seq.outs[index]
@@ -140,7 +143,7 @@ class FakeEngine:
             seq = self.waiting.pop(0)
             self.prompt_tokens_total += len(seq.ids)
             self.running.append(seq)
-        if any("BOOM" in (s.prompt or "") for s in self.running):
+        if any("BOOM" in "".join(map(chr, s.ids)) for s in self.running):  # text or its ids (an engine process's)
             raise RuntimeError("planted failure")
         time.sleep(self.step_delay_s)
         outs = []
@@ -166,7 +169,7 @@ class FakeEngine:
             o.logprobs.append({tok: -0.25, **{a: -1.0 - k for k, a in enumerate(alts)}})
         o.text += chr(tok)
         stops = [p.stop] if isinstance(p.stop, str) else (p.stop or [])
-        for s in stops:
+        for s in stops if self.detokenize else []:
             at = o.text.find(s)
             if at >= 0:
                 o.text = o.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
