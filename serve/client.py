@@ -166,6 +166,7 @@ class EngineClient:
     def add(self, request_id: str, prompt, params_fields: dict, sink: Sink) -> None:
         try:
             ids = encode(self.engine, prompt)
+            msg = _pack_add(request_id, ids, params_fields)
         except UserError as e:
             _deliver(sink, e)
             return
@@ -173,7 +174,7 @@ class EngineClient:
         with self._lock:
             if self.failure is None:
                 self._reqs[request_id] = req
-                if self._send(["add", request_id, ids, params_fields]):
+                if self._send(msg):
                     return
                 del self._reqs[request_id]
         _deliver(sink, EngineError(self.failure or "the engine is not running"))
@@ -216,10 +217,10 @@ class EngineClient:
         if self._workdir:
             shutil.rmtree(self._workdir, ignore_errors=True)
 
-    def _send(self, msg: list) -> bool:
+    def _send(self, msg: list | bytes) -> bool:
         """Send (holding self._lock); False when the engine has no socket open to take it."""
         try:
-            self._requests.send(pack(msg), zmq.NOBLOCK)
+            self._requests.send(msg if isinstance(msg, bytes) else pack(msg), zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
@@ -334,6 +335,22 @@ class EngineClient:
         for req in left.values():
             _deliver(req.sink, EngineError(self.failure))
         self.on_death()
+
+
+def _pack_add(rid: str, ids: list, fields: dict) -> bytes:
+    """The "add" message; a field msgpack cannot carry (an integer past 64 bits, a lone
+    surrogate) is a UserError naming it, as the engine's own checks would be."""
+    try:
+        return pack(["add", rid, ids, fields])
+    except (OverflowError, TypeError, ValueError):
+        for name, value in fields.items():
+            try:
+                pack(value)
+            except (OverflowError, TypeError, ValueError):
+                text = repr(value)
+                text = text if len(text) <= 80 else text[:77] + "..."
+                raise UserError(f"{name}: out of range or not valid text (got {text})") from None
+        raise
 
 
 def bind_sockets(workdir: str) -> tuple[zmq.Context, zmq.Socket, zmq.Socket, dict]:

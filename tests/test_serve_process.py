@@ -105,6 +105,11 @@ def test_a_failing_step_in_the_engine_fails_its_requests_and_it_keeps_serving(fa
     with pytest.raises(openai.BadRequestError) as e:  # refused by add_request, across the sockets
         fake.client.completions.create(model=MODEL, prompt="x" * 256, max_tokens=3)
     assert e.value.body["param"] == "prompt"
+    for field in ("max_tokens", "top_k"):  # past what msgpack carries: refused before it is sent
+        status, _, data = fake.raw("POST", "/v1/completions", {"prompt": "x", field: 10**30})
+        assert status == 400 and json.loads(data)["error"]["param"] == field
+    status, _, data = fake.raw("POST", "/v1/completions", {"prompt": "x", "stop_token_ids": [10**30]})
+    assert status == 400 and json.loads(data)["error"]["param"] == "stop_token_ids"
 
 
 def test_a_client_that_disconnects_frees_its_kv_blocks_in_the_engine(fake):
@@ -259,3 +264,26 @@ def test_an_artifact_that_fails_to_load_in_the_engine_process_is_its_one_line_er
     with pytest.raises(UserError) as e:
         EngineClient.launch(art, {"device": "cpu"}, env=ENGINE_ENV)
     assert str(e.value) == f"{art / 'rank0.safetensors'}: checksum mismatch (file changed or corrupt since compile)"
+
+
+def test_the_api_process_renders_the_artifacts_chat_template_without_its_weights(tiny, tmp_path):
+    from artifact_edits import copy_artifact, read_json, rehash, write_json
+
+    from dsc.errors import UserError
+    from dsc.runtime.artifact import open_artifact
+    from dsc.serve.client import EngineFacts
+
+    art = copy_artifact(tiny, tmp_path / "art")
+    cfg_path = art / "tokenizer" / "tokenizer_config.json"
+    cfg = read_json(cfg_path)
+    cfg["chat_template"] = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    write_json(cfg_path, cfg)
+    rehash(art)
+    opened = open_artifact(art, ranks=[])
+    facts = EngineFacts(opened, opened.tokenizer(), dict(model_name="art", max_model_len=512, vocab_size=512,
+                                                         eos_token_ids=[], block_size=16, world=1, pid=0))
+    assert facts.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]) \
+        == "<system>be brief<user>hi<assistant>"
+    with pytest.raises(UserError, match="messages"):
+        facts.apply_chat_template([{"role": "user"}])
