@@ -24,7 +24,7 @@ _DEPENDENCIES = ("torch", "transformers", "safetensors", "tokenizers", "huggingf
                  "triton", "onnx", "onnxruntime", "onnxscript")
 # the modules of an optional extra, installed with the extra: `pip install 'dsc[serve]'`
 _EXTRAS = {"fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve",
-           "openai": "serve"}
+           "openai": "serve", "zmq": "serve", "msgpack": "serve"}
 
 
 def _version(value: bool) -> None:
@@ -273,18 +273,13 @@ def generate_cmd(
         _fail(str(e))
 
 
-def _relaunch_under_torchrun(n: int, on_sigterm=None) -> None:
-    """Start n local ranks of this same command with torch.distributed.run. `on_sigterm(pid)`,
-    if given, handles a SIGTERM to this process, with torchrun's pid."""
+def _relaunch_under_torchrun(n: int) -> None:
+    """Start n local ranks of this same command with torch.distributed.run."""
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "dsc"] + sys.argv[1:]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    if on_sigterm is not None:
-        import signal
-
-        signal.signal(signal.SIGTERM, lambda *_: on_sigterm(proc.pid))
     rc = proc.wait()
     if rc:
         raise typer.Exit(rc)
@@ -470,15 +465,10 @@ def serve_cmd(
 ) -> None:
     """Serve an artifact over the OpenAI API (completions, chat, models, health, metrics)."""
     try:
-        from dsc.serve.server import ServeOptions, serve_artifact, stop_rank0  # the serve extra, before the load
-        from dsc.runtime.artifact import open_artifact
+        from dsc.serve.server import ServeOptions, serve_artifact  # the serve extra, before the load
 
         if max_queue < 0 or shutdown_timeout < 0:
             raise UserError(f"--max-queue and --shutdown-timeout: must be >= 0, got {max_queue}, {shutdown_timeout}")
-        tp = open_artifact(artifact, ranks=[], verify=False).tp
-        if tp > 1 and "WORLD_SIZE" not in os.environ:
-            _relaunch_under_torchrun(tp, on_sigterm=stop_rank0)  # SIGTERM: rank 0 drains, then releases the others
-            return
         from dsc import switches
 
         opts = ServeOptions(host=host, port=port, served_model_name=served_model_name,

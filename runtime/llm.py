@@ -7,7 +7,10 @@
 
 `LLMEngine` holds the requests: add_request / abort_request / step, each step one scheduler
 step (runtime/scheduler.py) returning the requests that advanced, with their outputs so far.
-Text is detokenized incrementally (runtime/detokenize.py), stop strings end a sequence there.
+Text is detokenized incrementally (runtime/detokenize.py), stop strings end a sequence there;
+with `detokenize=False` (the engine process of `dsc serve`, whose API process detokenizes) the
+outputs carry token ids only, and the caller ends a sequence its stop string ended with
+`finish_sequence`.
 Defaults a SamplingParams leaves unset come from the artifact's generation_config.json (as the
 checkpoint shipped it), else OpenAI's: temperature 1, top_p 1, no top-k, 16 tokens.
 """
@@ -124,7 +127,8 @@ class LLMEngine:
     def __init__(self, artifact: str | Path | None = None, *, device=None, kv_cache_memory: float | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = DEFAULT_BUDGET, enable_prefix_caching: bool = True,
                  verify: bool = True, cuda_graphs: bool = True, require_signature: str | Path | None = None,
-                 prefill_buckets: bool | None = None, engine=None, async_scheduling: bool = True):
+                 prefill_buckets: bool | None = None, engine=None, async_scheduling: bool = True,
+                 detokenize: bool = True):
         if engine is None:
             from dsc.runtime.engine import load
 
@@ -153,6 +157,7 @@ class LLMEngine:
         self.eos_token_ids = list(engine.eos_token_ids)
         self.generation_defaults = self._generation_config()
         self.chat_templates = self._chat_templates()
+        self.detokenize = detokenize
         self._requests: dict[str, _Request] = {}
 
     # -- artifact facts ---------------------------------------------------------------------------
@@ -324,7 +329,7 @@ class LLMEngine:
         self._requests[request_id] = req
 
     def _detokenizer(self, ids: list[int], p: SamplingParams):
-        if self.tokenizer is None:
+        if self.tokenizer is None or not self.detokenize:
             return None
         from dsc.runtime.detokenize import Detokenizer
 
@@ -339,6 +344,19 @@ class LLMEngine:
         for s in req.seqs:
             self.scheduler.finish(s, "abort")
         return self._output(req)
+
+    def finish_sequence(self, request_id: str, index: int, reason: str = "stop") -> bool:
+        """End one sequence of a request now (a stop string the caller found in its text) and free
+        its KV blocks. True when that ended the request (its last sequence), or it was unknown."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return True
+        if 0 <= index < len(req.seqs):
+            self.scheduler.finish(req.seqs[index], reason)
+        if all(s.finished for s in req.seqs):
+            del self._requests[request_id]
+            return True
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

@@ -117,7 +117,10 @@ class Server:
 
     async def submit(self, prompts: list, fields: dict) -> "_Outputs":
         """Add one engine request per prompt; return once the engine took them all, or raise
-        ApiError(400) for the first one it refused (the others are aborted)."""
+        ApiError(400) for the first one it refused (the others are aborted); 503 when the
+        engine has stopped."""
+        if not self.driver.alive():
+            raise ApiError(503, "the engine is not running", None, "engine_unavailable", "server_error")
         self.check_queue(len(prompts) * fields.get("n", 1))
         outs = _Outputs(self, asyncio.Queue())
         self.open.add(outs)

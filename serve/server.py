@@ -1,9 +1,13 @@
-"""`dsc serve`: an engine, its driver thread and the app, under uvicorn.
+"""`dsc serve`: the API process (uvicorn, the app, tokenization and detokenization) over an
+engine in its own process (serve/client.py, serve/engine_process.py).
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for up to
 `shutdown_timeout` seconds; past it the app ends the ones still open itself (a 503 error; a
 stream's error event, then `data: [DONE]`) and aborts them in the engine, so uvicorn has no
-handler left to cancel. Then the engine shuts down and the process exits 0.
+handler left to cancel. Then the engine shuts down and the process exits 0. The engine process
+runs in a session of its own, so a terminal's Ctrl-C reaches the API process only. When the
+engine process dies while serving, the requests in flight fail (500), new ones get 503, and the
+server shuts down and exits 1.
 
 HTTP/1.1 is uvicorn's h11 protocol with one change: a request h11 cannot parse (a malformed
 request line or header, `Content-Length: abc`) gets the OpenAI JSON error shape, not plain text.
@@ -17,7 +21,6 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import uvicorn
@@ -78,12 +81,37 @@ class ServeOptions:
 
 
 def serve_artifact(artifact, opts: ServeOptions, echo: Callable[[str], None], **engine_kwargs) -> None:
-    """`dsc serve` in this process: load the artifact's LLMEngine (one rank of it under
-    torchrun); rank 0 serves HTTP until SIGTERM, the other ranks step with it until released."""
+    """`dsc serve`: start the engine process (its ranks, for a tp > 1 artifact) and serve HTTP
+    here until SIGTERM. Under a launcher that started the ranks (WORLD_SIZE set), each rank
+    loads its engine in-process instead: rank 0 serves, the other ranks step with it."""
+    if "WORLD_SIZE" in os.environ:
+        serve_in_process(artifact, opts, echo, **engine_kwargs)
+        return
+    from dsc.serve.client import EngineClient
+
+    sock = listen(opts.host, opts.port)  # a taken port fails before the model loads
+    client = EngineClient.launch(artifact, engine_kwargs)
+    try:
+        server = build_server(client, opts, sock)
+        client.on_death = lambda: setattr(server, "should_exit", True)
+        announce(server, opts, echo)
+        world = f", {client.engine.world} ranks" if client.engine.world > 1 else ""
+        echo(f"engine process {client.engine.pid}: loaded in {client.engine.load_s:.1f} s{world}")
+        run(server)
+    finally:
+        client.close()
+    if client.failure:
+        print(f"error: {client.failure}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def serve_in_process(artifact, opts: ServeOptions, echo: Callable[[str], None], **engine_kwargs) -> None:
+    """One rank of the artifact's LLMEngine in this process, driven by a thread; rank 0 serves
+    HTTP until SIGTERM, the other ranks step with it until released."""
     from dsc.runtime.llm import LLMEngine, SamplingParams
 
     rank = int(os.environ.get("RANK", "0"))
-    sock = listen(opts.host, opts.port) if rank == 0 else None  # a taken port fails before the model loads
+    sock = listen(opts.host, opts.port) if rank == 0 else None
     engine = LLMEngine(artifact, **engine_kwargs)
     if rank != 0:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop (after draining)
@@ -101,10 +129,15 @@ def serve_artifact(artifact, opts: ServeOptions, echo: Callable[[str], None], **
 
 
 def build(engine, opts: ServeOptions, sampling_params_cls, sock: Optional[socket.socket] = None) -> uvicorn.Server:
-    """A uvicorn server over `engine` on `sock` (default: listen(opts.host, opts.port)); its
-    driver thread (`.driver`) started; `.port` is the port (the one port 0 picked)."""
+    """A uvicorn server over `engine`, in this process: build_server over an EngineDriver."""
+    return build_server(EngineDriver(engine, sampling_params_cls), opts, sock)
+
+
+def build_server(driver, opts: ServeOptions, sock: Optional[socket.socket] = None) -> uvicorn.Server:
+    """A uvicorn server over `driver` (an EngineDriver, or the EngineClient of an engine
+    process) on `sock` (default: listen(opts.host, opts.port)); the driver started; `.driver`
+    is it, `.port` the port (the one port 0 picked)."""
     sock = sock or listen(opts.host, opts.port)
-    driver = EngineDriver(engine, sampling_params_cls)
     app = create_app(driver, served_model_name=opts.served_model_name, api_key=opts.api_key,
                      max_queue=opts.max_queue)
     # keep idle connections longer than clients do (httpx: 5 s, aiohttp: 15 s) and than load
@@ -148,20 +181,6 @@ def run(server: uvicorn.Server) -> None:
         server.run(sockets=[server.sock])
     finally:
         server.driver.stop()
-
-
-def stop_rank0(torchrun_pid: int) -> None:
-    """SIGTERM to rank 0 of the ranks torchrun started (rank 0 drains, then releases the others,
-    and torchrun sees every rank exit 0); to torchrun itself when rank 0 cannot be found."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == torchrun_pid and b"\0RANK=0\0" in b"\0" + (stat.parent / "environ").read_bytes():
-                os.kill(int(stat.parent.name), signal.SIGTERM)
-                return
-        except (OSError, ValueError, IndexError):  # a process that ended while we looked
-            continue
-    os.kill(torchrun_pid, signal.SIGTERM)
 
 
 def announce(server: uvicorn.Server, opts: ServeOptions, echo: Callable[[str], None]) -> None:

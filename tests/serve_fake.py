@@ -88,7 +88,8 @@ def _copy(o: CompletionOutput) -> CompletionOutput:
 
 class FakeEngine:
     def __init__(self, max_num_seqs: int = 256, kv_blocks: int = 512, max_model_len: int = 256,
-                 step_delay_s: float = 0.0, chat_template: Union[bool, str] = True, vocab_size: int = 128):
+                 step_delay_s: float = 0.0, chat_template: Union[bool, str] = True, vocab_size: int = 128,
+                 detokenize: bool = True):
         """chat_template: True (a fixed format), False (none), or a jinja template's source, rendered
         by the runtime's sandboxed renderer (runtime/chat_template.py)."""
         self.tokenizer = CharTokenizer()
@@ -96,6 +97,7 @@ class FakeEngine:
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.max_num_seqs, self.kv_blocks, self.step_delay_s = max_num_seqs, kv_blocks, step_delay_s
         self.chat_template = chat_template
+        self.detokenize = detokenize  # False: stop strings are the caller's (LLMEngine's detokenize)
         self.chat_templates = None
         if isinstance(chat_template, str):
             from dsc.runtime.chat_template import ChatTemplates
@@ -105,6 +107,7 @@ class FakeEngine:
         self.running: list[_Seq] = []
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.is_shut_down = False
+        self.finished_early: list = []  # finish_sequence's (request id, index)
 
     def apply_chat_template(self, messages: list, tools=None, documents=None, add_generation_prompt=True,
                             chat_template_kwargs=None) -> str:
@@ -131,6 +134,17 @@ class FakeEngine:
         self.waiting = [s for s in self.waiting if s.rid != request_id]
         self.running = [s for s in self.running if s.rid != request_id]
 
+    def finish_sequence(self, request_id: str, index: int, reason: str = "stop") -> bool:
+        self.finished_early.append((request_id, index))
+        for seq in self.waiting + self.running:
+            if seq.rid == request_id:
+                o = seq.outs[index]
+                o.finish_reason = o.finish_reason or reason
+                if not seq.finished():
+                    return False
+                self.abort_request(request_id)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -143,7 +157,7 @@ class FakeEngine:
             seq = self.waiting.pop(0)
             self.prompt_tokens_total += len(seq.ids)
             self.running.append(seq)
-        if any("BOOM" in (s.prompt or "") for s in self.running):
+        if any("BOOM" in "".join(map(chr, s.ids)) for s in self.running):  # text or its ids (an engine process's)
             raise RuntimeError("planted failure")
         time.sleep(self.step_delay_s)
         outs = []
@@ -169,7 +183,7 @@ class FakeEngine:
             o.logprobs.append({tok: -0.25, **{a: -1.0 - k for k, a in enumerate(alts)}})
         o.text += chr(tok)
         stops = [p.stop] if isinstance(p.stop, str) else (p.stop or [])
-        for s in stops:
+        for s in stops if self.detokenize else []:
             at = o.text.find(s)
             if at >= 0:
                 o.text = o.text[:at + (len(s) if p.include_stop_str_in_output else 0)]

@@ -31,9 +31,12 @@ openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_fake import FakeEngine, FakeSamplingParams, greedy_text  # noqa: E402
 
-from dsc.serve.server import ServeOptions, build  # noqa: E402
+from dsc.serve.server import ServeOptions, build, build_server  # noqa: E402
 
 MODEL = "fake-model"
+# the engine process's torch threads: one core for it, one for this process (the API and the
+# clients) on a 2-core runner; OpenMP threads that outnumber the free cores spin and starve both
+ENGINE_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 class Live:
@@ -75,13 +78,29 @@ class Live:
 
 @contextlib.contextmanager
 def serving(engine, sampling_params_cls=FakeSamplingParams, **opts):
-    server = build(engine, ServeOptions(port=0, **opts), sampling_params_cls)
+    """The app over `engine` in this process (EngineDriver's thread)."""
+    with running(build(engine, ServeOptions(port=0, **opts), sampling_params_cls), opts.get("api_key")) as live:
+        yield live
+
+
+@contextlib.contextmanager
+def serving_process(artifact, **engine_kwargs):
+    """The app over an engine process loading `artifact` on the CPU, as `dsc serve` runs it."""
+    from dsc.serve.client import EngineClient
+
+    client = EngineClient.launch(artifact, dict(device="cpu", **engine_kwargs), env=ENGINE_ENV)
+    with running(build_server(client, ServeOptions(port=0))) as live:
+        yield live
+
+
+@contextlib.contextmanager
+def running(server, api_key=None):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [server.sock]}, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
     try:
-        yield Live(server, engine, opts.get("api_key"))
+        yield Live(server, server.driver.engine, api_key)
     finally:
         server.should_exit = True
         thread.join(30)
@@ -474,14 +493,11 @@ def test_return_token_ids_and_chat_default_length(live):
     assert chat.choices[0].finish_reason == "length"
 
 
-# -- over the real engine: a tiny compiled Llama, fp32 on the CPU ------------------------------------------
+# -- over the real engine in its own process: a tiny compiled Llama, fp32 on the CPU -------------------------
 @pytest.fixture(scope="module")
 def real(compile_artifact):
-    from dsc.runtime.llm import LLMEngine, SamplingParams
-
-    engine = LLMEngine(compile_artifact("llama-tiny", dtype="fp32"), device="cpu", max_num_seqs=32,
-                       max_num_batched_tokens=128)
-    with serving(engine, SamplingParams) as s:
+    with serving_process(compile_artifact("llama-tiny", dtype="fp32"), max_num_seqs=32,
+                         max_num_batched_tokens=128) as s:
         yield s
 
 
@@ -558,6 +574,39 @@ def test_real_seeded_sampling_and_stop_strings(real):
     assert streamed == full[:full.index(stop)]
 
 
+def test_real_stop_strings_in_the_api_process_match_the_in_process_engine(real, compile_artifact):
+    """The API process detokenizes and applies stop strings: the same texts, finish reasons and
+    token counts as LLMEngine's own detokenizer in one process, streamed or not."""
+    from dsc.runtime.llm import LLM, SamplingParams
+
+    llm = LLM(compile_artifact("llama-tiny", dtype="fp32"), device="cpu", max_num_batched_tokens=128)
+    name, tok = real.engine.model_name, real.engine.tokenizer
+    greedy = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    sampled = dict(n=2, max_tokens=20, temperature=1.0, seed=11, ignore_eos=True)  # choice 1 never stops
+    full, both = llm.generate(["Hello"] * 2, [SamplingParams(**greedy), SamplingParams(**sampled)])
+    text, both = full.outputs[0].text.rstrip("\ufffd"), both.outputs
+    stops = [[text[5:7]], ["never", text[10:13]], [text[2]]]
+    stop = next(both[0].text[k:k + 3] for k in range(2, 12) if both[0].text[k:k + 3] not in both[1].text)
+    refs = llm.generate(["Hello"] * 4, [SamplingParams(stop=s, **greedy) for s in stops] +
+                        [SamplingParams(stop=[stop], **sampled)])
+    for s, ref in zip(stops, refs):
+        ref = ref.outputs[0]
+        kw = dict(model=name, prompt="Hello", max_tokens=24, temperature=0, stop=s, extra_body={"ignore_eos": True})
+        r = real.client.completions.create(**kw)
+        assert ref.finish_reason == "stop" and (r.choices[0].text, r.choices[0].finish_reason) == (ref.text, "stop")
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        assert "".join(c.choices[0].text for c in real.client.completions.create(stream=True, **kw)) == ref.text
+    # n = 2: a stop string of choice 0 that choice 1 never shows ends choice 0 only
+    ref = refs[-1].outputs
+    r = real.client.completions.create(model=name, prompt="Hello", max_tokens=20, n=2, temperature=1.0, seed=11,
+                                       stop=[stop], extra_body={"ignore_eos": True, "return_token_ids": True})
+    c0, c1 = sorted(r.choices, key=lambda c: c.index)
+    assert (c0.text, c0.finish_reason, c0.model_extra["token_ids"]) == (ref[0].text, "stop", ref[0].token_ids)
+    assert c1.finish_reason == "length" and c1.model_extra["token_ids"] == ref[1].token_ids == both[1].token_ids
+    assert c1.text == tok.decode(ref[1].token_ids)  # a choice that ends by length shows its whole text
+    assert real.wait_idle()["dsc_kv_blocks_used"] == 0
+
+
 def test_real_disconnect_frees_the_kv_blocks(real):
     conn = http.client.HTTPConnection("127.0.0.1", real.port, timeout=30)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": [5] * 50, "max_tokens": 400, "stream": True,
@@ -565,7 +614,7 @@ def test_real_disconnect_frees_the_kv_blocks(real):
     r = conn.getresponse()
     assert r.status == 200 and r.read(6) == b"data: "
     used = real.metrics()["dsc_kv_blocks_used"]
-    assert used >= real.engine.scheduler.blocks_for(51)
+    assert used >= -(-51 // real.engine.block_size)
     conn.sock.shutdown(2)
     conn.close()
     m = real.wait_idle(timeout=5)
