@@ -379,6 +379,8 @@ class LLMEngine:
                 elif d.stopped:
                     seq.finish_reason = "stop"
                     req.stop_reasons[seq.index] = d.stop_reason
+            if d is not None and seq.finished and not d.stopped:
+                d.flush()  # ended by length or a stop token: the text held back for stop strings
             if seq.finish_reason == "stop" and req.stop_reasons[seq.index] is None and seq.output_ids:
                 req.stop_reasons[seq.index] = seq.output_ids[-1]
             touched[req.request_id] = req

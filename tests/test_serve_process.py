@@ -286,4 +286,4 @@ def test_the_api_process_renders_the_artifacts_chat_template_without_its_weights
     assert facts.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]) \
         == "<system>be brief<user>hi<assistant>"
     with pytest.raises(UserError, match="messages"):
-        facts.apply_chat_template([{"role": "user"}])
+        facts.apply_chat_template([{"content": "no role"}])
