@@ -31,7 +31,25 @@ def test_scripts_are_the_maintained_set():
     """scripts/ holds the maintained tools only (each with a test here or beside its kernels)."""
     assert {p.name for p in SCRIPTS.iterdir() if p.name != "__pycache__"} <= {
         "demo.py", "bench_decode.py", "bench_int8.py", "bench_kernels.py", "bench_compile.py", "tune_kernels.py",
-        "tune_gemv.py", "ncu_kernels.py", "timing.py", "gen_docs.py", "bench_serving.py", "soak_serve.py"}
+        "tune_gemv.py", "ncu_kernels.py", "timing.py", "gen_docs.py", "bench_serving.py", "bench_engine.py",
+        "soak_serve.py"}
+
+
+# -- bench_engine.py --------------------------------------------------------------------------------
+def test_bench_engine_dry_run_on_the_cpu(tmp_path):
+    """Each part in its own process: the budget sweep (async and sync give every request its
+    tokens), batch 1 against the static path, the load stages; the table and the JSON."""
+    out = run("bench_engine.py", "all", "--shape", "llama-tiny", "--device", "cpu", "--requests", "6",
+              "--prompt-lens", "8,40", "--output-lens", "2,6", "--budgets", "16,64", "--sync-budget", "16",
+              "--batch1-prompt", "8", "--batch1-new", "4", "--parts", "offline,batch1,load",
+              "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
+    res = json.loads((tmp_path / "out" / "bench_engine.json").read_text())
+    runs = res["offline"]["runs"]
+    assert set(runs) == {"budget 16", "budget 64", "budget 16, sync"} and res["offline"]["flops"] > 0
+    assert all(sum(k["steps"] for k in r["by_step_kind"].values()) == r["steps"] for r in runs.values())
+    assert {"static", "dsc.LLM", "dsc.LLM sync", "ratio"} <= set(res["batch1"])
+    assert {"weights", "programs", "total"} <= set(res["load"]["stages"])
+    assert "| dsc.LLM engine, budget 64 |" in out
 
 
 # -- timing.py ------------------------------------------------------------------------------------
