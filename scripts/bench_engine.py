@@ -216,7 +216,7 @@ def part_batch1(args) -> dict:
     import torch
 
     import dsc
-    from dsc.runtime.llm import LLMEngine, SamplingParams
+    from dsc.runtime.llm import LLMEngine
 
     device = torch.device(args.device) if args.device else None
     engine = dsc.load(artifact_path(args), device=device, kv_cache_memory=4.0, max_num_seqs=8)

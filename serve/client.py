@@ -64,6 +64,7 @@ class EngineFacts:
         self.world = ready["world"]  # tensor-parallel ranks
         self.pid = ready["pid"]  # rank 0's engine process
         self.load_s = ready.get("load_s")
+        self.load_times = ready.get("load_times") or {}  # seconds by stage (runtime/engine.py)
         from dsc.runtime.llm import LLMEngine
 
         # LLMEngine's template code reads only the artifact's tokenizer files and the model's name

@@ -221,7 +221,8 @@ def main(argv: list[str]) -> int:
         inbox.connect(cfg["requests"])
         facts = dict(model_name=engine.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                      eos_token_ids=engine.eos_token_ids, block_size=engine.scheduler.block_size, world=world,
-                     pid=os.getpid(), load_s=round(time.perf_counter() - t0, 3), stats=engine.stats())
+                     pid=os.getpid(), load_s=round(time.perf_counter() - t0, 3), stats=engine.stats(),
+                     load_times={k: round(v, 2) for k, v in getattr(engine, "load_times", {}).items()})
         outbox.send(pack(["ready", facts]))
         api_pid = cfg["api_pid"]
         try:

@@ -96,7 +96,9 @@ def serve_artifact(artifact, opts: ServeOptions, echo: Callable[[str], None], **
         client.on_death = lambda: setattr(server, "should_exit", True)
         announce(server, opts, echo)
         world = f", {client.engine.world} ranks" if client.engine.world > 1 else ""
-        echo(f"engine process {client.engine.pid}: loaded in {client.engine.load_s:.1f} s{world}")
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in client.engine.load_times.items() if k != "total")
+        echo(f"engine process {client.engine.pid}: loaded in {client.engine.load_s:.1f} s{world}"
+             + (f" ({stages})" if stages else ""))
         run(server)
     finally:
         client.close()
