@@ -30,7 +30,7 @@ How it is built
 
 The check (on by default) runs onnx.checker, lists the ops, and for tp = 1 runs onnxruntime on
 CPU against the dsc runtime on the same tokens: a prefill and one decode step from zero
-caches. Pass: logits SQNR >= TOLERANCE_DB for the compute dtype (see TOLERANCE_DB).
+caches. Pass: logits SQNR >= `tolerance_db` for the compute dtype (see TOLERANCE_DB).
 """
 from __future__ import annotations
 
@@ -57,6 +57,20 @@ OPSET = 21  # DequantizeLinear with block_size (grouped int8 scales) needs 21
 # have no bf16 arithmetic.
 TOLERANCE_DB = {("float32", "float32"): 80.0, ("float16", "float16"): 40.0, ("float16", "float32"): 40.0,
                 ("bfloat16", "float32"): 25.0}
+# W8A8 in fp16: where the two runtimes' fp16 rounding differs, an activation's per-token int8
+# value flips by one step; the tiny test models' logits then agree to 37-42 dB across prompts
+W8A8_FP16_TOLERANCE_DB = 33.0
+
+
+def tolerance_db(engine, fp32: bool) -> float | None:
+    """The least logits SQNR the check accepts for this engine's artifact, or None (not run)."""
+    dtypes = (_name(engine.dtype), "float32" if fp32 else _name(engine.dtype))
+    if dtypes not in TOLERANCE_DB:
+        return None
+    options = engine.artifact.manifest.get("options") or {}
+    if dtypes[0] == "float16" and options.get("int8") and options.get("int8_mode") == "w8a8":
+        return W8A8_FP16_TOLERANCE_DB
+    return TOLERANCE_DB[dtypes]
 INPUTS = ("input_ids", "position_ids", "cache_pos", "last_idx")
 
 
@@ -244,8 +258,9 @@ def check_model(path: Path, engine=None, fp32: bool = False) -> dict:
                            "nonstandard_ops": [o for o in ops if "." in o]}
     if engine is not None:
         dtypes = (_name(engine.dtype), "float32" if fp32 else _name(engine.dtype))
-        if dtypes in TOLERANCE_DB:
-            res.update(compare_with_runtime(path, engine, fp32), tolerance_db=TOLERANCE_DB[dtypes])
+        tol = tolerance_db(engine, fp32)
+        if tol is not None:
+            res.update(compare_with_runtime(path, engine, fp32), tolerance_db=tol)
             res["ok"] = all(res[p]["sqnr_db"] is None or res[p]["sqnr_db"] >= res["tolerance_db"]
                             for p in ("prefill", "decode"))
         else:

@@ -236,7 +236,7 @@ class SourceStream:
     def _read(self, f, buf: memoryview, h: "_Hasher") -> None:
         t0 = time.perf_counter()
         if f.readinto(buf) != len(buf):
-            raise UserError(f"{f.name}: truncated file")
+            raise UserError(f"{f.name}: truncated {'GGUF' if self.ckpt.gguf is not None else 'safetensors'} file")
         self.read_s += time.perf_counter() - t0
         h.update(buf)
 

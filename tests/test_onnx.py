@@ -1,7 +1,8 @@
 """`dsc export-onnx`: standard ONNX ops, int8 weights as DequantizeLinear, onnxruntime matches.
 
 Tolerance (compiler/onnx_export.py TOLERANCE_DB, docs/artifact.md): onnxruntime (CPU)
-logits vs the dsc runtime (CPU) on the same tokens, SQNR >= 80 dB for fp32, >= 40 dB for fp16,
+logits vs the dsc runtime (CPU) on the same tokens, SQNR >= 80 dB for fp32, >= 40 dB for fp16
+(33 dB with W8A8, whose int8 activations flip a step where the runtimes' fp16 rounding differs),
 >= 25 dB for a bf16 artifact exported with --fp32 (bf16 rounding in the dsc run).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 import dsc
 from dsc.compiler.numerics import sqnr_db
-from dsc.compiler.onnx_export import INPUTS, TOLERANCE_DB, export_onnx
+from dsc.compiler.onnx_export import INPUTS, export_onnx, tolerance_db
 from dsc.errors import UserError
 
 onnx = pytest.importorskip("onnx")
@@ -52,7 +53,7 @@ def test_export_runs_in_onnxruntime_and_matches(compile_artifact, tmp_path, shap
     caches = [torch.zeros_like(t, dtype=dtype).numpy() for t in engine.kv_cache.values()]
     feeds = dict(zip(INPUTS, (np.array([prompt]), np.arange(5)[None], np.zeros(1, np.int64), np.array([4]))))
     logits, *next_caches = sess.run(None, {**feeds, **dict(zip(engine.kv_cache, caches))})
-    tol = TOLERANCE_DB[(str(engine.dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))]
+    tol = tolerance_db(engine, fp32)
     assert sqnr_db(want, torch.from_numpy(logits).float()) >= tol
     k0 = torch.from_numpy(next_caches[0]).float()  # [max_batch, kv_heads, max_seq, head_dim]
     assert k0[0, :, :5].abs().sum() > 0 and k0[0, :, 5:].abs().sum() == 0 and k0[1:].abs().sum() == 0

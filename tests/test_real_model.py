@@ -101,7 +101,18 @@ def test_chat_gives_transformers_answer(smollm2, hf, llm):
                 {"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(messages, dsc.SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    assert list(out.token_ids) == _hf_greedy(model, ids, 16)
+    want = _hf_greedy(model, ids, 16)
+    assert list(out.token_ids) == want
+    # the same conversation through dsc serve (its engine process) and the openai client
+    from test_serve import serving_process
+
+    _, art = smollm2
+    with serving_process(art, max_num_seqs=4) as live:
+        r = live.client.chat.completions.create(model=live.engine.model_name, messages=messages, max_tokens=16,
+                                                temperature=0, extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.model_extra["token_ids"] == want
+    assert choice.message.content == tok.decode(want, skip_special_tokens=True)
 
 
 def test_eval_cli_prints_perplexity(smollm2):
