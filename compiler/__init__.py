@@ -78,7 +78,7 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
             ckpt = open_checkpoint(src)
         if not isinstance(model, (str, Path)):  # a loaded model: record its name, not the temp folder
             ckpt.name = getattr(model, "name_or_path", "") or type(model).__name__
-        arch = architecture_for(ckpt.config, str(ckpt.root / "config.json"))
+        arch = architecture_for(ckpt.config, str(ckpt.config_where))
         max_pos = arch.max_positions(ckpt.config)
         if "max_seq" not in options.model_fields_set and max_pos and max_pos < options.max_seq:
             options = options.model_copy(update={"max_seq": max_pos})  # the default fits the model

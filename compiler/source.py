@@ -33,6 +33,11 @@ class Checkpoint:
     files: list[Path] = field(default_factory=list)
     gguf: Any = None  # compiler.gguf_source.GGUFTensors: the weights are a GGUF file's (files[0])
 
+    @property
+    def config_where(self) -> Path:
+        """Where the config came from, as messages name it: config.json, or the GGUF file."""
+        return self.files[0] if self.gguf is not None else self.root / "config.json"
+
     def file_hashes(self) -> dict[str, str]:
         paths = {"config.json": self.root / "config.json"} | {p.name: p for p in self.files}
         return {n: sha256_file(p) for n, p in sorted(paths.items())}

@@ -51,13 +51,13 @@ def validate_tp(ckpt: Checkpoint, arch: Architecture, tp: int) -> None:
     if tp == 1:
         return
     if why := arch.tp_blocker(ckpt.config):
-        raise UserError(f"--tp {tp}: model_type '{arch.model_type}' ({ckpt.root / 'config.json'}) compiles with "
+        raise UserError(f"--tp {tp}: model_type '{arch.model_type}' ({ckpt.config_where}) compiles with "
                         f"--tp 1 only for now ({why})")
     sizes = tp_sizes(ckpt.config, arch)
     problem = tp_problem(sizes, tp)
     if problem:
         ok = [t for t in range(1, sizes["num_attention_heads"] + 1) if tp_problem(sizes, t) is None]
-        raise UserError(f"--tp {tp} {problem} in {ckpt.root / 'config.json'}; "
+        raise UserError(f"--tp {tp} {problem} in {ckpt.config_where}; "
                         f"tp values that work: {', '.join(map(str, ok))}")
 
 
@@ -74,4 +74,4 @@ def validate_options(ckpt: Checkpoint, arch: Architecture, options) -> None:
     max_pos = arch.max_positions(cfg)
     if max_pos and options.max_seq > max_pos:
         raise UserError(f"--max-seq {options.max_seq} exceeds the model's max_position_embeddings ({max_pos}) "
-                        f"in {ckpt.root / 'config.json'}")
+                        f"in {ckpt.config_where}")
