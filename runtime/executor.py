@@ -78,9 +78,10 @@ class Executor:
         self.engine = engine
         self.device = engine.device
         self.world = engine.world
-        self.vocab = engine.vocab_size
         self.prev: torch.Tensor | None = None  # the last launched step's sampled tokens [N], on the device
-        self._in = _HostRing(self.device, slots=8)  # a step uploads at most 4 times: no slot reused within 2 steps
+        # a step uploads at most 7 times (step, its tp size, mask, sampling rules, rows twice, the
+        # tokens' tp size): a slot comes back after two steps, whose copies have run by then
+        self._in = _HostRing(self.device, slots=16)
         self._out = _HostRing(self.device)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:

@@ -37,17 +37,15 @@ def test_scripts_are_the_maintained_set():
 
 # -- bench_engine.py --------------------------------------------------------------------------------
 def test_bench_engine_dry_run_on_the_cpu(tmp_path):
-    """Each part in its own process: the budget sweep (async and sync give every request its
-    tokens), batch 1 against the static path, the load stages; the table and the JSON."""
+    """Each part in its own process (batch 1 and HTTP are the GPU run's): the budget sweep
+    (async and sync give every request its tokens), the load stages; the table and the JSON."""
     out = run("bench_engine.py", "all", "--shape", "llama-tiny", "--device", "cpu", "--requests", "6",
               "--prompt-lens", "8,40", "--output-lens", "2,6", "--budgets", "16,64", "--sync-budget", "16",
-              "--batch1-prompt", "8", "--batch1-new", "4", "--parts", "offline,batch1,load",
-              "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
+              "--parts", "offline,load", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
     res = json.loads((tmp_path / "out" / "bench_engine.json").read_text())
     runs = res["offline"]["runs"]
     assert set(runs) == {"budget 16", "budget 64", "budget 16, sync"} and res["offline"]["flops"] > 0
     assert all(sum(k["steps"] for k in r["by_step_kind"].values()) == r["steps"] for r in runs.values())
-    assert {"static", "dsc.LLM", "dsc.LLM sync", "ratio"} <= set(res["batch1"])
     assert {"weights", "programs", "total"} <= set(res["load"]["stages"])
     assert "| dsc.LLM engine, budget 64 |" in out
 
