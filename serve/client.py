@@ -36,7 +36,7 @@ import zmq
 
 from dsc.errors import UserError
 from dsc.runtime.detokenize import Detokenizer
-from dsc.serve.driver import ACCEPTED, Sink
+from dsc.serve.driver import ACCEPTED, EngineDriver, Sink
 from dsc.serve.engine_process import pack, unpack
 
 log = logging.getLogger("dsc.serve")
@@ -372,14 +372,7 @@ def bind_sockets(workdir: str) -> tuple[zmq.Context, zmq.Socket, zmq.Socket, dic
     return ctx, requests, outputs, addresses
 
 
-def _deliver(sink: Sink, item) -> bool:
-    """sink(item); False when its event loop has closed (see EngineDriver._deliver)."""
-    try:
-        sink(item)
-        return True
-    except RuntimeError:
-        log.debug("a request's reader has gone; dropping its output", exc_info=True)
-        return False
+_deliver = EngineDriver._deliver  # sink(item); False when its event loop has closed
 
 
 def _disconnected(monitor: zmq.Socket) -> bool:
