@@ -25,6 +25,11 @@ _RUNNERS: weakref.WeakSet = weakref.WeakSet()  # decode and prefill runners (any
 CAPTURE_TIMES: defaultdict[str, float] = defaultdict(float)
 
 
+def capture_times_since(before: dict[str, float]) -> dict[str, float]:
+    """CAPTURE_TIMES minus a copy of it taken earlier: the seconds spent since then, by stage."""
+    return {k: v - before.get(k, 0.0) for k, v in CAPTURE_TIMES.items()}
+
+
 def register_runner(runner) -> None:
     _RUNNERS.add(runner)
 

@@ -81,7 +81,7 @@ class Engine:
         self.max_seq = self.plan["limits"]["max_seq"]
         self.vocab_size = self.plan["model"]["vocab_size"]
         self.eos_token_ids = list(self.plan["model"].get("eos_token_ids") or [])
-        from dsc.runtime.decode import CAPTURE_TIMES
+        from dsc.runtime.decode import CAPTURE_TIMES, capture_times_since
 
         captured = dict(CAPTURE_TIMES)
         clock = _Stages()
@@ -111,7 +111,7 @@ class Engine:
         # seconds by stage; "kernels" (warm-up runs: Triton JIT) and "graphs" (captures) split the
         # capture stage, and grow when the serving engine captures its mixed steps
         self.load_times = clock.times
-        self.load_times.update({k: v - captured.get(k, 0.0) for k, v in CAPTURE_TIMES.items()})
+        self.load_times.update(capture_times_since(captured))
 
     def _enable_symmetric_all_reduce(self) -> str:
         """On CUDA with tp > 1: the one-shot all-reduce (kernels/collectives.py) for tensors up

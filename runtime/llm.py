@@ -138,7 +138,7 @@ class LLMEngine:
                           require_signature=require_signature, static=False, kv_cache_memory=kv_cache_memory,
                           max_num_seqs=max_num_seqs, prefill_buckets=prefill_buckets)
         self.engine = engine
-        from dsc.runtime.decode import CAPTURE_TIMES
+        from dsc.runtime.decode import CAPTURE_TIMES, capture_times_since
 
         before, t = dict(CAPTURE_TIMES), time.perf_counter()
         self.core = EngineCore.for_engine(engine, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
@@ -146,8 +146,8 @@ class LLMEngine:
         # seconds by load stage (checksums, weights, kv_cache, programs, kernels, graphs), the
         # scheduler's mixed-step captures included
         self.load_times = dict(getattr(engine, "load_times", {}))
-        for k, v in CAPTURE_TIMES.items():
-            self.load_times[k] = self.load_times.get(k, 0.0) + v - before.get(k, 0.0)
+        for k, v in capture_times_since(before).items():
+            self.load_times[k] = self.load_times.get(k, 0.0) + v
         self.load_times["scheduler"] = time.perf_counter() - t
         self.scheduler = self.core.scheduler
         self.tokenizer = engine.artifact.tokenizer()

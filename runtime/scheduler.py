@@ -72,7 +72,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose keys and values are in the pool (or being computed)
     finish_reason: str | None = None
-    new_tokens: int = 0  # tokens added by the last update
     num_pending: int = 0  # sampled tokens not yet on the host (after output_ids)
     pending_row: int = -1  # the row of the latest pending token in its step's sampled tokens
     epoch: int = 0  # preemptions so far: a plan made before one no longer holds for the sequence
@@ -313,7 +312,6 @@ class Scheduler:
             seq.num_pending -= 1
             t = tokens[i]
             seq.append(t)
-            seq.new_tokens = 1
             self.generated_tokens += 1
             p = seq.params
             if logprobs is not None and p.logprobs is not None:

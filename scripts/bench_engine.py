@@ -173,13 +173,15 @@ def run_engine(llm_engine, reqs, profile_to: Path | None = None) -> dict:
 
 
 def by_kind(launches, end: float) -> dict:
-    """Steps by kind (decode only; mixed of up to 2,048 tokens, the largest captured; larger
+    """Steps by kind (decode only; mixed of up to MAX_TOKENS tokens, the largest captured; larger
     mixed), with the seconds from each launch to the next (the step's device time, when the
     device is the bottleneck) and the tokens they computed."""
+    from dsc.runtime.ragged import MAX_TOKENS
+
     out: dict = {}
     for i, (t0, T, N) in enumerate(launches):
         t1 = launches[i + 1][0] if i + 1 < len(launches) else end
-        kind = "decode" if T == N else "mixed<=2048" if T <= 2048 else "mixed>2048"
+        kind = "decode" if T == N else f"mixed<={MAX_TOKENS}" if T <= MAX_TOKENS else f"mixed>{MAX_TOKENS}"
         k = out.setdefault(kind, {"steps": 0, "s": 0.0, "tokens": 0, "seqs": 0})
         k["steps"] += 1
         k["s"] += t1 - t0
