@@ -12,3 +12,4 @@ from dsc.kernels import int8  # noqa: F401  (dsc::linear_w8a16, dsc::linear_w8a8
 from dsc.kernels import linear  # noqa: F401  (dsc::linear: the decode GEMV)
 from dsc.kernels import embedding  # noqa: F401  (dsc::vocab_embedding)
 from dsc.kernels import paged_attention  # noqa: F401  (dsc::ragged_attention, dsc::paged_attention)
+from dsc.kernels import moe  # noqa: F401  (dsc::moe: the experts of a mixture-of-experts layer)
