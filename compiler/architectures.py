@@ -29,6 +29,10 @@ class Architecture:
     intermediate_field: str = "intermediate_size"  # the config field of the MLP width
     no_tp: str = ""  # why shard_tensor_parallel cannot split this architecture yet ("" = it can)
     logits: tuple[str, ...] = ()  # LOGIT_EPILOGUES applied after lm_head, where the config sets them
+    # mixture of experts: the config fields of the expert count and of one expert's MLP width
+    # ("" = a dense model); the experts trace as one dsc::moe op (compiler/model_adapters.py)
+    experts_field: str = ""
+    expert_intermediate_field: str = ""
 
     def logit_epilogue(self, hf_config, logits: torch.Tensor) -> torch.Tensor:
         for field in self.logits:
@@ -57,6 +61,16 @@ class Architecture:
 
     def intermediate(self, cfg: dict) -> int:
         return cfg.get(self.intermediate_field) or cfg.get("n_inner") or 4 * self.hidden(cfg)
+
+    def experts(self, cfg: dict) -> int:
+        """The experts of each MoE layer (0: a dense model). Configs spell the count either way
+        (transformers' attribute maps: Qwen3-MoE's `num_experts` is saved as `num_local_experts`)."""
+        if not self.experts_field:
+            return 0
+        return cfg.get(self.experts_field) or cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+
+    def expert_intermediate(self, cfg: dict) -> int:
+        return cfg.get(self.expert_intermediate_field) or 0 if self.experts_field else 0
 
     def max_positions(self, cfg: dict) -> int | None:
         return cfg.get("max_position_embeddings", cfg.get("n_positions"))
@@ -96,6 +110,15 @@ ARCHITECTURES = {
         Architecture("gptj", "gpt2"),  # interleaved partial rotary, parallel attention + MLP
         Architecture("gpt_neox", "gpt2"),  # query_key_value fused per head, partial rotary
         Architecture("phi3", "llama"),  # checkpoint-fused qkv_proj sliced by offsets, gate_up chunked
+        # mixtures of experts: a router (linear, softmax, top-k, renormalized or not) and experts
+        Architecture("mixtral", "llama", experts_field="num_local_experts",
+                     expert_intermediate_field="intermediate_size"),  # top-k renormalized
+        Architecture("qwen2_moe", "llama", experts_field="num_experts",
+                     expert_intermediate_field="moe_intermediate_size"),  # a sigmoid-gated shared expert, dense layers
+        Architecture("qwen3_moe", "llama", experts_field="num_experts",
+                     expert_intermediate_field="moe_intermediate_size"),  # per-head q/k RMSNorm, dense layers
+        Architecture("olmoe", "llama", experts_field="num_experts",
+                     expert_intermediate_field="intermediate_size"),  # RMSNorm of all q and k heads
     ]
 }
 

@@ -10,7 +10,11 @@ keyword arguments passed down, and need nothing here. The gaps:
     computes q, k and v with the model's own projections and layout, and calls the registered
     dsc attention function; BLOOM's passes its ALiBi slopes, a buffer of the module;
   - linears that spell nn.Linear's math as `x @ W.T + b` (FalconLinear): they run nn.Linear's
-    forward, so the graph holds the aten.linear every pass expects.
+    forward, so the graph holds the aten.linear every pass expects;
+  - mixture-of-experts layers: the router runs as the model's code computes it, and the experts
+    module calls `dsc::moe` through transformers' ExpertsInterface (registered as "dsc"), with
+    its 3-D weights made 2-D ([E * 2I, H] gate/up, [E * H, I] down: kernels/moe.py), the rows
+    the checkpoint's per-expert tensors concatenate to.
 """
 from __future__ import annotations
 
@@ -55,6 +59,39 @@ def _falcon_attention_class():
             return self.dense(out.reshape(B, S, self.num_heads * self.head_dim)), None
 
     return mf, DscFalconAttention
+
+
+def dsc_experts(module, hidden_states, top_k_index, top_k_weights):
+    """transformers experts function: x [T, H], routed ids and weights [T, K] -> [T, H]."""
+    return torch.ops.dsc.moe(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, 0)
+
+
+def register_dsc_experts() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register("dsc", dsc_experts)
+
+
+def _flatten_experts(lm: nn.Module, where) -> None:
+    """Every experts module (3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]) gets the
+    2-D meta parameters dsc::moe reads; layouts it does not implement are refused."""
+    for name, mod in lm.named_modules():
+        gate_up, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if not (isinstance(gate_up, nn.Parameter) and gate_up.dim() == 3):
+            continue
+        layout = {"bias": getattr(mod, "has_bias", False), "transposed": getattr(mod, "is_transposed", False),
+                  "interleaved gate/up": not getattr(mod, "is_concatenated", True),
+                  "no gate": not getattr(mod, "has_gate", True),
+                  "post-expert norm": getattr(mod, "has_post_expert_norm", False)}
+        act = getattr(mod.config, "hidden_act", "silu")
+        if unsupported := [k for k, v in layout.items() if v] + ([f"activation {act!r}"] if act != "silu" else []):
+            raise UserError(f"{where}: the experts of '{name}' ({', '.join(unsupported)}) are not supported yet "
+                            "(dsc::moe computes SwiGLU experts without biases)")
+        experts, rows, hidden = gate_up.shape
+        mod.gate_up_proj = nn.Parameter(torch.empty(experts * rows, hidden, dtype=gate_up.dtype, device="meta"),
+                                        requires_grad=False)
+        mod.down_proj = nn.Parameter(torch.empty(experts * down.shape[1], down.shape[2], dtype=down.dtype,
+                                                 device="meta"), requires_grad=False)
 
 
 def _bloom_attention_class():
@@ -111,12 +148,14 @@ def _attention_classes(lm: nn.Module) -> tuple[type, ...]:
     return tuple(c for c in classes | {BloomAttention, FalconAttention} if isinstance(c, type))
 
 
-def adapt_model(lm: nn.Module) -> None:
-    """After the model is built: cache positions to attention, nn.Linear's forward for linears."""
+def adapt_model(lm: nn.Module, where) -> None:
+    """After the model is built: cache positions to attention, nn.Linear's forward for linears,
+    the experts' weights as dsc::moe reads them."""
     from transformers.models.falcon.modeling_falcon import FalconLinear
 
     if lm.config.model_type == "bloom":
         _use_bloom_attention(lm)
+    _flatten_experts(lm, where)
     _pass_cache_pos_to_attention(lm)
     for mod in lm.modules():
         if isinstance(mod, FalconLinear):

@@ -64,6 +64,18 @@ SHAPES = {
            ("gemma3_text", dict(head_dim=12, query_pre_attn_scalar=10, sliding_window=6,
                                 layer_types=["sliding_attention", "full_attention"])),
        ]},
+    # mixtures of experts: more experts than top-k, widths not powers of two; Qwen's second layer
+    # a dense MLP (mlp_only_layers) and Qwen2-MoE's sigmoid-gated shared expert
+    **{f"{mt}-odd": (mt, dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
+                              vocab_size=510, max_position_embeddings=256, **extra))
+       for mt, extra in [
+           ("mixtral", dict(intermediate_size=56, num_local_experts=6, num_experts_per_tok=2)),
+           ("qwen2_moe", dict(intermediate_size=200, moe_intermediate_size=40, shared_expert_intermediate_size=88,
+                              num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1])),
+           ("qwen3_moe", dict(intermediate_size=200, moe_intermediate_size=40, num_experts=6, num_experts_per_tok=3,
+                              norm_topk_prob=True, head_dim=12, mlp_only_layers=[1])),
+           ("olmoe", dict(intermediate_size=40, num_experts=6, num_experts_per_tok=2)),
+       ]},
     # Falcon: 7B's layout (multi-query, one LayerNorm before parallel attention and MLP) and the
     # new decoder layout of 40B/180B (grouped kv heads fused per group, two LayerNorms)
     "falcon-odd": ("falcon", dict(hidden_size=72, num_attention_heads=6, num_hidden_layers=2, vocab_size=510,
@@ -121,14 +133,24 @@ def make_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
     return ids
 
 
-def saved_names(lm, names) -> dict[str, str]:
-    """Parameter name -> the key `save_pretrained` writes it under: transformers' own reverse
-    key mapping (GPT-NeoX's lm_head is stored as `embed_out`, as in real Pythia checkpoints)."""
+def saved_shapes(lm, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes -> the keys and shapes `save_pretrained` writes: transformers' own
+    reverse key mapping (GPT-NeoX's lm_head is stored as `embed_out`, as in real Pythia
+    checkpoints; a mixture of experts' 3-D weights as one tensor per expert and projection),
+    run on small tags that say which parameter, and which of its rows, each saved tensor holds."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    order = list(names)
-    tagged = revert_weight_conversion(lm, {n: torch.tensor(i) for i, n in enumerate(order)})
-    return {order[int(t)]: saved for saved, t in tagged.items()}
+    order = list(shapes)
+    tags = {}
+    for i, name in enumerate(order):
+        shp = shapes[name]
+        rows = torch.arange(shp[0] * shp[1]).view(shp[0], shp[1], 1) if len(shp) == 3 else torch.zeros((), dtype=torch.long)
+        tags[name] = rows + (i << 32)
+    out = {}
+    for saved, t in revert_weight_conversion(lm, tags).items():
+        shp = shapes[order[int(t.flatten()[0]) >> 32]]
+        out[saved] = (t.shape[-2], shp[-1]) if len(shp) == 3 else shp
+    return out
 
 
 def make_random_checkpoint(out: str | Path, shape: str = "llama-tiny", dtype: str = "float32",
@@ -154,8 +176,8 @@ def make_random_checkpoint(out: str | Path, shape: str = "llama-tiny", dtype: st
     tied = set()
     if getattr(cfg, "tie_word_embeddings", False):
         tied = {n for n, _ in lm.named_parameters(remove_duplicate=False)} - {n for n, _ in lm.named_parameters()}
-    params = {n: (tuple(p.shape), getattr(torch, dtype)) for n, p in lm.named_parameters() if n not in tied}
-    params = {saved_names(lm, params)[n]: v for n, v in params.items()}
+    shapes = {n: tuple(p.shape) for n, p in lm.named_parameters() if n not in tied}
+    params = {n: (s, getattr(torch, dtype)) for n, s in saved_shapes(lm, shapes).items()}
     gen = torch.Generator(device=device).manual_seed(seed)
     randn = lambda shape_: torch.randn(shape_, generator=gen, device=device)  # noqa: E731
 

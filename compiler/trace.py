@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings
 
 import torch
@@ -26,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import dsc.kernels  # noqa: F401  (registers dsc ops)
 from dsc.compiler.architectures import ARCHITECTURES, Architecture
 from dsc.compiler.ir import Model, WeightSpec
-from dsc.compiler.model_adapters import adapt_model, register_attention_classes
+from dsc.compiler.model_adapters import adapt_model, register_attention_classes, register_dsc_experts
 from dsc.compiler.source import Checkpoint, check_weight_dtype
 from dsc.errors import UserError
 
@@ -147,6 +148,7 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     register_dsc_attention()
+    register_dsc_experts()
     try:
         hf_config = AutoConfig.from_pretrained(ckpt.root)
     except (ValueError, TypeError, KeyError, OSError) as e:
@@ -156,8 +158,9 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
     with _parameters_on_meta(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            lm = AutoModelForCausalLM.from_config(hf_config, attn_implementation="dsc",
-                                                  dtype=_TORCH_DTYPES[dtype])
+            lm = AutoModelForCausalLM.from_config(hf_config, attn_implementation="dsc", dtype=_TORCH_DTYPES[dtype],
+                                                  **({"experts_implementation": "dsc"} if _has_experts(hf_config)
+                                                     else {}))
         except KeyError as e:  # a family whose attention classes are looked up by implementation name
             if e.args != ("dsc",):
                 raise
@@ -167,14 +170,33 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
                             f"{transformers.__version__} builds its attention from classes of its own, which dsc "
                             "cannot route; a newer transformers calls it through the attention interface "
                             "(dsc is tested with 5.24)") from None
-    adapt_model(lm)
+    adapt_model(lm, ckpt.root / "config.json")
     return lm.eval()
 
 
-def _loaded_names(lm: nn.Module, ckpt: Checkpoint, where) -> dict[str, str]:
-    """Parameter name -> the checkpoint key it loads from, by transformers' own key mapping
+def _has_experts(hf_config) -> bool:
+    arch = ARCHITECTURES.get(hf_config.model_type)
+    return bool(arch and arch.experts(hf_config.to_dict()))
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _merged_experts(converter) -> bool:
+    """A converter that stacks per-expert linears into 3-D experts weights (and concatenates
+    gate and up): the experts' 2-D weights are the sources' rows in order (_flatten_experts)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = [(type(op), getattr(op, "dim", None)) for op in getattr(converter, "operations", [])]
+    return ops in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]) and all(
+        ".experts.*." in p for p in converter.source_patterns)
+
+
+def _loaded_names(lm: nn.Module, ckpt: Checkpoint, where) -> dict[str, tuple[str, ...]]:
+    """Parameter name -> the checkpoint keys it loads from, by transformers' own key mapping
     (conversion_mapping: GPT-NeoX's `embed_out` -> `lm_head`, legacy gamma/beta names, the
-    base-model prefix added or dropped), as `from_pretrained` renames them."""
+    base-model prefix added or dropped), as `from_pretrained` renames them. An experts weight
+    loads from its per-expert tensors, by expert and then in the converter's order (gate, up)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
 
@@ -182,18 +204,26 @@ def _loaded_names(lm: nn.Module, ckpt: Checkpoint, where) -> dict[str, str]:
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     model_names = dict.fromkeys((n for n, _ in lm.named_parameters(remove_duplicate=False)), True)
-    loaded: dict[str, str] = {}
+    loaded: dict[str, tuple[str, ...]] = {}
+    merged: dict[str, list[tuple[int, int, str]]] = {}
     for key in sorted(ckpt.tensors):
         name, converted = rename_source_key(key, renamings, converters, lm.base_model_prefix, model_names)
         if converted is not None and name in model_names:  # tensors merged or split on load
-            raise UserError(f"{where}: tensor '{key}' needs transformers' weight conversion "
-                            f"'{converted}', which dsc does not stream yet")
-        loaded.setdefault(name, key)
+            conv = next(c for c in converters if converted in c.source_patterns)
+            expert = _EXPERT_INDEX.search(key)
+            if not _merged_experts(conv) or expert is None:
+                raise UserError(f"{where}: tensor '{key}' needs transformers' weight conversion "
+                                f"'{converted}', which dsc does not stream yet")
+            merged.setdefault(name, []).append((int(expert.group(1)), conv.source_patterns.index(converted), key))
+            continue
+        loaded.setdefault(name, (key,))
+    for name, parts in merged.items():
+        loaded[name] = tuple(key for _, _, key in sorted(parts))
     return loaded
 
 
 def weight_specs(lm: nn.Module, ckpt: Checkpoint, dtype: str) -> dict[str, WeightSpec]:
-    """Map every parameter of the model to the checkpoint tensor it is loaded from."""
+    """Map every parameter of the model to the checkpoint tensors it is loaded from."""
     aliases: dict[int, list[str]] = {}
     for name, p in lm.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -201,17 +231,22 @@ def weight_specs(lm: nn.Module, ckpt: Checkpoint, dtype: str) -> dict[str, Weigh
     where = ckpt.files[0] if len(ckpt.files) == 1 else ckpt.root / "model.safetensors.index.json"
     loaded = _loaded_names(lm, ckpt, where)
     for names in aliases.values():  # tied parameters: any of their names may be the stored one
-        key = next((loaded[n] for n in names if n in loaded), None)
-        if key is None:
+        keys = next((loaded[n] for n in names if n in loaded), None)
+        if keys is None:
             raise UserError(f"{where}: missing weight tensor '{names[0]}'")
-        info = ckpt.tensors[key]
-        check_weight_dtype(info, key)
         shape = tuple(lm.get_parameter(names[0]).shape)
-        if tuple(info.shape) != shape:
-            raise UserError(f"{info.file}: tensor '{key}' has shape {list(info.shape)}, "
-                            f"config.json implies {list(shape)}")
+        if shape[0] % len(keys):  # an experts weight's rows are split evenly over its sources
+            raise UserError(f"{where}: '{names[0]}' has {len(keys)} per-expert tensors; config.json implies "
+                            f"a multiple of them that divides its {shape[0]} rows (is an expert missing?)")
+        part = (shape[0] // len(keys), *shape[1:])
+        for key in keys:
+            info = ckpt.tensors[key]
+            check_weight_dtype(info, key)
+            if tuple(info.shape) != part:
+                raise UserError(f"{info.file}: tensor '{key}' has shape {list(info.shape)}, "
+                                f"config.json implies {list(part)}")
         for n in names:
-            specs[n] = WeightSpec(sources=(key,), shape=shape, dtype=dtype)
+            specs[n] = WeightSpec(sources=keys, shape=shape, dtype=dtype)
     return specs
 
 

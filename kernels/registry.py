@@ -78,6 +78,8 @@ ATEN_OPS = (
     "aten.sin.default", "aten.slice.Tensor", "aten.split.Tensor", "aten.stack.default", "aten.sym_size.int",
     "aten.tanh.default", "aten.to.dtype", "aten.transpose.int", "aten.type_as.default", "aten.unsqueeze.default",
     "aten.view.default",
+    # mixture-of-experts routers (softmax, top-k, renormalization; Qwen2-MoE's shared-expert gate)
+    "aten.softmax.int", "aten.topk.default", "aten.sum.dim_IntList", "aten.sigmoid.default",
     # their families
     "aten.sub.Tensor", "aten.div.Tensor", "aten.gelu.default", "aten.mm.default", "aten.addmm.default",
     "aten.bmm.default", "aten.expand.default", "aten.permute.default", "aten.squeeze.dim", "aten.unflatten.int",

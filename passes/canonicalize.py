@@ -5,8 +5,8 @@ Matches / rewrites (each counted under `canonicalize.<rule>`):
   drop_dropout  aten.dropout(x, p, train=False), aten.alias/detach(x)   -> x
   drop_cast     aten.to / _to_copy to the dtype x already has           -> x; a device move is dropped
   drop_mul_one  aten.mul(x, 1.0)                                        -> x
-  out_of_place  aten.add_/mul_(x, y) where nothing reads x after it (Falcon's `mlp_out += attn`)
-                -> aten.add/mul(x, y)
+  out_of_place  aten.add_/mul_/div_(x, y) where nothing reads x after it (Falcon's `mlp_out += attn`,
+                a router's `top_k /= top_k.sum()`) -> aten.add/mul/div(x, y)
   addmm_to_linear  aten.addmm(b, x, W) with W a weight [in, out] (GPT-2 Conv1D)
                 -> aten.linear(x, W.T, b), the weight transposed at emit
   dedupe_weight two weight names with the same recipe (tied embeddings) -> one
@@ -26,7 +26,7 @@ _ASSERTS = (aten._assert_tensor_metadata.default, aten._assert_scalar.default,
             aten.sym_constrain_range_for_size.default)
 _IDENTITY = (aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default)
 _CASTS = (aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_copy.default)
-_IN_PLACE = {aten.add_.Tensor: aten.add.Tensor, aten.mul_.Tensor: aten.mul.Tensor}
+_IN_PLACE = {aten.add_.Tensor: aten.add.Tensor, aten.mul_.Tensor: aten.mul.Tensor, aten.div_.Tensor: aten.div.Tensor}
 
 
 def _cast_target_dtype(node):
