@@ -104,6 +104,7 @@ def compile_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="artifact folder to write"),
     dtype: Optional[str] = typer.Option(None, help="fp16 | bf16 | fp32 (default: the checkpoint's)"),
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel ranks"),
+    ep: Optional[int] = typer.Option(None, "--ep", help="expert-parallel ranks (mixtures of experts): whole experts per rank, the rest tensor-parallel over the same ranks"),
     max_batch: Optional[int] = typer.Option(None, help="largest batch (KV-cache rows); default 8"),
     max_seq: Optional[int] = typer.Option(None, help="longest sequence, prompt + generated; default 512 (or max_position_embeddings, if smaller)"),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="tokens per paged KV-cache block: 16 (default) | 32"),
@@ -139,7 +140,7 @@ def compile_cmd(
     try:
         path = dsc_compile(model, out, config_file=config, dump_passes=dump_passes, verify=verify,
                            command=["dsc"] + sys.argv[1:], progress=progress,
-                           dtype=dtype, tp=tp, max_batch=max_batch, max_seq=max_seq, block_size=block_size, fuse=fuse,
+                           dtype=dtype, tp=tp, ep=ep, max_batch=max_batch, max_seq=max_seq, block_size=block_size, fuse=fuse,
                            int8=int8, int8_mode=int8_mode, int8_group_size=int8_group_size, int8_q_groups=int8_q_groups,
                            int8_asymmetric=int8_asymmetric, int8_lm_head=int8_lm_head,
                            int8_skip=tuple(int8_skip) or None, int8_min_sqnr=int8_min_sqnr,

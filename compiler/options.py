@@ -26,6 +26,8 @@ class CompileOptions(BaseModel):
     dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
         None, description="compute/storage dtype; default: the checkpoint's dtype")
     tp: int = Field(1, ge=1, strict=True, description="tensor-parallel ranks")
+    ep: int = Field(1, ge=1, strict=True, description="expert-parallel ranks: a mixture of experts' experts placed "
+                                                     "whole across the ranks (the rest tensor-parallel over them)")
     max_batch: int = Field(8, ge=1, strict=True, description="largest batch the KV cache holds")
     max_seq: int = Field(512, ge=2, strict=True, description="longest sequence (prompt + generated)")
     block_size: Literal[16, 32] = Field(16, description="tokens per block of the paged KV cache (continuous batching)")
@@ -57,6 +59,18 @@ class CompileOptions(BaseModel):
             why = " (int8 weights: --int8)" if key in ("int8", "torch.int8") else ""
             raise ValueError(f"unknown dtype {v!r}; use one of fp32, fp16, bf16{why}")
         return _DTYPE_ALIASES[key]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ep_ranks(cls, v: Any) -> Any:
+        """--ep N runs on N ranks: tp defaults to N, and any other tp is refused."""
+        if isinstance(v, dict) and isinstance(v.get("ep"), int) and v["ep"] > 1:
+            if v.get("tp") in (None, 1):
+                v = {**v, "tp": v["ep"]}
+            elif v["tp"] != v["ep"]:
+                raise ValueError(f"ep {v['ep']} must equal tp {v['tp']}: the experts are placed over the "
+                                 "tensor-parallel ranks (give --ep alone)")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "CompileOptions":

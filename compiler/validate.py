@@ -27,8 +27,11 @@ def reject_unbuilt_options(options) -> None:
 
 def tp_sizes(cfg: dict, arch: Architecture) -> dict[str, int]:
     """The config sizes a tensor-parallel split must divide."""
+    # a mixture of experts whose intermediate_size is the experts' width has no dense MLP to
+    # split (validate_experts checks the experts)
+    experts_only = arch.experts(cfg) and arch.intermediate_field == arch.expert_intermediate_field
     return {"num_attention_heads": arch.heads(cfg), "num_key_value_heads": arch.kv_heads(cfg),
-            "intermediate_size": arch.intermediate(cfg)}
+            "intermediate_size": 0 if experts_only else arch.intermediate(cfg)}
 
 
 def tp_problem(sizes: dict[str, int], tp: int) -> str | None:
@@ -61,6 +64,22 @@ def validate_tp(ckpt: Checkpoint, arch: Architecture, tp: int) -> None:
                         f"tp values that work: {', '.join(map(str, ok))}")
 
 
+def validate_experts(ckpt: Checkpoint, arch: Architecture, options) -> None:
+    """--ep needs experts that divide over its ranks; --tp alone splits every expert's MLP."""
+    experts, inter = arch.experts(ckpt.config), arch.expert_intermediate(ckpt.config)
+    if options.ep > 1:
+        if not experts:
+            raise UserError(f"--ep {options.ep}: model_type '{arch.model_type}' ({ckpt.config_where}) has no "
+                            "experts; use --tp")
+        if experts % options.ep:
+            ok = [e for e in range(2, experts + 1) if experts % e == 0]
+            raise UserError(f"--ep {options.ep} does not divide the {experts} experts in {ckpt.config_where}; "
+                            f"ep values that work: {', '.join(map(str, ok))}")
+    elif experts and options.tp > 1 and inter % options.tp:
+        raise UserError(f"--tp {options.tp} does not divide {arch.expert_intermediate_field}={inter} (each "
+                        f"expert's MLP width) in {ckpt.config_where}; --ep places whole experts instead")
+
+
 def check_destination(out: Path) -> None:
     """-o may name a new path, an empty folder or an artifact (replaced), nothing else."""
     if out.exists() and not (out.is_dir() and ((out / "manifest.json").exists() or not any(out.iterdir()))):
@@ -70,6 +89,7 @@ def check_destination(out: Path) -> None:
 def validate_options(ckpt: Checkpoint, arch: Architecture, options) -> None:
     reject_unbuilt_options(options)
     validate_tp(ckpt, arch, options.tp)
+    validate_experts(ckpt, arch, options)
     cfg = ckpt.config
     max_pos = arch.max_positions(cfg)
     if max_pos and options.max_seq > max_pos:

@@ -23,6 +23,13 @@ Rewrites (each counted under `shard_tensor_parallel.<rule>`, per program)
   kv_cache  the cache tensors hold the local kv heads (model.kv_cache["shape"][1]); a single
             kv head (Falcon-7B's multi-query) is replicated, each rank keeps it whole.
   alibi     an attention's ALiBi slopes [H] (a constant weight) are split with its q heads.
+  experts   a dsc.moe (kernels/moe.py) computes the rank's part of its sum, then dsc.all_reduce:
+            tensor-parallel (default): every expert's gate and up rows and its down columns are
+            split (gate_up Shard(0, blocks of I per expert and projection), down Shard(1));
+            expert-parallel (--ep): rank r holds experts [r E/tp, (r+1) E/tp) whole (Shard(0)),
+            and its routed ids are made local by subtracting a per-rank constant (ids of other
+            ranks' experts fall outside [0, E/tp) and contribute nothing). The router stays
+            replicated: every rank routes every token alike. model.notes["experts"] says which.
   vocab     when tp divides the vocabulary, the token embedding and lm_head (under its scalar
             scale or soft-cap, if any) are vocab-parallel:
             the rank's rows looked up (dsc.vocab_embedding: zeros for others' ids) + dsc.all_reduce,
@@ -614,6 +621,79 @@ def _apply_region(model: Model, s: _Solver, shards: dict[str, Shard]) -> list[fx
     return s.region.columns + s.region.nodes + touched
 
 
+# -- experts ----------------------------------------------------------------------------
+
+_MOE = torch.ops.dsc.moe.default
+
+
+def _first_expert_weight(model: Model, gate_up: str, experts: int, world: int) -> str:
+    """A per-rank constant: the global id of the rank's first expert, int64[1]."""
+    name = gate_up.rsplit(".", 1)[0] + ".first_expert"
+    model.weights[name] = WeightSpec(sources=(), shape=(world,), dtype="int64", shard=Shard(0, (world,)),
+                                     const=torch.arange(world, dtype=torch.int64) * (experts // world))
+    return name
+
+
+def _shard_experts(model: Model, graph: fx.Graph, world: int, shards: dict[str, Shard]) -> list[fx.Node]:
+    """Every dsc.moe: its weights' shards, its sum all-reduced (expert-parallel: local ids)."""
+    touched = []
+    for n in [n for n in graph.nodes if n.target is _MOE]:
+        gate_up, down = n.args[3], n.args[4]
+        rows, hidden = model.weights[gate_up.target].shape
+        inter = model.weights[down.target].shape[1]
+        experts = rows // (2 * inter)
+        if model.options.ep > 1:
+            _set_shard(shards, gate_up.target, Shard(0, (rows,)))
+            _set_shard(shards, down.target, Shard(0, (experts * hidden,)))
+            g, ids = n.graph, n.args[1]
+            with g.inserting_before(n):
+                start = g.get_attr(_first_expert_weight(model, gate_up.target, experts, world))
+                with _fake_mode(model, ids):
+                    start.meta["val"] = torch.empty(1, dtype=torch.int64)
+                local = copy_meta(g.call_function(aten.sub.Tensor, (ids, start)), ids)
+            n.args = (n.args[0], local, *n.args[2:])
+            touched.append(local)
+            model.counters["shard_tensor_parallel.experts_ep"] += 1
+        else:
+            _set_shard(shards, gate_up.target, Shard(0, (inter,) * (2 * experts)))
+            _set_shard(shards, down.target, Shard(1, (inter,)))
+            model.counters["shard_tensor_parallel.experts_tp"] += 1
+        g = n.graph
+        with g.inserting_after(n):
+            red = copy_meta(g.call_function(torch.ops.dsc.all_reduce.default, (n,)), n)
+        n.replace_all_uses_with(red, delete_user_cb=lambda u: u is not red)
+        touched += [n, red]
+    return touched
+
+
+def _is_router(linear: fx.Node) -> bool:
+    """A linear whose output reaches a dsc.moe's routing (ids or weights): a MoE router."""
+    seen, todo = set(), [linear]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.target is _MOE and n in u.args[1:3]:
+                return True
+            if u not in seen and u.target is not _MOE:
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
+def _experts_note(model: Model, world: int) -> str | None:
+    experts = model.arch.experts(model.config)
+    if not experts:
+        return None
+    if model.options.ep > 1:
+        return (f"expert-parallel: each rank holds {experts // world} of the {experts} experts of every MoE "
+                f"layer whole (rank r: experts {experts // world}r to {experts // world}(r + 1) - 1); the router "
+                f"is replicated, each rank computes its experts' part of every token's sum, and dsc.all_reduce "
+                f"adds the parts")
+    inter = model.arch.expert_intermediate(model.config)
+    return (f"tensor-parallel inside the experts: each rank holds {inter // world} of every expert's {inter} "
+            f"MLP columns; the router is replicated and dsc.all_reduce sums the ranks' parts")
+
+
 # -- vocabulary ---------------------------------------------------------------------------
 
 def _from_input_ids(n) -> bool:
@@ -740,6 +820,7 @@ def _shard_program(model: Model, name: str, graph: fx.Graph, world: int, shards:
     for s in solved:
         touched += _apply_region(model, s, shards)
         kv.update(s.kv)
+    touched += _shard_experts(model, graph, world, shards)
     if split_vocab:
         _record_vocab_shards(model, head, embs, shards)
     _update_vals(model, graph, shards, kv, touched, world)
@@ -752,7 +833,7 @@ def _shard_program(model: Model, name: str, graph: fx.Graph, world: int, shards:
     if len(heads) > 1:
         raise ValueError(f"{name}: layers disagree on local kv heads {sorted(heads)}")
     return {"kv_heads": heads.pop() if heads else None,
-            "replicated": [n.args[1].target for n in reasons if n is not head]}
+            "replicated": [n.args[1].target for n in reasons if n is not head and not _is_router(n)]}
 
 
 def shard_tensor_parallel(model: Model) -> Model:
@@ -787,6 +868,7 @@ def shard_tensor_parallel(model: Model) -> Model:
         "kv_heads": kv_note,
         "row_bias": "row-parallel biases stay replicated and are added once, after dsc.all_reduce",
         "norms": "replicated (they act on the full hidden state between regions)",
+        **({"experts": note} if (note := _experts_note(model, world)) else {}),
         **({"replicated_linears": replicated} if replicated else {}),
     }
     return model
