@@ -62,18 +62,28 @@ def unquantized(model: Model) -> Model:
         env: dict[fx.Node, fx.Node] = {}
         g.output(g.graph_copy(graph, env))
         attrs: dict[str, fx.Node] = {}
-        for old, new in env.items():
-            if new.op != "call_function" or new.target not in _int8_targets():
-                continue
-            x, qw, bias = new.args[0], new.args[1], new.args[4]
+
+        def float_weight(qw: fx.Node, dtype: torch.dtype) -> fx.Node:
             base = qw.target.removesuffix(".qweight")
             weights[base] = dataclasses.replace(model.weights[qw.target], quant=None, col_scale=None)
             if base not in attrs:
                 with g.inserting_before(qw):
                     attrs[base] = g.get_attr(base)
-                qval = old.args[1].meta["val"]
-                with torch._guards.detect_fake_mode([qval]) or model.fake_mode:
-                    attrs[base].meta["val"] = torch.empty(qval.shape, dtype=new.meta["val"].dtype)
+                with torch._guards.detect_fake_mode([qw.meta["val"]]) or model.fake_mode:
+                    attrs[base].meta["val"] = torch.empty(qw.meta["val"].shape, dtype=dtype)
+            return attrs[base]
+
+        for old, new in env.items():
+            if new.op == "call_function" and new.target is torch.ops.dsc.moe.default and len(new.args) > 6:
+                dtype = new.meta["val"].dtype  # int8 experts (quantize_int8's experts rule)
+                new.args = (*new.args[:3], float_weight(new.args[3], dtype), float_weight(new.args[4], dtype),
+                            new.args[5])
+                continue
+            if new.op != "call_function" or new.target not in _int8_targets():
+                continue
+            x, qw, bias = new.args[0], new.args[1], new.args[4]
+            base = qw.target.removesuffix(".qweight")
+            float_weight(qw, new.meta["val"].dtype)
             with g.inserting_before(new):
                 lin = g.call_function(torch.ops.aten.linear.default, (x, attrs[base], bias))
             lin.meta.update(new.meta)

@@ -8,7 +8,7 @@
         down          [E * H, I]        expert e's down matrix at rows [e*H, (e+1)*H)
         first_expert  int               the global id of this rank's expert 0 (expert parallelism
                                         places E of the model's experts on each rank; else 0)
-        *_scale       [rows] fp32       int8 weights (W8A16): row r is w[r] * scale[r]
+        *_scale       [rows, 1] fp32    int8 weights (W8A16): row r is w[r] * scale[r]
     -> [T, H] in x's dtype:  sum over k of topk_weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t)
        over the k whose expert is on this rank (others contribute nothing: under expert or
        tensor parallelism each rank's output is its part of a sum, all-reduced after).
@@ -34,7 +34,7 @@ from dsc.kernels.registry import declare
 def _dequant(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     if scale is None:
         return w.to(dtype)
-    return (w.float() * scale.float()[:, None]).to(dtype)
+    return (w.float() * scale.float().reshape(-1, 1)).to(dtype)
 
 
 def moe_reference(x, topk_ids, topk_weights, gate_up, down, first_expert: int = 0,
@@ -72,7 +72,9 @@ declare("dsc.moe.default")
 def _(x, topk_ids, topk_weights, gate_up, down, first_expert, gate_up_scale=None, down_scale=None):
     from dsc.kernels.fused_moe import fused_moe_triton
 
-    return fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, first_expert, gate_up_scale, down_scale)
+    flat = lambda s: None if s is None else s.reshape(-1)  # noqa: E731  ([rows, 1] -> [rows])
+    return fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, first_expert, flat(gate_up_scale),
+                            flat(down_scale))
 
 
 @moe.register_fake

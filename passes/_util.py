@@ -74,3 +74,17 @@ def take_bias(value: Any, consumer: fx.Node) -> tuple[fx.Node, fx.Node] | None:
                     and vt.dtype == vv.dtype and tuple(vb.shape) == (vv.shape[-1],) and vb.dtype == vv.dtype:
                 return t, b
     return None
+
+
+def is_router(linear: fx.Node) -> bool:
+    """A linear whose output reaches a dsc.moe's routing (ids or weights): a MoE router."""
+    seen, todo = set(), [linear]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.target is torch.ops.dsc.moe.default and n in u.args[1:3]:
+                return True
+            if u not in seen and u.target is not torch.ops.dsc.moe.default:
+                seen.add(u)
+                todo.append(u)
+    return False

@@ -7,10 +7,16 @@ Rewrites (each counted under `quantize_int8.<rule>`, per node)
   w8a8        -> dsc.linear_w8a8(x, W.qweight, W.scale, W.zero | None, b, group_size, W.inv_smooth | None)
   keep_head   a linear outside the blocks (lm_head, or any linear on a weight an embedding
               also reads) stays in the compute dtype unless --int8-lm-head
+  keep_router a mixture of experts' router stays in the compute dtype: its scores choose the
+              experts, and an int8 error there changes which experts run, not only their sum
   skip        the module path (the weight name minus ".weight", any of its checkpoint sources,
               or the node's HF module path) matches an --int8-skip fnmatch pattern; a fused
               weight is kept whole when any member matches
   smooth      (w8a8) a weight whose columns carry SmoothQuant factors
+  experts     dsc.moe(x, ids, w, gate_up, down, e0) -> dsc.moe(..., gate_up.qweight, down.qweight, e0,
+              gate_up.scale, down.scale): the experts' weights int8 with one scale per row
+              (W8A16 in every --int8-mode, per channel whatever the group size; --int8-skip
+              applies to the experts' module path)
 Weight specs: `<W>.qweight`, `<W>.scale` (and `<W>.zero` when asymmetric) are W's spec with
   `quant=Quant(part, group_size, symmetric)`; emit quantizes each rank's shard after sharding
   (compiler/rank_files.py RankTensors), so scale groups are groups of the rank's local input
@@ -51,7 +57,7 @@ from dsc.compiler.ir import Model, Quant, Shard, WeightSpec, weight_nodes
 from dsc.compiler.serialize import _module_path
 from dsc.compiler.weights import local_dtype, local_shape
 from dsc.errors import UserError
-from dsc.passes._util import aten, is_call, replace_with
+from dsc.passes._util import aten, is_call, is_router, replace_with
 
 SMOOTH_ALPHA = 0.5
 _IN_BLOCK = re.compile(r"\.\d+(\.|$)")
@@ -87,6 +93,8 @@ def _keep_reason(model: Model, node: fx.Node, shared: set[str]) -> str | None:
     paths = {_layer(name), *(_layer(s) for s in spec.sources), _module_path(node) or ""}
     if any(fnmatch.fnmatchcase(p, pat) for p in paths if p for pat in opts.int8_skip):
         return "skip"
+    if is_router(node):
+        return "keep_router"
     in_block = _IN_BLOCK.search(_layer(name)) and name not in shared
     if not in_block and not opts.int8_lm_head:
         return "keep_head"
@@ -175,10 +183,11 @@ def _new_attr(model: Model, graph: fx.Graph, after: fx.Node, name: str, spec: We
     return node
 
 
-def _parts(model: Model, name: str, gs: int | None, col_scale: torch.Tensor | None) -> dict[str, WeightSpec]:
+def _parts(model: Model, name: str, gs: int | None, col_scale: torch.Tensor | None,
+           symmetric: bool | None = None) -> dict[str, WeightSpec]:
     """Specs of W's int8 parts (and of its inv_smooth vector), registered in model.weights."""
     spec = dataclasses.replace(model.weights[name], col_scale=col_scale)
-    sym = not model.options.int8_asymmetric
+    sym = not model.options.int8_asymmetric if symmetric is None else symmetric
     names = {"qweight": f"{name}.qweight", "scale": f"{name}.scale"} | ({} if sym else {"zero": f"{name}.zero"})
     out = {}
     for part, pname in names.items():
@@ -209,10 +218,35 @@ def _rewrite(model: Model, graph: fx.Graph, node: fx.Node, gs: int | None, smoot
     model.counters[f"quantize_int8.{opts.int8_mode}"] += 1
 
 
+def _quantize_experts(model: Model) -> set[str]:
+    """Every dsc.moe's float expert weights -> int8 rows with per-row scales; their names."""
+    names: set[str] = set()
+    for _, graph in model.graphs():
+        for n in [n for n in graph.nodes if n.target is torch.ops.dsc.moe.default and len(n.args) < 7]:
+            gate_up, down = n.args[3], n.args[4]
+            path = _module_path(n) or _layer(gate_up.target).rsplit(".", 1)[0]
+            if any(fnmatch.fnmatchcase(p, pat) for p in (path, _layer(gate_up.target).rsplit(".", 1)[0])
+                   for pat in model.options.int8_skip):
+                model.counters["quantize_int8.skip"] += 1
+                continue
+            parts = []
+            for w in (gate_up, down):
+                if w.target not in names:
+                    _parts(model, w.target, None, None, symmetric=True)
+                    names.add(w.target)
+                parts.append([_new_attr(model, graph, w, f"{w.target}.{part}", model.weights[f"{w.target}.{part}"])
+                              for part in ("qweight", "scale")])
+            (qgu, sgu), (qdn, sdn) = parts
+            n.args = (*n.args[:3], qgu, qdn, n.args[5], sgu, sdn)
+            model.counters["quantize_int8.experts"] += 1
+    return names
+
+
 def quantize_int8(model: Model) -> Model:
     opts = model.options
     if not opts.int8:
         return model
+    experts = _quantize_experts(model)
     targets: dict[str, list[tuple[fx.Graph, fx.Node]]] = {}
     for _, graph in model.graphs():
         shared = _shared(graph)
@@ -236,13 +270,13 @@ def quantize_int8(model: Model) -> Model:
             if n.op == "get_attr" and not n.users:
                 graph.erase_node(n)
     used = {n.target for _, g in model.graphs() for n in g.nodes if n.op == "get_attr"}
-    for name in targets:
+    for name in [*targets, *experts]:
         if name not in used:
             del model.weights[name]
     model.notes["int8"] = {"mode": opts.int8_mode, "symmetric": not opts.int8_asymmetric,
                            "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
                            "lm_head": opts.int8_lm_head, "skip": list(opts.int8_skip),
-                           "smoothquant": bool(smooth), "weights": len(targets)}
+                           "smoothquant": bool(smooth), "weights": len(targets) + len(experts)}
     return model
 
 

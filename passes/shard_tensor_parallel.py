@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 
 from dsc.compiler.ir import Model, Shard, WeightSpec, copy_meta, infer_val
-from dsc.passes._util import aten, is_call
+from dsc.passes._util import aten, is_call, is_router
 
 Key = tuple[str, int]  # (column linear's node name, block index): blocks split alike share a class
 
@@ -666,20 +666,6 @@ def _shard_experts(model: Model, graph: fx.Graph, world: int, shards: dict[str, 
     return touched
 
 
-def _is_router(linear: fx.Node) -> bool:
-    """A linear whose output reaches a dsc.moe's routing (ids or weights): a MoE router."""
-    seen, todo = set(), [linear]
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u.target is _MOE and n in u.args[1:3]:
-                return True
-            if u not in seen and u.target is not _MOE:
-                seen.add(u)
-                todo.append(u)
-    return False
-
-
 def _experts_note(model: Model, world: int) -> str | None:
     experts = model.arch.experts(model.config)
     if not experts:
@@ -833,7 +819,7 @@ def _shard_program(model: Model, name: str, graph: fx.Graph, world: int, shards:
     if len(heads) > 1:
         raise ValueError(f"{name}: layers disagree on local kv heads {sorted(heads)}")
     return {"kv_heads": heads.pop() if heads else None,
-            "replicated": [n.args[1].target for n in reasons if n is not head and not _is_router(n)]}
+            "replicated": [n.args[1].target for n in reasons if n is not head and not is_router(n)]}
 
 
 def shard_tensor_parallel(model: Model) -> Model:
