@@ -33,7 +33,9 @@ DS_DTYPES = {
 QKV_MODULES = ("*.q_proj", "*.k_proj", "*.v_proj", "*.qkv_proj", "*.query_key_value", "*.c_attn")
 
 _PY_OBJECT = "a Python object, which a JSON config cannot hold; dsc starts its own process groups"
-_NO_MOE = "mixture-of-experts: no architecture dsc compiles has experts"
+_CKPT_EXPERTS = "the experts are the checkpoint's: dsc reads their count and top-k from its config.json"
+_RESIDUAL_MOE = ("dsc runs the checkpoint's experts as transformers defines them; DeepSpeed's residual "
+                 "(PR-MoE) layers are not read")
 _CHECKPOINT = ("dsc reads the Hugging Face checkpoint given as `dsc compile MODEL`; DeepSpeed checkpoint "
                "files and load policies are not read")
 
@@ -73,10 +75,10 @@ class TensorParallelConfig(DSConfig):
 
 
 class MoEConfig(DSConfig):
-    enabled: bool = accepted(True, "whether a model has experts is its checkpoint's, and none dsc compiles has")
-    ep_size: int = refused(1, _NO_MOE)
-    moe_experts: list = refused([1], _NO_MOE, alias="num_experts")
-    type: Literal["standard", "residual"] = refused("standard", _NO_MOE)
+    enabled: bool = accepted(True, "whether a model has experts is its checkpoint's")
+    ep_size: int = mapped(1, "`ep`: expert-parallel ranks (whole experts per rank)", ge=1)
+    moe_experts: list = accepted([1], _CKPT_EXPERTS, alias="num_experts")
+    type: Literal["standard", "residual"] = refused("standard", _RESIDUAL_MOE)
     ep_mp_group: Any = refused(None, _PY_OBJECT)
     ep_group: Any = refused(None, _PY_OBJECT, alias="expert_group")
 
@@ -208,11 +210,11 @@ class InferenceConfig(DSConfig):
     transposed_mode: bool = refused(False, "DeepSpeed's kernel weight layout; dsc's plan chooses its layouts")
     mp_size: int = mapped(1, "`tp` (DeepSpeed's deprecated spelling of tensor_parallel.tp_size)", ge=1)
     mpu: Any = refused(None, _PY_OBJECT)
-    ep_size: int = refused(1, _NO_MOE)
+    ep_size: int = mapped(1, "`ep` (as moe.ep_size)", ge=1)
     ep_group: Any = refused(None, _PY_OBJECT, alias="expert_group")
     ep_mp_group: Any = refused(None, _PY_OBJECT, alias="expert_mp_group")
-    moe_experts: list = refused([1], _NO_MOE)
-    moe_type: Literal["standard", "residual"] = refused("standard", _NO_MOE)
+    moe_experts: list = accepted([1], _CKPT_EXPERTS)
+    moe_type: Literal["standard", "residual"] = refused("standard", _RESIDUAL_MOE)
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -400,6 +402,9 @@ def deepspeed_options(path: Path, raw: dict[str, Any], dsc_int8: bool = False) -
         out.set("tp", 1, "tensor_parallel.enabled")
     if "mp_size" in given:
         out.set("tp", cfg.mp_size, "mp_size")
+    for field, ep in (("ep_size", cfg.ep_size), ("moe.ep_size", cfg.moe.ep_size)):
+        if _given(cfg, field) and ep > 1:  # 1, DeepSpeed's default, is dsc's too
+            out.set("ep", ep, field)
     if "max_out_tokens" in given:
         out.set("max_seq", cfg.max_out_tokens, "max_out_tokens")
     if "min_out_tokens" in given:

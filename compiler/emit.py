@@ -39,6 +39,18 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, indent=1, sort_keys=True) + "\n"
 
 
+def _experts_facts(model) -> dict:
+    """A mixture of experts' shape, for `dsc inspect`: experts per MoE layer, routed per token,
+    per rank (expert parallelism places E / tp whole experts on each rank)."""
+    experts = model.arch.experts(model.config)
+    if not experts:
+        return {}
+    per_rank = experts // model.options.tp if model.options.ep > 1 else experts
+    return {"experts": {"experts": experts, "top_k": model.config.get("num_experts_per_tok"),
+                        "per_rank": per_rank, "placement": "expert-parallel" if model.options.ep > 1
+                        else "tensor-parallel" if model.options.tp > 1 else "one rank"}}
+
+
 def _eos_ids(ckpt: Checkpoint) -> list[int]:
     ids = ckpt.config.get("eos_token_id")
     gen = ckpt.root / "generation_config.json"
@@ -67,7 +79,7 @@ def build_plan(model: Model, ckpt: Checkpoint, dtype: str) -> dict:
         "format_version": FORMAT_VERSION,
         "model": {"model_type": cfg["model_type"], "vocab_size": cfg["vocab_size"],
                   "eos_token_ids": _eos_ids(ckpt), "bos_token_id": cfg.get("bos_token_id"),
-                  "dtype": dtype, "layers": model.arch.layers(cfg)},
+                  "dtype": dtype, "layers": model.arch.layers(cfg), **_experts_facts(model)},
         "limits": {"max_batch": opts.max_batch, "max_seq": opts.max_seq,
                    "decode_buckets": list(opts.buckets())},
         "tp": opts.tp,

@@ -67,7 +67,7 @@ SHAPES = {
     # mixtures of experts: more experts than top-k, widths not powers of two; Qwen's second layer
     # a dense MLP (mlp_only_layers) and Qwen2-MoE's sigmoid-gated shared expert
     **{f"{mt}-odd": (mt, dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
-                              vocab_size=510, max_position_embeddings=256, **extra))
+                              vocab_size=510, max_position_embeddings=1024, **extra))
        for mt, extra in [
            ("mixtral", dict(intermediate_size=56, num_local_experts=6, num_experts_per_tok=2)),
            ("qwen2_moe", dict(intermediate_size=200, moe_intermediate_size=40, shared_expert_intermediate_size=88,

@@ -76,15 +76,23 @@ def take_bias(value: Any, consumer: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
+# what a router computes between its linear and the experts: scores, top-k, renormalization
+_ROUTING = {aten.softmax.int, aten.topk.default, aten.sum.dim_IntList, aten.div.Tensor, aten.div_.Tensor,
+            aten.to.dtype, aten._to_copy.default, aten.sigmoid.default, aten.view.default, aten.reshape.default}
+
+
 def is_router(linear: fx.Node) -> bool:
-    """A linear whose output reaches a dsc.moe's routing (ids or weights): a MoE router."""
+    """A linear whose output reaches a dsc.moe's routing (ids or weights) through routing ops
+    only (_ROUTING): a mixture of experts' router."""
+    import operator
+
     seen, todo = set(), [linear]
     while todo:
         n = todo.pop()
         for u in n.users:
             if u.target is torch.ops.dsc.moe.default and n in u.args[1:3]:
                 return True
-            if u not in seen and u.target is not torch.ops.dsc.moe.default:
+            if u not in seen and (u.target in _ROUTING or u.target is operator.getitem):
                 seen.add(u)
                 todo.append(u)
     return False

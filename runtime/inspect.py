@@ -32,7 +32,7 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
         kernels = Counter(n["kernel"]["name"] for n in calls if "kernel" in n)
         programs[name] = {"nodes": len(p["nodes"]), "calls": len(calls), "ops": dict(sorted(ops.items())),
                           "kernels": dict(sorted(kernels.items())), **launches(calls)}
-    ranks = {}
+    ranks, expert_bytes, other_bytes = {}, 0, 0
     for r in range(art.tp):
         f = art.rank_file(r)
         if not f.exists():
@@ -40,9 +40,13 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
             continue
         h = {k: v for k, v in art.rank_header(r).items() if k != "__metadata__"}
         by_dtype: Counter = Counter()
-        for info in h.values():
+        for name, info in h.items():
             lo, hi = info["data_offsets"]
             by_dtype[info["dtype"]] += hi - lo
+            if ".experts." in name:
+                expert_bytes += hi - lo
+            else:
+                other_bytes += hi - lo
         ranks[r] = {"tensors": len(h), "bytes": f.stat().st_size, "bytes_by_dtype": dict(sorted(by_dtype.items()))}
     from dsc.runtime.memory_plan import workspace_bytes
 
@@ -57,7 +61,21 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
             "attention_windows": {str(w): c for w, c in sorted(windows.items())},
             "attention_variants": {v: c for v, c in sorted(Counter(score_variant(n) for n in attn).items()) if v},
             "ranks": ranks, "passes": plan.get("passes", {}), "notes": plan.get("notes", {}),
+            "experts": _experts(plan["model"].get("experts"), expert_bytes, other_bytes),
             "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)}}
+
+
+def _experts(facts, expert_bytes: int, other_bytes: int) -> dict | None:
+    """A mixture of experts: its experts per rank, and the weight bytes one token reads over
+    all ranks (every non-expert weight, top_k of the experts of each MoE layer)."""
+    if not isinstance(facts, dict):
+        return None
+    experts, top_k = facts.get("experts"), facts.get("top_k")
+    out = {k: facts.get(k) for k in ("experts", "top_k", "per_rank", "placement")}
+    if type(experts) is int and type(top_k) is int and 0 < top_k <= experts:
+        out["expert_bytes"] = expert_bytes
+        out["active_bytes_per_token"] = other_bytes + expert_bytes * top_k // experts
+    return out
 
 
 def _window(node: dict) -> int:
@@ -102,6 +120,14 @@ def render(info: dict) -> None:
     variants = info.get("attention_variants", {})
     if variants:
         c.print("attention scores: " + ", ".join(f"{n} layer{'s' * (n != 1)} {v}" for v, n in variants.items()))
+    moe = info.get("experts")
+    if moe:
+        line = (f"experts: {moe['experts']} per MoE layer, {moe['top_k']} routed per token; {moe['per_rank']} "
+                f"per rank ({moe['placement']})")
+        if "active_bytes_per_token" in moe:
+            line += (f"; a token reads {_fmt_bytes(moe['active_bytes_per_token'])} of weights "
+                     f"(experts hold {_fmt_bytes(moe['expert_bytes'])})")
+        c.print(line)
     c.print("decode buckets (CUDA graphs): " + ", ".join(
         f"{b} (workspace {_fmt_bytes(w)})" for b, w in info["decode_workspace"].items()))
     for name, p in info["programs"].items():

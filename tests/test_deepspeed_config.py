@@ -37,8 +37,8 @@ DS_FIELDS = [
     ("zero.cpu_offload_param", None, None, True, REFUSED),
     ("triangular_masking", "tm", True, False, REFUSED),
     ("moe.enabled", None, True, False, {}),
-    ("moe.ep_size", None, 1, 2, REFUSED),
-    ("moe.moe_experts", "num_experts", [1], [8], REFUSED),
+    ("moe.ep_size", None, 1, 2, {"ep": 2}),
+    ("moe.moe_experts", "num_experts", [1], [8], {}),
     ("moe.type", None, "standard", "residual", REFUSED),
     ("moe.ep_mp_group", None, None, "group", REFUSED),
     ("moe.ep_group", "expert_group", None, "group", REFUSED),
@@ -73,10 +73,10 @@ DS_FIELDS = [
     ("transposed_mode", None, False, True, REFUSED),
     ("mp_size", None, 1, 2, {"tp": 2}),
     ("mpu", None, None, "mpu", REFUSED),
-    ("ep_size", None, 1, 2, REFUSED),
+    ("ep_size", None, 1, 2, {"ep": 2}),
     ("ep_group", "expert_group", None, "group", REFUSED),
     ("ep_mp_group", "expert_mp_group", None, "group", REFUSED),
-    ("moe_experts", None, [1], [4], REFUSED),
+    ("moe_experts", None, [1], [4], {}),
     ("moe_type", None, "standard", "residual", REFUSED),
 ]
 # sub-configs whose parents DS_FIELDS names through their own fields
