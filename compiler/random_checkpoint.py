@@ -102,6 +102,17 @@ SHAPES = {
     "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                                num_key_value_heads=8, head_dim=128, num_hidden_layers=36, vocab_size=151936,
                                rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False)),
+    # mixtures of experts at their real layer sizes, fewer layers (a GPU box's disk holds neither
+    # Mixtral-8x7B's 93 GB nor Qwen3-30B-A3B's 61 GB twice, as checkpoint and artifact)
+    "mixtral-8x7b-4l": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                        num_key_value_heads=8, num_hidden_layers=4, vocab_size=32000,
+                                        num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
+                                        max_position_embeddings=32768)),
+    "qwen3-30b-a3b-8l": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                           num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                           num_hidden_layers=8, vocab_size=151936, num_experts=128,
+                                           num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
+                                           max_position_embeddings=40960, tie_word_embeddings=False)),
     "gpt2-xl": ("gpt2", dict(n_embd=1600, n_head=25, n_layer=48, vocab_size=50257, n_positions=1024)),
 }
 

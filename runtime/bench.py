@@ -63,17 +63,25 @@ def _time_queued(fn, device, reps: int = 10, samples: int = 7) -> float:
 
 def decode_bytes(engine, batch: int, context: int) -> dict[str, int]:
     """Bytes one decode step must read: every weight once, except embedding tables that no
-    matmul reads (a gather of `batch` rows), plus K and V of `context` positions per sequence
-    per layer."""
+    matmul reads (a gather of `batch` rows) and a mixture of experts' experts (the experts the
+    step's tokens are routed to: top_k of E at batch 1; 1 - (1 - top_k/E)^batch of them, the
+    expected share under uniform routing, at larger batches), plus K and V of `context`
+    positions per sequence per layer."""
     nodes = engine.plan["programs"]["decode"]["nodes"]
     targets = {n["name"]: n["target"] for n in nodes if n["kind"] == "weight"}
     gathered = {targets[n["args"][0]["node"]] for n in nodes if n["kind"] == "call" and n["op"] in GATHER_OPS}
     matmul = {targets[a["node"]] for n in nodes if n["kind"] == "call" and n["op"] not in GATHER_OPS
               for a in n["args"] if isinstance(a, dict) and a.get("node") in targets}
+    experts = {targets[a["node"]] for n in nodes if n["kind"] == "call" and n["op"] == "dsc.moe.default"
+               for i, a in enumerate(n["args"]) if i in (3, 4, 6, 7) and isinstance(a, dict)}
+    moe = engine.plan["model"].get("experts") or {}
+    routed = 1.0 - (1.0 - moe["top_k"] / moe["experts"]) ** batch if experts else 1.0
     weights = 0
     for name, t in engine.weights.items():
         if name in gathered and name not in matmul:
             weights += batch * t[0].numel() * t.element_size()
+        elif name in experts:
+            weights += int(routed * t.numel() * t.element_size())
         else:
             weights += t.numel() * t.element_size()
     kv = engine.plan.get("kv_cache") or {}

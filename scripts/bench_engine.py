@@ -304,13 +304,43 @@ def part_http(args) -> dict:
         cfg = BenchConfig(url=url, rates=[float("inf")], num_requests=args.requests,
                           prompt_len=Lengths.parse(f"{plo}:{phi}", "--prompt-len"),
                           output_len=Lengths.parse(f"{olo}:{ohi}", "--output-len"))
+        procs = {"api": proc.pid, **{f"engine{i}": c for i, c in enumerate(_children(proc.pid))}}
+        before, client0, t0 = {k: _cpu_s(v) for k, v in procs.items()}, time.process_time(), time.perf_counter()
         res = run(cfg)
+        wall = time.perf_counter() - t0
+        # where the host time goes: each process's CPU seconds over the run's wall time (1.0: one
+        # core busy all along, the most a process's Python thread can give)
+        res["cpu_share"] = {**{k: round((_cpu_s(v) - before[k]) / wall, 3) for k, v in procs.items()},
+                            "client": round((time.process_time() - client0) / wall, 3), "wall_s": round(wall, 2)}
+        print(f"cpu share over the HTTP run: {res['cpu_share']}", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     r = res["rates"][0] if "rates" in res else res
     print(f"dsc serve: {json.dumps(r)[:400]}", flush=True)
     return res
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is pid (dsc serve's engine process), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return sorted(out)
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far (0 once it has gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_ready(url: str, proc, timeout: float = 300) -> None:
@@ -378,6 +408,8 @@ def render(results: dict) -> str:
     if ht.get("rates"):
         r = ht["rates"][0]
         lines.append(f"dsc serve + openai client: {json.dumps(r)[:600]}")
+        if "cpu_share" in ht:
+            lines.append(f"CPU share of each process over the HTTP run (1.0 = one core all along): {ht['cpu_share']}")
     for part, r in results.items():
         if "failed" in r:
             lines.append(f"{part}: failed (exit {r['failed']})")
