@@ -31,7 +31,7 @@ def test_scripts_are_the_maintained_set():
     """scripts/ holds the maintained tools only (each with a test here or beside its kernels)."""
     assert {p.name for p in SCRIPTS.iterdir() if p.name != "__pycache__"} <= {
         "demo.py", "bench_decode.py", "bench_int8.py", "bench_kernels.py", "bench_compile.py", "tune_kernels.py",
-        "tune_gemv.py", "ncu_kernels.py", "timing.py", "gen_docs.py", "bench_serving.py", "bench_engine.py",
+        "tune_gemv.py", "ncu_kernels.py", "timing.py", "gen_docs.py", "bench_serving.py", "bench_engine.py", "bench_moe.py",
         "soak_serve.py"}
 
 
