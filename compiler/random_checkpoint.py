@@ -160,7 +160,7 @@ def saved_shapes(lm, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int,
     out = {}
     for saved, t in revert_weight_conversion(lm, tags).items():
         shp = shapes[order[int(t.flatten()[0]) >> 32]]
-        out[saved] = (t.shape[-2], shp[-1]) if len(shp) == 3 else shp
+        out[saved] = (t.numel(), shp[-1]) if len(shp) == 3 else shp  # an expert's rows, one tag each
     return out
 
 

@@ -86,7 +86,10 @@ def workload(args, vocab: int) -> list[tuple[list[int], int]]:
 
 def workload_flops(engine, reqs) -> float:
     """Matmul FLOPs (2 per weight of the layers' linears per token, the lm_head's per generated
-    token) and attention FLOPs (4 x head_dim x query heads x layers per (token, cached token) pair)."""
+    token; a mixture of experts' experts top_k / E of theirs: the experts a token is routed to)
+    and attention FLOPs (4 x head_dim x query heads x layers per (token, cached token) pair)."""
+    moe = engine.plan["model"].get("experts") or {}
+    routed = moe["top_k"] / moe["experts"] if moe else 1.0
     layer = head = 0
     q_rows = None
     for name, w in engine.weights.items():
@@ -95,7 +98,7 @@ def workload_flops(engine, reqs) -> float:
         if name.startswith("lm_head"):
             head += w.numel()
         else:
-            layer += w.numel()
+            layer += w.numel() * (routed if ".experts." in name else 1.0)
             if q_rows is None and "qkv_proj" in name:
                 q_rows = w.shape[0]
     pool = engine.plan["kv_pool"]
