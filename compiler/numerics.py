@@ -196,7 +196,9 @@ def value_twins(nodes_a: list[dict], nodes_b: list[dict]) -> dict[str, str]:
     its replacement, see diff.match_nodes); but where B's readers of that value read another
     node — an all-reduce after a row-parallel linear, a mask after a vocab-parallel
     embedding — the value to compare is that one. Taken from B only when every reader of the
-    A node that both programs hold agrees on it."""
+    A node that both programs hold agrees on it, and only for floating-point values: integer
+    ones a rank rewrites for itself (expert parallelism's local expert ids) are not the same
+    value."""
     m = match_nodes(nodes_a, nodes_b)
     b_by = {n["name"]: n for n in nodes_b}
     read: dict[str, set[str]] = {}
@@ -206,8 +208,9 @@ def value_twins(nodes_a: list[dict], nodes_b: list[dict]) -> dict[str, str]:
                 read.setdefault(x, set()).add(y)
     twins = dict(m)
     for x, ys in read.items():
-        if len(ys) == 1:
-            twins[x] = next(iter(ys))
+        y = next(iter(ys))
+        if len(ys) == 1 and y in b_by and not str(b_by[y].get("dtype", "float")).startswith(("int", "uint", "bool")):
+            twins[x] = y
     return twins
 
 

@@ -650,7 +650,10 @@ def _shard_experts(model: Model, graph: fx.Graph, world: int, shards: dict[str, 
                 start = g.get_attr(_first_expert_weight(model, gate_up.target, experts, world))
                 with _fake_mode(model, ids):
                     start.meta["val"] = torch.empty(1, dtype=torch.int64)
-                local = copy_meta(g.call_function(aten.sub.Tensor, (ids, start)), ids)
+                # the experts' module path, not the router's: the local ids are not the router's
+                # output (dsc diff pairs nodes by module path)
+                local = copy_meta(copy_meta(g.call_function(aten.sub.Tensor, (ids, start)), n,
+                                            ("nn_module_stack",)), ids, ("val",))
             n.args = (n.args[0], local, *n.args[2:])
             touched.append(local)
             model.counters["shard_tensor_parallel.experts_ep"] += 1

@@ -151,6 +151,16 @@ def test_value_twins_follow_the_readers():
     assert value_twins(a, b) == {"x": "x", "lin": "lin.all_reduce", "add": "add"}
 
 
+def test_value_twins_keep_integer_values_a_rank_rewrites():
+    """--ep: each rank's moe reads its local expert ids (the router's ids minus its first
+    expert), which are not the router's value: the ids are compared with the ids."""
+    ids = {"name": "ids", "kind": "call", "op": "operator.getitem", "dtype": "int64", "args": []}
+    a = [ids, {"name": "moe", "kind": "call", "op": "dsc.moe.default", "dtype": "float32", "args": [{"node": "ids"}]}]
+    b = [ids, {"name": "sub", "kind": "call", "op": "aten.sub.Tensor", "dtype": "int64", "args": [{"node": "ids"}]},
+         {"name": "moe", "kind": "call", "op": "dsc.moe.default", "dtype": "float32", "args": [{"node": "sub"}]}]
+    assert value_twins(a, b) == {"ids": "ids", "moe": "moe"}
+
+
 def test_gather_rebuilds_tensor_parallel_values():
     full = torch.arange(24.0).reshape(2, 3, 4)
     assert torch.equal(gather(list(full.chunk(2, -1)), full.shape)[0], full)  # column-parallel
