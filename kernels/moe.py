@@ -58,6 +58,22 @@ def moe_reference(x, topk_ids, topk_weights, gate_up, down, first_expert: int = 
     return out.to(x.dtype)
 
 
+def moe_dense(x, topk_ids, topk_weights, gate_up, down, first_expert: int = 0, gate_up_scale=None, down_scale=None):
+    """The same sum with every expert run on every token, weighted by zero where it was not
+    routed: static shapes (no per-expert token lists), for graphs that cannot hold
+    data-dependent sizes (the ONNX export's stand-in for dsc::moe)."""
+    T, H = x.shape
+    inter = down.shape[1]
+    experts = gate_up.shape[0] // (2 * inter)
+    gu = _dequant(gate_up, gate_up_scale, x.dtype).view(experts, 2 * inter, H)
+    dn = _dequant(down, down_scale, x.dtype).view(experts, H, inter)
+    gate, up = torch.einsum("th,eoh->eto", x, gu).chunk(2, dim=-1)  # [E, T, I] each
+    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, dn)  # [E, T, H]
+    hit = (topk_ids - first_expert)[None] == torch.arange(experts, device=x.device)[:, None, None]  # [E, T, K]
+    weight = (topk_weights.float()[None] * hit).sum(dim=-1)  # [E, T]
+    return (y.float() * weight[..., None]).sum(dim=0).to(x.dtype)
+
+
 @torch.library.custom_op("dsc::moe", mutates_args=())
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
         down: torch.Tensor, first_expert: int, gate_up_scale: torch.Tensor | None = None,
@@ -65,7 +81,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gat
     return moe_reference(x, topk_ids, topk_weights, gate_up, down, first_expert, gate_up_scale, down_scale)
 
 
-declare("dsc.moe.default")
+declare("dsc.moe.default", onnx=moe_dense)
 
 
 @moe.register_kernel("cuda")

@@ -149,3 +149,23 @@ def test_a_missing_expert_is_one_line(make_checkpoint, tmp_path):
     with pytest.raises(UserError, match=r"'model.layers.0.mlp.experts.down_proj' has 5 per-expert tensors"):
         dsc.compile(str(ck), tmp_path / "art", dtype="fp32")
     assert not (tmp_path / "art").exists()
+
+
+def test_dense_moe_equals_the_reference():
+    """kernels/moe.py's two plain-torch forms (per-expert token lists; every expert on every
+    token, zero-weighted where not routed: the ONNX export's) agree, int8 rows and another
+    rank's experts included."""
+    from dsc.kernels.moe import moe_dense, moe_reference
+
+    g = torch.Generator().manual_seed(0)
+    T, H, inter, experts, k = 9, 20, 12, 5, 2
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(T)])  # global ids 0..7: 3 elsewhere
+    w = torch.rand(T, k, generator=g)
+    gate_up = torch.randint(-127, 128, (experts * 2 * inter, H), generator=g, dtype=torch.int8)
+    down = torch.randint(-127, 128, (experts * H, inter), generator=g, dtype=torch.int8)
+    scales = (torch.rand(experts * 2 * inter, 1, generator=g) / 100, torch.rand(experts * H, 1, generator=g) / 100)
+    for first in (0, 3):
+        want = moe_reference(x, ids, w, gate_up, down, first, *scales)
+        assert torch.allclose(moe_dense(x, ids, w, gate_up, down, first, *scales), want, atol=1e-5, rtol=1e-5)
+    assert moe_reference(x, ids + 100, w, gate_up, down, 0, *scales).abs().max() == 0  # no local expert
