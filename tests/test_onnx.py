@@ -27,8 +27,6 @@ CASES = [
     pytest.param("llama-tiny", dict(dtype="fp16", int8=True), False, id="llama-fp16-w8a16"),
     pytest.param("gpt2-tiny", dict(dtype="fp16", int8=True, int8_mode="w8a8"), False, id="gpt2-fp16-w8a8"),
     pytest.param("llama-tiny", dict(dtype="bf16", int8=True, int8_group_size=16), True, id="llama-bf16-grouped-fp32"),
-    # dsc.moe exports as every expert on every token, weighted by its routing (kernels/moe.py moe_dense)
-    pytest.param("mixtral-odd", dict(dtype="fp16"), False, id="mixtral-fp16"),
 ]
 
 
