@@ -224,9 +224,8 @@ def _quantize_experts(model: Model) -> set[str]:
     for _, graph in model.graphs():
         for n in [n for n in graph.nodes if n.target is torch.ops.dsc.moe.default and len(n.args) < 7]:
             gate_up, down = n.args[3], n.args[4]
-            path = _module_path(n) or _layer(gate_up.target).rsplit(".", 1)[0]
-            if any(fnmatch.fnmatchcase(p, pat) for p in (path, _layer(gate_up.target).rsplit(".", 1)[0])
-                   for pat in model.options.int8_skip):
+            paths = {_module_path(n) or "", gate_up.target.rsplit(".", 1)[0]}  # ...mlp.experts
+            if any(fnmatch.fnmatchcase(p, pat) for p in paths if p for pat in model.options.int8_skip):
                 model.counters["quantize_int8.skip"] += 1
                 continue
             parts = []

@@ -29,7 +29,7 @@ Rewrites (each counted under `shard_tensor_parallel.<rule>`, per program)
             expert-parallel (--ep): rank r holds experts [r E/tp, (r+1) E/tp) whole (Shard(0)),
             and its routed ids are made local by subtracting a per-rank constant (ids of other
             ranks' experts fall outside [0, E/tp) and contribute nothing). The router stays
-            replicated: every rank routes every token alike. model.notes["experts"] says which.
+            replicated: every rank routes every token alike. model.notes["tp"]["experts"] says which.
   vocab     when tp divides the vocabulary, the token embedding and lm_head (under its scalar
             scale or soft-cap, if any) are vocab-parallel:
             the rank's rows looked up (dsc.vocab_embedding: zeros for others' ids) + dsc.all_reduce,
