@@ -19,7 +19,7 @@ from dsc.compiler.verify import verify_artifact
 from dsc.runtime.plan import ATTENTION_OPS
 from ranks import spawn_ranks
 from test_compile import FP32_ATOL, plan_ops, prompts
-from test_fusion import GOLDEN, plan_text
+from test_fusion import check_golden
 from test_tp import PROMPTS, _rank_work, teacher_forced
 
 FAMILIES = ["qwen3-odd", "stablelm-odd", "starcoder2-odd", "olmo-odd", "olmo2-odd", "cohere-odd", "granite-odd",
@@ -129,14 +129,7 @@ def test_int8_report_passes(shape, compile_artifact, capsys):
 @pytest.mark.parametrize("shape", FAMILIES + ["gpt_neox-tiny", "gptj-tiny", "phi3-tiny", "opt-tiny", "phi-tiny",
                                    "gemma-tiny", "mistral-tiny", "qwen2-tiny"])  # llama, gpt2: test_fusion.py
 def test_golden_plan(shape, compile_artifact):
-    from dsc import switches
-
-    text = plan_text(_plan(compile_artifact(shape, dtype="fp32")))
-    path = GOLDEN / f"{shape}.plan.txt"
-    if switches.get("DSC_UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.exists(), f"{path} missing: run DSC_UPDATE_GOLDEN=1 pytest tests/test_families.py -k golden"
-    assert text == path.read_text(), f"plan of {shape} differs from {path} (DSC_UPDATE_GOLDEN=1 to accept)"
+    check_golden(shape, _plan(compile_artifact(shape, dtype="fp32")))
 
 
 def test_unsupported_family_is_one_line_listing_the_supported(make_checkpoint, tmp_path):

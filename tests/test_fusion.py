@@ -359,15 +359,20 @@ def plan_text(plan: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-tiny"])
-def test_golden_plan(shape, compile_artifact):
-    text = plan_text(plan_of(compile_artifact(shape, dtype="fp32")))
+def check_golden(shape: str, plan: dict) -> None:
+    """plan_text(plan) equals tests/golden/<shape>.plan.txt (DSC_UPDATE_GOLDEN=1 rewrites it)."""
+    text = plan_text(plan)
     path = GOLDEN / f"{shape}.plan.txt"
     if switches.get("DSC_UPDATE_GOLDEN") == "1":
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
-    assert path.exists(), f"{path} missing: run DSC_UPDATE_GOLDEN=1 pytest tests/test_fusion.py -k golden"
+    assert path.exists(), f"{path} missing: run DSC_UPDATE_GOLDEN=1 pytest tests/ -k golden"
     assert text == path.read_text(), f"plan of {shape} differs from {path} (DSC_UPDATE_GOLDEN=1 to accept)"
+
+
+@pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-tiny"])
+def test_golden_plan(shape, compile_artifact):
+    check_golden(shape, plan_of(compile_artifact(shape, dtype="fp32")))
 
 
 # -- fused weights under tensor parallelism ----------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from dsc.compiler.verify import verify_artifact
 from ranks import spawn_ranks
 from test_compile import FP32_ATOL, prompts
-from test_fusion import GOLDEN, plan_text
+from test_fusion import check_golden
 from test_tp import PROMPTS, _rank_work, teacher_forced
 
 SHAPES = ["mixtral-odd", "qwen2_moe-odd", "qwen3_moe-odd", "olmoe-odd"]
@@ -111,14 +111,7 @@ def test_int8_experts_report_sqnr_and_keep_the_router(compile_artifact):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_golden_plan(shape, compile_artifact):
-    from dsc import switches
-
-    text = plan_text(_plan(compile_artifact(shape, dtype="fp32")))
-    path = GOLDEN / f"{shape}.plan.txt"
-    if switches.get("DSC_UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.exists(), f"{path} missing: run DSC_UPDATE_GOLDEN=1 pytest tests/test_moe.py -k golden"
-    assert text == path.read_text(), f"plan of {shape} differs from {path} (DSC_UPDATE_GOLDEN=1 to accept)"
+    check_golden(shape, _plan(compile_artifact(shape, dtype="fp32")))
 
 
 @pytest.mark.parametrize("shape, overrides, args, message", [
