@@ -70,7 +70,8 @@ class Architecture:
         return cfg.get(self.experts_field) or cfg.get("num_local_experts") or cfg.get("num_experts") or 0
 
     def expert_intermediate(self, cfg: dict) -> int:
-        return cfg.get(self.expert_intermediate_field) or 0 if self.experts_field else 0
+        """One expert's MLP width (0: a dense model)."""
+        return (cfg.get(self.expert_intermediate_field) or 0) if self.experts_field else 0
 
     def max_positions(self, cfg: dict) -> int | None:
         return cfg.get("max_position_embeddings", cfg.get("n_positions"))

@@ -6,8 +6,11 @@
         topk_weights  [T, K]            their weights, as the model's router normalized them
         gate_up       [E * 2I, H]       expert e's gate rows then its up rows at [e*2I, (e+1)*2I)
         down          [E * H, I]        expert e's down matrix at rows [e*H, (e+1)*H)
-        first_expert  int               the global id of this rank's expert 0 (expert parallelism
-                                        places E of the model's experts on each rank; else 0)
+        first_expert  int               the id of the op's expert 0 among topk_ids. 0 in dsc's
+                                        programs: under expert parallelism the graph subtracts the
+                                        rank's first expert from the ids (a per-rank constant,
+                                        passes/shard_tensor_parallel.py), since one plan serves
+                                        every rank; ids outside [0, E) are other ranks' experts
         *_scale       [rows, 1] fp32    int8 weights (W8A16): row r is w[r] * scale[r]
     -> [T, H] in x's dtype:  sum over k of topk_weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t)
        over the k whose expert is on this rank (others contribute nothing: under expert or
