@@ -30,4 +30,8 @@ def __getattr__(name):
         from dsc.runtime import llm
 
         return getattr(llm, name)
+    if name in ("EmbeddingEngine", "EmbeddingParams", "EmbeddingRequestOutput"):  # runtime/embed.py
+        from dsc.runtime import embed
+
+        return getattr(embed, name)
     raise AttributeError(f"module 'dsc' has no attribute {name!r}")

@@ -123,10 +123,11 @@ def compile_cmd(
     calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="calibration prompts, one per line (SmoothQuant)"),
     decode_buckets: Optional[str] = typer.Option(None, "--decode-buckets", help="CUDA-graph batch buckets, e.g. 1,2,4,8"),
     min_tokens: Optional[int] = typer.Option(None, "--min-tokens", help="default min_tokens of requests: tokens generated before eos or a stop token can end one (default 0)"),
+    pooling: Optional[str] = typer.Option(None, "--pooling", help="encoders: mean | cls | last (default: the checkpoint's sentence-transformers config, else cls)"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="print stages and their times also when stderr is not a terminal"),
     timings: Optional[Path] = typer.Option(None, "--timings", help="write the stage times here (JSON); the artifact never holds them"),
 ) -> None:
-    """Compile a Hugging Face causal LM into a dsc artifact."""
+    """Compile a Hugging Face causal LM or encoder (embedding) model into a dsc artifact."""
     # torch's CPU allocator: 2 MB pages for tensors of 2 MB and more. The compile allocates and
     # frees weight-sized temporaries all along (slices, fp32 copies, int8 parts); on 4 KB pages
     # the kernel faults and zeroes each page of each one, which took most of the quantizing time.
@@ -145,7 +146,7 @@ def compile_cmd(
                            int8_asymmetric=int8_asymmetric, int8_lm_head=int8_lm_head,
                            int8_skip=tuple(int8_skip) or None, int8_min_sqnr=int8_min_sqnr,
                            calibrate=str(calibrate) if calibrate else None,
-                           decode_buckets=_parse_buckets(decode_buckets), min_tokens=min_tokens)
+                           decode_buckets=_parse_buckets(decode_buckets), min_tokens=min_tokens, pooling=pooling)
     except UserError as e:
         progress.close()
         _fail(str(e))

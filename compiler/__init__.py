@@ -80,6 +80,10 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
             ckpt.name = getattr(model, "name_or_path", "") or type(model).__name__
         arch = architecture_for(ckpt.config, str(ckpt.config_where))
         max_pos = arch.max_positions(ckpt.config)
+        if arch.kind == "encoder" and ckpt.gguf is None:  # sentence-transformers' truncation length
+            from dsc.compiler.pooling import max_seq_length
+
+            max_pos = min(filter(None, (max_pos, max_seq_length(ckpt.root))), default=None)
         if "max_seq" not in options.model_fields_set and max_pos and max_pos < options.max_seq:
             options = options.model_copy(update={"max_seq": max_pos})  # the default fits the model
         validate_options(ckpt, arch, options)

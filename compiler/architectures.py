@@ -25,7 +25,7 @@ LOGIT_EPILOGUES = {
 @dataclass(frozen=True)
 class Architecture:
     model_type: str
-    family: str  # for readers: the nearer of "llama" (RMSNorm, RoPE, gated MLP) and "gpt2" (LayerNorm, GELU MLP)
+    family: str  # for readers: the nearer of "llama" (RMSNorm, RoPE, gated MLP), "gpt2" (LayerNorm, GELU MLP), "bert"
     intermediate_field: str = "intermediate_size"  # the config field of the MLP width
     no_tp: str = ""  # why shard_tensor_parallel cannot split this architecture yet ("" = it can)
     logits: tuple[str, ...] = ()  # LOGIT_EPILOGUES applied after lm_head, where the config sets them
@@ -33,6 +33,10 @@ class Architecture:
     # ("" = a dense model); the experts trace as one dsc::moe op (compiler/model_adapters.py)
     experts_field: str = ""
     expert_intermediate_field: str = ""
+    # "decoder" (a causal LM: prefill, decode and ragged programs) or "encoder" (bidirectional
+    # attention over padded sequences: one `encode` program returning hidden states, pooled by
+    # the runtime into embeddings)
+    kind: str = "decoder"
 
     def logit_epilogue(self, hf_config, logits: torch.Tensor) -> torch.Tensor:
         for field in self.logits:
@@ -78,6 +82,33 @@ class Architecture:
 
 
 @dataclass(frozen=True)
+class DistilBert(Architecture):
+    """DistilBERT's config names: n_heads, dim, n_layers, hidden_dim."""
+
+    def heads(self, cfg: dict) -> int:
+        return cfg.get("n_heads")
+
+    def hidden(self, cfg: dict) -> int:
+        return cfg.get("dim")
+
+    def layers(self, cfg: dict) -> int:
+        return cfg.get("n_layers")
+
+    def intermediate(self, cfg: dict) -> int:
+        return cfg.get("hidden_dim") or 4 * self.hidden(cfg)
+
+
+@dataclass(frozen=True)
+class Roberta(Architecture):
+    """RoBERTa numbers positions from padding_idx + 1, so max_position_embeddings (514 in the
+    released checkpoints) holds that many fewer tokens."""
+
+    def max_positions(self, cfg: dict) -> int | None:
+        n = super().max_positions(cfg)
+        return n - (cfg.get("pad_token_id") or 0) - 1 if n else n
+
+
+@dataclass(frozen=True)
 class Falcon(Architecture):
     """Falcon's kv heads: `num_kv_heads` in the new decoder layout, one in 7B's multi-query."""
 
@@ -120,6 +151,11 @@ ARCHITECTURES = {
                      expert_intermediate_field="moe_intermediate_size"),  # per-head q/k RMSNorm, dense layers
         Architecture("olmoe", "llama", experts_field="num_experts",
                      expert_intermediate_field="intermediate_size"),  # RMSNorm of all q and k heads
+        # encoders: bidirectional attention with a key-padding mask, post-LayerNorm, GELU MLP
+        Architecture("bert", "bert", kind="encoder"),  # absolute positions, token types
+        Roberta("roberta", "bert", kind="encoder"),  # positions counted from padding_idx + 1
+        Roberta("xlm-roberta", "bert", kind="encoder"),
+        DistilBert("distilbert", "bert", kind="encoder"),  # no token types; sinusoidal or learned positions
     ]
 }
 

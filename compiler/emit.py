@@ -51,6 +51,18 @@ def _experts_facts(model) -> dict:
                         else "tensor-parallel" if model.options.tp > 1 else "one rank"}}
 
 
+def _encoder_facts(model, ckpt: Checkpoint) -> dict:
+    """An encoder's plan facts: its kind, the pad token its rows are padded with, its width, and
+    how the runtime pools token states into one embedding (compiler/pooling.py)."""
+    if model.arch.kind != "encoder":
+        return {}
+    from dsc.compiler.pooling import pooling_for
+
+    cfg = ckpt.config
+    return {"kind": "encoder", "pad_token_id": cfg.get("pad_token_id") or 0, "hidden_size": model.arch.hidden(cfg),
+            "pooling": pooling_for(ckpt.root, model.options.pooling)}
+
+
 def _eos_ids(ckpt: Checkpoint) -> list[int]:
     ids = ckpt.config.get("eos_token_id")
     gen = ckpt.root / "generation_config.json"
@@ -79,7 +91,8 @@ def build_plan(model: Model, ckpt: Checkpoint, dtype: str) -> dict:
         "format_version": FORMAT_VERSION,
         "model": {"model_type": cfg["model_type"], "vocab_size": cfg["vocab_size"],
                   "eos_token_ids": _eos_ids(ckpt), "bos_token_id": cfg.get("bos_token_id"),
-                  "dtype": dtype, "layers": model.arch.layers(cfg), **_experts_facts(model)},
+                  "dtype": dtype, "layers": model.arch.layers(cfg), **_experts_facts(model),
+                  **_encoder_facts(model, ckpt)},
         "limits": {"max_batch": opts.max_batch, "max_seq": opts.max_seq,
                    "decode_buckets": list(opts.buckets())},
         "tp": opts.tp,

@@ -43,6 +43,10 @@ class CompileOptions(BaseModel):
     int8_skip: tuple[str, ...] = Field((), description="module-path patterns (fnmatch) kept unquantized")
     int8_min_sqnr: float | None = Field(None, description="fail the compile if logits SQNR (dB) is lower")
     calibrate: str | None = Field(None, description="calibration prompts file (SmoothQuant), one per line")
+    # encoders
+    pooling: Literal["mean", "cls", "last"] | None = Field(
+        None, description="how an encoder's token states become one embedding; default: the checkpoint's "
+                          "sentence-transformers config, else cls")
     # runtime
     min_tokens: int = Field(0, ge=0, strict=True, description="default SamplingParams.min_tokens: tokens generated "
                                                              "before a stop token or eos can end a sequence")

@@ -85,6 +85,22 @@ SHAPES = {
                                       new_decoder_architecture=True, multi_query=False)),
     # BLOOM: ALiBi; 6 heads take the slopes of a non-power-of-two head count
     "bloom-odd": ("bloom", dict(hidden_size=72, n_head=6, n_layer=2, vocab_size=510)),
+    # encoders (bidirectional, post-LayerNorm): the odd sizes; RoBERTa's positions start past its pad id 1
+    "bert-odd": ("bert", dict(hidden_size=72, intermediate_size=200, num_attention_heads=6, num_hidden_layers=2,
+                              vocab_size=510, max_position_embeddings=256)),
+    "roberta-odd": ("roberta", dict(hidden_size=72, intermediate_size=200, num_attention_heads=6,
+                                    num_hidden_layers=2, vocab_size=510, max_position_embeddings=258,
+                                    pad_token_id=1)),
+    "xlm-roberta-odd": ("xlm-roberta", dict(hidden_size=72, intermediate_size=200, num_attention_heads=6,
+                                            num_hidden_layers=2, vocab_size=510, max_position_embeddings=258,
+                                            pad_token_id=1)),
+    "distilbert-odd": ("distilbert", dict(dim=72, hidden_dim=200, n_heads=6, n_layers=2, vocab_size=510,
+                                          max_position_embeddings=256)),
+    # BERT-large and all-MiniLM-L6-v2's shapes (benchmarks)
+    "bert-large": ("bert", dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
+                                num_hidden_layers=24, vocab_size=30522, max_position_embeddings=512)),
+    "minilm-l6": ("bert", dict(hidden_size=384, intermediate_size=1536, num_attention_heads=12, num_hidden_layers=6,
+                               vocab_size=30522, max_position_embeddings=512)),
     "gpt2-tiny": ("gpt2", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=512, n_positions=1024)),
     "gpt2-odd": ("gpt2", dict(n_embd=72, n_head=6, n_layer=3, vocab_size=509, n_positions=1024)),
     "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
@@ -170,8 +186,9 @@ def make_random_checkpoint(out: str | Path, shape: str = "llama-tiny", dtype: st
     """Write config.json, safetensors weights (sharded with an index when shard_bytes is set)
     and a tokenizer. `outlier_channels` > 0 scales that many input channels of every linear
     weight by 20x, the outliers that make int8 hard."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    from dsc.compiler.architectures import ARCHITECTURES
     from dsc.compiler.trace import _parameters_on_meta
     from dsc.compiler.weights import write_safetensors
 
@@ -182,8 +199,9 @@ def make_random_checkpoint(out: str | Path, shape: str = "llama-tiny", dtype: st
     ids = make_tokenizer(out, fields["vocab_size"]) if tokenizer else {"bos_token_id": 0, "eos_token_id": 1}
     cfg = AutoConfig.for_model(model_type, **fields, **ids, torch_dtype=dtype)
     cfg.save_pretrained(out)
+    encoder = ARCHITECTURES[model_type].kind == "encoder"  # saved as its base model, pooler included
     with _parameters_on_meta():
-        lm = AutoModelForCausalLM.from_config(cfg)
+        lm = AutoModel.from_config(cfg) if encoder else AutoModelForCausalLM.from_config(cfg)
     tied = set()
     if getattr(cfg, "tie_word_embeddings", False):
         tied = {n for n, _ in lm.named_parameters(remove_duplicate=False)} - {n for n, _ in lm.named_parameters()}
@@ -194,7 +212,7 @@ def make_random_checkpoint(out: str | Path, shape: str = "llama-tiny", dtype: st
 
     def produce(name: str) -> torch.Tensor:
         shape_, dt = params[name]
-        if name.endswith(("norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
+        if name.endswith(("norm.weight", "Norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
             return (1.0 + 0.1 * randn(shape_)).to(dt).cpu()
         if name.endswith("bias") or len(shape_) == 1:
             return (0.02 * randn(shape_)).to(dt).cpu()

@@ -112,7 +112,8 @@ def tokenizer_files(root: Path) -> list[Path]:
     root): the tokenizer, its config, the generation defaults, and the chat templates as
     transformers saves them (chat_template.jinja, additional_chat_templates/NAME.jinja)."""
     names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-             "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja"]
+             "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json",
+             "chat_template.jinja"]
     files = [root / n for n in names if (root / n).is_file()]
     extra = root / "additional_chat_templates"
     if extra.is_dir():

@@ -44,6 +44,8 @@ def dsc_attention(module, query, key, value, attention_mask, scaling=None, dropo
     slopes = kwargs.get("alibi_slopes")
     extra = ((window, softcap, slopes) if slopes is not None else (window, softcap) if softcap
              else (window,) if window else ())
+    if "dsc_lengths" in kwargs:  # an encoder: bidirectional over each sequence's real tokens
+        return torch.ops.dsc.encoder_attention(query, key, value, kwargs["dsc_lengths"], scale), None
     if "dsc_paged" in kwargs:  # the ragged program: flat tokens of several sequences, a paged cache
         return torch.ops.dsc.ragged_attention(query, key, value, *kwargs["dsc_paged"], scale, *extra), None
     return torch.ops.dsc.causal_attention(query, key, value, kwargs["dsc_cache_pos"], scale, *extra), None
@@ -93,6 +95,19 @@ class RaggedProgram(nn.Module):
                                dsc_paged=paged).last_hidden_state  # [1, T, E]
         logits = self.lm.get_output_embeddings()(h[0, logits_idx])  # [N, V]
         return ARCHITECTURES[self.lm.config.model_type].logit_epilogue(self.lm.config, logits)
+
+
+class EncoderProgram(nn.Module):
+    """An encoder's one program: input_ids [B, S] right-padded (with the config's pad token),
+    lengths [B] the real tokens of each row -> the last hidden states [B, S, E]. Pooling into
+    embeddings is the runtime's (runtime/embed.py), as the artifact's plan says."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, lengths):
+        return self.lm(input_ids=input_ids, use_cache=False, dsc_lengths=lengths).last_hidden_state
 
 
 # the ragged program's inputs: name -> (sample size of each dim, the dims' names, dtype)
@@ -145,7 +160,7 @@ def _static_rope(hf_config) -> None:
 
 
 def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     register_dsc_attention()
     register_dsc_experts()
@@ -158,9 +173,13 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
     with _parameters_on_meta(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            lm = AutoModelForCausalLM.from_config(hf_config, attn_implementation="dsc", dtype=_TORCH_DTYPES[dtype],
-                                                  **({"experts_implementation": "dsc"} if _has_experts(hf_config)
-                                                     else {}))
+            if _is_encoder(hf_config):  # the base model: hidden states, no pooler (pooling is the runtime's)
+                pooler = {"add_pooling_layer": False} if hf_config.model_type != "distilbert" else {}
+                lm = AutoModel.from_config(hf_config, attn_implementation="dsc", dtype=_TORCH_DTYPES[dtype], **pooler)
+            else:
+                lm = AutoModelForCausalLM.from_config(
+                    hf_config, attn_implementation="dsc", dtype=_TORCH_DTYPES[dtype],
+                    **({"experts_implementation": "dsc"} if _has_experts(hf_config) else {}))
         except KeyError as e:  # a family whose attention classes are looked up by implementation name
             if e.args != ("dsc",):
                 raise
@@ -172,6 +191,11 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
                             "(dsc is tested with 5.24)") from None
     adapt_model(lm, ckpt.root / "config.json")
     return lm.eval()
+
+
+def _is_encoder(hf_config) -> bool:
+    arch = ARCHITECTURES.get(hf_config.model_type)
+    return bool(arch and arch.kind == "encoder")
 
 
 def _has_experts(hf_config) -> bool:
@@ -288,6 +312,18 @@ def _export_ragged(program: nn.Module, fake_mode: FakeTensorMode, options) -> to
         return torch.export.export(program, args, dynamic_shapes=shapes, strict=False)
 
 
+def _export_encoder(program: nn.Module, fake_mode: FakeTensorMode, options) -> torch.export.ExportedProgram:
+    with fake_mode:
+        ids = torch.zeros(2, 4, dtype=torch.long)
+        lengths = torch.full((2,), 4, dtype=torch.long)
+    B = torch.export.Dim("batch", min=1, max=max(options.max_batch, 2))
+    S = torch.export.Dim("seq", min=2, max=max(options.max_seq, 3))
+    logging.getLogger("torch._export").setLevel(logging.ERROR)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.export.export(program, (ids, lengths), dynamic_shapes=({0: B, 1: S}, {0: B}), strict=False)
+
+
 def _to_graph(ep: torch.export.ExportedProgram, const_specs: dict[str, WeightSpec]) -> fx.Graph:
     """Copy an exported graph, turning lifted parameters/buffers/constants into get_attr."""
     from torch.export.graph_signature import InputKind
@@ -329,9 +365,12 @@ def trace(ckpt: Checkpoint, arch: Architecture, options) -> Model:
     program = CausalLMProgram(lm)
     programs = {}
     sym_names: dict[str, dict[str, str]] = {}
-    for name, seq, dynamic in (("prefill", 4, True), ("decode", 1, False), ("ragged", 0, True)):
+    kinds = ((("encode", 0, True),) if arch.kind == "encoder" else
+             (("prefill", 4, True), ("decode", 1, False), ("ragged", 0, True)))
+    for name, seq, dynamic in kinds:
         try:
             ep = (_export_ragged(RaggedProgram(lm), fake_mode, options) if name == "ragged"
+                  else _export_encoder(EncoderProgram(lm), fake_mode, options) if name == "encode"
                   else _export(program, fake_mode, 2, seq, options, dynamic))
         except Exception as e:  # export failures are compiler bugs or unsupported models
             raise RuntimeError(f"torch.export failed for the {name} program of "
@@ -341,8 +380,9 @@ def trace(ckpt: Checkpoint, arch: Architecture, options) -> Model:
         # every input's dim 0 is the batch, ids' and positions' dim 1 the sequence (the ragged
         # program's: RAGGED_INPUTS); with a batch range of 1..2 (--max-batch 1) export does not
         # unify the inputs' batch symbols
-        inputs = {k: names for k, (_, names, _) in RAGGED_INPUTS.items()} if name == "ragged" else \
-            dict.fromkeys(("input_ids", "position_ids", "cache_pos", "last_idx"), ("batch", "seq"))
+        inputs = ({k: names for k, (_, names, _) in RAGGED_INPUTS.items()} if name == "ragged" else
+                  {"input_ids": ("batch", "seq"), "lengths": ("batch",)} if name == "encode" else
+                  dict.fromkeys(("input_ids", "position_ids", "cache_pos", "last_idx"), ("batch", "seq")))
         for n in graph.nodes:
             if n.op == "placeholder" and n.name in inputs:
                 for d, dim_name in zip(n.meta["val"].shape, inputs[n.name]):

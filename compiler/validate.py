@@ -88,6 +88,9 @@ def check_destination(out: Path) -> None:
 
 def validate_options(ckpt: Checkpoint, arch: Architecture, options) -> None:
     reject_unbuilt_options(options)
+    if options.pooling and arch.kind != "encoder":
+        raise UserError(f"--pooling applies to encoder (embedding) models; {ckpt.config_where} is a "
+                        f"{arch.model_type} decoder")
     validate_tp(ckpt, arch, options.tp)
     validate_experts(ckpt, arch, options)
     cfg = ckpt.config

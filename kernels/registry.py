@@ -86,6 +86,9 @@ ATEN_OPS = (
     "aten.split_with_sizes.default", "aten._unsafe_view.default", "aten.clone.default", "aten._to_copy.default",
     "aten.arange.start", "aten.arange.start_step", "aten.full.default", "aten.where.self",
     "aten.sym_numel.default",
+    # encoders: BERT's token-type ids (a gather of its buffer), RoBERTa's positions counted past
+    # the padding (ne, cumsum), DistilBERT's
+    "aten.gather.default", "aten.ne.Scalar", "aten.cumsum.default",
 )
 ATEN_TRAITS: dict[str, OpTraits] = {"aten.embedding.default": OpTraits(gather=True)}
 

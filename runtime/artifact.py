@@ -108,9 +108,15 @@ class Artifact:
         from tokenizers import Tokenizer
 
         try:
-            return Tokenizer.from_file(str(f))
+            tok = Tokenizer.from_file(str(f))
         except Exception as e:  # tokenizers raises a bare Exception for any malformed file
             raise UserError(f"{f}: not a valid tokenizer ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+        # a tokenizer.json may carry the padding and truncation of its training (BERT-style
+        # embedding models: padded and cut to 128): the runtime pads batches itself, and a
+        # prompt over the artifact's max_seq is refused, never silently cut
+        tok.no_padding()
+        tok.no_truncation()
+        return tok
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -368,8 +374,10 @@ PROGRAM_INPUTS = {
     # continuous batching (kernels/paged_attention.py has the layout)
     "ragged": ["input_ids", "position_ids", "slot_mapping", "query_start", "query_lens", "cache_lens",
                "block_tables", "logits_idx"],
+    "encode": ["input_ids", "lengths"],  # an encoder's one program: right-padded rows and their lengths
 }
-PROGRAMS = tuple(PROGRAM_INPUTS)
+# the programs of each model kind (plan "model.kind"; a plan without one is a decoder's)
+KIND_PROGRAMS = {"decoder": ("prefill", "decode", "ragged"), "encoder": ("encode",)}
 
 
 def _check_program(where: str, prog: dict, want_inputs: list[str]) -> None:
@@ -437,9 +445,12 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
                                  and _is_count(pool.get("kv_heads"), 1, 1 << 12)
                                  and _is_count(pool.get("head_dim"), 1, 1 << 12)):
         raise UserError(f"{where}: field 'kv_pool' must hold dtype, layers, block_size (16 or 32), kv_heads and head_dim")
-    programs = plan.get("programs")
-    if not isinstance(programs, dict) or set(PROGRAMS) != set(programs):
-        raise UserError(f"{where}: field 'programs' must hold the programs {', '.join(PROGRAMS)}")
+    kind = model.get("kind", "decoder")
+    if kind not in KIND_PROGRAMS:
+        raise UserError(f"{where}: field 'model.kind' must be one of {', '.join(KIND_PROGRAMS)}")
+    programs, want = plan.get("programs"), KIND_PROGRAMS[kind]
+    if not isinstance(programs, dict) or set(want) != set(programs):
+        raise UserError(f"{where}: field 'programs' must hold the programs {', '.join(want)}")
     for pname, prog in programs.items():
         if not SAFE_NAME.fullmatch(pname) or not isinstance(prog, dict) or not isinstance(prog.get("nodes"), list):
             raise UserError(f"{where}: program {_show(pname)} must be an object with a 'nodes' list")

@@ -81,6 +81,7 @@ class Engine:
         self.max_seq = self.plan["limits"]["max_seq"]
         self.vocab_size = self.plan["model"]["vocab_size"]
         self.eos_token_ids = list(self.plan["model"].get("eos_token_ids") or [])
+        self.kind = self.plan["model"].get("kind", "decoder")  # "encoder": one `encode` program, no cache
         from dsc.runtime.decode import CAPTURE_TIMES, capture_times_since
 
         captured = dict(CAPTURE_TIMES)
@@ -92,19 +93,24 @@ class Engine:
         self.all_reduce = self._enable_symmetric_all_reduce()
         # the static programs (prefill + decode over a [max_batch, max_seq] cache): `dsc bench`'s
         # and the ONNX export's; static=False (the serving engine) holds no static cache
-        self.kv_cache = self._allocate_kv_cache() if static else {}
-        self.kv_pool = allocate_kv_pool(self.plan, device, kv_cache_memory, where=self.artifact.path / "plan.json",
-                                        serving=not static)
+        encoder = self.kind == "encoder"
+        self.kv_cache = self._allocate_kv_cache() if static and not encoder else {}
+        self.kv_pool = {} if encoder else allocate_kv_pool(
+            self.plan, device, kv_cache_memory, where=self.artifact.path / "plan.json", serving=not static)
         clock.mark("kv_cache")
         self.programs = {name: self._build(p, name) for name, p in self.plan["programs"].items()
-                         if static or name == "ragged"}
+                         if static or name in ("ragged", "encode")}
         clock.mark("programs")
+        self.max_num_seqs = max_num_seqs or self.max_batch
+        if encoder:  # the encode program runs eagerly at each batch's padded shape
+            self.buckets = ()
+            self.load_times = clock.times
+            return
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
         if static:
             self._decode = DecodeRunner(self._decode_program, self.buckets, device, cuda_graphs)
             self._prefill = PrefillRunner(lambda *a: self._call("prefill", *a), self.max_seq, device, cuda_graphs,
                                           buckets=prefill_buckets)
-        self.max_num_seqs = max_num_seqs or self.max_batch
         self.ragged = RaggedRunner(lambda *a: self._call("ragged", *a), self.plan["kv_pool"], self.max_seq,
                                    self.max_num_seqs, device, cuda_graphs, pad=prefill_buckets)
         clock.mark("kernels_and_graphs")
@@ -204,6 +210,14 @@ class Engine:
             raise ValueError(f"run: a decode step has one token per sequence, so last_idx must be 0, "
                              f"got {last_idx.tolist()}")
         return self._call(program, input_ids, position_ids, cache_pos, last_idx).float()
+
+    @torch.inference_mode()
+    def encode(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """An encoder's last hidden states [B, S, E] (fp32) for right-padded input_ids [B, S]
+        (2 <= S <= max_seq) and the real tokens of each row, lengths [B] (1..S)."""
+        if self.kind != "encoder":
+            raise ValueError(f"encode: {self.artifact.path} is a {self.kind}, not an encoder")
+        return self._call("encode", input_ids.to(self.device), lengths.to(self.device)).float()
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], graphs: bool = True) -> torch.Tensor:

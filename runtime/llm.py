@@ -417,12 +417,66 @@ class LLMEngine:
         self.release_followers()
 
 
+def artifact_kind(path: str | Path) -> str:
+    """"decoder" or "encoder", from the artifact's plan (checked as the loader checks it)."""
+    from dsc.runtime.artifact import open_artifact
+
+    return open_artifact(path, ranks=[], verify=False).plan["model"].get("kind", "decoder")
+
+
 class LLM:
-    """Offline generation over the continuous-batching engine."""
+    """Offline generation over the continuous-batching engine; embeddings of an encoder
+    artifact (runtime/embed.py)."""
 
     def __init__(self, model: str | Path, **kwargs):
-        self.engine = LLMEngine(model, **kwargs)
+        if kwargs.get("engine") is None and artifact_kind(model) == "encoder":
+            from dsc.runtime.embed import EmbeddingEngine
+
+            self.engine = EmbeddingEngine(model, **kwargs)
+        else:
+            self.engine = LLMEngine(model, **kwargs)
         self._ids = 0
+
+    def _decoder(self, what: str) -> None:
+        if not isinstance(self.engine, LLMEngine):
+            raise UserError(f"{what}: {self.engine.model_name} is an embedding (encoder) model; use LLM.embed")
+
+    def embed(self, prompts, pooling_params=None) -> list:
+        """One EmbeddingRequestOutput per prompt (text or token ids), in order: `.outputs.embedding`.
+        pooling_params: an EmbeddingParams (normalize) for all, or a list of them. Under tensor
+        parallelism every rank calls this; rank 0 returns the outputs, the others []."""
+        from dsc.runtime.embed import EmbeddingEngine
+
+        eng = self.engine
+        if not isinstance(eng, EmbeddingEngine):
+            raise UserError(f"embed: {eng.model_name} is a decoder (causal LM); compile an encoder model "
+                            "(BERT, RoBERTa, DistilBERT, a sentence-transformers checkpoint) for embeddings")
+        if eng.engine.rank != 0:
+            eng.follow()
+            return []
+        try:
+            prompts = self._prompts(prompts)
+            params = pooling_params if isinstance(pooling_params, list) else [pooling_params] * len(prompts)
+            if len(params) != len(prompts):
+                raise UserError(f"pooling_params: {len(params)} given for {len(prompts)} prompts")
+            ids = []
+            for i, (p, pp) in enumerate(zip(prompts, params)):
+                rid = f"{self._ids}"
+                self._ids += 1
+                try:
+                    eng.add_request(rid, p, pp)
+                except UserError as e:
+                    for r in ids:
+                        eng.abort_request(r)
+                    raise UserError(f"prompt {i}: {e}") from None
+                ids.append(rid)
+            final = {}
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    final[out.request_id] = out
+            return [final[r] for r in ids]
+        finally:
+            eng.release_followers()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -441,6 +495,7 @@ class LLM:
                  callback=None) -> list[RequestOutput]:
         """One output per prompt, in order. Under tensor parallelism every rank calls this; rank
         0 schedules and returns the outputs, the others run its steps and return []."""
+        self._decoder("generate")
         eng = self.engine
         if eng.engine.rank != 0:
             eng.follow()
@@ -478,6 +533,7 @@ class LLM:
              chat_template: str | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of them, rendered
         by the artifact's chat template (LLMEngine.apply_chat_template takes the keywords)."""
+        self._decoder("chat")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         if self.engine.engine.rank != 0:
             self.engine.follow()
