@@ -130,7 +130,18 @@ def _run(model: Model, produce, prompts: list[list[int]], positions: int, lock: 
 
     sim = Simulator(model, produce, model.options.tp, batch=len(prompts), seq=max(2, max(map(len, prompts))),
                     weight_bytes=weight_bytes(model), dtype=torch.float32, lock=lock)
+    if "encode" in model.programs:  # an encoder: every real token's last hidden state
+        return sim.encoder_states(prompts, model.config.get("pad_token_id") or 0)
     return sim.logits_at(prompts, positions)
+
+
+def hidden_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
+    """An encoder's output: SQNR over all tokens' last hidden states [n, E], and the lowest
+    cosine similarity of one token's state with its unquantized twin's."""
+    r, x = ref.double(), q.double()
+    cos = torch.nn.functional.cosine_similarity(r, x, dim=-1)
+    return {"sqnr_db": round(_sqnr(float(r.pow(2).sum()), float((r - x).pow(2).sum())), 3),
+            "min_cosine": round(float(cos.min()), 6), "positions": int(r.shape[0])}
 
 
 def weight_sqnr_db(errors: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -208,7 +219,8 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
         "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
         "smoothquant": any(s.col_scale is not None for s in model.weights.values()),
         "inputs": {"source": source, "prompts": len(prompts), "positions_per_prompt": positions},
-        "logits": logits_metrics(ref, q),
+        **({"hidden_states": hidden_metrics(ref, q)} if "encode" in model.programs else
+           {"logits": logits_metrics(ref, q)}),
         "weight_sqnr_db": {"min": vals[0] if vals else None, "median": vals[len(vals) // 2] if vals else None,
                            "worst": [[k, layers[k]] for k in worst]},  # a list: JSON keys get sorted
         "layers": layers,
@@ -248,7 +260,7 @@ class RankFiles:
 
 def summary(report: dict) -> str:
     """A few lines for the terminal."""
-    lg, ws, mem = report["logits"], report["weight_sqnr_db"], report["memory"]
+    ws, mem = report["weight_sqnr_db"], report["memory"]
     scheme = f"{report['mode']}, " + (f"group {report['group_size']}" if report["group_size"] else
                                       f"q_groups {report['q_groups']}" if report["q_groups"] else "per-channel")
     scheme += ", symmetric" if report["symmetric"] else ", asymmetric"
@@ -257,8 +269,13 @@ def summary(report: dict) -> str:
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     inputs = {"random tokens": "random-token prompts: the checkpoint has no tokenizer",
               "sample text": "prompts of the built-in sample text"}.get(inp["source"], f"{inp['source']} prompts")
-    lines = [f"int8 report ({scheme}; {lg['positions']} positions of {inp['prompts']} {inputs}):",
-             f"  logits: SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, top-1 agreement {lg['top1_agreement']:.1%}"]
+    if "logits" in report:
+        lg = report["logits"]
+        quality = f"  logits: SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, top-1 agreement {lg['top1_agreement']:.1%}"
+    else:
+        lg = report["hidden_states"]
+        quality = f"  hidden states: SQNR {lg['sqnr_db']:.1f} dB, lowest cosine {lg['min_cosine']:.5f}"
+    lines = [f"int8 report ({scheme}; {lg['positions']} positions of {inp['prompts']} {inputs}):", quality]
     if ws["min"] is not None:
         worst = ", ".join(f"{k} {v:.1f}" for k, v in ws["worst"][:3])
         lines.append(f"  weight SQNR over {len(report['layers'])} weights: median {ws['median']:.1f} dB, "
@@ -270,9 +287,10 @@ def summary(report: dict) -> str:
 
 def check_min_sqnr(report: dict, min_sqnr: float | None) -> None:
     """UserError when the logits SQNR is below --int8-min-sqnr, naming the worst layers."""
-    if min_sqnr is None or report["logits"]["sqnr_db"] >= min_sqnr:
+    what = "logits" if "logits" in report else "hidden_states"
+    if min_sqnr is None or report[what]["sqnr_db"] >= min_sqnr:
         return
     worst = ", ".join(f"{k} ({v:.1f} dB)" for k, v in report["weight_sqnr_db"]["worst"])
-    raise UserError(f"--int8-min-sqnr {min_sqnr:g}: logits SQNR is {report['logits']['sqnr_db']:.1f} dB; "
+    raise UserError(f"--int8-min-sqnr {min_sqnr:g}: {what.replace('_', '-')} SQNR is {report[what]['sqnr_db']:.1f} dB; "
                     f"worst layers by weight SQNR: {worst}. Keep them in 16-bit with --int8-skip, "
                     "or use --int8-group-size / --int8-asymmetric")

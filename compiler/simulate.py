@@ -177,6 +177,14 @@ class Simulator:
             return a.to(self.dtype)
         return a
 
+    def encoder_states(self, sequences: Sequence[Sequence[int]], pad_token_id: int) -> torch.Tensor:
+        """An encoder's last hidden states [n, E] fp32 of every real token of every sequence (in
+        order), from one run of the right-padded batch."""
+        ids, _ = pad(sequences, pad_token_id)
+        lengths = torch.tensor([len(s) for s in sequences])
+        h = self.run("encode", (ids, lengths)).float()
+        return torch.cat([h[b, :n] for b, n in enumerate(lengths.tolist())])
+
     def logits_at(self, sequences: Sequence[Sequence[int]], positions: int) -> torch.Tensor:
         """Logits [n, V] fp32 at the last `positions` positions of every sequence (each of a
         shorter one), sequence by sequence, from one prefill run of the batch: the program's
@@ -235,10 +243,10 @@ def _collective(node: fx.Node) -> Callable[[list[tuple]], list] | None:
     return None
 
 
-def pad(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, position_ids) [B, L], right-padded with 0; L >= 2 (the prefill program's minimum)."""
+def pad(sequences: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, position_ids) [B, L], right-padded with pad_id; L >= 2 (the prefill program's minimum)."""
     L = max(2, max(len(s) for s in sequences))
-    ids = torch.zeros(len(sequences), L, dtype=torch.long)
+    ids = torch.full((len(sequences), L), pad_id, dtype=torch.long)
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
     return ids, torch.arange(L).expand(len(sequences), L).contiguous()

@@ -65,7 +65,8 @@ _ELEMENTWISE = {
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 _LOGIT_EPILOGUE = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.tanh.default)
-_ATTENTIONS = {torch.ops.dsc.attention.default, torch.ops.dsc.paged_attention.default}
+_ATTENTIONS = {torch.ops.dsc.attention.default, torch.ops.dsc.paged_attention.default,
+               torch.ops.dsc.encoder_attention.default}  # (an encoder's: no cache)
 _PASS_THROUGH = _VIEWS | _ELEMENTWISE | _REDUCTIONS | _SPLITS | {
     aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.slice.Tensor,
     aten.cat.default, operator.getitem, *_ATTENTIONS, aten.chunk.default, aten.stack.default,
@@ -448,7 +449,8 @@ class _Solver:
         return out
 
     def _attention(self, n: fx.Node) -> Layout:
-        q, k, v, kc, vc = n.args[:5]
+        q, k, v = n.args[:3]
+        caches = () if n.target is torch.ops.dsc.encoder_attention.default else n.args[3:5]
         lq, lk, lv = self._in(q), self._in(k), self._in(v)
         if (lq.dim, lk.dim, lv.dim) != (1, 1, 1):
             raise _Unsupported(f"{n.name}: q/k/v are not sharded along heads")
@@ -462,7 +464,7 @@ class _Solver:
         for _, key in lk.blocks:
             self.pieces.set(key, kv_pieces)
         self._check_gqa(n, lq, lk, hq // hkv)
-        for c in (kc, vc):
+        for c in caches:
             self.kv[c] = hkv // kv_pieces
         if isinstance(slopes := _alibi_slopes(n), fx.Node):  # [H] per q head: split with the q heads
             if slopes.op != "get_attr" or _val(slopes).shape != (hq,):

@@ -103,6 +103,7 @@ class EmbeddingEngine:
             raise UserError(f"{engine.artifact.path}: a {engine.kind} artifact has no embeddings; "
                             "use LLM.generate, /v1/completions or /v1/chat/completions")
         self.engine = engine
+        self.kind = "encoder"
         model = engine.plan["model"]
         self.pooling = dict(model["pooling"])
         self.pad_token_id = model["pad_token_id"]
@@ -119,7 +120,7 @@ class EmbeddingEngine:
                             f"{self.max_model_len}: its longest inputs would never run")
         self.load_times = dict(getattr(engine, "load_times", {}))
         self._waiting: deque[_Waiting] = deque()
-        self._steps = self._embedded = 0
+        self._steps = self._tokens = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int], where: str = "input") -> list[int]:
@@ -158,7 +159,10 @@ class EmbeddingEngine:
         return bool(self._waiting)
 
     def stats(self) -> dict:
-        return {"waiting": len(self._waiting), "running": 0, "steps": self._steps, "embedded": self._embedded}
+        """LLMEngine.stats' fields (the server's metrics read them): no KV blocks, no generation."""
+        return {"num_running": 0, "num_waiting": len(self._waiting), "kv_blocks_total": 0, "kv_blocks_used": 0,
+                "prefix_cache_hit_tokens": 0, "prompt_tokens_total": self._tokens, "generation_tokens_total": 0,
+                "preemptions": 0, "steps": self._steps}
 
     # -- steps ------------------------------------------------------------------------------------
     def _take(self) -> list[_Waiting]:
@@ -183,7 +187,7 @@ class EmbeddingEngine:
         lengths = torch.tensor([len(w.ids) for w in batch], dtype=torch.long)
         vecs = self._run(ids, lengths, [w.normalize for w in batch]).cpu()
         self._steps += 1
-        self._embedded += len(batch)
+        self._tokens += sum(len(w.ids) for w in batch)
         return [EmbeddingRequestOutput(w.request_id, w.prompt, w.ids, EmbeddingOutput(v.tolist()))
                 for w, v in zip(batch, vecs)]
 

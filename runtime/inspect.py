@@ -184,11 +184,17 @@ def render(info: dict) -> None:
 
 def int8_summary(rep: dict) -> list[str]:
     """The manifest's int8 report in a few lines (compiler/int8_report.py writes it)."""
-    lg, mem, ws = rep["logits"], rep["memory"], rep["weight_sqnr_db"]
+    mem, ws = rep["memory"], rep["weight_sqnr_db"]
     scheme = rep["mode"] + (f", group {rep['group_size']}" if rep.get("group_size") else ", per-channel")
     scheme += (", symmetric" if rep["symmetric"] else ", asymmetric") + (", SmoothQuant" if rep.get("smoothquant") else "")
-    out = [f"int8 ({scheme}): logits SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, "
-           f"top-1 agreement {lg['top1_agreement']:.1%} over {lg['positions']} positions"]
+    if "logits" in rep:
+        lg = rep["logits"]
+        out = [f"int8 ({scheme}): logits SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, "
+               f"top-1 agreement {lg['top1_agreement']:.1%} over {lg['positions']} positions"]
+    else:  # an encoder's
+        lg = rep["hidden_states"]
+        out = [f"int8 ({scheme}): hidden-state SQNR {lg['sqnr_db']:.1f} dB, lowest cosine {lg['min_cosine']:.5f} "
+               f"over {lg['positions']} tokens"]
     if ws.get("worst"):
         out.append("  worst weight SQNR: " + ", ".join(f"{k} {v:.1f} dB" for k, v in ws["worst"][:3]))
     out.append(f"  quantized linear weights: {_fmt_bytes(mem['int8_bytes'])} int8 + {_fmt_bytes(mem['scale_bytes'])} "

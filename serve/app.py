@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an EngineDriver: a FastAPI app factory.
 
     POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models,
-    GET /health, GET /metrics (Prometheus)
+    GET /health, GET /metrics (Prometheus); an encoder artifact serves POST /v1/embeddings
+    instead of the two generation endpoints (each refuses the other kind's model with a 400)
 
 Every error is OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 for a body
 that does not validate (naming the field), a value past the model's bounds, a prompt that does
@@ -36,7 +37,7 @@ from dsc.serve.metrics import Metrics
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt as token ids is about 1 MiB of JSON
 _CUT = "cut"  # queued into a request's outputs when the shutdown timeout has passed
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
 
 
 class ApiError(Exception):
@@ -78,6 +79,7 @@ class Server:
         self.metrics = Metrics(lambda: self.driver.stats)
         sched = getattr(self.engine, "scheduler", self.engine)
         self.max_num_seqs = int(getattr(sched, "max_num_seqs", 1))
+        self.kind = getattr(self.engine, "kind", "decoder")  # "encoder": an embedding model
         self.open: "weakref.WeakSet[_Outputs]" = weakref.WeakSet()  # requests not finished
         self.closing = False
 
@@ -93,10 +95,16 @@ class Server:
             outs.queue.put_nowait((None, _CUT))
 
     # -- admission --------------------------------------------------------------------------------
-    def check_model(self, model: Optional[str]) -> None:
+    def check_model(self, model: Optional[str], kind: str = "decoder") -> None:
+        """The request names the served model (or none), and the endpoint serves its kind."""
         if model is not None and model != self.model_name:
             raise ApiError(404, f"model: {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
+        if kind != self.kind:
+            what = ("an embedding (encoder) model: it serves /v1/embeddings only" if self.kind == "encoder"
+                    else "a text-generation model: it serves /v1/completions and /v1/chat/completions, "
+                         "not /v1/embeddings")
+            raise ApiError(400, f"model: {self.model_name!r} is {what}", "model", "model_not_supported")
 
     def waiting(self) -> int:
         """Sequences waiting for a slot: the engine's waiting queue as of its latest stats, plus
@@ -187,7 +195,7 @@ class _Outputs:
         if t.prompt_index not in self.prompt_tokens:
             self.prompt_tokens[t.prompt_index] = len(out.prompt_token_ids)
             m.prompt_tokens.inc(len(out.prompt_token_ids))
-        tokens = sum(len(c.token_ids) for c in out.outputs)
+        tokens = sum(len(c.token_ids) for c in out.outputs) if isinstance(out.outputs, list) else 0
         if tokens > t.tokens:
             m.generation_tokens.inc(tokens - t.tokens)
             (m.itl.observe(now - t.last) if t.last is not None else m.ttft.observe(now - t.arrival))
@@ -367,6 +375,48 @@ async def _stream(server: Server, outs: _Outputs, shape: _Shape, rid: str, creat
         outs.abort()  # a no-op when every request finished; frees the KV blocks when the client left
 
 
+def _embedding_inputs(server: Server, inputs: list) -> list[list[int]]:
+    """Each input's token ids (text through the artifact's tokenizer), within the model's length
+    and vocabulary: ApiError(400) naming the input otherwise."""
+    from dsc.serve.client import encode
+
+    out = []
+    for i, p in enumerate(inputs):
+        where = "input" if len(inputs) == 1 else f"input[{i}]"
+        try:
+            ids = encode(server.engine, p)
+        except UserError as e:
+            raise ApiError(400, f"{where}: {str(e).split(': ', 1)[-1]}", "input") from None
+        if len(ids) > server.engine.max_model_len:
+            raise ApiError(400, f"{where}: {len(ids)} tokens; this model's maximum is "
+                                f"{server.engine.max_model_len}", "input", "context_length_exceeded")
+        out.append(ids)
+    return out
+
+
+async def _collect_embeddings(server: Server, outs: _Outputs, encoding_format: str):
+    import base64
+    from array import array
+
+    final = {}
+    try:
+        async for t, out in outs:
+            if out.finished:
+                final[t.prompt_index] = out.outputs.embedding
+    except ApiError as e:
+        outs.abort()
+        return e.response()
+
+    def encoded(v: list[float]):
+        return v if encoding_format == "float" else base64.b64encode(array("f", v).tobytes()).decode()
+
+    data = [P.Embedding(index=i, embedding=encoded(v)) for i, v in sorted(final.items())]
+    tokens = sum(outs.prompt_tokens.values())
+    body = P.EmbeddingResponse(data=data, model=server.model_name,
+                               usage=P.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    return JSONResponse(body.model_dump())
+
+
 # -- the app ----------------------------------------------------------------------------------------
 def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
                max_queue: int = 1024, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -412,6 +462,19 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
         fields = dict(req.sampling_fields(), max_tokens=req.requested_max_tokens(), logprobs=top)
         shape = _Shape(True, req.n, top, fields["stop"] or [], req.return_token_ids)
         return await _respond(server, request, req, [prompt], fields, shape)
+
+    @v1.post("/embeddings")
+    async def embeddings(req: P.EmbeddingRequest, request: Request):
+        server.check_model(req.model, "encoder")
+        if req.dimensions is not None:
+            raise ApiError(400, f"dimensions: {server.model_name!r} returns {server.engine.hidden_size} dimensions "
+                                "and does not support shortened embeddings", "dimensions")
+        inputs = req.inputs()
+        server.check_queue(len(inputs))  # before tokenizing: a full server refuses at once
+        prompts = await asyncio.to_thread(_embedding_inputs, server, inputs)
+        fields = {} if req.normalize is None else {"normalize": req.normalize}
+        outs = await server.submit(prompts, fields)
+        return await _unless_disconnected(request, _collect_embeddings(server, outs, req.encoding_format), outs)
 
     @app.get("/health")
     async def health():

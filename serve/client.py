@@ -61,6 +61,8 @@ class EngineFacts:
         self.vocab_size = ready["vocab_size"]
         self.eos_token_ids = list(ready["eos_token_ids"])
         self.block_size = ready["block_size"]
+        self.kind = ready.get("kind", "decoder")  # "encoder": embeddings (runtime/embed.py)
+        self.hidden_size = ready.get("hidden_size")
         self.world = ready["world"]  # tensor-parallel ranks
         self.pid = ready["pid"]  # rank 0's engine process
         self.load_s = ready.get("load_s")
@@ -267,6 +269,11 @@ class EngineClient:
             req = self._reqs.get(rid)
             if req is None:  # aborted before the engine took it; its abort follows the add
                 continue
+            if self.engine.kind == "encoder":  # no choices: one embedding
+                req.choices = []
+                if not _deliver(req.sink, ACCEPTED):
+                    self.abort(rid)
+                continue
             p = self._llm.SamplingParams(**req.fields)
             stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
             req.choices = [_Choice(i, self._detokenizer(req.prompt_ids, p, stop),
@@ -279,8 +286,20 @@ class EngineClient:
                 _deliver(req.sink, UserError(message) if user_error else EngineError(message))
         for rid, finished, choices in outputs:
             req = self._reqs.get(rid)
-            if req is not None and req.choices is not None:
-                self._output(rid, req, choices)
+            if req is None or req.choices is None:
+                continue
+            if isinstance(choices, dict):  # an embedding request's one output
+                from array import array
+
+                from dsc.runtime.embed import EmbeddingOutput, EmbeddingRequestOutput
+
+                with self._lock:
+                    self._reqs.pop(rid, None)
+                vec = array("f")
+                vec.frombytes(choices["embedding"])
+                _deliver(req.sink, EmbeddingRequestOutput(rid, req.prompt, req.prompt_ids, EmbeddingOutput(vec.tolist())))
+                continue
+            self._output(rid, req, choices)
 
     def _detokenizer(self, prompt_ids: list, p, stop: list) -> Optional[Detokenizer]:
         if self.engine.tokenizer is None:

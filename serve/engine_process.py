@@ -11,6 +11,8 @@ to the API process (serve/client.py) over two ZeroMQ sockets, one msgpack array 
                     ["stop"]                           abort what is left, shut down, exit 0
     engine -> API   ["ready", facts] | ["error", message]            once, after the load
                     ["step", accepted, errors, outputs, stats]       per turn of the loop
+                    (an encoder's engine, runtime/embed.py: outputs [[rid, true, {"embedding":
+                    float32 bytes, little-endian}], ...], each request ending in the step that ran it)
                     ["bye", stats]                                   the answer to "stop"
 
     accepted: [rid, ...]; errors: [[rid, is_user_error, message], ...] (refused by add_request,
@@ -137,6 +139,12 @@ class EngineLoop:
             sent = self.sent.get(out.request_id)
             if sent is None:
                 continue
+            if hasattr(out.outputs, "embedding"):  # an embedding: finished in the step that ran it
+                from array import array
+
+                del self.sent[out.request_id]
+                outputs.append([out.request_id, True, {"embedding": array("f", out.outputs.embedding).tobytes()}])
+                continue
             choices = []
             for c in out.outputs:
                 k = sent[c.index]
@@ -200,12 +208,17 @@ def main(argv: list[str]) -> int:
         outbox = ctx.socket(zmq.PUSH)
         outbox.setsockopt(zmq.LINGER, 2000)  # the last frame ("bye", "error") reaches the API
         outbox.connect(cfg["outputs"])
-    from dsc.runtime.llm import LLMEngine, SamplingParams
+    from dsc.runtime.llm import LLMEngine, SamplingParams, artifact_kind
 
     _leave_a_core_to_the_api()
     t0 = time.perf_counter()
     try:
-        engine = LLMEngine(cfg["artifact"], detokenize=False, **cfg["engine"])
+        if artifact_kind(cfg["artifact"]) == "encoder":
+            from dsc.runtime.embed import EmbeddingEngine, EmbeddingParams
+
+            engine, params_cls = EmbeddingEngine(cfg["artifact"], **cfg["engine"]), EmbeddingParams
+        else:
+            engine, params_cls = LLMEngine(cfg["artifact"], detokenize=False, **cfg["engine"]), SamplingParams
     except UserError as e:
         if outbox is not None:
             outbox.send(pack(["error", str(e)]))
@@ -219,14 +232,17 @@ def main(argv: list[str]) -> int:
     else:
         inbox = ctx.socket(zmq.PULL)
         inbox.connect(cfg["requests"])
+        encoder = getattr(engine, "kind", "decoder") == "encoder"
         facts = dict(model_name=engine.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
-                     eos_token_ids=engine.eos_token_ids, block_size=engine.scheduler.block_size, world=world,
+                     eos_token_ids=engine.eos_token_ids, world=world,
+                     block_size=0 if encoder else engine.scheduler.block_size,
+                     kind="encoder" if encoder else "decoder", hidden_size=engine.hidden_size if encoder else None,
                      pid=os.getpid(), load_s=round(time.perf_counter() - t0, 3), stats=engine.stats(),
                      load_times={k: round(v, 2) for k, v in getattr(engine, "load_times", {}).items()})
         outbox.send(pack(["ready", facts]))
         api_pid = cfg["api_pid"]
         try:
-            EngineLoop(engine, SamplingParams, inbox, outbox, lambda: _process_alive(api_pid)).run()
+            EngineLoop(engine, params_cls, inbox, outbox, lambda: _process_alive(api_pid)).run()
         finally:
             engine.shutdown()  # releases the other ranks
     if world > 1:

@@ -46,6 +46,19 @@ def lone_surrogate(value: Any) -> Optional[int]:
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        if isinstance(data, dict):
+            for key, value in data.items():
+                try:
+                    at = lone_surrogate(value)
+                except RecursionError:
+                    raise ValueError(f"{key}: nested too deeply") from None
+                if at is not None:
+                    raise ValueError(f"{key}: invalid Unicode (a lone surrogate at character {at})")
+        return data
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
@@ -68,19 +81,6 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # accepted, unused
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        if isinstance(data, dict):
-            for key, value in data.items():
-                try:
-                    at = lone_surrogate(value)
-                except RecursionError:
-                    raise ValueError(f"{key}: nested too deeply") from None
-                if at is not None:
-                    raise ValueError(f"{key}: invalid Unicode (a lone surrogate at character {at})")
-        return data
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -132,6 +132,30 @@ class CompletionRequest(_Sampling):
 
     def prompts(self) -> list[Union[str, list[int]]]:
         p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+MAX_EMBEDDING_INPUTS = 2048  # inputs of one request, as OpenAI's embeddings API
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's embeddings request; `normalize` is vLLM's (None: the model's pooling config)."""
+    model: Optional[str] = None
+    # text, several texts, token ids, or several token-id lists
+    input: Union[Annotated[str, Field(min_length=1)],
+                 Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)],
+                 Annotated[list[TokenId], Field(min_length=1)],
+                 Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                           Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(None, ge=1)
+    normalize: Optional[bool] = None
+    user: Optional[str] = None  # accepted, unused
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        p = self.input
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
@@ -298,6 +322,24 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[Union[ChatChoice, ChatStreamChoice]]
     usage: Optional[Usage] = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]  # base64: the float32 values, little-endian
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):
