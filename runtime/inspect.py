@@ -53,7 +53,7 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
     attn = cache_readers(plan["programs"].get("decode", {"nodes": []}))
     windows = Counter(_window(n) for n in attn)
     buckets = plan["limits"].get("decode_buckets") or [plan["limits"]["max_batch"]]
-    workspace = {b: workspace_bytes(plan, "decode", b) for b in buckets}
+    workspace = {b: workspace_bytes(plan, "decode", b) for b in buckets} if "decode" in plan["programs"] else {}
     return {"path": str(path), "decode_buckets": buckets, "decode_workspace": workspace, "format_version": man["format_version"], "versions": man.get("versions"),
             "source": (man.get("source") if isinstance(man.get("source"), dict) else {}).get("model"), "model_type": plan["model"]["model_type"],
             "dtype": plan["model"]["dtype"], "tp": plan["tp"], "options": man.get("options"),
@@ -62,6 +62,7 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
             "attention_variants": {v: c for v, c in sorted(Counter(score_variant(n) for n in attn).items()) if v},
             "ranks": ranks, "passes": plan.get("passes", {}), "notes": plan.get("notes", {}),
             "experts": _experts(plan["model"].get("experts"), expert_bytes, other_bytes),
+            "kind": plan["model"].get("kind", "decoder"), "pooling": plan["model"].get("pooling"),
             "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)}}
 
 
@@ -110,6 +111,13 @@ def render(info: dict) -> None:
     c.print(f"  {info['model_type']}  {info['dtype']}  tp={info['tp']}  "
             f"(source {info['source']}, format v{info['format_version']})")
     c.print(f"options: {json.dumps(info['options'], sort_keys=True)}")
+    if info.get("kind") == "encoder":
+        pool = info.get("pooling") if isinstance(info.get("pooling"), dict) else {}
+        c.print(f"kind: encoder (embeddings): program encode runs right-padded rows to their last hidden states; "
+                f"pooling {pool.get('mode')}{', L2-normalized' if pool.get('normalize') else ''} "
+                f"(from {pool.get('source')})")
+    else:
+        c.print("kind: decoder: prefill and decode (static cache), ragged (continuous batching over the paged cache)")
     kv = info["kv_cache"]
     if kv:
         c.print(f"kv cache: {kv['layers']} layers x 2 x {kv['shape']} {kv['dtype']}")
