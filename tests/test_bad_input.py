@@ -76,7 +76,7 @@ CHECKPOINT_CASES = {
     "config_not_an_object": (lambda ck: (ck / "config.json").write_text("[1, 2]"), ["config.json"]),
     "config_without_model_type": (_edit_config(model_type=None), ["config.json", "model_type"]),
     "config_without_vocab_size": (_edit_config(vocab_size=None), ["config.json", "vocab_size"]),
-    "unknown_model_type": (_edit_config(model_type="bert"), ["config.json", "'bert'", _SUPPORTED]),
+    "unknown_model_type": (_edit_config(model_type="mamba"), ["config.json", "'mamba'", _SUPPORTED]),
     "missing_weight_tensor": (_rewrite_weights(lambda t: t.pop(_MISSING)), ["model.safetensors", _MISSING]),
     "weight_of_wrong_shape": (_rewrite_weights(lambda t: t.update({_MISSING: t[_MISSING][:-1]})),
                               ["model.safetensors", _MISSING, "shape"]),
