@@ -269,7 +269,7 @@ class EngineClient:
             req = self._reqs.get(rid)
             if req is None:  # aborted before the engine took it; its abort follows the add
                 continue
-            if self.engine.kind == "encoder":  # no choices: one embedding
+            if getattr(self.engine, "kind", "decoder") == "encoder":  # no choices: one embedding
                 req.choices = []
                 if not _deliver(req.sink, ACCEPTED):
                     self.abort(rid)
