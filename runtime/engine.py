@@ -270,6 +270,8 @@ class Engine:
         produced tokens, with each prompt's new token (None for prompts without one). Under
         tensor parallelism every rank calls this; rank 0 schedules, and every rank returns the
         result."""
+        if self.kind == "encoder":
+            raise UserError(f"generate: {self.artifact.path} is an embedding (encoder) model; use dsc.LLM(...).embed")
         from dsc.runtime.executor import EngineCore, follow, release_followers
         from dsc.runtime.scheduler import SeqParams, Sequence as Seq
 
