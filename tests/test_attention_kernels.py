@@ -620,8 +620,9 @@ DECODE_BUILDS = ["decode", "decode-pre0", "decode-d80", "decode-window", "decode
                  "decode-rotary-window"]
 
 
-@pytest.mark.parametrize("kernel, dtype", sm90_params(["prefill", "prefill-n128", "prefill-window", "prefill-mha", "rotary",
-                                                       *DECODE_BUILDS, *(f"{name}-pdl" for name in DECODE_BUILDS)]))
+@pytest.mark.parametrize("kernel, dtype", sm90_params([
+    "prefill", "prefill-n128", "prefill-window", "prefill-mha", "rotary",
+    *DECODE_BUILDS, *(f"{name}-pdl" for name in DECODE_BUILDS)]))
 def test_kernel_compiles_for_sm90(sm90_report, kernel, dtype):
     """Every kernel build in bf16; the FP16_BUILDS in fp16 too."""
     assert sm90_report[f"{kernel}/{dtype}"] == "ok"
