@@ -5,9 +5,11 @@ is first imported, and other test files may import triton, so every case runs in
 process (this file run as a script) whose JSON report the parametrized tests read. A second
 child compiles the kernels for sm_90 (no GPU needed), which the interpreter cannot check.
 The interpreter's bf16 tl.dot is wrong (DESIGN.md): cases run in fp16 and fp32.
-Every prefill case also runs with the prefill variant's keys on (TMA descriptors, deferred
-p @ v: kernels/attention.py PREFILL_VARIANTS); the interpreter runs host TMA descriptors (zero
-fill past a tensor's end included) but not Hopper's asynchrony, so the sm_90 builds are checked too.
+Every unwindowed prefill case (and one windowed) also runs with the prefill variant's keys on
+(TMA descriptors in fp16, deferred p @ v: kernels/attention.py PREFILL_VARIANTS; VARIANT_RUNS);
+the interpreter runs host TMA descriptors (zero fill past a tensor's end included) but not
+Hopper's asynchrony, so the sm_90 builds are checked too: each build in bf16, the default
+prefill and decode, the warp-specialized prefill and the rotating kernels in fp16 too (FP16_BUILDS).
 The rotary decode cases run `dsc::rotary_attention`'s kernel (decode_attention with rotary=(cos, sin))
 against dsc.rotary's reference then attention's, and against the unfused kernels (rotary, then
 plain decode attention): the same bits, output and cache.
@@ -154,10 +156,16 @@ CASES = {
                                                  PRE_N=32)),
 }
 DTYPES = ("float32", "float16")
-# the prefill variant's launch-config keys, each run on every prefill case (a windowed call runs
-# the default code: those cases check that the wrapper ignores the keys there)
+# the prefill variant's launch-config keys, each run on every unwindowed prefill case. A windowed
+# call runs the default code whatever the keys (prefill_attention), so one windowed case checks
+# that the wrapper ignores them there; TMA is for 16-bit tensors only, so in fp32 "tma" is the
+# default kernel and "tma-defer-pv" is "defer-pv": fp32 runs "defer-pv" alone
 VARIANTS = {"tma": dict(TMA=True), "defer-pv": dict(DEFER_PV=True), "tma-defer-pv": dict(TMA=True, DEFER_PV=True)}
-PREFILL_CASES = [name for name, case in CASES.items() if case.kind == "prefill"]
+VARIANT_DTYPES = {"tma": ("float16",), "defer-pv": DTYPES, "tma-defer-pv": ("float16",)}
+PREFILL_CASES = [name for name, case in CASES.items()
+                 if case.kind == "prefill" and (not case.window or name == "prefill-window-chunked")]
+VARIANT_RUNS = [(name, variant, dtype) for name in PREFILL_CASES for variant in VARIANTS
+                for dtype in VARIANT_DTYPES[variant]]
 TOL = {"float32": 2e-5, "float16": 2e-3}  # max |kernel - fp32 reference| / max(1, |reference|)
 
 
@@ -246,14 +254,12 @@ def _worker() -> None:
                 report[f"{name}/{dtype}"] = run_case(case, getattr(torch, dtype))
             except Exception as e:  # reported per case by the parent, not swallowed
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"
-    for name in PREFILL_CASES:
-        for variant, flags in VARIANTS.items():
-            for dtype in DTYPES:
-                try:
-                    report[f"{name}+{variant}/{dtype}"] = run_case(with_variant(CASES[name], flags),
-                                                                   getattr(torch, dtype))
-                except Exception as e:  # reported per case by the parent, not swallowed
-                    report[f"{name}+{variant}/{dtype}"] = f"raised {type(e).__name__}: {e}"
+    for name, variant, dtype in VARIANT_RUNS:
+        try:
+            report[f"{name}+{variant}/{dtype}"] = run_case(with_variant(CASES[name], VARIANTS[variant]),
+                                                           getattr(torch, dtype))
+        except Exception as e:  # reported per case by the parent, not swallowed
+            report[f"{name}+{variant}/{dtype}"] = f"raised {type(e).__name__}: {e}"
     # every split counter is back at 0 after the launches (the next step, or graph replay,
     # starts from there); the split cases above allocated them
     from dsc.kernels import launch
@@ -336,6 +342,7 @@ def _compile_sm90() -> None:
 
     report = {}
     for dtype in ("fp16", "bf16"):
+        keep = lambda name: dtype == "bf16" or name in FP16_BUILDS  # noqa: E731
         t = {n: f"*{dtype}" for n in ("Q", "K", "V", "KC", "VC", "OUT")} | {"POS": "*i64"}
         f32 = {"PART_O": "*fp32", "PART_LSE": "*fp32", "LOCK": "*i32"}
         rot = {"COS": f"*{dtype}", "SIN": f"*{dtype}", "sc_b": "i32", "ss_b": "i32"}  # cos/sin [B, 1, 128]
@@ -409,6 +416,8 @@ def _compile_sm90() -> None:
                           | {"sc_b": "i32", "ss_b": "i32"},  # (strides here, not the decode kernel's tables)
                           dict(BLOCK_H=rcfg["BLOCK_H"], BLOCK_D=rcfg["BLOCK_D"]), dict(num_warps=rcfg["num_warps"]))
         for name, (fn, ptrs, consts, options) in jobs.items():
+            if not keep(name):
+                continue
             if name.startswith(("decode", "rotary")):  # the runtime's launch options (no FP contraction)
                 options = {**options, **ROTATE_OPTIONS}
             try:
@@ -435,6 +444,8 @@ def _compile_sm90() -> None:
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"[:2000]
         # the warp-specialized Gluon prefill (kernels/attention_sm90.py) at its table's tiles
         for name, (G, head_dim, config) in WS_BUILDS.items():
+            if not keep(name):
+                continue
             try:
                 kernel = W.compile_for_sm90(dtype, G, head_dim, config)
                 report[f"{name}/{dtype}"] = "ok"
@@ -457,6 +468,22 @@ def _compile_sm90() -> None:
         except Exception as e:
             report[f"{kind}-fp32-d128-smem"] = f"raised {type(e).__name__}: {e}"[:2000]
     print("REPORT " + json.dumps(report))
+
+
+# the builds also made in fp16 (all are made in bf16, what the 8B-class models run): fp16 and
+# bf16 builds of one kernel take the same constexprs and differ in the element type only. fp16
+# keeps the table's default prefill and decode (PDL too), the warp-specialized prefill at
+# Llama's shapes, and both kernels that rotate (their FP contraction is per element type)
+FP16_BUILDS = {"prefill", "decode", "decode-pdl", "rotary", "decode-rotary", "decode-rotary-pdl", "prefill-ws"}
+
+
+def sm90_dtypes(kernel: str) -> list[str]:
+    return ["fp16", "bf16"] if kernel in FP16_BUILDS else ["bf16"]
+
+
+def sm90_params(kernels) -> list:
+    """(kernel, dtype) for each build the sm_90 child makes of these kernels."""
+    return [pytest.param(k, d, id=f"{d}-{k}") for k in kernels for d in sm90_dtypes(k)]
 
 
 # the warp-specialized prefill's sm_90 builds: (G, head_dim, config overrides); Llama-8B's
@@ -568,9 +595,7 @@ def test_kernel_matches_reference(interpreter_report, case, dtype):
     assert interpreter_report[f"{case}/{dtype}"] == "ok"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("case", PREFILL_CASES)
+@pytest.mark.parametrize("case, variant, dtype", VARIANT_RUNS)
 def test_prefill_variant_matches_reference(interpreter_report, case, variant, dtype):
     assert interpreter_report[f"{case}+{variant}/{dtype}"] == "ok"
 
@@ -595,15 +620,15 @@ DECODE_BUILDS = ["decode", "decode-pre0", "decode-d80", "decode-window", "decode
                  "decode-rotary-window"]
 
 
-@pytest.mark.parametrize("kernel", ["prefill", "prefill-n128", "prefill-window", "prefill-mha", "rotary", *DECODE_BUILDS,
-                                    *(f"{name}-pdl" for name in DECODE_BUILDS)])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("kernel, dtype", sm90_params([
+    "prefill", "prefill-n128", "prefill-window", "prefill-mha", "rotary",
+    *DECODE_BUILDS, *(f"{name}-pdl" for name in DECODE_BUILDS)]))
 def test_kernel_compiles_for_sm90(sm90_report, kernel, dtype):
+    """Every kernel build in bf16; the FP16_BUILDS in fp16 too."""
     assert sm90_report[f"{kernel}/{dtype}"] == "ok"
 
 
-@pytest.mark.parametrize("kernel", DECODE_BUILDS)
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("kernel, dtype", sm90_params(DECODE_BUILDS))  # (FP16_BUILDS holds both or neither)
 def test_decode_pdl_waits_before_any_memory_access(sm90_report, kernel, dtype):
     """With PDL the decode kernel waits for the previous kernel before it reads q, k, v, cos / sin,
     the counters or the partials and before any store; before the wait it reads only cache_pos,
@@ -614,15 +639,13 @@ def test_decode_pdl_waits_before_any_memory_access(sm90_report, kernel, dtype):
     assert sm90_report[f"{kernel}-pdl-gdc/{dtype}"] == "ok"
 
 
-@pytest.mark.parametrize("kernel", [*DECODE_BUILDS, *(f"{name}-pdl" for name in DECODE_BUILDS)])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("kernel, dtype", sm90_params([*DECODE_BUILDS, *(f"{name}-pdl" for name in DECODE_BUILDS)]))
 def test_decode_builds_do_not_spill(sm90_report, kernel, dtype):
     """ptxas keeps every decode build (the rotary one's second q load and cos / sin included) in registers."""
     assert sm90_report[f"{kernel}-ptxas/{dtype}"] == "ok"
 
 
-@pytest.mark.parametrize("kernel", ["rotary", *DECODE_BUILDS])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("kernel, dtype", sm90_params(["rotary", *DECODE_BUILDS]))
 def test_rotation_is_not_contracted_on_sm90(sm90_report, kernel, dtype):
     """dsc.rotary's kernel and the decode kernel (which rotates with ROTARY) build without FP
     contraction: with it, LLVM turned rotate's bf16(bf16(x cos) + bf16(r sin)) into
@@ -631,8 +654,7 @@ def test_rotation_is_not_contracted_on_sm90(sm90_report, kernel, dtype):
     assert sm90_report[f"{kernel}-contract/{dtype}"] == "ok"
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("kernel", ["prefill-window", "prefill-mha"])
+@pytest.mark.parametrize("kernel, dtype", sm90_params(["prefill-window", "prefill-mha"]))
 def test_long_prefill_loops_store_outside_pipelined_loops(sm90_report, kernel, dtype):
     """The prefill kernel at the sm_90 table configs, where a loop that loads K/V can run past
     2 tiles (a sliding window; one query head per kv head, G = 1): no cache store in a
@@ -647,8 +669,7 @@ def _variant_jobs():
             for cfg in rows if not cfg.get("WS")]
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("kernel", _variant_jobs())
+@pytest.mark.parametrize("kernel, dtype", sm90_params(_variant_jobs()))
 def test_prefill_variant_compiles_for_sm90(sm90_report, kernel, dtype):
     """Every candidate row of the prefill variant builds for sm_90, without register spills or
     serialized wgmmas (ptxas); at G = 1 no cache store sits in a pipelined loop."""
@@ -658,8 +679,7 @@ def test_prefill_variant_compiles_for_sm90(sm90_report, kernel, dtype):
         assert sm90_report[f"{kernel}-pipelining/{dtype}"] == "ok"
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("kernel", list(WS_BUILDS))
+@pytest.mark.parametrize("kernel, dtype", sm90_params(WS_BUILDS))
 def test_warp_specialized_prefill_builds_for_sm90(sm90_report, kernel, dtype):
     """The Gluon prefill (no interpreter can run it; tests/gpu/test_gpu_attention.py checks its
     numbers on a GPU) builds for sm_90 with triton's current Gluon API: no spills, no serialized
@@ -669,7 +689,7 @@ def test_warp_specialized_prefill_builds_for_sm90(sm90_report, kernel, dtype):
     assert sm90_report[f"{kernel}-regs/{dtype}"] == "ok"
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", sm90_dtypes("prefill"))
 def test_default_prefill_wgmmas_are_not_serialized(sm90_report, dtype):
     assert sm90_report[f"prefill-ptxas/{dtype}"] == "ok"
 

@@ -159,10 +159,12 @@ def _peak_rise(fn) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
 def test_memory_is_bounded_by_the_largest_tensors_not_the_model(make_checkpoint, tmp_path, monkeypatch):
-    # 24 layers of a 512-wide Llama in fp32: 190 MB of weights, largest tensor 16 MB (embedding)
-    ckpt_dir = make_checkpoint("llama-tiny", hidden_size=512, intermediate_size=1408, num_hidden_layers=24,
-                               vocab_size=8000)
-    largest = 8000 * 512 * 4
+    # 4 layers of a 1024-wide Llama in fp32: 222 MB of weights in 30 tensors, the largest 16 MB
+    # (embedding and head; an MLP weight 11.5 MB). Few layers keep the trace short; the bound
+    # below is still half the model, so a writer holding a rank's or a layer run's tensors fails
+    ckpt_dir = make_checkpoint("llama-tiny", hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                               vocab_size=4000)
+    largest = 4000 * 1024 * 4
     monkeypatch.setattr(rank_files, "READ_AHEAD", largest)
     rises = {}
     for tp in (1, 4):

@@ -79,7 +79,10 @@ def test_gguf_artifact_equals_the_dequantized_checkpoints(smollm2, hf, tmp_path)
 
 def test_int8_report_on_real_text_within_1db_of_eval(smollm2, tmp_path):
     """The --int8 report measures on the built-in sample text; `dsc eval` of the int8 artifact
-    against the fp32 one, on its default 1,024 tokens of it, agrees within 1 dB."""
+    against the fp32 one agrees within 1 dB. The eval reads the text the report's prompts are
+    cut from (REPORT_PROMPTS chunks of REPORT_TOKENS: its first 512 tokens, as 4 windows of
+    128), every position of it, through the runtime: the report's last 64 positions of each
+    prompt, measured in the compiler's simulation, must stand for that."""
     import dsc
     from dsc.compiler.evaluate import evaluate
 
@@ -87,8 +90,12 @@ def test_int8_report_on_real_text_within_1db_of_eval(smollm2, tmp_path):
     int8 = dsc.compile(str(gguf), tmp_path / "int8", dtype="fp32", int8=True, max_seq=256)
     rep = json.loads((int8 / "manifest.json").read_text())["int8_report"]
     assert rep["inputs"]["source"] == "sample text"
-    ev = evaluate(int8, against=str(fp32))
-    assert ev["tokens"] == 1024 and ev["against"]["positions"] == 1024
+    from dsc.compiler.int8_report import REPORT_PROMPTS, REPORT_TOKENS
+
+    n = REPORT_PROMPTS * REPORT_TOKENS
+    assert rep["inputs"]["prompts"] == REPORT_PROMPTS, rep["inputs"]
+    ev = evaluate(int8, against=str(fp32), seq=REPORT_TOKENS, max_tokens=n)
+    assert ev["tokens"] == n == 512 and ev["windows"] == REPORT_PROMPTS and ev["against"]["positions"] == n
     assert abs(rep["logits"]["sqnr_db"] - ev["against"]["sqnr_db"]) < 1.0, (rep["logits"], ev["against"])
     assert ev["against"]["top1_agreement"] > 0.9 and ev["perplexity"] < 1.1 * ev["against"]["perplexity"]
 
