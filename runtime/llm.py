@@ -451,32 +451,7 @@ class LLM:
         if not isinstance(eng, EmbeddingEngine):
             raise UserError(f"embed: {eng.model_name} is a decoder (causal LM); compile an encoder model "
                             "(BERT, RoBERTa, DistilBERT, a sentence-transformers checkpoint) for embeddings")
-        if eng.engine.rank != 0:
-            eng.follow()
-            return []
-        try:
-            prompts = self._prompts(prompts)
-            params = pooling_params if isinstance(pooling_params, list) else [pooling_params] * len(prompts)
-            if len(params) != len(prompts):
-                raise UserError(f"pooling_params: {len(params)} given for {len(prompts)} prompts")
-            ids = []
-            for i, (p, pp) in enumerate(zip(prompts, params)):
-                rid = f"{self._ids}"
-                self._ids += 1
-                try:
-                    eng.add_request(rid, p, pp)
-                except UserError as e:
-                    for r in ids:
-                        eng.abort_request(r)
-                    raise UserError(f"prompt {i}: {e}") from None
-                ids.append(rid)
-            final = {}
-            while eng.has_unfinished_requests():
-                for out in eng.step():
-                    final[out.request_id] = out
-            return [final[r] for r in ids]
-        finally:
-            eng.release_followers()
+        return self._run(prompts, pooling_params, "pooling_params")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -496,15 +471,21 @@ class LLM:
         """One output per prompt, in order. Under tensor parallelism every rank calls this; rank
         0 schedules and returns the outputs, the others run its steps and return []."""
         self._decoder("generate")
+        return self._run(prompts, sampling_params, "sampling_params", callback)
+
+    def _run(self, prompts, params, params_name: str, callback=None) -> list:
+        """Add one request per prompt (params: one for all, or a list of them), step the engine
+        until every one finished, return their final outputs in order; `callback(out)` sees
+        every output. Ranks > 0 follow rank 0's steps and return []."""
         eng = self.engine
         if eng.engine.rank != 0:
             eng.follow()
             return []
         try:
             prompts = self._prompts(prompts)
-            params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+            params = params if isinstance(params, list) else [params] * len(prompts)
             if len(params) != len(prompts):
-                raise UserError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+                raise UserError(f"{params_name}: {len(params)} given for {len(prompts)} prompts")
             ids = []
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = f"{self._ids}"
@@ -516,7 +497,7 @@ class LLM:
                         eng.abort_request(r)
                     raise UserError(f"prompt {i}: {e}") from None
                 ids.append(rid)
-            final: dict[str, RequestOutput] = {}
+            final: dict[str, Any] = {}
             while eng.has_unfinished_requests():
                 for out in eng.step():
                     if callback:
