@@ -81,7 +81,8 @@ def unquantized(model: Model) -> Model:
                 continue
             if new.op != "call_function" or new.target not in _int8_targets():
                 continue
-            x, qw, bias = new.args[0], new.args[1], new.args[4]
+            x, qw = new.args[0], new.args[1]
+            bias = new.args[registry.traits(registry.op_name(new.target)).bias_arg]
             base = qw.target.removesuffix(".qweight")
             float_weight(qw, new.meta["val"].dtype)
             with g.inserting_before(new):
@@ -215,7 +216,7 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     worst = sorted(layers, key=layers.get)[:5]
     vals = sorted(layers.values())
     return {
-        "mode": opts.int8_mode, "symmetric": not opts.int8_asymmetric,
+        "mode": "fp8" if opts.fp8 else opts.int8_mode, "symmetric": not opts.int8_asymmetric,
         "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
         "smoothquant": any(s.col_scale is not None for s in model.weights.values()),
         "inputs": {"source": source, "prompts": len(prompts), "positions_per_prompt": positions},
@@ -261,10 +262,13 @@ class RankFiles:
 def summary(report: dict) -> str:
     """A few lines for the terminal."""
     ws, mem = report["weight_sqnr_db"], report["memory"]
+    name = "fp8" if report["mode"] == "fp8" else "int8"
     scheme = f"{report['mode']}, " + (f"group {report['group_size']}" if report["group_size"] else
                                       f"q_groups {report['q_groups']}" if report["q_groups"] else "per-channel")
     scheme += ", symmetric" if report["symmetric"] else ", asymmetric"
     scheme += ", SmoothQuant" if report["smoothquant"] else ""
+    if name == "fp8":
+        scheme = "e4m3, per-channel weights, per-token activations"
     inp = report["inputs"]
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     inputs = {"random tokens": "random-token prompts: the checkpoint has no tokenizer",
@@ -275,12 +279,12 @@ def summary(report: dict) -> str:
     else:
         lg = report["hidden_states"]
         quality = f"  hidden states: SQNR {lg['sqnr_db']:.1f} dB, lowest cosine {lg['min_cosine']:.5f}"
-    lines = [f"int8 report ({scheme}; {lg['positions']} positions of {inp['prompts']} {inputs}):", quality]
+    lines = [f"{name} report ({scheme}; {lg['positions']} positions of {inp['prompts']} {inputs}):", quality]
     if ws["min"] is not None:
         worst = ", ".join(f"{k} {v:.1f}" for k, v in ws["worst"][:3])
         lines.append(f"  weight SQNR over {len(report['layers'])} weights: median {ws['median']:.1f} dB, "
                      f"worst {worst} dB")
-    lines.append(f"  quantized linears: {mib(mem['int8_bytes'])} int8 + {mib(mem['scale_bytes'])} scales "
+    lines.append(f"  quantized linears: {mib(mem['int8_bytes'])} {name} + {mib(mem['scale_bytes'])} scales "
                  f"(at 16 bits: {mib(mem['bytes_16bit'])})")
     return "\n".join(lines)
 

@@ -47,12 +47,13 @@ class Shard:
 
 @dataclass(frozen=True)
 class Quant:
-    """Int8 quantization of a 2-D weight [out, in] after sharding. `part` picks the tensor
-    this spec produces: the int8 values, the scales or the zero points."""
+    """Quantization of a 2-D weight [out, in] after sharding. `part` picks the tensor this
+    spec produces: the quantized values, the scales or the zero points."""
 
     part: str  # "qweight" | "scale" | "zero"
     group_size: int | None = None  # None: one scale per output row
     symmetric: bool = True
+    scheme: str = "int8"  # "int8" (kernels/int8.py) | "fp8" (e4m3, kernels/fp8.py)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class WeightSpec:
         if self.quant:
             d["quant"] = {"part": self.quant.part, "group_size": self.quant.group_size,
                           "symmetric": self.quant.symmetric}
+            if self.quant.scheme != "int8":
+                d["quant"]["scheme"] = self.quant.scheme
         if self.const is not None:
             d["const"] = True
         if self.col_scale is not None:

@@ -43,6 +43,8 @@ class CompileOptions(BaseModel):
     int8_skip: tuple[str, ...] = Field((), description="module-path patterns (fnmatch) kept unquantized")
     int8_min_sqnr: float | None = Field(None, description="fail the compile if logits SQNR (dB) is lower")
     calibrate: str | None = Field(None, description="calibration prompts file (SmoothQuant), one per line")
+    # fp8 quantization (--int8-skip, --int8-lm-head and --int8-min-sqnr apply to it as well)
+    fp8: bool = Field(False, strict=True, description="quantize linear weights and activations to fp8 (e4m3)")
     # encoders
     pooling: Literal["mean", "cls", "last"] | None = Field(
         None, description="how an encoder's token states become one embedding; default: the checkpoint's "
@@ -78,10 +80,17 @@ class CompileOptions(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "CompileOptions":
-        if not self.int8 and (self.int8_group_size or self.int8_q_groups or self.int8_asymmetric or self.int8_lm_head
+        if self.fp8 and self.int8:
+            raise ValueError("--fp8 and --int8 both set; give one")
+        if self.fp8 and (self.int8_group_size or self.int8_q_groups or self.int8_asymmetric
+                         or self.int8_mode != "w8a16" or self.calibrate):
+            raise ValueError("--fp8 takes one scale per output channel and per token: the int8 grouping, "
+                             "zero-point, mode and calibration options do not apply")
+        if not self.int8 and not self.fp8 and (self.int8_group_size or self.int8_q_groups or self.int8_asymmetric or self.int8_lm_head
                               or self.int8_mode != "w8a16" or self.int8_skip or self.calibrate
                               or self.int8_min_sqnr is not None):
-            raise ValueError("int8 options need --int8")
+            raise ValueError("int8 options need --int8 (or --fp8, for --int8-skip, --int8-lm-head and "
+                             "--int8-min-sqnr)")
         if self.calibrate and self.int8_mode != "w8a8":
             raise ValueError("--calibrate (SmoothQuant) applies to --int8-mode w8a8")
         if self.min_tokens >= self.max_seq:

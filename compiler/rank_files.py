@@ -105,7 +105,8 @@ class RankTensors:
             return
         n, k = spec.shape
         g = k // self._group if self._group else 1
-        self._whole = {"qweight": torch.empty(n, k, dtype=torch.int8), "scale": torch.empty(n, g),
+        qdtype = local_dtype(dataclasses.replace(spec, quant=dataclasses.replace(spec.quant, part="qweight")))
+        self._whole = {"qweight": torch.empty(n, k, dtype=qdtype), "scale": torch.empty(n, g),
                        "zero": torch.empty(n, g, dtype=torch.int8)}
         errors = []
         for r0, w in _row_pieces(spec, self.reader):  # each source's rows into its rows of the parts
@@ -124,10 +125,14 @@ class RankTensors:
             self.error[key] = tuple(map(sum, zip(*self._own_error.values())))
 
     def _quantized(self, w: torch.Tensor, group: int | None, spec, col_scale, out=None) -> tuple[dict, tuple | None]:
+        from dsc.kernels import fp8
         from dsc.kernels.int8 import quantization_error, quantize_weight
 
         t0 = time.perf_counter()
-        parts = quantize_weight(w, group, spec.quant.symmetric, col_scale=col_scale, out=out)
+        if spec.quant.scheme == "fp8":
+            parts = fp8.quantize_weight(w, col_scale=col_scale, out=out)
+        else:
+            parts = quantize_weight(w, group, spec.quant.symmetric, col_scale=col_scale, out=out)
         t1 = time.perf_counter()
         err = None if self.error is None else quantization_error(w, parts, col_scale, zero=not spec.quant.symmetric)
         self.quantize_s += t1 - t0

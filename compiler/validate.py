@@ -13,6 +13,7 @@ from dsc.errors import UserError
 _OPTION_PASSES = {
     "--tp": ("shard_tensor_parallel", lambda o: o.tp > 1),
     "--int8": ("quantize_int8", lambda o: o.int8),
+    "--fp8": ("quantize_int8", lambda o: o.fp8),
 }
 
 

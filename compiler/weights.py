@@ -20,7 +20,8 @@ from dsc.compiler.source import Checkpoint
 from dsc.errors import UserError
 
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
-             torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL"}
+             torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL",
+             torch.float8_e4m3fn: "F8_E4M3"}
 _ST_TO_TORCH = {v: k for k, v in ST_DTYPES.items()} | {"F64": torch.float64, "I16": torch.int16}
 
 
@@ -64,6 +65,8 @@ def local_columns(spec: WeightSpec, v: torch.Tensor, rank: int, world: int) -> t
 
 def local_dtype(spec: WeightSpec) -> torch.dtype:
     if spec.quant:
+        if spec.quant.part == "qweight" and spec.quant.scheme == "fp8":
+            return torch.float8_e4m3fn
         return torch.int8 if spec.quant.part in ("qweight", "zero") else torch.float32
     return torch_dtype(spec.dtype)
 

@@ -9,6 +9,7 @@ from dsc.kernels import norm  # noqa: F401  (dsc::rmsnorm, dsc::add_rmsnorm, dsc
 from dsc.kernels import activation  # noqa: F401  (dsc::swiglu, dsc::gelu)
 from dsc.kernels import rotary  # noqa: F401  (dsc::rotary)
 from dsc.kernels import int8  # noqa: F401  (dsc::linear_w8a16, dsc::linear_w8a8)
+from dsc.kernels import fp8  # noqa: F401  (dsc::linear_fp8)
 from dsc.kernels import linear  # noqa: F401  (dsc::linear: the decode GEMV)
 from dsc.kernels import embedding  # noqa: F401  (dsc::vocab_embedding)
 from dsc.kernels import paged_attention  # noqa: F401  (dsc::ragged_attention, dsc::paged_attention)

@@ -1,10 +1,13 @@
-"""quantize_int8: linears of the transformer blocks -> dsc int8 linears over int8 weight parts.
+"""quantize_int8: linears of the transformer blocks -> dsc int8 (or fp8) linears over quantized weight parts.
 
 Matches  aten.linear(x, W[, b]) with W a 2-D weight spec (whatever earlier passes made of it:
          a fused q/k/v or gate/up weight, a tensor-parallel shard), in every program.
 Rewrites (each counted under `quantize_int8.<rule>`, per node)
   w8a16       -> dsc.linear_w8a16(x, W.qweight, W.scale, W.zero | None, b, group_size)
   w8a8        -> dsc.linear_w8a8(x, W.qweight, W.scale, W.zero | None, b, group_size, W.inv_smooth | None)
+  fp8         (--fp8) -> dsc.linear_fp8(x, W.qweight, W.scale, b): e4m3 weights with one scale per
+              output row, per-token e4m3 activations (kernels/fp8.py); the keep/skip rules below
+              apply alike; experts stay 16-bit (no fp8 expert kernel)
   keep_head   a linear outside the blocks (lm_head, or any linear on a weight an embedding
               also reads) stays in the compute dtype unless --int8-lm-head
   keep_router a mixture of experts' router stays in the compute dtype: its scores choose the
@@ -184,14 +187,14 @@ def _new_attr(model: Model, graph: fx.Graph, after: fx.Node, name: str, spec: We
 
 
 def _parts(model: Model, name: str, gs: int | None, col_scale: torch.Tensor | None,
-           symmetric: bool | None = None) -> dict[str, WeightSpec]:
-    """Specs of W's int8 parts (and of its inv_smooth vector), registered in model.weights."""
+           symmetric: bool | None = None, scheme: str = "int8") -> dict[str, WeightSpec]:
+    """Specs of W's quantized parts (and of its inv_smooth vector), registered in model.weights."""
     spec = dataclasses.replace(model.weights[name], col_scale=col_scale)
     sym = not model.options.int8_asymmetric if symmetric is None else symmetric
     names = {"qweight": f"{name}.qweight", "scale": f"{name}.scale"} | ({} if sym else {"zero": f"{name}.zero"})
     out = {}
     for part, pname in names.items():
-        out[pname] = dataclasses.replace(spec, quant=Quant(part, gs, sym))
+        out[pname] = dataclasses.replace(spec, quant=Quant(part, gs, sym, scheme))
     if col_scale is not None:
         shard = spec.shard
         vec_shard = Shard(0, shard.blocks, shard.groups) if shard is not None and shard.dim == 1 else None
@@ -216,6 +219,15 @@ def _rewrite(model: Model, graph: fx.Graph, node: fx.Node, gs: int | None, smoot
     else:
         replace_with(node, torch.ops.dsc.linear_w8a16.default, (x, qw, sc, zero, bias, gs or k))
     model.counters[f"quantize_int8.{opts.int8_mode}"] += 1
+
+
+def _rewrite_fp8(model: Model, graph: fx.Graph, node: fx.Node) -> None:
+    w = node.args[1]
+    name = w.target
+    x, bias = node.args[0], (node.args[2] if len(node.args) > 2 else None)
+    qw, sc = (_new_attr(model, graph, w, f"{name}.{p}", model.weights[f"{name}.{p}"]) for p in ("qweight", "scale"))
+    replace_with(node, torch.ops.dsc.linear_fp8.default, (x, qw, sc, bias))
+    model.counters["quantize_int8.fp8"] += 1
 
 
 def _quantize_experts(model: Model) -> set[str]:
@@ -243,18 +255,12 @@ def _quantize_experts(model: Model) -> set[str]:
 
 def quantize_int8(model: Model) -> Model:
     opts = model.options
+    if opts.fp8:
+        return _quantize_fp8(model)
     if not opts.int8:
         return model
     experts = _quantize_experts(model)
-    targets: dict[str, list[tuple[fx.Graph, fx.Node]]] = {}
-    for _, graph in model.graphs():
-        shared = _shared(graph)
-        for node in _linears(graph, model.weights):
-            reason = _keep_reason(model, node, shared)
-            if reason:
-                model.counters[f"quantize_int8.{reason}"] += 1
-            else:
-                targets.setdefault(node.args[1].target, []).append((graph, node))
+    targets = _targets(model)
     groups = {name: group_size_for(model, name) for name in targets}  # all checks before any rewrite
     prompts = smoothing_prompts(model) if opts.int8_mode == "w8a8" else None
     smooth = smoothing_factors(model, targets, prompts) if prompts else {}
@@ -264,18 +270,50 @@ def quantize_int8(model: Model) -> Model:
             model.counters["quantize_int8.smooth"] += 1
         for graph, node in uses:
             _rewrite(model, graph, node, groups[name], name in smooth)
+    _drop_float_weights(model, [*targets, *experts])
+    model.notes["int8"] = {"mode": opts.int8_mode, "symmetric": not opts.int8_asymmetric,
+                           "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
+                           "lm_head": opts.int8_lm_head, "skip": list(opts.int8_skip),
+                           "smoothquant": bool(smooth), "weights": len(targets) + len(experts)}
+    return model
+
+
+def _targets(model: Model) -> dict[str, list[tuple[fx.Graph, fx.Node]]]:
+    """{weight name: its (graph, linear) uses} of the linears to quantize (counting the kept ones)."""
+    targets: dict[str, list[tuple[fx.Graph, fx.Node]]] = {}
+    for _, graph in model.graphs():
+        shared = _shared(graph)
+        for node in _linears(graph, model.weights):
+            reason = _keep_reason(model, node, shared)
+            if reason:
+                model.counters[f"quantize_int8.{reason}"] += 1
+            else:
+                targets.setdefault(node.args[1].target, []).append((graph, node))
+    return targets
+
+
+def _drop_float_weights(model: Model, names: list[str]) -> None:
+    """Erase the get_attrs nothing reads, and the specs of the quantized weights no node reads."""
     for _, graph in model.graphs():
         for n in list(graph.nodes):
             if n.op == "get_attr" and not n.users:
                 graph.erase_node(n)
     used = {n.target for _, g in model.graphs() for n in g.nodes if n.op == "get_attr"}
-    for name in [*targets, *experts]:
+    for name in names:
         if name not in used:
             del model.weights[name]
-    model.notes["int8"] = {"mode": opts.int8_mode, "symmetric": not opts.int8_asymmetric,
-                           "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
-                           "lm_head": opts.int8_lm_head, "skip": list(opts.int8_skip),
-                           "smoothquant": bool(smooth), "weights": len(targets) + len(experts)}
+
+
+def _quantize_fp8(model: Model) -> Model:
+    targets = _targets(model)
+    for name, uses in targets.items():
+        _parts(model, name, None, None, symmetric=True, scheme="fp8")
+        for graph, node in uses:
+            _rewrite_fp8(model, graph, node)
+    _drop_float_weights(model, list(targets))
+    opts = model.options
+    model.notes["fp8"] = {"format": "e4m3", "weights": "per output channel", "activations": "per token, dynamic",
+                          "lm_head": opts.int8_lm_head, "skip": list(opts.int8_skip), "linears": len(targets)}
     return model
 
 

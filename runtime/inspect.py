@@ -195,17 +195,20 @@ def int8_summary(rep: dict) -> list[str]:
     mem, ws = rep["memory"], rep["weight_sqnr_db"]
     scheme = rep["mode"] + (f", group {rep['group_size']}" if rep.get("group_size") else ", per-channel")
     scheme += (", symmetric" if rep["symmetric"] else ", asymmetric") + (", SmoothQuant" if rep.get("smoothquant") else "")
+    name = "fp8" if rep["mode"] == "fp8" else "int8"
+    if name == "fp8":
+        scheme = "e4m3, per-channel weights, per-token activations"
     if "logits" in rep:
         lg = rep["logits"]
-        out = [f"int8 ({scheme}): logits SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, "
+        out = [f"{name} ({scheme}): logits SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, "
                f"top-1 agreement {lg['top1_agreement']:.1%} over {lg['positions']} positions"]
     else:  # an encoder's
         lg = rep["hidden_states"]
-        out = [f"int8 ({scheme}): hidden-state SQNR {lg['sqnr_db']:.1f} dB, lowest cosine {lg['min_cosine']:.5f} "
+        out = [f"{name} ({scheme}): hidden-state SQNR {lg['sqnr_db']:.1f} dB, lowest cosine {lg['min_cosine']:.5f} "
                f"over {lg['positions']} tokens"]
     if ws.get("worst"):
         out.append("  worst weight SQNR: " + ", ".join(f"{k} {v:.1f} dB" for k, v in ws["worst"][:3]))
-    out.append(f"  quantized linear weights: {_fmt_bytes(mem['int8_bytes'])} int8 + {_fmt_bytes(mem['scale_bytes'])} "
+    out.append(f"  quantized linear weights: {_fmt_bytes(mem['int8_bytes'])} {name} + {_fmt_bytes(mem['scale_bytes'])} "
                f"scales/zeros, {_fmt_bytes(mem['bytes_16bit'])} at 16 bits "
                f"({(mem['int8_bytes'] + mem['scale_bytes']) / max(mem['bytes_16bit'], 1):.0%})")
     return out

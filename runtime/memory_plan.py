@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from dsc.errors import UserError
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1,
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "float8_e4m3fn": 1,
                 "uint8": 1, "bool": 1, "float64": 8}
 # ops whose output aliases an input (no new storage)
 _VIEWS = re.compile(r"^aten\.(view|_unsafe_view|reshape|transpose|t|permute|unsqueeze|squeeze|expand|slice|select|"
