@@ -22,7 +22,7 @@ from dsc.errors import UserError
 from dsc.kernels import collectives, registry
 from dsc.runtime.artifact import Artifact, open_artifact
 from dsc.runtime.decode import DecodeRunner
-from dsc.runtime.prefill import PrefillRunner
+from dsc.runtime.prefill import EncodeRunner, PrefillRunner
 from dsc.runtime.ragged import RaggedRunner, allocate_kv_pool
 from dsc.runtime.plan import build_graph
 from dsc.runtime.sampling import check_sampling, sample
@@ -102,8 +102,10 @@ class Engine:
                          if static or name in ("ragged", "encode")}
         clock.mark("programs")
         self.max_num_seqs = max_num_seqs or self.max_batch
-        if encoder:  # the encode program runs eagerly at each batch's padded shape
+        if encoder:  # on CUDA the encode program replays a graph per (batch, length) bucket
             self.buckets = ()
+            self._encode = EncodeRunner(lambda *a: self._call("encode", *a), self.max_seq, device, cuda_graphs,
+                                        int(self.plan["model"].get("pad_token_id") or 0))
             self.load_times = clock.times
             return
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
@@ -217,7 +219,8 @@ class Engine:
         (2 <= S <= max_seq) and the real tokens of each row, lengths [B] (1..S)."""
         if self.kind != "encoder":
             raise ValueError(f"encode: {self.artifact.path} is a {self.kind}, not an encoder")
-        return self._call("encode", input_ids.to(self.device), lengths.to(self.device)).float()
+        states = self._encode(input_ids.to(self.device), lengths.to(self.device))
+        return states.to(torch.float32, copy=True)  # a graph's output buffer is reused
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], graphs: bool = True) -> torch.Tensor:

@@ -126,3 +126,80 @@ class PrefillRunner:
                 step.graph.reset()
         self.steps.clear()
         self.graphs = False
+
+
+class EncodeStep:
+    """Static inputs of one (batch, length) shape of an encoder's `encode` program and its graph.
+    Rows past the batch get one pad token (length 1); positions past a row's length are keys
+    the attention masks, so no real token's state depends on them."""
+
+    def __init__(self, program: Callable, batch: int, length: int, device: torch.device, pad_id: int):
+        self.program, self.device, self.pad_id = program, device, pad_id
+        self.ids = torch.full((batch, length), pad_id, dtype=torch.long, device=device)
+        self.lengths = torch.ones(batch, dtype=torch.long, device=device)
+        self.states: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _forward(self) -> torch.Tensor:
+        return self.program(self.ids, self.lengths)
+
+    def capture(self, pool) -> None:
+        self.graph, self.states = capture_graph(self._forward, self.device, pool)
+
+    def __call__(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        B, L = ids.shape
+        self.ids.fill_(self.pad_id)
+        self.ids[:B, :L].copy_(ids)
+        self.lengths.fill_(1)
+        self.lengths[:B].copy_(lengths)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.states = self._forward()
+        return self.states[:B, :L]
+
+
+class EncodeRunner:
+    """encode(ids [B, L], lengths [B]) -> last hidden states [B, L, E]. On CUDA a batch runs in
+    the (Bb, Lb) graph: Bb the power of two >= B, Lb the length bucket >= L (as prefill's),
+    captured on first use; batches of more than `max_graph_tokens` padded tokens run eagerly.
+    The returned tensor is the graph's output buffer: the next call overwrites it."""
+
+    max_graph_tokens = 1 << 16
+
+    def __init__(self, program: Callable, max_seq: int, device: torch.device, cuda_graphs: bool, pad_id: int):
+        self.program, self.device, self.pad_id = program, device, pad_id
+        self.graphs = cuda_graphs and device.type == "cuda"
+        self.buckets = length_buckets(max_seq)
+        self.steps: dict[tuple[int, int], EncodeStep] = {}
+        self._pool = None
+        register_runner(self)
+
+    def __call__(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        B, L = ids.shape
+        Bb, Lb = 1 << max(B - 1, 0).bit_length(), next(b for b in self.buckets if b >= L)
+        if not self.graphs or Bb * Lb > self.max_graph_tokens:
+            return self.program(ids, lengths)
+        step = self.steps.get((Bb, Lb))
+        if step is None:
+            step = self.steps[(Bb, Lb)] = EncodeStep(self.program, Bb, Lb, self.device, self.pad_id)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            try:
+                step.capture(self._pool)
+            except Exception as e:  # an op that cannot be captured: say so, run eagerly
+                print(f"dsc: capturing the encoding of {Bb} x {Lb} tokens failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); encodings run eagerly", file=sys.stderr)
+                self.graphs = False
+                del self.steps[(Bb, Lb)]
+                return self.program(ids, lengths)
+        return step(ids, lengths)
+
+    def release(self) -> None:
+        """Drop the graphs (before a process group is torn down; see decode.release_cuda_graphs)."""
+        for step in self.steps.values():
+            if step.graph is not None:
+                torch.cuda.synchronize(step.device)
+                step.graph.reset()
+        self.steps.clear()
+        self.graphs = False
