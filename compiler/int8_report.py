@@ -64,13 +64,16 @@ def unquantized(model: Model) -> Model:
         attrs: dict[str, fx.Node] = {}
 
         def float_weight(qw: fx.Node, dtype: torch.dtype) -> fx.Node:
+            from dsc.compiler.weights import local_shape
+
             base = qw.target.removesuffix(".qweight")
             weights[base] = dataclasses.replace(model.weights[qw.target], quant=None, col_scale=None)
             if base not in attrs:
                 with g.inserting_before(qw):
                     attrs[base] = g.get_attr(base)
                 with torch._guards.detect_fake_mode([qw.meta["val"]]) or model.fake_mode:
-                    attrs[base].meta["val"] = torch.empty(qw.meta["val"].shape, dtype=dtype)
+                    shape = local_shape(weights[base], model.options.tp)  # not the qweight's: int4 packs two per byte
+                    attrs[base].meta["val"] = torch.empty(shape, dtype=dtype)
             return attrs[base]
 
         for old, new in env.items():
@@ -161,7 +164,7 @@ def _memory(model: Model) -> dict:
         n = math.prod(local_shape(spec, world)) * world
         if spec.quant.part == "qweight":
             out["int8_bytes"] += n
-            out["bytes_16bit"] += 2 * n
+            out["bytes_16bit"] += (4 if spec.quant.scheme == "int4" else 2) * n
         else:
             out["scale_bytes"] += n * local_dtype(spec).itemsize
     return out
@@ -216,8 +219,8 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     worst = sorted(layers, key=layers.get)[:5]
     vals = sorted(layers.values())
     return {
-        "mode": "fp8" if opts.fp8 else opts.int8_mode, "symmetric": not opts.int8_asymmetric,
-        "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
+        "mode": "fp8" if opts.fp8 else "int4" if opts.int4 else opts.int8_mode, "symmetric": not opts.int8_asymmetric and not opts.int4,
+        "group_size": (opts.int4_group_size or "per layer") if opts.int4 else opts.int8_group_size, "q_groups": opts.int8_q_groups,
         "smoothquant": any(s.col_scale is not None for s in model.weights.values()),
         "inputs": {"source": source, "prompts": len(prompts), "positions_per_prompt": positions},
         **({"hidden_states": hidden_metrics(ref, q)} if "encode" in model.programs else
@@ -262,13 +265,15 @@ class RankFiles:
 def summary(report: dict) -> str:
     """A few lines for the terminal."""
     ws, mem = report["weight_sqnr_db"], report["memory"]
-    name = "fp8" if report["mode"] == "fp8" else "int8"
+    name = report["mode"] if report["mode"] in ("fp8", "int4") else "int8"
     scheme = f"{report['mode']}, " + (f"group {report['group_size']}" if report["group_size"] else
                                       f"q_groups {report['q_groups']}" if report["q_groups"] else "per-channel")
     scheme += ", symmetric" if report["symmetric"] else ", asymmetric"
     scheme += ", SmoothQuant" if report["smoothquant"] else ""
     if name == "fp8":
         scheme = "e4m3, per-channel weights, per-token activations"
+    elif name == "int4":
+        scheme = f"w4a16, group {report['group_size']}, scale and min per group"
     inp = report["inputs"]
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     inputs = {"random tokens": "random-token prompts: the checkpoint has no tokenizer",

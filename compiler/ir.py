@@ -53,7 +53,7 @@ class Quant:
     part: str  # "qweight" | "scale" | "zero"
     group_size: int | None = None  # None: one scale per output row
     symmetric: bool = True
-    scheme: str = "int8"  # "int8" (kernels/int8.py) | "fp8" (e4m3, kernels/fp8.py)
+    scheme: str = "int8"  # "int8" (kernels/int8.py) | "fp8" (e4m3, kernels/fp8.py) | "int4" (kernels/int4.py)
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,8 @@ class RankTensors:
             if self._group is None:
                 return t
             ranges = [(a // self._group, b // self._group) for a, b in ranges]
+        elif spec.quant.scheme == "int4":  # two columns per byte (group sizes are even)
+            ranges = [(a // 2, b // 2) for a, b in ranges]
         return torch.cat([t[:, a:b] for a, b in ranges], 1)
 
     def _quantize(self, key: str, spec) -> None:
@@ -106,8 +108,12 @@ class RankTensors:
         n, k = spec.shape
         g = k // self._group if self._group else 1
         qdtype = local_dtype(dataclasses.replace(spec, quant=dataclasses.replace(spec.quant, part="qweight")))
-        self._whole = {"qweight": torch.empty(n, k, dtype=qdtype), "scale": torch.empty(n, g),
-                       "zero": torch.empty(n, g, dtype=torch.int8)}
+        if spec.quant.scheme == "int4":
+            self._whole = {"qweight": torch.empty(n, k // 2, dtype=qdtype), "scale": torch.empty(n, g, dtype=torch.float16),
+                           "min": torch.empty(n, g, dtype=torch.float16)}
+        else:
+            self._whole = {"qweight": torch.empty(n, k, dtype=qdtype), "scale": torch.empty(n, g),
+                           "zero": torch.empty(n, g, dtype=torch.int8)}
         errors = []
         for r0, w in _row_pieces(spec, self.reader):  # each source's rows into its rows of the parts
             rows = {p: t[r0:r0 + w.shape[0]] for p, t in self._whole.items()}
@@ -125,16 +131,23 @@ class RankTensors:
             self.error[key] = tuple(map(sum, zip(*self._own_error.values())))
 
     def _quantized(self, w: torch.Tensor, group: int | None, spec, col_scale, out=None) -> tuple[dict, tuple | None]:
-        from dsc.kernels import fp8
+        from dsc.kernels import fp8, int4
         from dsc.kernels.int8 import quantization_error, quantize_weight
 
         t0 = time.perf_counter()
         if spec.quant.scheme == "fp8":
             parts = fp8.quantize_weight(w, col_scale=col_scale, out=out)
+        elif spec.quant.scheme == "int4":
+            parts = int4.quantize_weight(w, group, out=out)
         else:
             parts = quantize_weight(w, group, spec.quant.symmetric, col_scale=col_scale, out=out)
         t1 = time.perf_counter()
-        err = None if self.error is None else quantization_error(w, parts, col_scale, zero=not spec.quant.symmetric)
+        if self.error is None:
+            err = None
+        elif spec.quant.scheme == "int4":
+            err = int4.quantization_error(w, parts)
+        else:
+            err = quantization_error(w, parts, col_scale, zero=not spec.quant.symmetric)
         self.quantize_s += t1 - t0
         self.error_s += time.perf_counter() - t1
         return parts, err

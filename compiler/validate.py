@@ -14,6 +14,7 @@ _OPTION_PASSES = {
     "--tp": ("shard_tensor_parallel", lambda o: o.tp > 1),
     "--int8": ("quantize_int8", lambda o: o.int8),
     "--fp8": ("quantize_int8", lambda o: o.fp8),
+    "--int4": ("quantize_int8", lambda o: o.int4),
 }
 
 

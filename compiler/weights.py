@@ -53,6 +53,8 @@ def local_shape(spec: WeightSpec, world: int) -> tuple[int, ...]:
         out, inp = shape
         groups = inp // spec.quant.group_size if spec.quant.group_size else 1
         shape = [out, groups]
+    elif spec.quant and spec.quant.scheme == "int4":  # two 4-bit values per byte
+        shape = [shape[0], shape[1] // 2]
     return tuple(shape)
 
 
@@ -67,6 +69,8 @@ def local_dtype(spec: WeightSpec) -> torch.dtype:
     if spec.quant:
         if spec.quant.part == "qweight" and spec.quant.scheme == "fp8":
             return torch.float8_e4m3fn
+        if spec.quant.scheme == "int4":
+            return torch.uint8 if spec.quant.part == "qweight" else torch.float16
         return torch.int8 if spec.quant.part in ("qweight", "zero") else torch.float32
     return torch_dtype(spec.dtype)
 

@@ -8,6 +8,11 @@ Rewrites (each counted under `quantize_int8.<rule>`, per node)
   fp8         (--fp8) -> dsc.linear_fp8(x, W.qweight, W.scale, b): e4m3 weights with one scale per
               output row, per-token e4m3 activations (kernels/fp8.py); the keep/skip rules below
               apply alike; experts stay 16-bit (no fp8 expert kernel)
+  int4        (--int4) -> dsc.linear_w4a16(x, W.qweight, W.scale, W.min, b, group_size): 4-bit
+              weights packed two to a byte, an fp16 scale and min per group of input features
+              (kernels/int4.py): --int4-group-size G, which must divide the layer's local input
+              features, else per layer the largest of 128, 64, 32 that does; keep/skip rules as
+              above; experts stay 16-bit
   keep_head   a linear outside the blocks (lm_head, or any linear on a weight an embedding
               also reads) stays in the compute dtype unless --int8-lm-head
   keep_router a mixture of experts' router stays in the compute dtype: its scores choose the
@@ -257,6 +262,8 @@ def quantize_int8(model: Model) -> Model:
     opts = model.options
     if opts.fp8:
         return _quantize_fp8(model)
+    if opts.int4:
+        return _quantize_int4(model)
     if not opts.int8:
         return model
     experts = _quantize_experts(model)
@@ -314,6 +321,39 @@ def _quantize_fp8(model: Model) -> Model:
     opts = model.options
     model.notes["fp8"] = {"format": "e4m3", "weights": "per output channel", "activations": "per token, dynamic",
                           "lm_head": opts.int8_lm_head, "skip": list(opts.int8_skip), "linears": len(targets)}
+    return model
+
+
+def _quantize_int4(model: Model) -> Model:
+    opts = model.options
+    targets = _targets(model)
+    groups = {}
+    for name in targets:  # every layer checked before any rewrite
+        out, inp = local_shape(model.weights[name], opts.tp)
+        fits = [g for g in ([opts.int4_group_size] if opts.int4_group_size else [128, 64, 32]) if inp % g == 0]
+        if not fits:
+            at = f", tp={opts.tp}" if opts.tp > 1 else ""
+            given = f"--int4-group-size {opts.int4_group_size}" if opts.int4_group_size else "no int4 group size (128, 64, 32)"
+            other = f", or choose a multiple of 32 dividing {inp}" if opts.int4_group_size else ""
+            raise UserError(f"{given} does not divide the {inp} input features of {_layer(name)} "
+                            f"({'rank-local ' if opts.tp > 1 else ''}weight [{out}, {inp}]{at}); keep it in "
+                            f"16-bit with --int8-skip '{_layer(name)}'{other}")
+        groups[name] = fits[0]
+    for name, uses in targets.items():
+        gs = groups[name]
+        spec = model.weights[name]
+        model.weights.update({f"{name}.{p}": dataclasses.replace(spec, quant=Quant(p, gs, False, "int4"))
+                              for p in ("qweight", "scale", "min")})
+        for graph, node in uses:
+            w = node.args[1]
+            x, bias = node.args[0], (node.args[2] if len(node.args) > 2 else None)
+            qw, sc, mn = (_new_attr(model, graph, w, f"{name}.{p}", model.weights[f"{name}.{p}"])
+                          for p in ("qweight", "scale", "min"))
+            replace_with(node, torch.ops.dsc.linear_w4a16.default, (x, qw, sc, mn, bias, gs))
+            model.counters["quantize_int8.int4"] += 1
+    _drop_float_weights(model, list(targets))
+    model.notes["int4"] = {"group_sizes": sorted(set(groups.values())), "lm_head": opts.int8_lm_head, "skip": list(opts.int8_skip),
+                           "linears": len(targets)}
     return model
 
 

@@ -195,9 +195,11 @@ def int8_summary(rep: dict) -> list[str]:
     mem, ws = rep["memory"], rep["weight_sqnr_db"]
     scheme = rep["mode"] + (f", group {rep['group_size']}" if rep.get("group_size") else ", per-channel")
     scheme += (", symmetric" if rep["symmetric"] else ", asymmetric") + (", SmoothQuant" if rep.get("smoothquant") else "")
-    name = "fp8" if rep["mode"] == "fp8" else "int8"
+    name = rep["mode"] if rep["mode"] in ("fp8", "int4") else "int8"
     if name == "fp8":
         scheme = "e4m3, per-channel weights, per-token activations"
+    elif name == "int4":
+        scheme = f"w4a16, group {rep.get('group_size')}, scale and min per group"
     if "logits" in rep:
         lg = rep["logits"]
         out = [f"{name} ({scheme}): logits SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, "
