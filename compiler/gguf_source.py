@@ -15,6 +15,7 @@ its bytes as stored, beside what the safetensors route holds.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -113,6 +114,62 @@ def _weights_map(lm, processor) -> dict[str, str]:
         return get_gguf_hf_weights_map(lm, processor)
 
 
+_PARSED: dict = {}  # (path, inode, size, mtime_ns) -> (GGUFReader, load_gguf_checkpoint's dict): the last file read
+
+
+def _parsed(path: Path):
+    """(GGUFReader, transformers' metadata dict) of the GGUF file `path`, parsed once: the
+    reader's field table is what load_gguf_checkpoint and the tokenizer's loader would each
+    parse again (seconds on a real model's vocabulary). Kept for the last file this process
+    read, keyed by its identity and modification time, so compiling it again skips the parse;
+    the dict is handed out as a copy (callers may change it)."""
+    from unittest import mock
+
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _PARSED.get(key)
+    if hit is None:
+        try:
+            reader = GGUFReader(path)
+        except (ValueError, OSError, IndexError) as e:
+            raise UserError(f"{path}: not a readable GGUF file "
+                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        arch_field = reader.fields.get("general.architecture")
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else None
+
+        def same_reader(p, *args, **kwargs):  # load_gguf_checkpoint's reader: the one above
+            if Path(p).resolve() == path.resolve() and not args and not kwargs:
+                return reader
+            return GGUFReader(p, *args, **kwargs)
+
+        try:
+            with mock.patch("gguf.GGUFReader", same_reader):
+                parsed = load_gguf_checkpoint(str(path), return_tensors=False)
+        except ValueError as e:  # transformers' "GGUF model with architecture X is not supported yet."
+            raise UserError(f"{path}: GGUF architecture {arch!r} is not one transformers can load ({e})") from None
+        _PARSED.clear()
+        _PARSED[key] = hit = (reader, parsed)
+    return hit[0], copy.deepcopy(hit[1])
+
+
+def _load_gguf_checkpoint_from(path: Path, parsed: dict):
+    """transformers' load_gguf_checkpoint, answering for `path` (metadata only) with a copy of
+    `parsed`, and reading any other file itself."""
+    from transformers import modeling_gguf_pytorch_utils
+
+    original = modeling_gguf_pytorch_utils.load_gguf_checkpoint
+
+    def load(gguf_checkpoint_path, return_tensors=False, **kwargs):
+        if Path(gguf_checkpoint_path).resolve() == path.resolve() and not return_tensors and not kwargs:
+            return copy.deepcopy(parsed)
+        return original(gguf_checkpoint_path, return_tensors=return_tensors, **kwargs)
+
+    return load
+
+
 def open_gguf(path: Path, folder: Path):
     """A Checkpoint over the GGUF file `path`: config.json and the tokenizer's files written
     into `folder` (which must outlive the compile), the weights read from the file."""
@@ -120,22 +177,17 @@ def open_gguf(path: Path, folder: Path):
 
     path = Path(path)
     _require_gguf(path)
-    from gguf import GGUFReader, dequantize
+    from unittest import mock
+
+    from gguf import dequantize
     from transformers import AutoConfig, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, load_gguf_checkpoint
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, OSError, IndexError) as e:
-        raise UserError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    reader, parsed = _parsed(path)
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else None
-    try:
-        parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-    except ValueError as e:  # transformers' "GGUF model with architecture X is not supported yet."
-        raise UserError(f"{path}: GGUF architecture {arch!r} is not one transformers can load ({e})") from None
     cfg = dict(parsed["config"])
     model_type = cfg.pop("model_type", None)
     from dsc.compiler.architectures import ARCHITECTURES
@@ -153,7 +205,9 @@ def open_gguf(path: Path, folder: Path):
     folder = Path(folder)
     config.save_pretrained(folder)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with mock.patch("transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint",
+                        _load_gguf_checkpoint_from(path, parsed)):  # its config from the metadata parsed above
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, KeyError, NotImplementedError) as e:  # one transformers cannot convert
         print(f"warning: {path}: compiled without a tokenizer (transformers cannot convert it: {e})", file=sys.stderr)
     else:
