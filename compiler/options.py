@@ -67,7 +67,8 @@ class CompileOptions(BaseModel):
             return v
         key = str(v).lower()
         if key not in _DTYPE_ALIASES:
-            why = " (int8 weights: --int8)" if key in ("int8", "torch.int8") else ""
+            why = {"int8": " (int8 weights: --int8)", "torch.int8": " (int8 weights: --int8)",
+                   "int4": " (4-bit weights: --int4)", "fp8": " (fp8 weights: --fp8)"}.get(key, "")
             raise ValueError(f"unknown dtype {v!r}; use one of fp32, fp16, bf16{why}")
         return _DTYPE_ALIASES[key]
 

@@ -16,8 +16,11 @@ Kernels (CUDA, Triton via kernels/launch.py)
                         K-block of one scale group at a time; per group and row y += scale *
                         sum(q x) + min * sum(x), in fp32. No tensor cores: at one row the matmul
                         is a read of the weight (a quarter of its 16-bit bytes).
-    _w4a16_mma_kernel   M > 1: the K-block's nibbles dequantized to x's dtype in registers, the
-                        even and odd input features as two tensor-core dots per K-block.
+    _w4a16_mma_kernel   2-16 rows: the K-block's nibbles dequantized to x's dtype in registers,
+                        the even and odd input features as two tensor-core dots per K-block.
+    above MMA_ROWS rows (prefill) the weight is dequantized to x's dtype (torch ops) and
+    multiplied by cuBLAS: the mma kernel re-dequantizes every weight tile for each block of
+    rows, which at thousands of rows costs far more than one dequantized copy.
 The plain-torch reference is the CPU implementation and the test oracle: it dequantizes the
 weight to x's dtype and multiplies (the kernels sum in fp32 in another order).
 """
@@ -31,6 +34,7 @@ from dsc.kernels.registry import declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 DEFAULT_GROUP = 128
+MMA_ROWS = 16  # the mma kernel's largest row count; more rows: dequantize, then cuBLAS
 GROUP_MULTIPLE = 32  # group sizes are multiples of this: the mma kernel's K-block (16 bytes of nibbles per row)
 QUANT_ROWS = 1 << 18  # elements quantized at a time on CPU
 
@@ -183,12 +187,16 @@ def _w4a16_mma_kernel(X, W, S, MN, B, Y, M, N, K, G, stride_xm, stride_ym, GROUP
 
 
 def w4a16_config(m: int, n: int, k: int, group_size: int) -> dict:
-    """Launch configuration: the GEMV at one row, the mma kernel above (BLOCK_K one group or 128)."""
+    """Launch configuration: the GEMV at one row (the fastest of scripts/bench_int4.py's sweep at
+    Llama-8B's shapes on an H200: 16 rows per program for the widest weights, else 4), the mma
+    kernel to MMA_ROWS rows, "dequantize" (then cuBLAS) above."""
     block_k = min(group_size, 128)
     if m == 1:
-        return {"kernel": "w4a16_gemv", "BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 4}
-    return {"kernel": "w4a16_mma", "BLOCK_M": 16 if m <= 16 else 64, "BLOCK_N": 64 if m <= 16 else 128,
-            "BLOCK_K": max(GROUP_MULTIPLE, min(block_k, 64)), "num_warps": 4, "num_stages": 3}
+        return {"kernel": "w4a16_gemv", "BLOCK_N": 16 if n >= 16384 else 4, "BLOCK_K": block_k, "num_warps": 2}
+    if m > MMA_ROWS:
+        return {"kernel": "dequantize"}
+    return {"kernel": "w4a16_mma", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": max(GROUP_MULTIPLE, min(block_k, 64)),
+            "num_warps": 4, "num_stages": 3}
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor,
@@ -205,6 +213,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mi
         return y
     cfg = dict(config or w4a16_config(m, n, k, group_size))
     kernel = cfg.pop("kernel")
+    if kernel == "dequantize":
+        return linear_w4a16_reference(x, qweight, scale, minv, bias, group_size)
     opts = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}
     bias_ = bias if bias is not None else scale
     g = k // group_size
