@@ -200,7 +200,11 @@ def export_onnx(artifact: str | Path, out: str | Path, fp32: bool = False, check
     for mod in ("onnx", "onnxscript") + (("onnxruntime",) if check else ()):
         if importlib.util.find_spec(mod) is None:
             raise UserError(f"export-onnx needs the {mod} package: pip install 'dsc[onnx]'")
-    tp = open_artifact(artifact, ranks=[], verify=False).tp
+    head = open_artifact(artifact, ranks=[], verify=False)
+    tp = head.tp
+    if (head.manifest.get("options") or {}).get("int4"):
+        raise UserError(f"export-onnx: {head.path} has --int4 weights, which dsc does not export to ONNX "
+                        "(int8 and fp8 artifacts export)")
     bad = [r for r in ranks or () if not 0 <= r < tp]
     if bad:
         raise UserError(f"export-onnx: rank {bad[0]} is out of range for tp={tp}")

@@ -1,4 +1,4 @@
-"""quantize_int8: linears of the transformer blocks -> dsc int8 (or fp8) linears over quantized weight parts.
+"""quantize_int8: linears of the transformer blocks -> dsc int8, fp8 or int4 linears over quantized weight parts.
 
 Matches  aten.linear(x, W[, b]) with W a 2-D weight spec (whatever earlier passes made of it:
          a fused q/k/v or gate/up weight, a tensor-parallel shard), in every program.

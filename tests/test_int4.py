@@ -129,6 +129,16 @@ def test_rank_file_holds_a_quarter_of_the_bytes_plus_scales(compile_artifact):
     assert rep["mode"] == "int4" and rep["memory"]["bytes_16bit"] == 4 * rep["memory"]["int8_bytes"]
 
 
+def test_onnx_export_refuses_int4_in_one_line(compile_artifact, tmp_path):
+    from dsc.compiler.onnx_export import export_onnx
+    from dsc.errors import UserError
+
+    art = compile_artifact("llama-tiny", ckpt_kwargs=INT4_CKPT, dtype="fp32", int4=True, int4_group_size=32)
+    with pytest.raises(UserError, match="--int4 weights, which dsc does not export to ONNX"):
+        export_onnx(art, tmp_path / "onnx")
+    assert not (tmp_path / "onnx").exists()
+
+
 def test_tp2_equals_tp1(compile_artifact):
     """Weight-only: every rank's groups are groups of the whole weight, so tp 2 is tp 1 up to
     the all-reduce's order of summation."""
