@@ -85,7 +85,8 @@ class MoEConfig(DSConfig):
 
 class WeightQuantConfig(DSConfig):
     enabled: bool = mapped(True, "false: no int8 weights (refused with dtype int8)")
-    num_bits: int = refused(8, "dsc's quantized kernels take 8-bit weights only")
+    num_bits: int = refused(8, "this config maps onto dsc's int8 options only; 4-bit weights are dsc's `int4` "
+                               "(groups of `int4_group_size`)")
     q_type: Literal["symmetric", "asymmetric"] = mapped("symmetric", "asymmetric: `int8_asymmetric` (zero points)")
     q_groups: int = mapped(1, "`int8_q_groups`: scale groups per matrix (up to its rows: one scale per output "
                               "channel, finer than DeepSpeed's)", ge=1)
@@ -344,8 +345,8 @@ def quantization_setting(path: Path, val: Any) -> dict[str, Any]:
     if type(s["q_groups"]) is not int or s["q_groups"] < 1:
         raise UserError(f"{path}: {field}: q_groups must be an integer >= 1, got {_show(s['q_groups'])}")
     if type(s["q_bits"]) is not int or s["q_bits"] != 8:
-        raise UserError(f"{path}: {field}: q_bits {_show(s['q_bits'])} is not supported (dsc's quantized kernels "
-                        "take 8-bit weights only)")
+        raise UserError(f"{path}: {field}: q_bits {_show(s['q_bits'])} is not supported (this setting maps onto "
+                        "dsc's int8 options only; 4-bit weights are dsc's `int4`)")
     if s["q_type"] not in ("symmetric", "asymmetric"):
         raise UserError(f"{path}: {field}: q_type must be 'symmetric' or 'asymmetric', got {_show(s['q_type'])}")
     if not isinstance(s["mlp_extra_grouping"], bool):
