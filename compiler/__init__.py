@@ -96,12 +96,13 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
         m = trace(ckpt, arch, options)
         m = run_passes(m, Path(dump_passes) if dump_passes else None, on_pass=stages)
         report = None
-        if options.int8 or options.fp8 or options.int4:
+        if options.int8 or options.fp8 or options.int4 or options.auto_precision is not None:
             def report(folder: Path, weight_sqnr: dict | None) -> dict:
                 # measured on the written rank files; a compile below --int8-min-sqnr publishes nothing
                 from dsc.compiler.int8_report import check_min_sqnr, int8_report, summary
 
-                stages("fp8 report" if options.fp8 else "int4 report" if options.int4 else "int8 report")
+                stages("int8 report" if options.int8 else "fp8 report" if options.fp8 else "int4 report" if options.int4
+                       else "quantization report")
                 rep = int8_report(m, written=folder, weight_sqnr=weight_sqnr)
                 print(summary(rep))
                 check_min_sqnr(rep, options.int8_min_sqnr)

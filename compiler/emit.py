@@ -216,7 +216,8 @@ def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[st
         world = model.options.tp
         (tmp / "plan.json").write_text(_json(build_plan(model, ckpt, dtype)))
         written = write_rank_files(model, ckpt, tmp, on_bytes=on_bytes, on_timing=on_timing,
-                                   weight_sqnr=before_manifest is not None and (model.options.int8 or model.options.fp8 or model.options.int4))
+                                   weight_sqnr=before_manifest is not None and (model.options.int8 or model.options.fp8 or model.options.int4
+                                                                   or model.options.auto_precision is not None))
         extra = dict(extra_manifest or {})
         if before_manifest is not None:
             extra.update(before_manifest(tmp, written.weight_sqnr))

@@ -170,6 +170,22 @@ def _memory(model: Model) -> dict:
     return out
 
 
+def report_prompts(model: Model) -> tuple[list[list[int]], str]:
+    """The report's inputs and where they come from (module docstring)."""
+    from dsc.compiler.sample_text import sample_prompts as text_prompts
+    from dsc.compiler.verify import sample_prompts as random_prompts
+
+    opts = model.options
+    length = min(REPORT_TOKENS, opts.max_seq - 1)
+    if opts.calibrate:
+        prompts = quantize_int8.calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)
+        return [p[:length] for p in prompts][:REPORT_PROMPTS], "calibration"
+    prompts = text_prompts(model.checkpoint.root, REPORT_PROMPTS, length, model.config["vocab_size"])
+    if prompts is None:
+        return random_prompts(model.config["vocab_size"], batch=3), "random tokens"
+    return prompts, "sample text"
+
+
 def int8_report(model: Model, prompts: list[list[int]] | None = None, positions: int = POSITIONS,
                 written: Path | None = None, weight_sqnr: dict[str, float] | None = None) -> dict:
     """Measure the quantized model against its unquantized twin (module docstring).
@@ -178,23 +194,10 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     emitted): the quantized program reads them instead of quantizing again, and
     `weight_sqnr` is the per-layer weight SQNR the emit measured as it quantized them."""
     from dsc.compiler.rank_files import RankTensors
-    from dsc.compiler.sample_text import sample_prompts as text_prompts
-    from dsc.compiler.verify import sample_prompts as random_prompts
     from dsc.compiler.weights import SourceReader, float_tensor, torch_threads
 
     opts, world = model.options, model.options.tp
-    length = min(REPORT_TOKENS, opts.max_seq - 1)
-    if prompts is None and opts.calibrate:
-        prompts = quantize_int8.calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)
-        prompts = [p[:length] for p in prompts]
-        prompts, source = prompts[:REPORT_PROMPTS], "calibration"
-    elif prompts is None:
-        prompts, source = text_prompts(model.checkpoint.root, REPORT_PROMPTS, length, model.config["vocab_size"]), \
-            "sample text"
-        if prompts is None:
-            prompts, source = random_prompts(model.config["vocab_size"], batch=3), "random tokens"
-    else:
-        source = "given"
+    prompts, source = report_prompts(model) if prompts is None else (prompts, "given")
     twin = unquantized(model)
     errors: dict[str, tuple[float, float]] = {}
     lock = threading.Lock()  # one program at a time holds a whole table (simulate.py)
@@ -219,7 +222,9 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     worst = sorted(layers, key=layers.get)[:5]
     vals = sorted(layers.values())
     return {
-        "mode": "fp8" if opts.fp8 else "int4" if opts.int4 else opts.int8_mode, "symmetric": not opts.int8_asymmetric and not opts.int4,
+        "mode": "fp8" if opts.fp8 else "int4" if opts.int4 else "auto" if opts.auto_precision is not None
+        else opts.int8_mode,
+        "symmetric": not opts.int8_asymmetric and not opts.int4 and opts.auto_precision is None,
         "group_size": (opts.int4_group_size or "per layer") if opts.int4 else opts.int8_group_size, "q_groups": opts.int8_q_groups,
         "smoothquant": any(s.col_scale is not None for s in model.weights.values()),
         "inputs": {"source": source, "prompts": len(prompts), "positions_per_prompt": positions},
@@ -229,6 +234,7 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
                            "worst": [[k, layers[k]] for k in worst]},  # a list: JSON keys get sorted
         "layers": layers,
         "memory": _memory(model),
+        **({"auto_precision": model.notes["auto_precision"]} if "auto_precision" in model.notes else {}),
     }
 
 
@@ -265,7 +271,7 @@ class RankFiles:
 def summary(report: dict) -> str:
     """A few lines for the terminal."""
     ws, mem = report["weight_sqnr_db"], report["memory"]
-    name = report["mode"] if report["mode"] in ("fp8", "int4") else "int8"
+    name = report["mode"] if report["mode"] in ("fp8", "int4") else "mixed" if report["mode"] == "auto" else "int8"
     scheme = f"{report['mode']}, " + (f"group {report['group_size']}" if report["group_size"] else
                                       f"q_groups {report['q_groups']}" if report["q_groups"] else "per-channel")
     scheme += ", symmetric" if report["symmetric"] else ", asymmetric"
@@ -274,6 +280,10 @@ def summary(report: dict) -> str:
         scheme = "e4m3, per-channel weights, per-token activations"
     elif name == "int4":
         scheme = f"w4a16, group {report['group_size']}, scale and min per group"
+    elif name == "mixed":
+        from dsc.compiler.auto_precision import summary_line
+
+        scheme = summary_line(report["auto_precision"])
     inp = report["inputs"]
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     inputs = {"random tokens": "random-token prompts: the checkpoint has no tokenizer",

@@ -45,6 +45,9 @@ class CompileOptions(BaseModel):
     calibrate: str | None = Field(None, description="calibration prompts file (SmoothQuant), one per line")
     # fp8 quantization (--int8-skip, --int8-lm-head and --int8-min-sqnr apply to it as well)
     fp8: bool = Field(False, strict=True, description="quantize linear weights and activations to fp8 (e4m3)")
+    # a precision per linear layer (int4, int8 W8A16 or 16-bit), the cheapest meeting this logits SQNR
+    auto_precision: float | None = Field(None, gt=0, description="choose int4/int8/16-bit per linear layer: the "
+                                         "cheapest keeping the logits SQNR (dB) at or above this")
     # int4 weights (as --fp8, the --int8-skip, --int8-lm-head and --int8-min-sqnr options apply)
     int4: bool = Field(False, strict=True, description="quantize linear weights to 4 bits in groups (W4A16)")
     int4_group_size: int | None = Field(None, ge=32, strict=True, description="input features per int4 scale "
@@ -86,21 +89,21 @@ class CompileOptions(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "CompileOptions":
-        if sum((self.fp8, self.int8, self.int4)) > 1:
-            raise ValueError("--int8, --fp8 and --int4: give one")
+        if sum((self.fp8, self.int8, self.int4, self.auto_precision is not None)) > 1:
+            raise ValueError("--int8, --fp8, --int4 and --auto-precision: give one")
         if self.int4_group_size is not None and self.int4_group_size % 32:
             raise ValueError(f"int4_group_size {self.int4_group_size} is not a multiple of 32")
-        if self.int4_group_size is not None and not self.int4:
+        if self.int4_group_size is not None and not self.int4 and self.auto_precision is None:
             raise ValueError("--int4-group-size needs --int4")
-        if self.int4 and (self.int8_group_size or self.int8_q_groups or self.int8_asymmetric
+        if (self.int4 or self.auto_precision is not None) and (self.int8_group_size or self.int8_q_groups or self.int8_asymmetric
                           or self.int8_mode != "w8a16" or self.calibrate):
-            raise ValueError("--int4 takes --int4-group-size: the int8 grouping, zero-point, mode and calibration "
-                             "options do not apply")
+            raise ValueError("--int4 and --auto-precision take --int4-group-size: the int8 grouping, zero-point, "
+                             "mode and calibration options do not apply")
         if self.fp8 and (self.int8_group_size or self.int8_q_groups or self.int8_asymmetric
                          or self.int8_mode != "w8a16" or self.calibrate):
             raise ValueError("--fp8 takes one scale per output channel and per token: the int8 grouping, "
                              "zero-point, mode and calibration options do not apply")
-        if not self.int8 and not self.fp8 and not self.int4 and (self.int8_group_size or self.int8_q_groups or self.int8_asymmetric or self.int8_lm_head
+        if not (self.int8 or self.fp8 or self.int4 or self.auto_precision is not None) and (self.int8_group_size or self.int8_q_groups or self.int8_asymmetric or self.int8_lm_head
                               or self.int8_mode != "w8a16" or self.int8_skip or self.calibrate
                               or self.int8_min_sqnr is not None):
             raise ValueError("int8 options need --int8 (or --fp8 / --int4, for --int8-skip, --int8-lm-head and "

@@ -49,7 +49,8 @@ def pipeline(options) -> list[tuple[str, Pass]]:
         ("bind_kv_cache", bind_kv_cache),
         ("shard_tensor_parallel", shard_tensor_parallel),  # no-op for tp == 1
     ] + (FUSIONS if options.fuse else []) + [
-        *([("quantize_int8", quantize_int8)] if options.int8 or options.fp8 or options.int4 else []),
+        *([("quantize_int8", quantize_int8)] if options.int8 or options.fp8 or options.int4
+           or options.auto_precision is not None else []),
         ("fold_position_tables", fold_position_tables),
         *([("fuse_rotary_attention", fuse_rotary_attention)] if options.fuse else []),
         ("select_decode_token", select_decode_token),

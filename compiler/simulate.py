@@ -207,7 +207,11 @@ def _flat_rows(graph: fx.Graph) -> fx.Graph:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     g.output(g.graph_copy(graph, env))
-    last = [n for n in g.nodes if n.op == "placeholder"][3]
+    inputs = [n for n in g.nodes if n.op == "placeholder"]
+    ids, last = inputs[0], inputs[3]
+    for u in list(last.users):  # the batch size read off last_idx (as traced) is input_ids' rows
+        if u.target is torch.ops.aten.sym_size.int and u.args[1] == 0:
+            u.args = (ids, 0)
     (index,) = [u for u in last.users if u.target is torch.ops.aten.index.Tensor]
     h, (arange, _) = index.args
     with g.inserting_before(index):

@@ -15,6 +15,7 @@ _OPTION_PASSES = {
     "--int8": ("quantize_int8", lambda o: o.int8),
     "--fp8": ("quantize_int8", lambda o: o.fp8),
     "--int4": ("quantize_int8", lambda o: o.int4),
+    "--auto-precision": ("quantize_int8", lambda o: o.auto_precision is not None),
 }
 
 

@@ -13,6 +13,8 @@ Rewrites (each counted under `quantize_int8.<rule>`, per node)
               (kernels/int4.py): --int4-group-size G, which must divide the layer's local input
               features, else per layer the largest of 128, 64, 32 that does; keep/skip rules as
               above; experts stay 16-bit
+  auto        (--auto-precision DB) each linear int4, int8 (w8a16 per channel) or kept, as
+              compiler/auto_precision.py chooses: the cheapest meeting DB of logits SQNR
   keep_head   a linear outside the blocks (lm_head, or any linear on a weight an embedding
               also reads) stays in the compute dtype unless --int8-lm-head
   keep_router a mixture of experts' router stays in the compute dtype: its scores choose the
@@ -264,6 +266,8 @@ def quantize_int8(model: Model) -> Model:
         return _quantize_fp8(model)
     if opts.int4:
         return _quantize_int4(model)
+    if opts.auto_precision is not None:
+        return _quantize_auto(model)
     if not opts.int8:
         return model
     experts = _quantize_experts(model)
@@ -325,35 +329,61 @@ def _quantize_fp8(model: Model) -> Model:
 
 
 def _quantize_int4(model: Model) -> Model:
+    from dsc.compiler.auto_precision import int4_group
+
     opts = model.options
     targets = _targets(model)
     groups = {}
     for name in targets:  # every layer checked before any rewrite
         out, inp = local_shape(model.weights[name], opts.tp)
-        fits = [g for g in ([opts.int4_group_size] if opts.int4_group_size else [128, 64, 32]) if inp % g == 0]
-        if not fits:
+        groups[name] = int4_group(inp, opts.int4_group_size)
+        if groups[name] is None:
             at = f", tp={opts.tp}" if opts.tp > 1 else ""
             given = f"--int4-group-size {opts.int4_group_size}" if opts.int4_group_size else "no int4 group size (128, 64, 32)"
             other = f", or choose a multiple of 32 dividing {inp}" if opts.int4_group_size else ""
             raise UserError(f"{given} does not divide the {inp} input features of {_layer(name)} "
                             f"({'rank-local ' if opts.tp > 1 else ''}weight [{out}, {inp}]{at}); keep it in "
                             f"16-bit with --int8-skip '{_layer(name)}'{other}")
-        groups[name] = fits[0]
     for name, uses in targets.items():
-        gs = groups[name]
-        spec = model.weights[name]
-        model.weights.update({f"{name}.{p}": dataclasses.replace(spec, quant=Quant(p, gs, False, "int4"))
-                              for p in ("qweight", "scale", "min")})
-        for graph, node in uses:
-            w = node.args[1]
-            x, bias = node.args[0], (node.args[2] if len(node.args) > 2 else None)
-            qw, sc, mn = (_new_attr(model, graph, w, f"{name}.{p}", model.weights[f"{name}.{p}"])
-                          for p in ("qweight", "scale", "min"))
-            replace_with(node, torch.ops.dsc.linear_w4a16.default, (x, qw, sc, mn, bias, gs))
-            model.counters["quantize_int8.int4"] += 1
+        _rewrite_int4(model, name, uses, groups[name])
     _drop_float_weights(model, list(targets))
-    model.notes["int4"] = {"group_sizes": sorted(set(groups.values())), "lm_head": opts.int8_lm_head, "skip": list(opts.int8_skip),
-                           "linears": len(targets)}
+    model.notes["int4"] = {"group_sizes": sorted(set(groups.values())), "lm_head": opts.int8_lm_head,
+                           "skip": list(opts.int8_skip), "linears": len(targets)}
+    return model
+
+
+def _rewrite_int4(model: Model, name: str, uses: list[tuple[fx.Graph, fx.Node]], gs: int) -> None:
+    spec = model.weights[name]
+    model.weights.update({f"{name}.{p}": dataclasses.replace(spec, quant=Quant(p, gs, False, "int4"))
+                          for p in ("qweight", "scale", "min")})
+    for graph, node in uses:
+        w = node.args[1]
+        x, bias = node.args[0], (node.args[2] if len(node.args) > 2 else None)
+        qw, sc, mn = (_new_attr(model, graph, w, f"{name}.{p}", model.weights[f"{name}.{p}"])
+                      for p in ("qweight", "scale", "min"))
+        replace_with(node, torch.ops.dsc.linear_w4a16.default, (x, qw, sc, mn, bias, gs))
+        model.counters["quantize_int8.int4"] += 1
+
+
+def _quantize_auto(model: Model) -> Model:
+    """--auto-precision: compiler/auto_precision.py chooses; int4 and int8 (W8A16, per channel) rewrites."""
+    from dsc.compiler.auto_precision import choose, int4_group
+
+    opts = model.options
+    targets = _targets(model)
+    assign, notes = choose(model, list(targets), opts.auto_precision)
+    for name, uses in targets.items():
+        if assign[name] == "int4":
+            _rewrite_int4(model, name, uses, int4_group(local_shape(model.weights[name], opts.tp)[1],
+                                                        opts.int4_group_size))
+        elif assign[name] == "int8":
+            _parts(model, name, None, None, symmetric=True)
+            for graph, node in uses:
+                _rewrite(model, graph, node, None, False)
+        else:
+            model.counters["quantize_int8.auto_16bit"] += len(uses)
+    _drop_float_weights(model, [n for n in targets if assign[n]])
+    model.notes["auto_precision"] = {**notes, "layers": {_layer(n): assign[n] or "16-bit" for n in sorted(targets)}}
     return model
 
 

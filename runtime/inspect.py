@@ -195,11 +195,14 @@ def int8_summary(rep: dict) -> list[str]:
     mem, ws = rep["memory"], rep["weight_sqnr_db"]
     scheme = rep["mode"] + (f", group {rep['group_size']}" if rep.get("group_size") else ", per-channel")
     scheme += (", symmetric" if rep["symmetric"] else ", asymmetric") + (", SmoothQuant" if rep.get("smoothquant") else "")
-    name = rep["mode"] if rep["mode"] in ("fp8", "int4") else "int8"
+    name = rep["mode"] if rep["mode"] in ("fp8", "int4") else "mixed" if rep["mode"] == "auto" else "int8"
     if name == "fp8":
         scheme = "e4m3, per-channel weights, per-token activations"
     elif name == "int4":
         scheme = f"w4a16, group {rep.get('group_size')}, scale and min per group"
+    elif name == "mixed":
+        c = ((rep.get("auto_precision") or {}).get("rounds") or [{}])[-1].get("counts") or {}
+        scheme = f"auto-precision: {c.get('int4', 0)} int4, {c.get('int8', 0)} int8, {c.get('16-bit', 0)} 16-bit linears"
     if "logits" in rep:
         lg = rep["logits"]
         out = [f"{name} ({scheme}): logits SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, "

@@ -27,7 +27,7 @@ def pass_conditions() -> dict[str, str]:
     from dsc.compiler.pipeline import pipeline
 
     def names(fuse: bool, int8: bool) -> set[str]:
-        return {n for n, _ in pipeline(types.SimpleNamespace(fuse=fuse, int8=int8, fp8=False, int4=False))}
+        return {n for n, _ in pipeline(types.SimpleNamespace(fuse=fuse, int8=int8, fp8=False, int4=False, auto_precision=None))}
 
     always = names(False, False)
     fuse_only = names(True, False) - always
@@ -42,7 +42,7 @@ def passes_page() -> str:
     """docs/passes.md: every pass of the full pipeline, in order, with its file's docstring."""
     from dsc.compiler import pipeline as pipeline_module
 
-    full = pipeline_module.pipeline(types.SimpleNamespace(fuse=True, int8=True, fp8=False, int4=False))
+    full = pipeline_module.pipeline(types.SimpleNamespace(fuse=True, int8=True, fp8=False, int4=False, auto_precision=None))
     conds = pass_conditions()
     out = [HEADER.format(source="compiler/pipeline.py and passes/*.py"), "# Passes\n\n"]
     out.append("`dsc compile` runs these passes in this order (`compiler/pipeline.py`); "

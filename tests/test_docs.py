@@ -61,7 +61,7 @@ def test_passes_page_lists_every_pass_in_pipeline_order():
     import types
 
     text = (DOCS / "passes.md").read_text()
-    names = [n for n, _ in pipeline(types.SimpleNamespace(fuse=True, int8=True, fp8=False, int4=False))]
+    names = [n for n, _ in pipeline(types.SimpleNamespace(fuse=True, int8=True, fp8=False, int4=False, auto_precision=None))]
     headings = re.findall(r"^## (\w+)$", text, re.MULTILINE)
     assert [h for h in headings if h in names] == names
 
