@@ -3,6 +3,7 @@
     python scripts/bench_fp8.py gemm                     # the Llama-8B linears: bf16 matmul vs fp8
     python scripts/bench_fp8.py prepare --work build/fp8 # random Llama-8B checkpoint, bf16 and fp8 artifacts
     python scripts/bench_fp8.py e2e --work build/fp8     # dsc bench of both (each in its own process)
+    python scripts/bench_fp8.py gemm --smoke             # no GPU: the code path at a tiny shape (the reference)
 
 gemm: x [M, K] @ W^T for (K, N) of Llama-8B's projections (q/k/v fused, o, gate/up fused,
 down) at M = 1, 8, 64, 2048: torch's bf16 matmul (cuBLAS) against dsc::linear_fp8 (activation
@@ -37,25 +38,31 @@ def _out(name: str, data) -> None:
         Path(out, f"bench_fp8_{name}.json").write_text(json.dumps(data, indent=1))
 
 
-def gemm(ms=MS) -> None:
+def gemm(ms=MS, smoke: bool = False) -> None:
     from dsc.kernels import fp8
 
-    rows, g = [], torch.Generator(device="cuda").manual_seed(0)
-    for name, (k, n) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5
+    dev = "cpu" if smoke else "cuda"
+    shapes = {"tiny": (128, 48)} if smoke else SHAPES
+    rows, g = [], torch.Generator(device=dev).manual_seed(0)
+    for name, (k, n) in shapes.items():
+        w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) / k ** 0.5
         p = fp8.quantize_weight(w)
         for m in ms:
-            x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-            xq, xs = fp8.quantize_rows(x)
+            x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+            xq, xs = fp8.quantize_activation(x) if smoke else fp8.quantize_rows(x)
             ref = fp8.linear_fp8_reference(x.float(), p["qweight"], p["scale"], None)
             got = torch.ops.dsc.linear_fp8(x, p["qweight"], p["scale"], None).float()
             err = float((got - ref).norm() / ref.norm())
             t16 = bench_ms(lambda: x @ w.T)
             t8 = bench_ms(lambda: torch.ops.dsc.linear_fp8(x, p["qweight"], p["scale"], None))
-            tmm = bench_ms(lambda: torch._scaled_mm(xq, p["qweight"].t(), scale_a=xs, scale_b=p["scale"].reshape(1, n),
-                                                    out_dtype=torch.bfloat16))
-            tfast = bench_ms(lambda: torch._scaled_mm(xq, p["qweight"].t(), scale_a=xs, scale_b=p["scale"].reshape(1, n),
-                                                      out_dtype=torch.bfloat16, use_fast_accum=True))
+            if smoke:  # cuBLASLt's fp8 GEMM is the GPU's
+                tmm = tfast = float("nan")
+            else:
+                tmm = bench_ms(lambda: torch._scaled_mm(xq, p["qweight"].t(), scale_a=xs,
+                                                        scale_b=p["scale"].reshape(1, n), out_dtype=torch.bfloat16))
+                tfast = bench_ms(lambda: torch._scaled_mm(xq, p["qweight"].t(), scale_a=xs,
+                                                          scale_b=p["scale"].reshape(1, n), out_dtype=torch.bfloat16,
+                                                          use_fast_accum=True))
             fl = 2 * m * n * k
             rows.append({"linear": name, "M": m, "K": k, "N": n, "bf16_ms": t16, "fp8_ms": t8, "scaled_mm_ms": tmm,
                          "scaled_mm_fast_accum_ms": tfast,
@@ -127,10 +134,11 @@ def main() -> None:
     ap.add_argument("--work", default=str(ROOT / "build" / "fp8"))
     ap.add_argument("--layers", type=int, default=None, help="override the checkpoint's layer count")
     ap.add_argument("--m", default=",".join(map(str, MS)), help="gemm: token counts, comma-separated")
+    ap.add_argument("--smoke", action="store_true", help="gemm on the CPU at a tiny shape")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    {"gemm": lambda: gemm(tuple(int(v) for v in args.m.split(","))), "prepare": lambda: prepare(work, args.layers), "e2e": lambda: e2e(work)}[args.what]()
+    {"gemm": lambda: gemm(tuple(int(v) for v in args.m.split(",")), args.smoke), "prepare": lambda: prepare(work, args.layers), "e2e": lambda: e2e(work)}[args.what]()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python scripts/bench_int4.py gemm                      # every config checked, then timed; bf16 alongside
     python scripts/bench_int4.py e2e --work build/int4     # random Llama-8B checkpoint, --int4 artifact, dsc bench
+    TRITON_INTERPRET=1 python scripts/bench_int4.py gemm --smoke   # no GPU: the code path at tiny shapes
 
 gemm: x [M, K] @ dequant(W)^T for (K, N) of Llama-8B's projections (q/k/v fused, o, gate/up
 fused, down), group 128: at M = 1 each GEMV config of a small sweep (checked against the
@@ -44,19 +45,22 @@ def _sqnr(ref, got) -> float:
     return math.inf if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
 
 
-def gemm() -> None:
+def gemm(smoke: bool = False) -> None:
     from dsc.kernels import int4
 
-    rows, g = [], torch.Generator(device="cuda").manual_seed(0)
-    for name, (k, n) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5
+    dev = "cpu" if smoke else "cuda"
+    shapes, ms, sweep = ({"tiny": (256, 48)}, (1, 5, 40), GEMV_SWEEP[:2]) if smoke else (SHAPES, (1, 8, 2048), GEMV_SWEEP)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    rows, g = [], torch.Generator(device=dev).manual_seed(0)
+    for name, (k, n) in shapes.items():
+        w = torch.randn(n, k, device=dev, generator=g, dtype=dtype) / k ** 0.5
         p = int4.quantize_weight(w, 128)
         wbytes = p["qweight"].numel() + 4 * p["scale"].numel()
-        for m in (1, 8, 2048):
-            x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, device=dev, generator=g, dtype=dtype)
             ref = int4.linear_w4a16_reference(x.float(), p["qweight"], p["scale"], p["min"], None, 128)
             t16 = bench_ms(lambda: x @ w.T)
-            configs = GEMV_SWEEP if m == 1 else [int4.w4a16_config(m, n, k, 128)]
+            configs = sweep if m == 1 else [int4.w4a16_config(m, n, k, 128)]
             for cfg in configs:
                 run = lambda: int4.w4a16_matmul(x, p["qweight"], p["scale"], p["min"], None, 128, config=cfg)  # noqa: E731
                 s = _sqnr(ref, run().float())
@@ -99,10 +103,11 @@ def main() -> None:
     ap.add_argument("what", choices=["gemm", "e2e"])
     ap.add_argument("--work", default=str(ROOT / "build" / "int4"))
     ap.add_argument("--layers", type=int, default=None, help="override the checkpoint's layer count")
+    ap.add_argument("--smoke", action="store_true", help="gemm on the CPU at a tiny shape (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    gemm() if args.what == "gemm" else e2e(work, args.layers)
+    gemm(args.smoke) if args.what == "gemm" else e2e(work, args.layers)
 
 
 if __name__ == "__main__":

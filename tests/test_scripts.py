@@ -32,7 +32,31 @@ def test_scripts_are_the_maintained_set():
     assert {p.name for p in SCRIPTS.iterdir() if p.name != "__pycache__"} <= {
         "demo.py", "bench_decode.py", "bench_int8.py", "bench_kernels.py", "bench_compile.py", "tune_kernels.py",
         "tune_gemv.py", "ncu_kernels.py", "timing.py", "gen_docs.py", "bench_serving.py", "bench_engine.py", "bench_moe.py",
-        "soak_serve.py"}
+        "soak_serve.py", "bench_fp8.py", "bench_int4.py", "bench_encoders.py"}
+
+
+def test_bench_fp8_gemm_smoke(tmp_path):
+    """The fp8 linear benchmark's loop on the CPU (dsc::linear_fp8's reference; no cuBLASLt):
+    every row measured and checked against the reference."""
+    run("bench_fp8.py", "gemm", "--smoke", "--m", "1,5", OUT=str(tmp_path))
+    rows = json.loads((tmp_path / "bench_fp8_gemm.json").read_text())
+    assert [r["M"] for r in rows] == [1, 5] and all(r["rel_err_vs_reference"] < 1e-2 and r["fp8_ms"] > 0 for r in rows)
+
+
+def test_bench_int4_gemm_smoke(tmp_path):
+    """The int4 benchmark's sweep in the interpreter: every config checked (SQNR >= 40 dB) before it is timed."""
+    out = run("bench_int4.py", "gemm", "--smoke", interpret=True, OUT=str(tmp_path))
+    rows = json.loads((tmp_path / "bench_int4_gemm.json").read_text())
+    assert "WRONG" not in out and {r["M"] for r in rows} == {1, 5, 40} and all(r["sqnr_db"] >= 40 for r in rows)
+
+
+def test_bench_encoders_on_the_cpu(tmp_path):
+    """dsc's encode against transformers (eager) on a random BERT in fp32: the same states."""
+    run("bench_encoders.py", "--device", "cpu", "--dtype", "float32", "--cases", "bert-odd:16:3", "--no-compile",
+        "--iters", "2", "--work", str(tmp_path / "work"), OUT=str(tmp_path))
+    (row,) = json.loads((tmp_path / "bench_encoders.json").read_text())
+    assert row["batch"] == 3 and row["max_abs_diff"] <= 1e-4 * max(1.0, row["max_abs_ref"]) and row["dsc_ms"] > 0
+    assert row["graph_vs_eager_max_abs_diff"] == 0
 
 
 # -- bench_engine.py --------------------------------------------------------------------------------
