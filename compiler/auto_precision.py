@@ -24,6 +24,7 @@ import dataclasses
 import torch
 
 from dsc.compiler.ir import Model
+from dsc.compiler.weights import local_shape
 
 SAMPLE_ROWS = 256  # input tokens kept per linear for its sensitivity
 KEEP_BYTES = 4 << 30  # fp32 weight copies kept across the selection's runs, at most
@@ -31,9 +32,24 @@ MARGIN_DB = 1.0  # a move round aims this far above the target
 LADDER = ("int4", "int8", None)  # None: the compute dtype
 
 
-def int4_group(inp: int, given: int | None) -> int | None:
-    """--int4's group size for a layer of `inp` local input features (None: none fits)."""
-    return next((g for g in ([given] if given else [128, 64, 32]) if inp % g == 0), None)
+def int4_group(inp: int, given: int | None, gguf_blocks: bool = False) -> int | None:
+    """--int4's group size for a layer of `inp` local input features (None: none fits): the
+    given one, else 32 for a weight a GGUF file stores in 4-bit blocks of 32, else the largest
+    of 128, 64, 32 dividing it."""
+    order = [given] if given else [32] if gguf_blocks else [128, 64, 32]
+    return next((g for g in order if inp % g == 0), None)
+
+
+def gguf_blocks(model: Model, name: str) -> bool:
+    """Whether every source of weight `name` is a GGUF tensor in 4-bit blocks of 32."""
+    g = model.checkpoint.gguf
+    return g is not None and all(g.four_bit_blocks(s) for s in model.weights[name].sources)
+
+
+def layer_group(model: Model, name: str) -> int | None:
+    """int4_group of a weight of the model."""
+    inp = local_shape(model.weights[name], model.options.tp)[1]
+    return int4_group(inp, model.options.int4_group_size, gguf_blocks(model, name))
 
 
 def _rounded(w: torch.Tensor, scheme: str, group: int | None) -> torch.Tensor:
@@ -61,12 +77,12 @@ def choose(model: Model, targets: list[str], db: float) -> tuple[dict[str, str |
     """{weight name: "int4" | "int8" | None} for the candidate linears, and what was measured."""
     from dsc.compiler.int8_report import POSITIONS, report_prompts
     from dsc.compiler.simulate import Simulator, weight_bytes
-    from dsc.compiler.weights import SourceReader, float_tensor, local_columns, local_shape
+    from dsc.compiler.weights import SourceReader, float_tensor, local_columns
     from dsc.kernels.int8 import sqnr_db
 
     opts, world = model.options, model.options.tp
     prompts, source = report_prompts(model)
-    groups = {n: int4_group(local_shape(model.weights[n], world)[1], opts.int4_group_size) for n in targets}
+    groups = {n: layer_group(model, n) for n in targets}
     ladder = {n: [s for s in LADDER if s != "int4" or groups[n]] for n in targets}
     full_specs = {n: dataclasses.replace(model.weights[n], shard=None, dtype="float32") for n in targets}
     prefill = model.programs["prefill"]
@@ -136,7 +152,7 @@ def choose(model: Model, targets: list[str], db: float) -> tuple[dict[str, str |
         rounds = []
         while True:
             got = sqnr_db(ref, run(assign))
-            rounds.append({"sqnr_db": round(got, 3), "counts": _counts(assign)})
+            rounds.append({"sqnr_db": round(min(got, 999.0), 3), "counts": _counts(assign)})  # 999: exact
             if got >= db or all(s is None for s in assign.values()):
                 break
             total = sum(cost[n][assign[n]] for n in targets)

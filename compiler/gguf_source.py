@@ -57,6 +57,12 @@ class GGUFTensors:
             out.append((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), hf))
         return sorted(out)
 
+    def four_bit_blocks(self, name: str) -> bool:
+        """Whether the file stores tensor `name` in 4-bit blocks of 32 (Q4_0, Q4_1): --int4's
+        groups of 32 then hold the same values (Q4_1's exactly)."""
+        t = self._by_name.get(self.gguf_names.get(name, ""))
+        return t is not None and t.tensor_type.name in ("Q4_0", "Q4_1")
+
     def decoded_bytes(self, name: str) -> int:
         return 4 * math.prod(self.shapes[name])
 

@@ -11,8 +11,9 @@ Rewrites (each counted under `quantize_int8.<rule>`, per node)
   int4        (--int4) -> dsc.linear_w4a16(x, W.qweight, W.scale, W.min, b, group_size): 4-bit
               weights packed two to a byte, an fp16 scale and min per group of input features
               (kernels/int4.py): --int4-group-size G, which must divide the layer's local input
-              features, else per layer the largest of 128, 64, 32 that does; keep/skip rules as
-              above; experts stay 16-bit
+              features, else per layer 32 where a GGUF file stores the weight in 4-bit blocks of
+              32 (Q4_0, Q4_1), else the largest of 128, 64, 32 that divides them; keep/skip rules
+              as above; experts stay 16-bit
   auto        (--auto-precision DB) each linear int4, int8 (w8a16 per channel) or kept, as
               compiler/auto_precision.py chooses: the cheapest meeting DB of logits SQNR
   keep_head   a linear outside the blocks (lm_head, or any linear on a weight an embedding
@@ -329,14 +330,14 @@ def _quantize_fp8(model: Model) -> Model:
 
 
 def _quantize_int4(model: Model) -> Model:
-    from dsc.compiler.auto_precision import int4_group
+    from dsc.compiler.auto_precision import layer_group
 
     opts = model.options
     targets = _targets(model)
     groups = {}
     for name in targets:  # every layer checked before any rewrite
         out, inp = local_shape(model.weights[name], opts.tp)
-        groups[name] = int4_group(inp, opts.int4_group_size)
+        groups[name] = layer_group(model, name)
         if groups[name] is None:
             at = f", tp={opts.tp}" if opts.tp > 1 else ""
             given = f"--int4-group-size {opts.int4_group_size}" if opts.int4_group_size else "no int4 group size (128, 64, 32)"
@@ -367,15 +368,14 @@ def _rewrite_int4(model: Model, name: str, uses: list[tuple[fx.Graph, fx.Node]],
 
 def _quantize_auto(model: Model) -> Model:
     """--auto-precision: compiler/auto_precision.py chooses; int4 and int8 (W8A16, per channel) rewrites."""
-    from dsc.compiler.auto_precision import choose, int4_group
+    from dsc.compiler.auto_precision import choose, layer_group
 
     opts = model.options
     targets = _targets(model)
     assign, notes = choose(model, list(targets), opts.auto_precision)
     for name, uses in targets.items():
         if assign[name] == "int4":
-            _rewrite_int4(model, name, uses, int4_group(local_shape(model.weights[name], opts.tp)[1],
-                                                        opts.int4_group_size))
+            _rewrite_int4(model, name, uses, layer_group(model, name))
         elif assign[name] == "int8":
             _parts(model, name, None, None, symmetric=True)
             for graph, node in uses:

@@ -253,13 +253,14 @@ if __name__ == "__main__":
 
 def test_real_weights_from_a_q4_1_file_are_reproduced(smollm2, tmp_path):
     """SmolLM2-135M-Instruct's GGUF file stores its linears as Q4_1 (blocks of 32: w = d q + m,
-    d = (max - min) / 15, both fp16): --int4 at group 32 rounds the dequantized weights onto the
-    very same levels, so the artifact's weights and logits are the file's."""
+    d = (max - min) / 15, both fp16): --int4 takes groups of 32 for such weights and rounds the
+    dequantized weights onto the very same levels, so the artifact's weights and logits are the file's."""
     import dsc
     from dsc.compiler.evaluate import evaluate
 
     gguf, fp32 = smollm2
-    art = dsc.compile(str(gguf), tmp_path / "int4", dtype="fp32", int4=True, int4_group_size=32, max_seq=256)
+    art = dsc.compile(str(gguf), tmp_path / "int4", dtype="fp32", int4=True, max_seq=256)
+    assert json.loads((art / "plan.json").read_text())["notes"]["int4"]["group_sizes"] == [32]
     rep = json.loads((art / "manifest.json").read_text())["int8_report"]
     assert rep["mode"] == "int4" and rep["weight_sqnr_db"]["min"] == 999.0, rep["weight_sqnr_db"]
     ev = evaluate(art, against=str(fp32), seq=128, max_tokens=256)
