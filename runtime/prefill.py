@@ -195,11 +195,4 @@ class EncodeRunner:
                 return self.program(ids, lengths)
         return step(ids, lengths)
 
-    def release(self) -> None:
-        """Drop the graphs (before a process group is torn down; see decode.release_cuda_graphs)."""
-        for step in self.steps.values():
-            if step.graph is not None:
-                torch.cuda.synchronize(step.device)
-                step.graph.reset()
-        self.steps.clear()
-        self.graphs = False
+    release = PrefillRunner.release  # the same steps and graphs to drop
