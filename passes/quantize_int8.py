@@ -52,7 +52,8 @@ SmoothQuant (w8a8): the program as it stands (sharded, fused, unquantized) runs 
   are smoothed too.
 Requires: canonicalize (weights are [out, in] linears); runs after shard_tensor_parallel and the
   fusions, before plan_kernels. Guarantees: no aten.linear in the blocks reads a float weight
-  (unless skipped); every int8 get_attr has a spec with `quant`; node vals show local shapes.
+  (unless skipped, or kept by --auto-precision); every quantized get_attr has a spec with `quant`;
+  node vals show local shapes.
 """
 from __future__ import annotations
 
