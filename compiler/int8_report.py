@@ -42,13 +42,11 @@ import torch
 import torch.fx as fx
 
 from dsc.compiler.ir import Model
+from dsc.compiler.sample_text import POSITIONS, REPORT_PROMPTS, REPORT_TOKENS, report_inputs
 from dsc.errors import UserError
 from dsc.kernels import registry
 from dsc.passes import quantize_int8
 
-REPORT_PROMPTS = 4  # prompts the report evaluates (the first calibration prompts, or sample-text chunks)
-REPORT_TOKENS = 128  # ... of this many tokens: rows x tokens is the cost (and bounds the KV cache)
-POSITIONS = REPORT_TOKENS // 2  # evaluated positions per prompt (its last ones, after 64 of context): the lm_head runs on rows x positions
 _CAP_DB = 999.0  # SQNR of an exact match (infinite) is written as this
 READ_KEEP = 256 << 20  # bytes of whole source tensors kept while the ranks take their slices
 
@@ -172,18 +170,12 @@ def _memory(model: Model) -> dict:
 
 def report_prompts(model: Model) -> tuple[list[list[int]], str]:
     """The report's inputs and where they come from (module docstring)."""
-    from dsc.compiler.sample_text import sample_prompts as text_prompts
-    from dsc.compiler.verify import sample_prompts as random_prompts
-
     opts = model.options
-    length = min(REPORT_TOKENS, opts.max_seq - 1)
     if opts.calibrate:
+        length = min(REPORT_TOKENS, opts.max_seq - 1)
         prompts = quantize_int8.calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)
         return [p[:length] for p in prompts][:REPORT_PROMPTS], "calibration"
-    prompts = text_prompts(model.checkpoint.root, REPORT_PROMPTS, length, model.config["vocab_size"])
-    if prompts is None:
-        return random_prompts(model.config["vocab_size"], batch=3), "random tokens"
-    return prompts, "sample text"
+    return report_inputs(model.checkpoint.root, model.config["vocab_size"], opts.max_seq)
 
 
 def int8_report(model: Model, prompts: list[list[int]] | None = None, positions: int = POSITIONS,
@@ -281,7 +273,7 @@ def summary(report: dict) -> str:
     elif name == "int4":
         scheme = f"w4a16, group {report['group_size']}, scale and min per group"
     elif name == "mixed":
-        from dsc.compiler.auto_precision import summary_line
+        from dsc.passes.auto_precision import summary_line
 
         scheme = summary_line(report["auto_precision"])
     inp = report["inputs"]

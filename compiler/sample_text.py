@@ -53,6 +53,30 @@ def token_chunks(ids: list[int], count: int, length: int) -> list[list[int]]:
     return [ids[i:i + length] for i in range(0, min(len(ids), count * length), length)]
 
 
+# the quantization reports' inputs (compiler/int8_report.py; --auto-precision measures on the same)
+REPORT_PROMPTS = 4  # prompts the report evaluates (the first calibration prompts, or sample-text chunks)
+REPORT_TOKENS = 128  # ... of this many tokens: rows x tokens is the cost (and bounds the KV cache)
+POSITIONS = REPORT_TOKENS // 2  # evaluated positions per prompt (its last ones, after 64 of context)
+
+
+def random_prompts(vocab: int, batch: int = 3, seed: int = 0, max_len: int = 11) -> list[list[int]]:
+    """`batch` prompts of random token ids, of lengths max_len, max_len - 4, ... (at least 2)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lens = [max(2, max_len - 4 * i) for i in range(batch)]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def report_inputs(tokenizer_folder: Path, vocab: int, max_seq: int) -> tuple[list[list[int]], str]:
+    """The report's prompts without --calibrate, and where they come from: REPORT_PROMPTS chunks
+    of REPORT_TOKENS tokens of the built-in sample, else (no tokenizer) three random prompts."""
+    prompts = sample_prompts(tokenizer_folder, REPORT_PROMPTS, min(REPORT_TOKENS, max_seq - 1), vocab)
+    if prompts is None:
+        return random_prompts(vocab, batch=3), "random tokens"
+    return prompts, "sample text"
+
+
 def sample_prompts(tokenizer_folder: Path, count: int, length: int, vocab: int) -> list[list[int]] | None:
     """Chunks of the built-in sample, tokenized with the checkpoint's tokenizer; None when it
     has none (or its ids do not fit the model's vocabulary)."""

@@ -15,7 +15,7 @@ Rewrites (each counted under `quantize_int8.<rule>`, per node)
               32 (Q4_0, Q4_1), else the largest of 128, 64, 32 that divides them; keep/skip rules
               as above; experts stay 16-bit
   auto        (--auto-precision DB) each linear int4, int8 (w8a16 per channel) or kept, as
-              compiler/auto_precision.py chooses: the cheapest meeting DB of logits SQNR
+              passes/auto_precision.py chooses: the cheapest meeting DB of logits SQNR
   keep_head   a linear outside the blocks (lm_head, or any linear on a weight an embedding
               also reads) stays in the compute dtype unless --int8-lm-head
   keep_router a mixture of experts' router stays in the compute dtype: its scores choose the
@@ -331,7 +331,7 @@ def _quantize_fp8(model: Model) -> Model:
 
 
 def _quantize_int4(model: Model) -> Model:
-    from dsc.compiler.auto_precision import layer_group
+    from dsc.passes.auto_precision import layer_group
 
     opts = model.options
     targets = _targets(model)
@@ -368,8 +368,8 @@ def _rewrite_int4(model: Model, name: str, uses: list[tuple[fx.Graph, fx.Node]],
 
 
 def _quantize_auto(model: Model) -> Model:
-    """--auto-precision: compiler/auto_precision.py chooses; int4 and int8 (W8A16, per channel) rewrites."""
-    from dsc.compiler.auto_precision import choose, layer_group
+    """--auto-precision: passes/auto_precision.py chooses; int4 and int8 (W8A16, per channel) rewrites."""
+    from dsc.passes.auto_precision import choose, layer_group
 
     opts = model.options
     targets = _targets(model)

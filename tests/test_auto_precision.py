@@ -1,4 +1,4 @@
-"""--auto-precision DB (compiler/auto_precision.py): int4, int8 (W8A16) or 16-bit per linear,
+"""--auto-precision DB (passes/auto_precision.py): int4, int8 (W8A16) or 16-bit per linear,
 the cheapest meeting DB of logits SQNR on the quantization report's inputs.
 
 Checked: the compiled artifact's own report (the quantized program against its unquantized

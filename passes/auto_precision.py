@@ -14,6 +14,7 @@ it also rounds the activations, so on quality W8A16 is at least as good.
     3. while below DB: take the noise as proportional to the sum of the layers' costs (the
        factor from the last measurement), and move layers one rung up, best cost saved per byte
        first, until that sum predicts DB with MARGIN to spare (at least one move); measure again.
+--calibrate does not apply (its prompts are the int8 report's; the options refuse it here).
 The choice is recorded in the plan's notes ("auto_precision": target, measured rounds, one
 scheme per layer) and the report prints the counts.
 """
@@ -75,13 +76,13 @@ def _local(spec, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def choose(model: Model, targets: list[str], db: float) -> tuple[dict[str, str | None], dict]:
     """{weight name: "int4" | "int8" | None} for the candidate linears, and what was measured."""
-    from dsc.compiler.int8_report import POSITIONS, report_prompts
+    from dsc.compiler.sample_text import POSITIONS, report_inputs
     from dsc.compiler.simulate import Simulator, weight_bytes
     from dsc.compiler.weights import SourceReader, float_tensor, local_columns
     from dsc.kernels.int8 import sqnr_db
 
     opts, world = model.options, model.options.tp
-    prompts, source = report_prompts(model)
+    prompts, source = report_inputs(model.checkpoint.root, model.config["vocab_size"], opts.max_seq)
     groups = {n: layer_group(model, n) for n in targets}
     ladder = {n: [s for s in LADDER if s != "int4" or groups[n]] for n in targets}
     full_specs = {n: dataclasses.replace(model.weights[n], shard=None, dtype="float32") for n in targets}
