@@ -115,7 +115,7 @@ def compile_cmd(
     int8: Optional[bool] = typer.Option(None, "--int8", help="int8 weights (weight-only, per-channel, symmetric)"),
     fp8: Optional[bool] = typer.Option(None, "--fp8", help="fp8 (e4m3) weights per channel and activations per token (FP8 tensor cores)"),
     int4: Optional[bool] = typer.Option(None, "--int4", help="4-bit weights in groups, 16-bit activations (W4A16)"),
-    int4_group_size: Optional[int] = typer.Option(None, "--int4-group-size", help="input features per int4 scale group (default 128)"),
+    int4_group_size: Optional[int] = typer.Option(None, "--int4-group-size", help="input features per int4 scale group, a multiple of 32 (default per layer: 32 for a GGUF file's 4-bit blocks, else the largest of 128, 64, 32 dividing it)"),
     auto_precision: Optional[float] = typer.Option(None, "--auto-precision", help="int4, int8 or 16-bit per linear layer: the cheapest keeping the logits SQNR (dB) at or above this"),
     int8_mode: Optional[str] = typer.Option(None, "--int8-mode", help="w8a16 (default) | w8a8"),
     int8_group_size: Optional[int] = typer.Option(None, "--int8-group-size", help="scale per N input channels"),

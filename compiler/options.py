@@ -51,8 +51,8 @@ class CompileOptions(BaseModel):
     # int4 weights (as --fp8, the --int8-skip, --int8-lm-head and --int8-min-sqnr options apply)
     int4: bool = Field(False, strict=True, description="quantize linear weights to 4 bits in groups (W4A16)")
     int4_group_size: int | None = Field(None, ge=32, strict=True, description="input features per int4 scale "
-                                        "group (a multiple of 32); default per layer: 128, else 64, else 32, the "
-                                        "largest dividing its input features")
+                                        "group (a multiple of 32); default per layer: 32 for a GGUF file's 4-bit "
+                                        "blocks, else the largest of 128, 64, 32 dividing its input features")
     # encoders
     pooling: Literal["mean", "cls", "last"] | None = Field(
         None, description="how an encoder's token states become one embedding; default: the checkpoint's "
