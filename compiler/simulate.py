@@ -185,7 +185,8 @@ class Simulator:
         h = self.run("encode", (ids, lengths)).float()
         return torch.cat([h[b, :n] for b, n in enumerate(lengths.tolist())])
 
-    def logits_at(self, sequences: Sequence[Sequence[int]], positions: int) -> torch.Tensor:
+    def logits_at(self, sequences: Sequence[Sequence[int]], positions: int,
+                  observe: Observer | None = None) -> torch.Tensor:
         """Logits [n, V] fp32 at the last `positions` positions of every sequence (each of a
         shorter one), sequence by sequence, from one prefill run of the batch: the program's
         `h[arange(B), last_idx]` ([B, S, E] -> [B, E]) is run as `h.flatten(0, 1)[rows]`."""
@@ -198,7 +199,7 @@ class Simulator:
                 t.zero_()
         ids, pos = pad(sequences)
         return self.run("prefill_rows", (ids, pos, torch.zeros(len(sequences), dtype=torch.long),
-                                         torch.tensor(rows))).float()
+                                         torch.tensor(rows)), observe).float()
 
 
 def _flat_rows(graph: fx.Graph) -> fx.Graph:

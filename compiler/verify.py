@@ -38,8 +38,6 @@ class VerifyReport:
                 f"(relative {self.max_rel_err:.3g})")
 
 
-
-
 def reference_model(checkpoint: str | Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging

@@ -5,8 +5,9 @@ The ladder, cheapest first: int4 (W4A16, groups of 128/64/32 as `--int4` picks t
 (W8A16, one scale per output channel), the compute dtype. fp8 is not a rung: at int8's bytes
 it also rounds the activations, so on quality W8A16 is at least as good.
 
-    1. sensitivity: one run of the unquantized prefill program (compiler/simulate.py) on the
-       report's prompts records every candidate linear's inputs x (up to SAMPLE_ROWS tokens);
+    1. sensitivity: the run of the unquantized prefill program (compiler/simulate.py) on the
+       report's prompts that gives the reference logits also records every candidate linear's
+       inputs x (up to SAMPLE_ROWS tokens);
        a layer's cost of a rung is its relative output error |x (W - Q(W))^T|^2 / |x W^T|^2.
     2. start with every layer at int4; measure the logits' SQNR of that assignment (the program
        run with each weight replaced by its dequantized rounding: in fp32 what the quantized
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.fx as fx
 
 from dsc.compiler.ir import Model
 from dsc.compiler.weights import local_shape
@@ -86,16 +88,13 @@ def choose(model: Model, targets: list[str], db: float) -> tuple[dict[str, str |
     groups = {n: layer_group(model, n) for n in targets}
     ladder = {n: [s for s in LADDER if s != "int4" or groups[n]] for n in targets}
     full_specs = {n: dataclasses.replace(model.weights[n], shard=None, dtype="float32") for n in targets}
-    prefill = model.programs["prefill"]
-    watch = {node: node.args[1].target for node in prefill.nodes
-             if node.op == "call_function" and len(node.args) > 1 and getattr(node.args[1], "target", None) in groups}
     index = {n: [local_columns(model.weights[n], torch.arange(model.weights[n].shape[1]), r, world)
                  for r in range(world)] for n in targets}
     xs: dict[str, torch.Tensor] = {}
 
-    def observe(node, rank, args):
-        name = watch.get(node)
-        if name is None:
+    def observe(node, rank, args):  # a linear of a candidate weight (in the copy logits_at runs)
+        name = getattr(node.args[1], "target", None) if len(node.args) > 1 else None
+        if name not in groups or not isinstance(node.args[1], fx.Node) or node.args[1].op != "get_attr":
             return
         x = args[0].float().reshape(-1, args[0].shape[-1])
         step = max(1, x.shape[0] // SAMPLE_ROWS)
@@ -136,12 +135,9 @@ def choose(model: Model, targets: list[str], db: float) -> tuple[dict[str, str |
 
             sim = Simulator(model, produce, world, batch=len(prompts), seq=max(2, max(map(len, prompts))),
                             weight_bytes=weight_bytes(model), dtype=torch.float32)
-            if observer is None:
-                return sim.logits_at(prompts, POSITIONS)
-            return sim.prefill(prompts, observe=observer)
+            return sim.logits_at(prompts, POSITIONS, observer)
 
-        run({}, observe)  # every candidate's inputs
-        ref = run({})
+        ref = run({}, observe)  # and every candidate's inputs
         cost: dict[str, dict] = {}
         for n in targets:
             w = full(n, None)
