@@ -128,6 +128,7 @@ def compile_cmd(
     decode_buckets: Optional[str] = typer.Option(None, "--decode-buckets", help="CUDA-graph batch buckets, e.g. 1,2,4,8"),
     min_tokens: Optional[int] = typer.Option(None, "--min-tokens", help="default min_tokens of requests: tokens generated before eos or a stop token can end one (default 0)"),
     pooling: Optional[str] = typer.Option(None, "--pooling", help="encoders: mean | cls | last (default: the checkpoint's sentence-transformers config, else cls)"),
+    target: List[str] = typer.Option([], "--target", help="GPU arch to compile the kernels for, into the artifact: sm_80 | sm_86 | sm_89 | sm_90 (repeatable; no GPU needed)"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="print stages and their times also when stderr is not a terminal"),
     timings: Optional[Path] = typer.Option(None, "--timings", help="write the stage times here (JSON); the artifact never holds them"),
 ) -> None:
@@ -150,7 +151,8 @@ def compile_cmd(
                            int8_asymmetric=int8_asymmetric, int8_lm_head=int8_lm_head,
                            int8_skip=tuple(int8_skip) or None, int8_min_sqnr=int8_min_sqnr,
                            calibrate=str(calibrate) if calibrate else None,
-                           decode_buckets=_parse_buckets(decode_buckets), min_tokens=min_tokens, pooling=pooling)
+                           decode_buckets=_parse_buckets(decode_buckets), min_tokens=min_tokens, pooling=pooling,
+                           targets=tuple(target) or None)
     except UserError as e:
         progress.close()
         _fail(str(e))
@@ -186,7 +188,8 @@ def _tokenizer(art):
     return tok
 
 
-_REQUIRE_SIGNATURE_HELP = "public key file (from `dsc keygen`): refuse the artifact unless `dsc sign` signed it with the matching key"
+_REQUIRE_SIGNATURE_HELP = "public key file (from `dsc keygen`): refuse the artifact unless `dsc sign` signed it with the matching key (its kernel binaries are then used)"
+_TRUST_KERNELS_HELP = "use the artifact's kernel binaries (`dsc compile --target`) without a signature: GPU code from the artifact runs"
 
 
 @app.command("generate")
@@ -209,6 +212,7 @@ def generate_cmd(
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="tokens per step (prompt chunks + decodes)"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip checksum verification at load"),
     require_signature: Optional[Path] = typer.Option(None, "--require-signature", help=_REQUIRE_SIGNATURE_HELP),
+    trust_kernels: bool = typer.Option(False, "--trust-kernels", help=_TRUST_KERNELS_HELP),
 ) -> None:
     """Generate text from an artifact (continuous batching: any number of prompts). For tp > 1,
     run under torchrun, or let dsc start the ranks."""
@@ -234,7 +238,7 @@ def generate_cmd(
         from dsc.runtime.llm import LLM, SamplingParams
 
         llm = LLM(artifact, device=device, verify=not no_verify, require_signature=require_signature,
-                  kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                  trust_kernels=trust_kernels, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens)
         leader = llm.engine.engine.rank == 0
         base = 0 if seed is None else seed
@@ -344,6 +348,7 @@ def bench_cmd(
     context: int = typer.Option(128, help="tokens already in the cache when decode is timed"),
     iters: int = typer.Option(50, help="timed decode steps per batch size"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="eager decode steps"),
+    trust_kernels: bool = typer.Option(False, "--trust-kernels", help=_TRUST_KERNELS_HELP),
     as_json: Optional[Path] = typer.Option(None, "--json", help="also write results here"),
     profile: bool = typer.Option(False, "--profile", help="also profile decode steps at the smallest batch: "
                                  "time per kernel, time between kernels, bandwidth per plan node"),
@@ -358,7 +363,7 @@ def bench_cmd(
             _relaunch_under_torchrun(open_artifact(artifact, ranks=[], verify=False).tp)
             return
         res = bench(artifact, device=device, batches=batch, prefill_lens=prefill, context=context,
-                    iters=iters, cuda_graphs=not no_cuda_graphs, profile=profile)
+                    iters=iters, cuda_graphs=not no_cuda_graphs, profile=profile, trust_kernels=trust_kernels)
     except UserError as e:
         _fail(str(e))
     if res.get("tp", 1) > 1:
@@ -468,6 +473,8 @@ def serve_cmd(
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="seconds SIGTERM lets requests in flight finish"),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda if available)"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip checksum verification at load"),
+    require_signature: Optional[Path] = typer.Option(None, "--require-signature", help=_REQUIRE_SIGNATURE_HELP),
+    trust_kernels: bool = typer.Option(False, "--trust-kernels", help=_TRUST_KERNELS_HELP),
 ) -> None:
     """Serve an artifact over the OpenAI API (completions, chat, models, health, metrics)."""
     try:
@@ -481,7 +488,9 @@ def serve_cmd(
                             api_key=api_key or switches.get("DSC_API_KEY") or None, max_queue=max_queue,
                             shutdown_timeout=shutdown_timeout)
         serve_artifact(artifact, opts, typer.echo, device=device, kv_cache_memory=kv_cache_memory,
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, verify=not no_verify)
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, verify=not no_verify,
+                       require_signature=str(require_signature) if require_signature else None,
+                       trust_kernels=trust_kernels)
     except UserError as e:
         _fail(str(e))
 

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from dsc.compiler import kernel_binaries
 from dsc.compiler.ir import Model
 from dsc.compiler.rank_files import Timing, write_rank_files
 from dsc.compiler.serialize import program_nodes
@@ -214,11 +215,20 @@ def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[st
     tmp = _prepare_destination(out)
     with _removed_on_termination(tmp):
         world = model.options.tp
-        (tmp / "plan.json").write_text(_json(build_plan(model, ckpt, dtype)))
+        plan = build_plan(model, ckpt, dtype)
+        (tmp / "plan.json").write_text(_json(plan))
+        binaries = None
+        if model.options.targets:
+            t0 = time.perf_counter()
+            binaries = kernel_binaries.write(tmp, plan, sorted(set(model.options.targets)))
+            if on_timing:
+                on_timing("emit.kernel binaries", time.perf_counter() - t0)
         written = write_rank_files(model, ckpt, tmp, on_bytes=on_bytes, on_timing=on_timing,
                                    weight_sqnr=before_manifest is not None and (model.options.int8 or model.options.fp8 or model.options.int4
                                                                    or model.options.auto_precision is not None))
         extra = dict(extra_manifest or {})
+        if binaries is not None:
+            extra["kernel_binaries"] = binaries
         if before_manifest is not None:
             extra.update(before_manifest(tmp, written.weight_sqnr))
         toks = tokenizer_files(ckpt.root)

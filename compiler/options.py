@@ -57,6 +57,9 @@ class CompileOptions(BaseModel):
     pooling: Literal["mean", "cls", "last"] | None = Field(
         None, description="how an encoder's token states become one embedding; default: the checkpoint's "
                           "sentence-transformers config, else cls")
+    # kernels compiled ahead of time (compiler/kernel_binaries.py)
+    targets: tuple[Literal["sm_80", "sm_86", "sm_89", "sm_90"], ...] = Field(
+        (), description="GPU archs to compile the plan's Triton kernels for, into the artifact (no GPU needed)")
     # runtime
     min_tokens: int = Field(0, ge=0, strict=True, description="default SamplingParams.min_tokens: tokens generated "
                                                              "before a stop token or eos can end a sequence")

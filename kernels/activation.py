@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuned
-from dsc.kernels.registry import declare
+from dsc.kernels.registry import cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
@@ -136,7 +136,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 declare("dsc.swiglu.default")
 
 
-@swiglu.register_kernel("cuda")
+@cuda_kernel(swiglu)
 def _(gate, up):
     return swiglu_triton(gate, up)
 
@@ -154,7 +154,7 @@ def gelu(x: torch.Tensor, approximate: str, bias: torch.Tensor | None = None) ->
 declare("dsc.gelu.default")
 
 
-@gelu.register_kernel("cuda")
+@cuda_kernel(gelu)
 def _(x, approximate, bias=None):
     return gelu_triton(x, approximate, bias)
 

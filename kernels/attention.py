@@ -81,8 +81,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
-from dsc.kernels.registry import declare
+from dsc.kernels.launch import arch_of, launched, next_power_of_2, pdl_options, planner, split_counters, triton_jit, tuned
+from dsc.kernels.registry import cuda_kernel, declare
 from dsc.kernels.rotary import (ROTATE_OPTIONS, check_rotary, check_rotary_tables, rotary_config, rotary_reference,
                                rotary_rows, rotary_triton, rotate)
 
@@ -322,7 +322,7 @@ def _triton():
     module["tl"] = tl
     for name in _JIT_FUNCTIONS:
         module[name] = triton.jit(module[name])
-    module["rotate"] = jit(rotate)  # kernels/rotary.py's device function (launch.jit binds its `tl`)
+    module["rotate"] = triton_jit(rotate)  # kernels/rotary.py's device function (triton_jit binds its `tl`)
     return triton
 
 
@@ -970,7 +970,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, sof
     sixteen = all(t.dtype in (torch.float16, torch.bfloat16) for t in (q, k, v, k_cache, v_cache))
     descs = _kv_descriptors(k, v, k_cache, v_cache, cfg["BLOCK_N"], BLOCK_D) \
         if cfg.get("TMA", False) and plain and sixteen else None
-    _prefill_kernel[grid](
+    launched(_prefill_kernel)[grid](
         q, k, v, k_cache, v_cache, cache_pos, out, qk_scale,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -1034,7 +1034,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, soft
     BLOCK_D = max(16, next_power_of_2(D))
     lock = split_counters(q.device, B * Hkv) if splits > 1 else out
     qk_scale, slopes, cap, variant = variant_launch(scale, softcap, alibi_slopes)
-    _decode_kernel[(B * Hkv, splits)](
+    launched(_decode_kernel)[(B * Hkv, splits)](
         q, k, v, k_cache, v_cache, cache_pos, out, part_o, part_lse, lock, qk_scale,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
@@ -1106,7 +1106,7 @@ def attention(
 declare("dsc.attention.default", attention=True)
 
 
-@attention.register_kernel("cuda")
+@cuda_kernel(attention)
 def _(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None):
     variant = dict(softcap=softcap, alibi_slopes=alibi_slopes)
     if q.shape[2] == 1:
@@ -1170,7 +1170,7 @@ def rotary_attention(
 declare("dsc.rotary_attention.default", attention=True)
 
 
-@rotary_attention.register_kernel("cuda")
+@cuda_kernel(rotary_attention)
 def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None, softcap=0.0, alibi_slopes=None):
     variant = dict(softcap=softcap, alibi_slopes=alibi_slopes)
     if q.shape[2] == 1:

@@ -83,7 +83,7 @@ from dsc.kernels.int8 import _w8a16_rows, group_k, int8_config, linear_w8a16_ref
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, rows_of, tuning_table
 from dsc.kernels.linear import CONFIG_KEYS, _gemv_rows, gemv_config, gemv_launch
 from dsc.kernels.norm import MAX_N, add_rmsnorm_reference, norm_config, rmsnorm_reference
-from dsc.kernels.registry import KEEP, declare
+from dsc.kernels.registry import KEEP, cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 _MARK = {torch.bfloat16: -32768, torch.float16: -32768, torch.float32: -2147483648}  # -0.0's bits
@@ -583,7 +583,7 @@ declare("dsc.all_reduce_add_rmsnorm.default", all_reduce=True, collective_slot=T
         onnx=lambda residual, x, weight, eps: add_rmsnorm_reference(torch.ops.dsc.all_reduce(x), residual, weight, eps))
 
 
-@all_reduce_add_rmsnorm.register_kernel("cuda")
+@cuda_kernel(all_reduce_add_rmsnorm)
 def _(residual, x, weight, eps):
     s = _symm
     n = x.shape[-1]
@@ -636,7 +636,7 @@ declare("dsc.vocab_embedding_all_reduce_rmsnorm.default", gather=True, all_reduc
         simulate=_embedding_then_norms, onnx=_embedding_all_reduce_norm_onnx)
 
 
-@vocab_embedding_all_reduce_rmsnorm.register_kernel("cuda")
+@cuda_kernel(vocab_embedding_all_reduce_rmsnorm)
 def _(weight, ids, start, norm_weight, eps):
     check_lookup(weight, ids, start)
     s = _symm
@@ -726,7 +726,7 @@ declare("dsc.linear_all_reduce_add_rmsnorm.default", all_reduce=True, collective
                                    for a in per_rank])
 
 
-@linear_all_reduce_add_rmsnorm.register_kernel("cuda")
+@cuda_kernel(linear_all_reduce_add_rmsnorm)
 def _(residual, x, weight, norm_weight, eps):
     s = _symm
     cfg = _gemv_push_config(s, residual, x, weight, norm_weight)
@@ -851,7 +851,7 @@ declare("dsc.linear_w8a16_all_reduce_add_rmsnorm.default", all_reduce=True, coll
             sum(linear_w8a16_reference(a[1], *a[2:5], None, a[5]) for a in per_rank), a[0], *a[6:]) for a in per_rank])
 
 
-@linear_w8a16_all_reduce_add_rmsnorm.register_kernel("cuda")
+@cuda_kernel(linear_w8a16_all_reduce_add_rmsnorm)
 def _(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
     s = _symm
     pair = lambda: _w8a16_then_fused(residual, x, qweight, scale, zero, group_size, norm_weight, eps)  # noqa: E731

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import cdiv, device, jit, next_power_of_2, pdl_options, planner
-from dsc.kernels.registry import declare
+from dsc.kernels.registry import cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
@@ -91,7 +91,7 @@ def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: torch.Tensor
 declare("dsc.vocab_embedding.default", gather=True)
 
 
-@vocab_embedding.register_kernel("cuda")
+@cuda_kernel(vocab_embedding)
 def _(weight, ids, start):
     return vocab_embedding_triton(weight, ids, start)
 

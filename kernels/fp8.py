@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from dsc.kernels.launch import jit, next_power_of_2, planner
-from dsc.kernels.registry import declare
+from dsc.kernels.registry import cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 E4M3 = torch.float8_e4m3fn
@@ -94,7 +94,7 @@ def _(x, qweight, scale, bias):
     return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
-@linear_fp8.register_kernel("cuda")
+@cuda_kernel(linear_fp8)
 def _(x, qweight, scale, bias):
     k = x.shape[-1]
     y = fp8_matmul(x.reshape(-1, k), qweight, scale, bias)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import cdiv, jit, planner
-from dsc.kernels.registry import declare
+from dsc.kernels.registry import cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 DEFAULT_GROUP = 128
@@ -122,7 +122,7 @@ def _(x, qweight, scale, minv, bias, group_size):
     return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
-@linear_w4a16.register_kernel("cuda")
+@cuda_kernel(linear_w4a16)
 def _(x, qweight, scale, minv, bias, group_size):
     k = x.shape[-1]
     y = w4a16_matmul(x.reshape(-1, k), qweight, scale, minv, bias, group_size)

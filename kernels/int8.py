@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from dsc.kernels.activation import _plan_swiglu, _silu_mul, swiglu_reference
 from dsc.kernels.launch import (arch_of, cdiv, device, gluon_device, gluon_jit, jit, next_power_of_2, pdl_options, planner,
                                split_counters, tuning_row)
-from dsc.kernels.registry import KEEP, declare
+from dsc.kernels.registry import KEEP, cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 gl = mma_v2 = None  # gluon's language and its mma.sync, bound by launch.gluon_jit on first launch
@@ -302,7 +302,7 @@ def _(x, qweight, scale, zero, bias, group_size):
     return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
-@linear_w8a16.register_kernel("cuda")
+@cuda_kernel(linear_w8a16)
 def _(x, qweight, scale, zero, bias, group_size):
     k = x.shape[-1]
     y = w8a16_matmul(x.reshape(-1, k), qweight, scale, zero, bias, group_size)
@@ -335,7 +335,7 @@ def _(x, qweight, scale, zero, group_size):
     return x.new_empty(*x.shape[:-1], qweight.shape[0] // 2)
 
 
-@linear_w8a16_swiglu.register_kernel("cuda")
+@cuda_kernel(linear_w8a16_swiglu)
 def _(x, qweight, scale, zero, group_size):
     n2, k = qweight.shape
     if x.numel() == k and n2 % 2 == 0 and qweight.is_contiguous():
@@ -358,7 +358,7 @@ def _(x, qweight, scale, zero, bias, group_size, inv_smooth):
     return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
-@linear_w8a8.register_kernel("cuda")
+@cuda_kernel(linear_w8a8)
 def _(x, qweight, scale, zero, bias, group_size, inv_smooth):
     k = x.shape[-1]
     y = w8a8_matmul(x.reshape(-1, k), qweight, scale, zero, bias, group_size, inv_smooth)

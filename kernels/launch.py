@@ -38,11 +38,13 @@ from typing import Any, Callable
 import torch
 
 from dsc import switches
+from dsc.kernels.binaries import Kernel, recording_arch
 
 TARGET_ARCH = "sm_90"  # what `dsc compile` plans for (H100 / H200)
 TUNING_FILE = Path(__file__).with_name("tuning.json")
 
 _JITTED: dict[Callable, Any] = {}
+_KERNELS: dict[Any, Kernel] = {}
 PLANNERS: dict[str, Callable[..., dict]] = {}
 
 
@@ -54,20 +56,49 @@ def _triton():
     return triton, tl
 
 
-def jit(fn: Callable):
+def jit(fn: Callable) -> "Kernel":
+    """The kernel `fn` as dsc launches it (`jit(fn)[grid](*args, **kwargs)`): through its
+    ahead-of-time binary when the loaded artifact has one for the launch (kernels/binaries.py),
+    else through `triton_jit(fn)`."""
+    return _kernel(fn, "triton")
+
+
+def gluon_jit(fn: Callable) -> "Kernel":
+    """`jit` for a Gluon kernel (`gluon_triton_jit`)."""
+    return _kernel(fn, "gluon")
+
+
+def launched(jitted) -> "Kernel":
+    """A kernel Triton has jitted already (kernels/attention.py's, jitted in their module),
+    as `jit` gives it."""
+    k = _KERNELS.get(jitted)
+    if k is None:
+        k = _KERNELS[jitted] = Kernel(jitted.fn, "triton", lambda: jitted)
+    return k
+
+
+def _kernel(fn: Callable, dialect: str) -> "Kernel":
+    k = _KERNELS.get(fn)
+    if k is None:
+        make = (lambda: triton_jit(fn)) if dialect == "triton" else (lambda: gluon_triton_jit(fn))
+        k = _KERNELS[fn] = Kernel(fn, dialect, make)
+    return k
+
+
+def triton_jit(fn: Callable):
     """`triton.jit(fn)`, made on first use (binds `tl` in fn's module first, and jits the
     `device` functions fn calls, under their names, so that Triton can inline them)."""
     if fn not in _JITTED:
         triton, tl = _triton()
         fn.__globals__["tl"] = tl
-        _jit_callees(fn, "dsc_device", jit)
+        _jit_callees(fn, "dsc_device", triton_jit)
         _JITTED[fn] = triton.jit(fn)
     return _JITTED[fn]
 
 
-def gluon_jit(fn: Callable):
-    """`gluon.jit(fn)` made on first use, as `jit` (binds `gl`, gluon's mma.sync `mma_v2`, and
-    `tl` for the extras gluon shares, such as the PDL intrinsics). Gluon kernels place every
+def gluon_triton_jit(fn: Callable):
+    """`gluon.jit(fn)` made on first use, as `triton_jit` (binds `gl`, gluon's mma.sync `mma_v2`,
+    and `tl` for the extras gluon shares, such as the PDL intrinsics). Gluon kernels place every
     tensor in an explicit layout; they need a CUDA GPU (the Triton interpreter cannot run them)
     or `compile_for_arch`."""
     if fn not in _JITTED:
@@ -77,7 +108,7 @@ def gluon_jit(fn: Callable):
         from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
         fn.__globals__.update(gl=gl, mma_v2=mma_v2, tl=tl)
-        _jit_callees(fn, "dsc_gluon_device", gluon_jit)
+        _jit_callees(fn, "dsc_gluon_device", gluon_triton_jit)
         _JITTED[fn] = gluon.jit(fn)
     return _JITTED[fn]
 
@@ -106,8 +137,11 @@ def gluon_device(fn: Callable) -> Callable:
 
 
 def arch_of(device: torch.device) -> str:
-    """Tuning-table key for a device: "sm_90" for capability 9.0, "default" off-GPU."""
+    """Tuning-table key for a device: "sm_90" for capability 9.0, "default" off-GPU (on the
+    meta device while kernel launches are recorded: the recording's target)."""
     if device.type != "cuda":
+        if (arch := recording_arch(device)) is not None:
+            return arch
         return "default"
     return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -153,8 +187,11 @@ def pdl_enabled(device: torch.device) -> bool:
     interpreter (it cannot run inline PTX). DSC_PDL=auto (the default): wherever it can, at every
     tp (with the GEMVs' EARLY rows in kernels/tuning.json, Llama-8B's tp=2 and tp=4 decode steps
     are faster with PDL than without); off: never."""
-    if switches.get("DSC_PDL") == "off" or device.type != "cuda" or _interpreting():
+    if switches.get("DSC_PDL") == "off" or _interpreting():
         return False
+    if device.type != "cuda":  # recording for a target: PDL from capability 9.0, as on that GPU
+        arch = recording_arch(device)
+        return arch is not None and int(arch[3:]) >= 90
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -229,13 +266,13 @@ def compile_for_arch(fn: Callable, types: dict[str, str], constexprs: dict[str, 
     such sizes (vectorized loads and software pipelining depend on it), `num_stages` the
     launch option (triton's default where None). Returns triton's CompiledKernel
     (asm["cubin"] is the binary; metadata.shared its shared memory). gluon: fn is a Gluon
-    kernel (`gluon_jit`)."""
+    kernel."""
     triton, _ = _triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = gluon_jit(fn) if gluon else jit(fn)
+    kernel = gluon_triton_jit(fn) if gluon else triton_jit(fn)
     defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
     constexprs = {**defaults, **constexprs}
     signature = {**types, **{k: "constexpr" for k in constexprs}}

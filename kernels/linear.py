@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from dsc import switches
 from dsc.kernels.activation import _plan_swiglu, _silu_mul, swiglu_reference
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, tuning_table
-from dsc.kernels.registry import declare
+from dsc.kernels.registry import cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
@@ -268,7 +268,7 @@ def _(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@linear.register_kernel("cuda")
+@cuda_kernel(linear)
 def _(x, weight, bias=None):
     cfg = gemv_config(*weight.shape, arch_of(x.device)) if _is_one_row(x, weight) else None
     return F.linear(x, weight, bias) if cfg is None else gemv(x, weight, bias, cfg)
@@ -299,7 +299,7 @@ def _(x, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
 
-@linear_swiglu.register_kernel("cuda")
+@cuda_kernel(linear_swiglu)
 def _(x, weight):
     cfg = gemv_swiglu_config(*weight.shape, arch_of(x.device)) if _is_one_row(x, weight) else None
     if cfg is None:  # the pair: cuBLAS (or the GEMV), then the swiglu kernel on the halves in place

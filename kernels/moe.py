@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import planner
-from dsc.kernels.registry import declare
+from dsc.kernels.registry import cuda_kernel, declare
 
 
 def _dequant(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -87,7 +87,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gat
 declare("dsc.moe.default", onnx=moe_dense)
 
 
-@moe.register_kernel("cuda")
+@cuda_kernel(moe)
 def _(x, topk_ids, topk_weights, gate_up, down, first_expert, gate_up_scale=None, down_scale=None):
     from dsc.kernels.fused_moe import fused_moe_triton
 

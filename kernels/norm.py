@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, rows_of, tuned
-from dsc.kernels.registry import declare
+from dsc.kernels.registry import cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 MAX_N = 65536
@@ -144,7 +144,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 declare("dsc.rmsnorm.default")
 
 
-@rmsnorm.register_kernel("cuda")
+@cuda_kernel(rmsnorm)
 def _(x, weight, eps):
     return add_norm_triton("rms", x, None, weight, None, eps)[1]
 
@@ -163,7 +163,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 declare("dsc.add_rmsnorm.default")
 
 
-@add_rmsnorm.register_kernel("cuda")
+@cuda_kernel(add_rmsnorm)
 def _(x, residual, weight, eps):
     return add_norm_triton("rms", x, residual, weight, None, eps)
 
@@ -182,7 +182,7 @@ def add_layernorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 declare("dsc.add_layernorm.default")
 
 
-@add_layernorm.register_kernel("cuda")
+@cuda_kernel(add_layernorm)
 def _(x, residual, weight, bias, eps, x_bias=None):
     return add_norm_triton("layer", x, residual, weight, bias, eps, x_bias=x_bias)
 

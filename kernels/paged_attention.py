@@ -66,8 +66,8 @@ import torch
 from dsc.kernels import attention as A
 from dsc.kernels.attention import (_attend_new, _attend_tile, _combine_splits, _load_rows, _new_key_scores, _split_len,
                                    _store_rows)
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, split_counters, tuned
-from dsc.kernels.registry import declare
+from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, split_counters, triton_jit, tuned
+from dsc.kernels.registry import cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
@@ -465,7 +465,7 @@ def _kernels():
         if name in module:
             module[name] = getattr(A, name)
     for fn in (_pool_rows, _attend_pool, _write_pool, _tiles, _find_tile, _padding_row):
-        module[fn.__name__] = jit(fn)
+        module[fn.__name__] = triton_jit(fn)
     return jit(_paged_decode_kernel), jit(_paged_prefill_kernel)
 
 
@@ -605,7 +605,7 @@ def _(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens
 declare("dsc.paged_attention.default", attention=True)
 
 
-@paged_attention.register_kernel("cuda")
+@cuda_kernel(paged_attention)
 def _(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window=0,
       softcap=0.0, alibi_slopes=None):
     return paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens,

@@ -38,6 +38,17 @@ class OpTraits:
 
 
 DECLARED_OPS: dict[str, OpTraits] = {}
+CUDA_IMPLS: dict[str, Callable] = {}  # "dsc::rmsnorm" -> the op's CUDA implementation
+
+
+def cuda_kernel(op) -> Callable:
+    """`op.register_kernel("cuda")`, the implementation also kept in CUDA_IMPLS: what a
+    recording of kernel launches (compiler/kernel_binaries.py) runs on meta tensors."""
+    def register(fn: Callable) -> Callable:
+        op.register_kernel("cuda")(fn)
+        CUDA_IMPLS[op._qualname] = fn
+        return fn
+    return register
 
 
 def declare(name: str, **traits: Any) -> OpTraits:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, tuned
-from dsc.kernels.registry import declare
+from dsc.kernels.registry import cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.jit on first launch
 
@@ -161,7 +161,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 declare("dsc.rotary.default")
 
 
-@rotary.register_kernel("cuda")
+@cuda_kernel(rotary)
 def _(q, k, cos, sin):
     return rotary_triton(q, k, cos, sin)
 

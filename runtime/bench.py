@@ -112,7 +112,8 @@ def generate_ms_per_token(engine, context: int, device, g: torch.Generator, shor
 
 
 def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), prefill_lens=(128, 2048),
-          context: int = 128, iters: int = 50, cuda_graphs: bool = True, profile: bool = False) -> dict:
+          context: int = 128, iters: int = 50, cuda_graphs: bool = True, profile: bool = False,
+          trust_kernels: bool = False) -> dict:
     from dsc.kernels.launch import pdl_enabled
     from dsc.runtime.engine import load
 
@@ -121,7 +122,7 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
         torch.cuda.reset_peak_memory_stats(dev)
         base_mem = torch.cuda.memory_allocated(dev)
     t0 = time.perf_counter()
-    engine = load(path, device=dev, verify=False, cuda_graphs=cuda_graphs)
+    engine = load(path, device=dev, verify=False, cuda_graphs=cuda_graphs, trust_kernels=trust_kernels)
     _sync(dev)
     load_s = time.perf_counter() - t0
     res: dict = {"artifact": str(path), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -89,7 +89,8 @@ class _Waiting:
 class EmbeddingEngine:
     def __init__(self, artifact: str | Path | None = None, *, device=None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = DEFAULT_EMBED_BUDGET, verify: bool = True,
-                 require_signature: str | Path | None = None, engine=None, **decoder_options: Any):
+                 require_signature: str | Path | None = None, engine=None, trust_kernels: bool = False,
+                 **decoder_options: Any):
         """decoder_options: the KV-cache, CUDA-graph and scheduling keywords of LLMEngine, which
         an encoder has no use for (accepted, so that one set of serving flags starts either)."""
         for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens)):
@@ -98,7 +99,8 @@ class EmbeddingEngine:
         if engine is None:
             from dsc.runtime.engine import load
 
-            engine = load(artifact, device=device, verify=verify, require_signature=require_signature, static=False)
+            engine = load(artifact, device=device, verify=verify, require_signature=require_signature, static=False,
+                          trust_kernels=trust_kernels)
         if engine.kind != "encoder":
             raise UserError(f"{engine.artifact.path}: a {engine.kind} artifact has no embeddings; "
                             "use LLM.generate, /v1/completions or /v1/chat/completions")

@@ -462,7 +462,7 @@ def _check_device(device: str | torch.device | None) -> torch.device:
 def load(path: str | Path, rank: int | None = None, device: str | torch.device | None = None,
          verify: bool = True, cuda_graphs: bool = True, prefill_buckets: bool | None = None,
          require_signature: str | Path | None = None, static: bool = True, kv_cache_memory: float | None = None,
-         max_num_seqs: int | None = None) -> Engine:
+         max_num_seqs: int | None = None, trust_kernels: bool = False) -> Engine:
     """Load an artifact for one rank. Checks format version and the sha256 of every file this
     rank reads (skip with verify=False). On CUDA, decode steps are captured as CUDA graphs at
     load, one per batch bucket (cuda_graphs=False runs them eagerly). Prefills are right-padded
@@ -476,6 +476,9 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     (docs/security.md): its file list, plan structure and rank-file header are checked before
     use, with verify=False too; require_signature=PUBKEY (a public key file from `dsc keygen`)
     also refuses an artifact that is unsigned or altered after `dsc sign`, and implies verify.
+    The artifact's ahead-of-time kernel binaries (`dsc compile --target`) are used on a GPU of
+    their arch when its signature was verified (require_signature) or with trust_kernels=True
+    (runtime/binaries.py); otherwise Triton compiles the kernels from dsc's own sources.
     The ragged program's paged KV pool is sized by kv_cache_memory (GiB; default: 90% of the
     free GPU memory with static=False, else the static cache's size) and its decode steps
     bucketed up to max_num_seqs sequences (default max_batch); static=False leaves out the
@@ -496,6 +499,9 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     # the rank file is hashed on its own thread while its weights are copied and the kernels built
     artifact = open_artifact(path, ranks=[r], verify=verify, require_signature=require_signature,
                              defer_rank_checksums=True)
+    from dsc.runtime.binaries import load_binaries
+
+    binaries = load_binaries(artifact, device, trusted=trust_kernels or require_signature is not None)
     try:
         engine = Engine(artifact, r, world, device, cuda_graphs=cuda_graphs, prefill_buckets=prefill_buckets,
                         static=static, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
@@ -504,5 +510,7 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
         artifact.finish_checks()
     done = time.perf_counter()
     # "checksums": the wait for the hashes after everything else had loaded (0 when they were first)
-    engine.load_times = {**engine.load_times, "checksums": done - t_wait, "total": done - t}
+    engine.load_times = {**engine.load_times, "kernel_binaries": binaries.get("seconds", 0.0),
+                         "checksums": done - t_wait, "total": done - t}
+    engine.kernel_binaries = binaries
     return engine

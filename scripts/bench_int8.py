@@ -451,7 +451,7 @@ def run_aot() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dsc.kernels.launch import gluon_jit, jit
+    from dsc.kernels.launch import gluon_triton_jit, triton_jit
 
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     div16 = {"N", "K", "stride_xm", "stride_ym"}
@@ -459,7 +459,7 @@ def run_aot() -> None:
     def build(fn, types, const, opts, gluon=False):
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        kern = gluon_jit(fn) if gluon else jit(fn)
+        kern = gluon_triton_jit(fn) if gluon else triton_jit(fn)
         const = {**{p.name: p.default for p in kern.params if p.is_constexpr and p.has_default}, **const}
         sig = {**types, **{k: "constexpr" for k in const}}
         names = [a for a in kern.arg_names]

@@ -318,11 +318,11 @@ def _compile_sm90() -> None:
     import re
 
     from dsc.kernels import attention as A, attention_sm90 as W, rotary as R
-    from dsc.kernels.launch import jit
+    from dsc.kernels.launch import triton_jit
     from dsc.kernels.rotary import ROTATE_OPTIONS, rotary_config
 
     A._triton()
-    rotary_kernel = jit(R._rotary_kernel)  # the JITFunction rotary_triton launches
+    rotary_kernel = triton_jit(R._rotary_kernel)  # the JITFunction rotary_triton launches
 
     def compile_(fn, ptr_types, consts, **options):
         consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
