@@ -18,7 +18,9 @@ program) have no binary; the runtime compiles them with Triton, saying so once p
 from __future__ import annotations
 
 import json
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -158,22 +160,32 @@ def write(folder: Path, plan: dict, targets: list[str]) -> dict:
     entries, skipped, total = [], {}, 0
     out = folder / "kernels"
     out.mkdir(exist_ok=True)
+    jobs = []
     for target in targets:
         specs, why = record(plan, target)
         skipped.update(why)
-        for spec in specs:
-            try:
-                b = build(spec, target)
-            except B.Unsupported as e:
-                skipped.setdefault(spec.kernel, str(e))
-                continue
-            digest = spec.digest()
-            name = f"{_SAFE.sub('_', spec.kernel.split(':')[-1]).strip('_')}-{digest[:16]}.{target}.cubin"
-            (out / name).write_bytes(b["cubin"])
-            total += len(b["cubin"])
-            entries.append({"target": target, "file": f"kernels/{name}", "entry": b["entry"],
-                            "num_warps": b["num_warps"], "shared": b["shared"], "params": b["params"],
-                            "spec": spec.to_json()})
+        jobs += [(spec, target) for spec in specs]
+
+    def build_one(job):
+        try:
+            return build(*job)
+        except B.Unsupported as e:
+            return e
+
+    # ptxas runs as a child process: threads overlap the builds (results kept in job order)
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+        built = list(pool.map(build_one, jobs))
+    for (spec, target), b in zip(jobs, built):
+        if isinstance(b, B.Unsupported):
+            skipped.setdefault(spec.kernel, str(b))
+            continue
+        digest = spec.digest()
+        name = f"{_SAFE.sub('_', spec.kernel.split(':')[-1]).strip('_')}-{digest[:16]}.{target}.cubin"
+        (out / name).write_bytes(b["cubin"])
+        total += len(b["cubin"])
+        entries.append({"target": target, "file": f"kernels/{name}", "entry": b["entry"],
+                        "num_warps": b["num_warps"], "shared": b["shared"], "params": b["params"],
+                        "spec": spec.to_json()})
     index = {"format": INDEX_FORMAT, "format_version": INDEX_VERSION, "targets": list(targets), "binaries": entries}
     (folder / INDEX).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     return {"targets": list(targets), "binaries": len(entries), "bytes": total,

@@ -208,7 +208,7 @@ class Kernel:
             return None
         binary = INSTALLED.get(_lookup_key(spec))
         if binary is None:
-            return self._jit(grid, args, kwargs, "the artifact has no binary for this launch's shapes")
+            return self._jit(grid, args, kwargs, f"the artifact has no binary for this launch ({_nearest(spec)})")
         binary.launch(grid, values)
         return None
 
@@ -220,6 +220,26 @@ class Kernel:
 
 
 _WARNED: set[str] = set()
+
+
+def _nearest(spec: Spec) -> str:
+    """How the launch differs from the closest binary of its kernel: one field, for the line."""
+    best = None
+    for b in INSTALLED.values():
+        if b.spec.kernel != spec.kernel:
+            continue
+        if b.spec.source != spec.source:
+            return "its source differs from the compile's"
+        diffs = ([f"argument {a[0]} {a[1:]} (binary: {x[1:]})" for a, x in zip(spec.args, b.spec.args) if a != x]
+                 + [f"{k}={v} (binary: {dict(b.spec.constants).get(k)})" for k, v in spec.constants
+                    if dict(b.spec.constants).get(k, object()) != v]
+                 + [f"{k}={v} (binary: {dict(b.spec.options).get(k)})" for k, v in spec.options
+                    if dict(b.spec.options).get(k, object()) != v])
+        if best is None or len(diffs) < len(best):
+            best = diffs
+    if best is None:
+        return "none of this kernel"
+    return f"{len(best)} differences, first {best[0]}" if best else "same spec"
 
 
 def _lookup_key(spec: Spec) -> tuple:

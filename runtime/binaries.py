@@ -75,6 +75,42 @@ def _check_entry(where: str, i: int, e, files: dict) -> B.Spec:
     return spec
 
 
+def _index(artifact: Artifact) -> list:
+    """binaries.json's entries, each checked ([] when the artifact has none)."""
+    files = artifact.manifest["files"]
+    if INDEX not in files:
+        return []
+    where = str(artifact.path / INDEX)
+    index = read_json_object(artifact.path / INDEX)
+    if index.get("format") != "dsc-kernel-binaries" or index.get("format_version") != 1:
+        raise UserError(f"{where}: not a dsc kernel-binaries index (fields 'format', 'format_version')")
+    entries = index.get("binaries")
+    if not isinstance(entries, list):
+        raise UserError(f"{where}: field 'binaries' must be a list")
+    return [(e, _check_entry(where, i, e, files)) for i, e in enumerate(entries)]
+
+
+def describe_binaries(artifact: Artifact) -> dict | None:
+    """What `dsc inspect` lists: per target its binaries and bytes, per kernel its binaries per
+    target, and the kernels the compile left to Triton (with why); None without binaries."""
+    entries = _index(artifact)
+    if not entries and INDEX not in artifact.manifest["files"]:
+        return None
+    targets: dict[str, dict] = {}
+    kernels: dict[str, dict] = {}
+    for e, spec in entries:
+        size = (artifact.path / e["file"]).stat().st_size
+        t = targets.setdefault(e["target"], {"binaries": 0, "bytes": 0})
+        t["binaries"] += 1
+        t["bytes"] += size
+        k = kernels.setdefault(spec.kernel.split(":")[-1], {})
+        k[e["target"]] = k.get(e["target"], 0) + 1
+    summary = artifact.manifest.get("kernel_binaries")
+    skipped = summary.get("skipped") if isinstance(summary, dict) else None
+    return {"targets": dict(sorted(targets.items())), "kernels": dict(sorted(kernels.items())),
+            "skipped": skipped if isinstance(skipped, dict) else {}}
+
+
 def arch_of_device(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
@@ -86,11 +122,8 @@ def load_binaries(artifact: Artifact, device: torch.device, trusted: bool) -> di
     "binaries": n, "seconds": s}. Prints one line when binaries are there but not used."""
     files = artifact.manifest["files"]
     B.uninstall()
-    if INDEX not in files:
+    if INDEX not in files or device.type != "cuda":
         return {"status": "none", "binaries": 0}
-    if device.type != "cuda":
-        return {"status": "none", "binaries": 0}
-    where = str(artifact.path / INDEX)
     if not trusted:
         print(f"dsc: {artifact.path}: its kernel binaries are not loaded (GPU code: give --require-signature "
               "KEY.pub for a signed artifact, or --trust-kernels); kernels compile with Triton", file=sys.stderr)
@@ -99,16 +132,10 @@ def load_binaries(artifact: Artifact, device: torch.device, trusted: bool) -> di
     path = artifact.path / INDEX
     if sha256_file(path) != files[INDEX]:
         raise UserError(f"{path}: checksum mismatch (file changed or corrupt since compile)")
-    index = read_json_object(path)
-    if index.get("format") != "dsc-kernel-binaries" or index.get("format_version") != 1:
-        raise UserError(f"{where}: not a dsc kernel-binaries index (fields 'format', 'format_version')")
-    entries = index.get("binaries")
-    if not isinstance(entries, list):
-        raise UserError(f"{where}: field 'binaries' must be a list")
+    entries = _index(artifact)
     arch = arch_of_device(device)
     out = []
-    for i, e in enumerate(entries):
-        spec = _check_entry(where, i, e, files)
+    for e, spec in entries:
         if e["target"] != arch:
             continue
         p = artifact.path / e["file"]
@@ -117,7 +144,7 @@ def load_binaries(artifact: Artifact, device: torch.device, trusted: bool) -> di
             raise UserError(f"{p}: checksum mismatch (file changed or corrupt since compile)")
         out.append(B.Binary(spec, data, e["entry"], e["num_warps"], e["shared"], e["params"]))
     if not out:
-        targets = sorted({e["target"] for e in entries})
+        targets = sorted({e["target"] for e, _ in entries})
         print(f"dsc: {artifact.path}: no kernel binaries for this GPU ({arch}; the artifact has "
               f"{', '.join(targets) or 'none'}); kernels compile with Triton", file=sys.stderr)
         return {"status": f"no binaries for {arch}", "binaries": 0}

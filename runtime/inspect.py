@@ -48,6 +48,7 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
             else:
                 other_bytes += hi - lo
         ranks[r] = {"tensors": len(h), "bytes": f.stat().st_size, "bytes_by_dtype": dict(sorted(by_dtype.items()))}
+    from dsc.runtime.binaries import describe_binaries
     from dsc.runtime.memory_plan import workspace_bytes
 
     attn = cache_readers(plan["programs"].get("decode", {"nodes": []}))
@@ -63,7 +64,8 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
             "ranks": ranks, "passes": plan.get("passes", {}), "notes": plan.get("notes", {}),
             "experts": _experts(plan["model"].get("experts"), expert_bytes, other_bytes),
             "kind": plan["model"].get("kind", "decoder"), "pooling": plan["model"].get("pooling"),
-            "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)}}
+            "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)},
+            "kernel_binaries": describe_binaries(art)}
 
 
 def _experts(facts, expert_bytes: int, other_bytes: int) -> dict | None:
@@ -159,6 +161,19 @@ def render(info: dict) -> None:
                        f" + {p['launches_outside_layers']} outside the layers" if p["layers"] else ""))
             if p.get("layer_kernels"):
                 c.print(f"  one layer ({p['layer_kernels']['layer']}): " + ", ".join(p["layer_kernels"]["kernels"]))
+    bins = info.get("kernel_binaries")
+    if bins:
+        targets = list(bins["targets"])
+        k = Table(title="kernel binaries (dsc compile --target): " + ", ".join(
+            f"{t} {d['binaries']} ({_fmt_bytes(d['bytes'])})" for t, d in bins["targets"].items()))
+        k.add_column("kernel")
+        for t in targets:
+            k.add_column(t, justify="right")
+        for name, per in bins["kernels"].items():
+            k.add_row(name, *(str(per.get(t, 0)) for t in targets))
+        c.print(k)
+        for name, why in bins["skipped"].items():
+            c.print(f"kernel {name}: no binary ({why}); compiled with Triton at run time")
     r = Table(title="rank files")
     r.add_column("rank")
     r.add_column("tensors", justify="right")

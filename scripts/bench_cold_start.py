@@ -137,20 +137,25 @@ def main() -> None:
     res = {"shape": args.shape, "dtype": args.dtype, "compile_s_without_gpu": round(compile_s, 1),
            "kernel_binaries": {k: v for k, v in manifest.get("kernel_binaries", {}).items() if k != "skipped"},
            "skipped": manifest.get("kernel_binaries", {}).get("skipped")}
+    out = Path(os.environ.get("OUT") or work)
+    out.mkdir(parents=True, exist_ok=True)
+    save = lambda: (out / "bench_cold_start.json").write_text(json.dumps(res, indent=1))  # noqa: E731
     for name, trust in (("jit", False), ("binaries", True)):
         res[name] = cold_serve(art, trust, args.device)
+        save()
         print(name, {k: v for k, v in res[name].items() if k != "text"}, flush=True)
     res["texts_equal"] = res["jit"]["text"] == res["binaries"]["text"]
     weights = res["binaries"]["load_stages_s"].get("weights", 0.0)
     res["binaries_answer_minus_weights_s"] = round(res["binaries"]["first_answer_s"] - weights, 2)
     res["speedup_first_answer"] = round(res["jit"]["first_answer_s"] / res["binaries"]["first_answer_s"], 2)
     if args.decode:
-        res["decode_ms"] = {name: decode_ms(art, trust, args.device) for name, trust in (("jit", False), ("binaries", True))}
+        res["decode_ms"] = {}
+        for name, trust in (("jit", False), ("binaries", True)):
+            res["decode_ms"][name] = decode_ms(art, trust, args.device)
+            save()
         res["decode_ratio"] = {b: round(res["decode_ms"]["binaries"][b] / res["decode_ms"]["jit"][b], 4)
                                for b in res["decode_ms"]["jit"]}
-    out = Path(os.environ.get("OUT") or work)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_cold_start.json").write_text(json.dumps(res, indent=1))
+    save()
     print(json.dumps({k: v for k, v in res.items() if k not in ("jit", "binaries")}, indent=1))
     if not res["texts_equal"]:
         sys.exit("the two paths' first answers differ")
