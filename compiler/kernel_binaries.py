@@ -180,7 +180,7 @@ def write(folder: Path, plan: dict, targets: list[str]) -> dict:
             skipped.setdefault(spec.kernel, str(b))
             continue
         digest = spec.digest()
-        name = f"{_SAFE.sub('_', spec.kernel.split(':')[-1]).strip('_')}-{digest[:16]}.{target}.cubin"
+        name = f"{_SAFE.sub('_', spec.kernel.split(':')[-1])}-{digest[:16]}.{target}.cubin"
         (out / name).write_bytes(b["cubin"])
         total += len(b["cubin"])
         entries.append({"target": target, "file": f"kernels/{name}", "entry": b["entry"],

@@ -58,13 +58,22 @@ class CompileOptions(BaseModel):
         None, description="how an encoder's token states become one embedding; default: the checkpoint's "
                           "sentence-transformers config, else cls")
     # kernels compiled ahead of time (compiler/kernel_binaries.py)
-    targets: tuple[Literal["sm_80", "sm_86", "sm_89", "sm_90"], ...] = Field(
+    targets: tuple[str, ...] = Field(
         (), description="GPU archs to compile the plan's Triton kernels for, into the artifact (no GPU needed)")
     # runtime
     min_tokens: int = Field(0, ge=0, strict=True, description="default SamplingParams.min_tokens: tokens generated "
                                                              "before a stop token or eos can end a sequence")
     decode_buckets: tuple[int, ...] | None = Field(
         None, description="CUDA-graph batch buckets for decode; default powers of two up to max_batch")
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        known = ("sm_80", "sm_86", "sm_89", "sm_90")
+        for t in v:
+            if t not in known:
+                raise ValueError(f"--target: unknown GPU arch {t!r}; use one of {', '.join(known)}")
+        return v
 
     @field_validator("dtype", mode="before")
     @classmethod

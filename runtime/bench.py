@@ -128,7 +128,8 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
     res: dict = {"artifact": str(path), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "dtype": engine.plan["model"]["dtype"], "tp": engine.world, "load_and_capture_s": load_s,
                  "cuda_graphs": engine._decode.captured, "all_reduce": engine.all_reduce,
-                 "pdl": "on" if pdl_enabled(dev) else "off", "decode": {}, "prefill": {}}
+                 "pdl": "on" if pdl_enabled(dev) else "off", "decode": {}, "prefill": {},
+                 "load_stages_s": dict(engine.load_times), "kernel_binaries": dict(engine.kernel_binaries)}
     if dev.type == "cuda":
         w = sum(t.numel() * t.element_size() for t in engine.weights.values())
         kv = sum(t.numel() * t.element_size() for t in engine.kv_cache.values())
@@ -190,7 +191,9 @@ def render(res: dict) -> str:
     lines = [f"{res['artifact']}  on {res['device']}  {res['dtype']}  tp={res['tp']}  "
              f"cuda_graphs={res['cuda_graphs']}  pdl={res.get('pdl', 'off')}"
              + (f"  all_reduce={res.get('all_reduce')}" if res["tp"] > 1 else ""),
-             f"load + capture: {res['load_and_capture_s']:.2f} s"]
+             f"load + capture: {res['load_and_capture_s']:.2f} s ("
+             + ", ".join(f"{k} {v:.2f}" for k, v in res.get("load_stages_s", {}).items() if k != "total")
+             + f"; kernel binaries: {res.get('kernel_binaries', {}).get('status', 'none')})"]
     if "memory" in res:
         m = res["memory"]
         lines.append(f"GPU memory: weights {m['weights'] / 2**30:.2f} GiB, KV cache {m['kv_cache'] / 2**30:.2f} GiB, "

@@ -90,30 +90,28 @@ def _index(artifact: Artifact) -> list:
     return [(e, _check_entry(where, i, e, files)) for i, e in enumerate(entries)]
 
 
-def describe_binaries(artifact: Artifact) -> dict | None:
-    """What `dsc inspect` lists: per target its binaries and bytes, per kernel its binaries per
-    target, and the kernels the compile left to Triton (with why); None without binaries."""
-    entries = _index(artifact)
-    if not entries and INDEX not in artifact.manifest["files"]:
-        return None
-    targets: dict[str, dict] = {}
-    kernels: dict[str, dict] = {}
-    for e, spec in entries:
-        size = (artifact.path / e["file"]).stat().st_size
-        t = targets.setdefault(e["target"], {"binaries": 0, "bytes": 0})
-        t["binaries"] += 1
-        t["bytes"] += size
-        k = kernels.setdefault(spec.kernel.split(":")[-1], {})
-        k[e["target"]] = k.get(e["target"], 0) + 1
-    summary = artifact.manifest.get("kernel_binaries")
-    skipped = summary.get("skipped") if isinstance(summary, dict) else None
-    return {"targets": dict(sorted(targets.items())), "kernels": dict(sorted(kernels.items())),
-            "skipped": skipped if isinstance(skipped, dict) else {}}
-
-
 def arch_of_device(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
+
+
+def read_binaries(artifact: Artifact, arch: str) -> list[B.Binary]:
+    """The artifact's binaries for `arch`, each file checked against its manifest sha256 (and
+    binaries.json too) whatever the artifact was opened with."""
+    files = artifact.manifest["files"]
+    path = artifact.path / INDEX
+    if sha256_file(path) != files[INDEX]:
+        raise UserError(f"{path}: checksum mismatch (file changed or corrupt since compile)")
+    out = []
+    for e, spec in _index(artifact):
+        if e["target"] != arch:
+            continue
+        p = artifact.path / e["file"]
+        data = p.read_bytes()
+        if hashlib.sha256(data).hexdigest() != files[e["file"]]:
+            raise UserError(f"{p}: checksum mismatch (file changed or corrupt since compile)")
+        out.append(B.Binary(spec, data, e["entry"], e["num_warps"], e["shared"], e["params"]))
+    return out
 
 
 def load_binaries(artifact: Artifact, device: torch.device, trusted: bool) -> dict:
@@ -129,22 +127,10 @@ def load_binaries(artifact: Artifact, device: torch.device, trusted: bool) -> di
               "KEY.pub for a signed artifact, or --trust-kernels); kernels compile with Triton", file=sys.stderr)
         return {"status": "untrusted", "binaries": 0}
     t = time.perf_counter()
-    path = artifact.path / INDEX
-    if sha256_file(path) != files[INDEX]:
-        raise UserError(f"{path}: checksum mismatch (file changed or corrupt since compile)")
-    entries = _index(artifact)
     arch = arch_of_device(device)
-    out = []
-    for e, spec in entries:
-        if e["target"] != arch:
-            continue
-        p = artifact.path / e["file"]
-        data = p.read_bytes()
-        if hashlib.sha256(data).hexdigest() != files[e["file"]]:
-            raise UserError(f"{p}: checksum mismatch (file changed or corrupt since compile)")
-        out.append(B.Binary(spec, data, e["entry"], e["num_warps"], e["shared"], e["params"]))
+    out = read_binaries(artifact, arch)
     if not out:
-        targets = sorted({e["target"] for e, _ in entries})
+        targets = sorted({e["target"] for e, _ in _index(artifact)})
         print(f"dsc: {artifact.path}: no kernel binaries for this GPU ({arch}; the artifact has "
               f"{', '.join(targets) or 'none'}); kernels compile with Triton", file=sys.stderr)
         return {"status": f"no binaries for {arch}", "binaries": 0}

@@ -4,6 +4,7 @@ JSON and the standard library only (no torch): `dsc inspect` answers in a fracti
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -48,7 +49,6 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
             else:
                 other_bytes += hi - lo
         ranks[r] = {"tensors": len(h), "bytes": f.stat().st_size, "bytes_by_dtype": dict(sorted(by_dtype.items()))}
-    from dsc.runtime.binaries import describe_binaries
     from dsc.runtime.memory_plan import workspace_bytes
 
     attn = cache_readers(plan["programs"].get("decode", {"nodes": []}))
@@ -66,6 +66,32 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
             "kind": plan["model"].get("kind", "decoder"), "pooling": plan["model"].get("pooling"),
             "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)},
             "kernel_binaries": describe_binaries(art)}
+
+
+_CUBIN = re.compile(r"kernels/(?P<kernel>[A-Za-z0-9_]+)-[0-9a-f]{16}\.(?P<target>sm_\d{2,3})\.cubin")
+
+
+def describe_binaries(art) -> dict | None:
+    """The artifact's kernel binaries (`dsc compile --target`), from the manifest's file list:
+    per target their count and bytes, per kernel its binaries per target, and the kernels the
+    compile left to Triton (with why); None without binaries."""
+    if "kernels/binaries.json" not in art.manifest["files"]:
+        return None
+    targets: dict[str, dict] = {}
+    kernels: dict[str, dict] = {}
+    for rel in art.manifest["files"]:
+        m = _CUBIN.fullmatch(rel)
+        if m is None:
+            continue
+        t = targets.setdefault(m["target"], {"binaries": 0, "bytes": 0})
+        t["binaries"] += 1
+        t["bytes"] += (art.path / rel).stat().st_size
+        k = kernels.setdefault(m["kernel"], {})
+        k[m["target"]] = k.get(m["target"], 0) + 1
+    summary = art.manifest.get("kernel_binaries")
+    skipped = summary.get("skipped") if isinstance(summary, dict) else None
+    return {"targets": dict(sorted(targets.items())), "kernels": dict(sorted(kernels.items())),
+            "skipped": {str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {}}
 
 
 def _experts(facts, expert_bytes: int, other_bytes: int) -> dict | None:

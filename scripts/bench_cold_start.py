@@ -2,7 +2,7 @@
 ahead-of-time kernel binaries (`dsc compile --target sm_90`), in the same run.
 
     python scripts/bench_cold_start.py [--shape llama-8b] [--work build/cold] [--decode]
-    python scripts/bench_cold_start.py --shape llama-tiny --device cpu --dtype float32   # smoke
+    python scripts/bench_cold_start.py --artifact ART --device cpu --kv-cache-memory 0.05   # smoke
 
 1. A random checkpoint of the shape is compiled with `--target sm_90` in a child process that
    sees no GPU (as on a CI box).
@@ -70,10 +70,10 @@ def _post(url: str, body: dict, timeout: float = 300.0):
         return json.loads(r.read())
 
 
-def cold_serve(art: Path, trust: bool, device: str, limit: float = 400.0) -> dict:
+def cold_serve(art: Path, trust: bool, device: str, kv_gib: float, limit: float = 400.0) -> dict:
     port = _free_port()
     cache = tempfile.mkdtemp(prefix="triton-cold-")
-    cmd = [PY, "-m", "dsc", "serve", str(art), "--port", str(port), "--device", device, "--kv-cache-memory", "4"]
+    cmd = [PY, "-m", "dsc", "serve", str(art), "--port", str(port), "--device", device, "--kv-cache-memory", str(kv_gib)]
     if trust:
         cmd.append("--trust-kernels")
     log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
@@ -129,10 +129,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--work", default="build/cold")
     ap.add_argument("--decode", action="store_true", help="also dsc bench's decode ms/token on each path")
+    ap.add_argument("--artifact", type=Path, help="an artifact compiled with --target already (no compile here)")
+    ap.add_argument("--kv-cache-memory", type=float, default=4.0, help="GiB of KV pool each server holds")
     args = ap.parse_args()
     work = Path(args.work) / args.shape
     work.mkdir(parents=True, exist_ok=True)
-    art, compile_s = compile_artifact(work, args.shape, args.dtype, gpu_checkpoint=args.device == "cuda")
+    if args.artifact is not None:
+        art, compile_s = args.artifact, 0.0
+    else:
+        art, compile_s = compile_artifact(work, args.shape, args.dtype, gpu_checkpoint=args.device == "cuda")
     manifest = json.loads((art / "manifest.json").read_text())
     res = {"shape": args.shape, "dtype": args.dtype, "compile_s_without_gpu": round(compile_s, 1),
            "kernel_binaries": {k: v for k, v in manifest.get("kernel_binaries", {}).items() if k != "skipped"},
@@ -141,7 +146,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     save = lambda: (out / "bench_cold_start.json").write_text(json.dumps(res, indent=1))  # noqa: E731
     for name, trust in (("jit", False), ("binaries", True)):
-        res[name] = cold_serve(art, trust, args.device)
+        res[name] = cold_serve(art, trust, args.device, args.kv_cache_memory)
         save()
         print(name, {k: v for k, v in res[name].items() if k != "text"}, flush=True)
     res["texts_equal"] = res["jit"]["text"] == res["binaries"]["text"]

@@ -32,7 +32,8 @@ def test_scripts_are_the_maintained_set():
     assert {p.name for p in SCRIPTS.iterdir() if p.name != "__pycache__"} <= {
         "demo.py", "bench_decode.py", "bench_int8.py", "bench_kernels.py", "bench_compile.py", "tune_kernels.py",
         "tune_gemv.py", "ncu_kernels.py", "timing.py", "gen_docs.py", "bench_serving.py", "bench_engine.py", "bench_moe.py",
-        "soak_serve.py", "bench_fp8.py", "bench_int4.py", "bench_encoders.py"}
+        "soak_serve.py", "bench_fp8.py", "bench_int4.py", "bench_encoders.py",
+        "bench_cold_start.py"}
 
 
 def test_bench_fp8_gemm_smoke(tmp_path):
@@ -48,6 +49,17 @@ def test_bench_int4_gemm_smoke(tmp_path):
     out = run("bench_int4.py", "gemm", "--smoke", interpret=True, OUT=str(tmp_path))
     rows = json.loads((tmp_path / "bench_int4_gemm.json").read_text())
     assert "WRONG" not in out and {r["M"] for r in rows} == {1, 5, 40} and all(r["sqnr_db"] >= 40 for r in rows)
+
+
+def test_bench_cold_start_on_the_cpu(compile_artifact, tmp_path):
+    """The cold-start benchmark's two `dsc serve` runs (untrusted binaries: JIT; --trust-kernels),
+    on the CPU, where neither path compiles a kernel: both answer the same text."""
+    art = compile_artifact("llama-tiny", ckpt_kwargs={"dtype": "bfloat16"}, targets=("sm_90",))
+    run("bench_cold_start.py", "--artifact", str(art), "--device", "cpu", "--kv-cache-memory", "0.05",
+        "--work", str(tmp_path), OUT=str(tmp_path))
+    res = json.loads((tmp_path / "bench_cold_start.json").read_text())
+    assert res["texts_equal"] and res["kernel_binaries"]["binaries"] > 0
+    assert res["jit"]["ready_s"] > 0 and res["binaries"]["first_answer_s"] >= res["binaries"]["ready_s"]
 
 
 def test_bench_encoders_on_the_cpu(tmp_path):
