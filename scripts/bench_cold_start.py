@@ -6,10 +6,11 @@ ahead-of-time kernel binaries (`dsc compile --target sm_90`), in the same run.
 
 1. A random checkpoint of the shape is compiled with `--target sm_90` in a child process that
    sees no GPU (as on a CI box).
-2. For each path (jit: no --trust-kernels; binaries: --trust-kernels), a fresh TRITON_CACHE_DIR
+2. For each path (jit: no --trust-kernels; binaries: --trust-kernels; binaries_no_verify: also
+   --no-verify, which leaves out the rank file's sha256), a fresh TRITON_CACHE_DIR
    and a `dsc serve` child: seconds from its start to /health answering, then to the answer of
    a first /v1/completions request (greedy, 32 tokens), and the engine's load stages (weights,
-   kernels, graphs) from its log line. Both answers' texts must be equal.
+   kernels, graphs) from its log line. The answers' texts must be equal.
 3. --decode: `dsc bench` decode ms/token at batches 1 and 64 on each path (each in its own process).
 
 Writes $OUT/bench_cold_start.json (or --work's) and prints the ratios.
@@ -70,12 +71,14 @@ def _post(url: str, body: dict, timeout: float = 300.0):
         return json.loads(r.read())
 
 
-def cold_serve(art: Path, trust: bool, device: str, kv_gib: float, limit: float = 400.0) -> dict:
+def cold_serve(art: Path, trust: bool, device: str, kv_gib: float, verify: bool = True, limit: float = 400.0) -> dict:
     port = _free_port()
     cache = tempfile.mkdtemp(prefix="triton-cold-")
     cmd = [PY, "-m", "dsc", "serve", str(art), "--port", str(port), "--device", device, "--kv-cache-memory", str(kv_gib)]
     if trust:
         cmd.append("--trust-kernels")
+    if not verify:
+        cmd.append("--no-verify")
     log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env({"TRITON_CACHE_DIR": cache}))
@@ -145,11 +148,11 @@ def main() -> None:
     out = Path(os.environ.get("OUT") or work)
     out.mkdir(parents=True, exist_ok=True)
     save = lambda: (out / "bench_cold_start.json").write_text(json.dumps(res, indent=1))  # noqa: E731
-    for name, trust in (("jit", False), ("binaries", True)):
-        res[name] = cold_serve(art, trust, args.device, args.kv_cache_memory)
+    for name, trust, verify in (("jit", False, True), ("binaries", True, True), ("binaries_no_verify", True, False)):
+        res[name] = cold_serve(art, trust, args.device, args.kv_cache_memory, verify)
         save()
         print(name, {k: v for k, v in res[name].items() if k != "text"}, flush=True)
-    res["texts_equal"] = res["jit"]["text"] == res["binaries"]["text"]
+    res["texts_equal"] = res["jit"]["text"] == res["binaries"]["text"] == res["binaries_no_verify"]["text"]
     weights = res["binaries"]["load_stages_s"].get("weights", 0.0)
     res["binaries_answer_minus_weights_s"] = round(res["binaries"]["first_answer_s"] - weights, 2)
     res["speedup_first_answer"] = round(res["jit"]["first_answer_s"] / res["binaries"]["first_answer_s"], 2)
@@ -161,7 +164,7 @@ def main() -> None:
         res["decode_ratio"] = {b: round(res["decode_ms"]["binaries"][b] / res["decode_ms"]["jit"][b], 4)
                                for b in res["decode_ms"]["jit"]}
     save()
-    print(json.dumps({k: v for k, v in res.items() if k not in ("jit", "binaries")}, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("jit", "binaries", "binaries_no_verify")}, indent=1))
     if not res["texts_equal"]:
         sys.exit("the two paths' first answers differ")
 
