@@ -221,6 +221,7 @@ def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[st
         if model.options.targets:
             t0 = time.perf_counter()
             binaries = kernel_binaries.write(tmp, plan, sorted(set(model.options.targets)))
+            print(kernel_binaries.summary(binaries))
             if on_timing:
                 on_timing("emit.kernel binaries", time.perf_counter() - t0)
         written = write_rank_files(model, ckpt, tmp, on_bytes=on_bytes, on_timing=on_timing,

@@ -85,7 +85,7 @@ def _runs(plan: dict) -> list[tuple[str, object]]:
                 if batch * length <= EncodeRunner.max_graph_tokens:
                     runs.append(("encode", EncodeStep(None, batch, length, META, pad)))
             batch *= 2
-    if "ragged" in progs:
+    if "ragged" in progs and plan.get("kv_pool"):
         max_blocks = -(-lim["max_seq"] // plan["kv_pool"]["block_size"])
         buckets = decode_buckets(SERVING_MAX_NUM_SEQS)
         for b in buckets:
@@ -106,7 +106,7 @@ def record(plan: dict, arch: str) -> tuple[list[B.Spec], dict[str, str]]:
     on `arch`, in first-launch order, and the kernels whose launches have no spec (name -> why)."""
     from dsc.runtime.ragged import allocate_kv_pool
 
-    pool = allocate_kv_pool(plan, META, None, where=Path("plan.json"), serving=False) if "kv_pool" in plan else {}
+    pool = allocate_kv_pool(plan, META, None, where=Path("plan.json"), serving=False) if plan.get("kv_pool") else {}
     programs = {name: _program(plan, name, pool) for name in plan["programs"]}
     with B.recording(arch) as rec, _CudaImpls(), torch.inference_mode():
         for name, step in _runs(plan):
@@ -190,3 +190,12 @@ def write(folder: Path, plan: dict, targets: list[str]) -> dict:
     (folder / INDEX).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     return {"targets": list(targets), "binaries": len(entries), "bytes": total,
             "skipped": dict(sorted(skipped.items()))}
+
+
+def summary(info: dict) -> str:
+    """The compile's line(s) about the binaries it wrote."""
+    lines = [f"kernel binaries: {info['binaries']} for {', '.join(info['targets'])} "
+             f"({info['bytes'] / 2**20:.1f} MiB); the runtime uses them with --trust-kernels or a verified signature"]
+    lines += [f"  kernel {name.split(':')[-1]}: no binary ({why}); Triton compiles it at run time"
+              for name, why in info["skipped"].items()]
+    return "\n".join(lines)

@@ -187,11 +187,10 @@ def pdl_enabled(device: torch.device) -> bool:
     interpreter (it cannot run inline PTX). DSC_PDL=auto (the default): wherever it can, at every
     tp (with the GEMVs' EARLY rows in kernels/tuning.json, Llama-8B's tp=2 and tp=4 decode steps
     are faster with PDL than without); off: never."""
-    if switches.get("DSC_PDL") == "off" or _interpreting():
+    if device.type != "cuda" and (arch := recording_arch(device)) is not None:
+        return int(arch[3:]) >= 90  # recording a target's launches: its default, from capability 9.0
+    if switches.get("DSC_PDL") == "off" or device.type != "cuda" or _interpreting():
         return False
-    if device.type != "cuda":  # recording for a target: PDL from capability 9.0, as on that GPU
-        arch = recording_arch(device)
-        return arch is not None and int(arch[3:]) >= 90
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 
 

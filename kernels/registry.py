@@ -25,7 +25,7 @@ class OpTraits:
     attention: bool = False  # attends over a layer's KV cache and writes the new tokens into it
     gather: bool = False  # a table lookup: a step reads the rows of its tokens of argument 0, not the table
     all_reduce: bool = False  # sums its input over the tensor-parallel ranks (alone or with ops fused in)
-    collective_slot: bool = False  # takes one buffer slot per call in kernels/collectives.program_scope
+    collective_slot: bool = False  # takes one buffer slot per call in kernels/collectives.py `program_scope`
     quantized: bool = False  # an int8 linear (weights in the rank file as qweight/scale/zero)
     bias_arg: int | None = None  # a linear: the index of its optional bias argument
     fuses: tuple[str, ...] = ()  # (a, b): this op computes b(a(...)), a's bias-free args first

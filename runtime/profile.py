@@ -22,7 +22,7 @@ import torch
 
 from dsc.runtime.plan import ATTENTION_OPS, GATHER_OPS
 
-READ_BW_H200 = 4.33e12  # bytes/s, measured device read bandwidth (DESIGN.md)
+READ_BW_H200 = 4.33e12  # bytes/s, measured device read bandwidth (docs/performance.md)
 
 
 def _weight_bytes(engine, node: dict, targets: dict[str, str]) -> int:

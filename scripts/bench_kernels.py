@@ -74,7 +74,7 @@ import torch.nn.functional as F
 import timing
 from timing import bench_ms, capture, checkout_modules, graph_us
 
-PEAK_READ = 4.33e12  # B/s, measured on the H200 (docs: DESIGN.md)
+PEAK_READ = 4.33e12  # B/s, measured on the H200 (docs/performance.md)
 SMOKE = "--smoke" in sys.argv
 
 NORM, ACT, ROT, A, LIN, INT8, LAUNCH, PAGED = checkout_modules(

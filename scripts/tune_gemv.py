@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def linear_shapes(shape: str, tp: int) -> dict[str, tuple[int, int]]:
-    """{linear: (N, K)} of one rank's weights for a model shape of compiler/random_checkpoint
+    """{linear: (N, K)} of one rank's weights for a model shape of compiler/random_checkpoint.py
     (the sizes read through compiler/architectures.py, so every family's config spelling works;
     a single kv head, Falcon-7B's, is replicated on every rank)."""
     from dsc.compiler.architectures import ARCHITECTURES

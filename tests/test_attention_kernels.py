@@ -4,7 +4,7 @@ The kernels run in the Triton interpreter on CPU. TRITON_INTERPRET=1 must be set
 is first imported, and other test files may import triton, so every case runs in one child
 process (this file run as a script) whose JSON report the parametrized tests read. A second
 child compiles the kernels for sm_90 (no GPU needed), which the interpreter cannot check.
-The interpreter's bf16 tl.dot is wrong (DESIGN.md): cases run in fp16 and fp32.
+The interpreter's bf16 tl.dot does not round as the GPU's does: cases run in fp16 and fp32.
 Every unwindowed prefill case (and one windowed) also runs with the prefill variant's keys on
 (TMA descriptors in fp16, deferred p @ v: kernels/attention.py PREFILL_VARIANTS; VARIANT_RUNS);
 the interpreter runs host TMA descriptors (zero fill past a tensor's end included) but not

@@ -116,3 +116,43 @@ def test_relative_links_resolve(page):
     missing = [t for t in targets if "://" not in t and not t.startswith("mailto:")
                and not (page.parent / t).exists()]
     assert not missing, f"{page.name} links to missing files: {missing}"
+
+
+# a repository path as code, comments and docs name one: a top folder, then a path
+_PATH_REF = re.compile(r"(?<![\w/.-])((?:compiler|runtime|kernels|passes|serve|scripts|tests|docs|\.ci)/[\w./-]*\w)")
+_ROOT_DOC = re.compile(r"(?<![\w/.-])([A-Z][A-Z_]+\.md)\b")  # a doc in capitals: a file at the root
+ARTIFACT_PATHS = {"kernels/binaries.json"}  # paths inside an artifact folder (docs/artifact.md), not the repository
+REFERENCE_ROOTS = ["README.md", "Makefile", "pyproject.toml", "cli.py", "errors.py", "switches.py", "launch_counts.py",
+                   "docs", "compiler", "passes", "kernels", "runtime", "serve", "scripts", "tests", ".ci"]
+
+
+def _names_a_file(ref: str) -> bool:
+    ref = ref.split("#")[0].rstrip(".")
+    stem = Path(ref).stem
+    if ref in ARTIFACT_PATHS or ref.endswith("_") or len(stem) == 1 or (ROOT / ref).exists():
+        return True  # a placeholder (scripts/X.py, passes/fuse_*), or there
+    head, _, _attr = ref.rpartition(".")
+    return (ROOT / (ref + ".py")).exists() or (head and (ROOT / (head + ".py")).exists())  # a module, a module.name
+
+
+def test_paths_named_in_code_and_docs_exist():
+    """A comment, docstring or doc that names a repository path names one that exists (a moved
+    or removed file takes its mentions with it); a command quoted `at commit X` keeps its path."""
+    missing = []
+    for top in REFERENCE_ROOTS:
+        path = ROOT / top
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        for f in files:
+            rel = f.relative_to(ROOT).as_posix()
+            if f.suffix not in TEXT_SUFFIXES or rel.startswith(("docs/results/", "tests/golden/", "tests/data/")):
+                continue
+            for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+                if "at commit" in line:
+                    continue
+                for m in _PATH_REF.finditer(line):
+                    if not _names_a_file(m.group(1)):
+                        missing.append(f"{rel}:{n}: {m.group(1)}")
+                for m in _ROOT_DOC.finditer(line):
+                    if not (ROOT / m.group(1)).exists():
+                        missing.append(f"{rel}:{n}: {m.group(1)}")
+    assert not missing, missing

@@ -6,7 +6,7 @@ TRITON_INTERPRET=1 must be set before the first kernel is jitted, and other test
 imported triton already, so the cases run in one subprocess: this file run as a script,
 `python tests/test_fused_kernels.py interpret OUT.json` (or `aot OUT.json`), writes one
 result per case; each test reads its own. bf16 is left to tests/gpu/test_gpu_kernels.py: the
-interpreter emulates bf16 (DESIGN.md).
+interpreter emulates bf16 (its arithmetic is not the GPU's).
 """
 from __future__ import annotations
 
