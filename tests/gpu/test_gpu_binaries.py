@@ -1,9 +1,9 @@
 """Ahead-of-time kernel binaries on a GPU: an artifact compiled with `--target sm_90` (on this
-machine with the GPU hidden, or carried from a CPU box through DSC_AOT_ARTIFACTS) serves through
+machine with the GPU hidden, or carried from a CPU box through AOT_ARTIFACTS) serves through
 its cubins with no Triton JIT, and gives the tokens of the JIT path.
 
     pytest tests/gpu/test_gpu_binaries.py
-    DSC_AOT_ARTIFACTS=DIR pytest ...     # also every artifact under DIR (compiled elsewhere)
+    AOT_ARTIFACTS=DIR pytest ...     # also every artifact under DIR (compiled elsewhere)
 """
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ def test_binaries_compiled_without_a_gpu_serve_the_jit_tokens(tmp_path, shape):
 
 @pytest.mark.gpu
 def test_carried_artifacts(request):
-    root = os.environ.get("DSC_AOT_ARTIFACTS")
+    root = os.environ.get("AOT_ARTIFACTS")
     if not root:
-        pytest.skip("DSC_AOT_ARTIFACTS not set")
+        pytest.skip("AOT_ARTIFACTS not set")
     for art in sorted(p.parent for p in Path(root).glob("*/manifest.json")):
         _check(art, f"carried:{art.name}")
