@@ -30,11 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsc.errors import UserError
 from dsc.kernels import binaries as B
 from dsc.kernels.registry import CUDA_IMPLS
+from dsc.runtime.binaries import INDEX, INDEX_FORMAT, INDEX_VERSION
 
-TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90")
-INDEX = "kernels/binaries.json"
-INDEX_FORMAT = "dsc-kernel-binaries"
-INDEX_VERSION = 1
 SERVING_MAX_NUM_SEQS = 256  # `dsc serve`'s and `dsc.LLM`'s default --max-num-seqs
 META = torch.device("meta")
 

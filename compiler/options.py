@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dsc.errors import UserError
 
+TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90")  # `--target`: the GPU archs kernels compile for
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
@@ -69,10 +70,9 @@ class CompileOptions(BaseModel):
     @field_validator("targets")
     @classmethod
     def _known_targets(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        known = ("sm_80", "sm_86", "sm_89", "sm_90")
         for t in v:
-            if t not in known:
-                raise ValueError(f"--target: unknown GPU arch {t!r}; use one of {', '.join(known)}")
+            if t not in TARGETS:
+                raise ValueError(f"--target: unknown GPU arch {t!r}; use one of {', '.join(TARGETS)}")
         return v
 
     @field_validator("dtype", mode="before")

@@ -52,7 +52,7 @@ import torch
 
 from dsc.kernels.launch import gluon_device, gluon_jit, split_counters
 
-gl = tl = mma_v2 = None  # gluon's language (and triton's), bound by launch.gluon_jit on first use
+gl = tl = mma_v2 = None  # gluon's language (and triton's), bound by launch.gluon_triton_jit on first use
 hopper = None  # triton.experimental.gluon.language.nvidia.hopper, bound by `_bind`
 tma_load = tma_store = None  # its TMA copies (triton 3.6: async_copy_*; later: async_load / async_store)
 

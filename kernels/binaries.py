@@ -277,7 +277,7 @@ def recording_arch(device: torch.device) -> str | None:
 
 # -- binaries ----------------------------------------------------------------------------------
 _PTX_PARAM = re.compile(r"\.param\s+\.(\w+)")
-_CTYPES = {"u64": ctypes.c_uint64, "b64": ctypes.c_uint64, "s64": ctypes.c_int64, "u32": ctypes.c_uint32,
+PTX_TYPES = {"u64": ctypes.c_uint64, "b64": ctypes.c_uint64, "s64": ctypes.c_int64, "u32": ctypes.c_uint32,
            "b32": ctypes.c_uint32, "s32": ctypes.c_int32, "f32": ctypes.c_float, "f64": ctypes.c_double,
            "u16": ctypes.c_uint16, "b16": ctypes.c_uint16, "s16": ctypes.c_int16, "u8": ctypes.c_uint8,
            "b8": ctypes.c_uint8, "s8": ctypes.c_int8}
@@ -301,12 +301,12 @@ class Binary:
         self.pdl = dict(spec.options).get("launch_pdl", False)
         self.launches = 0
         self._functions: dict[int, int] = {}
-        fields = [(f"p{i}", _CTYPES[t]) for i, t in enumerate(params)]
+        fields = [(f"p{i}", PTX_TYPES[t]) for i, t in enumerate(params)]
         self._struct = type("Params", (ctypes.Structure,), {"_fields_": fields})()
         base = ctypes.addressof(self._struct)
         self._ptrs = (ctypes.c_void_p * max(1, len(params)))(
             *[base + getattr(type(self._struct), f"p{i}").offset for i in range(len(params))])
-        self._sizes = [ctypes.sizeof(_CTYPES[t]) for t in params]
+        self._sizes = [ctypes.sizeof(PTX_TYPES[t]) for t in params]
         self._floats = [t.startswith("f") for t in params]
 
     def function(self, device: int) -> int:

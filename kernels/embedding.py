@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from dsc.kernels.launch import cdiv, device, jit, next_power_of_2, pdl_options, planner
 from dsc.kernels.registry import cuda_kernel, declare
 
-tl = None  # triton.language, bound by launch.jit on first launch
+tl = None  # triton.language, bound by launch.triton_jit on first launch
 
 
 # -- Triton kernel ----------------------------------------------------------------------------

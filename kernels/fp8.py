@@ -21,7 +21,7 @@ import torch
 from dsc.kernels.launch import jit, next_power_of_2, planner
 from dsc.kernels.registry import cuda_kernel, declare
 
-tl = None  # triton.language, bound by launch.jit on first launch
+tl = None  # triton.language, bound by launch.triton_jit on first launch
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 INV_FP8_MAX = float(torch.tensor(1 / FP8_MAX, dtype=torch.float32))  # 1/448 as fp32 holds it

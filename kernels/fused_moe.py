@@ -60,7 +60,7 @@ from dsc.kernels.activation import _silu_mul
 from dsc.kernels.int8 import I8X4_TO_F32
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, tuned
 
-tl = None  # triton.language, bound by launch.jit on first launch
+tl = None  # triton.language, bound by launch.triton_jit on first launch
 
 MAX_BUCKET = 4096  # token buckets (`token_bucket`): powers of two up to this
 PLAN_BUCKETS = (1, 8, 16, 64, 256, 1024, 4096)  # the buckets plan.json records

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from dsc.kernels.launch import cdiv, jit, planner
 from dsc.kernels.registry import cuda_kernel, declare
 
-tl = None  # triton.language, bound by launch.jit on first launch
+tl = None  # triton.language, bound by launch.triton_jit on first launch
 DEFAULT_GROUP = 128
 MMA_ROWS = 16  # the mma kernel's largest row count; more rows: dequantize, then cuBLAS
 GROUP_MULTIPLE = 32  # group sizes are multiples of this: the mma kernel's K-block (16 bytes of nibbles per row)

@@ -60,7 +60,7 @@ from dsc.kernels.launch import (arch_of, cdiv, device, gluon_device, gluon_jit, 
                                split_counters, tuning_row)
 from dsc.kernels.registry import KEEP, cuda_kernel, declare
 
-tl = None  # triton.language, bound by launch.jit on first launch
+tl = None  # triton.language, bound by launch.triton_jit on first launch
 gl = mma_v2 = None  # gluon's language and its mma.sync, bound by launch.gluon_jit on first launch
 SCALE_MIN = torch.finfo(torch.float32).tiny  # scales stay normal floats: x / scale never divides by 0
 

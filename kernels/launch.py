@@ -1,9 +1,11 @@
 """How dsc's fused Triton kernels are launched, configured and planned.
 
 - **Lazy Triton.** Kernel bodies are plain functions in their op files that use the module
-  global `tl`; `jit(fn)` imports triton on first use, binds `tl` in fn's module and applies
-  `triton.jit`. Importing an op file never imports triton, so CPU machines (and the compiler)
-  need no GPU toolchain, and tests can set TRITON_INTERPRET=1 before the first launch.
+  global `tl`; `triton_jit(fn)` imports triton on first use, binds `tl` in fn's module and
+  applies `triton.jit`. Importing an op file never imports triton, so CPU machines (and the
+  compiler) need no GPU toolchain, and tests can set TRITON_INTERPRET=1 before the first launch.
+  Wrappers launch `jit(fn)[grid](...)`: a kernels/binaries.py `Kernel`, which runs the loaded
+  artifact's ahead-of-time binary for the launch when it has one, else `triton_jit(fn)`.
 - **Tuning table.** Launch configurations live in kernels/tuning.json:
   `{arch: {kernel: {shape_class: {"num_warps": ..., ...}}}}` with arch "sm_90" for H100/H200
   and "default" for anything else (the Triton interpreter included). `scripts/tune_kernels.py`

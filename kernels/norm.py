@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from dsc.kernels.launch import arch_of, jit, next_power_of_2, pdl_options, planner, rows_of, tuned
 from dsc.kernels.registry import cuda_kernel, declare
 
-tl = None  # triton.language, bound by launch.jit on first launch
+tl = None  # triton.language, bound by launch.triton_jit on first launch
 MAX_N = 65536
 
 

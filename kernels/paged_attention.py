@@ -69,7 +69,7 @@ from dsc.kernels.attention import (_attend_new, _attend_tile, _combine_splits, _
 from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, split_counters, triton_jit, tuned
 from dsc.kernels.registry import cuda_kernel, declare
 
-tl = None  # triton.language, bound by launch.jit on first launch
+tl = None  # triton.language, bound by launch.triton_jit on first launch
 
 
 def write_paged_kv_reference(k, v, k_pool, v_pool, slot_mapping):

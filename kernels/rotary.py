@@ -18,7 +18,7 @@ import torch
 from dsc.kernels.launch import arch_of, cdiv, device, jit, next_power_of_2, pdl_options, planner, tuned
 from dsc.kernels.registry import cuda_kernel, declare
 
-tl = None  # triton.language, bound by launch.jit on first launch
+tl = None  # triton.language, bound by launch.triton_jit on first launch
 
 
 # -- Triton kernel ----------------------------------------------------------------------------

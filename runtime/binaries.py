@@ -21,6 +21,7 @@ from dsc.kernels import binaries as B
 from dsc.runtime.artifact import Artifact, read_json_object, sha256_file
 
 INDEX = "kernels/binaries.json"
+INDEX_FORMAT, INDEX_VERSION = "dsc-kernel-binaries", 1
 _TARGET = re.compile(r"sm_\d{2,3}")
 _HEX = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,200}")
@@ -54,8 +55,8 @@ def _check_entry(where: str, i: int, e, files: dict) -> B.Spec:
     if not (type(e.get("shared")) is int and 0 <= e["shared"] <= _MAX_SHARED):
         raise UserError(f"{field}: field 'shared' must be a byte count up to {_MAX_SHARED}")
     params = e.get("params")
-    if not (isinstance(params, list) and len(params) <= 256 and all(p in B._CTYPES for p in params)):
-        raise UserError(f"{field}: field 'params' must list PTX parameter types ({', '.join(sorted(B._CTYPES))})")
+    if not (isinstance(params, list) and len(params) <= 256 and all(p in B.PTX_TYPES for p in params)):
+        raise UserError(f"{field}: field 'params' must list PTX parameter types ({', '.join(sorted(B.PTX_TYPES))})")
     s = e.get("spec")
     try:
         ok = (isinstance(s, dict) and isinstance(s.get("kernel"), str) and _KERNEL.fullmatch(s["kernel"])
@@ -82,7 +83,7 @@ def _index(artifact: Artifact) -> list:
         return []
     where = str(artifact.path / INDEX)
     index = read_json_object(artifact.path / INDEX)
-    if index.get("format") != "dsc-kernel-binaries" or index.get("format_version") != 1:
+    if index.get("format") != INDEX_FORMAT or index.get("format_version") != INDEX_VERSION:
         raise UserError(f"{where}: not a dsc kernel-binaries index (fields 'format', 'format_version')")
     entries = index.get("binaries")
     if not isinstance(entries, list):

@@ -3,7 +3,9 @@ byte-identical to writing each rank's file on its own, in memory bounded by the 
 tensors whatever the model size and tp; and the stage timings of `dsc compile`."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import json
 import os
 from pathlib import Path
@@ -151,6 +153,9 @@ def _peak_rise(fn) -> int:
                 return int(line.split()[1]) * 1024
         raise KeyError(field)
 
+    # freed memory still in malloc's arenas would let `fn` grow without raising the RSS: hand it back first
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     before = status("VmRSS:")
     fn()
@@ -159,13 +164,14 @@ def _peak_rise(fn) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
 def test_memory_is_bounded_by_the_largest_tensors_not_the_model(make_checkpoint, tmp_path, monkeypatch):
-    # 4 layers of a 1024-wide Llama in fp32: 222 MB of weights in 30 tensors, the largest 16 MB
-    # (embedding and head; an MLP weight 11.5 MB). Few layers keep the trace short; the bound
-    # below is still half the model, so a writer holding a rank's or a layer run's tensors fails
-    ckpt_dir = make_checkpoint("llama-tiny", hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+    # 8 layers of a 1024-wide Llama in fp32: 427 MB of weights in 58 source tensors, the largest
+    # 16 MB (embedding and head); the largest the writer makes is a fused gate/up weight (23 MB),
+    # quantized with its temporaries. The bound is under half the model, so a writer holding a
+    # rank's tensors, several layers', or (at tp=4) the other ranks' parts of the tensors, fails
+    ckpt_dir = make_checkpoint("llama-tiny", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                vocab_size=4000)
-    largest = 4000 * 1024 * 4
-    monkeypatch.setattr(rank_files, "READ_AHEAD", largest)
+    monkeypatch.setattr(rank_files, "READ_AHEAD", 4000 * 1024 * 4)
+    largest = 2 * 2816 * 1024 * 4
     rises = {}
     for tp in (1, 4):
         ckpt, model = traced(ckpt_dir, tp=tp, dtype="fp32", int8=True)
@@ -173,12 +179,9 @@ def test_memory_is_bounded_by_the_largest_tensors_not_the_model(make_checkpoint,
         out = tmp_path / f"tp{tp}"
         out.mkdir()
         rises[tp] = _peak_rise(lambda: rank_files.write_rank_files(model, ckpt, out, weight_sqnr=True))
-    assert total > 180e6
+    assert total > 400e6
     for tp, rise in rises.items():
         assert rise < min(8 * largest, total / 2), f"tp={tp}: peak RSS rose {rise / 1e6:.0f} MB writing {total / 1e6:.0f} MB"
-    # tp=4 holds no rank's tensors for the others: never more than tp=1 (which quantizes whole
-    # weights, the ranks their quarters) plus a tensor
-    assert rises[4] <= rises[1] + largest, rises
 
 
 def test_timings_are_printed_with_v_and_written_with_timings_file(make_checkpoint, compile_artifact, tmp_path):
