@@ -190,6 +190,9 @@ def _tokenizer(art):
 
 _REQUIRE_SIGNATURE_HELP = "public key file (from `dsc keygen`): refuse the artifact unless `dsc sign` signed it with the matching key (its kernel binaries are then used)"
 _TRUST_KERNELS_HELP = "use the artifact's kernel binaries (`dsc compile --target`) without a signature: GPU code from the artifact runs"
+_OFFLOAD_HELP = ("cpu | disk: stream the layers beyond --gpu-memory to the device at every step, from pinned host "
+                 "memory or from the rank file (ZeRO-Inference's offload)")
+_GPU_MEMORY_HELP = "GiB of weights kept on the device with --offload (default: only those outside the layers)"
 
 
 @app.command("generate")
@@ -213,6 +216,8 @@ def generate_cmd(
     no_verify: bool = typer.Option(False, "--no-verify", help="skip checksum verification at load"),
     require_signature: Optional[Path] = typer.Option(None, "--require-signature", help=_REQUIRE_SIGNATURE_HELP),
     trust_kernels: bool = typer.Option(False, "--trust-kernels", help=_TRUST_KERNELS_HELP),
+    offload: Optional[str] = typer.Option(None, "--offload", help=_OFFLOAD_HELP),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help=_GPU_MEMORY_HELP),
 ) -> None:
     """Generate text from an artifact (continuous batching: any number of prompts). For tp > 1,
     run under torchrun, or let dsc start the ranks."""
@@ -223,6 +228,9 @@ def generate_cmd(
         from dsc.runtime.sampling import check_sampling
 
         check_sampling(temperature, top_k, top_p, max_new_tokens, seed)
+        from dsc.runtime.offload import check_offload
+
+        check_offload(offload, gpu_memory)
         # plan and tokenizer checked (and verified) before the tokenizer is parsed
         art = open_artifact(artifact, ranks=[], verify=not no_verify, require_signature=require_signature)
         if art.tp > 1 and "WORLD_SIZE" not in os.environ:
@@ -239,7 +247,7 @@ def generate_cmd(
 
         llm = LLM(artifact, device=device, verify=not no_verify, require_signature=require_signature,
                   trust_kernels=trust_kernels, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens)
+                  max_num_batched_tokens=max_num_batched_tokens, offload=offload, gpu_memory=gpu_memory)
         leader = llm.engine.engine.rank == 0
         base = 0 if seed is None else seed
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -299,12 +307,14 @@ def _relaunch_under_torchrun(n: int) -> None:
 def inspect_cmd(artifact: Path = typer.Argument(..., help="artifact folder"),
                 as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
                 require_signature: Optional[Path] = typer.Option(None, "--require-signature", help=_REQUIRE_SIGNATURE_HELP),
+                offload: Optional[str] = typer.Option(None, "--offload", help="show where the weights would live under --offload cpu|disk"),
+                gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help=_GPU_MEMORY_HELP),
                 ) -> None:
     """Show an artifact: options, programs and their op counts, kernels, weights and bytes per rank."""
     try:
         from dsc.runtime.inspect import describe, render
 
-        info = describe(artifact, require_signature=require_signature)
+        info = describe(artifact, require_signature=require_signature, offload=offload, gpu_memory=gpu_memory)
     except UserError as e:
         _fail(str(e))
     if as_json:
@@ -475,6 +485,8 @@ def serve_cmd(
     no_verify: bool = typer.Option(False, "--no-verify", help="skip checksum verification at load"),
     require_signature: Optional[Path] = typer.Option(None, "--require-signature", help=_REQUIRE_SIGNATURE_HELP),
     trust_kernels: bool = typer.Option(False, "--trust-kernels", help=_TRUST_KERNELS_HELP),
+    offload: Optional[str] = typer.Option(None, "--offload", help=_OFFLOAD_HELP),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help=_GPU_MEMORY_HELP),
 ) -> None:
     """Serve an artifact over the OpenAI API (completions, chat, models, health, metrics)."""
     try:
@@ -483,6 +495,9 @@ def serve_cmd(
         if max_queue < 0 or shutdown_timeout < 0:
             raise UserError(f"--max-queue and --shutdown-timeout: must be >= 0, got {max_queue}, {shutdown_timeout}")
         from dsc import switches
+        from dsc.runtime.offload import check_offload
+
+        check_offload(offload, gpu_memory)
 
         opts = ServeOptions(host=host, port=port, served_model_name=served_model_name,
                             api_key=api_key or switches.get("DSC_API_KEY") or None, max_queue=max_queue,
@@ -490,7 +505,7 @@ def serve_cmd(
         serve_artifact(artifact, opts, typer.echo, device=device, kv_cache_memory=kv_cache_memory,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, verify=not no_verify,
                        require_signature=str(require_signature) if require_signature else None,
-                       trust_kernels=trust_kernels)
+                       trust_kernels=trust_kernels, offload=offload, gpu_memory=gpu_memory)
     except UserError as e:
         _fail(str(e))
 

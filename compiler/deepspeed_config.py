@@ -126,7 +126,7 @@ class CheckpointConfig(DSConfig):
 
 
 # DeepSpeedZeroConfig's fields and aliases (deepspeed/runtime/zero/config.py) other than the three
-# below: ZeRO's training and stage-3 settings, which do nothing at stage 0
+# below: ZeRO's training and partitioning settings, which do nothing to an inference artifact
 ZERO_SETTINGS = (
     "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
     "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint",
@@ -143,15 +143,18 @@ ZERO_SETTINGS = (
     "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
     "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module",
 )
-_ZERO_INFERENCE = ("ZeRO-Inference (weights partitioned, or offloaded to CPU/NVMe) is not built: each rank holds "
-                   "its shard on its device; shard further with `tp` or halve the weights with int8")
-_ZERO_SETTING = "a ZeRO training or stage-3 setting: no effect at stage 0"
+_ZERO_INFERENCE = ("ZeRO-Inference's parameter offload is chosen at load over the same artifact: `dsc generate|serve "
+                   "ART --offload cpu` (device cpu) or `--offload disk` (device nvme), with `--gpu-memory GIB` of "
+                   "weights kept on the GPU; the artifact does not depend on it")
+_ZERO_STAGE = ("stage 3 is ZeRO-Inference's setting for its offload (see zero.offload_param); each rank holds its "
+               "tensor-parallel shard, no data-parallel partition")
+_ZERO_SETTING = "a ZeRO training or partitioning setting: no effect on an inference artifact"
 
 
 class _ZeroBase(DSConfig):
-    stage: int = refused(0, _ZERO_INFERENCE, ge=0, le=3)
-    offload_param: dict | None = refused(None, _ZERO_INFERENCE)
-    cpu_offload_param: bool | None = refused(None, _ZERO_INFERENCE)
+    stage: int = accepted(0, _ZERO_STAGE, ge=0, le=3)
+    offload_param: dict | None = accepted(None, _ZERO_INFERENCE)
+    cpu_offload_param: bool | None = accepted(None, _ZERO_INFERENCE)
 
     @field_validator("offload_param", mode="before")
     @classmethod

@@ -90,7 +90,7 @@ class EmbeddingEngine:
     def __init__(self, artifact: str | Path | None = None, *, device=None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = DEFAULT_EMBED_BUDGET, verify: bool = True,
                  require_signature: str | Path | None = None, engine=None, trust_kernels: bool = False,
-                 **decoder_options: Any):
+                 offload: str | None = None, gpu_memory: float | None = None, **decoder_options: Any):
         """decoder_options: the KV-cache, CUDA-graph and scheduling keywords of LLMEngine, which
         an encoder has no use for (accepted, so that one set of serving flags starts either)."""
         for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens)):
@@ -100,7 +100,7 @@ class EmbeddingEngine:
             from dsc.runtime.engine import load
 
             engine = load(artifact, device=device, verify=verify, require_signature=require_signature, static=False,
-                          trust_kernels=trust_kernels)
+                          trust_kernels=trust_kernels, offload=offload, gpu_memory=gpu_memory)
         if engine.kind != "encoder":
             raise UserError(f"{engine.artifact.path}: a {engine.kind} artifact has no embeddings; "
                             "use LLM.generate, /v1/completions or /v1/chat/completions")

@@ -72,7 +72,8 @@ def _first_shape(node: dict) -> list:
 class Engine:
     def __init__(self, artifact: Artifact, rank: int, world: int, device: torch.device,
                  cuda_graphs: bool = True, prefill_buckets: bool | None = None, static: bool = True,
-                 kv_cache_memory: float | None = None, max_num_seqs: int | None = None):
+                 kv_cache_memory: float | None = None, max_num_seqs: int | None = None,
+                 offload: str | None = None, gpu_memory: float | None = None):
         self.artifact = artifact
         self.plan = artifact.plan
         self.rank, self.world, self.device = rank, world, device
@@ -86,8 +87,13 @@ class Engine:
 
         captured = dict(CAPTURE_TIMES)
         clock = _Stages()
-        self.weights = self._load_weights()
+        self.ring = None  # the streamed layers' buffers (runtime/offload.py), with offload
+        self.offload: dict | None = None
+        self.weights = self._load_weights(offload, gpu_memory)
         clock.mark("weights")
+        if self.ring is not None:  # eager (a stream's copies follow the host's order of layers), padded as graphs are
+            cuda_graphs = False
+            prefill_buckets = device.type == "cuda" if prefill_buckets is None else prefill_buckets
         self._all_reduces = {name: _all_reduce_nodes(p) for name, p in self.plan["programs"].items()}
         self._slots = {name: sum(n.get("op") in SLOT_OPS for n in p["nodes"]) for name, p in self.plan["programs"].items()}
         self.all_reduce = self._enable_symmetric_all_reduce()
@@ -143,21 +149,36 @@ class Engine:
         return self._call("decode", input_ids, position_ids, cache_pos, last_idx)
 
     # -- loading -------------------------------------------------------------------------
-    def _load_weights(self) -> dict[str, torch.Tensor]:
+    def _load_weights(self, offload: str | None, gpu_memory: float | None) -> dict[str, torch.Tensor]:
+        """The rank's weights on the device; with `offload`, those beyond `gpu_memory` GiB are
+        streamed through `self.ring` instead (runtime/offload.py)."""
         path = self.artifact.rank_file(self.rank)
         header = self.artifact.rank_header(self.rank)  # checked against the plan before any read
-        need = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+        names = [k for k in header if k != "__metadata__"]
+        need = sum(header[k]["data_offsets"][1] - header[k]["data_offsets"][0] for k in names)
+        placement = None
+        if offload is not None:
+            from dsc.runtime.offload import data_start, plan_offload
+
+            budget = None if gpu_memory is None else int(gpu_memory * 2**30)
+            placement = plan_offload(header, data_start(path), budget, offload, path=str(path))
+            names, need = list(placement.resident), placement.device_bytes
+            self.offload = placement.summary()
         free = free_device_bytes(self.device)
         if free is not None and need > free:
             raise UserError(weights_do_not_fit(path, need, free, self.device))
         out = {}
         try:
+            if placement is not None and placement.streamed:
+                from dsc.runtime.offload import WeightRing
+
+                self.ring = WeightRing(placement, path, self.device)
             with safe_open(path, framework="pt", device=str(self.device)) as f:
-                for k in header:
-                    if k != "__metadata__":
-                        out[k] = f.get_tensor(k)
+                for k in names:
+                    out[k] = f.get_tensor(k)
         except torch.OutOfMemoryError:  # free memory shrank since the check (another process), or is fragmented
             out.clear()
+            self.ring = None
             torch.cuda.empty_cache()  # what this load held goes back, so the free bytes reported are the device's
             raise UserError(weights_do_not_fit(path, need, free_device_bytes(self.device) or 0, self.device)) from None
         return out
@@ -178,7 +199,14 @@ class Engine:
         nodes = program.get("nodes") if isinstance(program, dict) else None
         graph, targets = build_graph(nodes, self.device, where=f"{self.artifact.path / 'plan.json'}: program {name!r}")
         attrs = {}
+        if self.ring is not None:
+            from dsc.runtime.offload import stream_weights
+
+            stream_weights(graph, self.ring, "_weight_ring")
+            attrs["_weight_ring"] = self.ring
         for t in targets:
+            if self.ring is not None and t in self.ring.names:
+                continue
             if t in self.weights:
                 attrs[t] = self.weights[t]
             elif t in self.kv_cache:
@@ -413,7 +441,8 @@ def free_device_bytes(device: torch.device) -> int | None:
 def weights_do_not_fit(path: Path, need: int, free: int, device: torch.device) -> str:
     return (f"{path}: the weights need {need / 2**30:.2f} GiB ({need} bytes) on {device}, which has "
             f"{free / 2**30:.2f} GiB ({free} bytes) free; split them over more GPUs (`dsc compile --tp N`), halve "
-            "them (`dsc compile --int8`), or run on the CPU (`--device cpu`): dsc does not offload weights")
+            "them (`dsc compile --int8`), stream them from host memory (`--offload cpu --gpu-memory GIB`), or run on the "
+            "CPU (`--device cpu`)")
 
 
 def _dist_rank_world(artifact: Artifact, rank: int | None) -> tuple[int, int]:
@@ -462,7 +491,8 @@ def _check_device(device: str | torch.device | None) -> torch.device:
 def load(path: str | Path, rank: int | None = None, device: str | torch.device | None = None,
          verify: bool = True, cuda_graphs: bool = True, prefill_buckets: bool | None = None,
          require_signature: str | Path | None = None, static: bool = True, kv_cache_memory: float | None = None,
-         max_num_seqs: int | None = None, trust_kernels: bool = False) -> Engine:
+         max_num_seqs: int | None = None, trust_kernels: bool = False, offload: str | None = None,
+         gpu_memory: float | None = None) -> Engine:
     """Load an artifact for one rank. Checks format version and the sha256 of every file this
     rank reads (skip with verify=False). On CUDA, decode steps are captured as CUDA graphs at
     load, one per batch bucket (cuda_graphs=False runs them eagerly). Prefills are right-padded
@@ -482,8 +512,14 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     The ragged program's paged KV pool is sized by kv_cache_memory (GiB; default: 90% of the
     free GPU memory with static=False, else the static cache's size) and its decode steps
     bucketed up to max_num_seqs sequences (default max_batch); static=False leaves out the
-    static programs and their [max_batch, max_seq] cache (serving)."""
+    static programs and their [max_batch, max_seq] cache (serving). offload="cpu" or "disk"
+    keeps on the device only what fits in gpu_memory GiB (default: the weights outside the
+    layers) and streams the other layers from pinned host memory or from the rank file at every
+    step (runtime/offload.py; the programs then run without CUDA graphs)."""
     switches.check_all()
+    from dsc.runtime.offload import check_offload
+
+    check_offload(offload, gpu_memory)
     device = _check_device(device)
     probe = open_artifact(path, ranks=None, verify=False)  # every rank file present, before any rank loads
     r, world = _dist_rank_world(probe, rank)
@@ -504,7 +540,8 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     binaries = load_binaries(artifact, device, trusted=trust_kernels or require_signature is not None)
     try:
         engine = Engine(artifact, r, world, device, cuda_graphs=cuda_graphs, prefill_buckets=prefill_buckets,
-                        static=static, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
+                        static=static, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                        offload=offload, gpu_memory=gpu_memory)
     finally:
         t_wait = time.perf_counter()
         artifact.finish_checks()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dsc.launch_counts import launches
 from dsc.runtime.artifact import open_artifact
+from dsc.runtime.offload import offload_line
 
 
 def cache_readers(program: dict) -> list[dict]:
@@ -21,9 +22,15 @@ def cache_readers(program: dict) -> list[dict]:
             and any(isinstance(a, dict) and a.get("node") in caches for a in n.get("args", []))]
 
 
-def describe(path: str | Path, require_signature: str | Path | None = None) -> dict:
+def describe(path: str | Path, require_signature: str | Path | None = None, offload: str | None = None,
+             gpu_memory: float | None = None) -> dict:
     """What `dsc inspect` shows. Reads the manifest, plan and rank headers (each checked as the
-    loader checks them, docs/security.md), no tensor; checksums only with require_signature."""
+    loader checks them, docs/security.md), no tensor; checksums only with require_signature.
+    With `offload` (and `gpu_memory` GiB), where each rank's weights would live at load
+    (runtime/offload.py)."""
+    from dsc.runtime.offload import check_offload, data_start, plan_offload
+
+    check_offload(offload, gpu_memory)
     art = open_artifact(path, ranks=[], verify=False, require_signature=require_signature)
     plan, man = art.plan, art.manifest
     programs = {}
@@ -33,13 +40,16 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
         kernels = Counter(n["kernel"]["name"] for n in calls if "kernel" in n)
         programs[name] = {"nodes": len(p["nodes"]), "calls": len(calls), "ops": dict(sorted(ops.items())),
                           "kernels": dict(sorted(kernels.items())), **launches(calls)}
-    ranks, expert_bytes, other_bytes = {}, 0, 0
+    ranks, expert_bytes, other_bytes, placements = {}, 0, 0, {}
     for r in range(art.tp):
         f = art.rank_file(r)
         if not f.exists():
             ranks[r] = {"missing": True}
             continue
         h = {k: v for k, v in art.rank_header(r).items() if k != "__metadata__"}
+        if offload is not None:
+            budget = None if gpu_memory is None else int(gpu_memory * 2**30)
+            placements[r] = plan_offload(h, data_start(f), budget, offload, path=str(f)).summary()
         by_dtype: Counter = Counter()
         for name, info in h.items():
             lo, hi = info["data_offsets"]
@@ -65,7 +75,7 @@ def describe(path: str | Path, require_signature: str | Path | None = None) -> d
             "experts": _experts(plan["model"].get("experts"), expert_bytes, other_bytes),
             "kind": plan["model"].get("kind", "decoder"), "pooling": plan["model"].get("pooling"),
             "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)},
-            "kernel_binaries": describe_binaries(art)}
+            "kernel_binaries": describe_binaries(art), "offload": placements or None}
 
 
 _CUBIN = re.compile(r"kernels/(?P<kernel>[A-Za-z0-9_]+)-[0-9a-f]{16}\.(?P<target>sm_\d{2,3})\.cubin")
@@ -200,6 +210,8 @@ def render(info: dict) -> None:
         c.print(k)
         for name, why in bins["skipped"].items():
             c.print(f"kernel {name}: no binary ({why}); compiled with Triton at run time")
+    for rank, placed in (info.get("offload") or {}).items():
+        c.print(f"rank {rank}: " + offload_line(placed))
     r = Table(title="rank files")
     r.add_column("rank")
     r.add_column("tensors", justify="right")

@@ -128,7 +128,8 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = DEFAULT_BUDGET, enable_prefix_caching: bool = True,
                  verify: bool = True, cuda_graphs: bool = True, require_signature: str | Path | None = None,
                  prefill_buckets: bool | None = None, engine=None, async_scheduling: bool = True,
-                 detokenize: bool = True, trust_kernels: bool = False):
+                 detokenize: bool = True, trust_kernels: bool = False, offload: str | None = None,
+                 gpu_memory: float | None = None):
         if engine is None:
             from dsc.runtime.engine import load
 
@@ -136,7 +137,8 @@ class LLMEngine:
                 raise UserError(f"--max-num-seqs: expected an integer >= 1, got {max_num_seqs!r}")
             engine = load(artifact, device=device, verify=verify, cuda_graphs=cuda_graphs,
                           require_signature=require_signature, static=False, kv_cache_memory=kv_cache_memory,
-                          max_num_seqs=max_num_seqs, prefill_buckets=prefill_buckets, trust_kernels=trust_kernels)
+                          max_num_seqs=max_num_seqs, prefill_buckets=prefill_buckets, trust_kernels=trust_kernels,
+                          offload=offload, gpu_memory=gpu_memory)
         self.engine = engine
         from dsc.runtime.decode import CAPTURE_TIMES, capture_times_since
 

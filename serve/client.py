@@ -67,6 +67,7 @@ class EngineFacts:
         self.pid = ready["pid"]  # rank 0's engine process
         self.load_s = ready.get("load_s")
         self.load_times = ready.get("load_times") or {}  # seconds by stage (runtime/engine.py)
+        self.offload = ready.get("offload")  # where the weights live, with --offload (runtime/offload.py)
         from dsc.runtime.llm import LLMEngine
 
         # LLMEngine's template code reads only the artifact's tokenizer files and the model's name

@@ -238,7 +238,8 @@ def main(argv: list[str]) -> int:
                      block_size=0 if encoder else engine.scheduler.block_size,
                      kind="encoder" if encoder else "decoder", hidden_size=engine.hidden_size if encoder else None,
                      pid=os.getpid(), load_s=round(time.perf_counter() - t0, 3), stats=engine.stats(),
-                     load_times={k: round(v, 2) for k, v in getattr(engine, "load_times", {}).items()})
+                     load_times={k: round(v, 2) for k, v in getattr(engine, "load_times", {}).items()},
+                     offload=engine.engine.offload)
         outbox.send(pack(["ready", facts]))
         api_pid = cfg["api_pid"]
         try:

@@ -99,6 +99,10 @@ def serve_artifact(artifact, opts: ServeOptions, echo: Callable[[str], None], **
         stages = ", ".join(f"{k} {v:.1f}" for k, v in client.engine.load_times.items() if k != "total")
         echo(f"engine process {client.engine.pid}: loaded in {client.engine.load_s:.1f} s{world}"
              + (f" ({stages})" if stages else ""))
+        if client.engine.offload:
+            from dsc.runtime.offload import offload_line
+
+            echo(f"engine process {client.engine.pid}: " + offload_line(client.engine.offload))
         run(server)
     finally:
         client.close()

@@ -33,7 +33,7 @@ def test_scripts_are_the_maintained_set():
         "demo.py", "bench_decode.py", "bench_int8.py", "bench_kernels.py", "bench_compile.py", "tune_kernels.py",
         "tune_gemv.py", "ncu_kernels.py", "timing.py", "gen_docs.py", "bench_serving.py", "bench_engine.py", "bench_moe.py",
         "soak_serve.py", "bench_fp8.py", "bench_int4.py", "bench_encoders.py",
-        "bench_cold_start.py"}
+        "bench_cold_start.py", "bench_offload.py"}
 
 
 def test_bench_fp8_gemm_smoke(tmp_path):
@@ -259,3 +259,19 @@ def test_soak_serve_short_run(compile_artifact, tmp_path):
     assert all(s["rss_mib"] > 50 for s in res["samples"])  # the server's (torch-sized) process, not the script's
     assert out.rstrip().endswith("ok")
 
+
+
+def test_bench_offload_runs_one_engine_on_the_cpu(compile_artifact, tmp_path):
+    """The offload benchmark's engine run, every layer streamed from the rank file, on the CPU:
+    each step moves every streamed layer once, and the tokens equal the resident engine's."""
+    art = compile_artifact("llama-tiny", ckpt_kwargs={"num_hidden_layers": 6}, dtype="fp32")
+    got = {}
+    for mode in ("resident", "disk"):
+        run("bench_offload.py", "run", "--artifact", str(art), "--mode", mode, "--device", "cpu", "--batches", "1,3",
+            "--json", str(tmp_path / f"{mode}.json"))
+        got[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+    disk = got["disk"]
+    assert disk["offload"]["streamed_layers"] == 6
+    for b in ("1", "3"):
+        assert disk["batches"][b]["first_tokens"] == got["resident"]["batches"][b]["first_tokens"]
+        assert disk["batches"][b]["bytes_moved_per_step"] == disk["offload"]["bytes_per_step"]
