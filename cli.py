@@ -193,6 +193,8 @@ _TRUST_KERNELS_HELP = "use the artifact's kernel binaries (`dsc compile --target
 _OFFLOAD_HELP = ("cpu | disk: stream the layers beyond --gpu-memory to the device at every step, from pinned host "
                  "memory or from the rank file (ZeRO-Inference's offload)")
 _GPU_MEMORY_HELP = "GiB of weights kept on the device with --offload (default: only those outside the layers)"
+_PP_HELP = ("pipeline stages of consecutive layers, each on its own tp ranks (tp x N ranks in all; dsc starts "
+            "them, or run under torchrun)")
 
 
 @app.command("generate")
@@ -218,6 +220,7 @@ def generate_cmd(
     trust_kernels: bool = typer.Option(False, "--trust-kernels", help=_TRUST_KERNELS_HELP),
     offload: Optional[str] = typer.Option(None, "--offload", help=_OFFLOAD_HELP),
     gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help=_GPU_MEMORY_HELP),
+    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "--pp", help=_PP_HELP),
 ) -> None:
     """Generate text from an artifact (continuous batching: any number of prompts). For tp > 1,
     run under torchrun, or let dsc start the ranks."""
@@ -229,12 +232,17 @@ def generate_cmd(
 
         check_sampling(temperature, top_k, top_p, max_new_tokens, seed)
         from dsc.runtime.offload import check_offload
+        from dsc.runtime.pipeline import check_pipeline_parallel_size
 
         check_offload(offload, gpu_memory)
+        check_pipeline_parallel_size(pipeline_parallel_size)
         # plan and tokenizer checked (and verified) before the tokenizer is parsed
         art = open_artifact(artifact, ranks=[], verify=not no_verify, require_signature=require_signature)
-        if art.tp > 1 and "WORLD_SIZE" not in os.environ:
-            _relaunch_under_torchrun(art.tp)
+        from dsc.runtime.pipeline import check_stages
+
+        check_stages(art.plan, pipeline_parallel_size, str(artifact))
+        if art.tp * pipeline_parallel_size > 1 and "WORLD_SIZE" not in os.environ:
+            _relaunch_under_torchrun(art.tp * pipeline_parallel_size)
             return
         if prompt:
             _tokenizer(art)
@@ -247,7 +255,8 @@ def generate_cmd(
 
         llm = LLM(artifact, device=device, verify=not no_verify, require_signature=require_signature,
                   trust_kernels=trust_kernels, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, offload=offload, gpu_memory=gpu_memory)
+                  max_num_batched_tokens=max_num_batched_tokens, offload=offload, gpu_memory=gpu_memory,
+                  pipeline_parallel_size=pipeline_parallel_size)
         leader = llm.engine.engine.rank == 0
         base = 0 if seed is None else seed
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -487,6 +496,7 @@ def serve_cmd(
     trust_kernels: bool = typer.Option(False, "--trust-kernels", help=_TRUST_KERNELS_HELP),
     offload: Optional[str] = typer.Option(None, "--offload", help=_OFFLOAD_HELP),
     gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help=_GPU_MEMORY_HELP),
+    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "--pp", help=_PP_HELP),
 ) -> None:
     """Serve an artifact over the OpenAI API (completions, chat, models, health, metrics)."""
     try:
@@ -496,8 +506,10 @@ def serve_cmd(
             raise UserError(f"--max-queue and --shutdown-timeout: must be >= 0, got {max_queue}, {shutdown_timeout}")
         from dsc import switches
         from dsc.runtime.offload import check_offload
+        from dsc.runtime.pipeline import check_pipeline_parallel_size
 
         check_offload(offload, gpu_memory)
+        check_pipeline_parallel_size(pipeline_parallel_size)
 
         opts = ServeOptions(host=host, port=port, served_model_name=served_model_name,
                             api_key=api_key or switches.get("DSC_API_KEY") or None, max_queue=max_queue,
@@ -505,7 +517,8 @@ def serve_cmd(
         serve_artifact(artifact, opts, typer.echo, device=device, kv_cache_memory=kv_cache_memory,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, verify=not no_verify,
                        require_signature=str(require_signature) if require_signature else None,
-                       trust_kernels=trust_kernels, offload=offload, gpu_memory=gpu_memory)
+                       trust_kernels=trust_kernels, offload=offload, gpu_memory=gpu_memory,
+                       pipeline_parallel_size=pipeline_parallel_size)
     except UserError as e:
         _fail(str(e))
 

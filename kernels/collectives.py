@@ -272,16 +272,34 @@ def _one_shot(x: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.symm_mem.one_shot_all_reduce_copy(buf, x.contiguous(), "sum", s.group)
 
 
+_TP_GROUP = None  # the tensor-parallel ranks the collectives run over (None: every rank)
+
+
+def set_tp_group(group) -> None:
+    """The process group of this rank's tensor-parallel peers (under pipeline parallelism, its
+    stage's ranks; runtime/pipeline.py); None: the whole world."""
+    global _TP_GROUP
+    _TP_GROUP = group
+
+
+def tp_group():
+    return _TP_GROUP if _TP_GROUP is not None else dist.group.WORLD
+
+
+def tp_size() -> int:
+    return dist.get_world_size(tp_group())
+
+
 @torch.library.custom_op("dsc::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_available() or not dist.is_initialized() or tp_size() == 1:
         return x.clone()
     out = _one_shot(x)
     if out is not None:
         return out
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", tp_group()))
 
 
 def _rank_sum(per_rank: list[tuple], i: int) -> torch.Tensor:
@@ -996,15 +1014,15 @@ def all_gather(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
         if world != 1:
             raise RuntimeError(f"dsc.all_gather over {world} ranks needs an initialised process group")
         return x.clone()
-    if dist.get_world_size() != world:
-        raise RuntimeError(f"dsc.all_gather compiled for {world} ranks, process group has {dist.get_world_size()}")
+    if tp_size() != world:
+        raise RuntimeError(f"dsc.all_gather compiled for {world} ranks, process group has {tp_size()}")
     out = _push_gather(x, dim)
     if out is not None:
         return out
     from torch.distributed import _functional_collectives as funcol
 
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.12
-    g = funcol.wait_tensor(gather(x.contiguous(), 0, dist.group.WORLD))  # [world * x.shape[0], ...]
+    g = funcol.wait_tensor(gather(x.contiguous(), 0, tp_group()))  # [world * x.shape[0], ...]
     dim %= x.dim()
     if math.prod(x.shape[:dim]) == 1:  # (batch-1 decode's logits) the ranks' blocks already lie
         shape = list(x.shape)          # in `dim`'s order: a view, no cat kernel

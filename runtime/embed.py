@@ -96,6 +96,8 @@ class EmbeddingEngine:
         for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"{name}: expected an integer >= 1, got {value!r}")
+        if decoder_options.get("pipeline_parallel_size", 1) != 1:
+            raise UserError("--pipeline-parallel-size: only decoders run in pipeline stages (this is an encoder)")
         if engine is None:
             from dsc.runtime.engine import load
 

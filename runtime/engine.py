@@ -24,6 +24,7 @@ from dsc.runtime.artifact import Artifact, open_artifact
 from dsc.runtime.decode import DecodeRunner
 from dsc.runtime.prefill import EncodeRunner, PrefillRunner
 from dsc.runtime.ragged import RaggedRunner, allocate_kv_pool
+from dsc.runtime.pipeline import kv_pool_layers
 from dsc.runtime.plan import build_graph
 from dsc.runtime.sampling import check_sampling, sample
 
@@ -59,6 +60,17 @@ class _Stages:
         self._last = now
 
 
+def _fewest_blocks(n: int) -> int:
+    """The KV blocks every stage's pool can hold (one block table serves them all)."""
+    import torch.distributed as dist
+
+    from dsc.runtime.executor import _comm_device
+
+    t = torch.tensor([n], dtype=torch.long, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def _all_reduce_nodes(program: dict) -> list[dict]:
     """The program's all-reduces, fused with a norm or not, in order."""
     return [n for n in program["nodes"] if n.get("op") in ALL_REDUCE_OPS]
@@ -73,10 +85,14 @@ class Engine:
     def __init__(self, artifact: Artifact, rank: int, world: int, device: torch.device,
                  cuda_graphs: bool = True, prefill_buckets: bool | None = None, static: bool = True,
                  kv_cache_memory: float | None = None, max_num_seqs: int | None = None,
-                 offload: str | None = None, gpu_memory: float | None = None):
+                 offload: str | None = None, gpu_memory: float | None = None, pipeline_parallel_size: int = 1):
         self.artifact = artifact
         self.plan = artifact.plan
+        # rank and world count every rank that steps together (tp x pp); a stage's ranks hold
+        # one rank file each, tp_rank's (runtime/pipeline.py)
         self.rank, self.world, self.device = rank, world, device
+        self.tp, self.pp = artifact.tp, pipeline_parallel_size
+        self.stage, self.tp_rank = rank // self.tp, rank % self.tp
         self.dtype = getattr(torch, self.plan["model"]["dtype"])
         self.max_batch = self.plan["limits"]["max_batch"]
         self.max_seq = self.plan["limits"]["max_seq"]
@@ -89,9 +105,13 @@ class Engine:
         clock = _Stages()
         self.ring = None  # the streamed layers' buffers (runtime/offload.py), with offload
         self.offload: dict | None = None
+        self.stage_programs = self._cut_stages() if self.pp > 1 else {}
+        static = static and self.pp == 1
         self.weights = self._load_weights(offload, gpu_memory)
         clock.mark("weights")
-        if self.ring is not None:  # eager (a stream's copies follow the host's order of layers), padded as graphs are
+        if self.ring is not None or self.pp > 1:
+            # eager (a stream's copies follow the host's order of layers; a stage's receives read
+            # their shapes on the host), padded as graphs are
             cuda_graphs = False
             prefill_buckets = device.type == "cuda" if prefill_buckets is None else prefill_buckets
         self._all_reduces = {name: _all_reduce_nodes(p) for name, p in self.plan["programs"].items()}
@@ -102,7 +122,9 @@ class Engine:
         encoder = self.kind == "encoder"
         self.kv_cache = self._allocate_kv_cache() if static and not encoder else {}
         self.kv_pool = {} if encoder else allocate_kv_pool(
-            self.plan, device, kv_cache_memory, where=self.artifact.path / "plan.json", serving=not static)
+            self.plan, device, kv_cache_memory, where=self.artifact.path / "plan.json", serving=not static,
+            layers=kv_pool_layers(self.stage_programs["ragged"]) if self.pp > 1 else None,
+            agree=_fewest_blocks if self.pp > 1 else None)
         clock.mark("kv_cache")
         self.programs = {name: self._build(p, name) for name, p in self.plan["programs"].items()
                          if static or name in ("ragged", "encode")}
@@ -133,27 +155,61 @@ class Engine:
         import torch.distributed as dist
 
         decode = self._all_reduces.get("decode") or []
-        if self.world == 1 or not dist.is_initialized():  # no group: e.g. the ONNX export's engine
+        if self.tp == 1 or not dist.is_initialized():  # no group: e.g. the ONNX export's engine
             return "none"
-        if self.device.type != "cuda" or not decode:
+        if self.device.type != "cuda" or not decode or self.pp > 1:  # (a stage's group: NCCL's all-reduce)
             return dist.get_backend()  # gloo on CPU
         numel = max(math.prod(self.max_batch if isinstance(d, str) else d for d in _first_shape(n)) for n in decode)
         rows = max(numel // _first_shape(n)[-1] for n in decode)
         return collectives.enable_symmetric(self.device, self.dtype, numel, rows)
 
     def _call(self, program: str, *args) -> torch.Tensor:
+        if program in self.stage_programs:
+            return self._call_stage(program, *args)
         with collectives.program_scope(self._slots[program]):
             return self.programs[program](*args)
+
+    def _cut_stages(self) -> dict:
+        """This rank's stage of the ragged program (runtime/pipeline.py)."""
+        from dsc.runtime.pipeline import check_stages, split_layers, stage_program
+
+        check_stages(self.plan, self.pp, str(self.artifact.path))
+        nodes = self.plan["programs"]["ragged"]["nodes"]
+        layer_stage = split_layers(nodes, self.artifact.rank_header(self.tp_rank), self.pp)
+        return {"ragged": stage_program(nodes, layer_stage, self.stage)}
+
+    def _call_stage(self, program: str, *inputs) -> torch.Tensor:
+        """This rank's stage: the values of the stage before received, its nodes run, what the
+        next stages read sent on; the last stage's logits reach rank 0, which samples."""
+        from dsc.runtime.pipeline import recv_tensor, send_tensor
+
+        sp = self.stage_programs[program]
+        got = [recv_tensor(self.rank - self.tp, self.device) for _ in sp.recv] if self.stage > 0 else []
+        with collectives.program_scope(self._slots[program]):
+            out = self.programs[program](*inputs, *got)
+        if self.stage < self.pp - 1:
+            for t in out:
+                send_tensor(t, self.rank + self.tp)
+            if self.rank == 0:
+                return recv_tensor((self.pp - 1) * self.tp, self.device)
+            return inputs[0].new_empty(0)  # (a follower's logits are never read)
+        if self.tp_rank == 0:
+            send_tensor(out, 0)
+        return out
 
     def _decode_program(self, input_ids, position_ids, cache_pos, last_idx):
         return self._call("decode", input_ids, position_ids, cache_pos, last_idx)
 
     # -- loading -------------------------------------------------------------------------
     def _load_weights(self, offload: str | None, gpu_memory: float | None) -> dict[str, torch.Tensor]:
-        """The rank's weights on the device; with `offload`, those beyond `gpu_memory` GiB are
-        streamed through `self.ring` instead (runtime/offload.py)."""
-        path = self.artifact.rank_file(self.rank)
-        header = self.artifact.rank_header(self.rank)  # checked against the plan before any read
+        """The rank's weights on the device (under pipeline parallelism, those its stage reads);
+        with `offload`, those beyond `gpu_memory` GiB are streamed through `self.ring` instead
+        (runtime/offload.py)."""
+        path = self.artifact.rank_file(self.tp_rank)
+        header = self.artifact.rank_header(self.tp_rank)  # checked against the plan before any read
+        if self.stage_programs:
+            read = set().union(*(sp.weights for sp in self.stage_programs.values()))
+            header = {k: v for k, v in header.items() if k == "__metadata__" or k in read}
         names = [k for k in header if k != "__metadata__"]
         need = sum(header[k]["data_offsets"][1] - header[k]["data_offsets"][0] for k in names)
         placement = None
@@ -197,6 +253,8 @@ class Engine:
 
     def _build(self, program: dict, name: str) -> fx.GraphModule:
         nodes = program.get("nodes") if isinstance(program, dict) else None
+        if name in self.stage_programs:
+            nodes = self.stage_programs[name].nodes
         graph, targets = build_graph(nodes, self.device, where=f"{self.artifact.path / 'plan.json'}: program {name!r}")
         attrs = {}
         if self.ring is not None:
@@ -214,7 +272,7 @@ class Engine:
             elif t in self.kv_pool:
                 attrs[t] = self.kv_pool[t]
             else:
-                raise UserError(f"{self.artifact.rank_file(self.rank)}: missing tensor '{t}' the plan reads")
+                raise UserError(f"{self.artifact.rank_file(self.tp_rank)}: missing tensor '{t}' the plan reads")
         return fx.GraphModule(attrs, graph)
 
     # -- running -------------------------------------------------------------------------
@@ -445,29 +503,30 @@ def weights_do_not_fit(path: Path, need: int, free: int, device: torch.device) -
             "CPU (`--device cpu`)")
 
 
-def _dist_rank_world(artifact: Artifact, rank: int | None) -> tuple[int, int]:
-    tp = artifact.tp
+def _dist_rank_world(artifact: Artifact, rank: int | None, pp: int = 1) -> tuple[int, int]:
+    n = artifact.tp * pp  # every rank that steps together
+    what = f"compiled for tp={artifact.tp}" + (f", in {pp} pipeline stages ({n} ranks)" if pp > 1 else "")
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
-        if world != tp:
-            raise UserError(f"{artifact.path}: compiled for tp={tp}, but the process group has {world} ranks")
+        if world != n:
+            raise UserError(f"{artifact.path}: {what}, but the process group has {world} ranks")
         return dist.get_rank(), world
-    if "WORLD_SIZE" in os.environ and (tp > 1 or int(os.environ["WORLD_SIZE"]) > 1):
+    if "WORLD_SIZE" in os.environ and (n > 1 or int(os.environ["WORLD_SIZE"]) > 1):
         world = int(os.environ["WORLD_SIZE"])
-        if world != tp:
-            raise UserError(f"{artifact.path}: compiled for tp={tp}, but WORLD_SIZE={world} (run with --nproc-per-node {tp})")
+        if world != n:
+            raise UserError(f"{artifact.path}: {what}, but WORLD_SIZE={world} (run with --nproc-per-node {n})")
         return int(os.environ["RANK"]), world
-    if tp > 1 and rank is None:
-        raise UserError(f"{artifact.path}: compiled for tp={tp}; run under torchrun --nproc-per-node {tp} "
+    if n > 1 and rank is None:
+        raise UserError(f"{artifact.path}: {what}; run under torchrun --nproc-per-node {n} "
                         "(or `dsc generate`, which starts the ranks itself)")
-    if tp > 1 and not 0 <= rank < tp:
-        raise UserError(f"{artifact.path}: rank {rank} is out of range for tp={tp}")
-    if tp > 1 and "MASTER_ADDR" not in os.environ:
-        raise UserError(f"{artifact.path}: compiled for tp={tp}; loading rank {rank} needs a process group: call "
+    if n > 1 and not 0 <= rank < n:
+        raise UserError(f"{artifact.path}: rank {rank} is out of range for {n} ranks ({what})")
+    if n > 1 and "MASTER_ADDR" not in os.environ:
+        raise UserError(f"{artifact.path}: {what}; loading rank {rank} needs a process group: call "
                         "torch.distributed.init_process_group first, or run under torchrun")
-    return (rank or 0), tp
+    return (rank or 0), n
 
 
 def _check_device(device: str | torch.device | None) -> torch.device:
@@ -492,7 +551,7 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
          verify: bool = True, cuda_graphs: bool = True, prefill_buckets: bool | None = None,
          require_signature: str | Path | None = None, static: bool = True, kv_cache_memory: float | None = None,
          max_num_seqs: int | None = None, trust_kernels: bool = False, offload: str | None = None,
-         gpu_memory: float | None = None) -> Engine:
+         gpu_memory: float | None = None, pipeline_parallel_size: int = 1) -> Engine:
     """Load an artifact for one rank. Checks format version and the sha256 of every file this
     rank reads (skip with verify=False). On CUDA, decode steps are captured as CUDA graphs at
     load, one per batch bucket (cuda_graphs=False runs them eagerly). Prefills are right-padded
@@ -515,25 +574,33 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     static programs and their [max_batch, max_seq] cache (serving). offload="cpu" or "disk"
     keeps on the device only what fits in gpu_memory GiB (default: the weights outside the
     layers) and streams the other layers from pinned host memory or from the rank file at every
-    step (runtime/offload.py; the programs then run without CUDA graphs)."""
+    step (runtime/offload.py; the programs then run without CUDA graphs). pipeline_parallel_size=N
+    runs the ragged program in N stages of consecutive layers, one per group of tp ranks
+    (world = tp x N, under torchrun; runtime/pipeline.py), without the static programs."""
     switches.check_all()
     from dsc.runtime.offload import check_offload
+    from dsc.runtime.pipeline import check_pipeline_parallel_size
 
     check_offload(offload, gpu_memory)
+    check_pipeline_parallel_size(pipeline_parallel_size)
     device = _check_device(device)
     probe = open_artifact(path, ranks=None, verify=False)  # every rank file present, before any rank loads
-    r, world = _dist_rank_world(probe, rank)
+    r, world = _dist_rank_world(probe, rank, pipeline_parallel_size)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else torch.cuda.current_device())
     if world > 1:
         from dsc.runtime.distributed import ensure_process_group
 
         ensure_process_group(device, world, r)
+    if pipeline_parallel_size > 1:
+        from dsc.runtime.pipeline import tp_groups
+
+        collectives.set_tp_group(tp_groups(probe.tp, pipeline_parallel_size, r))
     import time
 
     t = time.perf_counter()
     # the rank file is hashed on its own thread while its weights are copied and the kernels built
-    artifact = open_artifact(path, ranks=[r], verify=verify, require_signature=require_signature,
+    artifact = open_artifact(path, ranks=[r % probe.tp], verify=verify, require_signature=require_signature,
                              defer_rank_checksums=True)
     from dsc.runtime.binaries import load_binaries
 
@@ -541,7 +608,7 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     try:
         engine = Engine(artifact, r, world, device, cuda_graphs=cuda_graphs, prefill_buckets=prefill_buckets,
                         static=static, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                        offload=offload, gpu_memory=gpu_memory)
+                        offload=offload, gpu_memory=gpu_memory, pipeline_parallel_size=pipeline_parallel_size)
     finally:
         t_wait = time.perf_counter()
         artifact.finish_checks()

@@ -129,7 +129,7 @@ class LLMEngine:
                  verify: bool = True, cuda_graphs: bool = True, require_signature: str | Path | None = None,
                  prefill_buckets: bool | None = None, engine=None, async_scheduling: bool = True,
                  detokenize: bool = True, trust_kernels: bool = False, offload: str | None = None,
-                 gpu_memory: float | None = None):
+                 gpu_memory: float | None = None, pipeline_parallel_size: int = 1):
         if engine is None:
             from dsc.runtime.engine import load
 
@@ -138,7 +138,7 @@ class LLMEngine:
             engine = load(artifact, device=device, verify=verify, cuda_graphs=cuda_graphs,
                           require_signature=require_signature, static=False, kv_cache_memory=kv_cache_memory,
                           max_num_seqs=max_num_seqs, prefill_buckets=prefill_buckets, trust_kernels=trust_kernels,
-                          offload=offload, gpu_memory=gpu_memory)
+                          offload=offload, gpu_memory=gpu_memory, pipeline_parallel_size=pipeline_parallel_size)
         self.engine = engine
         from dsc.runtime.decode import CAPTURE_TIMES, capture_times_since
 

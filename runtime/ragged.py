@@ -41,12 +41,16 @@ def default_num_blocks(plan: dict) -> int:
 
 
 def allocate_kv_pool(plan: dict, device: torch.device, kv_cache_memory: float | None, where: Path,
-                     serving: bool = True) -> dict[str, torch.Tensor]:
+                     serving: bool = True, layers: list[int] | None = None,
+                     agree: Callable[[int], int] | None = None) -> dict[str, torch.Tensor]:
     """kv_pool.<layer>.k|v [num_blocks, kv_heads, block_size, head_dim]. kv_cache_memory (GiB)
     sizes it; without it: 90% of the free GPU memory for a serving engine on CUDA, else the
-    static cache's size (on CPU, and beside the static programs, which hold their own cache)."""
+    static cache's size (on CPU, and beside the static programs, which hold their own cache).
+    layers: the layers this rank holds (a pipeline stage's; default all); agree(num_blocks):
+    the count every stage can hold (one block table serves them all)."""
     pool = plan["kv_pool"]
-    per_block = pool_block_bytes(pool)
+    layers = list(range(pool["layers"])) if layers is None else layers
+    per_block = pool_block_bytes(pool) * len(layers) // pool["layers"]
     if kv_cache_memory is not None:
         if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)) \
                 or not math.isfinite(kv_cache_memory) or kv_cache_memory <= 0:
@@ -57,14 +61,15 @@ def allocate_kv_pool(plan: dict, device: torch.device, kv_cache_memory: float | 
         num_blocks = int(0.9 * free // per_block)
     else:
         num_blocks = default_num_blocks(plan)
+    if agree is not None:
+        num_blocks = agree(num_blocks)
     if num_blocks < 2:
         raise UserError(f"--kv-cache-memory: {kv_cache_memory} GiB holds {num_blocks} KV blocks of "
                         f"{per_block / 2**20:.3f} MiB; give at least {2 * per_block / 2**20:.3f} MiB")
     shape = (num_blocks, pool["kv_heads"], pool["block_size"], pool["head_dim"])
     dtype = getattr(torch, pool["dtype"])
     try:
-        return {f"kv_pool.{i}.{t}": torch.zeros(shape, dtype=dtype, device=device)
-                for i in range(pool["layers"]) for t in ("k", "v")}
+        return {f"kv_pool.{i}.{t}": torch.zeros(shape, dtype=dtype, device=device) for i in layers for t in ("k", "v")}
     except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
         raise UserError(f"{where}: a KV pool of {num_blocks} blocks ({num_blocks * per_block / GiB:.2f} GiB) does "
                         f"not fit on {device}; give a smaller --kv-cache-memory") from None

@@ -145,12 +145,17 @@ class EngineClient:
         raises the engine's UserError."""
         from dsc.runtime.artifact import open_artifact
 
+        from dsc.runtime.pipeline import check_stages
+
         art = open_artifact(artifact, ranks=[], verify=engine_kwargs.get("verify", True))
+        pp = engine_kwargs.get("pipeline_parallel_size", 1)
+        check_stages(art.plan, pp, str(artifact))
         tokenizer = art.tokenizer()  # a broken tokenizer fails here, before the weights load
         workdir = tempfile.mkdtemp(prefix="dsc-serve-")
         ctx, requests, outputs, addresses = bind_sockets(workdir)
         cfg = dict(artifact=os.path.abspath(artifact), engine=engine_kwargs, api_pid=os.getpid(), **addresses)
-        proc = subprocess.Popen(_engine_command(art.tp, json.dumps(cfg)), env={**_engine_env(art.tp), **(env or {})},
+        ranks = art.tp * pp
+        proc = subprocess.Popen(_engine_command(ranks, json.dumps(cfg)), env={**_engine_env(ranks), **(env or {})},
                                 stdout=2, start_new_session=True)  # stdout is the API's
         try:
             import dsc.runtime.llm  # noqa: F401  (torch: imported here while the engine process loads)

@@ -1,0 +1,165 @@
+"""Pipeline parallelism (runtime/pipeline.py): the ragged program cut into stages of consecutive
+layers, each stage on its own (tensor-parallel) ranks, activations passed with gloo send/recv on
+the CPU. Tokens must equal one rank's, through continuous batching, `dsc generate` and `dsc serve`."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from dsc.cli import app
+from dsc.errors import UserError
+from dsc.runtime.artifact import open_artifact
+from dsc.runtime.llm import LLMEngine, SamplingParams
+from dsc.runtime.pipeline import program_layers, split_layers, stage_program
+
+from ranks import spawn_ranks
+
+LAYERS = {"llama-tiny": {"num_hidden_layers": 6}, "gpt2-tiny": {"n_layer": 5}}
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _art(compile_artifact, shape: str, **options):
+    return compile_artifact(shape, ckpt_kwargs=LAYERS[shape], dtype="fp32", **options)
+
+
+def _requests(n: int, seed: int):
+    rng = random.Random(seed)
+    return [(rng.randint(0, 5), [rng.randrange(500) for _ in range(rng.randint(1, 70))], rng.randint(1, 12))
+            for _ in range(n)]
+
+
+def _serve(engine: LLMEngine, reqs) -> list[list[int]]:
+    pending = sorted(range(len(reqs)), key=lambda i: reqs[i][0])
+    done, step = {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and (reqs[pending[0]][0] <= step or not engine.has_unfinished_requests()):
+            i = pending.pop(0)
+            engine.add_request(str(i), reqs[i][1], SamplingParams(max_tokens=reqs[i][2], temperature=0, ignore_eos=True))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    return [done[str(i)] for i in range(len(reqs))]
+
+
+def _stage_work(rank, job):
+    """Every rank loads its stage; rank 0 serves the arrivals, the others follow its steps."""
+    art, pp, reqs = job
+    eng = LLMEngine(art, device="cpu", max_num_seqs=4, max_num_batched_tokens=32, pipeline_parallel_size=pp)
+    inner = eng.engine
+    facts = {"stage": inner.stage, "tp_rank": inner.tp_rank, "weights": sorted(inner.weights),
+             "kv_layers": sorted(inner.kv_pool)}
+    if rank != 0:
+        eng.follow()
+        return facts
+    try:
+        return {**facts, "tokens": _serve(eng, reqs)}
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("shape, tp, pp", [("llama-tiny", 1, 2), ("gpt2-tiny", 1, 2), ("llama-tiny", 2, 2),
+                                           ("llama-tiny", 1, 3)])
+def test_stages_give_one_ranks_tokens_through_continuous_batching(shape, tp, pp, compile_artifact):
+    """Requests arriving while others run, prompts chunked at a budget of 32 tokens: the same
+    tokens on tp x pp ranks as on one; each rank holds its stage's weights and KV pool only."""
+    reqs = _requests(8, seed=3)
+    want = _serve(LLMEngine(_art(compile_artifact, shape), device="cpu", max_num_seqs=4, max_num_batched_tokens=32),
+                  reqs)
+    art = str(_art(compile_artifact, shape, tp=tp))
+    got = spawn_ranks(tp * pp, _stage_work, (art, pp, reqs))
+    assert got[0]["tokens"] == want
+    assert [got[r]["stage"] for r in range(tp * pp)] == [r // tp for r in range(tp * pp)]
+    layer_weights = [{w for w in got[r]["weights"] if re.match(r".*\.\d+\.", w)} for r in range(0, tp * pp, tp)]
+    assert all(layer_weights) and not any(a & b for i, a in enumerate(layer_weights) for b in layer_weights[i + 1:])
+    kv = [set(got[r]["kv_layers"]) for r in range(0, tp * pp, tp)]
+    assert sum(len(k) for k in kv) == 2 * LAYERS_OF[shape] and not set.intersection(*kv)
+
+
+LAYERS_OF = {"llama-tiny": 6, "gpt2-tiny": 5}
+
+
+def test_the_split_is_contiguous_balanced_and_hands_over_what_the_next_stages_read(compile_artifact):
+    art = open_artifact(_art(compile_artifact, "llama-tiny"), ranks=[], verify=False)
+    nodes = art.plan["programs"]["ragged"]["nodes"]
+    header = art.rank_header(0)
+    layers = program_layers(nodes)
+    assert layers == [f"model.layers.{i}" for i in range(6)]
+    for pp in (2, 3, 6):
+        split = split_layers(nodes, header, pp)
+        stages = [split[k] for k in layers]
+        assert stages == sorted(stages) and set(stages) == set(range(pp))  # contiguous, every stage used
+        cuts = [stage_program(nodes, split, s) for s in range(pp)]
+        for s in range(1, pp):
+            assert [v for v, _ in cuts[s].recv] == list(cuts[s - 1].send)
+            # between layers of a Llama the residual stream is two tensors: the layer's output and the sum
+            assert len(cuts[s].recv) == 2
+        assert not cuts[-1].send and not cuts[0].recv
+        assert "model.embed_tokens.weight" in cuts[0].weights and "lm_head.weight" in cuts[-1].weights
+        assert all("lm_head.weight" not in c.weights for c in cuts[:-1])
+    # embedding and head (16 layers' worth each, as tiny models go) pull the split's cuts inward
+    split = split_layers(nodes, header, 2)
+    assert [split[k] for k in layers].count(0) == 3
+
+
+def test_stage_counts_are_one_line_naming_the_flag(compile_artifact):
+    art = str(_art(compile_artifact, "llama-tiny"))
+    for bad, text in (("0", "expected an integer 1..64"), ("7", "7 stages for 6 layers")):
+        r = CliRunner().invoke(app, ["generate", art, "--token-ids", "1,2", "--device", "cpu", "--pp", bad])
+        assert r.exit_code != 0 and "Traceback" not in r.output, r.output
+        assert r.output.strip().startswith("error: --pipeline-parallel-size") and text in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1
+    with pytest.raises(UserError, match="--pipeline-parallel-size"):
+        LLMEngine(art, device="cpu", pipeline_parallel_size=True)
+
+
+def test_an_encoder_does_not_run_in_stages(compile_artifact):
+    art = str(compile_artifact("bert-odd", dtype="fp32"))
+    r = CliRunner().invoke(app, ["serve", art, "--device", "cpu", "--pp", "2"])
+    assert r.exit_code != 0 and "only decoders run in pipeline stages" in r.output, r.output
+
+
+def test_dsc_generate_starts_the_stages_itself(compile_artifact):
+    art = str(_art(compile_artifact, "gpt2-tiny"))
+    cmd = [sys.executable, "-m", "dsc", "generate", art, "--token-ids", "5,6,7,8", "--token-ids", "9", "--json",
+           "--max-new-tokens", "6", "--device", "cpu"]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
+    one = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, **ENV})
+    two = subprocess.run(cmd + ["--pp", "2"], capture_output=True, text=True, timeout=300, env={**env, **ENV})
+    assert one.returncode == two.returncode == 0, two.stderr
+    lines = [json.loads(x) for x in two.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 2 and two.stdout == one.stdout  # printed by rank 0 only
+
+
+def test_dsc_serve_in_two_stages_answers_like_one_rank(compile_artifact):
+    art = _art(compile_artifact, "llama-tiny")
+    want = LLMEngine(str(art), device="cpu")
+    prompt = [7, 99, 301, 45, 12]
+    want.add_request("a", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    expect = None
+    while want.has_unfinished_requests():
+        for out in want.step():
+            if out.finished:
+                expect = out.outputs[0].token_ids
+    proc = subprocess.Popen([sys.executable, "-m", "dsc", "serve", str(art), "--port", "0", "--device", "cpu",
+                             "--pp", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **ENV})
+    try:
+        line = proc.stdout.readline()
+        port = int(re.search(r":(\d+)/v1", line).group(1)) if "/v1" in line else pytest.fail(line + proc.stderr.read())
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model=art.name, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == expect
+        proc.terminate()
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
