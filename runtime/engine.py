@@ -106,6 +106,10 @@ class Engine:
         self.ring = None  # the streamed layers' buffers (runtime/offload.py), with offload
         self.offload: dict | None = None
         self.stage_programs = self._cut_stages() if self.pp > 1 else {}
+        from collections import deque
+
+        self._sends: deque = deque()  # sends in flight (their work, their tensor)
+        self._stage_group = collectives.tp_group() if self.pp > 1 and self.tp > 1 else None
         static = static and self.pp == 1
         self.weights = self._load_weights(offload, gpu_memory)
         clock.mark("weights")
@@ -180,8 +184,8 @@ class Engine:
 
     def _call_stage(self, program: str, *inputs) -> torch.Tensor:
         """This rank's stage: the values of the stage before received, its nodes run, what the
-        next stages read sent on; the last stage's logits reach rank 0, which samples."""
-        from dsc.runtime.pipeline import recv_tensor, send_tensor
+        next stages read sent on; the last stage's logits go to rank 0 (`last_stage_logits`)."""
+        from dsc.runtime.pipeline import recv_tensor
 
         sp = self.stage_programs[program]
         got = [recv_tensor(self.rank - self.tp, self.device) for _ in sp.recv] if self.stage > 0 else []
@@ -189,13 +193,49 @@ class Engine:
             out = self.programs[program](*inputs, *got)
         if self.stage < self.pp - 1:
             for t in out:
-                send_tensor(t, self.rank + self.tp)
-            if self.rank == 0:
-                return recv_tensor((self.pp - 1) * self.tp, self.device)
-            return inputs[0].new_empty(0)  # (a follower's logits are never read)
+                self._send(t, self.rank + self.tp)
+            return inputs[0].new_empty(0)  # (the logits come from the last stage)
         if self.tp_rank == 0:
-            send_tensor(out, 0)
+            self._send(out, 0)
         return out
+
+    # -- pipeline messages (runtime/pipeline.py) ------------------------------------------------
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        """t to rank dst without waiting for it to be received (kept until it is)."""
+        from dsc.runtime.pipeline import send_tensor
+
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.popleft()
+        self._sends.extend(send_tensor(t, dst, wait=False))
+
+    def drain_sends(self) -> None:
+        while self._sends:
+            self._sends.popleft()[0].wait()
+
+    def hand_on(self, packed: torch.Tensor) -> None:
+        """A packed step (or STOP) to the ranks that run it after this one: from rank 0 to its
+        stage's other ranks, from every rank to its peer in the next stage."""
+        from dsc.runtime.pipeline import broadcast_in
+
+        if self.rank == 0 and self.tp > 1:
+            broadcast_in(packed, self._stage_group)
+        if self.stage < self.pp - 1:
+            self._send(packed, self.rank + self.tp)
+
+    def receive_step(self) -> torch.Tensor:
+        """A follower's next packed step (on the host): rank 0's broadcast on the first stage,
+        else the stage before's."""
+        from dsc.runtime.pipeline import broadcast_in, recv_tensor
+
+        if self.stage == 0:
+            return broadcast_in(None, self._stage_group).cpu()
+        return recv_tensor(self.rank - self.tp, torch.device("cpu"))
+
+    def last_stage_logits(self) -> torch.Tensor:
+        """Rank 0: the next step's logits, from the last stage (steps arrive in launch order)."""
+        from dsc.runtime.pipeline import recv_tensor
+
+        return recv_tensor((self.pp - 1) * self.tp, self.device)
 
     def _decode_program(self, input_ids, position_ids, cache_pos, last_idx):
         return self._call("decode", input_ids, position_ids, cache_pos, last_idx)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsc.errors import UserError
 from dsc.runtime.ragged import pack
 from dsc.runtime.sampling import logprobs as token_logprobs
 from dsc.runtime.sampling import sample_batch
@@ -179,7 +180,10 @@ class EngineCore:
     @classmethod
     def for_engine(cls, engine, max_num_batched_tokens: int = DEFAULT_BUDGET, max_num_seqs: int | None = None,
                    prefix_caching: bool = True, async_scheduling: bool = True) -> "EngineCore":
-        """Over an engine's KV pool and ragged program; the mixed steps of the budget captured now."""
+        """Over an engine's KV pool and ragged program; the mixed steps of the budget captured now.
+        Under pipeline parallelism, a PipelineCore (its micro-batches step themselves)."""
+        if getattr(engine, "pp", 1) > 1:
+            return PipelineCore(engine, max_num_batched_tokens, max_num_seqs, prefix_caching)
         num_blocks = next(iter(engine.kv_pool.values())).shape[0]
         scheduler = Scheduler(SchedulerLimits(
             num_blocks=num_blocks, block_size=engine.plan["kv_pool"]["block_size"],
@@ -235,12 +239,25 @@ def _receive() -> torch.Tensor:
 
 def release_followers(engine) -> None:
     """Rank 0: let the other ranks' `follow` return."""
-    if engine.world > 1:
+    if getattr(engine, "pp", 1) > 1:
+        engine.hand_on(STOP)
+        engine.drain_sends()
+    elif engine.world > 1:
         broadcast(STOP)
 
 
 def follow(engine) -> None:
-    """Ranks > 0: run the steps rank 0 broadcasts, until it broadcasts STOP."""
+    """Ranks > 0: run the steps rank 0 broadcasts, until it broadcasts STOP. Under pipeline
+    parallelism: the steps handed on by the stage before (or, on the first stage, broadcast by
+    rank 0), each passed on before it runs."""
+    if getattr(engine, "pp", 1) > 1:
+        while True:
+            packed = engine.receive_step()
+            engine.hand_on(packed)
+            if int(packed[0]) < 0:
+                engine.drain_sends()
+                return
+            engine.ragged(packed, None)
     prev = None
     while True:
         packed = _receive().cpu()
@@ -257,3 +274,121 @@ def _comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# -- pipeline parallelism ------------------------------------------------------------------------
+class MultiScheduler:
+    """The schedulers of a pipeline's micro-batches, as one scheduler to LLMEngine: a new
+    sequence goes to the least loaded; the rest follows the sequence."""
+
+    def __init__(self, parts: list[Scheduler]):
+        self.parts = parts
+        self.block_size = parts[0].block_size
+
+    def check_fits(self, n_prompt: int, max_tokens: int, where: str = "prompt") -> None:
+        self.parts[0].check_fits(n_prompt, max_tokens, where)
+
+    def add(self, seq, where: str = "prompt") -> None:
+        k = min(range(len(self.parts)), key=lambda i: (len(self.parts[i].running) + len(self.parts[i].waiting), i))
+        self.parts[k].add(seq, where)
+        seq.micro_batch = k
+
+    def finish(self, seq, reason: str) -> None:
+        self.parts[getattr(seq, "micro_batch", 0)].finish(seq, reason)
+
+    def has_work(self) -> bool:
+        return any(p.has_work() for p in self.parts)
+
+    def stats(self) -> dict:
+        out: dict = {}
+        for p in self.parts:
+            for k, v in p.stats().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+
+def _shifted(step, blocks: int, block_size: int):
+    """The step with its block ids (and the slots in them) moved up by `blocks`."""
+    from dataclasses import replace
+
+    if blocks == 0:
+        return step
+    return replace(step, block_tables=[[b + blocks for b in t] for t in step.block_tables],
+                   slot_mapping=[s + blocks * block_size if s >= 0 else s for s in step.slot_mapping])
+
+
+class PipelineExecutor(Executor):
+    """Rank 0 of a pipeline: `launch` packs a micro-batch's step, hands it to the stages (its
+    stage's tp ranks by broadcast, the next stage with the activations) and runs the first
+    stage; `finish` receives that step's logits from the last stage (in launch order), samples
+    and returns the tokens. Micro-batch k's blocks are the pool's k-th share."""
+
+    def __init__(self, engine, blocks_each: int, block_size: int):
+        super().__init__(engine)
+        self.blocks_each, self.block_size = blocks_each, block_size
+
+    def launch_part(self, plan: StepPlan, k: int) -> None:
+        packed = pack(_shifted(plan.step, k * self.blocks_each, self.block_size))
+        self.engine.hand_on(packed)
+        dev = self._upload(packed)
+        self.engine.ragged(packed, None, upload=lambda _: dev)
+
+    def finish(self, plan: StepPlan) -> tuple[list[int], list[dict[int, float]] | None]:
+        logits = self.engine.last_stage_logits()
+        tokens = self._sample(logits, plan)
+        rows = plan.sample
+        chosen = tokens if len(rows) == tokens.shape[0] else tokens.index_select(
+            0, self._upload(torch.tensor(rows, dtype=torch.long)))
+        host, i = self._out.take(len(rows), torch.long)
+        host.copy_(chosen, non_blocking=True)
+        return self.collect(Launched(host, self._out.record(i), *self._logprobs(logits, tokens, plan)))
+
+
+class PipelineCore:
+    """EngineCore's loop over pipeline stages: one scheduler per micro-batch (pp of them, each
+    over its share of the KV blocks and sequences), stepped round-robin so that up to pp steps
+    are in flight, one per stage, each collected (in launch order) before its micro-batch is
+    scheduled again."""
+
+    def __init__(self, engine, max_num_batched_tokens: int, max_num_seqs: int | None, prefix_caching: bool):
+        k = engine.pp
+        num_blocks = next(iter(engine.kv_pool.values())).shape[0]
+        block_size = engine.plan["kv_pool"]["block_size"]
+        seqs = min(max_num_seqs or engine.max_num_seqs, engine.max_num_seqs)
+        each = num_blocks // k
+        if each < 1:
+            raise UserError(f"--kv-cache-memory: {num_blocks} KV blocks cannot be shared by {k} pipeline micro-batches")
+        self.scheduler = MultiScheduler([Scheduler(SchedulerLimits(
+            num_blocks=each, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max(1, seqs // k), max_seq=engine.max_seq, prefix_caching=prefix_caching))
+            for _ in range(k)])
+        self.executor = PipelineExecutor(engine, each, block_size)
+        self._inflight: deque[tuple[int, StepPlan]] = deque()
+        self._next = 0
+        self.peak_in_flight = 0  # the most steps that were in the pipeline at once
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._inflight)
+
+    def step(self) -> list:
+        """Launch the next micro-batch with work and nothing in flight; collect the oldest step
+        when every micro-batch has one in flight or none could be launched."""
+        parts = self.scheduler.parts
+        busy = {k for k, _ in self._inflight}
+        launched = False
+        for j in range(len(parts)):
+            k = (self._next + j) % len(parts)
+            if k in busy:
+                continue
+            plan = parts[k].schedule()
+            if plan is None:
+                continue
+            self.executor.launch_part(plan, k)
+            self._inflight.append((k, plan))
+            self._next, launched = (k + 1) % len(parts), True
+            self.peak_in_flight = max(self.peak_in_flight, len(self._inflight))
+            break
+        if self._inflight and (not launched or len(self._inflight) == len(parts)):
+            k, plan = self._inflight.popleft()
+            return parts[k].update(plan, *self.executor.finish(plan))
+        return []

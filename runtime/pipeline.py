@@ -236,8 +236,9 @@ _DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "int8", "uint8", 
 _HEADER = 8  # int64s: ndim, dtype code, up to 6 dims
 
 
-def send_tensor(t, dst: int) -> None:
-    """t to global rank dst (through the communication device), its shape and dtype first."""
+def send_tensor(t, dst: int, wait: bool = True) -> list:
+    """t to global rank dst (through the communication device), its shape and dtype first.
+    wait=False: returns the sends in flight, [(work, tensor)], to keep until they complete."""
     import torch
     import torch.distributed as dist
 
@@ -245,8 +246,27 @@ def send_tensor(t, dst: int) -> None:
     header = torch.zeros(_HEADER, dtype=torch.long)
     header[0], header[1] = t.dim(), _DTYPES.index(str(t.dtype).removeprefix("torch."))
     header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.long)
-    dist.send(header.to(dev), dst)
-    dist.send(t.contiguous().to(dev), dst)
+    out = []
+    for x in (header.to(dev), t.contiguous().to(dev)):
+        if wait:
+            dist.send(x, dst)
+        else:
+            out.append((dist.isend(x, dst), x))
+    return out
+
+
+def broadcast_in(t, group):
+    """Global rank 0's 1-D int64 tensor t to every rank of `group` (its stage's); the others
+    pass None and get it."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _comm_device()
+    size = torch.tensor([t.numel() if t is not None else 0], dtype=torch.long, device=dev)
+    dist.broadcast(size, src=0, group=group)
+    buf = t.to(dev) if t is not None else torch.empty(int(size.item()), dtype=torch.long, device=dev)
+    dist.broadcast(buf, src=0, group=group)
+    return buf
 
 
 def recv_tensor(src: int, device):

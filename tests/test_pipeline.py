@@ -1,6 +1,7 @@
 """Pipeline parallelism (runtime/pipeline.py): the ragged program cut into stages of consecutive
 layers, each stage on its own (tensor-parallel) ranks, activations passed with gloo send/recv on
-the CPU. Tokens must equal one rank's, through continuous batching, `dsc generate` and `dsc serve`."""
+the CPU, one micro-batch per stage in flight (runtime/executor.py's PipelineCore). Tokens must
+equal one rank's, through continuous batching, `dsc generate` and `dsc serve`."""
 from __future__ import annotations
 
 import json
@@ -61,7 +62,9 @@ def _stage_work(rank, job):
         eng.follow()
         return facts
     try:
-        return {**facts, "tokens": _serve(eng, reqs)}
+        tokens = _serve(eng, reqs)
+        return {**facts, "tokens": tokens, "peak": eng.core.peak_in_flight,
+                "parts": [p.stats()["generation_tokens_total"] for p in eng.scheduler.parts]}
     finally:
         eng.shutdown()
 
@@ -77,6 +80,8 @@ def test_stages_give_one_ranks_tokens_through_continuous_batching(shape, tp, pp,
     art = str(_art(compile_artifact, shape, tp=tp))
     got = spawn_ranks(tp * pp, _stage_work, (art, pp, reqs))
     assert got[0]["tokens"] == want
+    # one micro-batch per stage in flight at once, each with its share of the requests
+    assert got[0]["peak"] == pp and len(got[0]["parts"]) == pp and all(got[0]["parts"])
     assert [got[r]["stage"] for r in range(tp * pp)] == [r // tp for r in range(tp * pp)]
     layer_weights = [{w for w in got[r]["weights"] if re.match(r".*\.\d+\.", w)} for r in range(0, tp * pp, tp)]
     assert all(layer_weights) and not any(a & b for i, a in enumerate(layer_weights) for b in layer_weights[i + 1:])
