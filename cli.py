@@ -318,12 +318,15 @@ def inspect_cmd(artifact: Path = typer.Argument(..., help="artifact folder"),
                 require_signature: Optional[Path] = typer.Option(None, "--require-signature", help=_REQUIRE_SIGNATURE_HELP),
                 offload: Optional[str] = typer.Option(None, "--offload", help="show where the weights would live under --offload cpu|disk"),
                 gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help=_GPU_MEMORY_HELP),
+                pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "--pp",
+                                                           help="show where N pipeline stages would cut the layers"),
                 ) -> None:
     """Show an artifact: options, programs and their op counts, kernels, weights and bytes per rank."""
     try:
         from dsc.runtime.inspect import describe, render
 
-        info = describe(artifact, require_signature=require_signature, offload=offload, gpu_memory=gpu_memory)
+        info = describe(artifact, require_signature=require_signature, offload=offload, gpu_memory=gpu_memory,
+                        pipeline_parallel_size=pipeline_parallel_size)
     except UserError as e:
         _fail(str(e))
     if as_json:

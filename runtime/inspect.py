@@ -23,15 +23,17 @@ def cache_readers(program: dict) -> list[dict]:
 
 
 def describe(path: str | Path, require_signature: str | Path | None = None, offload: str | None = None,
-             gpu_memory: float | None = None) -> dict:
+             gpu_memory: float | None = None, pipeline_parallel_size: int = 1) -> dict:
     """What `dsc inspect` shows. Reads the manifest, plan and rank headers (each checked as the
     loader checks them, docs/security.md), no tensor; checksums only with require_signature.
     With `offload` (and `gpu_memory` GiB), where each rank's weights would live at load
-    (runtime/offload.py)."""
+    (runtime/offload.py); with `pipeline_parallel_size`, each stage's layers and bytes
+    (runtime/pipeline.py)."""
     from dsc.runtime.offload import check_offload, data_start, plan_offload
 
     check_offload(offload, gpu_memory)
     art = open_artifact(path, ranks=[], verify=False, require_signature=require_signature)
+    stages = _stages(art, pipeline_parallel_size) if pipeline_parallel_size != 1 else None
     plan, man = art.plan, art.manifest
     programs = {}
     for name, p in plan["programs"].items():
@@ -75,7 +77,26 @@ def describe(path: str | Path, require_signature: str | Path | None = None, offl
             "experts": _experts(plan["model"].get("experts"), expert_bytes, other_bytes),
             "kind": plan["model"].get("kind", "decoder"), "pooling": plan["model"].get("pooling"),
             "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)},
-            "kernel_binaries": describe_binaries(art), "offload": placements or None}
+            "kernel_binaries": describe_binaries(art), "offload": placements or None, "stages": stages}
+
+
+def _stages(art, pp: int) -> list[dict]:
+    """Where pipeline stages would cut the ragged program: each stage's layers, the tensors it
+    reads from rank file 0 and their bytes, the values it receives."""
+    from dsc.runtime.pipeline import check_stages, split_layers, stage_program
+
+    check_stages(art.plan, pp, str(art.path))
+    nodes = art.plan["programs"]["ragged"]["nodes"]
+    header = art.rank_header(0)
+    split = split_layers(nodes, header, pp)
+    out = []
+    for s in range(pp):
+        sp = stage_program(nodes, split, s)
+        layers = [k for k, t in split.items() if t == s]
+        nbytes = sum(header[w]["data_offsets"][1] - header[w]["data_offsets"][0] for w in sp.weights if w in header)
+        out.append({"stage": s, "layers": [layers[0], layers[-1]], "count": len(layers), "bytes": nbytes,
+                    "receives": len(sp.recv)})
+    return out
 
 
 _CUBIN = re.compile(r"kernels/(?P<kernel>[A-Za-z0-9_]+)-[0-9a-f]{16}\.(?P<target>sm_\d{2,3})\.cubin")
@@ -210,6 +231,9 @@ def render(info: dict) -> None:
         c.print(k)
         for name, why in bins["skipped"].items():
             c.print(f"kernel {name}: no binary ({why}); compiled with Triton at run time")
+    for st in info.get("stages") or []:
+        c.print(f"pipeline stage {st['stage']}: {st['count']} layers ({st['layers'][0]} .. {st['layers'][1]}), "
+                f"{_fmt_bytes(st['bytes'])} per rank, {st['receives']} tensors received per step")
     for rank, placed in (info.get("offload") or {}).items():
         c.print(f"rank {rank}: " + offload_line(placed))
     r = Table(title="rank files")

@@ -126,6 +126,15 @@ def test_stage_counts_are_one_line_naming_the_flag(compile_artifact):
         LLMEngine(art, device="cpu", pipeline_parallel_size=True)
 
 
+def test_inspect_shows_where_the_stages_cut(compile_artifact):
+    art = str(_art(compile_artifact, "llama-tiny"))
+    r = CliRunner().invoke(app, ["inspect", art, "--pp", "3"])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    for s, (a, b) in enumerate([(0, 1), (2, 3), (4, 5)]):
+        assert f"pipeline stage {s}: 2 layers (model.layers.{a} .. model.layers.{b})" in text, text
+
+
 def test_an_encoder_does_not_run_in_stages(compile_artifact):
     art = str(compile_artifact("bert-odd", dtype="fp32"))
     r = CliRunner().invoke(app, ["serve", art, "--device", "cpu", "--pp", "2"])
@@ -168,3 +177,27 @@ def test_dsc_serve_in_two_stages_answers_like_one_rank(compile_artifact):
         assert proc.wait(60) == 0, proc.stderr.read()
     finally:
         proc.kill()
+
+
+def _offloaded_stage(rank, job):
+    art, prompts = job
+    from dsc.runtime.llm import LLM
+
+    llm = LLM(art, device="cpu", pipeline_parallel_size=2, offload="disk")
+    streamed = llm.engine.engine.offload["streamed_layers"]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    return streamed, [o.outputs[0].token_ids for o in outs] if outs else None
+
+
+def test_a_stage_streams_its_own_layers_with_offload(compile_artifact):
+    """8 layers in two stages of 4, each stage streaming its layers from the rank file through
+    its three layer buffers: one rank's tokens."""
+    art = compile_artifact("llama-tiny", ckpt_kwargs={"num_hidden_layers": 8}, dtype="fp32")
+    prompts = [[1, 2, 3, 4, 5], [9] * 20, [7]]
+    from dsc.runtime.llm import LLM
+
+    want = [o.outputs[0].token_ids for o in LLM(str(art), device="cpu").generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+    got = spawn_ranks(2, _offloaded_stage, (str(art), prompts))
+    assert got[0] == (4, want) and got[1][0] == 4
