@@ -383,7 +383,7 @@ KIND_PROGRAMS = {"decoder": ("prefill", "decode", "ragged"), "encoder": ("encode
 def _check_program(where: str, prog: dict, want_inputs: list[str]) -> None:
     """Nodes well-formed, names unique, every node reference to an earlier node, the inputs
     the runtime passes, one output, last."""
-    from dsc.runtime.memory_plan import _refs
+    from dsc.runtime.memory_plan import node_refs
 
     if prog.get("inputs") != want_inputs:
         raise UserError(f"{where}: field 'inputs' must be {want_inputs}")
@@ -395,7 +395,7 @@ def _check_program(where: str, prog: dict, want_inputs: list[str]) -> None:
         if name in seen:
             raise UserError(f"{where}: node name '{name}' is used twice")
         try:
-            refs = _refs(n.get("args", [])) + _refs(list(n.get("kwargs", {}).values()))
+            refs = node_refs(n.get("args", [])) + node_refs(list(n.get("kwargs", {}).values()))
         except (AttributeError, TypeError):
             raise UserError(f"{where}: node '{name}' has a malformed argument") from None
         for r in refs:

@@ -106,14 +106,15 @@ def _nbytes(node: dict, sizes: dict[str, int]) -> int:
     return n
 
 
-def _refs(a) -> list[str]:
+def node_refs(a) -> list[str]:
+    """The node names an encoded plan argument refers to (plan.json's {"node": name}), in order."""
     if isinstance(a, list):
-        return [r for x in a for r in _refs(x)]
+        return [r for x in a for r in node_refs(x)]
     if isinstance(a, dict):
         if set(a) == {"node"}:
             return [a["node"]]
         if set(a) == {"dict"}:
-            return [r for v in a["dict"].values() for r in _refs(v)]
+            return [r for v in a["dict"].values() for r in node_refs(v)]
     return []
 
 
@@ -129,19 +130,19 @@ def plan_memory(nodes: list[dict], sizes: dict[str, int]) -> tuple[int, list[Buf
         if n["kind"] != "call" or _SCALARS.match(n["op"]):
             continue
         if _VIEWS.match(n["op"]):
-            srcs = [r for r in _refs(n["args"]) if r in bufs or r in base]
+            srcs = [r for r in node_refs(n["args"]) if r in bufs or r in base]
             if srcs:
                 base[n["name"]] = base.get(srcs[0], srcs[0])
             continue
         bufs[n["name"]] = Buffer(n["name"], _nbytes(n, sizes), i, i)
     for i, n in enumerate(nodes):
         if n["kind"] in ("call", "output"):
-            for r in _refs(n.get("args", [])) + _refs(list(n.get("kwargs", {}).values())):
+            for r in node_refs(n.get("args", [])) + node_refs(list(n.get("kwargs", {}).values())):
                 owner = base.get(r, r)
                 if owner in bufs:
                     bufs[owner].end = max(bufs[owner].end, i)
     if nodes and nodes[-1]["kind"] == "output":  # outputs live to the end
-        for r in _refs(nodes[-1]["args"]):
+        for r in node_refs(nodes[-1]["args"]):
             owner = base.get(r, r)
             if owner in bufs:
                 bufs[owner].end = len(nodes)

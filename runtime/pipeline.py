@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsc.errors import UserError
+from dsc.runtime.memory_plan import node_refs
 from dsc.runtime.offload import layer_of
 
 
@@ -81,7 +82,7 @@ def split_layers(nodes: list[dict], header: dict, pp: int) -> dict[str, int]:
     weight_of = {n["name"]: n["target"] for n in nodes if n["kind"] == "weight"}
     for n in nodes:
         if n["kind"] == "call":
-            for ref in _refs(n.get("args")) + _refs(n.get("kwargs")):
+            for ref in _reads(n):
                 if ref in weight_of:
                     readers.setdefault(weight_of[ref], []).append(position[n["name"]])
     front = sum(size.get(w, 0) for w, at in readers.items() if layer_of(w) is None and max(at) < first_layer)
@@ -122,14 +123,9 @@ def _balanced_cuts(loads: list[int], parts: int) -> list[int]:
     return sorted(cuts)[1:]
 
 
-def _refs(a) -> list[str]:
-    if isinstance(a, list):
-        return [r for x in a for r in _refs(x)]
-    if isinstance(a, dict):
-        if set(a) == {"node"}:
-            return [a["node"]]
-        return [r for v in a.values() for r in _refs(v)]
-    return []
+def _reads(node: dict) -> list[str]:
+    """The nodes a plan node's args and kwargs refer to."""
+    return node_refs(node.get("args")) + node_refs(list((node.get("kwargs") or {}).values()))
 
 
 def _rename(a, names: dict[str, str]):
@@ -154,7 +150,7 @@ def stage_of_nodes(nodes: list[dict], layer_stage: dict[str, int]) -> dict[str, 
         if kind in ("input", "weight"):
             stage[n["name"]] = REPLICATED
         elif kind == "call":
-            deps = [stage[r] for r in _refs(n.get("args")) + _refs(n.get("kwargs")) if r in stage]
+            deps = [stage[r] for r in _reads(n) if r in stage]
             after = max(deps, default=REPLICATED)
             if n.get("op") == "operator.getitem":  # a tuple's items stay with it
                 stage[n["name"]] = after
@@ -166,7 +162,7 @@ def stage_of_nodes(nodes: list[dict], layer_stage: dict[str, int]) -> dict[str, 
                 s = own
             stage[n["name"]] = s
         else:
-            for r in _refs(n.get("args")):
+            for r in node_refs(n.get("args")):
                 if stage.get(r, REPLICATED) not in (REPLICATED, last):
                     raise UserError(f"pipeline: the program's output {r!r} is made before the last stage")
     return stage
@@ -180,7 +176,7 @@ def stage_program(nodes: list[dict], layer_stage: dict[str, int], s: int) -> Sta
     output = next(n for n in nodes if n["kind"] == "output")
     users: dict[str, list[str]] = {}  # value -> the nodes reading it ("output" for the program's)
     for n in nodes:
-        for r in _refs(n.get("args")) + _refs(n.get("kwargs")):
+        for r in _reads(n):
             users.setdefault(r, []).append(n["name"] if n["kind"] != "output" else "output")
 
     def reader_stage(u: str) -> int:
@@ -197,11 +193,11 @@ def stage_program(nodes: list[dict], layer_stage: dict[str, int], s: int) -> Sta
     own = [v for v in order if stage[v] == s]
     need: set[str] = set(own) | set(send) - set(recv)
     if s == last:
-        need |= {r for r in _refs(output.get("args")) if r not in recv}
+        need |= {r for r in node_refs(output.get("args")) if r not in recv}
     todo = list(need)
     while todo:  # the replicated nodes (and weights, inputs) the stage's nodes read
         v = todo.pop()
-        for r in _refs(by_name[v].get("args")) + _refs(by_name[v].get("kwargs")):
+        for r in _reads(by_name[v]):
             if r in recv or r in need:
                 continue
             if stage[r] == REPLICATED or by_name[r]["kind"] != "call":

@@ -37,7 +37,11 @@ def _child_env(extra: dict) -> dict:
     return {**os.environ, **extra}
 
 
-def compile_artifact(work: Path, shape: str, dtype: str, gpu_checkpoint: bool) -> tuple[Path, float]:
+def compile_artifact(work: Path, shape: str, dtype: str, gpu_checkpoint: bool,
+                     options: tuple[str, ...] = ("--target", "sm_90", "--max-batch", "64", "--max-seq", "2048")
+                     ) -> tuple[Path, float]:
+    """work/art: a random checkpoint of the shape (made on the GPU with gpu_checkpoint) compiled
+    with `options` in a child that sees no GPU, as on a CI box; (artifact, compile seconds)."""
     art = work / "art"
     if (art / "manifest.json").exists():
         return art, 0.0
@@ -48,8 +52,7 @@ def compile_artifact(work: Path, shape: str, dtype: str, gpu_checkpoint: bool) -
                 f"device={'cuda' if gpu_checkpoint else 'cpu'!r})\n")
         subprocess.run([PY, "-c", code], check=True, env=_child_env({}))
     t = time.perf_counter()
-    subprocess.run([PY, "-m", "dsc", "compile", str(ck), "-o", str(art), "--target", "sm_90",
-                    "--max-batch", "64", "--max-seq", "2048"],
+    subprocess.run([PY, "-m", "dsc", "compile", str(ck), "-o", str(art), *options],
                    check=True, env=_child_env({"CUDA_VISIBLE_DEVICES": ""}))
     return art, time.perf_counter() - t
 

@@ -27,18 +27,9 @@ PROMPT, STEPS = 64, 8
 
 
 def prepare(work: Path, shape: str, dtype: str) -> tuple[Path, float]:
-    art = work / "art"
-    if (art / "manifest.json").exists():
-        return art, 0.0
-    ck = work / "ckpt"
-    if not (ck / "config.json").exists():
-        code = ("from dsc.compiler.random_checkpoint import make_random_checkpoint\n"
-                f"make_random_checkpoint({str(ck)!r}, {shape!r}, dtype={dtype!r}, device='cuda')\n")
-        subprocess.run([PY, "-c", code], check=True)
-    t = time.perf_counter()
-    subprocess.run([PY, "-m", "dsc", "compile", str(ck), "-o", str(art), "--max-batch", "64", "--max-seq", "1024"],
-                   check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    return art, time.perf_counter() - t
+    from bench_cold_start import compile_artifact  # (this folder is on sys.path: scripts run as files)
+
+    return compile_artifact(work, shape, dtype, gpu_checkpoint=True, options=("--max-batch", "64", "--max-seq", "1024"))
 
 
 def bandwidth() -> float:

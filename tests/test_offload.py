@@ -3,7 +3,6 @@ layer buffers, from host memory or from the rank file. The CPU stands in for the
 "device" holds the resident weights and the buffers; tokens must equal the resident engine's."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -13,9 +12,10 @@ import dsc
 from dsc.cli import app
 from dsc.errors import UserError
 from dsc.runtime.engine import load
-from dsc.runtime.llm import LLMEngine, SamplingParams
+from dsc.runtime.llm import LLMEngine
 from dsc.runtime.offload import gib, layer_of, plan_offload
 
+from arrivals import run_arrivals, workload
 from ranks import spawn_ranks
 
 LAYERS = {"llama-tiny": {"num_hidden_layers": 6}, "gpt2-tiny": {"n_layer": 6}}
@@ -37,24 +37,8 @@ def _budget(art, resident_layers: int) -> float:
     return (every.device_bytes + resident_layers * layer + 1024) / 2**30
 
 
-def _requests(n: int, seed: int):
-    rng = random.Random(seed)
-    return [(rng.randint(0, 6), [rng.randrange(512) for _ in range(rng.randint(1, 90))], rng.randint(1, 16))
-            for _ in range(n)]
-
-
 def _serve(engine: LLMEngine, reqs) -> list[list[int]]:
-    """Requests arriving at their steps while others run, as test_continuous_batching does."""
-    pending = sorted(range(len(reqs)), key=lambda i: reqs[i][0])
-    done, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and (reqs[pending[0]][0] <= step or not engine.has_unfinished_requests()):
-            i = pending.pop(0)
-            engine.add_request(str(i), reqs[i][1], SamplingParams(max_tokens=reqs[i][2], temperature=0, ignore_eos=True))
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        step += 1
+    done = run_arrivals(engine, reqs)
     return [done[str(i)] for i in range(len(reqs))]
 
 
@@ -67,7 +51,7 @@ def resident_tokens(compile_artifact):
         if key not in cache:
             eng = LLMEngine(_art(compile_artifact, shape), device="cpu", max_num_seqs=4,
                             max_num_batched_tokens=budget_tokens)
-            cache[key] = _serve(eng, _requests(8, seed=7))
+            cache[key] = _serve(eng, workload(512, 8, 90, 16, seed=7))
         return cache[key]
 
     return get
@@ -85,7 +69,7 @@ def test_streamed_layers_give_the_resident_tokens(shape, where, resident, budget
                     gpu_memory=gpu_memory)
     inner = eng.engine
     assert inner.offload["resident_layers"] == resident and inner.offload["streamed_layers"] == 6 - resident
-    assert _serve(eng, _requests(8, seed=7)) == resident_tokens(shape, budget_tokens)
+    assert _serve(eng, workload(512, 8, 90, 16, seed=7)) == resident_tokens(shape, budget_tokens)
     ring = inner.ring
     # the "device" held the resident weights and three layer buffers, never the streamed layers
     assert len(ring.slots) == 3 and not set(inner.weights) & ring.names

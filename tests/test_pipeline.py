@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from dsc.runtime.artifact import open_artifact
 from dsc.runtime.llm import LLMEngine, SamplingParams
 from dsc.runtime.pipeline import program_layers, split_layers, stage_program
 
+from arrivals import run_arrivals, workload
 from ranks import spawn_ranks
 
 LAYERS = {"llama-tiny": {"num_hidden_layers": 6}, "gpt2-tiny": {"n_layer": 5}}
@@ -31,23 +31,8 @@ def _art(compile_artifact, shape: str, **options):
     return compile_artifact(shape, ckpt_kwargs=LAYERS[shape], dtype="fp32", **options)
 
 
-def _requests(n: int, seed: int):
-    rng = random.Random(seed)
-    return [(rng.randint(0, 5), [rng.randrange(500) for _ in range(rng.randint(1, 70))], rng.randint(1, 12))
-            for _ in range(n)]
-
-
 def _serve(engine: LLMEngine, reqs) -> list[list[int]]:
-    pending = sorted(range(len(reqs)), key=lambda i: reqs[i][0])
-    done, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and (reqs[pending[0]][0] <= step or not engine.has_unfinished_requests()):
-            i = pending.pop(0)
-            engine.add_request(str(i), reqs[i][1], SamplingParams(max_tokens=reqs[i][2], temperature=0, ignore_eos=True))
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        step += 1
+    done = run_arrivals(engine, reqs)
     return [done[str(i)] for i in range(len(reqs))]
 
 
@@ -74,7 +59,7 @@ def _stage_work(rank, job):
 def test_stages_give_one_ranks_tokens_through_continuous_batching(shape, tp, pp, compile_artifact):
     """Requests arriving while others run, prompts chunked at a budget of 32 tokens: the same
     tokens on tp x pp ranks as on one; each rank holds its stage's weights and KV pool only."""
-    reqs = _requests(8, seed=3)
+    reqs = workload(500, 8, 70, 12, seed=3)
     want = _serve(LLMEngine(_art(compile_artifact, shape), device="cpu", max_num_seqs=4, max_num_batched_tokens=32),
                   reqs)
     art = str(_art(compile_artifact, shape, tp=tp))
