@@ -404,7 +404,11 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, comps, all(s.finished for s in req.seqs))
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        out = self.scheduler.stats()
+        ring = getattr(self.engine, "ring", None)
+        if ring is not None:  # --offload: weight bytes streamed to the device so far
+            out["offload_bytes_total"] = ring.bytes_moved
+        return out
 
     # -- tensor parallelism -----------------------------------------------------------------------
     def follow(self) -> None:

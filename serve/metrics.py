@@ -32,6 +32,9 @@ class _EngineStats:
         yield _gauge("dsc_kv_blocks_total", "KV-cache blocks in the pool", s["kv_blocks_total"])
         yield CounterMetricFamily("dsc_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
                                   value=s["prefix_cache_hit_tokens"])
+        if "offload_bytes_total" in s:
+            yield CounterMetricFamily("dsc_offload_bytes", "weight bytes streamed to the device (--offload)",
+                                      value=s["offload_bytes_total"])
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:

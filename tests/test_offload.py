@@ -81,6 +81,11 @@ def test_streamed_layers_give_the_resident_tokens(shape, where, resident, budget
     steps = eng.core.executor_steps if hasattr(eng.core, "executor_steps") else None
     assert ring.loads >= len(ring.layers) and (steps is None or ring.loads <= (steps + 1) * len(ring.layers))
     assert not any(ring.busy), "a layer buffer was never given back"
+    assert eng.stats()["offload_bytes_total"] == ring.bytes_moved
+    from dsc.serve.metrics import Metrics
+
+    scraped = [ln for ln in Metrics(eng.stats).render().decode().splitlines() if ln.startswith("dsc_offload_bytes_total ")]
+    assert [float(ln.split()[1]) for ln in scraped] == [ring.bytes_moved]
 
 
 def test_a_quantized_artifact_streams_its_int8_weights(compile_artifact):
