@@ -325,6 +325,7 @@ class Engine:
             cache_pos: torch.Tensor, last_idx: torch.Tensor) -> torch.Tensor:
         """One forward step. Shapes: input_ids/position_ids [B, S], cache_pos/last_idx [B].
         Returns logits [B, vocab] (fp32) for the token at last_idx of each sequence."""
+        self._no_stages("run")
         if program not in self.programs:
             raise ValueError(f"run: no program {program!r} (the artifact has {', '.join(self.programs)})")
         if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
@@ -353,6 +354,7 @@ class Engine:
         """Write the prompts into KV-cache rows 0..B-1; return the last prompt token's logits.
         On GPU a replay of the (batch, prompt-length bucket)'s CUDA graph (runtime/prefill.py);
         graphs=False runs the program eagerly at the prompts' exact length (`dsc bench`'s baseline)."""
+        self._no_stages("prefill")
         lens = [len(p) for p in prompts]
         L = max(max(lens), 2)  # the prefill program is traced for seq >= 2
         ids = torch.zeros(len(prompts), L, dtype=torch.long)
@@ -366,7 +368,13 @@ class Engine:
     def decode(self, tokens: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
         """tokens [B], cache_pos [B] (the position each token is written at) -> logits [B, V].
         Runs in the smallest decode bucket >= B (a CUDA-graph replay on GPU)."""
+        self._no_stages("decode")
         return self._decode(tokens, cache_pos).to(torch.float32, copy=True)  # the graph's buffer is reused
+
+    def _no_stages(self, what: str) -> None:
+        if self.pp > 1:
+            raise UserError(f"{what}: the static programs do not run in pipeline stages (pipeline_parallel_size="
+                            f"{self.pp}); generate runs the ragged program through the scheduler")
 
     def check_batch(self, prompts: Sequence[Sequence[int]], batch_limit: bool = True) -> None:
         if not prompts:
@@ -467,6 +475,7 @@ class Engine:
         while the GPU decodes, and under tensor parallelism no rank waits for another's host
         between steps. The tokens, sampled ones included, are those of the unpipelined loop;
         when every sequence stops, the one step already queued is discarded."""
+        self._no_stages("generate_static")
         prompts = [list(p) for p in prompts]
         self.check_batch(prompts)
         check_sampling(temperature, top_k, top_p, max_new_tokens, seed)

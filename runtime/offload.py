@@ -35,8 +35,6 @@ WHERE = ("cpu", "disk")
 SLOTS = 3  # layer buffers on the device: the one computing and the next two in flight
 ALIGN = 256  # byte alignment of each tensor in a layer buffer (the kernels' 16-byte loads and more)
 _LAYER = re.compile(r"^(?P<unit>.+?\.(?P<index>\d+))\.")
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def check_offload(offload: str | None, gpu_memory: float | None) -> None:
@@ -167,11 +165,13 @@ def plan_offload(header: dict, data_start: int, budget: int | None, where: str =
             off = _aligned(off + hi - lo)
         units.append(Layer(f"{key[0]}{key[1]}", tuple(tensors)))
     total = resident_bytes + sum(u.nbytes for u in units)
-    if (budget is not None and total <= budget) or len(units) <= slots:  # (a ring as large would hold them all)
+    if (budget is not None and total <= budget) or (budget is None and len(units) <= slots):
         return Placement(budget, tuple(resident + [t.name for u in units for t in u.tensors]), total, (), 0, 0,
                          len(units), where)
-    if not units:
-        raise UserError(f"{path}: no numbered layers to offload (the weights are {gib(total)})")
+    if len(units) <= slots:  # its buffers would hold every layer: streaming saves nothing
+        raise UserError(f"--gpu-memory: {gib(budget)} is below the weights' {gib(total)}, and {path} has {len(units)} "
+                        f"numbered layers, no more than the {slots} layer buffers streaming needs; give at least "
+                        f"{gib(total, up=True)}")
     slots = min(slots, len(units))
     slot_bytes = max(_aligned(u.tensors[-1].slot_offset + u.tensors[-1].nbytes) for u in units)
     floor = resident_bytes + slots * slot_bytes
@@ -218,7 +218,6 @@ class WeightRing:
         self.torch, self.placement, self.path, self.device = torch, placement, Path(path), device
         self.where = placement.where
         self.layers = placement.streamed
-        self.index = {u.name: i for i, u in enumerate(self.layers)}
         self.cuda = device.type == "cuda"
         self.n = placement.slots
         to_torch = {v: getattr(torch, k) for k, v in PLAN_DTYPES.items()}

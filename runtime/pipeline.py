@@ -31,7 +31,7 @@ class StageProgram:
     recv: tuple[tuple[str, str], ...]  # (value, dtype) arriving from the stage before, in order
     send: tuple[str, ...]  # values handed to the stage after (empty on the last stage)
     weights: frozenset[str]
-    layers: frozenset[str]  # the layers whose KV pool this stage holds (by `kv_pool.<i>` index)
+    layers: frozenset[str]  # the numbered layers it computes
 
 
 def check_pipeline_parallel_size(pp) -> None:
@@ -184,7 +184,7 @@ def stage_program(nodes: list[dict], layer_stage: dict[str, int], s: int) -> Sta
 
     def crosses_into(v: str, t: int) -> bool:
         """v, made before stage t, is read on stage t or later."""
-        return stage[v] not in (REPLICATED,) and stage[v] < t and any(
+        return stage[v] != REPLICATED and stage[v] < t and any(
             reader_stage(u) >= t for u in users.get(v, []) if reader_stage(u) != REPLICATED)
 
     order = [n["name"] for n in nodes if n["kind"] == "call"]
@@ -205,6 +205,10 @@ def stage_program(nodes: list[dict], layer_stage: dict[str, int], s: int) -> Sta
                 todo.append(r)
             elif stage[r] != s:
                 raise UserError(f"pipeline: stage {s} reads {r!r} of stage {stage[r]} that is not handed over")
+    for v in recv:
+        if by_name[v].get("dtype") not in _DTYPES:
+            raise UserError(f"pipeline: {v!r} ({by_name[v].get('dtype')}) crosses from stage {stage[v]} to {s} and is not "
+                            "a tensor this runtime sends; run this artifact without pipeline stages")
     names = {v: f"recv_{i}" for i, v in enumerate(recv)}
     out: list[dict] = [n for n in nodes if n["kind"] == "input"]
     out += [{"kind": "input", "name": names[v], "dtype": by_name[v].get("dtype"), "shape": by_name[v].get("shape")}

@@ -158,6 +158,9 @@ def test_placement_keeps_layers_in_order_while_the_budget_lasts():
     assert plan_offload(h, 0, 10**9).streamed == ()  # everything fits: nothing streamed
     with pytest.raises(UserError, match=r"--gpu-memory: .* give at least"):
         plan_offload(h, 0, 3000 + 2 * 1024)
+    with pytest.raises(UserError, match=r"--gpu-memory: .* 3 numbered layers, no more than the 3 layer buffers"):
+        plan_offload(header(3), 0, 3000 + 2000)
+    assert plan_offload(header(3), 0, None).streamed == ()  # stream every layer: none to stream past the buffers
     with pytest.raises(UserError, match="--offload: expected one of cpu, disk"):
         plan_offload(h, 0, None, where="nvme")
     assert gib(2**30) == "1 GiB" and gib(int(1.2345 * 2**30), up=True) == "1.24 GiB"
