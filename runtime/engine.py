@@ -641,10 +641,9 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
         from dsc.runtime.distributed import ensure_process_group
 
         ensure_process_group(device, world, r)
-    if pipeline_parallel_size > 1:
-        from dsc.runtime.pipeline import tp_groups
+    from dsc.runtime.pipeline import tp_groups
 
-        collectives.set_tp_group(tp_groups(probe.tp, pipeline_parallel_size, r))
+    collectives.set_tp_group(tp_groups(probe.tp, pipeline_parallel_size, r) if pipeline_parallel_size > 1 else None)
     import time
 
     t = time.perf_counter()

@@ -16,7 +16,10 @@ collected at once; the tokens are the same either way (runtime/scheduler.py says
 
 Under tensor parallelism rank 0 schedules; it broadcasts each packed step and then its sampled
 tokens (the other ranks gather pending inputs from them as rank 0 does), and STOP when the
-other ranks may return from `follow`.
+other ranks may return from `follow`. Under pipeline parallelism (runtime/pipeline.py)
+`EngineCore.for_engine` returns a `PipelineCore`: one scheduler per micro-batch, up to one step
+in flight per stage, each step's packed inputs handed down the stages and its logits sent back
+to rank 0 (no pending inputs: a micro-batch is scheduled again once its step is collected).
 """
 from __future__ import annotations
 

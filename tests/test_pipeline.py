@@ -54,12 +54,11 @@ def _stage_work(rank, job):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("shape, tp, pp", [("llama-tiny", 1, 2), ("gpt2-tiny", 1, 2), ("llama-tiny", 2, 2),
-                                           ("llama-tiny", 1, 3)])
+@pytest.mark.parametrize("shape, tp, pp", [("llama-tiny", 1, 2), ("gpt2-tiny", 1, 2), ("llama-tiny", 2, 2)])
 def test_stages_give_one_ranks_tokens_through_continuous_batching(shape, tp, pp, compile_artifact):
     """Requests arriving while others run, prompts chunked at a budget of 32 tokens: the same
     tokens on tp x pp ranks as on one; each rank holds its stage's weights and KV pool only."""
-    reqs = workload(500, 8, 70, 12, seed=3)
+    reqs = workload(500, 6, 60, 8, seed=3)
     want = _serve(LLMEngine(_art(compile_artifact, shape), device="cpu", max_num_seqs=4, max_num_batched_tokens=32),
                   reqs)
     art = str(_art(compile_artifact, shape, tp=tp))
@@ -128,14 +127,20 @@ def test_an_encoder_does_not_run_in_stages(compile_artifact):
 
 def test_dsc_generate_starts_the_stages_itself(compile_artifact):
     art = str(_art(compile_artifact, "gpt2-tiny"))
-    cmd = [sys.executable, "-m", "dsc", "generate", art, "--token-ids", "5,6,7,8", "--token-ids", "9", "--json",
-           "--max-new-tokens", "6", "--device", "cpu"]
+    prompts = [[5, 6, 7, 8], [9]]
+    cmd = [sys.executable, "-m", "dsc", "generate", art, "--json", "--max-new-tokens", "6", "--device", "cpu", "--pp", "2",
+           *sum((["--token-ids", ",".join(map(str, p))] for p in prompts), [])]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
-    one = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, **ENV})
-    two = subprocess.run(cmd + ["--pp", "2"], capture_output=True, text=True, timeout=300, env={**env, **ENV})
-    assert one.returncode == two.returncode == 0, two.stderr
+    two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, **ENV})
+    assert two.returncode == 0, two.stderr
     lines = [json.loads(x) for x in two.stdout.splitlines() if x.startswith("{")]
-    assert len(lines) == 2 and two.stdout == one.stdout  # printed by rank 0 only
+    want = LLMEngine(art, device="cpu")
+    for i, p in enumerate(prompts):
+        want.add_request(str(i), p, SamplingParams(max_tokens=6, temperature=0))
+    done = {}
+    while want.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in want.step() if o.finished})
+    assert [line["tokens"] for line in lines] == [done["0"], done["1"]]  # printed by rank 0 only
 
 
 def test_dsc_serve_in_two_stages_answers_like_one_rank(compile_artifact):
