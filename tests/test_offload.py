@@ -8,7 +8,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import dsc
 from dsc.cli import app
 from dsc.errors import UserError
 from dsc.runtime.engine import load
@@ -16,7 +15,6 @@ from dsc.runtime.llm import LLMEngine
 from dsc.runtime.offload import gib, layer_of, plan_offload
 
 from arrivals import run_arrivals, workload
-from ranks import spawn_ranks
 
 LAYERS = {"llama-tiny": {"num_hidden_layers": 6}, "gpt2-tiny": {"n_layer": 6}}
 
@@ -121,21 +119,6 @@ def test_each_weight_is_fetched_before_its_first_use_and_its_layer_released_afte
     for f in fetches:
         first.setdefault(f.args[1], at[f])
     assert all(releases[i] < first[i + 3] for i in range(3))
-
-
-def test_tp2_with_offload_equals_tp1(compile_artifact):
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
-    want = load(_art(compile_artifact, "llama-tiny"), device="cpu").generate(prompts, max_new_tokens=6,
-                                                                            stop_tokens=[]).tokens
-    got = spawn_ranks(2, _tp_offload, (str(_art(compile_artifact, "llama-tiny", tp=2)), prompts))
-    assert got[0] == got[1] == want
-
-
-def _tp_offload(rank, job):
-    art, prompts = job
-    eng = dsc.load(art, device="cpu", offload="disk")
-    assert eng.offload["streamed_layers"] == 6
-    return eng.generate(prompts, max_new_tokens=6, stop_tokens=[]).tokens
 
 
 def test_placement_keeps_layers_in_order_while_the_budget_lasts():

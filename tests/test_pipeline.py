@@ -38,42 +38,92 @@ def _serve(engine: LLMEngine, reqs) -> list[list[int]]:
 
 def _stage_work(rank, job):
     """Every rank loads its stage; rank 0 serves the arrivals, the others follow its steps."""
-    art, pp, reqs = job
-    eng = LLMEngine(art, device="cpu", max_num_seqs=4, max_num_batched_tokens=32, pipeline_parallel_size=pp)
+    art, pp, reqs, offload = job
+    eng = LLMEngine(art, device="cpu", max_num_seqs=4, max_num_batched_tokens=32, pipeline_parallel_size=pp,
+                    offload=offload)
     inner = eng.engine
     facts = {"stage": inner.stage, "tp_rank": inner.tp_rank, "weights": sorted(inner.weights),
-             "kv_layers": sorted(inner.kv_pool)}
+             "kv_layers": sorted(inner.kv_pool), "streamed": (inner.offload or {}).get("streamed_layers", 0)}
     if rank != 0:
         eng.follow()
         return facts
     try:
         tokens = _serve(eng, reqs)
-        return {**facts, "tokens": tokens, "peak": eng.core.peak_in_flight,
-                "parts": [p.stats()["generation_tokens_total"] for p in eng.scheduler.parts]}
+        parts = getattr(eng.scheduler, "parts", [eng.scheduler])
+        return {**facts, "tokens": tokens, "peak": getattr(eng.core, "peak_in_flight", 1),
+                "parts": [p.stats()["generation_tokens_total"] for p in parts]}
     finally:
         eng.shutdown()
 
 
-@pytest.mark.parametrize("shape, tp, pp", [("llama-tiny", 1, 2), ("gpt2-tiny", 1, 2), ("llama-tiny", 2, 2)])
-def test_stages_give_one_ranks_tokens_through_continuous_batching(shape, tp, pp, compile_artifact):
-    """Requests arriving while others run, prompts chunked at a budget of 32 tokens: the same
-    tokens on tp x pp ranks as on one; each rank holds its stage's weights and KV pool only."""
-    reqs = workload(500, 6, 60, 8, seed=3)
-    want = _serve(LLMEngine(_art(compile_artifact, shape), device="cpu", max_num_seqs=4, max_num_batched_tokens=32),
-                  reqs)
-    art = str(_art(compile_artifact, shape, tp=tp))
-    got = spawn_ranks(tp * pp, _stage_work, (art, pp, reqs))
+def _jobs(rank, jobs):
+    """Several engines, one after another, in one spawned world."""
+    return {name: _stage_work(rank, job) for name, job in jobs.items()}
+
+
+REQS = workload(500, 6, 60, 8, seed=3)
+LAYERS_OF = {"llama-tiny": 6, "gpt2-tiny": 5, "llama-8": 8}
+
+
+def _reference(art) -> list[list[int]]:
+    return _serve(LLMEngine(str(art), device="cpu", max_num_seqs=4, max_num_batched_tokens=32), REQS)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(compile_artifact):
+    """One world of two gloo ranks running: Llama and GPT-2 in two stages; an 8-layer Llama in
+    two stages of 4, each streaming its layers from the rank file (offload); a tp=2 Llama with
+    offload. Returns {job: ({rank: what it saw}, one rank's tokens)}."""
+    arts = {"llama-tiny": _art(compile_artifact, "llama-tiny"), "gpt2-tiny": _art(compile_artifact, "gpt2-tiny"),
+            "llama-8": compile_artifact("llama-tiny", ckpt_kwargs={"num_hidden_layers": 8}, dtype="fp32")}
+    jobs = {"llama-tiny": (str(arts["llama-tiny"]), 2, REQS, None), "gpt2-tiny": (str(arts["gpt2-tiny"]), 2, REQS, None),
+            "llama-8": (str(arts["llama-8"]), 2, REQS, "disk"),
+            "tp2-offload": (str(_art(compile_artifact, "llama-tiny", tp=2)), 1, REQS, "disk")}
+    got = spawn_ranks(2, _jobs, jobs)
+    want = {"tp2-offload": "llama-tiny"}
+    return {name: ({r: got[r][name] for r in got}, _reference(arts[want.get(name, name)])) for name in jobs}
+
+
+def _check_stages(got: dict, want: list[list[int]], shape: str, tp: int, pp: int) -> None:
     assert got[0]["tokens"] == want
     # one micro-batch per stage in flight at once, each with its share of the requests
     assert got[0]["peak"] == pp and len(got[0]["parts"]) == pp and all(got[0]["parts"])
     assert [got[r]["stage"] for r in range(tp * pp)] == [r // tp for r in range(tp * pp)]
     layer_weights = [{w for w in got[r]["weights"] if re.match(r".*\.\d+\.", w)} for r in range(0, tp * pp, tp)]
-    assert all(layer_weights) and not any(a & b for i, a in enumerate(layer_weights) for b in layer_weights[i + 1:])
+    assert not any(a & b for i, a in enumerate(layer_weights) for b in layer_weights[i + 1:])
     kv = [set(got[r]["kv_layers"]) for r in range(0, tp * pp, tp)]
     assert sum(len(k) for k in kv) == 2 * LAYERS_OF[shape] and not set.intersection(*kv)
 
 
-LAYERS_OF = {"llama-tiny": 6, "gpt2-tiny": 5}
+@pytest.mark.parametrize("shape", ["llama-tiny", "gpt2-tiny"])
+def test_two_stages_give_one_ranks_tokens_through_continuous_batching(shape, two_ranks):
+    """Requests arriving while others run, prompts chunked at a budget of 32 tokens: one rank's
+    tokens; each stage holds its own layers' weights and KV pool only."""
+    got, want = two_ranks[shape]
+    assert all(got[r]["weights"] for r in got) and not any(got[r]["streamed"] for r in got)
+    _check_stages(got, want, shape, tp=1, pp=2)
+
+
+def test_tp2_times_two_stages_give_one_ranks_tokens(compile_artifact):
+    jobs = {"tp2-pp2": (str(_art(compile_artifact, "llama-tiny", tp=2)), 2, REQS, None)}
+    got = spawn_ranks(4, _jobs, jobs)
+    _check_stages({r: got[r]["tp2-pp2"] for r in got}, _reference(_art(compile_artifact, "llama-tiny")),
+                  "llama-tiny", tp=2, pp=2)
+
+
+def test_a_stage_streams_its_own_layers_with_offload(two_ranks):
+    """8 layers in two stages of 4, each stage streaming its layers from the rank file through
+    its three layer buffers."""
+    got, want = two_ranks["llama-8"]
+    assert got[0]["streamed"] == got[1]["streamed"] == 4
+    _check_stages(got, want, "llama-8", tp=1, pp=2)
+
+
+def test_tp2_with_offload_equals_tp1(two_ranks):
+    got, want = two_ranks["tp2-offload"]
+    assert got[0]["tokens"] == want and got[0]["streamed"] == got[1]["streamed"] == 6
+
+
 
 
 def test_the_split_is_contiguous_balanced_and_hands_over_what_the_next_stages_read(compile_artifact):
@@ -168,26 +218,3 @@ def test_dsc_serve_in_two_stages_answers_like_one_rank(compile_artifact):
     finally:
         proc.kill()
 
-
-def _offloaded_stage(rank, job):
-    art, prompts = job
-    from dsc.runtime.llm import LLM
-
-    llm = LLM(art, device="cpu", pipeline_parallel_size=2, offload="disk")
-    streamed = llm.engine.engine.offload["streamed_layers"]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    return streamed, [o.outputs[0].token_ids for o in outs] if outs else None
-
-
-def test_a_stage_streams_its_own_layers_with_offload(compile_artifact):
-    """8 layers in two stages of 4, each stage streaming its layers from the rank file through
-    its three layer buffers: one rank's tokens."""
-    art = compile_artifact("llama-tiny", ckpt_kwargs={"num_hidden_layers": 8}, dtype="fp32")
-    prompts = [[1, 2, 3, 4, 5], [9] * 20, [7]]
-    from dsc.runtime.llm import LLM
-
-    want = [o.outputs[0].token_ids for o in LLM(str(art), device="cpu").generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
-    got = spawn_ranks(2, _offloaded_stage, (str(art), prompts))
-    assert got[0] == (4, want) and got[1][0] == 4
