@@ -109,6 +109,10 @@ class Executor:
         if self.world > 1:
             broadcast(tokens, self._upload)
         self.prev = tokens
+        return self._to_host(logits, tokens, plan)
+
+    def _to_host(self, logits: torch.Tensor, tokens: torch.Tensor, plan: StepPlan) -> Launched:
+        """The plan's sampled rows of `tokens` (and their log-probabilities) copied to the host."""
         rows = plan.sample
         chosen = tokens if len(rows) == tokens.shape[0] else tokens.index_select(
             0, self._upload(torch.tensor(rows, dtype=torch.long)))
@@ -338,13 +342,7 @@ class PipelineExecutor(Executor):
 
     def finish(self, plan: StepPlan) -> tuple[list[int], list[dict[int, float]] | None]:
         logits = self.engine.last_stage_logits()
-        tokens = self._sample(logits, plan)
-        rows = plan.sample
-        chosen = tokens if len(rows) == tokens.shape[0] else tokens.index_select(
-            0, self._upload(torch.tensor(rows, dtype=torch.long)))
-        host, i = self._out.take(len(rows), torch.long)
-        host.copy_(chosen, non_blocking=True)
-        return self.collect(Launched(host, self._out.record(i), *self._logprobs(logits, tokens, plan)))
+        return self.collect(self._to_host(logits, self._sample(logits, plan), plan))
 
 
 class PipelineCore:

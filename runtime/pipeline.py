@@ -242,6 +242,8 @@ def send_tensor(t, dst: int, wait: bool = True) -> list:
     import torch
     import torch.distributed as dist
 
+    from dsc.runtime.executor import _comm_device
+
     dev = _comm_device()
     header = torch.zeros(_HEADER, dtype=torch.long)
     header[0], header[1] = t.dim(), _DTYPES.index(str(t.dtype).removeprefix("torch."))
@@ -261,6 +263,8 @@ def broadcast_in(t, group):
     import torch
     import torch.distributed as dist
 
+    from dsc.runtime.executor import _comm_device
+
     dev = _comm_device()
     size = torch.tensor([t.numel() if t is not None else 0], dtype=torch.long, device=dev)
     dist.broadcast(size, src=0, group=group)
@@ -274,6 +278,8 @@ def recv_tensor(src: int, device):
     import torch
     import torch.distributed as dist
 
+    from dsc.runtime.executor import _comm_device
+
     dev = _comm_device()
     header = torch.zeros(_HEADER, dtype=torch.long, device=dev)
     dist.recv(header, src)
@@ -281,15 +287,6 @@ def recv_tensor(src: int, device):
     t = torch.empty(h[2:2 + h[0]], dtype=getattr(torch, _DTYPES[h[1]]), device=dev)
     dist.recv(t, src)
     return t.to(device)
-
-
-def _comm_device():
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def tp_groups(tp: int, pp: int, rank: int):
