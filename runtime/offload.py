@@ -34,6 +34,9 @@ from dsc.errors import UserError
 WHERE = ("cpu", "disk")
 SLOTS = 3  # layer buffers on the device: the one computing and the next two in flight
 ALIGN = 256  # byte alignment of each tensor in a layer buffer (the kernels' 16-byte loads and more)
+READ_CHUNK = 16 << 20  # a layer's read is cut into pieces of at most this many bytes ...
+READERS = 8  # ... that this many threads read at once (one thread's copies out of the page cache,
+# or one request in flight to an NVMe drive, are a fraction of what the host can read)
 _LAYER = re.compile(r"^(?P<unit>.+?\.(?P<index>\d+))\.")
 
 
@@ -234,6 +237,7 @@ class WeightRing:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.host: list = []
         self._pool = None
+        self._readers = ThreadPoolExecutor(min(READERS, os.cpu_count() or 1), thread_name_prefix="dsc-offload-read")
         if self.where == "cpu":  # every streamed layer in host memory, laid out as in a buffer
             for u in self.layers:
                 buf = torch.empty(placement.slot_bytes, dtype=torch.uint8, pin_memory=self.cuda)
@@ -249,6 +253,9 @@ class WeightRing:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -360,9 +367,14 @@ class WeightRing:
         return ev
 
     def _read(self, u: Layer, buf) -> None:
+        """The layer's tensors from the rank file into `buf` (its buffer layout), in pieces of at
+        most READ_CHUNK bytes read by the reader threads at once."""
         view = memoryview(buf.numpy())
-        for t in u.tensors:
-            _pread_into(self._fd, view[t.slot_offset:t.slot_offset + t.nbytes], t.file_offset, self.path)
+        pieces = [(t.slot_offset + o, t.file_offset + o, min(READ_CHUNK, t.nbytes - o))
+                  for t in u.tensors for o in range(0, t.nbytes, READ_CHUNK)]
+        reads = [self._readers.submit(_pread_into, self._fd, view[at:at + n], off, self.path) for at, off, n in pieces]
+        for r in reads:
+            r.result()
 
     def _wait(self, s: int) -> None:
         r = self.ready[s]
