@@ -24,6 +24,13 @@ import torch.distributed as dist
 _store: dist.Store | None = None
 
 
+def comm_device() -> torch.device:
+    """Where the process group's tensors live: the current GPU under NCCL, else the host."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def shutdown_process_group(barrier: bool = True) -> None:
     """End a tensor-parallel run: wait until every rank is done, then tear the group down.
 

@@ -64,9 +64,9 @@ def _fewest_blocks(n: int) -> int:
     """The KV blocks every stage's pool can hold (one block table serves them all)."""
     import torch.distributed as dist
 
-    from dsc.runtime.executor import _comm_device
+    from dsc.runtime.distributed import comm_device
 
-    t = torch.tensor([n], dtype=torch.long, device=_comm_device())
+    t = torch.tensor([n], dtype=torch.long, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from dsc.errors import UserError
+from dsc.runtime.distributed import comm_device
 from dsc.runtime.ragged import pack
 from dsc.runtime.sampling import logprobs as token_logprobs
 from dsc.runtime.sampling import sample_batch
@@ -227,7 +228,7 @@ def broadcast(t: torch.Tensor, upload=None) -> None:
     pinned memory, so the host does not wait for the device's queue)."""
     import torch.distributed as dist
 
-    dev = _comm_device()
+    dev = comm_device()
     size = torch.tensor([t.numel()], dtype=torch.long)
     dist.broadcast(upload(size) if upload is not None and dev.type == "cuda" else size.to(dev), src=0)
     dist.broadcast(t if t.device == dev else t.to(dev), src=0)
@@ -236,7 +237,7 @@ def broadcast(t: torch.Tensor, upload=None) -> None:
 def _receive() -> torch.Tensor:
     import torch.distributed as dist
 
-    dev = _comm_device()
+    dev = comm_device()
     size = torch.zeros(1, dtype=torch.long, device=dev)
     dist.broadcast(size, src=0)
     t = torch.zeros(int(size.item()), dtype=torch.long, device=dev)
@@ -273,14 +274,6 @@ def follow(engine) -> None:
         has_pending = bool((packed[3:3 + int(packed[0])] < 0).any())
         engine.ragged(packed, prev.to(engine.device) if has_pending and prev is not None else None)
         prev = _receive()
-
-
-def _comm_device() -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # -- pipeline parallelism ------------------------------------------------------------------------

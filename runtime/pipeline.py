@@ -242,9 +242,9 @@ def send_tensor(t, dst: int, wait: bool = True) -> list:
     import torch
     import torch.distributed as dist
 
-    from dsc.runtime.executor import _comm_device
+    from dsc.runtime.distributed import comm_device
 
-    dev = _comm_device()
+    dev = comm_device()
     header = torch.zeros(_HEADER, dtype=torch.long)
     header[0], header[1] = t.dim(), _DTYPES.index(str(t.dtype).removeprefix("torch."))
     header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.long)
@@ -263,9 +263,9 @@ def broadcast_in(t, group):
     import torch
     import torch.distributed as dist
 
-    from dsc.runtime.executor import _comm_device
+    from dsc.runtime.distributed import comm_device
 
-    dev = _comm_device()
+    dev = comm_device()
     size = torch.tensor([t.numel() if t is not None else 0], dtype=torch.long, device=dev)
     dist.broadcast(size, src=0, group=group)
     buf = t.to(dev) if t is not None else torch.empty(int(size.item()), dtype=torch.long, device=dev)
@@ -278,9 +278,9 @@ def recv_tensor(src: int, device):
     import torch
     import torch.distributed as dist
 
-    from dsc.runtime.executor import _comm_device
+    from dsc.runtime.distributed import comm_device
 
-    dev = _comm_device()
+    dev = comm_device()
     header = torch.zeros(_HEADER, dtype=torch.long, device=dev)
     dist.recv(header, src)
     h = header.tolist()
