@@ -353,7 +353,7 @@ def sign_cmd(artifact: Path = typer.Argument(..., help="artifact folder"),
     """Sign an artifact (ed25519 over its manifest, which holds every file's sha256); writes
     signature.json beside manifest.json. Checks the artifact's files first."""
     try:
-        from dsc.runtime.signature import sign
+        from dsc.runtime.artifact import sign
 
         out = sign(artifact, key)
     except UserError as e:

@@ -89,7 +89,7 @@ def perplexity(logits: torch.Tensor, windows: list[list[int]]) -> float:
 def metrics(ref: torch.Tensor, x: torch.Tensor, rows: int = 256) -> dict:
     """int8_report.logits_metrics of ref, x [positions, V], summed a block of rows at a time
     (in float64, as there: a whole [positions, V] copy would be gigabytes at a 128K vocabulary)."""
-    from dsc.compiler.int8_report import _sqnr
+    from dsc.compiler.rank_files import sqnr_db
 
     signal = noise = kl = 0.0
     agree = 0
@@ -101,7 +101,7 @@ def metrics(ref: torch.Tensor, x: torch.Tensor, rows: int = 256) -> dict:
         kl += float((lp.exp() * (lp - lq)).sum())
         agree += int((r.argmax(-1) == q.argmax(-1)).sum())
     n = ref.shape[0]
-    return {"sqnr_db": round(_sqnr(signal, noise), 3), "kl_div": round(kl / n, 6),
+    return {"sqnr_db": round(sqnr_db(signal, noise), 3), "kl_div": round(kl / n, 6),
             "top1_agreement": round(agree / n, 4), "positions": n}
 
 

@@ -42,12 +42,12 @@ import torch
 import torch.fx as fx
 
 from dsc.compiler.ir import Model
+from dsc.compiler.rank_files import RankTensors, sqnr_db, weight_sqnr_db
 from dsc.compiler.sample_text import POSITIONS, REPORT_PROMPTS, REPORT_TOKENS, report_inputs
 from dsc.errors import UserError
 from dsc.kernels import registry
 from dsc.passes import quantize_int8
 
-_CAP_DB = 999.0  # SQNR of an exact match (infinite) is written as this
 READ_KEEP = 256 << 20  # bytes of whole source tensors kept while the ranks take their slices
 
 
@@ -105,10 +105,6 @@ def _int8_targets():
     return {registry.resolve_torch_op(op) for op in registry.ops_with("quantized")}
 
 
-def _sqnr(signal: float, noise: float) -> float:
-    return _CAP_DB if noise == 0 else min(_CAP_DB, 10 * math.log10(signal / noise)) if signal > 0 else -_CAP_DB
-
-
 METRIC_ROWS = 32  # positions whose float64 temporaries ([rows, V] each) exist at once
 
 
@@ -123,7 +119,7 @@ def logits_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
         kl += float((lp.exp() * (lp - lq)).sum())
         agree += float((r.argmax(-1) == x.argmax(-1)).sum())
     n = int(ref.shape[0])
-    return {"sqnr_db": round(_sqnr(signal, noise), 3), "kl_div": round(kl / n, 6),
+    return {"sqnr_db": round(sqnr_db(signal, noise), 3), "kl_div": round(kl / n, 6),
             "top1_agreement": round(agree / n, 4), "positions": n}
 
 
@@ -142,13 +138,8 @@ def hidden_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
     cosine similarity of one token's state with its unquantized twin's."""
     r, x = ref.double(), q.double()
     cos = torch.nn.functional.cosine_similarity(r, x, dim=-1)
-    return {"sqnr_db": round(_sqnr(float(r.pow(2).sum()), float((r - x).pow(2).sum())), 3),
+    return {"sqnr_db": round(sqnr_db(float(r.pow(2).sum()), float((r - x).pow(2).sum())), 3),
             "min_cosine": round(float(cos.min()), 6), "positions": int(r.shape[0])}
-
-
-def weight_sqnr_db(errors: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """{layer: SQNR dB} from {weight name: (|W|^2, |W - dequant(Q)|^2)} (compiler/rank_files.py)."""
-    return {key.removesuffix(".weight"): round(_sqnr(*sn), 3) for key, sn in sorted(errors.items())}
 
 
 def _memory(model: Model) -> dict:
@@ -185,7 +176,6 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     `written`: a folder whose rank{i}.safetensors hold the model's weights (the artifact being
     emitted): the quantized program reads them instead of quantizing again, and
     `weight_sqnr` is the per-layer weight SQNR the emit measured as it quantized them."""
-    from dsc.compiler.rank_files import RankTensors
     from dsc.compiler.weights import SourceReader, float_tensor, torch_threads
 
     opts, world = model.options, model.options.tp

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import queue
 import struct
@@ -45,6 +46,19 @@ _CHUNK = 64 << 20  # reads of bytes no weight needs (hashed only); pieces hashed
 _HASH_BEHIND = 4  # pieces read and not yet hashed, beyond which the reader waits
 
 Timing = Callable[[str, float], None]
+
+
+CAP_DB = 999.0  # SQNR of an exact match (infinite) is written as this
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise) dB, capped at +-CAP_DB (an exact match is CAP_DB)."""
+    return CAP_DB if noise == 0 else min(CAP_DB, 10 * math.log10(signal / noise)) if signal > 0 else -CAP_DB
+
+
+def weight_sqnr_db(errors: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """{layer: SQNR dB} from {weight name: (|W|^2, |W - dequant(Q)|^2)}."""
+    return {key.removesuffix(".weight"): round(sqnr_db(*sn), 3) for key, sn in sorted(errors.items())}
 
 
 class RankTensors:
@@ -433,7 +447,6 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
     hashes = {"config.json": sha256_file(ckpt.root / "config.json"), **stream.hashes}
     if errors is None:
         return Written(dict(sorted(hashes.items())), None)
-    from dsc.compiler.int8_report import weight_sqnr_db
 
     return Written(dict(sorted(hashes.items())), weight_sqnr_db(errors))
 

@@ -82,7 +82,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc.kernels.binaries import recording_arch
-from dsc.kernels.launch import arch_of, launched, next_power_of_2, pdl_options, planner, split_counters, triton_jit, tuned
+from dsc.kernels.launch import SM_COUNT, arch_of, launched, next_power_of_2, pdl_options, planner, sm_count, split_counters, triton_jit, tuned
 from dsc.kernels.registry import cuda_kernel, declare
 from dsc.kernels.rotary import (ROTATE_OPTIONS, check_rotary, check_rotary_tables, rotary_config, rotary_reference,
                                rotary_rows, rotary_triton, rotate)
@@ -234,9 +234,6 @@ PREFILL_VARIANTS = {
                     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True)],
 }
 MAX_SPLITS = 64  # splits per (sequence, kv head): bounds the partials the last split combines
-# for planning and for recording a target's launches (kernels/binaries.py); at run time the
-# device says (H100 SXM / H200: 132; A100: 108; A10 / A40: 84; L40S: 142)
-SM_COUNT = {"sm_90": 132, "sm_80": 108, "sm_86": 84, "sm_89": 142, "default": 4}
 
 
 SMEM_BUDGET = 160 * 1024  # bytes of q and pipelined k/v tiles a table row may stage (H100/H200: 227 KiB per
@@ -278,20 +275,6 @@ def attention_config(kind: str, head_dim: int, arch: str, itemsize: int = 2) -> 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        arch = recording_arch(device)
-        if arch is not None:
-            return SM_COUNT.get(arch, SM_COUNT["sm_90"])
-        return SM_COUNT["default"]  # interpreter runs: a few programs' worth, as on a tiny GPU
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def decode_preload(cfg: dict) -> dict:

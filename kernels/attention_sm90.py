@@ -368,7 +368,7 @@ def prefill_ws_supported(q, k, v, k_cache, v_cache, window: int, softcap: float 
 def prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, config=None):
     """The warp-specialized prefill into out [B, S, H, D]; None where TMA cannot address the
     tensors (the caller then runs `_prefill_kernel`)."""
-    from dsc.kernels.attention import sm_count
+    from dsc.kernels.launch import sm_count
 
     _bind()
     B, H, S, D = q.shape

@@ -45,6 +45,25 @@ from dsc.kernels.binaries import Kernel, recording_arch
 TARGET_ARCH = "sm_90"  # what `dsc compile` plans for (H100 / H200)
 TUNING_FILE = Path(__file__).with_name("tuning.json")
 
+# for planning and for recording a target's launches (kernels/binaries.py); at run time the
+# device says (H100 SXM / H200: 132; A100: 108; A10 / A40: 84; L40S: 142)
+SM_COUNT = {"sm_90": 132, "sm_80": 108, "sm_86": 84, "sm_89": 142, "default": 4}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        arch = recording_arch(device)
+        if arch is not None:
+            return SM_COUNT.get(arch, SM_COUNT["sm_90"])
+        return SM_COUNT["default"]  # interpreter runs: a few programs' worth, as on a tiny GPU
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 _JITTED: dict[Callable, Any] = {}
 _KERNELS: dict[Any, Kernel] = {}
 PLANNERS: dict[str, Callable[..., dict]] = {}

@@ -66,7 +66,7 @@ import torch
 from dsc.kernels import attention as A
 from dsc.kernels.attention import (_attend_new, _attend_tile, _combine_splits, _load_rows, _new_key_scores, _split_len,
                                    _store_rows)
-from dsc.kernels.launch import arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, split_counters, triton_jit, tuned
+from dsc.kernels.launch import SM_COUNT, arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, sm_count, split_counters, triton_jit, tuned
 from dsc.kernels.registry import cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.triton_jit on first launch
@@ -547,7 +547,7 @@ def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, q
     if path == "varlen":
         return out
     cfg = decode_config or paged_attention_config("decode", D, arch, q.element_size())
-    splits = num_splits or paged_decode_splits(N, Hkv, block_tables.shape[1] * BS, cfg, A.sm_count(q.device))
+    splits = num_splits or paged_decode_splits(N, Hkv, block_tables.shape[1] * BS, cfg, sm_count(q.device))
     if splits > A.MAX_SPLITS:
         raise ValueError(f"paged_attention: {splits} splits exceed MAX_SPLITS={A.MAX_SPLITS}")
     part_o = torch.empty(N, H, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
@@ -626,7 +626,7 @@ def _plan_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, query_start, qu
     seqs = N if isinstance(N, int) else 1
     dec = paged_attention_config("decode", D, arch, q.element_size())
     max_context = max_blocks * BS if isinstance(max_blocks, int) else A.MAX_SPLITS * dec["MIN_SPLIT"]
-    splits = paged_decode_splits(seqs, Hkv, max_context, dec, A.SM_COUNT.get(arch, A.SM_COUNT["sm_90"]))
+    splits = paged_decode_splits(seqs, Hkv, max_context, dec, SM_COUNT.get(arch, SM_COUNT["sm_90"]))
     dec = {**dec, "splits": splits, "splits_at_seqs": seqs, **extra}
     if isinstance(T, int) and isinstance(N, int) and T == N:
         return {"name": "triton.paged_attention_decode", "config": dec, "launches": 1}

@@ -537,3 +537,13 @@ def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool
         raise
     check_plan(path / "plan.json", plan, tp)
     return Artifact(path=path, manifest=manifest, plan=plan, pending_checks=pending)
+
+
+def sign(artifact: str | Path, private_key: str | Path) -> Path:
+    """Sign the artifact's manifest.json with PRIVATE_KEY (`dsc sign`); writes signature.json
+    beside it. The artifact is checked first (listed files, checksums), so that only an intact
+    artifact is signed."""
+    from dsc.runtime.signature import write_signature
+
+    art = open_artifact(artifact, ranks=None, verify=True)
+    return write_signature(art.path, (art.path / "manifest.json").read_bytes(), private_key)

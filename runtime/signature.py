@@ -75,18 +75,14 @@ def _load_key(path: str | Path, private: bool):
     return key
 
 
-def sign(artifact: str | Path, private_key: str | Path) -> Path:
-    """Sign the artifact's manifest.json with PRIVATE_KEY; writes signature.json beside it.
-    The artifact is checked first (listed files, checksums), so that only an intact artifact
-    is signed."""
-    from dsc.runtime.artifact import open_artifact
-
+def write_signature(artifact: Path, manifest_bytes: bytes, private_key: str | Path) -> Path:
+    """Sign manifest_bytes (the artifact's manifest.json) with PRIVATE_KEY; writes signature.json
+    into the artifact directory, atomically. `dsc.runtime.artifact.sign` checks the artifact first."""
     key = _load_key(private_key, private=True)
-    art = open_artifact(artifact, ranks=None, verify=True)
-    raw = (art.path / "manifest.json").read_bytes()
-    sig = {"algorithm": "ed25519", "public_key": _raw_public(key.public_key()).hex(), "signature": key.sign(raw).hex()}
-    out = art.path / SIGNATURE_FILE
-    tmp = art.path / f".{SIGNATURE_FILE}.tmp-{os.getpid()}"
+    sig = {"algorithm": "ed25519", "public_key": _raw_public(key.public_key()).hex(),
+           "signature": key.sign(manifest_bytes).hex()}
+    out = artifact / SIGNATURE_FILE
+    tmp = artifact / f".{SIGNATURE_FILE}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(sig, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, out)
     return out

@@ -262,7 +262,7 @@ def keys(tmp_path_factory):
 
 
 def test_signed_artifact_loads_and_any_change_is_refused(art, keys):
-    from dsc.runtime.signature import sign
+    from dsc.runtime.artifact import sign
 
     (priv, pub), (_, other_pub) = keys
     sign(art, priv)
@@ -280,7 +280,7 @@ def test_signed_artifact_loads_and_any_change_is_refused(art, keys):
 
 
 def test_signature_does_not_cover_a_changed_file_without_rehash(art, keys):
-    from dsc.runtime.signature import sign
+    from dsc.runtime.artifact import sign
 
     (priv, pub), _ = keys
     sign(art, priv)
@@ -296,7 +296,8 @@ def test_unsigned_artifact_is_refused_when_a_signature_is_required(art, keys):
 
 
 def test_bad_keys_are_one_line(art, keys, tmp_path):
-    from dsc.runtime.signature import keygen, sign
+    from dsc.runtime.artifact import sign
+    from dsc.runtime.signature import keygen
 
     (priv, pub), _ = keys
     junk = tmp_path / "junk.pem"

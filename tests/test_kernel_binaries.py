@@ -230,7 +230,8 @@ def test_load_trusts_a_verified_signature_or_the_flag(binaries_artifacts, monkey
     """dsc.load passes trusted=True with require_signature (verified first) or trust_kernels."""
     import dsc.runtime.binaries as RB
     from dsc.runtime.engine import load
-    from dsc.runtime.signature import keygen, sign
+    from dsc.runtime.artifact import sign
+    from dsc.runtime.signature import keygen
 
     seen = []
     real = RB.load_binaries
