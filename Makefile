@@ -22,8 +22,11 @@ PYTEST_ARGS ?= -q -n $(PYTEST_WORKERS) --dist loadfile
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
+# lint first (ruff check, ruff format --check; pyproject.toml [tool.ruff]), then the suite;
 # pytest exits 5 when it collects no tests: that is a failure too
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	@$(PY) -m pytest tests/ $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

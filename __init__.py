@@ -1,11 +1,12 @@
 """dsc: an ahead-of-time compiler for transformer inference.
 
-    import dsc
-    dsc.compile("path/to/hf-checkpoint", "build/model", dtype="bf16")   # compiler (needs transformers)
-    engine = dsc.load("build/model")                                   # runtime (torch + safetensors)
-    engine.generate([[1, 2, 3]], max_new_tokens=16)
-    llm = dsc.LLM("build/model"); llm.generate(["Hello"], dsc.SamplingParams(max_tokens=16))
+import dsc
+dsc.compile("path/to/hf-checkpoint", "build/model", dtype="bf16")   # compiler (needs transformers)
+engine = dsc.load("build/model")                                   # runtime (torch + safetensors)
+engine.generate([[1, 2, 3]], max_new_tokens=16)
+llm = dsc.LLM("build/model"); llm.generate(["Hello"], dsc.SamplingParams(max_tokens=16))
 """
+
 __version__ = "0.1.0"
 
 

@@ -1,4 +1,5 @@
 """`python -m dsc ...` (and `torchrun -m dsc generate ...`)."""
+
 from dsc.cli import main
 
 main()

@@ -1,6 +1,7 @@
 """Kernel launches of a planned program, counted from its plan nodes (JSON data, no torch).
 
 Shared by the compiler (plan_kernels' summary in the manifest) and `dsc inspect`."""
+
 from __future__ import annotations
 
 import re
@@ -31,7 +32,11 @@ def launches(calls: list[dict]) -> dict:
                 seq.setdefault(layer, []).append(k["name"] + (f" x{k['launches']}" if k["launches"] > 1 else ""))
     total = sum(k["launches"] for k in (n["kernel"] for n in planned))
     last = list(per_layer)[-1] if per_layer else None
-    return {"launches": total, "launches_by_kernel": dict(sorted(by_kernel.items())),
-            "layers": len(per_layer), "launches_per_layer": max(per_layer.values(), default=0),
-            "launches_outside_layers": total - sum(per_layer.values()),
-            "layer_kernels": {"layer": last, "kernels": seq.get(last, [])} if last else None}
+    return {
+        "launches": total,
+        "launches_by_kernel": dict(sorted(by_kernel.items())),
+        "layers": len(per_layer),
+        "launches_per_layer": max(per_layer.values(), default=0),
+        "launches_outside_layers": total - sum(per_layer.values()),
+        "layer_kernels": {"layer": last, "kernels": seq.get(last, [])} if last else None,
+    }

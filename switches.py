@@ -8,14 +8,15 @@ never `os.environ`; tests that change the environment call `reload()`.
 
 docs/switches.md is generated from this table by scripts/gen_docs.py.
 """
+
 from __future__ import annotations
 
 import functools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from dsc.errors import UserError
 
@@ -49,42 +50,74 @@ def check_tuning_file(path: str) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path}: {e}") from None
     ok = isinstance(rows, dict) and all(
-        isinstance(kernels, dict) and all(isinstance(shapes, dict) and all(isinstance(r, dict) for r in shapes.values())
-                                          for shapes in kernels.values())
-        for arch, kernels in rows.items() if not arch.startswith("_"))
+        isinstance(kernels, dict)
+        and all(
+            isinstance(shapes, dict) and all(isinstance(r, dict) for r in shapes.values())
+            for shapes in kernels.values()
+        )
+        for arch, kernels in rows.items()
+        if not arch.startswith("_")
+    )
     if not ok:
         raise ValueError(f"{path} is not {{arch: {{kernel: {{shape_class: {{...}}}}}}}}")
 
 
-SWITCHES: dict[str, Switch] = {s.name: s for s in (
-    Switch("DSC_ALLREDUCE", "auto",
-           "How tensor-parallel collectives run on CUDA (kernels/collectives.py).",
-           choices={"auto": "symmetric-memory kernels where the probe at load passes (the one-shot all-reduce, "
-                            "the fused all-reduce + norm, the GEMV pushing its rows, the push all-gather), "
-                            "NCCL elsewhere",
-                    "nccl": "every collective through NCCL, the logits' all-gather included"}),
-    Switch("DSC_PDL", "auto",
-           "Programmatic dependent launch of the decode kernels (kernels/launch.py).",
-           choices={"auto": "on where the GPU and triton support it (Hopper or newer, not in the interpreter)",
-                    "off": "never"}),
-    Switch("DSC_GEMV", "tuned",
-           "Which 16-bit linears at one row run dsc's GEMV kernel (kernels/linear.py).",
-           choices={"tuned": "the shapes with a row in kernels/tuning.json; cuBLAS elsewhere",
-                    "off": "cuBLAS everywhere",
-                    "all": "the GEMV at every shape, untuned ones with a default config (the GPU check suite)"}),
-    Switch("DSC_TUNING", "",
-           "A tuning-table file whose rows replace kernels/tuning.json's, for tuners and A/B benches "
-           "(kernels/launch.py).",
-           check=check_tuning_file, value_doc="a JSON file `{arch: {kernel: {shape_class: {...}}}}`; "
-                                              "unset: the shipped table"),
-    Switch("DSC_API_KEY", "",
-           "The key `dsc serve` requires as `Authorization: Bearer KEY` on /v1, and the key `dsc bench-serve` "
-           "sends (serve/); `--api-key` wins over it.",
-           value_doc="any string; unset: no key, and `dsc serve` listens on 127.0.0.1 unless `--host` says otherwise"),
-    Switch("DSC_UPDATE_GOLDEN", "0",
-           "The test suite's golden plans: compare with tests/golden, or rewrite them (tests/test_fusion.py).",
-           choices={"0": "compare", "1": "rewrite tests/golden/*.txt"}),
-)}
+SWITCHES: dict[str, Switch] = {
+    s.name: s
+    for s in (
+        Switch(
+            "DSC_ALLREDUCE",
+            "auto",
+            "How tensor-parallel collectives run on CUDA (kernels/collectives.py).",
+            choices={
+                "auto": "symmetric-memory kernels where the probe at load passes (the one-shot all-reduce, "
+                "the fused all-reduce + norm, the GEMV pushing its rows, the push all-gather), "
+                "NCCL elsewhere",
+                "nccl": "every collective through NCCL, the logits' all-gather included",
+            },
+        ),
+        Switch(
+            "DSC_PDL",
+            "auto",
+            "Programmatic dependent launch of the decode kernels (kernels/launch.py).",
+            choices={
+                "auto": "on where the GPU and triton support it (Hopper or newer, not in the interpreter)",
+                "off": "never",
+            },
+        ),
+        Switch(
+            "DSC_GEMV",
+            "tuned",
+            "Which 16-bit linears at one row run dsc's GEMV kernel (kernels/linear.py).",
+            choices={
+                "tuned": "the shapes with a row in kernels/tuning.json; cuBLAS elsewhere",
+                "off": "cuBLAS everywhere",
+                "all": "the GEMV at every shape, untuned ones with a default config (the GPU check suite)",
+            },
+        ),
+        Switch(
+            "DSC_TUNING",
+            "",
+            "A tuning-table file whose rows replace kernels/tuning.json's, for tuners and A/B benches "
+            "(kernels/launch.py).",
+            check=check_tuning_file,
+            value_doc="a JSON file `{arch: {kernel: {shape_class: {...}}}}`; unset: the shipped table",
+        ),
+        Switch(
+            "DSC_API_KEY",
+            "",
+            "The key `dsc serve` requires as `Authorization: Bearer KEY` on /v1, and the key `dsc bench-serve` "
+            "sends (serve/); `--api-key` wins over it.",
+            value_doc="any string; unset: no key, and `dsc serve` listens on 127.0.0.1 unless `--host` says otherwise",
+        ),
+        Switch(
+            "DSC_UPDATE_GOLDEN",
+            "0",
+            "The test suite's golden plans: compare with tests/golden, or rewrite them (tests/test_fusion.py).",
+            choices={"0": "compare", "1": "rewrite tests/golden/*.txt"},
+        ),
+    )
+}
 
 
 @functools.cache
@@ -109,11 +142,16 @@ def check_all() -> None:
 
 def markdown() -> str:
     """docs/switches.md."""
-    lines = ["# Runtime switches", "",
-             "Environment variables that change how dsc runs. Each is read once, when `dsc.load` loads an",
-             "artifact (or on first use outside an engine), and checked there: a bad value is one line,",
-             "`error: DSC_PDL: must be one of auto, off, got 'x'`, on any device.", "",
-             "Generated from `switches.py` by `python scripts/gen_docs.py`; do not edit by hand.", ""]
+    lines = [
+        "# Runtime switches",
+        "",
+        "Environment variables that change how dsc runs. Each is read once, when `dsc.load` loads an",
+        "artifact (or on first use outside an engine), and checked there: a bad value is one line,",
+        "`error: DSC_PDL: must be one of auto, off, got 'x'`, on any device.",
+        "",
+        "Generated from `switches.py` by `python scripts/gen_docs.py`; do not edit by hand.",
+        "",
+    ]
     for s in SWITCHES.values():
         lines += [f"## `{s.name}`", "", s.doc, "", f"Default: `{s.default}`" if s.default else "Default: unset", ""]
         if s.choices:
@@ -123,4 +161,3 @@ def markdown() -> str:
             lines.append(f"Value: {s.value_doc}.")
         lines.append("")
     return "\n".join(lines)
-

@@ -1,4 +1,5 @@
 """dsc compiler: checkpoint -> traced programs -> passes -> artifact."""
+
 from __future__ import annotations
 
 import contextlib
@@ -41,10 +42,19 @@ class _Stages:
             self.name = None
 
 
-def compile(model: Any, out: str | Path, *, options: CompileOptions | None = None,
-            config_file: str | Path | None = None, dump_passes: str | Path | None = None,
-            verify: bool = False, command: list[str] | None = None, progress: Progress | None = None,
-            tokenizer: Any = None, **fields: Any) -> Path:
+def compile(
+    model: Any,
+    out: str | Path,
+    *,
+    options: CompileOptions | None = None,
+    config_file: str | Path | None = None,
+    dump_passes: str | Path | None = None,
+    verify: bool = False,
+    command: list[str] | None = None,
+    progress: Progress | None = None,
+    tokenizer: Any = None,
+    **fields: Any,
+) -> Path:
     """Compile `model` (a checkpoint folder, a hub id in the local cache, a .gguf file, or a
     loaded transformers model) into an artifact at `out`. Option fields (dtype, tp, max_batch,
     max_seq, ...) may be given as keywords, as a CompileOptions, or through a dsc/DeepSpeed
@@ -67,8 +77,10 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
         options = options.model_copy(update=fields)
     check_destination(Path(out))
     if verify and options.tp > 1:
-        raise UserError("--verify runs the artifact in one process, so it needs --tp 1; compare a tp "
-                        "artifact with its tp=1 twin with `dsc diff --numeric`")
+        raise UserError(
+            "--verify runs the artifact in one process, so it needs --tp 1; compare a tp "
+            "artifact with its tp=1 twin with `dsc diff --numeric`"
+        )
     with _as_checkpoint(model, tokenizer) as src:
         if is_gguf(model):  # config.json and the tokenizer converted into the temporary folder
             from dsc.compiler.gguf_source import open_gguf
@@ -97,17 +109,26 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
         m = run_passes(m, Path(dump_passes) if dump_passes else None, on_pass=stages)
         report = None
         if options.int8 or options.fp8 or options.int4 or options.auto_precision is not None:
+
             def report(folder: Path, weight_sqnr: dict | None) -> dict:
                 # measured on the written rank files; a compile below --int8-min-sqnr publishes nothing
                 from dsc.compiler.int8_report import check_min_sqnr, int8_report, summary
 
-                stages("int8 report" if options.int8 else "fp8 report" if options.fp8 else "int4 report" if options.int4
-                       else "quantization report")
+                stages(
+                    "int8 report"
+                    if options.int8
+                    else "fp8 report"
+                    if options.fp8
+                    else "int4 report"
+                    if options.int4
+                    else "quantization report"
+                )
                 rep = int8_report(m, written=folder, weight_sqnr=weight_sqnr)
                 print(summary(rep))
                 check_min_sqnr(rep, options.int8_min_sqnr)
                 stages("finish")
                 return {"int8_report": rep}
+
         stages("emit")
         dtype = target_dtype(ckpt, options)
         total = 0
@@ -117,8 +138,16 @@ def compile(model: Any, out: str | Path, *, options: CompileOptions | None = Non
                 n *= d
             total += n * options.tp
         progress.start_bytes(total)
-        out = emit(m, ckpt, Path(out), dtype, command or ["dsc.compile", str(model if isinstance(model, (str, Path)) else type(model).__name__)],
-                   on_bytes=progress.advance_bytes, before_manifest=report, on_timing=progress.timing)
+        out = emit(
+            m,
+            ckpt,
+            Path(out),
+            dtype,
+            command or ["dsc.compile", str(model if isinstance(model, (str, Path)) else type(model).__name__)],
+            on_bytes=progress.advance_bytes,
+            before_manifest=report,
+            on_timing=progress.timing,
+        )
         if verify:
             stages("verify")
             from dsc.compiler.verify import verify_artifact
@@ -142,8 +171,9 @@ def _as_checkpoint(model: Any, tokenizer: Any = None):
         return
     if isinstance(model, (str, Path)):
         if tokenizer is not None:
-            raise UserError(f"compile: tokenizer= is for a loaded model; {model} brings the tokenizer files "
-                            "in its folder")
+            raise UserError(
+                f"compile: tokenizer= is for a loaded model; {model} brings the tokenizer files in its folder"
+            )
         yield str(model)
         return
     if not hasattr(model, "save_pretrained"):
@@ -160,12 +190,16 @@ def _as_checkpoint(model: Any, tokenizer: Any = None):
 def _check_tokenizer(tokenizer: Any, model: Any) -> None:
     """A transformers tokenizer whose ids fit the model's embedding."""
     if not hasattr(tokenizer, "save_pretrained") or not hasattr(tokenizer, "__len__"):
-        raise UserError(f"compile: tokenizer= expects a transformers tokenizer (AutoTokenizer.from_pretrained), "
-                        f"got {type(tokenizer).__name__}")
+        raise UserError(
+            f"compile: tokenizer= expects a transformers tokenizer (AutoTokenizer.from_pretrained), "
+            f"got {type(tokenizer).__name__}"
+        )
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(vocab, int) and len(tokenizer) > vocab:
-        raise UserError(f"compile: tokenizer= has {len(tokenizer)} tokens, more than the model's vocab_size {vocab}: "
-                        "not this model's tokenizer")
+        raise UserError(
+            f"compile: tokenizer= has {len(tokenizer)} tokens, more than the model's vocab_size {vocab}: "
+            "not this model's tokenizer"
+        )
 
 
 __all__ = ["compile", "CompileOptions", "Progress"]

@@ -4,6 +4,7 @@ Tracing goes through transformers' own model code, and sharding is derived from 
 dataflow, so an architecture entry is small: the model_type, and the config facts the
 passes cannot read off the graph. Adding one is a new entry here plus its test config.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -133,24 +134,38 @@ ARCHITECTURES = {
         Architecture("starcoder2", "gpt2"),  # LayerNorm with biases, GELU MLP, GQA, sliding window
         Architecture("olmo", "llama"),  # LayerNorm without parameters
         Architecture("olmo2", "llama"),  # RMSNorm after attention and MLP, RMSNorm of all q and k heads
-        Architecture("cohere", "llama", logits=("logit_scale",)),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
-        Architecture("granite", "llama", logits=("logits_scaling",)),  # embedding, residual, attention and logit multipliers
-        Architecture("gemma2", "llama", logits=("final_logit_softcapping",)),  # alternating sliding/full layers, attention and logit soft-capping, pre/post norms
-        Architecture("gemma3_text", "llama", logits=("final_logit_softcapping",)),  # local and global layers, per-head q/k RMSNorm, pre/post norms
-        Architecture("bloom", "gpt2"),  # ALiBi (no positions), fused query_key_value per head, embedding LayerNorm, tied head
+        Architecture(
+            "cohere", "llama", logits=("logit_scale",)
+        ),  # parallel attention + MLP off one LayerNorm, interleaved RoPE, logit scale
+        Architecture(
+            "granite", "llama", logits=("logits_scaling",)
+        ),  # embedding, residual, attention and logit multipliers
+        Architecture(
+            "gemma2", "llama", logits=("final_logit_softcapping",)
+        ),  # alternating sliding/full layers, attention and logit soft-capping, pre/post norms
+        Architecture(
+            "gemma3_text", "llama", logits=("final_logit_softcapping",)
+        ),  # local and global layers, per-head q/k RMSNorm, pre/post norms
+        Architecture(
+            "bloom", "gpt2"
+        ),  # ALiBi (no positions), fused query_key_value per head, embedding LayerNorm, tied head
         Falcon("falcon", "gpt2", intermediate_field="ffn_hidden_size"),  # multi-query or grouped kv, parallel
         Architecture("gptj", "gpt2"),  # interleaved partial rotary, parallel attention + MLP
         Architecture("gpt_neox", "gpt2"),  # query_key_value fused per head, partial rotary
         Architecture("phi3", "llama"),  # checkpoint-fused qkv_proj sliced by offsets, gate_up chunked
         # mixtures of experts: a router (linear, softmax, top-k, renormalized or not) and experts
-        Architecture("mixtral", "llama", experts_field="num_local_experts",
-                     expert_intermediate_field="intermediate_size"),  # top-k renormalized
-        Architecture("qwen2_moe", "llama", experts_field="num_experts",
-                     expert_intermediate_field="moe_intermediate_size"),  # a sigmoid-gated shared expert, dense layers
-        Architecture("qwen3_moe", "llama", experts_field="num_experts",
-                     expert_intermediate_field="moe_intermediate_size"),  # per-head q/k RMSNorm, dense layers
-        Architecture("olmoe", "llama", experts_field="num_experts",
-                     expert_intermediate_field="intermediate_size"),  # RMSNorm of all q and k heads
+        Architecture(
+            "mixtral", "llama", experts_field="num_local_experts", expert_intermediate_field="intermediate_size"
+        ),  # top-k renormalized
+        Architecture(
+            "qwen2_moe", "llama", experts_field="num_experts", expert_intermediate_field="moe_intermediate_size"
+        ),  # a sigmoid-gated shared expert, dense layers
+        Architecture(
+            "qwen3_moe", "llama", experts_field="num_experts", expert_intermediate_field="moe_intermediate_size"
+        ),  # per-head q/k RMSNorm, dense layers
+        Architecture(
+            "olmoe", "llama", experts_field="num_experts", expert_intermediate_field="intermediate_size"
+        ),  # RMSNorm of all q and k heads
         # encoders: bidirectional attention with a key-padding mask, post-LayerNorm, GELU MLP
         Architecture("bert", "bert", kind="encoder"),  # absolute positions, token types
         Roberta("roberta", "bert", kind="encoder"),  # positions counted from padding_idx + 1

@@ -15,6 +15,7 @@ Options and other manifest/plan fields are compared leaf by leaf.
 
 Exit codes of the command, as diff(1): 0 identical, 1 different, 2 trouble.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,9 +23,10 @@ import json
 import mmap
 import struct
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dsc.compiler.serialize import nodes_to_text
 from dsc.errors import UserError
@@ -54,8 +56,11 @@ def load_side(path: str | Path) -> Side:
         from dsc.runtime.artifact import open_artifact
 
         art = open_artifact(path, ranks=[], verify=False)
-        weights = {f"rank{r}": rank_tensors(art.rank_file(r), hash_weights=False)
-                   for r in range(art.tp) if art.rank_file(r).exists()}
+        weights = {
+            f"rank{r}": rank_tensors(art.rank_file(r), hash_weights=False)
+            for r in range(art.tp)
+            if art.rank_file(r).exists()
+        }
         return Side(path, "artifact", art.plan, art.manifest, weights)
     plan_file = path / "plan.json"
     if plan_file.exists():
@@ -66,8 +71,9 @@ def load_side(path: str | Path) -> Side:
             return Side(path, "dump", plan, None, {"specs": plan.get("weights", {})})
     if path.is_dir() and any((p / "plan.json").exists() for p in path.iterdir() if p.is_dir()):
         first = sorted(p.name for p in path.iterdir() if (p / "plan.json").exists())[:2]
-        raise UserError(f"{path}: a --dump-passes folder; diff two of its entries, e.g. "
-                        f"{path / first[0]} {path / first[-1]}")
+        raise UserError(
+            f"{path}: a --dump-passes folder; diff two of its entries, e.g. {path / first[0]} {path / first[-1]}"
+        )
     raise UserError(f"{path}: neither a dsc artifact (manifest.json) nor a pass dump (plan.json)")
 
 
@@ -84,7 +90,7 @@ def rank_tensors(path: Path, hash_weights: bool = True) -> dict[str, dict]:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m, memoryview(m) as data:
                 for k, v in header.items():
                     lo, hi = v["data_offsets"]
-                    out[k]["sha256"] = hashlib.sha256(data[8 + n + lo: 8 + n + hi]).hexdigest()
+                    out[k]["sha256"] = hashlib.sha256(data[8 + n + lo : 8 + n + hi]).hexdigest()
     return out
 
 
@@ -95,7 +101,7 @@ def node_refs(arg: Any) -> Iterator[str]:
         for a in arg:
             yield from node_refs(a)
     elif isinstance(arg, dict):
-        (tag, val), = arg.items()
+        ((tag, val),) = arg.items()
         if tag == "node":
             yield val
         elif tag == "dict":
@@ -131,7 +137,7 @@ def _rename_refs(arg: Any, m: dict[str, str]) -> Any:
     if isinstance(arg, list):
         return [_rename_refs(a, m) for a in arg]
     if isinstance(arg, dict):
-        (tag, val), = arg.items()
+        ((tag, val),) = arg.items()
         if tag == "node":
             return {"node": m.get(val, val)}
         if tag == "dict":
@@ -167,8 +173,9 @@ def diff_program(a: list[dict], b: list[dict]) -> dict:
             if va != bn.get(f):
                 fields[f] = [an.get(f), bn.get(f)]
         if fields:
-            changed.append({"name": name, "fields": fields,
-                            "lines": [nodes_to_text([an]).rstrip(), nodes_to_text([bn]).rstrip()]})
+            changed.append(
+                {"name": name, "fields": fields, "lines": [nodes_to_text([an]).rstrip(), nodes_to_text([bn]).rstrip()]}
+            )
     replaced.sort(key=lambda r: r["a"]["kind"] == "weight")  # the ops first, then their weights
     ops_a = Counter(n["op"] for n in a if n["kind"] == "call")
     ops_b = Counter(n["op"] for n in b if n["kind"] == "call")
@@ -177,8 +184,9 @@ def diff_program(a: list[dict], b: list[dict]) -> dict:
         "added": [_summary(n) for n in b if n["name"] not in matched_b],
         "removed": [_summary(n) for n in a if n["name"] not in m],
         "changed": changed,
-        "op_counts": {op: [ops_a[op], ops_b[op]] for op in sorted(ops_a.keys() | ops_b.keys())
-                      if ops_a[op] != ops_b[op]},
+        "op_counts": {
+            op: [ops_a[op], ops_b[op]] for op in sorted(ops_a.keys() | ops_b.keys()) if ops_a[op] != ops_b[op]
+        },
         "calls": [sum(ops_a.values()), sum(ops_b.values())],
     }
 
@@ -187,13 +195,18 @@ def diff_program(a: list[dict], b: list[dict]) -> dict:
 def diff_weights(a: dict[str, dict], b: dict[str, dict]) -> dict:
     changed = []
     for name in sorted(a.keys() & b.keys()):
-        fields = {k: [a[name].get(k), b[name].get(k)] for k in sorted(a[name].keys() | b[name].keys())
-                  if a[name].get(k) != b[name].get(k)}
+        fields = {
+            k: [a[name].get(k), b[name].get(k)]
+            for k in sorted(a[name].keys() | b[name].keys())
+            if a[name].get(k) != b[name].get(k)
+        }
         if fields:
             changed.append({"name": name, "fields": fields})
-    return {"added": [{"name": k, **b[k]} for k in sorted(b.keys() - a.keys())],
-            "removed": [{"name": k, **a[k]} for k in sorted(a.keys() - b.keys())],
-            "changed": changed}
+    return {
+        "added": [{"name": k, **b[k]} for k in sorted(b.keys() - a.keys())],
+        "removed": [{"name": k, **a[k]} for k in sorted(a.keys() - b.keys())],
+        "changed": changed,
+    }
 
 
 def diff_fields(a: Any, b: Any, prefix: str = "", ignored: frozenset | set = frozenset()) -> dict[str, list]:
@@ -219,12 +232,19 @@ def diff(a_path: str | Path, b_path: str | Path) -> dict:
                 a.weights[g], b.weights[g] = rank_tensors(a.path / f), rank_tensors(b.path / f)
     pa, pb = a.plan["programs"], b.plan["programs"]
     out: dict[str, Any] = {
-        "a": str(a.path), "b": str(b.path), "kinds": [a.kind, b.kind],
+        "a": str(a.path),
+        "b": str(b.path),
+        "kinds": [a.kind, b.kind],
         "manifest": diff_fields(a.manifest, b.manifest, ignored=_MANIFEST_IGNORED) if a.manifest and b.manifest else {},
-        "plan": diff_fields({k: v for k, v in a.plan.items() if k not in _PLAN_IGNORED},
-                            {k: v for k, v in b.plan.items() if k not in _PLAN_IGNORED}),
-        "programs": {name: diff_program(pa[name]["nodes"], pb[name]["nodes"])
-                     for name in sorted(pa, key=lambda p: (p != "prefill", p)) if name in pb},
+        "plan": diff_fields(
+            {k: v for k, v in a.plan.items() if k not in _PLAN_IGNORED},
+            {k: v for k, v in b.plan.items() if k not in _PLAN_IGNORED},
+        ),
+        "programs": {
+            name: diff_program(pa[name]["nodes"], pb[name]["nodes"])
+            for name in sorted(pa, key=lambda p: (p != "prefill", p))
+            if name in pb
+        },
         "programs_removed": sorted(pa.keys() - pb.keys()),
         "programs_added": sorted(pb.keys() - pa.keys()),
         "weights": {g: diff_weights(a.weights[g], b.weights[g]) for g in a.weights if g in b.weights},
@@ -240,8 +260,16 @@ def diff(a_path: str | Path, b_path: str | Path) -> dict:
 def is_empty(d: dict) -> bool:
     progs = all(not (p["replaced"] or p["added"] or p["removed"] or p["changed"]) for p in d["programs"].values())
     weights = all(not (w["added"] or w["removed"] or w["changed"]) for w in d["weights"].values())
-    return (progs and weights and not d["manifest"] and not d["plan"] and not d["programs_removed"]
-            and not d["programs_added"] and not d["weight_groups_removed"] and not d["weight_groups_added"])
+    return (
+        progs
+        and weights
+        and not d["manifest"]
+        and not d["plan"]
+        and not d["programs_removed"]
+        and not d["programs_added"]
+        and not d["weight_groups_removed"]
+        and not d["weight_groups_added"]
+    )
 
 
 def mentioned_names(d: dict) -> set[str]:
@@ -306,12 +334,16 @@ def render(d: dict, out=None) -> None:
         if not n:
             c.print(f"[bold]program {name}:[/bold] same")
             continue
-        c.print(f"[bold]program {name}:[/bold] {len(p['replaced'])} replaced, {len(p['added'])} added, "
-                f"{len(p['removed'])} removed, {len(p['changed'])} changed; calls {p['calls'][0]} -> {p['calls'][1]}")
+        c.print(
+            f"[bold]program {name}:[/bold] {len(p['replaced'])} replaced, {len(p['added'])} added, "
+            f"{len(p['removed'])} removed, {len(p['changed'])} changed; calls {p['calls'][0]} -> {p['calls'][1]}"
+        )
         for r in p["replaced"]:
             a, b = r["a"], r["b"]
-            c.print(f"  [yellow]~[/yellow] {escape(a['name'])} -> [cyan]{escape(b['name'])}[/cyan]  "
-                    f"{escape(_what(a))} -> {escape(_what(b))}  {_ty(b)}")
+            c.print(
+                f"  [yellow]~[/yellow] {escape(a['name'])} -> [cyan]{escape(b['name'])}[/cyan]  "
+                f"{escape(_what(a))} -> {escape(_what(b))}  {_ty(b)}"
+            )
         for x in p["removed"]:
             c.print(f"  [red]-[/red] {escape(x['name'])}  {escape(_what(x))}  {_ty(x)}")
         for x in p["added"]:
@@ -339,15 +371,22 @@ def render(d: dict, out=None) -> None:
     for g, w in d["weights"].items():
         if not (w["added"] or w["removed"] or w["changed"]):
             continue
-        c.print(f"[bold]weights {g}:[/bold] {len(w['added'])} added, {len(w['removed'])} removed, "
-                f"{len(w['changed'])} changed")
+        c.print(
+            f"[bold]weights {g}:[/bold] {len(w['added'])} added, {len(w['removed'])} removed, "
+            f"{len(w['changed'])} changed"
+        )
         for x in w["removed"]:
             c.print(f"  [red]-[/red] {escape(x['name'])}  {_weight_ty(x)}")
         for x in w["added"]:
             c.print(f"  [green]+[/green] {escape(x['name'])}  {_weight_ty(x)}")
         for x in w["changed"]:
-            c.print(f"  [yellow]*[/yellow] {escape(x['name'])}  " + "; ".join(
-                f"{f}: {escape(_short(_hash12(va)))} -> {escape(_short(_hash12(vb)))}" for f, (va, vb) in x["fields"].items()))
+            c.print(
+                f"  [yellow]*[/yellow] {escape(x['name'])}  "
+                + "; ".join(
+                    f"{f}: {escape(_short(_hash12(va)))} -> {escape(_short(_hash12(vb)))}"
+                    for f, (va, vb) in x["fields"].items()
+                )
+            )
 
 
 def _weight_ty(w: dict) -> str:

@@ -8,6 +8,7 @@ them is recovered by the next compile to the same destination. The temporary fol
 on an error, Ctrl-C or SIGTERM, and a killed compile's leftovers are removed by the next compile
 to the same destination. Output is deterministic: sorted keys, no timestamps or addresses.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,9 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -47,9 +49,18 @@ def _experts_facts(model) -> dict:
     if not experts:
         return {}
     per_rank = experts // model.options.tp if model.options.ep > 1 else experts
-    return {"experts": {"experts": experts, "top_k": model.config.get("num_experts_per_tok"),
-                        "per_rank": per_rank, "placement": "expert-parallel" if model.options.ep > 1
-                        else "tensor-parallel" if model.options.tp > 1 else "one rank"}}
+    return {
+        "experts": {
+            "experts": experts,
+            "top_k": model.config.get("num_experts_per_tok"),
+            "per_rank": per_rank,
+            "placement": "expert-parallel"
+            if model.options.ep > 1
+            else "tensor-parallel"
+            if model.options.tp > 1
+            else "one rank",
+        }
+    }
 
 
 def _encoder_facts(model, ckpt: Checkpoint) -> dict:
@@ -60,8 +71,12 @@ def _encoder_facts(model, ckpt: Checkpoint) -> dict:
     from dsc.compiler.pooling import pooling_for
 
     cfg = ckpt.config
-    return {"kind": "encoder", "pad_token_id": cfg.get("pad_token_id") or 0, "hidden_size": model.arch.hidden(cfg),
-            "pooling": pooling_for(ckpt.root, model.options.pooling)}
+    return {
+        "kind": "encoder",
+        "pad_token_id": cfg.get("pad_token_id") or 0,
+        "hidden_size": model.arch.hidden(cfg),
+        "pooling": pooling_for(ckpt.root, model.options.pooling),
+    }
 
 
 def _eos_ids(ckpt: Checkpoint) -> list[int]:
@@ -90,12 +105,17 @@ def build_plan(model: Model, ckpt: Checkpoint, dtype: str) -> dict:
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "model": {"model_type": cfg["model_type"], "vocab_size": cfg["vocab_size"],
-                  "eos_token_ids": _eos_ids(ckpt), "bos_token_id": cfg.get("bos_token_id"),
-                  "dtype": dtype, "layers": model.arch.layers(cfg), **_experts_facts(model),
-                  **_encoder_facts(model, ckpt)},
-        "limits": {"max_batch": opts.max_batch, "max_seq": opts.max_seq,
-                   "decode_buckets": list(opts.buckets())},
+        "model": {
+            "model_type": cfg["model_type"],
+            "vocab_size": cfg["vocab_size"],
+            "eos_token_ids": _eos_ids(ckpt),
+            "bos_token_id": cfg.get("bos_token_id"),
+            "dtype": dtype,
+            "layers": model.arch.layers(cfg),
+            **_experts_facts(model),
+            **_encoder_facts(model, ckpt),
+        },
+        "limits": {"max_batch": opts.max_batch, "max_seq": opts.max_seq, "decode_buckets": list(opts.buckets())},
         "tp": opts.tp,
         "kv_cache": model.kv_cache,
         "kv_pool": model.kv_pool,
@@ -178,14 +198,17 @@ def _publish(tmp: Path, out: Path) -> None:
     except OSError as e:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
-        raise UserError(f"{out}: another compile wrote this destination at the same time; "
-                        "its artifact was kept and this one discarded") from None
+        raise UserError(
+            f"{out}: another compile wrote this destination at the same time; "
+            "its artifact was kept and this one discarded"
+        ) from None
 
 
 @contextlib.contextmanager
 def _removed_on_termination(tmp: Path):
     """Remove `tmp` on any exception, Ctrl-C included, and turn SIGTERM/SIGHUP into an
     exception while the block runs (in the main thread), so a terminated compile cleans up too."""
+
     def terminate(signum, frame):
         raise SystemExit(128 + signum)
 
@@ -203,10 +226,17 @@ def _removed_on_termination(tmp: Path):
             signal.signal(sig, handler)
 
 
-def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[str],
-         on_bytes: Callable[[int], None] | None = None, extra_manifest: dict | None = None,
-         before_manifest: Callable[[Path, dict | None], dict] | None = None,
-         on_timing: Timing | None = None) -> Path:
+def emit(
+    model: Model,
+    ckpt: Checkpoint,
+    out: Path,
+    dtype: str,
+    command: list[str],
+    on_bytes: Callable[[int], None] | None = None,
+    extra_manifest: dict | None = None,
+    before_manifest: Callable[[Path, dict | None], dict] | None = None,
+    on_timing: Timing | None = None,
+) -> Path:
     """Write the artifact at `out`. `before_manifest(folder, weight_sqnr)` runs once the rank
     files are in the (temporary) folder, before the manifest: it may read them, and returns
     more manifest entries (an exception leaves nothing at `out`). `weight_sqnr`: the int8
@@ -224,9 +254,20 @@ def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[st
             print(kernel_binaries.summary(binaries))
             if on_timing:
                 on_timing("emit.kernel binaries", time.perf_counter() - t0)
-        written = write_rank_files(model, ckpt, tmp, on_bytes=on_bytes, on_timing=on_timing,
-                                   weight_sqnr=before_manifest is not None and (model.options.int8 or model.options.fp8 or model.options.int4
-                                                                   or model.options.auto_precision is not None))
+        written = write_rank_files(
+            model,
+            ckpt,
+            tmp,
+            on_bytes=on_bytes,
+            on_timing=on_timing,
+            weight_sqnr=before_manifest is not None
+            and (
+                model.options.int8
+                or model.options.fp8
+                or model.options.int4
+                or model.options.auto_precision is not None
+            ),
+        )
         extra = dict(extra_manifest or {})
         if binaries is not None:
             extra["kernel_binaries"] = binaries
@@ -245,8 +286,7 @@ def emit(model: Model, ckpt: Checkpoint, out: Path, dtype: str, command: list[st
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "versions": _versions(),
-            "source": {"model": ckpt.name, "model_type": ckpt.config["model_type"],
-                       "files": written.source_hashes},
+            "source": {"model": ckpt.name, "model_type": ckpt.config["model_type"], "files": written.source_hashes},
             "options": model.options.model_dump(mode="json"),
             "dtype": dtype,
             "tp": world,
@@ -275,5 +315,4 @@ def _versions() -> dict[str, str]:
 
     import dsc
 
-    return {"dsc": dsc.__version__, "torch": torch.__version__.split("+")[0],
-            "transformers": transformers.__version__}
+    return {"dsc": dsc.__version__, "torch": torch.__version__.split("+")[0], "transformers": transformers.__version__}

@@ -13,6 +13,7 @@ safetensors), dequantized with `gguf.quants.dequantize` to float32 and handed to
 compiler, which casts them to the artifact's dtype. Peak memory is one tensor in float32 and
 its bytes as stored, beside what the safetensors route holds.
 """
+
 from __future__ import annotations
 
 import copy
@@ -75,15 +76,21 @@ class GGUFTensors:
         parsed: dict = {"tensors": {}}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = self._processor.process(weights=dequantize(data, t.tensor_type), name=t.name,
-                                          tensor_key_mapping=self._key_map, parsed_parameters=parsed)
+            res = self._processor.process(
+                weights=dequantize(data, t.tensor_type),
+                name=t.name,
+                tensor_key_mapping=self._key_map,
+                parsed_parameters=parsed,
+            )
         out = parsed["tensors"].get(name)  # a processor that stores the tensor itself (GPT-2's head)
         if out is None:
             out = torch.from_numpy(np.ascontiguousarray(res.weights, dtype=np.float32))
         out = out.float()
         if tuple(out.shape) != self.shapes[name]:
-            raise UserError(f"{self.path}: tensor '{t.name}' ({name}) has shape {list(out.shape)}, "
-                            f"the model's config implies {list(self.shapes[name])}")
+            raise UserError(
+                f"{self.path}: tensor '{t.name}' ({name}) has shape {list(out.shape)}, "
+                f"the model's config implies {list(self.shapes[name])}"
+            )
         return out
 
     def read(self, name: str) -> torch.Tensor:
@@ -141,8 +148,9 @@ def _parsed(path: Path):
         try:
             reader = GGUFReader(path)
         except (ValueError, OSError, IndexError) as e:
-            raise UserError(f"{path}: not a readable GGUF file "
-                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+            raise UserError(
+                f"{path}: not a readable GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+            ) from None
         arch_field = reader.fields.get("general.architecture")
         arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else None
 
@@ -199,20 +207,25 @@ def open_gguf(path: Path, folder: Path):
     from dsc.compiler.architectures import ARCHITECTURES
 
     if model_type not in ARCHITECTURES:
-        raise UserError(f"{path}: GGUF architecture {arch!r} (model_type {model_type!r}) is not one dsc "
-                        f"compiles; supported: {', '.join(sorted(ARCHITECTURES))}")
+        raise UserError(
+            f"{path}: GGUF architecture {arch!r} (model_type {model_type!r}) is not one dsc "
+            f"compiles; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
     for t in reader.tensors:  # every quant type dequantizes (checked on one row)
         try:
             dequantize(t.data[:1], t.tensor_type)
         except NotImplementedError:
-            raise UserError(f"{path}: tensor '{t.name}' is quantized as {t.tensor_type.name}, which the "
-                            "installed gguf library cannot dequantize") from None
+            raise UserError(
+                f"{path}: tensor '{t.name}' is quantized as {t.tensor_type.name}, which the "
+                "installed gguf library cannot dequantize"
+            ) from None
     config = AutoConfig.for_model(model_type, **cfg)
     folder = Path(folder)
     config.save_pretrained(folder)
     try:
-        with mock.patch("transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint",
-                        _load_gguf_checkpoint_from(path, parsed)):  # its config from the metadata parsed above
+        with mock.patch(
+            "transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint", _load_gguf_checkpoint_from(path, parsed)
+        ):  # its config from the metadata parsed above
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, KeyError, NotImplementedError) as e:  # one transformers cannot convert
         print(f"warning: {path}: compiled without a tokenizer (transformers cannot convert it: {e})", file=sys.stderr)
@@ -229,8 +242,9 @@ def open_gguf(path: Path, folder: Path):
     if not gguf_names:
         raise UserError(f"{path}: none of the file's tensors maps to a {model_type} parameter")
     tensors = GGUFTensors(path, reader, processor, gguf_names, {n: shapes[n] for n in gguf_names})
-    ckpt = Checkpoint(root=folder, name=str(path), config=json.loads((folder / "config.json").read_text()),
-                      files=[path])
+    ckpt = Checkpoint(
+        root=folder, name=str(path), config=json.loads((folder / "config.json").read_text()), files=[path]
+    )
     ckpt.gguf = tensors
     for hf in gguf_names:
         ckpt.tensors[hf] = TensorInfo(path, "F32", tensors.shapes[hf])

@@ -28,6 +28,7 @@ the report costs one more read of the checkpoint and of the rank files. It print
 writes the report into manifest.json ("int8_report"), and with --int8-min-sqnr fails when the
 logits SQNR is lower (the artifact is then not published: nothing at the destination).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,11 +75,15 @@ def unquantized(model: Model) -> Model:
                     attrs[base].meta["val"] = torch.empty(shape, dtype=dtype)
             return attrs[base]
 
-        for old, new in env.items():
+        for _old, new in env.items():
             if new.op == "call_function" and new.target is torch.ops.dsc.moe.default and len(new.args) > 6:
                 dtype = new.meta["val"].dtype  # int8 experts (quantize_int8's experts rule)
-                new.args = (*new.args[:3], float_weight(new.args[3], dtype), float_weight(new.args[4], dtype),
-                            new.args[5])
+                new.args = (
+                    *new.args[:3],
+                    float_weight(new.args[3], dtype),
+                    float_weight(new.args[4], dtype),
+                    new.args[5],
+                )
                 continue
             if new.op != "call_function" or new.target not in _int8_targets():
                 continue
@@ -112,22 +117,34 @@ def logits_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
     # ref, q: [positions, V]; summed in float64 over chunks of METRIC_ROWS positions
     signal = noise = kl = agree = 0.0
     for i in range(0, ref.shape[0], METRIC_ROWS):
-        r, x = ref[i:i + METRIC_ROWS].double(), q[i:i + METRIC_ROWS].double()
+        r, x = ref[i : i + METRIC_ROWS].double(), q[i : i + METRIC_ROWS].double()
         signal += float(r.pow(2).sum())
         noise += float((r - x).pow(2).sum())
         lp, lq = r.log_softmax(-1), x.log_softmax(-1)
         kl += float((lp.exp() * (lp - lq)).sum())
         agree += float((r.argmax(-1) == x.argmax(-1)).sum())
     n = int(ref.shape[0])
-    return {"sqnr_db": round(sqnr_db(signal, noise), 3), "kl_div": round(kl / n, 6),
-            "top1_agreement": round(agree / n, 4), "positions": n}
+    return {
+        "sqnr_db": round(sqnr_db(signal, noise), 3),
+        "kl_div": round(kl / n, 6),
+        "top1_agreement": round(agree / n, 4),
+        "positions": n,
+    }
 
 
 def _run(model: Model, produce, prompts: list[list[int]], positions: int, lock: threading.Lock) -> torch.Tensor:
     from dsc.compiler.simulate import Simulator, weight_bytes
 
-    sim = Simulator(model, produce, model.options.tp, batch=len(prompts), seq=max(2, max(map(len, prompts))),
-                    weight_bytes=weight_bytes(model), dtype=torch.float32, lock=lock)
+    sim = Simulator(
+        model,
+        produce,
+        model.options.tp,
+        batch=len(prompts),
+        seq=max(2, max(map(len, prompts))),
+        weight_bytes=weight_bytes(model),
+        dtype=torch.float32,
+        lock=lock,
+    )
     if "encode" in model.programs:  # an encoder: every real token's last hidden state
         return sim.encoder_states(prompts, model.config.get("pad_token_id") or 0)
     return sim.logits_at(prompts, positions)
@@ -138,8 +155,11 @@ def hidden_metrics(ref: torch.Tensor, q: torch.Tensor) -> dict:
     cosine similarity of one token's state with its unquantized twin's."""
     r, x = ref.double(), q.double()
     cos = torch.nn.functional.cosine_similarity(r, x, dim=-1)
-    return {"sqnr_db": round(sqnr_db(float(r.pow(2).sum()), float((r - x).pow(2).sum())), 3),
-            "min_cosine": round(float(cos.min()), 6), "positions": int(r.shape[0])}
+    return {
+        "sqnr_db": round(sqnr_db(float(r.pow(2).sum()), float((r - x).pow(2).sum())), 3),
+        "min_cosine": round(float(cos.min()), 6),
+        "positions": int(r.shape[0]),
+    }
 
 
 def _memory(model: Model) -> dict:
@@ -169,8 +189,13 @@ def report_prompts(model: Model) -> tuple[list[list[int]], str]:
     return report_inputs(model.checkpoint.root, model.config["vocab_size"], opts.max_seq)
 
 
-def int8_report(model: Model, prompts: list[list[int]] | None = None, positions: int = POSITIONS,
-                written: Path | None = None, weight_sqnr: dict[str, float] | None = None) -> dict:
+def int8_report(
+    model: Model,
+    prompts: list[list[int]] | None = None,
+    positions: int = POSITIONS,
+    written: Path | None = None,
+    weight_sqnr: dict[str, float] | None = None,
+) -> dict:
     """Measure the quantized model against its unquantized twin (module docstring).
 
     `written`: a folder whose rank{i}.safetensors hold the model's weights (the artifact being
@@ -204,16 +229,28 @@ def int8_report(model: Model, prompts: list[list[int]] | None = None, positions:
     worst = sorted(layers, key=layers.get)[:5]
     vals = sorted(layers.values())
     return {
-        "mode": "fp8" if opts.fp8 else "int4" if opts.int4 else "auto" if opts.auto_precision is not None
+        "mode": "fp8"
+        if opts.fp8
+        else "int4"
+        if opts.int4
+        else "auto"
+        if opts.auto_precision is not None
         else opts.int8_mode,
         "symmetric": not opts.int8_asymmetric and not opts.int4 and opts.auto_precision is None,
-        "group_size": (opts.int4_group_size or "per layer") if opts.int4 else opts.int8_group_size, "q_groups": opts.int8_q_groups,
+        "group_size": (opts.int4_group_size or "per layer") if opts.int4 else opts.int8_group_size,
+        "q_groups": opts.int8_q_groups,
         "smoothquant": any(s.col_scale is not None for s in model.weights.values()),
         "inputs": {"source": source, "prompts": len(prompts), "positions_per_prompt": positions},
-        **({"hidden_states": hidden_metrics(ref, q)} if "encode" in model.programs else
-           {"logits": logits_metrics(ref, q)}),
-        "weight_sqnr_db": {"min": vals[0] if vals else None, "median": vals[len(vals) // 2] if vals else None,
-                           "worst": [[k, layers[k]] for k in worst]},  # a list: JSON keys get sorted
+        **(
+            {"hidden_states": hidden_metrics(ref, q)}
+            if "encode" in model.programs
+            else {"logits": logits_metrics(ref, q)}
+        ),
+        "weight_sqnr_db": {
+            "min": vals[0] if vals else None,
+            "median": vals[len(vals) // 2] if vals else None,
+            "worst": [[k, layers[k]] for k in worst],
+        },  # a list: JSON keys get sorted
         "layers": layers,
         "memory": _memory(model),
         **({"auto_precision": model.notes["auto_precision"]} if "auto_precision" in model.notes else {}),
@@ -229,7 +266,7 @@ class RankFiles:
         self._stack = contextlib.ExitStack()
         self._files: list[tuple] = []
 
-    def __enter__(self) -> "RankFiles":
+    def __enter__(self) -> RankFiles:
         from dsc.runtime.artifact import read_safetensors_header
 
         for r in range(self.world):
@@ -254,8 +291,13 @@ def summary(report: dict) -> str:
     """A few lines for the terminal."""
     ws, mem = report["weight_sqnr_db"], report["memory"]
     name = report["mode"] if report["mode"] in ("fp8", "int4") else "mixed" if report["mode"] == "auto" else "int8"
-    scheme = f"{report['mode']}, " + (f"group {report['group_size']}" if report["group_size"] else
-                                      f"q_groups {report['q_groups']}" if report["q_groups"] else "per-channel")
+    scheme = f"{report['mode']}, " + (
+        f"group {report['group_size']}"
+        if report["group_size"]
+        else f"q_groups {report['q_groups']}"
+        if report["q_groups"]
+        else "per-channel"
+    )
     scheme += ", symmetric" if report["symmetric"] else ", asymmetric"
     scheme += ", SmoothQuant" if report["smoothquant"] else ""
     if name == "fp8":
@@ -268,21 +310,28 @@ def summary(report: dict) -> str:
         scheme = summary_line(report["auto_precision"])
     inp = report["inputs"]
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    inputs = {"random tokens": "random-token prompts: the checkpoint has no tokenizer",
-              "sample text": "prompts of the built-in sample text"}.get(inp["source"], f"{inp['source']} prompts")
+    inputs = {
+        "random tokens": "random-token prompts: the checkpoint has no tokenizer",
+        "sample text": "prompts of the built-in sample text",
+    }.get(inp["source"], f"{inp['source']} prompts")
     if "logits" in report:
         lg = report["logits"]
-        quality = f"  logits: SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, top-1 agreement {lg['top1_agreement']:.1%}"
+        quality = (
+            f"  logits: SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, top-1 agreement {lg['top1_agreement']:.1%}"
+        )
     else:
         lg = report["hidden_states"]
         quality = f"  hidden states: SQNR {lg['sqnr_db']:.1f} dB, lowest cosine {lg['min_cosine']:.5f}"
     lines = [f"{name} report ({scheme}; {lg['positions']} positions of {inp['prompts']} {inputs}):", quality]
     if ws["min"] is not None:
         worst = ", ".join(f"{k} {v:.1f}" for k, v in ws["worst"][:3])
-        lines.append(f"  weight SQNR over {len(report['layers'])} weights: median {ws['median']:.1f} dB, "
-                     f"worst {worst} dB")
-    lines.append(f"  quantized linears: {mib(mem['int8_bytes'])} {name} + {mib(mem['scale_bytes'])} scales "
-                 f"(at 16 bits: {mib(mem['bytes_16bit'])})")
+        lines.append(
+            f"  weight SQNR over {len(report['layers'])} weights: median {ws['median']:.1f} dB, worst {worst} dB"
+        )
+    lines.append(
+        f"  quantized linears: {mib(mem['int8_bytes'])} {name} + {mib(mem['scale_bytes'])} scales "
+        f"(at 16 bits: {mib(mem['bytes_16bit'])})"
+    )
     return "\n".join(lines)
 
 
@@ -292,6 +341,8 @@ def check_min_sqnr(report: dict, min_sqnr: float | None) -> None:
     if min_sqnr is None or report[what]["sqnr_db"] >= min_sqnr:
         return
     worst = ", ".join(f"{k} ({v:.1f} dB)" for k, v in report["weight_sqnr_db"]["worst"])
-    raise UserError(f"--int8-min-sqnr {min_sqnr:g}: {what.replace('_', '-')} SQNR is {report[what]['sqnr_db']:.1f} dB; "
-                    f"worst layers by weight SQNR: {worst}. Keep them in 16-bit with --int8-skip, "
-                    "or use --int8-group-size / --int8-asymmetric")
+    raise UserError(
+        f"--int8-min-sqnr {min_sqnr:g}: {what.replace('_', '-')} SQNR is {report[what]['sqnr_db']:.1f} dB; "
+        f"worst layers by weight SQNR: {worst}. Keep them in 16-bit with --int8-skip, "
+        "or use --int8-group-size / --int8-asymmetric"
+    )

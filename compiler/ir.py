@@ -5,6 +5,7 @@ how to produce one tensor of one rank file from the source checkpoint: which sou
 transposed or not, which slice for tensor parallelism, cast to which dtype, quantized how.
 Passes edit recipes and graphs; `emit` streams the recipes into rank files.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -78,8 +79,11 @@ class WeightSpec:
             if self.shard.groups:
                 d["shard"]["groups"] = list(self.shard.groups)
         if self.quant:
-            d["quant"] = {"part": self.quant.part, "group_size": self.quant.group_size,
-                          "symmetric": self.quant.symmetric}
+            d["quant"] = {
+                "part": self.quant.part,
+                "group_size": self.quant.group_size,
+                "symmetric": self.quant.symmetric,
+            }
             if self.quant.scheme != "int8":
                 d["quant"]["scheme"] = self.quant.scheme
         if self.const is not None:
@@ -127,12 +131,15 @@ def copy_meta(new: fx.Node, old: fx.Node, keys: tuple[str, ...] = ("nn_module_st
 
 def infer_val(node: fx.Node, model: Model | None = None) -> None:
     """Fill node.meta['val'] by running the node's op on its inputs' fake values."""
+
     def val(a):
         return a.meta["val"] if isinstance(a, fx.Node) else a
 
     args = fx.node.map_aggregate(node.args, val)
     kwargs = fx.node.map_aggregate(node.kwargs, val)
-    mode = torch._guards.detect_fake_mode(list(torch.utils._pytree.tree_leaves((args, kwargs)))) or (model.fake_mode if model else None)
+    mode = torch._guards.detect_fake_mode(list(torch.utils._pytree.tree_leaves((args, kwargs)))) or (
+        model.fake_mode if model else None
+    )
     # the Python dispatcher lets composite ops (linear -> matmul) run on symbolic sizes, as
     # torch.export itself does; without it older torch (2.11) calls numel() on a SymInt shape
     from torch._dispatch.python import enable_python_dispatcher

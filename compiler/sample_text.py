@@ -9,6 +9,7 @@ for it, and some Python, C and SQL: about 3,000 tokens for a 50K-word BPE vocabu
 tokens are no text: a model's logits on them are flat and its quantization error looks several
 times larger than on what it is used for.
 """
+
 from __future__ import annotations
 
 from importlib.resources import files
@@ -50,7 +51,7 @@ def load_tokenizer(folder: Path):
 def token_chunks(ids: list[int], count: int, length: int) -> list[list[int]]:
     """The first `count` consecutive chunks of `length` tokens of `ids` (fewer where it is short).
     The sample interleaves prose and code, so its first chunks hold both."""
-    return [ids[i:i + length] for i in range(0, min(len(ids), count * length), length)]
+    return [ids[i : i + length] for i in range(0, min(len(ids), count * length), length)]
 
 
 # the quantization reports' inputs (compiler/int8_report.py; --auto-precision measures on the same)

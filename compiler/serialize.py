@@ -4,6 +4,7 @@ Node names are stable and readable: the Hugging Face module path of the node plu
 (`model.layers.3.self_attn.q_proj.linear`), made unique by a numeric suffix in program order.
 Symbolic sizes are written with the names of the program inputs' dims (`batch`, `seq`).
 """
+
 from __future__ import annotations
 
 import re
@@ -38,8 +39,7 @@ def _dim(d: Any, sym_names: dict[str, str]) -> Any:
 
 def describe_val(val: Any, sym_names: dict[str, str]) -> dict:
     if isinstance(val, torch.Tensor):
-        return {"shape": [_dim(d, sym_names) for d in val.shape],
-                "dtype": str(val.dtype).removeprefix("torch.")}
+        return {"shape": [_dim(d, sym_names) for d in val.shape], "dtype": str(val.dtype).removeprefix("torch.")}
     if isinstance(val, (torch.SymInt, int)):
         return {"shape": "int", "value": _dim(val, sym_names)}
     if isinstance(val, (list, tuple)):
@@ -80,8 +80,13 @@ def program_nodes(graph: fx.Graph, sym_names: dict[str, str]) -> list[dict]:
         elif n.op == "output":
             d = {"name": "output", "kind": "output", "args": enc(n.args[0])}
         else:
-            d = {"name": names[n], "kind": "call", "op": op_name(n.target),
-                 "args": enc(list(n.args)), "kwargs": {k: enc(v) for k, v in n.kwargs.items()}}
+            d = {
+                "name": names[n],
+                "kind": "call",
+                "op": op_name(n.target),
+                "args": enc(list(n.args)),
+                "kwargs": {k: enc(v) for k, v in n.kwargs.items()},
+            }
             if "kernel" in n.meta:
                 d["kernel"] = n.meta["kernel"]
         if n.op != "output":
@@ -92,6 +97,7 @@ def program_nodes(graph: fx.Graph, sym_names: dict[str, str]) -> list[dict]:
 
 def _rename(enc: Any, node: fx.Node, names: dict[fx.Node, str]) -> Any:
     by_name = {m.name: names[m] for m in node.all_input_nodes}
+
     def walk(a):
         if isinstance(a, list):
             return [walk(x) for x in a]
@@ -101,6 +107,7 @@ def _rename(enc: Any, node: fx.Node, names: dict[fx.Node, str]) -> Any:
             if set(a) == {"dict"}:
                 return {"dict": {k: walk(v) for k, v in a["dict"].items()}}
         return a
+
     return walk(enc)
 
 
@@ -108,7 +115,7 @@ def _fmt_arg(a: Any) -> str:
     if isinstance(a, list):
         return "[" + ", ".join(_fmt_arg(x) for x in a) + "]"
     if isinstance(a, dict):
-        (tag, val), = a.items()
+        ((tag, val),) = a.items()
         if tag == "node":
             return f"%{val}"
         if tag == "dict":

@@ -22,12 +22,14 @@ run on several threads may share a `lock`: the nodes that hold every rank's weig
 collective: an embedding's lookup all-reduced), a whole table, or more than SERIAL_BYTES of
 weights (an lm_head) run under it, one at a time.
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -47,17 +49,30 @@ class Simulator:
     `model` needs `.programs` (name -> fx.Graph with get_attr weights and `kv_cache.<i>.k/v`),
     `.kv_cache` ({layers, shape, dtype}), and for the cache decision `.weights` specs (optional)."""
 
-    def __init__(self, model: Any, produce: Produce, world: int, batch: int, seq: int,
-                 cache_bytes: int = 1 << 30, weight_bytes: int | None = None, dtype: torch.dtype | None = None,
-                 lock: threading.Lock | None = None):
+    def __init__(
+        self,
+        model: Any,
+        produce: Produce,
+        world: int,
+        batch: int,
+        seq: int,
+        cache_bytes: int = 1 << 30,
+        weight_bytes: int | None = None,
+        dtype: torch.dtype | None = None,
+        lock: threading.Lock | None = None,
+    ):
         self.model, self.produce, self.world, self.dtype = model, produce, world, dtype
         self.lock = lock or contextlib.nullcontext()
         self.graphs = dict(model.programs)
         kv = model.kv_cache
         shape = [batch, kv["shape"][1], seq, kv["shape"][3]] if kv else None  # rows x local kv heads x seq x head_dim
         kv_dtype = dtype or (getattr(torch, kv["dtype"]) if kv else None)
-        self.caches = [{f"kv_cache.{i}.{t}": torch.zeros(shape, dtype=kv_dtype)
-                        for i in range(kv["layers"]) for t in ("k", "v")} if kv else {} for _ in range(world)]
+        self.caches = [
+            {f"kv_cache.{i}.{t}": torch.zeros(shape, dtype=kv_dtype) for i in range(kv["layers"]) for t in ("k", "v")}
+            if kv
+            else {}
+            for _ in range(world)
+        ]
         self.keep = weight_bytes is not None and weight_bytes <= cache_bytes
         self.kept: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
 
@@ -109,15 +124,18 @@ class Simulator:
                         env[r][node] = self._cast_out(node, y)
                     free(i, node, ranks)
             else:  # rank by rank, each rank's inputs freed before the next rank's are made
-                with self.lock if _gathers(node) or self._reads_bytes(node) > SERIAL_BYTES else contextlib.nullcontext():
+                with (
+                    self.lock if _gathers(node) or self._reads_bytes(node) > SERIAL_BYTES else contextlib.nullcontext()
+                ):
                     for r in ranks:
                         env[r][node] = self._call(node, r, args_of(node, r), observe)
                         free(i, node, [r])
             free(i, node, ranks)
         raise RuntimeError(f"program {program} has no output node")
 
-    def prefill(self, sequences: Sequence[Sequence[int]], last_idx: Sequence[int] | None = None,
-                observe: Observer | None = None) -> torch.Tensor:
+    def prefill(
+        self, sequences: Sequence[Sequence[int]], last_idx: Sequence[int] | None = None, observe: Observer | None = None
+    ) -> torch.Tensor:
         """Right-padded sequences from position 0 (an empty cache): logits [B, V] fp32 at
         last_idx (default: each sequence's last token)."""
         for c in self.caches:
@@ -126,7 +144,6 @@ class Simulator:
         ids, pos = pad(sequences)
         last = torch.tensor(list(last_idx) if last_idx is not None else [len(s) - 1 for s in sequences])
         return self.run("prefill", (ids, pos, torch.zeros(len(sequences), dtype=torch.long), last), observe).float()
-
 
     def _call(self, node: fx.Node, rank: int, args_kwargs: tuple, observe: Observer | None) -> Any:
         args, kwargs = args_kwargs
@@ -142,7 +159,7 @@ class Simulator:
         rows = max(1, ROW_BLOCK // k)
         outs = []
         for a in range(0, n, rows):
-            part = [t[a:a + rows] if 1 <= i <= bias_arg and t is not None else t for i, t in enumerate(args)]
+            part = [t[a : a + rows] if 1 <= i <= bias_arg and t is not None else t for i, t in enumerate(args)]
             part, kw = self._cast(node, (part, kwargs))
             outs.append(node.target(*part, **kw))
         return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
@@ -152,8 +169,11 @@ class Simulator:
         from dsc.compiler.weights import local_dtype, local_shape
 
         specs = getattr(self.model, "weights", {})
-        return sum(math.prod(local_shape(specs[a.target], self.world)) * local_dtype(specs[a.target]).itemsize
-                   for a in node.all_input_nodes if a.op == "get_attr" and a.target in specs)
+        return sum(
+            math.prod(local_shape(specs[a.target], self.world)) * local_dtype(specs[a.target]).itemsize
+            for a in node.all_input_nodes
+            if a.op == "get_attr" and a.target in specs
+        )
 
     def _cast(self, node: fx.Node, args_kwargs: Any) -> Any:
         """(args, kwargs) with every lower-precision float tensor, and every float dtype, made
@@ -185,8 +205,9 @@ class Simulator:
         h = self.run("encode", (ids, lengths)).float()
         return torch.cat([h[b, :n] for b, n in enumerate(lengths.tolist())])
 
-    def logits_at(self, sequences: Sequence[Sequence[int]], positions: int,
-                  observe: Observer | None = None) -> torch.Tensor:
+    def logits_at(
+        self, sequences: Sequence[Sequence[int]], positions: int, observe: Observer | None = None
+    ) -> torch.Tensor:
         """Logits [n, V] fp32 at the last `positions` positions of every sequence (each of a
         shorter one), sequence by sequence, from one prefill run of the batch: the program's
         `h[arange(B), last_idx]` ([B, S, E] -> [B, E]) is run as `h.flatten(0, 1)[rows]`."""
@@ -198,8 +219,9 @@ class Simulator:
             for t in c.values():
                 t.zero_()
         ids, pos = pad(sequences)
-        return self.run("prefill_rows", (ids, pos, torch.zeros(len(sequences), dtype=torch.long),
-                                         torch.tensor(rows)), observe).float()
+        return self.run(
+            "prefill_rows", (ids, pos, torch.zeros(len(sequences), dtype=torch.long), torch.tensor(rows)), observe
+        ).float()
 
 
 def _flat_rows(graph: fx.Graph) -> fx.Graph:

@@ -4,6 +4,7 @@ MODEL is a local folder (config.json + model.safetensors, or sharded *.safetenso
 model.safetensors.index.json) or a hub id already in the local Hugging Face cache.
 Every check here fails with one UserError line naming the file or field.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,18 +53,22 @@ def resolve_model_path(model: str) -> Path:
     if model.count("/") <= 1 and not model.startswith((".", "/")):
         try:
             from huggingface_hub import snapshot_download
+
             return Path(snapshot_download(model, local_files_only=True))
         except Exception as e:  # any failure means "not in the local cache"
             raise UserError(
                 f"{model}: not a local folder, and not in the local Hugging Face cache "
-                f"({type(e).__name__}); download it first with `hf download {model}`")
+                f"({type(e).__name__}); download it first with `hf download {model}`"
+            ) from None
     raise UserError(f"{model}: no such folder")
 
 
 def check_weight_dtype(info: TensorInfo, key: str) -> None:
     """A checkpoint tensor a model parameter loads from holds floating-point values."""
     if info.dtype not in FLOAT_DTYPES:
-        raise UserError(f"{info.file}: tensor '{key}' is {info.dtype}; a weight must be one of {', '.join(FLOAT_DTYPES)}")
+        raise UserError(
+            f"{info.file}: tensor '{key}' is {info.dtype}; a weight must be one of {', '.join(FLOAT_DTYPES)}"
+        )
 
 
 def open_checkpoint(model: str) -> Checkpoint:
@@ -74,7 +79,7 @@ def open_checkpoint(model: str) -> Checkpoint:
     try:
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_path}: malformed JSON ({e.msg} at line {e.lineno})")
+        raise UserError(f"{cfg_path}: malformed JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(config, dict):
         raise UserError(f"{cfg_path}: expected a JSON object")
     if "model_type" not in config:
@@ -87,14 +92,16 @@ def open_checkpoint(model: str) -> Checkpoint:
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{index}: malformed index (expected a 'weight_map' object)")
+            raise UserError(f"{index}: malformed index (expected a 'weight_map' object)") from None
         files = sorted({root / f for f in weight_map.values()})
     elif (root / "model.safetensors").exists():
         files = [root / "model.safetensors"]
     else:
         if list(root.glob("*.bin")) or list(root.glob("*.pt")):
-            raise UserError(f"{root}: only PyTorch .bin weights found; dsc reads safetensors "
-                            "(convert with transformers' save_pretrained(safe_serialization=True))")
+            raise UserError(
+                f"{root}: only PyTorch .bin weights found; dsc reads safetensors "
+                "(convert with transformers' save_pretrained(safe_serialization=True))"
+            )
         raise UserError(f"{root}: no model.safetensors or model.safetensors.index.json")
 
     ckpt = Checkpoint(root=root, name=model, config=config, files=files)
@@ -111,13 +118,19 @@ def tokenizer_files(root: Path) -> list[Path]:
     """The checkpoint's tokenizer files the artifact's tokenizer/ folder takes (paths under
     root): the tokenizer, its config, the generation defaults, and the chat templates as
     transformers saves them (chat_template.jinja, additional_chat_templates/NAME.jinja)."""
-    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-             "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json",
-             "chat_template.jinja"]
+    names = [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "vocab.txt",
+        "generation_config.json",
+        "chat_template.jinja",
+    ]
     files = [root / n for n in names if (root / n).is_file()]
     extra = root / "additional_chat_templates"
     if extra.is_dir():
         files += sorted(f for f in extra.iterdir() if f.suffix == ".jinja" and f.is_file())
     return files
-
-

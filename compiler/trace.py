@@ -12,6 +12,7 @@ Both programs take
     last_idx     [batch]      int64   the position whose logits are returned
 and return logits [batch, vocab] for the token at last_idx.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,15 @@ def dsc_attention(module, query, key, value, attention_mask, scaling=None, dropo
     # the last one set, so plain graphs keep the five-argument form
     window, softcap = int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0)
     slopes = kwargs.get("alibi_slopes")
-    extra = ((window, softcap, slopes) if slopes is not None else (window, softcap) if softcap
-             else (window,) if window else ())
+    extra = (
+        (window, softcap, slopes)
+        if slopes is not None
+        else (window, softcap)
+        if softcap
+        else (window,)
+        if window
+        else ()
+    )
     if "dsc_lengths" in kwargs:  # an encoder: bidirectional over each sequence's real tokens
         return torch.ops.dsc.encoder_attention(query, key, value, kwargs["dsc_lengths"], scale), None
     if "dsc_paged" in kwargs:  # the ragged program: flat tokens of several sequences, a paged cache
@@ -71,8 +79,9 @@ class CausalLMProgram(nn.Module):
         self.lm = lm
 
     def forward(self, input_ids, position_ids, cache_pos, last_idx):
-        h = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                               dsc_cache_pos=cache_pos).last_hidden_state  # [B, S, E]
+        h = self.lm.base_model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, dsc_cache_pos=cache_pos
+        ).last_hidden_state  # [B, S, E]
         h = h[torch.arange(h.shape[0], device=h.device), last_idx]  # [B, E]
         logits = self.lm.get_output_embeddings()(h)  # [B, V]
         return ARCHITECTURES[self.lm.config.model_type].logit_epilogue(self.lm.config, logits)
@@ -88,11 +97,13 @@ class RaggedProgram(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, position_ids, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                logits_idx):
+    def forward(
+        self, input_ids, position_ids, slot_mapping, query_start, query_lens, cache_lens, block_tables, logits_idx
+    ):
         paged = (slot_mapping, query_start, query_lens, cache_lens, block_tables)
-        h = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                               dsc_paged=paged).last_hidden_state  # [1, T, E]
+        h = self.lm.base_model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, dsc_paged=paged
+        ).last_hidden_state  # [1, T, E]
         logits = self.lm.get_output_embeddings()(h[0, logits_idx])  # [N, V]
         return ARCHITECTURES[self.lm.config.model_type].logit_epilogue(self.lm.config, logits)
 
@@ -155,8 +166,12 @@ def _static_rope(hf_config) -> None:
     for attr in ("rope_parameters", "rope_scaling"):
         rp = getattr(hf_config, attr, None)
         if isinstance(rp, dict) and rp.get("rope_type", rp.get("type")) == "dynamic":
-            setattr(hf_config, attr, {k: v for k, v in rp.items() if k in ("rope_theta", "partial_rotary_factor")}
-                    | {"rope_type": "default"})
+            setattr(
+                hf_config,
+                attr,
+                {k: v for k, v in rp.items() if k in ("rope_theta", "partial_rotary_factor")}
+                | {"rope_type": "default"},
+            )
 
 
 def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
@@ -167,7 +182,7 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
     try:
         hf_config = AutoConfig.from_pretrained(ckpt.root)
     except (ValueError, TypeError, KeyError, OSError) as e:
-        raise UserError(f"{ckpt.root / 'config.json'}: invalid config ({str(e).splitlines()[0]})")
+        raise UserError(f"{ckpt.root / 'config.json'}: invalid config ({str(e).splitlines()[0]})") from None
     _static_rope(hf_config)
     register_attention_classes(hf_config, ckpt.root / "config.json")
     with _parameters_on_meta(), warnings.catch_warnings():
@@ -178,17 +193,22 @@ def build_meta_model(ckpt: Checkpoint, dtype: str) -> nn.Module:
                 lm = AutoModel.from_config(hf_config, attn_implementation="dsc", dtype=_TORCH_DTYPES[dtype], **pooler)
             else:
                 lm = AutoModelForCausalLM.from_config(
-                    hf_config, attn_implementation="dsc", dtype=_TORCH_DTYPES[dtype],
-                    **({"experts_implementation": "dsc"} if _has_experts(hf_config) else {}))
+                    hf_config,
+                    attn_implementation="dsc",
+                    dtype=_TORCH_DTYPES[dtype],
+                    **({"experts_implementation": "dsc"} if _has_experts(hf_config) else {}),
+                )
         except KeyError as e:  # a family whose attention classes are looked up by implementation name
             if e.args != ("dsc",):
                 raise
             import transformers
 
-            raise UserError(f"{ckpt.root / 'config.json'}: model_type {hf_config.model_type!r}: transformers "
-                            f"{transformers.__version__} builds its attention from classes of its own, which dsc "
-                            "cannot route; a newer transformers calls it through the attention interface "
-                            "(dsc is tested with 5.24)") from None
+            raise UserError(
+                f"{ckpt.root / 'config.json'}: model_type {hf_config.model_type!r}: transformers "
+                f"{transformers.__version__} builds its attention from classes of its own, which dsc "
+                "cannot route; a newer transformers calls it through the attention interface "
+                "(dsc is tested with 5.24)"
+            ) from None
     adapt_model(lm, ckpt.root / "config.json")
     return lm.eval()
 
@@ -213,7 +233,8 @@ def _merged_experts(converter) -> bool:
 
     ops = [(type(op), getattr(op, "dim", None)) for op in getattr(converter, "operations", [])]
     return ops in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]) and all(
-        ".experts.*." in p for p in converter.source_patterns)
+        ".experts.*." in p for p in converter.source_patterns
+    )
 
 
 def _loaded_names(lm: nn.Module, ckpt: Checkpoint, where) -> dict[str, tuple[str, ...]]:
@@ -236,8 +257,10 @@ def _loaded_names(lm: nn.Module, ckpt: Checkpoint, where) -> dict[str, tuple[str
             conv = next(c for c in converters if converted in c.source_patterns)
             expert = _EXPERT_INDEX.search(key)
             if not _merged_experts(conv) or expert is None:
-                raise UserError(f"{where}: tensor '{key}' needs transformers' weight conversion "
-                                f"'{converted}', which dsc does not stream yet")
+                raise UserError(
+                    f"{where}: tensor '{key}' needs transformers' weight conversion "
+                    f"'{converted}', which dsc does not stream yet"
+                )
             merged.setdefault(name, []).append((int(expert.group(1)), conv.source_patterns.index(converted), key))
             continue
         loaded.setdefault(name, (key,))
@@ -260,15 +283,18 @@ def weight_specs(lm: nn.Module, ckpt: Checkpoint, dtype: str) -> dict[str, Weigh
             raise UserError(f"{where}: missing weight tensor '{names[0]}'")
         shape = tuple(lm.get_parameter(names[0]).shape)
         if shape[0] % len(keys):  # an experts weight's rows are split evenly over its sources
-            raise UserError(f"{where}: '{names[0]}' has {len(keys)} per-expert tensors; config.json implies "
-                            f"a multiple of them that divides its {shape[0]} rows (is an expert missing?)")
+            raise UserError(
+                f"{where}: '{names[0]}' has {len(keys)} per-expert tensors; config.json implies "
+                f"a multiple of them that divides its {shape[0]} rows (is an expert missing?)"
+            )
         part = (shape[0] // len(keys), *shape[1:])
         for key in keys:
             info = ckpt.tensors[key]
             check_weight_dtype(info, key)
             if tuple(info.shape) != part:
-                raise UserError(f"{info.file}: tensor '{key}' has shape {list(info.shape)}, "
-                                f"config.json implies {list(part)}")
+                raise UserError(
+                    f"{info.file}: tensor '{key}' has shape {list(info.shape)}, config.json implies {list(part)}"
+                )
         for n in names:
             specs[n] = WeightSpec(sources=keys, shape=shape, dtype=dtype)
     return specs
@@ -282,8 +308,9 @@ def _fake_parameters(lm: nn.Module, fake_mode: FakeTensorMode) -> None:
                     mod._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
 
 
-def _export(program: nn.Module, fake_mode: FakeTensorMode, batch: int, seq: int, options,
-            dynamic_seq: bool) -> torch.export.ExportedProgram:
+def _export(
+    program: nn.Module, fake_mode: FakeTensorMode, batch: int, seq: int, options, dynamic_seq: bool
+) -> torch.export.ExportedProgram:
     with fake_mode:
         ids = torch.zeros(batch, seq, dtype=torch.long)
         pos = torch.zeros(batch, seq, dtype=torch.long)
@@ -295,14 +322,15 @@ def _export(program: nn.Module, fake_mode: FakeTensorMode, batch: int, seq: int,
     logging.getLogger("torch._export").setLevel(logging.ERROR)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.export.export(program, (ids, pos, cp, li),
-                                   dynamic_shapes=(bs, bs, {0: B}, {0: B}), strict=False)
+        return torch.export.export(program, (ids, pos, cp, li), dynamic_shapes=(bs, bs, {0: B}, {0: B}), strict=False)
 
 
 def _export_ragged(program: nn.Module, fake_mode: FakeTensorMode, options) -> torch.export.ExportedProgram:
-    dims = {"tokens": torch.export.Dim("tokens", min=1, max=max(options.max_batch * options.max_seq, 7)),
-            "seqs": torch.export.Dim("seqs", min=1, max=max(options.max_batch, 4)),
-            "blocks": torch.export.Dim("blocks", min=1, max=max(options.max_seq, 5))}
+    dims = {
+        "tokens": torch.export.Dim("tokens", min=1, max=max(options.max_batch * options.max_seq, 7)),
+        "seqs": torch.export.Dim("seqs", min=1, max=max(options.max_batch, 4)),
+        "blocks": torch.export.Dim("blocks", min=1, max=max(options.max_seq, 5)),
+    }
     with fake_mode:
         args = tuple(torch.zeros(size, dtype=dtype) for size, _, dtype in RAGGED_INPUTS.values())
     shapes = tuple({i: dims[n] for i, n in enumerate(names) if n in dims} for _, names, _ in RAGGED_INPUTS.values())
@@ -338,9 +366,15 @@ def _to_graph(ep: torch.export.ExportedProgram, const_specs: dict[str, WeightSpe
                     val = ep.state_dict.get(spec.target)
                 if val is not None and not isinstance(val, torch._subclasses.FakeTensor):
                     name = spec.target.removeprefix("lm.")
-                    const_specs.setdefault(name, WeightSpec(
-                        sources=(), shape=tuple(val.shape), dtype=str(val.dtype).removeprefix("torch."),
-                        const=val.detach().clone()))
+                    const_specs.setdefault(
+                        name,
+                        WeightSpec(
+                            sources=(),
+                            shape=tuple(val.shape),
+                            dtype=str(val.dtype).removeprefix("torch."),
+                            const=val.detach().clone(),
+                        ),
+                    )
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in ep.graph.nodes:
@@ -365,28 +399,48 @@ def trace(ckpt: Checkpoint, arch: Architecture, options) -> Model:
     program = CausalLMProgram(lm)
     programs = {}
     sym_names: dict[str, dict[str, str]] = {}
-    kinds = ((("encode", 0, True),) if arch.kind == "encoder" else
-             (("prefill", 4, True), ("decode", 1, False), ("ragged", 0, True)))
+    kinds = (
+        (("encode", 0, True),)
+        if arch.kind == "encoder"
+        else (("prefill", 4, True), ("decode", 1, False), ("ragged", 0, True))
+    )
     for name, seq, dynamic in kinds:
         try:
-            ep = (_export_ragged(RaggedProgram(lm), fake_mode, options) if name == "ragged"
-                  else _export_encoder(EncoderProgram(lm), fake_mode, options) if name == "encode"
-                  else _export(program, fake_mode, 2, seq, options, dynamic))
+            ep = (
+                _export_ragged(RaggedProgram(lm), fake_mode, options)
+                if name == "ragged"
+                else _export_encoder(EncoderProgram(lm), fake_mode, options)
+                if name == "encode"
+                else _export(program, fake_mode, 2, seq, options, dynamic)
+            )
         except Exception as e:  # export failures are compiler bugs or unsupported models
-            raise RuntimeError(f"torch.export failed for the {name} program of "
-                               f"{arch.model_type}: {type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"torch.export failed for the {name} program of {arch.model_type}: {type(e).__name__}: {e}"
+            ) from e
         graph = _to_graph(ep, weights)
         programs[name] = graph
         # every input's dim 0 is the batch, ids' and positions' dim 1 the sequence (the ragged
         # program's: RAGGED_INPUTS); with a batch range of 1..2 (--max-batch 1) export does not
         # unify the inputs' batch symbols
-        inputs = ({k: names for k, (_, names, _) in RAGGED_INPUTS.items()} if name == "ragged" else
-                  {"input_ids": ("batch", "seq"), "lengths": ("batch",)} if name == "encode" else
-                  dict.fromkeys(("input_ids", "position_ids", "cache_pos", "last_idx"), ("batch", "seq")))
+        inputs = (
+            {k: names for k, (_, names, _) in RAGGED_INPUTS.items()}
+            if name == "ragged"
+            else {"input_ids": ("batch", "seq"), "lengths": ("batch",)}
+            if name == "encode"
+            else dict.fromkeys(("input_ids", "position_ids", "cache_pos", "last_idx"), ("batch", "seq"))
+        )
         for n in graph.nodes:
             if n.op == "placeholder" and n.name in inputs:
                 for d, dim_name in zip(n.meta["val"].shape, inputs[n.name]):
                     if isinstance(d, torch.SymInt):
                         sym_names.setdefault(name, {})[str(d)] = dim_name
-    return Model(programs=programs, weights=weights, config=ckpt.config, arch=arch, checkpoint=ckpt,
-                 options=options, fake_mode=fake_mode, sym_names=sym_names)
+    return Model(
+        programs=programs,
+        weights=weights,
+        config=ckpt.config,
+        arch=arch,
+        checkpoint=ckpt,
+        options=options,
+        fake_mode=fake_mode,
+        sym_names=sym_names,
+    )

@@ -3,6 +3,7 @@
 Greedy tokens are compared token for token; logits are compared teacher-forced (both models
 see the same token sequence), step by step, as the largest absolute difference.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,10 +33,12 @@ class VerifyReport:
         return sum(a == b for a, b in pairs) / max(len(pairs), 1)
 
     def summary(self) -> str:
-        return (f"verify: {len(self.prompts)} prompts, greedy tokens "
-                f"{'identical' if self.tokens_equal else 'DIFFER'} "
-                f"(agreement {self.token_agreement:.1%}); logits max abs err {self.max_abs_err:.3g} "
-                f"(relative {self.max_rel_err:.3g})")
+        return (
+            f"verify: {len(self.prompts)} prompts, greedy tokens "
+            f"{'identical' if self.tokens_equal else 'DIFFER'} "
+            f"(agreement {self.token_agreement:.1%}); logits max abs err {self.max_abs_err:.3g} "
+            f"(relative {self.max_rel_err:.3g})"
+        )
 
 
 def reference_model(checkpoint: str | Path, dtype: torch.dtype):
@@ -46,8 +49,11 @@ def reference_model(checkpoint: str | Path, dtype: torch.dtype):
     hf_logging.set_verbosity_error()
 
     path = Path(checkpoint)
-    where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) if path.suffix == ".gguf" \
-        else dict(pretrained_model_name_or_path=checkpoint)  # transformers dequantizes a GGUF file itself
+    where = (
+        dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name)
+        if path.suffix == ".gguf"
+        else dict(pretrained_model_name_or_path=checkpoint)
+    )  # transformers dequantizes a GGUF file itself
     m = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation="eager")
     return m.eval()
 
@@ -65,8 +71,13 @@ def reference_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[in
 
 
 @torch.no_grad()
-def verify_artifact(artifact: str | Path, checkpoint: str | Path, prompts: list[list[int]] | None = None,
-                    new_tokens: int = 8, engine=None) -> VerifyReport:
+def verify_artifact(
+    artifact: str | Path,
+    checkpoint: str | Path,
+    prompts: list[list[int]] | None = None,
+    new_tokens: int = 8,
+    engine=None,
+) -> VerifyReport:
     import dsc
 
     engine = engine or dsc.load(artifact, device="cpu")
@@ -85,4 +96,6 @@ def verify_artifact(artifact: str | Path, checkpoint: str | Path, prompts: list[
         tok = torch.tensor([r[step] for r in ref_tokens])
         if step < new_tokens - 1:
             logits = engine.decode(tok.to(engine.device), (lens + step).to(engine.device))
-    return VerifyReport(list(prompts), [list(t) for t in ref_tokens], got, max(errs), max(errs) / max(scale, 1e-12), errs)
+    return VerifyReport(
+        list(prompts), [list(t) for t in ref_tokens], got, max(errs), max(errs) / max(scale, 1e-12), errs
+    )

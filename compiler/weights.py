@@ -1,7 +1,9 @@
 """Turn weight recipes (`WeightSpec`) into tensors, one rank at a time, from slices of the
 source safetensors: read with plain file reads (no mmap), or cut from whole tensors already in
-memory (`SourceReader.hold`, or `keep_bytes`; a GGUF file's tensors are read and dequantized whole); and the safetensors layout and streaming writer
+memory (`SourceReader.hold`, or `keep_bytes`; a GGUF file's tensors are read and dequantized whole); and the
+safetensors layout and streaming writer
 of rank files, so that no more than a few tensors are in memory."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,9 +11,9 @@ import dataclasses
 import json
 import math
 import struct
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -19,9 +21,17 @@ from dsc.compiler.ir import WeightSpec
 from dsc.compiler.source import Checkpoint
 from dsc.errors import UserError
 
-ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
-             torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL",
-             torch.float8_e4m3fn: "F8_E4M3"}
+ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int8: "I8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 _ST_TO_TORCH = {v: k for k, v in ST_DTYPES.items()} | {"F64": torch.float64, "I16": torch.int16}
 
 
@@ -102,7 +112,7 @@ class FileSlice:
         if self.file.readinto(buf.numpy()) != buf.numel():
             raise UserError(f"{self.file.name}: truncated safetensors file")
         t = buf.view(self.dtype).reshape((max(hi - lo, 0),) + self.shape[1:] if self.shape else ())
-        rest = idx[1:len(self.shape)]
+        rest = idx[1 : len(self.shape)]
         if any(s != slice(None) for s in rest):
             t = t[(slice(None),) + rest].contiguous()  # drop the rest of the rows' columns now
         return t
@@ -197,7 +207,9 @@ def float_tensor(spec: WeightSpec, rank: int, world: int, reader: SourceReader) 
     if spec.const is not None:
         t = spec.const
         if spec.shard:
-            t = torch.cat([t.narrow(spec.shard.dim, a, b - a) for a, b in spec.shard.ranges(rank, world)], spec.shard.dim)
+            t = torch.cat(
+                [t.narrow(spec.shard.dim, a, b - a) for a, b in spec.shard.ranges(rank, world)], spec.shard.dim
+            )
         return t.to(torch_dtype(spec.dtype)).contiguous()
     # extents of the concatenated sources along dim 0
     sizes = []
@@ -210,8 +222,13 @@ def float_tensor(spec: WeightSpec, rank: int, world: int, reader: SourceReader) 
             if spec.shard is None:
                 t = _read(reader, key, spec.transpose, None, 0, 0)
             else:
-                t = torch.cat([_read(reader, key, spec.transpose, spec.shard.dim, a, b)
-                               for a, b in spec.shard.ranges(rank, world)], spec.shard.dim)
+                t = torch.cat(
+                    [
+                        _read(reader, key, spec.transpose, spec.shard.dim, a, b)
+                        for a, b in spec.shard.ranges(rank, world)
+                    ],
+                    spec.shard.dim,
+                )
             pieces.append(t.to(torch_dtype(spec.dtype)))
         out = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
         return out.contiguous()
@@ -249,8 +266,12 @@ def tensor_bytes(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torc
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-                      produce: Callable[[str], torch.Tensor], on_tensor: Callable[[int], None] | None = None) -> None:
+def write_safetensors(
+    path: Path,
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+    produce: Callable[[str], torch.Tensor],
+    on_tensor: Callable[[int], None] | None = None,
+) -> None:
     """Stream tensors into a safetensors file. The header is computed from the declared
     shapes first; `produce(name)` is then called once per tensor, in header order."""
     head, _ = safetensors_layout(entries)

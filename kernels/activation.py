@@ -21,6 +21,7 @@ down to s = 8 (the negative tail torch's 1 + erf loses to cancellation); past s 
 faster than log2 Phi(-s), to -inf without NaN, so gelu(x) -> -0.  tests/test_fused_kernels.py
 checks this on a dense grid in the interpreter.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,18 @@ def _swiglu_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr
     tl.store(Y + row * stride_y + cols, _silu_mul(g, u, Y.dtype.element_ty), mask=mask)
 
 
-def _gelu_kernel(X, B, Y, stride_x, stride_y, N, APPROX_TANH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _gelu_kernel(
+    X,
+    B,
+    Y,
+    stride_x,
+    stride_y,
+    N,
+    APPROX_TANH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -71,8 +82,9 @@ def _gelu_kernel(X, B, Y, stride_x, stride_y, N, APPROX_TANH: tl.constexpr, HAS_
     else:  # x Phi(x): Phi(x) = 1 - h for x >= 0, h for x < 0, where h = Phi(-|x|) = 2^P(|x|)
         s = tl.abs(x)
         p = tl.fma(tl.fma(tl.fma(-1.93835472e-08, s, 6.54096254e-07), s, -9.18926798e-06), s, 6.83566104e-05)
-        p = tl.fma(tl.fma(tl.fma(tl.fma(p, s, -2.58120766e-04), s, -3.51600684e-05), s, 6.9823293e-03), s,
-                   -5.24622686e-02)
+        p = tl.fma(
+            tl.fma(tl.fma(tl.fma(p, s, -2.58120766e-04), s, -3.51600684e-05), s, 6.9823293e-03), s, -5.24622686e-02
+        )
         h = tl.exp2(tl.fma(tl.fma(tl.fma(p, s, -4.59214419e-01), s, -1.15110493), s, -1.0))
         y = x * tl.where(x >= 0, 1.0 - h, h)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -86,8 +98,15 @@ def elementwise_config(kernel: str, n: int, arch: str) -> dict:
     return tuned(kernel, f"N{width}", arch, default)
 
 
-def _launch(kernel, kname: str, ins: list[torch.Tensor], n: int, config: dict | None,
-            vectors: tuple[torch.Tensor, ...] = (), **const):
+def _launch(
+    kernel,
+    kname: str,
+    ins: list[torch.Tensor],
+    n: int,
+    config: dict | None,
+    vectors: tuple[torch.Tensor, ...] = (),
+    **const,
+):
     """ins: [..., n] tensors (row-strided); vectors: [n] tensors passed after them."""
     rows_ins = [rows_of(t) for t in ins]
     rows = rows_ins[0][1]
@@ -96,8 +115,18 @@ def _launch(kernel, kname: str, ins: list[torch.Tensor], n: int, config: dict | 
     if rows and n:
         num_warps = cfg.pop("num_warps")
         grid = (rows, cdiv(n, cfg["BLOCK"]))
-        jit(kernel)[grid](*(t for t, _, _ in rows_ins), *vectors, y, *(st for _, _, st in rows_ins), n, n,
-                          num_warps=num_warps, **cfg, **const, **pdl_options(y.device))
+        jit(kernel)[grid](
+            *(t for t, _, _ in rows_ins),
+            *vectors,
+            y,
+            *(st for _, _, st in rows_ins),
+            n,
+            n,
+            num_warps=num_warps,
+            **cfg,
+            **const,
+            **pdl_options(y.device),
+        )
     return y
 
 
@@ -114,8 +143,16 @@ def gelu_triton(x, approximate: str = "none", bias=None, config: dict | None = N
     if bias is not None and (bias.shape != (x.shape[-1],) or bias.dtype != x.dtype):
         raise ValueError(f"gelu: bias must be {x.dtype}[{x.shape[-1]}], got {bias.dtype}{list(bias.shape)}")
     vec = bias.contiguous() if bias is not None else x
-    return _launch(_gelu_kernel, "gelu", [x], x.shape[-1], config, vectors=(vec,),
-                   APPROX_TANH=approximate == "tanh", HAS_BIAS=bias is not None)
+    return _launch(
+        _gelu_kernel,
+        "gelu",
+        [x],
+        x.shape[-1],
+        config,
+        vectors=(vec,),
+        APPROX_TANH=approximate == "tanh",
+        HAS_BIAS=bias is not None,
+    )
 
 
 # -- references -------------------------------------------------------------------------------

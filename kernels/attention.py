@@ -11,7 +11,8 @@ Layouts
 Token i of sequence b sits at position cache_pos[b] + i; it attends to every cached key at a
 position <= its own, and with a sliding window W > 0 (Mistral, Qwen2's sliding layers) only to
 the W latest of those: key position j is visible to query position p iff p - W < j <= p (the
-rule transformers' masks use). The cache keeps every position; the window only masks.  Sequences in one prefill batch are right-padded: padded queries
+rule transformers' masks use). The cache keeps every position; the window only masks.  Sequences in one prefill batch
+are right-padded: padded queries
 compute garbage that nothing reads, and their cache slots are overwritten by later decode
 steps before any valid query can see them.  Keys/values of tokens at positions >= Smax are
 not written (they do not fit); such a token attends to the whole cache.
@@ -73,6 +74,7 @@ Launch configurations: PREFILL_CONFIGS / DECODE_CONFIGS below, shared with the p
 pass through `attention_config` and the registered planner (scripts/bench_kernels.py attention --sweep
 measures the candidates on a GPU).  The CPU implementation is the plain-torch reference.
 """
+
 from __future__ import annotations
 
 import functools
@@ -81,11 +83,29 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.binaries import recording_arch
-from dsc.kernels.launch import SM_COUNT, arch_of, launched, next_power_of_2, pdl_options, planner, sm_count, split_counters, triton_jit, tuned
+from dsc.kernels.launch import (
+    SM_COUNT,
+    arch_of,
+    launched,
+    next_power_of_2,
+    pdl_options,
+    planner,
+    sm_count,
+    split_counters,
+    triton_jit,
+    tuned,
+)
 from dsc.kernels.registry import cuda_kernel, declare
-from dsc.kernels.rotary import (ROTATE_OPTIONS, check_rotary, check_rotary_tables, rotary_config, rotary_reference,
-                               rotary_rows, rotary_triton, rotate)
+from dsc.kernels.rotary import (
+    ROTATE_OPTIONS,
+    check_rotary,
+    check_rotary_tables,
+    rotary_config,
+    rotary_reference,
+    rotary_rows,
+    rotary_triton,
+    rotate,
+)
 
 
 def attend_reference(q, k, v, visible, scale, softcap=0.0, alibi_slopes=None, q_pos=None, k_pos=None):
@@ -143,8 +163,9 @@ def attention_reference(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, s
     return out.transpose(1, 2).contiguous()
 
 
-def rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None,
-                               softcap=0.0, alibi_slopes=None):
+def rotary_attention_reference(
+    q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None, softcap=0.0, alibi_slopes=None
+):
     """dsc.rotary of q and k, then attention: the pair `fuse_rotary_attention` makes one op.
     With rot_pos, cos and sin are tables [P, D] and dsc.rotary's cos, sin their rows rot_pos."""
     if rot_pos is not None:
@@ -200,8 +221,9 @@ PREFILL_CONFIGS = {
 # - `dsc bench` on 2 H200s, two rounds: tp=1 3.889 / 3.863 against
 #   3.953 / 3.933 without it; tp=2 2.420 / 2.396 against 2.416 / 2.407 (no gain there)
 DECODE_CONFIGS = {
-    ("sm_90", 128): dict(BLOCK_N=64, num_warps=8, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256, SPLIT_FLOOR=128,
-                         PRE_N=128),
+    ("sm_90", 128): dict(
+        BLOCK_N=64, num_warps=8, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256, SPLIT_FLOOR=128, PRE_N=128
+    ),
     ("sm_90", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("default", 128): dict(BLOCK_N=64, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
     ("default", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
@@ -222,16 +244,29 @@ PREFILL_VARIANTS = {
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, TMA=True),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True),  # 2 programs per SM
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, TMA=True),
-        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),  # +6% in its own sweep, slower in others
+        dict(
+            BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True
+        ),  # +6% in its own sweep, slower in others
         # the warp-specialized kernel at 64-key tiles (4 slots each): 383 / 421 TFLOP/s at B1 / B8
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True, WS_BLOCK_N=64, WS_K_STAGES=4,
-             WS_V_STAGES=4),
+        dict(
+            BLOCK_M=128,
+            BLOCK_N=64,
+            num_warps=8,
+            num_stages=3,
+            TMA=True,
+            WS=True,
+            WS_BLOCK_N=64,
+            WS_K_STAGES=4,
+            WS_V_STAGES=4,
+        ),
     ],  # (TMA at 128 x 128 / 8 warps / 2 stages builds without spills but measures 315 / 353
     #      TFLOP/s at B1 / B8 on an H200, under the table's row)
-    ("sm_90", 64): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, DEFER_PV=True),  # 4 warps spill
-                    # the warp-specialized kernel: slower here, 202.8 / 255.0 TFLOP/s at B1 / B8 against the
-                    # row's 236.4 / 286.2 (GPT-2-XL's 25 heads, 2048 tokens)
-                    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True)],
+    ("sm_90", 64): [
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, DEFER_PV=True),  # 4 warps spill
+        # the warp-specialized kernel: slower here, 202.8 / 255.0 TFLOP/s at B1 / B8 against the
+        # row's 236.4 / 286.2 (GPT-2-XL's 25 heads, 2048 tokens)
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True),
+    ],
 }
 MAX_SPLITS = 64  # splits per (sequence, kv head): bounds the partials the last split combines
 
@@ -390,8 +425,23 @@ def _variant_scores(qk, qk_scale, cap, slope, q_idx, k_idx, SOFTCAP: tl.constexp
 
 
 @_jit_on_first_use
-def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr, cap=None, slope=None, q_idx=None,
-                 k_idx=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    visible,
+    qk_scale,
+    MASKED: tl.constexpr,
+    cap=None,
+    slope=None,
+    q_idx=None,
+    k_idx=None,
+    SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
+):
     """One online-softmax step. q: [M, D]; k, v: [N, D]; visible: [M, N] (used if MASKED);
     acc: [M, D] fp32 (unnormalized output); m_i, l_i: [M] running max / sum, base 2.
     qk_scale (> 0) is log2(e) / sqrt(d): one FMA per score on unmasked tiles. fp32 inputs
@@ -424,34 +474,130 @@ def _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, MASKED: tl.constexpr
 
 
 @_jit_on_first_use
-def _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d, visible, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, cap=None, slope=None,
-                   q_idx=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+def _attend_cached(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_cache,
+    v_cache,
+    skc_s,
+    svc_s,
+    offs_j,
+    ok,
+    offs_d,
+    visible,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    cap=None,
+    slope=None,
+    q_idx=None,
+    SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
+):
     """Attend to cache slots offs_j (if MASKED, rows with ok false read 0; else all are read).
     The variant's q_idx: the rows' positions (cache slots are positions)."""
     k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, MASKED, cap, slope, q_idx,
-                        offs_j, SOFTCAP, ALIBI)
+    return _attend_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k.to(q.dtype),
+        v.to(q.dtype),
+        visible,
+        qk_scale,
+        MASKED,
+        cap,
+        slope,
+        q_idx,
+        offs_j,
+        SOFTCAP,
+        ALIBI,
+    )
 
 
 @_jit_on_first_use
-def _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d, visible, qk_scale, cache_ty,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, cap=None, slope=None, q_idx=None,
-                SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+def _attend_new(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_new,
+    v_new,
+    sk_s,
+    sv_s,
+    offs_j,
+    ok,
+    offs_d,
+    visible,
+    qk_scale,
+    cache_ty,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    cap=None,
+    slope=None,
+    q_idx=None,
+    SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
+):
     """Attend to new tokens offs_j, rounded through the cache dtype as if read back from it.
     The variant's q_idx: the rows' token indices among the new tokens (offs_j's numbering)."""
     k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     v = _load_rows(v_new + offs_j[:, None] * sv_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    return _attend_tile(acc, m_i, l_i, q, k.to(cache_ty).to(q.dtype), v.to(cache_ty).to(q.dtype), visible,
-                        qk_scale, MASKED, cap, slope, q_idx, offs_j, SOFTCAP, ALIBI)
+    return _attend_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k.to(cache_ty).to(q.dtype),
+        v.to(cache_ty).to(q.dtype),
+        visible,
+        qk_scale,
+        MASKED,
+        cap,
+        slope,
+        q_idx,
+        offs_j,
+        SOFTCAP,
+        ALIBI,
+    )
 
 
 @_jit_on_first_use
-def _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v_cache, skc_s, svc_s, start,
-                          offs_j, ok, own, offs_d, visible, qk_scale, cache_ty,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, cap=None, slope=None, q_idx=None,
-                          SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+def _attend_new_and_write(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_new,
+    v_new,
+    sk_s,
+    sv_s,
+    k_cache,
+    v_cache,
+    skc_s,
+    svc_s,
+    start,
+    offs_j,
+    ok,
+    own,
+    offs_d,
+    visible,
+    qk_scale,
+    cache_ty,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    cap=None,
+    slope=None,
+    q_idx=None,
+    SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
+):
     """`_attend_new` on a masked tile that also writes the tokens this program owns (own: [N])
     to their cache slots start + offs_j: the cache write costs no second read of k/v."""
     k = _load_rows(k_new + offs_j[:, None] * sk_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D).to(cache_ty)
@@ -459,13 +605,38 @@ def _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v
     slots = (start + offs_j)[:, None]
     _store_rows(k_cache + slots * skc_s + offs_d[None, :], k, own, offs_d, HEAD_DIM, BLOCK_D)
     _store_rows(v_cache + slots * svc_s + offs_d[None, :], v, own, offs_d, HEAD_DIM, BLOCK_D)
-    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, True, cap, slope, q_idx,
-                        offs_j, SOFTCAP, ALIBI)
+    return _attend_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k.to(q.dtype),
+        v.to(q.dtype),
+        visible,
+        qk_scale,
+        True,
+        cap,
+        slope,
+        q_idx,
+        offs_j,
+        SOFTCAP,
+        ALIBI,
+    )
 
 
 @_jit_on_first_use
-def _full_tile(ptrs, desc, b, kvh, j0, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               TMA: tl.constexpr):
+def _full_tile(
+    ptrs,
+    desc,
+    b,
+    kvh,
+    j0,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+):
     # keys (or values) j0 .. j0 + BLOCK_N - 1 of sequence b, kv head kvh, all in range -> [BLOCK_N, BLOCK_D].
     # TMA: one bulk copy through the [B, Hkv, S, D] descriptor (columns >= HEAD_DIM read 0; no
     # per-thread addresses, so fewer registers and issue slots); else ptrs: [BLOCK_N, BLOCK_D]
@@ -486,9 +657,31 @@ def _softmax_unmasked(qk, m_i, l_i, qk_scale):
 
 
 @_jit_on_first_use
-def _attend_full_tiles(acc, m_i, l_i, q, k_rows, v_rows, sk, sv, k_desc, v_desc, b, kvh, lo, hi, offs_n, offs_d,
-                       qk_scale, via_ty, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                       TMA: tl.constexpr, DEFER_PV: tl.constexpr):
+def _attend_full_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_rows,
+    v_rows,
+    sk,
+    sv,
+    k_desc,
+    v_desc,
+    b,
+    kvh,
+    lo,
+    hi,
+    offs_n,
+    offs_d,
+    qk_scale,
+    via_ty,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+    DEFER_PV: tl.constexpr,
+):
     """Attend to the keys [lo, hi) of one (sequence, kv head), whole tiles (hi - lo a multiple of
     BLOCK_N) that every row sees: no masks.  k_rows / v_rows: row 0 (row j at + j * sk / sv), or
     k_desc / v_desc with TMA; k/v are rounded through via_ty (the cache dtype) like `_attend_new`.
@@ -502,51 +695,144 @@ def _attend_full_tiles(acc, m_i, l_i, q, k_rows, v_rows, sk, sv, k_desc, v_desc,
     reason QK^T of tile t + 1 is not the dot issued ahead instead)."""
     if DEFER_PV:
         if lo < hi:
-            k = _full_tile(k_rows + (lo + offs_n)[:, None] * sk + offs_d[None, :], k_desc, b, kvh, lo, offs_d,
-                           HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+            k = _full_tile(
+                k_rows + (lo + offs_n)[:, None] * sk + offs_d[None, :],
+                k_desc,
+                b,
+                kvh,
+                lo,
+                offs_d,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_N,
+                TMA,
+            )
             qk = tl.dot(q, tl.trans(k.to(via_ty).to(q.dtype)))  # [M, N]: scores of tile lo
             p, m_i, l_i, alpha = _softmax_unmasked(qk, m_i, l_i, qk_scale)
             for j0 in range(lo + BLOCK_N, hi, BLOCK_N):
                 # here p, alpha: probabilities and rescale of tile j0 - BLOCK_N, not yet in acc
-                k = _full_tile(k_rows + (j0 + offs_n)[:, None] * sk + offs_d[None, :], k_desc, b, kvh, j0, offs_d,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+                k = _full_tile(
+                    k_rows + (j0 + offs_n)[:, None] * sk + offs_d[None, :],
+                    k_desc,
+                    b,
+                    kvh,
+                    j0,
+                    offs_d,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    BLOCK_N,
+                    TMA,
+                )
                 qk = tl.dot(q, tl.trans(k.to(via_ty).to(q.dtype)))
                 jv = j0 - BLOCK_N
-                v = _full_tile(v_rows + (jv + offs_n)[:, None] * sv + offs_d[None, :], v_desc, b, kvh, jv, offs_d,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+                v = _full_tile(
+                    v_rows + (jv + offs_n)[:, None] * sv + offs_d[None, :],
+                    v_desc,
+                    b,
+                    kvh,
+                    jv,
+                    offs_d,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    BLOCK_N,
+                    TMA,
+                )
                 acc = tl.dot(p.to(q.dtype), v.to(via_ty).to(q.dtype), acc * alpha[:, None])  # in flight during:
                 p, m_i, l_i, alpha = _softmax_unmasked(qk, m_i, l_i, qk_scale)
             last = hi - BLOCK_N
-            v = _full_tile(v_rows + (last + offs_n)[:, None] * sv + offs_d[None, :], v_desc, b, kvh, last, offs_d,
-                           HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+            v = _full_tile(
+                v_rows + (last + offs_n)[:, None] * sv + offs_d[None, :],
+                v_desc,
+                b,
+                kvh,
+                last,
+                offs_d,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_N,
+                TMA,
+            )
             acc = tl.dot(p.to(q.dtype), v.to(via_ty).to(q.dtype), acc * alpha[:, None])
     else:
         for j0 in range(lo, hi, BLOCK_N):
             offs_j = j0 + offs_n
-            k = _full_tile(k_rows + offs_j[:, None] * sk + offs_d[None, :], k_desc, b, kvh, j0, offs_d,
-                           HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
-            v = _full_tile(v_rows + offs_j[:, None] * sv + offs_d[None, :], v_desc, b, kvh, j0, offs_d,
-                           HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(via_ty).to(q.dtype), v.to(via_ty).to(q.dtype), None,
-                                         qk_scale, False)
+            k = _full_tile(
+                k_rows + offs_j[:, None] * sk + offs_d[None, :],
+                k_desc,
+                b,
+                kvh,
+                j0,
+                offs_d,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_N,
+                TMA,
+            )
+            v = _full_tile(
+                v_rows + offs_j[:, None] * sv + offs_d[None, :],
+                v_desc,
+                b,
+                kvh,
+                j0,
+                offs_d,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_N,
+                TMA,
+            )
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k.to(via_ty).to(q.dtype), v.to(via_ty).to(q.dtype), None, qk_scale, False
+            )
     return acc, m_i, l_i
 
 
 @_jit_on_first_use
 def _prefill_kernel(
-    Q, K, V, KC, VC, POS, OUT, qk_scale,
-    sq_b, sq_h, sq_s,  # q [B, H, S, D]; the last stride of every tensor is 1
-    sk_b, sk_h, sk_s,  # k [B, Hkv, S, D]
-    sv_b, sv_h, sv_s,
-    skc_b, skc_h, skc_s,  # k_cache [Bmax, Hkv, Smax, D]
-    svc_b, svc_h, svc_s,
-    so_b, so_s, so_h,  # out [B, S, H, D]
-    Hkv, S, Smax, window,
-    KD, VD, KCD, VCD,  # TMA: descriptors of k, v, k_cache, v_cache (blocks [1, 1, BLOCK_N, BLOCK_D]); else None
-    SLOPES, cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
-    TMA: tl.constexpr = False, DEFER_PV: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    Q,
+    K,
+    V,
+    KC,
+    VC,
+    POS,
+    OUT,
+    qk_scale,
+    sq_b,
+    sq_h,
+    sq_s,  # q [B, H, S, D]; the last stride of every tensor is 1
+    sk_b,
+    sk_h,
+    sk_s,  # k [B, Hkv, S, D]
+    sv_b,
+    sv_h,
+    sv_s,
+    skc_b,
+    skc_h,
+    skc_s,  # k_cache [Bmax, Hkv, Smax, D]
+    svc_b,
+    svc_h,
+    svc_s,
+    so_b,
+    so_s,
+    so_h,  # out [B, S, H, D]
+    Hkv,
+    S,
+    Smax,
+    window,
+    KD,
+    VD,
+    KCD,
+    VCD,  # TMA: descriptors of k, v, k_cache, v_cache (blocks [1, 1, BLOCK_N, BLOCK_D]); else None
+    SLOPES,
+    cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    TMA: tl.constexpr = False,
+    DEFER_PV: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
     ALIBI: tl.constexpr = False,
 ):
     # one program per (sequence b, row tile pid_m, kv head kvh), launched sequence by sequence,
@@ -566,8 +852,9 @@ def _prefill_kernel(
     qi = rows // G
     qh = kvh * G + rows % G
     row_ok = qi < S
-    q = _load_rows(Q + b * sq_b + qh[:, None] * sq_h + qi[:, None] * sq_s + offs_d[None, :],
-                   row_ok, offs_d, HEAD_DIM, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    q = _load_rows(
+        Q + b * sq_b + qh[:, None] * sq_h + qi[:, None] * sq_s + offs_d[None, :], row_ok, offs_d, HEAD_DIM, BLOCK_D
+    )  # [BLOCK_M, BLOCK_D]
     k_new = K + b * sk_b + kvh * sk_h
     v_new = V + b * sv_b + kvh * sv_h
     k_cache = KC + b * skc_b + kvh * skc_h
@@ -618,39 +905,141 @@ def _prefill_kernel(
             offs_j = j0 + offs_n
             ok = (offs_j < n_old) & (offs_j >= lo_pos)  # no row reads below lo_pos: not loaded
             visible = ok[None, :] & (offs_j[None, :] > (start + qi - window)[:, None])
-            acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
-                                           visible, qk_scale, HEAD_DIM, BLOCK_D, True, cap, slope, q_pos, SOFTCAP,
-                                           ALIBI)
+            acc, m_i, l_i = _attend_cached(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_cache,
+                v_cache,
+                skc_s,
+                svc_s,
+                offs_j,
+                ok,
+                offs_d,
+                visible,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_D,
+                True,
+                cap,
+                slope,
+                q_pos,
+                SOFTCAP,
+                ALIBI,
+            )
         lo_new = (tl.minimum(tl.maximum(lo_pos - start, 0), hi) // BLOCK_N) * BLOCK_N
         for j0 in range(lo_new, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
-            visible = ((offs_j[None, :] <= qi[:, None]) & (offs_j[None, :] > qi[:, None] - window)
-                       & ok[None, :])
-            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
-                                        visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True, cap, slope, qi, SOFTCAP,
-                                        ALIBI)
+            visible = (offs_j[None, :] <= qi[:, None]) & (offs_j[None, :] > qi[:, None] - window) & ok[None, :]
+            acc, m_i, l_i = _attend_new(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_new,
+                v_new,
+                sk_s,
+                sv_s,
+                offs_j,
+                ok,
+                offs_d,
+                visible,
+                qk_scale,
+                cache_ty,
+                HEAD_DIM,
+                BLOCK_D,
+                True,
+                cap,
+                slope,
+                qi,
+                SOFTCAP,
+                ALIBI,
+            )
     else:
         # phase 1: the cached prefix, positions [0, n_old), visible to every row; full tiles
         # unmasked, then the partial last tile, if any
         n_old_full = (n_old // BLOCK_N) * BLOCK_N
         if TMA or DEFER_PV:  # see `_attend_full_tiles` (never with the variant: the wrapper turns them
             # off); the loop below is the pointer-load path
-            acc, m_i, l_i = _attend_full_tiles(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, KCD, VCD, b, kvh, 0,
-                                               n_old_full, offs_n, offs_d, qk_scale, cache_ty, HEAD_DIM, BLOCK_D,
-                                               BLOCK_N, TMA, DEFER_PV)
+            acc, m_i, l_i = _attend_full_tiles(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_cache,
+                v_cache,
+                skc_s,
+                svc_s,
+                KCD,
+                VCD,
+                b,
+                kvh,
+                0,
+                n_old_full,
+                offs_n,
+                offs_d,
+                qk_scale,
+                cache_ty,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_N,
+                TMA,
+                DEFER_PV,
+            )
         else:
             for j0 in range(0, n_old_full, BLOCK_N):
                 offs_j = j0 + offs_n
-                acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, None, offs_d,
-                                               None, qk_scale, HEAD_DIM, BLOCK_D, False, cap, slope, q_pos, SOFTCAP,
-                                               ALIBI)
+                acc, m_i, l_i = _attend_cached(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    k_cache,
+                    v_cache,
+                    skc_s,
+                    svc_s,
+                    offs_j,
+                    None,
+                    offs_d,
+                    None,
+                    qk_scale,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    False,
+                    cap,
+                    slope,
+                    q_pos,
+                    SOFTCAP,
+                    ALIBI,
+                )
         for j0 in range(n_old_full, n_old, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < n_old
-            acc, m_i, l_i = _attend_cached(acc, m_i, l_i, q, k_cache, v_cache, skc_s, svc_s, offs_j, ok, offs_d,
-                                           ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, True, cap, slope, q_pos, SOFTCAP,
-                                           ALIBI)
+            acc, m_i, l_i = _attend_cached(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_cache,
+                v_cache,
+                skc_s,
+                svc_s,
+                offs_j,
+                ok,
+                offs_d,
+                ok[None, :],
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_D,
+                True,
+                cap,
+                slope,
+                q_pos,
+                SOFTCAP,
+                ALIBI,
+            )
 
         # phase 2: the new tokens, causal (j <= qi) and only those with a cache slot (j < n_fit);
         # keys < free are visible to every row (free <= j_lo <= i_min + 1): unmasked tiles.  The
@@ -661,32 +1050,127 @@ def _prefill_kernel(
         # the write took its own loop above
         free = (tl.minimum(j_lo, hi) // BLOCK_N) * BLOCK_N
         if TMA or DEFER_PV:
-            acc, m_i, l_i = _attend_full_tiles(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, KD, VD, b, kvh, 0, free,
-                                               offs_n, offs_d, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, BLOCK_N, TMA,
-                                               DEFER_PV)
+            acc, m_i, l_i = _attend_full_tiles(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_new,
+                v_new,
+                sk_s,
+                sv_s,
+                KD,
+                VD,
+                b,
+                kvh,
+                0,
+                free,
+                offs_n,
+                offs_d,
+                qk_scale,
+                cache_ty,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_N,
+                TMA,
+                DEFER_PV,
+            )
         else:
             for j0 in range(0, free, BLOCK_N):
                 offs_j = j0 + offs_n
-                acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, None, offs_d,
-                                            None, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, False, cap, slope, qi,
-                                            SOFTCAP, ALIBI)
+                acc, m_i, l_i = _attend_new(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    k_new,
+                    v_new,
+                    sk_s,
+                    sv_s,
+                    offs_j,
+                    None,
+                    offs_d,
+                    None,
+                    qk_scale,
+                    cache_ty,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    False,
+                    cap,
+                    slope,
+                    qi,
+                    SOFTCAP,
+                    ALIBI,
+                )
         for j0 in range(free, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
             visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
             if (BLOCK_M + G - 1) // G > BLOCK_N:
-                acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, offs_j, ok, offs_d,
-                                            visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, True, cap, slope, qi,
-                                            SOFTCAP, ALIBI)
+                acc, m_i, l_i = _attend_new(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    k_new,
+                    v_new,
+                    sk_s,
+                    sv_s,
+                    offs_j,
+                    ok,
+                    offs_d,
+                    visible,
+                    qk_scale,
+                    cache_ty,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    True,
+                    cap,
+                    slope,
+                    qi,
+                    SOFTCAP,
+                    ALIBI,
+                )
             else:
-                acc, m_i, l_i = _attend_new_and_write(acc, m_i, l_i, q, k_new, v_new, sk_s, sv_s, k_cache, v_cache,
-                                                      skc_s, svc_s, start, offs_j, ok, ok & (offs_j >= j_lo), offs_d,
-                                                      visible, qk_scale, cache_ty, HEAD_DIM, BLOCK_D, cap, slope, qi,
-                                                      SOFTCAP, ALIBI)
+                acc, m_i, l_i = _attend_new_and_write(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    k_new,
+                    v_new,
+                    sk_s,
+                    sv_s,
+                    k_cache,
+                    v_cache,
+                    skc_s,
+                    svc_s,
+                    start,
+                    offs_j,
+                    ok,
+                    ok & (offs_j >= j_lo),
+                    offs_d,
+                    visible,
+                    qk_scale,
+                    cache_ty,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    cap,
+                    slope,
+                    qi,
+                    SOFTCAP,
+                    ALIBI,
+                )
 
     out = acc / l_i[:, None]  # the softmax's normalisation, once
-    _store_rows(OUT + b * so_b + qi[:, None] * so_s + qh[:, None] * so_h + offs_d[None, :],
-                out.to(OUT.dtype.element_ty), row_ok, offs_d, HEAD_DIM, BLOCK_D)
+    _store_rows(
+        OUT + b * so_b + qi[:, None] * so_s + qh[:, None] * so_h + offs_d[None, :],
+        out.to(OUT.dtype.element_ty),
+        row_ok,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+    )
 
 
 @_jit_on_first_use
@@ -724,23 +1208,61 @@ def _split_len(n_keys, num_splits, floor, BLOCK_N: tl.constexpr):
 
 @_jit_on_first_use
 def _decode_kernel(
-    Q, K, V, KC, VC, POS, OUT, PART_O, PART_LSE, LOCK, qk_scale,
-    sq_b, sq_h,  # q [B, H, 1, D]
-    sk_b, sk_h,  # k [B, Hkv, 1, D]
-    sv_b, sv_h,
-    skc_b, skc_h, skc_s,  # k_cache [Bmax, Hkv, Smax, D]
-    svc_b, svc_h, svc_s,
-    so_b, so_h,  # out [B, 1, H, D]
-    sp_b, sp_h, sp_s,  # part_o [B, H, splits, D] fp32
-    sl_b, sl_h,  # part_lse [B, H, splits] fp32
-    Hkv, Smax, split_floor, window,
-    COS, SIN, sc_b, ss_b,  # ROTARY: cos, sin [B, 1, D] (dsc.rotary's inputs); else None
-    RPOS, srp_b,  # ROT_TABLE: COS / SIN are tables [P, D] and RPOS [B, 1] the rows to read; else None
-    SLOPES, cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr,
-    ROTARY: tl.constexpr = False, PDL: tl.constexpr = False, PRE_N: tl.constexpr = 0,
-    ROT_TABLE: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    Q,
+    K,
+    V,
+    KC,
+    VC,
+    POS,
+    OUT,
+    PART_O,
+    PART_LSE,
+    LOCK,
+    qk_scale,
+    sq_b,
+    sq_h,  # q [B, H, 1, D]
+    sk_b,
+    sk_h,  # k [B, Hkv, 1, D]
+    sv_b,
+    sv_h,
+    skc_b,
+    skc_h,
+    skc_s,  # k_cache [Bmax, Hkv, Smax, D]
+    svc_b,
+    svc_h,
+    svc_s,
+    so_b,
+    so_h,  # out [B, 1, H, D]
+    sp_b,
+    sp_h,
+    sp_s,  # part_o [B, H, splits, D] fp32
+    sl_b,
+    sl_h,  # part_lse [B, H, splits] fp32
+    Hkv,
+    Smax,
+    split_floor,
+    window,
+    COS,
+    SIN,
+    sc_b,
+    ss_b,  # ROTARY: cos, sin [B, 1, D] (dsc.rotary's inputs); else None
+    RPOS,
+    srp_b,  # ROT_TABLE: COS / SIN are tables [P, D] and RPOS [B, 1] the rows to read; else None
+    SLOPES,
+    cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    ROTARY: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    PRE_N: tl.constexpr = 0,
+    ROT_TABLE: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -820,15 +1342,45 @@ def _decode_kernel(
         # With no cached key here (hi == lo: the new token opens the split) it is all masked:
         # its columns score -1e30 and carry zero values, and the new token's alpha of 0 then
         # clears them, as it clears -inf's running sums
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_pre.to(q.dtype), v_pre.to(q.dtype), ok_p[None, :],
-                                     qk_scale, True, cap, slope, q_pos, offs_p, SOFTCAP, ALIBI)
+        acc, m_i, l_i = _attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_pre.to(q.dtype),
+            v_pre.to(q.dtype),
+            ok_p[None, :],
+            qk_scale,
+            True,
+            cap,
+            slope,
+            q_pos,
+            offs_p,
+            SOFTCAP,
+            ALIBI,
+        )
     for j0 in range(lo + PRE_N, hi, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         ok = offs_j < hi
         k = _load_rows(k_cache + offs_j[:, None] * skc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
         v = _load_rows(v_cache + offs_j[:, None] * svc_s + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), ok[None, :], qk_scale, True,
-                                     cap, slope, q_pos, offs_j, SOFTCAP, ALIBI)
+        acc, m_i, l_i = _attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            ok[None, :],
+            qk_scale,
+            True,
+            cap,
+            slope,
+            q_pos,
+            offs_j,
+            SOFTCAP,
+            ALIBI,
+        )
 
     if PDL:  # the next kernel may start now, not at the top, so that its programs' early
         # weight loads overlap this kernel's end rather than the key loop's chain of loads
@@ -846,8 +1398,9 @@ def _decode_kernel(
         vn = v_in.to(cache_ty)
         tl.store(k_cache + pos * skc_s + offs_d, kn, mask=d_ok)
         tl.store(v_cache + pos * svc_s + offs_d, vn, mask=d_ok)
-        s = _new_key_scores(tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1), qk_scale, cap,
-                            SOFTCAP)  # [BLOCK_H]
+        s = _new_key_scores(
+            tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1), qk_scale, cap, SOFTCAP
+        )  # [BLOCK_H]
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
@@ -864,8 +1417,14 @@ def _decode_kernel(
     else:
         single = True
     if single:
-        _store_rows(OUT + b * so_b + heads[:, None] * so_h + offs_d[None, :],
-                    out.to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)
+        _store_rows(
+            OUT + b * so_b + heads[:, None] * so_h + offs_d[None, :],
+            out.to(OUT.dtype.element_ty),
+            head_ok,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+        )
     else:
         part_o = PART_O + b * sp_b + heads[:, None] * sp_h + offs_d[None, :]  # + split * sp_s
         part_lse = PART_LSE + b * sl_b + heads * sl_h  # + split
@@ -878,8 +1437,14 @@ def _decode_kernel(
         done = tl.atomic_add(LOCK + bh, 1, sem="acq_rel", scope="gpu")
         if done == n_written - 1:
             o = _combine_splits(part_o, part_lse, sp_s, n_written, head_ok, d_ok, BLOCK_H, BLOCK_D)
-            _store_rows(OUT + b * so_b + heads[:, None] * so_h + offs_d[None, :],
-                        o.to(OUT.dtype.element_ty), head_ok, offs_d, HEAD_DIM, BLOCK_D)
+            _store_rows(
+                OUT + b * so_b + heads[:, None] * so_h + offs_d[None, :],
+                o.to(OUT.dtype.element_ty),
+                head_ok,
+                offs_d,
+                HEAD_DIM,
+                BLOCK_D,
+            )
             tl.store(LOCK + bh, 0)  # ready for the next step (and the next graph replay)
 
 
@@ -898,7 +1463,10 @@ def _check(q, k, v, k_cache, v_cache, cache_pos, softcap=0.0, alibi_slopes=None)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("attention: the KV cache must be contiguous in head_dim")
     if cache_pos.shape != (B,) or cache_pos.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"attention: cache_pos must be an int tensor of shape ({B},), got {tuple(cache_pos.shape)} {cache_pos.dtype}")
+        raise ValueError(
+            f"attention: cache_pos must be an int tensor of shape ({B},), got {tuple(cache_pos.shape)} "
+            f"{cache_pos.dtype}"
+        )
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"attention: k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     if not 1 <= D <= 256:
@@ -910,8 +1478,10 @@ def check_variant(op: str, softcap: float, alibi_slopes, heads: int) -> None:
     if not softcap >= 0:
         raise ValueError(f"{op}: softcap must be >= 0 (0: none), got {softcap}")
     if alibi_slopes is not None and (alibi_slopes.shape != (heads,) or alibi_slopes.dtype != torch.float32):
-        raise ValueError(f"{op}: alibi_slopes must be a float32 tensor of shape ({heads},), got "
-                         f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype}")
+        raise ValueError(
+            f"{op}: alibi_slopes must be a float32 tensor of shape ({heads},), got "
+            f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype}"
+        )
 
 
 def variant_launch(scale: float, softcap: float, alibi_slopes) -> tuple:
@@ -928,8 +1498,9 @@ def _last_contiguous(*ts):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
 
-def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None, *,
-                      out=None, config=None):
+def prefill_attention(
+    q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None, *, out=None, config=None
+):
     """`attention` for any S (the prefill kernel); out [B, S, H, D] may be given (tests poison it)."""
     _check(q, k, v, k_cache, v_cache, cache_pos, softcap, alibi_slopes)
     _triton()
@@ -957,21 +1528,56 @@ def prefill_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, sof
     plain = not window and not any(variant.values())
     defer_pv = bool(cfg.get("DEFER_PV", False)) and plain
     sixteen = all(t.dtype in (torch.float16, torch.bfloat16) for t in (q, k, v, k_cache, v_cache))
-    descs = _kv_descriptors(k, v, k_cache, v_cache, cfg["BLOCK_N"], BLOCK_D) \
-        if cfg.get("TMA", False) and plain and sixteen else None
+    descs = (
+        _kv_descriptors(k, v, k_cache, v_cache, cfg["BLOCK_N"], BLOCK_D)
+        if cfg.get("TMA", False) and plain and sixteen
+        else None
+    )
     launched(_prefill_kernel)[grid](
-        q, k, v, k_cache, v_cache, cache_pos, out, qk_scale,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        Hkv, S, Smax, window,
-        *(descs or (None,) * 4), slopes, cap,
-        G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], WINDOWED=window > 0, TMA=descs is not None, DEFER_PV=defer_pv,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **variant,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cache_pos,
+        out,
+        qk_scale,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        Hkv,
+        S,
+        Smax,
+        window,
+        *(descs or (None,) * 4),
+        slopes,
+        cap,
+        G=G,
+        HEAD_DIM=D,
+        BLOCK_D=BLOCK_D,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        WINDOWED=window > 0,
+        TMA=descs is not None,
+        DEFER_PV=defer_pv,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        **variant,
     )
     return out
 
@@ -989,8 +1595,24 @@ def _kv_descriptors(k, v, k_cache, v_cache, block_n: int, block_d: int):
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d]) for t in ts]
 
 
-def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softcap=0.0, alibi_slopes=None, *,
-                     rotary=None, rot_pos=None, out=None, config=None, num_splits=None):
+def decode_attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    cache_pos,
+    scale,
+    window=0,
+    softcap=0.0,
+    alibi_slopes=None,
+    *,
+    rotary=None,
+    rot_pos=None,
+    out=None,
+    config=None,
+    num_splits=None,
+):
     """`attention` for S == 1 (flash-decoding). The grid depends on shapes only.
     rotary=(cos, sin): `rotary_attention`, q and k are dsc.rotary's inputs, rotated in the kernel;
     with rot_pos [B, 1] (integers), cos and sin are tables [P, D] and the kernel reads their rows
@@ -1009,7 +1631,9 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, soft
     rot = (None,) * 6
     if rotary is not None:
         cos, sin = _last_contiguous(*rotary)
-        rot = (cos, sin, cos.stride(0), sin.stride(0)) + ((None, None) if rot_pos is None else (rot_pos, rot_pos.stride(0)))
+        rot = (cos, sin, cos.stride(0), sin.stride(0)) + (
+            (None, None) if rot_pos is None else (rot_pos, rot_pos.stride(0))
+        )
     B, H, _, D = q.shape
     Hkv, Smax = k.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -1024,20 +1648,55 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, soft
     lock = split_counters(q.device, B * Hkv) if splits > 1 else out
     qk_scale, slopes, cap, variant = variant_launch(scale, softcap, alibi_slopes)
     launched(_decode_kernel)[(B * Hkv, splits)](
-        q, k, v, k_cache, v_cache, cache_pos, out, part_o, part_lse, lock, qk_scale,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(2),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        Hkv, Smax, cfg.get("SPLIT_FLOOR", cfg["MIN_SPLIT"]), window,
-        *rot, slopes, cap,
-        G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)),
-        BLOCK_N=cfg["BLOCK_N"], SPLIT=splits > 1, WINDOWED=window > 0, ROTARY=rotary is not None,
-        ROT_TABLE=rot_pos is not None, num_stages=cfg["num_stages"], **decode_preload(cfg), **pdl_options(q.device),
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cache_pos,
+        out,
+        part_o,
+        part_lse,
+        lock,
+        qk_scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(2),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        Hkv,
+        Smax,
+        cfg.get("SPLIT_FLOOR", cfg["MIN_SPLIT"]),
+        window,
+        *rot,
+        slopes,
+        cap,
+        G=G,
+        HEAD_DIM=D,
+        BLOCK_D=BLOCK_D,
+        BLOCK_H=max(16, next_power_of_2(G)),
+        BLOCK_N=cfg["BLOCK_N"],
+        SPLIT=splits > 1,
+        WINDOWED=window > 0,
+        ROTARY=rotary is not None,
+        ROT_TABLE=rot_pos is not None,
+        num_stages=cfg["num_stages"],
+        **decode_preload(cfg),
+        **pdl_options(q.device),
         **variant,
         **ROTATE_OPTIONS,  # with or without ROTARY: one arithmetic for both (the rotary pair's bits)
     )
@@ -1047,16 +1706,25 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, soft
 def variant_config(window=0, softcap=0.0, alibi_slopes=None) -> dict:
     """The plan's record of an attention's variant: only what is set (a plain attention's
     config stays as it was without the variants)."""
-    return {**({"window": window} if window else {}), **({"softcap": float(softcap)} if softcap else {}),
-            **({"alibi": True} if alibi_slopes is not None else {})}
+    return {
+        **({"window": window} if window else {}),
+        **({"softcap": float(softcap)} if softcap else {}),
+        **({"alibi": True} if alibi_slopes is not None else {}),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Ops
 @torch.library.custom_op("dsc::causal_attention", mutates_args=())
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_pos: torch.Tensor, scale: float, window: int = 0,
-    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_pos: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softcap > 0: scores s -> softcap * tanh(s / softcap) (after the scale, before the mask);
     alibi_slopes [H] fp32: + slope_h * (key position - query position) (`attend_reference`)."""
@@ -1125,8 +1793,7 @@ def _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window=0, softc
         from dsc.kernels.attention_sm90 import WS_CONFIGS, prefill_ws_supported
 
         if prefill_ws_supported(q, k, v, k_cache, v_cache, window, softcap, alibi_slopes):
-            return {"name": "gluon.attention_prefill_ws", "config": {**WS_CONFIGS[D], "group": H // Hkv},
-                    "launches": 1}
+            return {"name": "gluon.attention_prefill_ws", "config": {**WS_CONFIGS[D], "group": H // Hkv}, "launches": 1}
     cfg = {key: value for key, value in cfg.items() if key != "WS"}
     cfg = {**cfg, "group": H // Hkv, **variant_config(window, softcap, alibi_slopes)}
     return {"name": "triton.attention_prefill", "config": cfg, "launches": 1}
@@ -1152,8 +1819,9 @@ def rotary_attention(
     that fold_position_tables made): cos and sin are those tables [P, D], and the decode kernel
     reads the rows itself, so the step launches no gathers for them. softcap, alibi_slopes: as
     `attention`'s (after rot_pos: the arguments every attention op ends with)."""
-    return rotary_attention_reference(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window, rot_pos,
-                                      softcap, alibi_slopes)
+    return rotary_attention_reference(
+        q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window, rot_pos, softcap, alibi_slopes
+    )
 
 
 declare("dsc.rotary_attention.default", attention=True)
@@ -1163,8 +1831,9 @@ declare("dsc.rotary_attention.default", attention=True)
 def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None, softcap=0.0, alibi_slopes=None):
     variant = dict(softcap=softcap, alibi_slopes=alibi_slopes)
     if q.shape[2] == 1:
-        return decode_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, rotary=(cos, sin),
-                                rot_pos=rot_pos, **variant)
+        return decode_attention(
+            q, k, v, k_cache, v_cache, cache_pos, scale, window, rotary=(cos, sin), rot_pos=rot_pos, **variant
+        )
     if rot_pos is not None:
         cos, sin = rotary_rows(cos, sin, rot_pos)
     q, k = rotary_triton(q, k, cos, sin)  # the prefill kernel reads each key many times: rotate once
@@ -1177,11 +1846,29 @@ def _(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=N
 
 
 @planner("dsc.rotary_attention.default")
-def _plan_rotary_attention(q, k, v, cos, sin, k_cache, v_cache, cache_pos, scale, window=0, rot_pos=None,
-                           softcap=0.0, alibi_slopes=None, *, arch):
+def _plan_rotary_attention(
+    q,
+    k,
+    v,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    cache_pos,
+    scale,
+    window=0,
+    rot_pos=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    *,
+    arch,
+):
     """Decode: the decode kernel with ROTARY, one launch; otherwise the rotary kernel, then prefill."""
     plan = _plan_attention(q, k, v, k_cache, v_cache, cache_pos, scale, window, softcap, alibi_slopes, arch=arch)
     if plan["name"] == "triton.attention_decode":
         return {**plan, "name": "triton.rotary_attention_decode"}
-    return {"name": f"triton.rotary + {plan['name']}",
-            "config": {**plan["config"], "rotary": rotary_config(q.shape[-1], arch)}, "launches": 2}
+    return {
+        "name": f"triton.rotary + {plan['name']}",
+        "config": {**plan["config"], "rotary": rotary_config(q.shape[-1], arch)},
+        "launches": 2,
+    }

@@ -43,6 +43,7 @@ caches of one dtype, G in 1, 2, 4, 8, no sliding window, TMA-addressable tensors
 (tests/test_attention_kernels.py), tests/gpu/test_gpu_attention.py checks it on a GPU and
 `scripts/bench_kernels.py attention` times it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -74,19 +75,41 @@ def _bind():
 
 
 @gluon_device
-def _attend_tile(q, k_tile, v_tile, acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_free, v_ready,
-                 v_phase, v_free, T: gl.constexpr, BLOCK_N: gl.constexpr, o_layout: gl.constexpr):
+def _attend_tile(
+    q,
+    k_tile,
+    v_tile,
+    acc,
+    m_i,
+    l_i,
+    t,
+    tok0,
+    n_old,
+    n_old_tiles,
+    n_fit,
+    free,
+    qk_scale,
+    k_free,
+    v_ready,
+    v_phase,
+    v_free,
+    T: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    o_layout: gl.constexpr,
+):
     """One warpgroup's rows (q [64, D] in shared memory) against key tile t (k_tile / v_tile
     [BLOCK_N, D] in shared memory): QK^T, the mask where the tile needs one, the online softmax
     in base 2, p @ v.  Hands the K slot back after the QK^T (k_free) and the V slot after the
     p @ v (v_free).  m_i / l_i in the scores' row layout.  Returns (acc, m_i, l_i)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     ROWS: gl.constexpr = q.shape[0]
-    qk = hopper.warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
-                              use_acc=False, is_async=True)
-    qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+    qk = hopper.warpgroup_mma(
+        q, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True
+    )
+    qk = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     hopper.mbarrier.arrive(k_free, count=1)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     j0 = (t - n_old_tiles) * BLOCK_N  # new tiles: first key; old tiles: < 0
@@ -106,7 +129,7 @@ def _attend_tile(q, k_tile, v_tile, acc, m_i, l_i, t, tok0, n_old, n_old_tiles, 
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     hopper.mbarrier.wait(v_ready, v_phase)
     acc = hopper.warpgroup_mma(p16, v_tile, acc, is_async=True)
-    acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     hopper.mbarrier.arrive(v_free, count=1)
     return acc, m_new, l_i
 
@@ -136,8 +159,32 @@ def _next_item(tile_smem, tile_ready, tile_empty, i, layout: gl.constexpr):
 
 
 @gluon_device
-def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs, k_bufs,
-              v_bufs, tile_smem, tile_ready, tile_empty, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty):
+def _consumer(
+    WG: gl.constexpr,
+    OUT,
+    so_b,
+    so_s,
+    so_h,
+    POS,
+    n_m,
+    Hkv,
+    S,
+    Smax,
+    n_items,
+    qk_scale,
+    q_bufs,
+    k_bufs,
+    v_bufs,
+    tile_smem,
+    tile_ready,
+    tile_empty,
+    q_ready,
+    q_empty,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+):
     KS: gl.constexpr = k_bufs.shape[0]  # K and V ring slots
     VS: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -145,10 +192,12 @@ def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n
     G: gl.constexpr = q_bufs.shape[2]
     T: gl.constexpr = q_bufs.shape[3]
     ROWS: gl.constexpr = G * T
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
@@ -169,17 +218,38 @@ def _consumer(WG: gl.constexpr, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n
         for t in range(n_tiles):
             hopper.mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
             acc, m_i, l_i = _attend_tile(
-                q, k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]), v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]),
-                acc, m_i, l_i, t, tok0, n_old, n_old_tiles, n_fit, free, qk_scale, k_empty.index(c % KS),
-                v_ready.index(c % VS), (c // VS) & 1, v_empty.index(c % VS), T, BLOCK_N, o_layout)
+                q,
+                k_bufs.index(c % KS).reshape([BLOCK_N, HEAD_DIM]),
+                v_bufs.index(c % VS).reshape([BLOCK_N, HEAD_DIM]),
+                acc,
+                m_i,
+                l_i,
+                t,
+                tok0,
+                n_old,
+                n_old_tiles,
+                n_fit,
+                free,
+                qk_scale,
+                k_empty.index(c % KS),
+                v_ready.index(c % VS),
+                (c // VS) & 1,
+                v_empty.index(c % VS),
+                T,
+                BLOCK_N,
+                o_layout,
+            )
             c += 1
         hopper.mbarrier.arrive(q_empty.index(i % 2), count=1)  # the item's last QK^T is done
 
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         qi_o = tok0 + r_o % T
         qh_o = kvh * G + r_o // T
-        gl.store(OUT + b.to(gl.int64) * so_b + qi_o[:, None] * so_s + qh_o[:, None] * so_h + d_o[None, :],
-                 out.to(OUT.dtype.element_ty), mask=(qi_o < S)[:, None])
+        gl.store(
+            OUT + b.to(gl.int64) * so_b + qi_o[:, None] * so_s + qh_o[:, None] * so_h + d_o[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=(qi_o < S)[:, None],
+        )
         i += 1
         w = _next_item(tile_smem, tile_ready, tile_empty, i, one)
 
@@ -200,9 +270,43 @@ def _copy_tile(bufs, ready, empty, c, new, cached, b, kvh, t, n_old, n_old_tiles
 
 
 @gluon_device
-def _producer(POS, CTR, n_m, Hkv, S, Smax, n_items, q_bufs0, q_bufs1, k_bufs, v_bufs, k_stage, v_stage, tile_smem,
-              tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0, q_empty1, k_ready, v_ready, k_empty,
-              v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD):
+def _producer(
+    POS,
+    CTR,
+    n_m,
+    Hkv,
+    S,
+    Smax,
+    n_items,
+    q_bufs0,
+    q_bufs1,
+    k_bufs,
+    v_bufs,
+    k_stage,
+    v_stage,
+    tile_smem,
+    tile_ready,
+    tile_empty0,
+    tile_empty1,
+    q_ready0,
+    q_ready1,
+    q_empty0,
+    q_empty1,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    stage_bar,
+    QD,
+    KD,
+    VD,
+    KCD,
+    VCD,
+    KSD,
+    VSD,
+    KRD,
+    VRD,
+):
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     G: gl.constexpr = q_bufs0.shape[2]
     T: gl.constexpr = q_bufs0.shape[3]
@@ -260,12 +364,30 @@ def _producer(POS, CTR, n_m, Hkv, S, Smax, n_items, q_bufs0, q_bufs1, k_bufs, v_
 
 
 def _prefill_ws_kernel(
-    OUT, POS, CTR, qk_scale, so_b, so_s, so_h, Hkv, S, Smax, n_items,
+    OUT,
+    POS,
+    CTR,
+    qk_scale,
+    so_b,
+    so_s,
+    so_h,
+    Hkv,
+    S,
+    Smax,
+    n_items,
     QD,  # q [B, H, S, D]: blocks [1, G, T, D] (T = 64 / G tokens of the G heads: one warpgroup's rows)
-    KD, VD, KCD, VCD,  # k, v, k_cache, v_cache: blocks [1, 1, BLOCK_N, D]
-    KSD, VSD,  # k, v again: blocks [1, 1, CHUNK, D], unswizzled (the cache write's staging)
-    KRD, VRD,  # k_cache, v_cache again: blocks [1, 1, 1, D], unswizzled (the cache write, a row a copy)
-    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    KD,
+    VD,
+    KCD,
+    VCD,  # k, v, k_cache, v_cache: blocks [1, 1, BLOCK_N, D]
+    KSD,
+    VSD,  # k, v again: blocks [1, 1, CHUNK, D], unswizzled (the cache write's staging)
+    KRD,
+    VRD,  # k_cache, v_cache again: blocks [1, 1, 1, D], unswizzled (the cache write, a row a copy)
+    K_STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     # CTR: two int32 counters at 0 (items taken, CTAs done); grid: at most one CTA per SM
     T: gl.constexpr = QD.block_type.shape[2]
@@ -306,15 +428,98 @@ def _prefill_ws_kernel(
         hopper.mbarrier.init(v_ready.index(i), count=1)
         hopper.mbarrier.init(v_empty.index(i), count=2)
 
-    consumer0 = (0, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs0, k_bufs, v_bufs, tile_smem,
-                 tile_ready, tile_empty0, q_ready0, q_empty0, k_ready, v_ready, k_empty, v_empty)
-    consumer1 = (1, OUT, so_b, so_s, so_h, POS, n_m, Hkv, S, Smax, n_items, qk_scale, q_bufs1, k_bufs, v_bufs, tile_smem,
-                 tile_ready, tile_empty1, q_ready1, q_empty1, k_ready, v_ready, k_empty, v_empty)
-    producer = (POS, CTR, n_m, Hkv, S, Smax, n_items, q_bufs0, q_bufs1, k_bufs, v_bufs, k_stage, v_stage, tile_smem,
-                tile_ready, tile_empty0, tile_empty1, q_ready0, q_ready1, q_empty0, q_empty1, k_ready, v_ready, k_empty,
-                v_empty, stage_bar, QD, KD, VD, KCD, VCD, KSD, VSD, KRD, VRD)
-    gl.warp_specialize([(_consumer, consumer0), (_consumer, consumer1), (_producer, producer)], [4, 1],
-                       [CONSUMER_REGS, PRODUCER_REGS])
+    consumer0 = (
+        0,
+        OUT,
+        so_b,
+        so_s,
+        so_h,
+        POS,
+        n_m,
+        Hkv,
+        S,
+        Smax,
+        n_items,
+        qk_scale,
+        q_bufs0,
+        k_bufs,
+        v_bufs,
+        tile_smem,
+        tile_ready,
+        tile_empty0,
+        q_ready0,
+        q_empty0,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+    )
+    consumer1 = (
+        1,
+        OUT,
+        so_b,
+        so_s,
+        so_h,
+        POS,
+        n_m,
+        Hkv,
+        S,
+        Smax,
+        n_items,
+        qk_scale,
+        q_bufs1,
+        k_bufs,
+        v_bufs,
+        tile_smem,
+        tile_ready,
+        tile_empty1,
+        q_ready1,
+        q_empty1,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+    )
+    producer = (
+        POS,
+        CTR,
+        n_m,
+        Hkv,
+        S,
+        Smax,
+        n_items,
+        q_bufs0,
+        q_bufs1,
+        k_bufs,
+        v_bufs,
+        k_stage,
+        v_stage,
+        tile_smem,
+        tile_ready,
+        tile_empty0,
+        tile_empty1,
+        q_ready0,
+        q_ready1,
+        q_empty0,
+        q_empty1,
+        k_ready,
+        v_ready,
+        k_empty,
+        v_empty,
+        stage_bar,
+        QD,
+        KD,
+        VD,
+        KCD,
+        VCD,
+        KSD,
+        VSD,
+        KRD,
+        VRD,
+    )
+    gl.warp_specialize(
+        [(_consumer, consumer0), (_consumer, consumer1), (_producer, producer)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS]
+    )
 
 
 DESCRIPTORS = ("QD", "KD", "VD", "KCD", "VCD", "KSD", "VSD", "KRD", "VRD")  # the kernel's, in order
@@ -324,8 +529,12 @@ def _boxes(G: int, head_dim: int, block_n: int) -> list[tuple[tuple[int, ...], b
     """(TMA box, swizzled) of each of DESCRIPTORS: a warpgroup's queries, K / V tiles of new keys
     and of the cache, the cache write's staging chunks and rows (unswizzled: row copies)."""
     chunk = min(2 * (64 // G), CHUNK)
-    return ([((1, G, 64 // G, head_dim), True)] + [((1, 1, block_n, head_dim), True)] * 4
-            + [((1, 1, chunk, head_dim), False)] * 2 + [((1, 1, 1, head_dim), False)] * 2)
+    return (
+        [((1, G, 64 // G, head_dim), True)]
+        + [((1, 1, block_n, head_dim), True)] * 4
+        + [((1, 1, chunk, head_dim), False)] * 2
+        + [((1, 1, 1, head_dim), False)] * 2
+    )
 
 
 @functools.cache
@@ -351,8 +560,10 @@ def ws_descriptors(q, k, v, k_cache, v_cache, block_n: int):
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     tensors = (q, k, v, k_cache, v_cache, k, v, k_cache, v_cache)
     boxes = _boxes(q.shape[1] // k.shape[1], q.shape[-1], block_n)
-    return [TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _box_layout(block, dtype, swizzled))
-            for t, (block, swizzled) in zip(tensors, boxes)]
+    return [
+        TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _box_layout(block, dtype, swizzled))
+        for t, (block, swizzled) in zip(tensors, boxes)
+    ]
 
 
 def prefill_ws_supported(q, k, v, k_cache, v_cache, window: int, softcap: float = 0.0, alibi_slopes=None) -> bool:
@@ -361,8 +572,16 @@ def prefill_ws_supported(q, k, v, k_cache, v_cache, window: int, softcap: float 
     8 (a warpgroup's 64 rows are 64 / G tokens of each head, a multiple of 8), no sliding window,
     no soft-capping and no ALiBi (the generic Triton kernel runs those)."""
     dtypes = {t.dtype for t in (q, k, v, k_cache, v_cache)}
-    return (not window and not softcap and alibi_slopes is None and len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16}
-            and q.shape[-1] in WS_CONFIGS and q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] in (1, 2, 4, 8))
+    return (
+        not window
+        and not softcap
+        and alibi_slopes is None
+        and len(dtypes) == 1
+        and dtypes <= {torch.float16, torch.bfloat16}
+        and q.shape[-1] in WS_CONFIGS
+        and q.shape[1] % k.shape[1] == 0
+        and q.shape[1] // k.shape[1] in (1, 2, 4, 8)
+    )
 
 
 def prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, config=None):
@@ -381,10 +600,23 @@ def prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, config=None):
     n_items = -(-S // (2 * (64 // G))) * B * Hkv
     grid = (min(n_items, sm_count(q.device)),)
     gluon_jit(_prefill_ws_kernel)[grid](
-        out, cache_pos, split_counters(q.device, 2), scale * math.log2(math.e), out.stride(0), out.stride(1),
-        out.stride(2), Hkv, S, Smax, n_items, *descs,
-        K_STAGES=cfg["K_STAGES"], V_STAGES=cfg["V_STAGES"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
+        out,
+        cache_pos,
+        split_counters(q.device, 2),
+        scale * math.log2(math.e),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        Hkv,
+        S,
+        Smax,
+        n_items,
+        *descs,
+        K_STAGES=cfg["K_STAGES"],
+        V_STAGES=cfg["V_STAGES"],
+        PRODUCER_REGS=cfg["PRODUCER_REGS"],
+        CONSUMER_REGS=cfg["CONSUMER_REGS"],
+        num_warps=4,
     )
     return out
 
@@ -397,10 +629,23 @@ def compile_for_sm90(dtype: str = "bf16", G: int = 4, head_dim: int = 128, confi
 
     _bind()
     cfg = {**WS_CONFIGS[head_dim], **(config or {})}
-    types = {"OUT": f"*{dtype}", "POS": "*i64", "CTR": "*i32", "qk_scale": "fp32",
-             **{n: "i32" for n in ("so_b", "so_s", "so_h", "Hkv", "S", "Smax", "n_items")},
-             **{name: f"tensordesc<{dtype}[{', '.join(map(str, block))}],{_box_layout(block, dtype, swizzled)!r}>"
-                for name, (block, swizzled) in zip(DESCRIPTORS, _boxes(G, head_dim, cfg["BLOCK_N"]))}}
+    types = {
+        "OUT": f"*{dtype}",
+        "POS": "*i64",
+        "CTR": "*i32",
+        "qk_scale": "fp32",
+        **{n: "i32" for n in ("so_b", "so_s", "so_h", "Hkv", "S", "Smax", "n_items")},
+        **{
+            name: f"tensordesc<{dtype}[{', '.join(map(str, block))}],{_box_layout(block, dtype, swizzled)!r}>"
+            for name, (block, swizzled) in zip(DESCRIPTORS, _boxes(G, head_dim, cfg["BLOCK_N"]))
+        },
+    }
     constexprs = {k: cfg[k] for k in ("K_STAGES", "V_STAGES", "PRODUCER_REGS", "CONSUMER_REGS")}
-    return compile_for_arch(_prefill_ws_kernel, types, constexprs, num_warps=4,
-                            aligned=("OUT", "POS", "CTR", "so_b", "so_s", "so_h"), gluon=True)
+    return compile_for_arch(
+        _prefill_ws_kernel,
+        types,
+        constexprs,
+        num_warps=4,
+        aligned=("OUT", "POS", "CTR", "so_b", "so_s", "so_h"),
+        gluon=True,
+    )

@@ -18,6 +18,7 @@ compiled cubins that needs no Triton JIT, no Triton cache and no `ptxas`.
   torch's current stream, so CUDA graphs capture it as any launch. A launch whose spec has none
   prints one line per kernel and runs through Triton's JIT, as without binaries.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,16 +28,35 @@ import hashlib
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 # torch dtype -> Triton's pointer element type
-DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-          torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
-          torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
-OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg", "enable_fp_fusion")  # launch options dsc passes
+DTYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
+}
+OPTIONS = (
+    "num_warps",
+    "num_stages",
+    "num_ctas",
+    "launch_pdl",
+    "maxnreg",
+    "enable_fp_fusion",
+)  # launch options dsc passes
 _I32 = 1 << 31
 _I64 = 1 << 63
 
@@ -55,14 +75,25 @@ class Spec:
     options: tuple  # ((name, value), ...) sorted
 
     def to_json(self) -> dict:
-        return {"kernel": self.kernel, "dialect": self.dialect, "source": self.source,
-                "args": [list(a) for a in self.args], "constants": [list(c) for c in self.constants],
-                "options": [list(o) for o in self.options]}
+        return {
+            "kernel": self.kernel,
+            "dialect": self.dialect,
+            "source": self.source,
+            "args": [list(a) for a in self.args],
+            "constants": [list(c) for c in self.constants],
+            "options": [list(o) for o in self.options],
+        }
 
     @classmethod
-    def from_json(cls, d: dict) -> "Spec":
-        return cls(d["kernel"], d["dialect"], d["source"], tuple(tuple(a) for a in d["args"]),
-                   tuple(tuple(c) for c in d["constants"]), tuple(tuple(o) for o in d["options"]))
+    def from_json(cls, d: dict) -> Spec:
+        return cls(
+            d["kernel"],
+            d["dialect"],
+            d["source"],
+            tuple(tuple(a) for a in d["args"]),
+            tuple(tuple(c) for c in d["constants"]),
+            tuple(tuple(o) for o in d["options"]),
+        )
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
@@ -154,8 +185,9 @@ class Kernel:
     def params(self) -> list[tuple[str, bool, bool, Any, bool]]:
         """(name, is_constexpr, has_default, default, specialize) per parameter."""
         if self._params is None:
-            self._params = [(p.name, p.is_constexpr, p.has_default, p.default, not p.do_not_specialize)
-                            for p in self.jitted.params]
+            self._params = [
+                (p.name, p.is_constexpr, p.has_default, p.default, not p.do_not_specialize) for p in self.jitted.params
+            ]
         return self._params
 
     def spec(self, args: tuple, kwargs: dict) -> tuple[Spec, list]:
@@ -230,11 +262,19 @@ def _nearest(spec: Spec) -> str:
             continue
         if b.spec.source != spec.source:
             return "its source differs from the compile's"
-        diffs = ([f"argument {a[0]} {a[1:]} (binary: {x[1:]})" for a, x in zip(spec.args, b.spec.args) if a != x]
-                 + [f"{k}={v} (binary: {dict(b.spec.constants).get(k)})" for k, v in spec.constants
-                    if dict(b.spec.constants).get(k, object()) != v]
-                 + [f"{k}={v} (binary: {dict(b.spec.options).get(k)})" for k, v in spec.options
-                    if dict(b.spec.options).get(k, object()) != v])
+        diffs = (
+            [f"argument {a[0]} {a[1:]} (binary: {x[1:]})" for a, x in zip(spec.args, b.spec.args) if a != x]
+            + [
+                f"{k}={v} (binary: {dict(b.spec.constants).get(k)})"
+                for k, v in spec.constants
+                if dict(b.spec.constants).get(k, object()) != v
+            ]
+            + [
+                f"{k}={v} (binary: {dict(b.spec.options).get(k)})"
+                for k, v in spec.options
+                if dict(b.spec.options).get(k, object()) != v
+            ]
+        )
         if best is None or len(diffs) < len(best):
             best = diffs
     if best is None:
@@ -277,10 +317,22 @@ def recording_arch(device: torch.device) -> str | None:
 
 # -- binaries ----------------------------------------------------------------------------------
 _PTX_PARAM = re.compile(r"\.param\s+\.(\w+)")
-PTX_TYPES = {"u64": ctypes.c_uint64, "b64": ctypes.c_uint64, "s64": ctypes.c_int64, "u32": ctypes.c_uint32,
-           "b32": ctypes.c_uint32, "s32": ctypes.c_int32, "f32": ctypes.c_float, "f64": ctypes.c_double,
-           "u16": ctypes.c_uint16, "b16": ctypes.c_uint16, "s16": ctypes.c_int16, "u8": ctypes.c_uint8,
-           "b8": ctypes.c_uint8, "s8": ctypes.c_int8}
+PTX_TYPES = {
+    "u64": ctypes.c_uint64,
+    "b64": ctypes.c_uint64,
+    "s64": ctypes.c_int64,
+    "u32": ctypes.c_uint32,
+    "b32": ctypes.c_uint32,
+    "s32": ctypes.c_int32,
+    "f32": ctypes.c_float,
+    "f64": ctypes.c_double,
+    "u16": ctypes.c_uint16,
+    "b16": ctypes.c_uint16,
+    "s16": ctypes.c_int16,
+    "u8": ctypes.c_uint8,
+    "b8": ctypes.c_uint8,
+    "s8": ctypes.c_int8,
+}
 _MASKS = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF, 8: 0xFFFFFFFFFFFFFFFF}
 
 
@@ -305,7 +357,8 @@ class Binary:
         self._struct = type("Params", (ctypes.Structure,), {"_fields_": fields})()
         base = ctypes.addressof(self._struct)
         self._ptrs = (ctypes.c_void_p * max(1, len(params)))(
-            *[base + getattr(type(self._struct), f"p{i}").offset for i in range(len(params))])
+            *[base + getattr(type(self._struct), f"p{i}").offset for i in range(len(params))]
+        )
         self._sizes = [ctypes.sizeof(PTX_TYPES[t]) for t in params]
         self._floats = [t.startswith("f") for t in params]
 
@@ -330,8 +383,15 @@ class Binary:
         g = tuple(grid) + (1, 1)
         if g[0] * g[1] * g[2] == 0:
             return
-        _driver().launch(self.function(device), g[:3], self.block, self.shared,
-                         torch.cuda.current_stream(device).cuda_stream, self._ptrs, self.pdl)
+        _driver().launch(
+            self.function(device),
+            g[:3],
+            self.block,
+            self.shared,
+            torch.cuda.current_stream(device).cuda_stream,
+            self._ptrs,
+            self.pdl,
+        )
 
 
 INSTALLED: dict[tuple, Binary] = {}
@@ -358,10 +418,18 @@ class _LaunchAttribute(ctypes.Structure):
 
 
 class _LaunchConfig(ctypes.Structure):
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+    _fields_ = [
+        ("gridDimX", ctypes.c_uint),
+        ("gridDimY", ctypes.c_uint),
+        ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint),
+        ("blockDimY", ctypes.c_uint),
+        ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint),
+        ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("numAttrs", ctypes.c_uint),
+    ]
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -378,8 +446,7 @@ class _Driver:
         self._config = _LaunchConfig()
         self._attr = _LaunchAttribute()
         self._attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
-        ctypes.memmove(ctypes.addressof(self._attr) + _LaunchAttribute.value.offset,
-                       ctypes.byref(ctypes.c_int(1)), 4)
+        ctypes.memmove(ctypes.addressof(self._attr) + _LaunchAttribute.value.offset, ctypes.byref(ctypes.c_int(1)), 4)
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -396,15 +463,21 @@ class _Driver:
         if shared > 49152:
             dev, optin, static = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
             self.check(self.cuda.cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
-            self.check(self.cuda.cuDeviceGetAttribute(ctypes.byref(optin), _DEVICE_SHARED_OPTIN, dev),
-                       "cuDeviceGetAttribute")
+            self.check(
+                self.cuda.cuDeviceGetAttribute(ctypes.byref(optin), _DEVICE_SHARED_OPTIN, dev), "cuDeviceGetAttribute"
+            )
             if shared > optin.value:
-                raise RuntimeError(f"kernel {entry} needs {shared} bytes of shared memory; the device has {optin.value}")
+                raise RuntimeError(
+                    f"kernel {entry} needs {shared} bytes of shared memory; the device has {optin.value}"
+                )
             self.check(self.cuda.cuFuncSetCacheConfig(fn, _FUNC_CACHE_PREFER_SHARED), "cuFuncSetCacheConfig")
-            self.check(self.cuda.cuFuncGetAttribute(ctypes.byref(static), _FUNC_SHARED_SIZE_BYTES, fn),
-                       "cuFuncGetAttribute")
-            self.check(self.cuda.cuFuncSetAttribute(fn, _FUNC_MAX_DYNAMIC_SHARED, optin.value - static.value),
-                       "cuFuncSetAttribute")
+            self.check(
+                self.cuda.cuFuncGetAttribute(ctypes.byref(static), _FUNC_SHARED_SIZE_BYTES, fn), "cuFuncGetAttribute"
+            )
+            self.check(
+                self.cuda.cuFuncSetAttribute(fn, _FUNC_MAX_DYNAMIC_SHARED, optin.value - static.value),
+                "cuFuncSetAttribute",
+            )
         return fn.value
 
     def launch(self, fn: int, grid: tuple, block: int, shared: int, stream: int, params, pdl: bool) -> None:

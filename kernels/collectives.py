@@ -64,6 +64,7 @@ passes; nccl takes NCCL for every collective.
 Each all-reduce op here, fused or not, and the all-gather take one buffer slot per call in
 `program_scope` (declared `collective_slot` below; runtime/engine.py counts them).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -182,8 +183,11 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
     if ok[0]:
         state.fused = ok[1]
         if not state.fused and dist.get_rank() == 0:
-            print(f"dsc: fused all-reduce + RMSNorm unavailable ({fused_err or 'on another rank'}); "
-                  "using the one-shot all-reduce and a separate norm", file=sys.stderr)
+            print(
+                f"dsc: fused all-reduce + RMSNorm unavailable ({fused_err or 'on another rank'}); "
+                "using the one-shot all-reduce and a separate norm",
+                file=sys.stderr,
+            )
         _symm = state
         return _label(state)
     if dist.get_rank() == 0:
@@ -192,7 +196,7 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
 
 
 def _try(fn) -> str:
-    """"" when fn() ran, else its error in one line."""
+    """ "" when fn() ran, else its error in one line."""
     try:
         fn()
         return ""
@@ -230,8 +234,9 @@ def _probe_fused(s: _Symmetric, compile_only: bool = False) -> None:
     start = torch.tensor([2 * s.rank], dtype=torch.int64, device=dev)
     got, y = _launch_embedding_push(s, 1, table, torch.zeros(rows, dtype=torch.int64, device=dev), start, w, 1e-6)
     if not torch.equal(got, torch.full_like(got, 5.0)) or not torch.allclose(y.float(), ones, atol=1e-2):
-        raise RuntimeError(f"a probe embedding + all-reduce + norm over {s.world} ranks gave "
-                           f"{got.flatten()[:4].tolist()}")
+        raise RuntimeError(
+            f"a probe embedding + all-reduce + norm over {s.world} ranks gave {got.flatten()[:4].tolist()}"
+        )
     # the push all-gather (buffer 2 again, after 1): rank q's block holds q + 1
     got = _launch_push_gather(s, 2, x)
     want = torch.arange(1, s.world + 1, dtype=s.dtype, device=dev).repeat_interleave(n).expand(rows, -1)
@@ -313,15 +318,26 @@ def _onnx_contrib_op(name: str, attributes: tuple[str, ...] = ()):
     from onnxscript.values import Op, Opset
 
     floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
-    schema = d.OpSchema(name, "com.microsoft", 1, inputs=[d.OpSchema.FormalParameter("input", "T")],
-                        outputs=[d.OpSchema.FormalParameter("output", "T")], type_constraints=[("T", floats, "")],
-                        attributes=[d.OpSchema.Attribute(a, d.OpSchema.AttrType.INT, "") for a in attributes])
+    schema = d.OpSchema(
+        name,
+        "com.microsoft",
+        1,
+        inputs=[d.OpSchema.FormalParameter("input", "T")],
+        outputs=[d.OpSchema.FormalParameter("output", "T")],
+        type_constraints=[("T", floats, "")],
+        attributes=[d.OpSchema.Attribute(a, d.OpSchema.AttrType.INT, "") for a in attributes],
+    )
     return Op(Opset("com.microsoft", 1), name, schema)
 
 
-declare("dsc.all_reduce.default", all_reduce=True, collective_slot=True,
-        simulate=lambda per_rank: [_rank_sum(per_rank, 0)] * len(per_rank),
-        onnx=KEEP, onnx_translation=lambda x: _onnx_contrib_op("AllReduce")(x))
+declare(
+    "dsc.all_reduce.default",
+    all_reduce=True,
+    collective_slot=True,
+    simulate=lambda per_rank: [_rank_sum(per_rank, 0)] * len(per_rank),
+    onnx=KEEP,
+    onnx_translation=lambda x: _onnx_contrib_op("AllReduce")(x),
+)
 
 
 @all_reduce.register_fake
@@ -356,10 +372,29 @@ def _add_rmsnorm_row(acc, r, w, S, Y, row, cols, mask, eps, N: tl.constexpr):
     _norm_row(sf, rstd, w, Y + row.to(tl.int64) * N, cols, mask)
 
 
-def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, rank, region, IDS, START, vocab,
-                                N: tl.constexpr, WORLD: tl.constexpr, BLOCK_W: tl.constexpr,
-                                BLOCK_N: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False,
-                                EMBED: tl.constexpr = False):
+def _ar_push_add_rmsnorm_kernel(
+    X,
+    R,
+    W,
+    S,
+    Y,
+    BUFS,
+    stride_x,
+    stride_r,
+    eps,
+    rank,
+    region,
+    IDS,
+    START,
+    vocab,
+    N: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MARK: tl.constexpr,
+    PDL: tl.constexpr = False,
+    EMBED: tl.constexpr = False,
+):
     # BUFS: [WORLD] addresses of every rank's push buffer (this call's slot), read as integers of
     # the dtype's width; sender q's rows start at q * region in every buffer. MARK: -0.0's bits.
     # EMBED (`vocab_embedding_all_reduce_rmsnorm`): row i is the lookup of token IDS[i] in this
@@ -395,8 +430,22 @@ def _ar_push_add_rmsnorm_kernel(X, R, W, S, Y, BUFS, stride_x, stride_r, eps, ra
 
 
 @device
-def _push_wait_sum_norm(BUFS, r, w, S, Y, row, rank, region, eps, N: tl.constexpr, WORLD: tl.constexpr,
-                        BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, MARK: tl.constexpr):
+def _push_wait_sum_norm(
+    BUFS,
+    r,
+    w,
+    S,
+    Y,
+    row,
+    rank,
+    region,
+    eps,
+    N: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MARK: tl.constexpr,
+):
     # the push kernel's end on row `row`, in one piece (BLOCK_N >= N; r, w: its residual and
     # the norm weight, loaded): wait until every sender's row has fully arrived in this rank's
     # buffer: poll (volatile loads, all senders at once) until no element holds the marker. The
@@ -420,8 +469,7 @@ def _push_wait_sum_norm(BUFS, r, w, S, Y, row, rank, region, eps, N: tl.constexp
         again = tl.load(ptrs, mask=m2, other=0, volatile=True)
         pending = tl.sum(tl.sum((again == MARK).to(tl.int32), axis=1), axis=0)
         if pending == 0:
-            _add_rmsnorm_row(_push_sum(again, ptrs, m2, senders, WORLD, MARK, dt), r, w, S, Y, row, cols, mask,
-                             eps, N)
+            _add_rmsnorm_row(_push_sum(again, ptrs, m2, senders, WORLD, MARK, dt), r, w, S, Y, row, cols, mask, eps, N)
 
 
 @device
@@ -440,8 +488,21 @@ def _push_sum(rows, ptrs, m2, senders, WORLD: tl.constexpr, MARK: tl.constexpr, 
 
 
 @device
-def _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, N: tl.constexpr, WORLD: tl.constexpr,
-                                BLOCK_W: tl.constexpr, CHUNK: tl.constexpr, MARK: tl.constexpr):
+def _push_wait_sum_norm_chunked(
+    BUFS,
+    R,
+    NW,
+    S,
+    Y,
+    rank,
+    region,
+    eps,
+    N: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MARK: tl.constexpr,
+):
     # `_push_wait_sum_norm` on row 0 in chunks of CHUNK columns, where the whole row would not
     # fit a GEMV program's registers (`gemv_push_norm_config`). Pass 1, chunk by chunk: wait
     # for it, reset, sum, add the residual and store s, summing s^2 (a scalar: what the poll
@@ -482,10 +543,31 @@ def _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, N: tl.cons
         _norm_row(sf, rstd, w, Y, cols, mask)
 
 
-def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, eps, EVEN: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, WORLD: tl.constexpr,
-                      MARK: tl.constexpr, NORM_N: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr,
-                      PDL: tl.constexpr = False, EARLY_K: tl.constexpr = 0):
+def _gemv_push_kernel(
+    X,
+    W,
+    BUFS,
+    N,
+    K,
+    rank,
+    region,
+    R,
+    NW,
+    S,
+    Y,
+    eps,
+    EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    X_ROW: tl.constexpr,
+    WORLD: tl.constexpr,
+    MARK: tl.constexpr,
+    NORM_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
+    EARLY_K: tl.constexpr = 0,
+):
     # the row-parallel linear before a fused all-reduce + norm, at one row: kernels/linear.py's
     # GEMV, whose programs store their outputs, rounded to the dtype, straight into this rank's
     # region of every rank's push buffer (as the push kernel would, -0.0 sent as +0.0) instead
@@ -507,8 +589,25 @@ def _gemv_push_kernel(X, W, BUFS, N, K, rank, region, R, NW, S, Y, eps, EVEN: tl
 
 
 @device
-def _push_rows_and_end(X, y, offs_n, mask_n, BUFS, rank, region, R, NW, S, Y, eps, WORLD: tl.constexpr,
-                       MARK: tl.constexpr, NORM_N: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr):
+def _push_rows_and_end(
+    X,
+    y,
+    offs_n,
+    mask_n,
+    BUFS,
+    rank,
+    region,
+    R,
+    NW,
+    S,
+    Y,
+    eps,
+    WORLD: tl.constexpr,
+    MARK: tl.constexpr,
+    NORM_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     # a GEMV push program's end (`_gemv_push_kernel`, `_w8a16_gemv_push_kernel`): its outputs y
     # [rows offs_n] rounded to x's dtype into this rank's region of every rank's push buffer (-0.0
     # sent as +0.0); then the last program ends the all-reduce of the NORM_N outputs (wait, sum,
@@ -525,17 +624,43 @@ def _push_rows_and_end(X, y, offs_n, mask_n, BUFS, rank, region, R, NW, S, Y, ep
             cols = tl.arange(0, CHUNK)
             r = tl.load(R + cols, mask=cols < NORM_N, other=0.0).to(tl.float32)
             w = tl.load(NW + cols, mask=cols < NORM_N, other=0.0).to(tl.float32)
-            _push_wait_sum_norm(BUFS, r, w, S, Y, tl.full([], 0, tl.int32), rank, region, eps, NORM_N, WORLD,
-                                BLOCK_W, CHUNK, MARK)
+            _push_wait_sum_norm(
+                BUFS, r, w, S, Y, tl.full([], 0, tl.int32), rank, region, eps, NORM_N, WORLD, BLOCK_W, CHUNK, MARK
+            )
         else:
             _push_wait_sum_norm_chunked(BUFS, R, NW, S, Y, rank, region, eps, NORM_N, WORLD, BLOCK_W, CHUNK, MARK)
 
 
-def _w8a16_gemv_push_kernel(X, W, WS, WZ, BUFS, N, K, G, rank, region, R, NW, S, Y, eps,
-                            GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, CVT: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr,
-                            WORLD: tl.constexpr, MARK: tl.constexpr, NORM_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                            CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+def _w8a16_gemv_push_kernel(
+    X,
+    W,
+    WS,
+    WZ,
+    BUFS,
+    N,
+    K,
+    G,
+    rank,
+    region,
+    R,
+    NW,
+    S,
+    Y,
+    eps,
+    GROUP_K: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    CVT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    X_ROW: tl.constexpr,
+    WORLD: tl.constexpr,
+    MARK: tl.constexpr,
+    NORM_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     # `_gemv_push_kernel` over an int8 weight: the W8A16 GEMV's rows (kernels/int8.py; WS, WZ
     # its scales and zero points, G groups per row) pushed into every rank's buffer, and the
     # last program ending the all-reduce: the row-parallel o_proj / down_proj of an
@@ -548,8 +673,9 @@ def _w8a16_gemv_push_kernel(X, W, WS, WZ, BUFS, N, K, G, rank, region, R, NW, S,
     _push_rows_and_end(X, y, offs_n, mask_n, BUFS, rank, region, R, NW, S, Y, eps, WORLD, MARK, NORM_N, BLOCK_W, CHUNK)
 
 
-def _launch_fused(s: _Symmetric, slot: int, x: torch.Tensor, residual: torch.Tensor,
-                  weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_fused(
+    s: _Symmetric, slot: int, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The push kernel. x, residual: [..., N] of one shape, read as rows (launch.rows_of, as the
     norm kernels do); returns (sum, normed) of x's shape, contiguous."""
     n = x.shape[-1]
@@ -558,8 +684,23 @@ def _launch_fused(s: _Symmetric, slot: int, x: torch.Tensor, residual: torch.Ten
     out_s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
     jit(_ar_push_add_rmsnorm_kernel)[(rows,)](
-        x, residual, weight, out_s, out_y, s.push_ptrs[slot], sx, sr, eps, s.rank, s.numel, x, x, 0,
-        MARK=_MARK[s.dtype], **_fused_options(s, n, x.device))
+        x,
+        residual,
+        weight,
+        out_s,
+        out_y,
+        s.push_ptrs[slot],
+        sx,
+        sr,
+        eps,
+        s.rank,
+        s.numel,
+        x,
+        x,
+        0,
+        MARK=_MARK[s.dtype],
+        **_fused_options(s, n, x.device),
+    )
     return out_s, out_y
 
 
@@ -567,12 +708,25 @@ def _fused_options(s: _Symmetric, n: int, dev: torch.device) -> dict:
     """The fused all-reduce + norm kernels' launch keywords for rows of n: one program per row,
     the whole row in one block (`add_rmsnorm`'s config)."""
     cfg = norm_config("add_rmsnorm", n, arch_of(dev))
-    return dict(N=n, WORLD=s.world, BLOCK_W=next_power_of_2(s.world), BLOCK_N=cfg["BLOCK_N"],
-                num_warps=cfg["num_warps"], **pdl_options(dev))
+    return dict(
+        N=n,
+        WORLD=s.world,
+        BLOCK_W=next_power_of_2(s.world),
+        BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"],
+        **pdl_options(dev),
+    )
 
 
-def _launch_embedding_push(s: _Symmetric, slot: int, table: torch.Tensor, ids: torch.Tensor, start: torch.Tensor,
-                           weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_embedding_push(
+    s: _Symmetric,
+    slot: int,
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    start: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The push kernel with EMBED: this rank's lookup of `ids` in its rows `table` [vocab, N]
     (ids from start[0]) sent as the all-reduce's input; returns (sum, normed) [*ids.shape, N]."""
     n = table.shape[-1]
@@ -580,34 +734,63 @@ def _launch_embedding_push(s: _Symmetric, slot: int, table: torch.Tensor, ids: t
     out_s = torch.empty(*ids.shape, n, dtype=table.dtype, device=table.device)
     out_y = torch.empty_like(out_s)
     jit(_ar_push_add_rmsnorm_kernel)[(ids.numel(),)](
-        table, out_s, weight, out_s, out_y, s.push_ptrs[slot], table.stride(0), 0, eps, s.rank, s.numel,
-        ids, start, table.shape[0], MARK=_MARK[s.dtype], EMBED=True, **_fused_options(s, n, table.device))
+        table,
+        out_s,
+        weight,
+        out_s,
+        out_y,
+        s.push_ptrs[slot],
+        table.stride(0),
+        0,
+        eps,
+        s.rank,
+        s.numel,
+        ids,
+        start,
+        table.shape[0],
+        MARK=_MARK[s.dtype],
+        EMBED=True,
+        **_fused_options(s, n, table.device),
+    )
     return out_s, out_y
 
 
 @torch.library.custom_op("dsc::all_reduce_add_rmsnorm", mutates_args=())
-def all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def all_reduce_add_rmsnorm(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, y): s = residual + all_reduce(x), y = RMSNorm(s) * weight, rounded as the unfused ops.
     The argument order is add_rmsnorm's in a Hugging Face layer (residual + the sublayer's
     output), so `dsc diff --numeric` pairs the arguments of the fused and the unfused node."""
     return add_rmsnorm_reference(all_reduce(x), residual, weight, eps)
 
 
-declare("dsc.all_reduce_add_rmsnorm.default", all_reduce=True, collective_slot=True,
-        # (residual, x, weight, eps): the sum of x, then each rank's norm
-        simulate=lambda per_rank: [add_rmsnorm_reference(_rank_sum(per_rank, 1), a[0], *a[2:]) for a in per_rank],
-        # ONNX: the AllReduce node and the norm's reference
-        onnx=lambda residual, x, weight, eps: add_rmsnorm_reference(torch.ops.dsc.all_reduce(x), residual, weight, eps))
+declare(
+    "dsc.all_reduce_add_rmsnorm.default",
+    all_reduce=True,
+    collective_slot=True,
+    # (residual, x, weight, eps): the sum of x, then each rank's norm
+    simulate=lambda per_rank: [add_rmsnorm_reference(_rank_sum(per_rank, 1), a[0], *a[2:]) for a in per_rank],
+    # ONNX: the AllReduce node and the norm's reference
+    onnx=lambda residual, x, weight, eps: add_rmsnorm_reference(torch.ops.dsc.all_reduce(x), residual, weight, eps),
+)
 
 
 @cuda_kernel(all_reduce_add_rmsnorm)
 def _(residual, x, weight, eps):
     s = _symm
     n = x.shape[-1]
-    if (s is not None and s.fused and s.count and x.dtype == s.dtype and residual.dtype == s.dtype
-            and residual.shape == x.shape and 0 < n <= MAX_N and 0 < x.numel() // n <= s.rows
-            and x.numel() <= s.numel):
+    if (
+        s is not None
+        and s.fused
+        and s.count
+        and x.dtype == s.dtype
+        and residual.dtype == s.dtype
+        and residual.shape == x.shape
+        and 0 < n <= MAX_N
+        and 0 < x.numel() // n <= s.rows
+        and x.numel() <= s.numel
+    ):
         return _launch_fused(s, s.slot(), x, residual, weight.contiguous(), eps)
     return torch.ops.dsc.add_rmsnorm(all_reduce(x), residual, weight, eps)
 
@@ -622,14 +805,18 @@ def _plan_all_reduce_add_rmsnorm(residual, x, weight, eps, *, arch):
     """The decode program's kernel (plan_kernels sends prefill programs to plan_all_reduce_norm's
     NCCL branch): one launch on CUDA with symmetric memory."""
     cfg = norm_config("add_rmsnorm", x.shape[-1], arch)
-    return {"name": "triton.all_reduce_add_rmsnorm",
-            "config": {**cfg, "fallback": "symm_mem.one_shot_all_reduce + triton.add_rmsnorm"}, "launches": 1}
+    return {
+        "name": "triton.all_reduce_add_rmsnorm",
+        "config": {**cfg, "fallback": "symm_mem.one_shot_all_reduce + triton.add_rmsnorm"},
+        "launches": 1,
+    }
 
 
 # -- vocab-parallel embedding + all-reduce + RMSNorm ------------------------------------------
 @torch.library.custom_op("dsc::vocab_embedding_all_reduce_rmsnorm", mutates_args=())
-def vocab_embedding_all_reduce_rmsnorm(weight: torch.Tensor, ids: torch.Tensor, start: torch.Tensor,
-                                       norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_embedding_all_reduce_rmsnorm(
+    weight: torch.Tensor, ids: torch.Tensor, start: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, y): h = all_reduce(vocab_embedding(weight, ids, start)), the vocab-parallel token
     embedding (the residual stream's start), y = RMSNorm(h) * norm_weight (layer 0's input norm),
     the values of the unfused ops (`fuse_add_norm` makes it of the three)."""
@@ -650,8 +837,14 @@ def _embedding_all_reduce_norm_onnx(weight, ids, start, norm_weight, eps):
     return h, rmsnorm_reference(h, norm_weight, eps)
 
 
-declare("dsc.vocab_embedding_all_reduce_rmsnorm.default", gather=True, all_reduce=True, collective_slot=True,
-        simulate=_embedding_then_norms, onnx=_embedding_all_reduce_norm_onnx)
+declare(
+    "dsc.vocab_embedding_all_reduce_rmsnorm.default",
+    gather=True,
+    all_reduce=True,
+    collective_slot=True,
+    simulate=_embedding_then_norms,
+    onnx=_embedding_all_reduce_norm_onnx,
+)
 
 
 @cuda_kernel(vocab_embedding_all_reduce_rmsnorm)
@@ -659,9 +852,15 @@ def _(weight, ids, start, norm_weight, eps):
     check_lookup(weight, ids, start)
     s = _symm
     n = weight.shape[-1]
-    if (s is not None and s.fused and s.count
-            and weight.dtype == norm_weight.dtype == s.dtype
-            and 0 < n <= MAX_N and 0 < ids.numel() <= s.rows and ids.numel() * n <= s.numel):
+    if (
+        s is not None
+        and s.fused
+        and s.count
+        and weight.dtype == norm_weight.dtype == s.dtype
+        and 0 < n <= MAX_N
+        and 0 < ids.numel() <= s.rows
+        and ids.numel() * n <= s.numel
+    ):
         return _launch_embedding_push(s, s.slot(), weight.contiguous(), ids, start, norm_weight.contiguous(), eps)
     h = all_reduce(torch.ops.dsc.vocab_embedding(weight, ids, start))  # takes the slot (or NCCL)
     return h, torch.ops.dsc.rmsnorm(h, norm_weight, eps)
@@ -678,9 +877,11 @@ def _plan_vocab_embedding_all_reduce_rmsnorm(weight, ids, start, norm_weight, ep
     """The decode program's kernel (plan_kernels sends prefill programs to plan_all_reduce_norm's
     NCCL branch): one launch on CUDA with the push kernel."""
     cfg = norm_config("add_rmsnorm", weight.shape[-1], arch)
-    return {"name": "triton.vocab_embedding_all_reduce_rmsnorm",
-            "config": {**cfg, "fallback": "triton.vocab_embedding + symm_mem.one_shot_all_reduce + triton.rmsnorm"},
-            "launches": 1}
+    return {
+        "name": "triton.vocab_embedding_all_reduce_rmsnorm",
+        "config": {**cfg, "fallback": "triton.vocab_embedding + symm_mem.one_shot_all_reduce + triton.rmsnorm"},
+        "launches": 1,
+    }
 
 
 # -- row-parallel linear + all-reduce + residual add + RMSNorm --------------------------------
@@ -693,12 +894,23 @@ def _gemv_push_usable(s: _Symmetric | None, residual, x, weight, norm_weight, er
     the all-reduce): the push kernel on, DSC_ALLREDUCE=auto, that kernel built here (`error`
     empty), one row, activations of the buffers' dtype, a contiguous weight [n, k] whose rows
     fit the buffers."""
-    if (s is None or not s.fused or not s.count or switches.get("DSC_ALLREDUCE") != "auto"
-            or error or not weight.is_contiguous()):
+    if (
+        s is None
+        or not s.fused
+        or not s.count
+        or switches.get("DSC_ALLREDUCE") != "auto"
+        or error
+        or not weight.is_contiguous()
+    ):
         return False
     n, k = weight.shape
-    return (x.numel() == k and residual.numel() == n and 0 < n <= MAX_N and n <= s.numel
-            and x.dtype == residual.dtype == norm_weight.dtype == s.dtype)
+    return (
+        x.numel() == k
+        and residual.numel() == n
+        and 0 < n <= MAX_N
+        and n <= s.numel
+        and x.dtype == residual.dtype == norm_weight.dtype == s.dtype
+    )
 
 
 def _gemv_push_config(s: _Symmetric | None, residual, x, weight, norm_weight) -> dict | None:
@@ -722,8 +934,9 @@ def gemv_push_config(n: int, k: int, arch: str) -> dict | None:
 
 
 @torch.library.custom_op("dsc::linear_all_reduce_add_rmsnorm", mutates_args=())
-def linear_all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                                  norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_all_reduce_add_rmsnorm(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """all_reduce_add_rmsnorm(residual, x @ weight.T, norm_weight, eps): a row-parallel linear
     (no bias) and the all-reduce + add + RMSNorm after it (the decode_linears pass makes it of
     the two). On CUDA at one row with the push kernel on, its GEMV pushes its outputs into the
@@ -737,11 +950,16 @@ def _linear_then_fused(residual, x, weight, norm_weight, eps):
     return torch.ops.dsc.all_reduce_add_rmsnorm(residual, torch.ops.dsc.linear(x, weight), norm_weight, eps)
 
 
-declare("dsc.linear_all_reduce_add_rmsnorm.default", all_reduce=True, collective_slot=True,
-        fuses=("dsc.linear.default", "dsc.all_reduce_add_rmsnorm.default"),
-        # (residual, x, weight, norm weight, eps)
-        simulate=lambda per_rank: [add_rmsnorm_reference(sum(F.linear(a[1], a[2]) for a in per_rank), a[0], *a[3:])
-                                   for a in per_rank])
+declare(
+    "dsc.linear_all_reduce_add_rmsnorm.default",
+    all_reduce=True,
+    collective_slot=True,
+    fuses=("dsc.linear.default", "dsc.all_reduce_add_rmsnorm.default"),
+    # (residual, x, weight, norm weight, eps)
+    simulate=lambda per_rank: [
+        add_rmsnorm_reference(sum(F.linear(a[1], a[2]) for a in per_rank), a[0], *a[3:]) for a in per_rank
+    ],
+)
 
 
 @cuda_kernel(linear_all_reduce_add_rmsnorm)
@@ -751,8 +969,9 @@ def _(residual, x, weight, norm_weight, eps):
     pair = lambda: _linear_then_fused(residual, x, weight, norm_weight, eps)  # noqa: E731
     if cfg is None:
         return pair()
-    return _gemv_push_call(s, residual, norm_weight, eps, "gemv",
-                           lambda slot, norm: _launch_gemv_push(s, slot, x, weight, cfg, norm), pair)
+    return _gemv_push_call(
+        s, residual, norm_weight, eps, "gemv", lambda slot, norm: _launch_gemv_push(s, slot, x, weight, cfg, norm), pair
+    )
 
 
 def _gemv_push_call(s: _Symmetric, residual, norm_weight, eps, kind: str, launch, pair):
@@ -772,8 +991,11 @@ def _gemv_push_call(s: _Symmetric, residual, norm_weight, eps, kind: str, launch
             _gemv_push_error = error
         else:
             _w8a16_push_error = error
-        print(f"dsc: {'W8A16 ' if kind == 'w8a16' else ''}GEMV + all-reduce push kernel unavailable on rank "
-              f"{s.rank} ({error}); using the GEMV and the push kernel", file=sys.stderr)
+        print(
+            f"dsc: {'W8A16 ' if kind == 'w8a16' else ''}GEMV + all-reduce push kernel unavailable on rank "
+            f"{s.rank} ({error}); using the GEMV and the push kernel",
+            file=sys.stderr,
+        )
         s.index -= 1  # the unfused pair takes this slot again
         return pair()
     return out[0].view(residual.shape), out[1].view(residual.shape)
@@ -803,8 +1025,9 @@ def gemv_push_norm_config(config: dict, n: int, world: int) -> dict:
     return {"CHUNK": chunk, **cfg, "NORM_N": n, "BLOCK_W": block_w}
 
 
-def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.Tensor, config: dict,
-                      norm: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_gemv_push(
+    s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.Tensor, config: dict, norm: tuple
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (one row of K) @ weight [N, K].T into this rank's region of every rank's push buffer of
     `slot`, row 0, with the GEMV config `config` (kernels/linear.py's); norm = (residual,
     norm_weight, eps): the same launch ends the all-reduce and returns (s, y) as `_launch_fused`
@@ -814,9 +1037,23 @@ def _launch_gemv_push(s: _Symmetric, slot: int, x: torch.Tensor, weight: torch.T
     out_s = torch.empty(n, dtype=residual.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
     grid, opts = gemv_launch(gemv_push_norm_config(config, n, s.world), n, k, x.device)
-    jit(_gemv_push_kernel)[grid](x.contiguous(), weight, s.push_ptrs[slot], n, k, s.rank, s.numel,
-                                 residual.contiguous(), norm_weight, out_s, out_y, eps,
-                                 WORLD=s.world, MARK=_MARK[s.dtype], **opts)
+    jit(_gemv_push_kernel)[grid](
+        x.contiguous(),
+        weight,
+        s.push_ptrs[slot],
+        n,
+        k,
+        s.rank,
+        s.numel,
+        residual.contiguous(),
+        norm_weight,
+        out_s,
+        out_y,
+        eps,
+        WORLD=s.world,
+        MARK=_MARK[s.dtype],
+        **opts,
+    )
     return out_s, out_y
 
 
@@ -845,9 +1082,16 @@ def _plan_linear_all_reduce_add_rmsnorm(residual, x, weight, norm_weight, eps, *
 
 # -- the same over an int8 weight (--int8, W8A16) --------------------------------------------------
 @torch.library.custom_op("dsc::linear_w8a16_all_reduce_add_rmsnorm", mutates_args=())
-def linear_w8a16_all_reduce_add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor,
-                                        scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
-                                        norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_w8a16_all_reduce_add_rmsnorm(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """all_reduce_add_rmsnorm(residual, linear_w8a16(x, qweight, scale, zero, None, group_size),
     norm_weight, eps): `linear_all_reduce_add_rmsnorm` for an --int8 artifact's row-parallel
     o_proj / down_proj (the decode_linears pass makes it of the two). On CUDA at one row with the
@@ -862,11 +1106,17 @@ def _w8a16_then_fused(residual, x, qweight, scale, zero, group_size, norm_weight
     return torch.ops.dsc.all_reduce_add_rmsnorm(residual, y, norm_weight, eps)
 
 
-declare("dsc.linear_w8a16_all_reduce_add_rmsnorm.default", all_reduce=True, collective_slot=True,
-        fuses=("dsc.linear_w8a16.default", "dsc.all_reduce_add_rmsnorm.default"),
-        # (residual, x, qweight, scale, zero, group, norm weight, eps)
-        simulate=lambda per_rank: [add_rmsnorm_reference(
-            sum(linear_w8a16_reference(a[1], *a[2:5], None, a[5]) for a in per_rank), a[0], *a[6:]) for a in per_rank])
+declare(
+    "dsc.linear_w8a16_all_reduce_add_rmsnorm.default",
+    all_reduce=True,
+    collective_slot=True,
+    fuses=("dsc.linear_w8a16.default", "dsc.all_reduce_add_rmsnorm.default"),
+    # (residual, x, qweight, scale, zero, group, norm weight, eps)
+    simulate=lambda per_rank: [
+        add_rmsnorm_reference(sum(linear_w8a16_reference(a[1], *a[2:5], None, a[5]) for a in per_rank), a[0], *a[6:])
+        for a in per_rank
+    ],
+)
 
 
 @cuda_kernel(linear_w8a16_all_reduce_add_rmsnorm)
@@ -876,9 +1126,15 @@ def _(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
     if not _gemv_push_usable(s, residual, x, qweight, norm_weight, _w8a16_push_error):
         return pair()
     cfg = w8a16_push_config(*qweight.shape, group_k(scale, group_size), arch_of(x.device), x.element_size())
-    return _gemv_push_call(s, residual, norm_weight, eps, "w8a16",
-                           lambda slot, norm: _launch_w8a16_push(s, slot, x, qweight, scale, zero, group_size, cfg,
-                                                                 norm), pair)
+    return _gemv_push_call(
+        s,
+        residual,
+        norm_weight,
+        eps,
+        "w8a16",
+        lambda slot, norm: _launch_w8a16_push(s, slot, x, qweight, scale, zero, group_size, cfg, norm),
+        pair,
+    )
 
 
 def w8a16_push_config(n: int, k: int, group_k: int, arch: str, x_bytes: int = 2) -> dict:
@@ -892,9 +1148,17 @@ def w8a16_push_config(n: int, k: int, group_k: int, arch: str, x_bytes: int = 2)
     return {**cfg, **w8a16_gemv_row("w8a16_gemv_push", n, k, group_k, arch)}
 
 
-def _launch_w8a16_push(s: _Symmetric, slot: int, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                       zero: torch.Tensor | None, group_size: int, config: dict,
-                       norm: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_w8a16_push(
+    s: _Symmetric,
+    slot: int,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    config: dict,
+    norm: tuple,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`_launch_gemv_push` over an int8 weight: x (one row of K) @ dequant(qweight [N, K]).T into
     this rank's region of every rank's push buffer of `slot`, with the W8A16 GEMV config
     `config`; norm = (residual, norm_weight, eps): the same launch ends the all-reduce and
@@ -907,11 +1171,29 @@ def _launch_w8a16_push(s: _Symmetric, slot: int, x: torch.Tensor, qweight: torch
     residual, norm_weight, eps = norm
     out_s = torch.empty(n, dtype=residual.dtype, device=x.device)
     out_y = torch.empty_like(out_s)
-    const, opts = _int8_split({"FAST_CVT": False, "PREFETCH": False, "X_ROW": False,
-                               **gemv_push_norm_config(config, n, s.world)}, x.device)
+    const, opts = _int8_split(
+        {"FAST_CVT": False, "PREFETCH": False, "X_ROW": False, **gemv_push_norm_config(config, n, s.world)}, x.device
+    )
     jit(_w8a16_gemv_push_kernel)[(cdiv(n, const["BLOCK_N"]),)](
-        x.contiguous(), qweight, scale, zero_, s.push_ptrs[slot], n, k, g, s.rank, s.numel,
-        residual.contiguous(), norm_weight, out_s, out_y, eps, **flags, **const, **opts)
+        x.contiguous(),
+        qweight,
+        scale,
+        zero_,
+        s.push_ptrs[slot],
+        n,
+        k,
+        g,
+        s.rank,
+        s.numel,
+        residual.contiguous(),
+        norm_weight,
+        out_s,
+        out_y,
+        eps,
+        **flags,
+        **const,
+        **opts,
+    )
     return out_s, out_y
 
 
@@ -921,8 +1203,7 @@ def _(residual, x, qweight, scale, zero, group_size, norm_weight, eps):
 
 
 @planner("dsc.linear_w8a16_all_reduce_add_rmsnorm.default")
-def _plan_linear_w8a16_all_reduce_add_rmsnorm(residual, x, qweight, scale, zero, group_size, norm_weight, eps, *,
-                                              arch):
+def _plan_linear_w8a16_all_reduce_add_rmsnorm(residual, x, qweight, scale, zero, group_size, norm_weight, eps, *, arch):
     """The decode program's (batch 1): one launch, the W8A16 GEMV pushing its rows and its last
     program waiting, summing and normalizing (DSC_ALLREDUCE=auto, the default, on the target);
     the config `w8a16_push_config`'s, whose warps (and BLOCK_N with them) the launch raises with the ranks
@@ -930,13 +1211,31 @@ def _plan_linear_w8a16_all_reduce_add_rmsnorm(residual, x, qweight, scale, zero,
     all-reduce + norm."""
     n, k = qweight.shape
     gk = group_k(scale, group_size)
-    cfg = {"N": n, "K": k, **w8a16_push_config(n, k, gk, arch, x.dtype.itemsize), "NORM_N": n,
-           "norm": norm_config("add_rmsnorm", n, arch), "fallback": "triton.w8a16 + triton.all_reduce_add_rmsnorm"}
+    cfg = {
+        "N": n,
+        "K": k,
+        **w8a16_push_config(n, k, gk, arch, x.dtype.itemsize),
+        "NORM_N": n,
+        "norm": norm_config("add_rmsnorm", n, arch),
+        "fallback": "triton.w8a16 + triton.all_reduce_add_rmsnorm",
+    }
     return {"name": "triton.w8a16_gemv_push_add_rmsnorm", "config": cfg, "launches": 1}
 
 
-def _push_gather_kernel(X, Y, BUFS, n, total, rank, region, WORLD: tl.constexpr, BLOCK_W: tl.constexpr,
-                        BLOCK: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False):
+def _push_gather_kernel(
+    X,
+    Y,
+    BUFS,
+    n,
+    total,
+    rank,
+    region,
+    WORLD: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MARK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     # the push all-gather: X [B, n] (this rank's, contiguous: `total` = B * n elements) -> Y
     # [B, WORLD * n], sender q's block at columns q * n. Each program takes BLOCK of X's flat
     # elements: stores them (-0.0 sent as +0.0) into this rank's region of every rank's push
@@ -988,8 +1287,14 @@ def _push_gather(x: torch.Tensor, dim: int) -> torch.Tensor | None:
     if s is None or s.count == 0 or not x.is_cuda:
         return None
     slot = s.slot()  # counted even when this call takes NCCL, which synchronises on its own
-    if (not s.fused or switches.get("DSC_ALLREDUCE") != "auto"
-            or x.dtype != s.dtype or x.numel() > s.numel or dim % x.dim() != x.dim() - 1 or x.numel() == 0):
+    if (
+        not s.fused
+        or switches.get("DSC_ALLREDUCE") != "auto"
+        or x.dtype != s.dtype
+        or x.numel() > s.numel
+        or dim % x.dim() != x.dim() - 1
+        or x.numel() == 0
+    ):
         return None
     return _launch_push_gather(s, slot, x)
 
@@ -1001,8 +1306,19 @@ def _launch_push_gather(s: _Symmetric, slot: int, x: torch.Tensor) -> torch.Tens
     n = x.shape[-1]
     y = torch.empty(*x.shape[:-1], s.world * n, dtype=x.dtype, device=x.device)
     jit(_push_gather_kernel)[(cdiv(x.numel(), PUSH_GATHER["BLOCK"]),)](
-        x, y, s.push_ptrs[slot], n, x.numel(), s.rank, s.numel, WORLD=s.world, BLOCK_W=next_power_of_2(s.world),
-        MARK=_MARK[s.dtype], **PUSH_GATHER, **pdl_options(x.device))
+        x,
+        y,
+        s.push_ptrs[slot],
+        n,
+        x.numel(),
+        s.rank,
+        s.numel,
+        WORLD=s.world,
+        BLOCK_W=next_power_of_2(s.world),
+        MARK=_MARK[s.dtype],
+        **PUSH_GATHER,
+        **pdl_options(x.device),
+    )
     return y
 
 
@@ -1025,16 +1341,21 @@ def all_gather(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
     g = funcol.wait_tensor(gather(x.contiguous(), 0, tp_group()))  # [world * x.shape[0], ...]
     dim %= x.dim()
     if math.prod(x.shape[:dim]) == 1:  # (batch-1 decode's logits) the ranks' blocks already lie
-        shape = list(x.shape)          # in `dim`'s order: a view, no cat kernel
+        shape = list(x.shape)  # in `dim`'s order: a view, no cat kernel
         shape[dim] *= world
         return g.view(shape)
     return torch.cat(g.chunk(world, 0), dim)
 
 
-declare("dsc.all_gather.default", collective_slot=True,  # pushed through the all-reduces' buffers where it fits
-        simulate=lambda per_rank: [torch.cat([a[0] for a in per_rank], per_rank[0][1])] * len(per_rank),
-        onnx=KEEP, onnx_translation=lambda x, dim, world: _onnx_contrib_op("AllGather", ("group_size", "axis"))(
-            x, group_size=world, axis=dim))
+declare(
+    "dsc.all_gather.default",
+    collective_slot=True,  # pushed through the all-reduces' buffers where it fits
+    simulate=lambda per_rank: [torch.cat([a[0] for a in per_rank], per_rank[0][1])] * len(per_rank),
+    onnx=KEEP,
+    onnx_translation=lambda x, dim, world: _onnx_contrib_op("AllGather", ("group_size", "axis"))(
+        x, group_size=world, axis=dim
+    ),
+)
 
 
 @all_gather.register_fake
@@ -1050,6 +1371,9 @@ def _plan_all_gather(x, dim, world, *, arch):
     launch through the push buffers (rows that fit them); else NCCL's all-gather, then a cat
     (none where the rows are one: the ranks' blocks already lie in order)."""
     if dim % x.dim() == x.dim() - 1:
-        return {"name": "triton.push_all_gather", "config": {"dim": dim, **PUSH_GATHER,
-                                                             "fallback": "nccl.all_gather + cat"}, "launches": 1}
+        return {
+            "name": "triton.push_all_gather",
+            "config": {"dim": dim, **PUSH_GATHER, "fallback": "nccl.all_gather + cat"},
+            "launches": 1,
+        }
     return {"name": "nccl.all_gather", "config": {"dim": dim}, "launches": 2}  # gather + cat

@@ -12,6 +12,7 @@ the others add zeros. Written as aten ops the masked lookup was seven launches p
 two compares, and, clamp, embedding, where); one program per (token, block of BLOCK_H columns)
 here reads the id and copies the row or writes zeros.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,9 +55,11 @@ def vocab_embedding_config(hidden: int) -> dict:
 # -- wrapper ----------------------------------------------------------------------------------
 def check_lookup(weight, ids, start) -> None:
     if weight.dim() != 2 or start.shape != (1,) or start.dtype != torch.int64 or ids.dtype != torch.int64:
-        raise ValueError(f"vocab_embedding: weight {weight.dtype}{list(weight.shape)}, ids {ids.dtype}"
-                         f"{list(ids.shape)}, start {start.dtype}{list(start.shape)}: expected [rows, H], "
-                         "int64 ids and an int64 [1] start")
+        raise ValueError(
+            f"vocab_embedding: weight {weight.dtype}{list(weight.shape)}, ids {ids.dtype}"
+            f"{list(ids.shape)}, start {start.dtype}{list(start.shape)}: expected [rows, H], "
+            "int64 ids and an int64 [1] start"
+        )
 
 
 def vocab_embedding_triton(weight, ids, start, config: dict | None = None):
@@ -68,8 +71,9 @@ def vocab_embedding_triton(weight, ids, start, config: dict | None = None):
     if ids.numel() and hidden:
         num_warps = cfg.pop("num_warps")
         grid = (ids.numel(), cdiv(hidden, cfg["BLOCK_H"]))
-        jit(_vocab_embedding_kernel)[grid](weight, ids, start, out, rows, hidden, num_warps=num_warps, **cfg,
-                                           **pdl_options(weight.device))
+        jit(_vocab_embedding_kernel)[grid](
+            weight, ids, start, out, rows, hidden, num_warps=num_warps, **cfg, **pdl_options(weight.device)
+        )
     return out
 
 

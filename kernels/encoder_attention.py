@@ -12,6 +12,7 @@ Op:
 Query head h reads kv head h // (H / Hkv). The implementation is torch's scaled_dot_product_attention
 with a key-padding mask, on every device (on CUDA its fused memory-efficient kernels).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,14 +28,16 @@ def key_mask(lengths: torch.Tensor, seq: int) -> torch.Tensor:
 
 
 def encoder_attention_reference(q, k, v, lengths, scale):
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask(lengths, q.shape[2]), scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=key_mask(lengths, q.shape[2]), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
     return out.transpose(1, 2).contiguous()
 
 
 @torch.library.custom_op("dsc::encoder_attention", mutates_args=())
-def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def encoder_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
     return encoder_attention_reference(q, k, v, lengths, scale)
 
 

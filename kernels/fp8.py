@@ -14,6 +14,7 @@ is the CPU implementation and the test oracle; it rounds exactly as the GPU path
 scales are the same fp32 divisions, e4m3 conversion rounds to nearest even in both), so the two
 differ only in the order of the fp32 sums.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,22 +41,29 @@ def _to_e4m3(v: torch.Tensor) -> torch.Tensor:
     return v.clamp(-FP8_MAX, FP8_MAX).to(E4M3)
 
 
-def quantize_weight(w: torch.Tensor, col_scale: torch.Tensor | None = None,
-                    out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def quantize_weight(
+    w: torch.Tensor, col_scale: torch.Tensor | None = None, out: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """w [N, K] float -> {"qweight": e4m3 [N, K], "scale": fp32 [N, 1]}, a block of rows at a
     time in fp32. `col_scale` is refused (fp8 has no SmoothQuant form); `out`: parts of these
     shapes to write into (the rows of a larger weight's parts)."""
     if col_scale is not None:
         raise ValueError("fp8 weights take no column scales")
     n, k = w.shape
-    out = out if out is not None else {"qweight": torch.empty(n, k, dtype=E4M3, device=w.device),
-                                       "scale": torch.empty(n, 1, dtype=torch.float32, device=w.device)}
+    out = (
+        out
+        if out is not None
+        else {
+            "qweight": torch.empty(n, k, dtype=E4M3, device=w.device),
+            "scale": torch.empty(n, 1, dtype=torch.float32, device=w.device),
+        }
+    )
     rows = n if w.device.type != "cpu" else max(1, min(n, QUANT_ROWS // max(k, 1)))
     for a in range(0, n, rows):
-        f = w[a:a + rows].float()
+        f = w[a : a + rows].float()
         s = _row_scales(f.abs().amax(1, keepdim=True))
-        out["scale"][a:a + rows] = s
-        out["qweight"][a:a + rows] = _to_e4m3(f / s)
+        out["scale"][a : a + rows] = s
+        out["qweight"][a : a + rows] = _to_e4m3(f / s)
     return out
 
 
@@ -129,8 +137,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xs = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m:
         block = min(2048, next_power_of_2(k))
-        jit(_quantize_rows_fp8_kernel)[(m,)](x, xq, xs, k, x.stride(0), INV_MAX=INV_FP8_MAX, BLOCK_K=block,
-                                              num_warps=4 if block <= 1024 else 8)
+        jit(_quantize_rows_fp8_kernel)[(m,)](
+            x, xq, xs, k, x.stride(0), INV_MAX=INV_FP8_MAX, BLOCK_K=block, num_warps=4 if block <= 1024 else 8
+        )
     return xq, xs
 
 
@@ -142,14 +151,15 @@ def fp8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias
         return linear_fp8_reference(x, qweight, scale, bias)
     xq, xs = quantize_rows(x)
     b = None if bias is None else bias.to(torch.bfloat16)
-    y = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=scale.reshape(1, n), bias=b,
-                         out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=scale.reshape(1, n), bias=b, out_dtype=torch.bfloat16)
     return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
 
 @planner("dsc.linear_fp8.default")
 def _plan_fp8(x, qweight, scale, bias, *, arch):
     n, k = qweight.shape
-    return {"name": "cublaslt.scaled_mm_fp8", "config": {"N": n, "K": k, "scales": "row-wise",
-                                                         "activations": "triton.quantize_rows_fp8"},
-            "launches": 2}
+    return {
+        "name": "cublaslt.scaled_mm_fp8",
+        "config": {"N": n, "K": k, "scales": "row-wise", "activations": "triton.quantize_rows_fp8"},
+        "launches": 2,
+    }

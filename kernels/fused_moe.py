@@ -52,6 +52,7 @@ tiles, convert them in registers (the ALU conversion of kernels/int8.py, FAST_CV
 multiply in x's dtype (exact for integers up to 127) and scale the fp32 accumulator by each
 output column's row scale. Activations fp16, bf16 or fp32 (fp32 with IEEE fp32 products).
 """
+
 from __future__ import annotations
 
 import torch
@@ -130,10 +131,29 @@ def _int8_to(w, DT: tl.constexpr, CVT: tl.constexpr):
     return w.to(tl.float32).to(DT)
 
 
-def _gate_up_kernel(X, W, S, SORTED, OFFS, ACT, n_tiles, E, H, I, K_TOP, stride_x,
-                    INT8: tl.constexpr, CVT: tl.constexpr, PRECISION: tl.constexpr, E_P: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    EVICT: tl.constexpr):
+def _gate_up_kernel(
+    X,
+    W,
+    S,
+    SORTED,
+    OFFS,
+    ACT,
+    n_tiles,
+    E,
+    H,
+    I,
+    K_TOP,
+    stride_x,
+    INT8: tl.constexpr,
+    CVT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    E_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVICT: tl.constexpr,
+):
     # act[rows] = silu(x[tokens] @ gate_e^T) * (x[tokens] @ up_e^T), BLOCK_N columns of I
     #   x: [T, H], w: [E * 2I, H] (expert e: gate rows e*2I + n, up rows e*2I + I + n), act: [T*K, I]
     n_blocks = (I + BLOCK_N - 1) // BLOCK_N
@@ -172,10 +192,28 @@ def _gate_up_kernel(X, W, S, SORTED, OFFS, ACT, n_tiles, E, H, I, K_TOP, stride_
     tl.store(ACT + rows.to(tl.int64)[:, None] * I + n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _down_kernel(ACT, W, S, OFFS, Y, n_tiles, E, H, I, NP,
-                 INT8: tl.constexpr, CVT: tl.constexpr, PRECISION: tl.constexpr, E_P: tl.constexpr,
-                 SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, EVICT: tl.constexpr):
+def _down_kernel(
+    ACT,
+    W,
+    S,
+    OFFS,
+    Y,
+    n_tiles,
+    E,
+    H,
+    I,
+    NP,
+    INT8: tl.constexpr,
+    CVT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    E_P: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVICT: tl.constexpr,
+):
     # y[split, rows] = act[rows] @ down_e^T over this split's share of I, BLOCK_N columns of H
     #   act: [NP, I] (NP = T*K rows), w: [E * H, I], y: [SPLIT_K, NP, H]
     n_blocks = (H + BLOCK_N - 1) // BLOCK_N
@@ -207,8 +245,20 @@ def _down_kernel(ACT, W, S, OFFS, Y, n_tiles, E, H, I, NP,
     tl.store(out, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _combine_kernel(Y, SLOT_ROW, TW, OUT, T, H, K_TOP, stride_split, stride_out, SPLIT_K: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(
+    Y,
+    SLOT_ROW,
+    TW,
+    OUT,
+    T,
+    H,
+    K_TOP,
+    stride_split,
+    stride_out,
+    SPLIT_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     # out[t] = sum_k w[t, k] * round(sum_s y[s, slot_row[t*K + k]]), k in order, fp32, for BLOCK_T
     # tokens and BLOCK_H columns; a slot without a row (another rank's expert) adds nothing
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -228,8 +278,9 @@ def _combine_kernel(Y, SLOT_ROW, TW, OUT, T, H, K_TOP, stride_split, stride_out,
         for s in tl.static_range(1, SPLIT_K):
             y += tl.load(at + s * stride_split, mask=mask, other=0.0).to(tl.float32)
         acc += y.to(dt).to(tl.float32) * w[:, None]
-    tl.store(OUT + t.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(dt),
-             mask=mask_t[:, None] & mask_h[None, :])
+    tl.store(
+        OUT + t.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(dt), mask=mask_t[:, None] & mask_h[None, :]
+    )
 
 
 # -- configs ----------------------------------------------------------------------------------
@@ -264,10 +315,27 @@ def _defaults(tokens: int, hidden: int, inter: int, experts: int, top_k: int, sm
     tiles = active * cdiv(per_expert, bm)
     if bm >= 64:  # prefill: compute-bound tiles; a weight block serves the GROUP_M tiles in flight from L2
         warps = 4 if bm == 64 else 8
-        return ({"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "STREAM_W": False, "num_warps": warps,
-                 "num_stages": 4},
-                {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 1, "STREAM_W": False,
-                 "num_warps": warps, "num_stages": 4})
+        return (
+            {
+                "BLOCK_M": bm,
+                "BLOCK_N": 64,
+                "BLOCK_K": 64,
+                "GROUP_M": 8,
+                "STREAM_W": False,
+                "num_warps": warps,
+                "num_stages": 4,
+            },
+            {
+                "BLOCK_M": bm,
+                "BLOCK_N": 128,
+                "BLOCK_K": 64,
+                "GROUP_M": 8,
+                "SPLIT_K": 1,
+                "STREAM_W": False,
+                "num_warps": warps,
+                "num_stages": 4,
+            },
+        )
     # decode: the weights are the traffic (streamed past L2: STREAM_W); enough programs to keep
     # every SM's loads in flight
     bn1 = next((bn for bn in (64, 32) if tiles * cdiv(inter, bn) >= 2 * sms), 16)
@@ -276,13 +344,23 @@ def _defaults(tokens: int, hidden: int, inter: int, experts: int, top_k: int, sm
     split = 1
     if programs < 2 * sms:  # split I, keeping at least 4 K-blocks of 128 per split
         split = max(1, min(8, cdiv(2 * sms, programs), inter // 512))
-    return ({"BLOCK_M": bm, "BLOCK_N": bn1, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
-            {"BLOCK_M": bm, "BLOCK_N": bn2, "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": split, "num_warps": 4,
-             "num_stages": 4})
+    return (
+        {"BLOCK_M": bm, "BLOCK_N": bn1, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+        {
+            "BLOCK_M": bm,
+            "BLOCK_N": bn2,
+            "BLOCK_K": 128,
+            "GROUP_M": 8,
+            "SPLIT_K": split,
+            "num_warps": 4,
+            "num_stages": 4,
+        },
+    )
 
 
-def moe_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int, arch: str, x_bytes: int = 2,
-               w_bytes: int = 2) -> dict:
+def moe_config(
+    tokens: int, hidden: int, inter: int, experts: int, top_k: int, arch: str, x_bytes: int = 2, w_bytes: int = 2
+) -> dict:
     """{"gate_up": {...}, "down": {...}, "combine": {...}}: each kernel's constexprs and launch
     options at T = tokens (its bucket, `token_bucket`) for x [T, hidden], top_k experts of
     `experts` per token, inter the experts' intermediate size; w_bytes 1 for int8 weights.
@@ -299,8 +377,7 @@ def moe_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int, a
     d = _fit_stages(tuned("moe_down", cls, arch, d), x_bytes, w_bytes, 1, budget)
     bh = min(1024, next_power_of_2(hidden))
     bt = min(token_bucket(tokens), max(1, 4096 // bh))  # programs of up to 4096 outputs
-    return {"gate_up": g, "down": d,
-            "combine": {"BLOCK_T": bt, "BLOCK_H": bh, "num_warps": 4 if bt * bh >= 512 else 1}}
+    return {"gate_up": g, "down": d, "combine": {"BLOCK_T": bt, "BLOCK_H": bh, "num_warps": 4 if bt * bh >= 512 else 1}}
 
 
 def experts_padded(experts: int) -> int:
@@ -333,8 +410,10 @@ def _options(cfg: dict, device: torch.device) -> tuple[dict, dict]:
 # -- wrapper ------------------------------------------------------------------------------------
 def _check(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale) -> tuple[int, int, int, int, int]:
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"moe: x [T, H], topk_ids and topk_weights [T, K]; got {list(x.shape)}, "
-                         f"{list(topk_ids.shape)}, {list(topk_weights.shape)}")
+        raise ValueError(
+            f"moe: x [T, H], topk_ids and topk_weights [T, K]; got {list(x.shape)}, "
+            f"{list(topk_ids.shape)}, {list(topk_weights.shape)}"
+        )
     t, h = x.shape
     k = topk_ids.shape[1]
     if down.dim() != 2 or gate_up.dim() != 2 or gate_up.shape[1] != h or down.shape[1] == 0:
@@ -342,21 +421,35 @@ def _check(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale) 
     inter = down.shape[1]
     e = gate_up.shape[0] // (2 * inter)
     if gate_up.shape[0] != e * 2 * inter or down.shape[0] != e * h:
-        raise ValueError(f"moe: gate_up {list(gate_up.shape)} and down {list(down.shape)} do not hold the same "
-                         f"experts of hidden size {h}")
+        raise ValueError(
+            f"moe: gate_up {list(gate_up.shape)} and down {list(down.shape)} do not hold the same "
+            f"experts of hidden size {h}"
+        )
     int8 = gate_up.dtype == torch.int8
     if int8 != (down.dtype == torch.int8) or int8 != (gate_up_scale is not None) or int8 != (down_scale is not None):
         raise ValueError("moe: int8 gate_up and down take a scale each (W8A16); 16/32-bit weights none")
     if int8 and (gate_up_scale.numel() != gate_up.shape[0] or down_scale.numel() != down.shape[0]):
-        raise ValueError(f"moe: scales [rows]: gate_up_scale {list(gate_up_scale.shape)}, down_scale "
-                         f"{list(down_scale.shape)} for {gate_up.shape[0]} and {down.shape[0]} rows")
+        raise ValueError(
+            f"moe: scales [rows]: gate_up_scale {list(gate_up_scale.shape)}, down_scale "
+            f"{list(down_scale.shape)} for {gate_up.shape[0]} and {down.shape[0]} rows"
+        )
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise ValueError(f"moe: topk_ids must be integers, got {topk_ids.dtype}")
     return t, h, inter, e, k
 
 
-def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, first_expert, gate_up_scale=None, down_scale=None,
-                     *, config: dict | None = None):
+def fused_moe_triton(
+    x,
+    topk_ids,
+    topk_weights,
+    gate_up,
+    down,
+    first_expert,
+    gate_up_scale=None,
+    down_scale=None,
+    *,
+    config: dict | None = None,
+):
     """dsc::moe on the Triton kernels (CUDA, or CPU tensors in the Triton interpreter): [T, H] in
     x's dtype. config: pin `moe_config`'s result (tests, benchmarks)."""
     t, h, inter, e, k = _check(x, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale)
@@ -388,8 +481,24 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, first_expert, gat
     const, opts = _options(cfg["gate_up"], dev)
     tiles = max_tiles(slots, const["BLOCK_M"], e)
     jit(_gate_up_kernel)[(tiles * cdiv(inter, const["BLOCK_N"]),)](
-        x, gate_up, gs, sorted_slots, offs, act, tiles, e, h, inter, k, x.stride(0),
-        INT8=int8, PRECISION=precision, E_P=e_p, **const, **opts)
+        x,
+        gate_up,
+        gs,
+        sorted_slots,
+        offs,
+        act,
+        tiles,
+        e,
+        h,
+        inter,
+        k,
+        x.stride(0),
+        INT8=int8,
+        PRECISION=precision,
+        E_P=e_p,
+        **const,
+        **opts,
+    )
 
     const, opts = _options(cfg["down"], dev)
     split = const["SPLIT_K"]
@@ -398,12 +507,25 @@ def fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, first_expert, gat
     y = torch.empty(split, slots, h, dtype=torch.float32 if split > 1 else x.dtype, device=dev)
     tiles = max_tiles(slots, const["BLOCK_M"], e)
     jit(_down_kernel)[(tiles * cdiv(h, const["BLOCK_N"]), split)](
-        act, down, ds, offs, y, tiles, e, h, inter, slots, INT8=int8, PRECISION=precision, E_P=e_p, **const, **opts)
+        act, down, ds, offs, y, tiles, e, h, inter, slots, INT8=int8, PRECISION=precision, E_P=e_p, **const, **opts
+    )
 
     comb = cfg["combine"]
     jit(_combine_kernel)[(cdiv(t, comb["BLOCK_T"]), cdiv(h, comb["BLOCK_H"]))](
-        y, slot_row, tw, out, t, h, k, y.stride(0), out.stride(0), SPLIT_K=split, BLOCK_T=comb["BLOCK_T"],
-        BLOCK_H=comb["BLOCK_H"], num_warps=comb["num_warps"])
+        y,
+        slot_row,
+        tw,
+        out,
+        t,
+        h,
+        k,
+        y.stride(0),
+        out.stride(0),
+        SPLIT_K=split,
+        BLOCK_T=comb["BLOCK_T"],
+        BLOCK_H=comb["BLOCK_H"],
+        num_warps=comb["num_warps"],
+    )
     return out
 
 
@@ -414,6 +536,12 @@ def plan_moe(x, topk_ids, gate_up, down, int8: bool, *, arch: str) -> dict:
     h, k, inter = int(x.shape[1]), int(topk_ids.shape[1]), int(down.shape[1])
     e = int(gate_up.shape[0]) // (2 * inter)
     xb, wb = x.dtype.itemsize, gate_up.dtype.itemsize
-    cfg = {"H": h, "I": inter, "E": e, "K": k, "int8": bool(int8),
-           **{f"T{b}": moe_config(b, h, inter, e, k, arch, xb, wb) for b in PLAN_BUCKETS}}
+    cfg = {
+        "H": h,
+        "I": inter,
+        "E": e,
+        "K": k,
+        "int8": bool(int8),
+        **{f"T{b}": moe_config(b, h, inter, e, k, arch, xb, wb) for b in PLAN_BUCKETS},
+    }
     return {"name": "triton.fused_moe", "config": cfg, "launches": LAUNCHES}

@@ -24,6 +24,7 @@ Kernels (CUDA, Triton via kernels/launch.py)
 The plain-torch reference is the CPU implementation and the test oracle: it dequantizes the
 weight to x's dtype and multiplies (the kernels sum in fp32 in another order).
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,27 +58,34 @@ def unpack(qweight: torch.Tensor) -> torch.Tensor:
     return torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(n, 2 * half)
 
 
-def quantize_weight(w: torch.Tensor, group_size: int = DEFAULT_GROUP,
-                    out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def quantize_weight(
+    w: torch.Tensor, group_size: int = DEFAULT_GROUP, out: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """w [N, K] float -> {"qweight": uint8 [N, K // 2], "scale": fp16 [N, G], "min": fp16 [N, G]},
     rounding to nearest, a block of rows at a time in fp32. `out`: parts of these shapes to write
     into (the rows of a larger weight's parts)."""
     n, k = w.shape
     g = _groups(k, group_size)
-    out = out if out is not None else {"qweight": torch.empty(n, k // 2, dtype=torch.uint8, device=w.device),
-                                       "scale": torch.empty(n, g, dtype=torch.float16, device=w.device),
-                                       "min": torch.empty(n, g, dtype=torch.float16, device=w.device)}
+    out = (
+        out
+        if out is not None
+        else {
+            "qweight": torch.empty(n, k // 2, dtype=torch.uint8, device=w.device),
+            "scale": torch.empty(n, g, dtype=torch.float16, device=w.device),
+            "min": torch.empty(n, g, dtype=torch.float16, device=w.device),
+        }
+    )
     rows = n if w.device.type != "cpu" else max(1, min(n, QUANT_ROWS // max(k, 1)))
     for a in range(0, n, rows):
-        f = w[a:a + rows].float().reshape(-1, g, group_size)  # [rows, G, group]
+        f = w[a : a + rows].float().reshape(-1, g, group_size)  # [rows, G, group]
         lo, hi = f.amin(-1), f.amax(-1)
         span = hi - lo
         s = torch.where(span > 0, span / 15, torch.ones_like(span)).half()
         m = lo.half()
         s32 = torch.where(s.float() > 0, s.float(), torch.ones_like(span))  # fp16 underflow: any scale (q is 0)
         q = torch.round((f - m.float()[..., None]) / s32[..., None]).clamp(0, 15)
-        out["qweight"][a:a + rows] = pack(q.reshape(-1, k))
-        out["scale"][a:a + rows], out["min"][a:a + rows] = s, m
+        out["qweight"][a : a + rows] = pack(q.reshape(-1, k))
+        out["scale"][a : a + rows], out["min"][a : a + rows] = s, m
     return out
 
 
@@ -95,8 +103,11 @@ def quantization_error(w: torch.Tensor, parts: dict[str, torch.Tensor]) -> tuple
     rows = max(1, min(n, QUANT_ROWS // max(k, 1)))
     signal = noise = 0.0
     for a in range(0, n, rows):
-        f = w[a:a + rows].float()
-        d = dequantize_weight(parts["qweight"][a:a + rows], parts["scale"][a:a + rows], parts["min"][a:a + rows]) - f
+        f = w[a : a + rows].float()
+        d = (
+            dequantize_weight(parts["qweight"][a : a + rows], parts["scale"][a : a + rows], parts["min"][a : a + rows])
+            - f
+        )
         signal += float(torch.dot(f.view(-1), f.view(-1)))
         noise += float(torch.dot(d.view(-1), d.view(-1)))
     return signal, noise
@@ -109,8 +120,14 @@ def linear_w4a16_reference(x, qweight, scale, minv, bias, group_size):
 
 
 @torch.library.custom_op("dsc::linear_w4a16", mutates_args=())
-def linear_w4a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor,
-                 bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+def linear_w4a16(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    minv: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
     return linear_w4a16_reference(x, qweight, scale, minv, bias, group_size)
 
 
@@ -132,8 +149,21 @@ def _(x, qweight, scale, minv, bias, group_size):
 # -- kernels ---------------------------------------------------------------------------------
 
 
-def _w4a16_gemv_kernel(X, W, S, MN, B, Y, N, K, G, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w4a16_gemv_kernel(
+    X,
+    W,
+    S,
+    MN,
+    B,
+    Y,
+    N,
+    K,
+    G,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # y[n] = sum_g scale[n, g] * sum_{k in g} q[n, k] x[k] + min[n, g] * sum_{k in g} x[k]
     # BLOCK_K divides GROUP: each K-block lies in one group
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,8 +172,9 @@ def _w4a16_gemv_kernel(X, W, S, MN, B, Y, N, K, G, GROUP: tl.constexpr, HAS_BIAS
     rows = offs_n.to(tl.int64) * (K // 2)
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        packed = tl.load(W + rows[:, None] + (k0 // 2 + half)[None, :], mask=mask_n[:, None], other=0,
-                         eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K // 2] uint8
+        packed = tl.load(
+            W + rows[:, None] + (k0 // 2 + half)[None, :], mask=mask_n[:, None], other=0, eviction_policy="evict_first"
+        )  # [BLOCK_N, BLOCK_K // 2] uint8
         lo = (packed & 15).to(tl.float32)
         hi = (packed >> 4).to(tl.float32)
         xe = tl.load(X + k0 + 2 * half).to(tl.float32)
@@ -157,9 +188,26 @@ def _w4a16_gemv_kernel(X, W, S, MN, B, Y, N, K, G, GROUP: tl.constexpr, HAS_BIAS
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
-def _w4a16_mma_kernel(X, W, S, MN, B, Y, M, N, K, G, stride_xm, stride_ym, GROUP: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+def _w4a16_mma_kernel(
+    X,
+    W,
+    S,
+    MN,
+    B,
+    Y,
+    M,
+    N,
+    K,
+    G,
+    stride_xm,
+    stride_ym,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # y [M, N] = x [M, K] @ dequant(w)^T: per K-block (in one group) the even and odd features'
     # [BLOCK_N, BLOCK_K // 2] weight halves dequantized to x's dtype, two dots
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -195,18 +243,33 @@ def w4a16_config(m: int, n: int, k: int, group_size: int) -> dict:
         return {"kernel": "w4a16_gemv", "BLOCK_N": 16 if n >= 16384 else 4, "BLOCK_K": block_k, "num_warps": 2}
     if m > MMA_ROWS:
         return {"kernel": "dequantize"}
-    return {"kernel": "w4a16_mma", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": max(GROUP_MULTIPLE, min(block_k, 64)),
-            "num_warps": 4, "num_stages": 3}
+    return {
+        "kernel": "w4a16_mma",
+        "BLOCK_M": 16,
+        "BLOCK_N": 64,
+        "BLOCK_K": max(GROUP_MULTIPLE, min(block_k, 64)),
+        "num_warps": 4,
+        "num_stages": 3,
+    }
 
 
-def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor,
-                 bias: torch.Tensor | None, group_size: int, config: dict | None = None) -> torch.Tensor:
+def w4a16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    minv: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    config: dict | None = None,
+) -> torch.Tensor:
     """x [M, K] fp16/bf16/fp32 -> [M, N] in x's dtype, by the Triton kernels."""
     m, k = x.shape
     n = qweight.shape[0]
     if qweight.shape[1] * 2 != k or scale.shape != (n, k // group_size) or group_size % GROUP_MULTIPLE:
-        raise ValueError(f"w4a16: x [{m}, {k}], qweight {list(qweight.shape)}, scale {list(scale.shape)}, "
-                         f"group size {group_size}: shapes do not fit")
+        raise ValueError(
+            f"w4a16: x [{m}, {k}], qweight {list(qweight.shape)}, scale {list(scale.shape)}, "
+            f"group size {group_size}: shapes do not fit"
+        )
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
@@ -219,13 +282,30 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mi
     bias_ = bias if bias is not None else scale
     g = k // group_size
     if kernel == "w4a16_gemv":
-        jit(_w4a16_gemv_kernel)[(cdiv(n, cfg["BLOCK_N"]),)](x, qweight, scale, minv, bias_, y, n, k, g,
-                                                             GROUP=group_size, HAS_BIAS=bias is not None, **cfg, **opts)
+        jit(_w4a16_gemv_kernel)[(cdiv(n, cfg["BLOCK_N"]),)](
+            x, qweight, scale, minv, bias_, y, n, k, g, GROUP=group_size, HAS_BIAS=bias is not None, **cfg, **opts
+        )
         return y
     grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]))
-    jit(_w4a16_mma_kernel)[grid](x, qweight, scale, minv, bias_, y, m, n, k, g, x.stride(0), y.stride(0),
-                                 GROUP=group_size, HAS_BIAS=bias is not None,
-                                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg, **opts)
+    jit(_w4a16_mma_kernel)[grid](
+        x,
+        qweight,
+        scale,
+        minv,
+        bias_,
+        y,
+        m,
+        n,
+        k,
+        g,
+        x.stride(0),
+        y.stride(0),
+        GROUP=group_size,
+        HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **cfg,
+        **opts,
+    )
     return y
 
 

@@ -50,14 +50,26 @@ rows to add. `plan_kernels` records them in plan.json.
 The plain-torch references are the CPU implementation and the test oracle. Rounding is
 round-half-to-even everywhere (torch.round), also in the kernels.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from dsc.kernels.activation import _plan_swiglu, _silu_mul, swiglu_reference
-from dsc.kernels.launch import (arch_of, cdiv, device, gluon_device, gluon_jit, jit, next_power_of_2, pdl_options, planner,
-                               split_counters, tuning_row)
+from dsc.kernels.activation import _silu_mul, swiglu_reference
+from dsc.kernels.launch import (
+    arch_of,
+    cdiv,
+    device,
+    gluon_device,
+    gluon_jit,
+    jit,
+    next_power_of_2,
+    pdl_options,
+    planner,
+    split_counters,
+    tuning_row,
+)
 from dsc.kernels.registry import KEEP, cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.triton_jit on first launch
@@ -89,8 +101,9 @@ def _group_qparams(wg: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, tor
     return scale, (-128 - torch.round(wmin / scale)).clamp(-128, 127)
 
 
-def weight_qparams(w: torch.Tensor, group_size: int | None = None,
-                   symmetric: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_qparams(
+    w: torch.Tensor, group_size: int | None = None, symmetric: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (scale fp32 [N, G], zero fp32 [N, G]) of quantize_weight.
 
     Symmetric: scale = max|w| / 127 per row and group, zero = 0. Asymmetric: the group's range
@@ -105,10 +118,14 @@ def weight_qparams(w: torch.Tensor, group_size: int | None = None,
 QUANT_CHUNK = 1 << 18  # elements quantized at a time on CPU: one fp32 scratch block that stays in cache
 
 
-def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: bool = True,
-                    params: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    col_scale: torch.Tensor | None = None,
-                    out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def quantize_weight(
+    w: torch.Tensor,
+    group_size: int | None = None,
+    symmetric: bool = True,
+    params: tuple[torch.Tensor, torch.Tensor] | None = None,
+    col_scale: torch.Tensor | None = None,
+    out: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """w [N, K] float (any float dtype) -> {"qweight": int8 [N, K], "scale": fp32 [N, G], "zero": int8 [N, G]}.
 
     Scales and zero points from `weight_qparams`, or `params` where given: those of a larger
@@ -124,15 +141,17 @@ def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: b
     g = params[0].shape[1] if params is not None else _groups(k, group_size)
     lo, hi = (-127, 127) if symmetric else (-128, 127)
     if out is None:
-        out = {"qweight": torch.empty(n, k, dtype=torch.int8, device=w.device),
-               "scale": torch.empty(n, g, dtype=torch.float32, device=w.device),
-               "zero": torch.empty(n, g, dtype=torch.int8, device=w.device)}
+        out = {
+            "qweight": torch.empty(n, k, dtype=torch.int8, device=w.device),
+            "scale": torch.empty(n, g, dtype=torch.float32, device=w.device),
+            "zero": torch.empty(n, g, dtype=torch.int8, device=w.device),
+        }
     q, scale, zero = out["qweight"], out["scale"], out["zero"]
     rows = n if w.device.type != "cpu" else max(1, min(n, QUANT_CHUNK // max(k, 1)))
     buf = torch.empty(rows * k, dtype=torch.float32, device=w.device)
     for a in range(0, n, rows):
         b = min(n, a + rows)
-        f = buf[:(b - a) * k].view(b - a, k)
+        f = buf[: (b - a) * k].view(b - a, k)
         f.copy_(w[a:b])
         if col_scale is not None:
             f.mul_(col_scale)
@@ -147,8 +166,9 @@ def quantize_weight(w: torch.Tensor, group_size: int | None = None, symmetric: b
     return out
 
 
-def quantization_error(w: torch.Tensor, parts: dict[str, torch.Tensor], col_scale: torch.Tensor | None = None,
-                       zero: bool = True) -> tuple[float, float]:
+def quantization_error(
+    w: torch.Tensor, parts: dict[str, torch.Tensor], col_scale: torch.Tensor | None = None, zero: bool = True
+) -> tuple[float, float]:
     """(|w|^2, |w - dequant(parts)|^2) of quantize_weight(w, ..., col_scale=col_scale), in w's
     space (the dequantized columns divided by col_scale); `zero`: subtract the zero points.
     fp32 sums of blocks of rows (~1e-7 relative error), added up in Python floats."""
@@ -160,7 +180,7 @@ def quantization_error(w: torch.Tensor, parts: dict[str, torch.Tensor], col_scal
     signal = noise = 0.0
     for a in range(0, n, rows):
         b = min(n, a + rows)
-        f, d = (x[:(b - a) * k].view(b - a, k) for x in bufs)
+        f, d = (x[: (b - a) * k].view(b - a, k) for x in bufs)
         f.copy_(w[a:b])
         d.copy_(q[a:b])
         dg = d.view(b - a, g, k // g)  # [rows, G, group]
@@ -289,8 +309,14 @@ def linear_w8a8_qdq(x, qweight, scale, zero, bias, group_size, inv_smooth):
 
 
 @torch.library.custom_op("dsc::linear_w8a16", mutates_args=())
-def linear_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                 bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+def linear_w8a16(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
     return linear_w8a16_reference(x, qweight, scale, zero, bias, group_size)
 
 
@@ -317,8 +343,9 @@ def linear_w8a16_swiglu_reference(x, qweight, scale, zero, group_size):
 
 
 @torch.library.custom_op("dsc::linear_w8a16_swiglu", mutates_args=())
-def linear_w8a16_swiglu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                        group_size: int) -> torch.Tensor:
+def linear_w8a16_swiglu(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
     """dsc::swiglu of the halves of dsc::linear_w8a16(x, qweight, scale, zero, None, group_size),
     qweight [2N, K] = [gate; up] (no bias): the values of the two ops (the linear's output rounded
     to x's dtype, then swiglu). The decode_linears pass makes it of the pair; on CUDA at one row
@@ -341,12 +368,19 @@ def _(x, qweight, scale, zero, group_size):
     if x.numel() == k and n2 % 2 == 0 and qweight.is_contiguous():
         return w8a16_gemv_swiglu(x, qweight, scale, zero, group_size)
     y = torch.ops.dsc.linear_w8a16(x, qweight, scale, zero, None, group_size)
-    return torch.ops.dsc.swiglu(y[..., : n2 // 2], y[..., n2 // 2:])
+    return torch.ops.dsc.swiglu(y[..., : n2 // 2], y[..., n2 // 2 :])
 
 
 @torch.library.custom_op("dsc::linear_w8a8", mutates_args=())
-def linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                bias: torch.Tensor | None, group_size: int, inv_smooth: torch.Tensor | None) -> torch.Tensor:
+def linear_w8a8(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+    inv_smooth: torch.Tensor | None,
+) -> torch.Tensor:
     return linear_w8a8_reference(x, qweight, scale, zero, bias, group_size, inv_smooth)
 
 
@@ -377,22 +411,39 @@ def _(x, qweight, scale, zero, bias, group_size, inv_smooth):
 # CVT path does it on the ALU instead, four weights per 32-bit register: flip each byte's sign
 # bit (b ^ 0x80 = v + 128), place the byte in the mantissa of 2^23 (prmt), subtract 2^23 + 128.
 # PTX, so CUDA only; CVT is "" in the interpreter (config "FAST_CVT").
-I8X4_TO_F32 = ("{.reg .b32 t;\n"
-               "xor.b32 t, $4, 0x80808080;\n"
-               "prmt.b32 $0, t, 0x4B000000, 0x7440;\n"
-               "prmt.b32 $1, t, 0x4B000000, 0x7441;\n"
-               "prmt.b32 $2, t, 0x4B000000, 0x7442;\n"
-               "prmt.b32 $3, t, 0x4B000000, 0x7443;\n"
-               "sub.f32 $0, $0, 0f4B000080;\n"
-               "sub.f32 $1, $1, 0f4B000080;\n"
-               "sub.f32 $2, $2, 0f4B000080;\n"
-               "sub.f32 $3, $3, 0f4B000080;}")
+I8X4_TO_F32 = (
+    "{.reg .b32 t;\n"
+    "xor.b32 t, $4, 0x80808080;\n"
+    "prmt.b32 $0, t, 0x4B000000, 0x7440;\n"
+    "prmt.b32 $1, t, 0x4B000000, 0x7441;\n"
+    "prmt.b32 $2, t, 0x4B000000, 0x7442;\n"
+    "prmt.b32 $3, t, 0x4B000000, 0x7443;\n"
+    "sub.f32 $0, $0, 0f4B000080;\n"
+    "sub.f32 $1, $1, 0f4B000080;\n"
+    "sub.f32 $2, $2, 0f4B000080;\n"
+    "sub.f32 $3, $3, 0f4B000080;}"
+)
 
 
 @device
-def _w8a16_rows(X, W, S, Z, offs_n, mask_n, K, G, GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, CVT: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr,
-                PDL: tl.constexpr):
+def _w8a16_rows(
+    X,
+    W,
+    S,
+    Z,
+    offs_n,
+    mask_n,
+    K,
+    G,
+    GROUP_K: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    CVT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    X_ROW: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # y[n] = sum_k x[k] * (w[n, k] - z[n, g(k)]) * s[n, g(k)] for the weight rows offs_n, in fp32
     # ([BLOCK_N]; no bias); with PDL it waits (gdc_wait) after the first K-block's weights load
     # and before any other access. Shared by the W8A16 GEMV, its SwiGLU form (rows: gate and up
@@ -401,19 +452,28 @@ def _w8a16_rows(X, W, S, Z, offs_n, mask_n, K, G, GROUP_K: tl.constexpr, HAS_ZER
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per-lane partial sums, reduced once
     if PREFETCH:  # the next K-block's weights load while this one is multiplied (registers)
-        w_next = tl.load(W + rows[:, None] + cols[None, :], mask=mask_n[:, None] & (cols < K)[None, :], other=0,
-                         eviction_policy="evict_first")
+        w_next = tl.load(
+            W + rows[:, None] + cols[None, :],
+            mask=mask_n[:, None] & (cols < K)[None, :],
+            other=0,
+            eviction_policy="evict_first",
+        )
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + cols
         mask = mask_n[:, None] & (offs_k < K)[None, :]
         if PREFETCH:
             w8 = w_next
             nk = offs_k + BLOCK_K
-            w_next = tl.load(W + rows[:, None] + nk[None, :], mask=mask_n[:, None] & (nk < K)[None, :], other=0,
-                             eviction_policy="evict_first")
+            w_next = tl.load(
+                W + rows[:, None] + nk[None, :],
+                mask=mask_n[:, None] & (nk < K)[None, :],
+                other=0,
+                eviction_policy="evict_first",
+            )
         else:
-            w8 = tl.load(W + rows[:, None] + offs_k[None, :], mask=mask, other=0,
-                         eviction_policy="evict_first")  # w8: [BLOCK_N, BLOCK_K] int8, 16 B per lane
+            w8 = tl.load(
+                W + rows[:, None] + offs_k[None, :], mask=mask, other=0, eviction_policy="evict_first"
+            )  # w8: [BLOCK_N, BLOCK_K] int8, 16 B per lane
         if PDL:  # only the first K-block's weights (read-only; with PREFETCH the second's too) load
             if k0 == 0:  # before the wait, while the previous kernel finishes (not a pipelined loop)
                 tl.extra.cuda.gdc_wait()
@@ -451,10 +511,26 @@ def _w8a16_rows(X, W, S, Z, offs_n, mask_n, K, G, GROUP_K: tl.constexpr, HAS_ZER
     return y
 
 
-def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
-                       GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, CVT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, X_ROW: tl.constexpr,
-                       PDL: tl.constexpr = False):
+def _w8a16_gemv_kernel(
+    X,
+    W,
+    S,
+    Z,
+    B,
+    Y,
+    N,
+    K,
+    G,
+    GROUP_K: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CVT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    X_ROW: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     # y[n] = sum_k x[k] * (w[n, k] - z[n, g(k)]) * s[n, g(k)] (+ b[n])   x: [K], w: [N, K], y: [N]
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
         tl.extra.cuda.gdc_launch_dependents()
@@ -466,10 +542,24 @@ def _w8a16_gemv_kernel(X, W, S, Z, B, Y, N, K, G,
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
-def _w8a16_gemv_swiglu_kernel(X, W, S, Z, Y, N, K, G,
-                              GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, CVT: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                              X_ROW: tl.constexpr, PDL: tl.constexpr = False):
+def _w8a16_gemv_swiglu_kernel(
+    X,
+    W,
+    S,
+    Z,
+    Y,
+    N,
+    K,
+    G,
+    GROUP_K: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    CVT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    X_ROW: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     # y[n] = silu(g[n]) * u[n], g and u the W8A16 GEMV's rows n and N + n of w [2N, K] (no bias):
     # kernels/linear.py's `_gemv_swiglu_kernel` over int8 weights. One tile of 2 BLOCK_N weight
     # rows, gate and up interleaved (row 2i: gate of output n0 + i, row 2i + 1: its up), each
@@ -479,8 +569,24 @@ def _w8a16_gemv_swiglu_kernel(X, W, S, Z, Y, N, K, G,
     i = tl.arange(0, 2 * BLOCK_N)
     offs_n = tl.program_id(0) * BLOCK_N + i // 2
     mask_n = offs_n < N
-    gu = _w8a16_rows(X, W, S, Z, offs_n + (i % 2) * N, mask_n, K, G, GROUP_K, HAS_ZERO, CVT, 2 * BLOCK_N, BLOCK_K,
-                     PREFETCH, X_ROW, PDL)  # [2 BLOCK_N]
+    gu = _w8a16_rows(
+        X,
+        W,
+        S,
+        Z,
+        offs_n + (i % 2) * N,
+        mask_n,
+        K,
+        G,
+        GROUP_K,
+        HAS_ZERO,
+        CVT,
+        2 * BLOCK_N,
+        BLOCK_K,
+        PREFETCH,
+        X_ROW,
+        PDL,
+    )  # [2 BLOCK_N]
     g, u = tl.split(tl.reshape(gu, (BLOCK_N, 2)))  # [BLOCK_N] each
     dt = Y.dtype.element_ty
     y = _silu_mul(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), dt)
@@ -488,11 +594,33 @@ def _w8a16_gemv_swiglu_kernel(X, W, S, Z, Y, N, K, G,
     tl.store(Y + offs_y, y, mask=offs_y < N)
 
 
-def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_ym,
-                      GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      PRECISION: tl.constexpr, CVT: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr = False):
+def _w8a16_mma_kernel(
+    X,
+    W,
+    S,
+    Z,
+    B,
+    Y,
+    P,
+    LOCK,
+    M,
+    N,
+    K,
+    G,
+    stride_xm,
+    stride_ym,
+    GROUP_K: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    CVT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     # y [M, N] = x [M, K] @ dequant(w [N, K]).T
     #   tiles x [BLOCK_M, BLOCK_K] @ w^T [BLOCK_K, BLOCK_N] -> acc [BLOCK_M, BLOCK_N], or with
     #   SWAP_AB  w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M] -> acc = y^T [BLOCK_N, BLOCK_M]
@@ -520,13 +648,15 @@ def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_y
         # requested into L2, one prefetch per 128-byte line, addresses clamped into the weight.
         line = k_lo + tl.arange(0, 8) * 128
         lines = W + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K + tl.minimum(line, K - 1)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [lines], dtype=tl.int32, is_pure=False,
-                                  pack=1)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; // $0", "=r,l", [lines], dtype=tl.int32, is_pure=False, pack=1
+        )
         tl.extra.cuda.gdc_wait()
     for k0 in range(k_lo, tl.minimum(k_lo + k_len, K), BLOCK_K):
         x = tl.load(x_rows + k0 + k_x, mask=mask_m & (k0 + k_x < K), other=0.0)
-        w8 = tl.load(w_rows + k0 + k_w, mask=(k0 + k_w < K) & mask_n, other=0,
-                     eviction_policy="evict_first")  # w8: [BLOCK_K, BLOCK_N] int8 ([BLOCK_N, BLOCK_K] swapped)
+        w8 = tl.load(
+            w_rows + k0 + k_w, mask=(k0 + k_w < K) & mask_n, other=0, eviction_policy="evict_first"
+        )  # w8: [BLOCK_K, BLOCK_N] int8 ([BLOCK_N, BLOCK_K] swapped)
         if CVT != "":
             w = tl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=tl.float32, is_pure=True, pack=4)
         else:
@@ -577,8 +707,7 @@ def _w8a16_mma_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_y
 
 
 @gluon_device
-def _regs_k_block(w8, x, acc, Z, S, n_w, N, G, k_at, GROUP_K: gl.constexpr, HAS_ZERO: gl.constexpr,
-                  CVT: gl.constexpr):
+def _regs_k_block(w8, x, acc, Z, S, n_w, N, G, k_at, GROUP_K: gl.constexpr, HAS_ZERO: gl.constexpr, CVT: gl.constexpr):
     # one K-block of `_w8a16_regs_kernel`: int8 -> fp32 on the ALU, zero point and group scale
     # (k_at: [WARPS_K] each part's first k of this block), then the MMA into acc
     w = gl.inline_asm_elementwise(CVT, "=r,=r,=r,=r,r", [w8], dtype=gl.float32, is_pure=True, pack=4)
@@ -594,11 +723,36 @@ def _regs_k_block(w8, x, acc, Z, S, n_w, N, G, k_at, GROUP_K: gl.constexpr, HAS_
     return mma_v2(w.to(x.dtype), x, acc)
 
 
-def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_ym,
-                       GROUP_K: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, CVT: gl.constexpr,
-                       SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                       KW: gl.constexpr, WARPS_N: gl.constexpr, WARPS_K: gl.constexpr, PREFETCH: gl.constexpr,
-                       EARLY: gl.constexpr = False, PDL: gl.constexpr = False):
+def _w8a16_regs_kernel(
+    X,
+    W,
+    S,
+    Z,
+    B,
+    Y,
+    P,
+    LOCK,
+    M,
+    N,
+    K,
+    G,
+    stride_xm,
+    stride_ym,
+    GROUP_K: gl.constexpr,
+    HAS_ZERO: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    CVT: gl.constexpr,
+    SPLIT_K: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    KW: gl.constexpr,
+    WARPS_N: gl.constexpr,
+    WARPS_K: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    EARLY: gl.constexpr = False,
+    PDL: gl.constexpr = False,
+):
     # Gluon (explicit layouts): y^T [N, M] = dequant(w) [N, K] @ x^T [K, M] on mma.sync m16n8k16,
     # every operand loaded from global memory straight into the registers the MMA reads. The
     # weight tile's layout is the A operand's with KW consecutive k per thread (KW = 16: one
@@ -610,8 +764,9 @@ def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_
     # flight, and the parts are summed once at the end (through shared memory). A warp owns 16
     # rows of N per MMA (BLOCK_N / 16 / WARPS_N repeats); BLOCK_M: 8 (m16n8) or more (repeats).
     # SPLIT_K programs (grid axis 2) share K as in _w8a16_mma_kernel.
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_K, WARPS_N, 1],
-                                                  instr_shape=[1, 16, 8])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS_K, WARPS_N, 1], instr_shape=[1, 16, 8]
+    )
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)  # [WARPS_K, BLOCK_N, BLOCK_K]
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)  # [WARPS_K, BLOCK_K, BLOCK_M]
     if PDL:  # kernels/launch.py
@@ -646,11 +801,16 @@ def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_
     # EARLY 2: the second K-block too (a part of one or two blocks then loads all its weights
     # before the wait, overlapping the previous kernel's tail)
     if EARLY:
-        w8_first = gl.load(w_ptrs, mask=n_ok & (lo_w + k_w[None, None, :] < hi_w), other=0,
-                           eviction_policy="evict_first")
+        w8_first = gl.load(
+            w_ptrs, mask=n_ok & (lo_w + k_w[None, None, :] < hi_w), other=0, eviction_policy="evict_first"
+        )
     if EARLY >= 2:
-        w8_second = gl.load(w_ptrs + BLOCK_K, mask=n_ok & (lo_w + BLOCK_K + k_w[None, None, :] < hi_w), other=0,
-                            eviction_policy="evict_first")
+        w8_second = gl.load(
+            w_ptrs + BLOCK_K,
+            mask=n_ok & (lo_w + BLOCK_K + k_w[None, None, :] < hi_w),
+            other=0,
+            eviction_policy="evict_first",
+        )
     if PDL:
         tl.extra.cuda.gdc_wait()
     if EARLY:
@@ -664,13 +824,15 @@ def _w8a16_regs_kernel(X, W, S, Z, B, Y, P, LOCK, M, N, K, G, stride_xm, stride_
     for k0 in range(BLOCK_K * EARLY, k_part, BLOCK_K * (2 if PREFETCH else 1)):
         # PREFETCH: two K-blocks per iteration, both loaded before either is multiplied (5-7% slower
         # than without at the table's tiles on the H200; no row uses it)
-        w8 = gl.load(w_ptrs + k0, mask=n_ok & (lo_w + k0 + k_w[None, None, :] < hi_w), other=0,
-                     eviction_policy="evict_first")
+        w8 = gl.load(
+            w_ptrs + k0, mask=n_ok & (lo_w + k0 + k_w[None, None, :] < hi_w), other=0, eviction_policy="evict_first"
+        )
         x = gl.load(x_ptrs + k0, mask=x_ok & (lo_x + k0 + k_x[None, :, None] < hi_x), other=0.0)
         if PREFETCH:
             k1 = k0 + BLOCK_K
-            w8b = gl.load(w_ptrs + k1, mask=n_ok & (lo_w + k1 + k_w[None, None, :] < hi_w), other=0,
-                          eviction_policy="evict_first")
+            w8b = gl.load(
+                w_ptrs + k1, mask=n_ok & (lo_w + k1 + k_w[None, None, :] < hi_w), other=0, eviction_policy="evict_first"
+            )
             xb = gl.load(x_ptrs + k1, mask=x_ok & (lo_x + k1 + k_x[None, :, None] < hi_x), other=0.0)
         acc = _regs_k_block(w8, x, acc, Z, S, n_w, N, G, k_at + k0, GROUP_K, HAS_ZERO, CVT)
         if PREFETCH:
@@ -727,9 +889,26 @@ def _quantize_rows_kernel(X, INV, Q, XS, K, stride_xm, HAS_SMOOTH: tl.constexpr,
         tl.store(Q + row * K + offs, q, mask=offs < K)
 
 
-def _w8a8_kernel(XQ, XS, W, S, Z, B, Y, M, N, K, G, stride_ym,
-                 GROUP_K: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w8a8_kernel(
+    XQ,
+    XS,
+    W,
+    S,
+    Z,
+    B,
+    Y,
+    M,
+    N,
+    K,
+    G,
+    stride_ym,
+    GROUP_K: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # y [M, N] = xs[m] * sum_g s[n, g] * (xq[m, g] . (w[n, g] - z[n, g]))   int8 tiles, int32 dots
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -743,8 +922,9 @@ def _w8a8_kernel(XQ, XS, W, S, Z, B, Y, M, N, K, G, stride_ym,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0)  # [BM, BK]
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0,
-                    eviction_policy="evict_first")  # [BN, BK]: K-major, as int8 tensor cores want
+        w = tl.load(
+            w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0, eviction_policy="evict_first"
+        )  # [BN, BK]: K-major, as int8 tensor cores want
         d = tl.dot(x, tl.trans(w), out_dtype=tl.int32)
         if GROUP_K == 0:
             acc_i += d
@@ -776,15 +956,25 @@ def _w8a8_kernel(XQ, XS, W, S, Z, B, Y, M, N, K, G, stride_ym,
 #    gives >= 2 programs per SM, a 4-deep cp.async pipeline over 256-wide K-blocks.
 #  - prefill: 128 x 128 tiles on wgmma (HGMMA / IGMMA in SASS), 3 stages.
 _DEFAULTS = {
-    "w8a16_gemv": {"BLOCK_N": 8, "BLOCK_K": 1024, "PREFETCH": False, "X_ROW": False, "FAST_CVT": True,
-                   "num_warps": 4, "num_stages": 1},
-    "w8a16_mma": {16: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "FAST_CVT": True, "num_warps": 4, "num_stages": 4},
-                  64: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "FAST_CVT": True, "num_warps": 4, "num_stages": 4},
-                  None: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "FAST_CVT": True, "num_warps": 8,
-                         "num_stages": 3}},
-    "w8a8": {16: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
-             64: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-             None: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}},
+    "w8a16_gemv": {
+        "BLOCK_N": 8,
+        "BLOCK_K": 1024,
+        "PREFETCH": False,
+        "X_ROW": False,
+        "FAST_CVT": True,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
+    "w8a16_mma": {
+        16: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "FAST_CVT": True, "num_warps": 4, "num_stages": 4},
+        64: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "FAST_CVT": True, "num_warps": 4, "num_stages": 4},
+        None: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "FAST_CVT": True, "num_warps": 8, "num_stages": 3},
+    },
+    "w8a8": {
+        16: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+        64: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+        None: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    },
 }
 
 
@@ -825,12 +1015,22 @@ def regs_default(n: int, k: int) -> dict:
         wk, bk = 8, 256
     elif t <= 512:
         wk = 8
-    return {"REGS": True, "BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": bk, "WARPS_K": wk, "num_warps": wk, "PREFETCH": False,
-            "EARLY": early, "SPLIT_K": splits}
+    return {
+        "REGS": True,
+        "BLOCK_M": 8,
+        "BLOCK_N": 16,
+        "BLOCK_K": bk,
+        "WARPS_K": wk,
+        "num_warps": wk,
+        "PREFETCH": False,
+        "EARLY": early,
+        "SPLIT_K": splits,
+    }
 
 
-def int8_config(kernel: str, m: int, n: int, k: int, group_k: int, arch: str, table: bool = True,
-                x_bytes: int = 2) -> dict:
+def int8_config(
+    kernel: str, m: int, n: int, k: int, group_k: int, arch: str, table: bool = True, x_bytes: int = 2
+) -> dict:
     """Launch config of an int8 kernel: built-in default for the M bucket, then (`table`) the
     tuning table's entry for (kernel, "M<bucket>_N<n>_K<k>[_G<group>]"). A GEMM's BLOCK_K is
     shrunk to a power of two dividing the group size, so each K-block meets one scale per row.
@@ -882,8 +1082,9 @@ def _check(x, qweight, scale, zero, bias, group_size):
         raise ValueError(f"qweight must be int8 [N, {k}], got {qweight.dtype} {list(qweight.shape)}")
     g = scale.shape[1]
     if scale.shape[0] != n or g * group_size != k:
-        raise ValueError(f"scale {list(scale.shape)} does not match qweight {list(qweight.shape)} "
-                         f"with group_size {group_size}")
+        raise ValueError(
+            f"scale {list(scale.shape)} does not match qweight {list(qweight.shape)} with group_size {group_size}"
+        )
     if zero is not None and zero.shape != scale.shape:
         raise ValueError(f"zero {list(zero.shape)} must match scale {list(scale.shape)}")
     if bias is not None and bias.shape != (n,):
@@ -904,9 +1105,16 @@ def _split(cfg: dict, device: torch.device) -> tuple[dict, dict]:
 _W8A16_KERNELS = ("w8a16_gemv", "w8a16_mma")
 
 
-def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                 bias: torch.Tensor | None, group_size: int, kernel: str | None = None,
-                 config: dict | None = None) -> torch.Tensor:
+def w8a16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+    kernel: str | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """x [M, K] fp16/bf16/fp32 -> [M, N] in x's dtype. kernel: "w8a16_gemv" (M == 1) or
     "w8a16_mma"; default by M. config: pin a launch config (tests, benchmarks)."""
     m, n, k, g = _check(x, qweight, scale, zero, bias, group_size)
@@ -923,7 +1131,9 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
         if _regs_usable(x, gk, cfg):
             return _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y)
         if config:
-            raise ValueError("REGS (the Gluon kernel) needs a CUDA tensor in fp16/bf16 and BLOCK_K dividing the group size")
+            raise ValueError(
+                "REGS (the Gluon kernel) needs a CUDA tensor in fp16/bf16 and BLOCK_K dividing the group size"
+            )
         cfg = int8_config(kernel, m, n, k, gk, arch_of(x.device), table=False, x_bytes=x.element_size())
     defaults = {"w8a16_gemv": {"PREFETCH": False, "X_ROW": False}, "w8a16_mma": {"SWAP_AB": False, "SPLIT_K": 1}}
     const, opts = _split({"FAST_CVT": False, **defaults[kernel], **cfg}, x.device)
@@ -934,7 +1144,8 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
         if m != 1:
             raise ValueError("the gemv kernel takes one row")
         jit(_w8a16_gemv_kernel)[(cdiv(n, const["BLOCK_N"]),)](
-            x.contiguous(), qweight, scale, zero_, bias_, y, n, k, g, **flags, **const, **opts, **pdl_options(x.device))
+            x.contiguous(), qweight, scale, zero_, bias_, y, n, k, g, **flags, **const, **opts, **pdl_options(x.device)
+        )
         return y
     grid = (cdiv(n, const["BLOCK_N"]), cdiv(m, const["BLOCK_M"]))
     splits = const["SPLIT_K"]
@@ -944,8 +1155,26 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, ze
     part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else y
     lock = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else y
     jit(_w8a16_mma_kernel)[grid + (splits,)](
-        x, qweight, scale, zero_, bias_, y, part, lock, m, n, k, g, x.stride(0), y.stride(0), **flags,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **const, **opts, **pdl_options(x.device))
+        x,
+        qweight,
+        scale,
+        zero_,
+        bias_,
+        y,
+        part,
+        lock,
+        m,
+        n,
+        k,
+        g,
+        x.stride(0),
+        y.stride(0),
+        **flags,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **const,
+        **opts,
+        **pdl_options(x.device),
+    )
     return y
 
 
@@ -969,23 +1198,43 @@ def w8a16_swiglu_config(n2: int, k: int, group_k: int, arch: str, x_bytes: int =
     return {**cfg, "BLOCK_N": max(1, cfg["BLOCK_N"] // 2), **w8a16_gemv_row("w8a16_gemv_swiglu", n2, k, group_k, arch)}
 
 
-def w8a16_gemv_swiglu(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                      group_size: int, config: dict | None = None) -> torch.Tensor:
+def w8a16_gemv_swiglu(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    config: dict | None = None,
+) -> torch.Tensor:
     """x [K] or [1, K] (any leading dims of one row), qweight [2N, K] = [gate; up] -> silu(gate x)
     * (up x) [..., N] in x's dtype with the fused kernel (config: `w8a16_swiglu_config`'s keys)."""
     n2, k = qweight.shape
     _, _, _, g = _check(x.reshape(-1, k), qweight, scale, zero, None, group_size)
     if x.numel() != k or n2 % 2:
-        raise ValueError(f"w8a16_gemv_swiglu: one row of x against [gate; up] rows (an even count), got x "
-                         f"{list(x.shape)} and qweight {list(qweight.shape)}")
+        raise ValueError(
+            f"w8a16_gemv_swiglu: one row of x against [gate; up] rows (an even count), got x "
+            f"{list(x.shape)} and qweight {list(qweight.shape)}"
+        )
     gk = 0 if g == 1 else group_size
     n = n2 // 2
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
     cfg = config or w8a16_swiglu_config(n2, k, gk, arch_of(x.device), x.element_size())
     const, opts = _split({"FAST_CVT": False, "PREFETCH": False, "X_ROW": False, **cfg}, x.device)
     jit(_w8a16_gemv_swiglu_kernel)[(cdiv(n, const["BLOCK_N"]),)](
-        x.contiguous(), qweight, scale, zero if zero is not None else qweight, y, n, k, g,
-        GROUP_K=gk, HAS_ZERO=zero is not None, **const, **opts, **pdl_options(x.device))
+        x.contiguous(),
+        qweight,
+        scale,
+        zero if zero is not None else qweight,
+        y,
+        n,
+        k,
+        g,
+        GROUP_K=gk,
+        HAS_ZERO=zero is not None,
+        **const,
+        **opts,
+        **pdl_options(x.device),
+    )
     return y
 
 
@@ -993,8 +1242,11 @@ def _regs_fits(dtype: torch.dtype, gk: int, cfg: dict) -> bool:
     """Whether the Gluon kernel takes these operands: 16-bit x (the MMA's B operand as is),
     grouped scales only a whole K-block apart, and K-blocks of at least 4 * KW (int8_config
     shrinks BLOCK_K to divide a group: groups of 32 do not fit)."""
-    return (dtype in (torch.float16, torch.bfloat16) and (gk == 0 or gk % cfg["BLOCK_K"] == 0)
-            and cfg["BLOCK_K"] % (4 * cfg.get("KW", 16)) == 0)
+    return (
+        dtype in (torch.float16, torch.bfloat16)
+        and (gk == 0 or gk % cfg["BLOCK_K"] == 0)
+        and cfg["BLOCK_K"] % (4 * cfg.get("KW", 16)) == 0
+    )
 
 
 def _regs_usable(x: torch.Tensor, gk: int, cfg: dict) -> bool:
@@ -1010,10 +1262,22 @@ def regs_constexprs(cfg: dict) -> dict:
     warps, bm, bn, bk = cfg["num_warps"], cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     kw, splits, wk = cfg.get("KW", 16), cfg.get("SPLIT_K", 1), cfg.get("WARPS_K", 1)
     if warps % wk or bn % (16 * (warps // wk)) or bm % 8 or bk % (4 * kw) or splits < 1:
-        raise ValueError(f"REGS config {cfg}: num_warps must be a multiple of WARPS_K, BLOCK_N of 16 * num_warps "
-                         f"/ WARPS_K, BLOCK_M of 8, BLOCK_K of 4 * KW, SPLIT_K >= 1")
-    return dict(CVT=I8X4_TO_F32, SPLIT_K=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KW=kw, WARPS_N=warps // wk,
-                WARPS_K=wk, PREFETCH=bool(cfg.get("PREFETCH", False)), EARLY=int(cfg.get("EARLY", 0)))
+        raise ValueError(
+            f"REGS config {cfg}: num_warps must be a multiple of WARPS_K, BLOCK_N of 16 * num_warps "
+            f"/ WARPS_K, BLOCK_M of 8, BLOCK_K of 4 * KW, SPLIT_K >= 1"
+        )
+    return dict(
+        CVT=I8X4_TO_F32,
+        SPLIT_K=splits,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        KW=kw,
+        WARPS_N=warps // wk,
+        WARPS_K=wk,
+        PREFETCH=bool(cfg.get("PREFETCH", False)),
+        EARLY=int(cfg.get("EARLY", 0)),
+    )
 
 
 def _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y):
@@ -1025,9 +1289,27 @@ def _w8a16_regs(x, qweight, scale, zero, bias, gk, g, cfg, y):
     part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else y
     lock = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else y
     gluon_jit(_w8a16_regs_kernel)[grid](
-        x, qweight, scale, zero if zero is not None else qweight, bias if bias is not None else scale, y, part, lock,
-        m, n, k, g, x.stride(0), y.stride(0), GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
-        **const, num_warps=cfg["num_warps"], **pdl_options(x.device))
+        x,
+        qweight,
+        scale,
+        zero if zero is not None else qweight,
+        bias if bias is not None else scale,
+        y,
+        part,
+        lock,
+        m,
+        n,
+        k,
+        g,
+        x.stride(0),
+        y.stride(0),
+        GROUP_K=gk,
+        HAS_ZERO=zero is not None,
+        HAS_BIAS=bias is not None,
+        **const,
+        num_warps=cfg["num_warps"],
+        **pdl_options(x.device),
+    )
     return y
 
 
@@ -1040,14 +1322,30 @@ def quantize_rows(x: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> tu
     if m:
         block = min(2048, next_power_of_2(k))
         inv = inv_smooth if inv_smooth is not None else xs
-        jit(_quantize_rows_kernel)[(m,)](x, inv, xq, xs, k, x.stride(0), HAS_SMOOTH=inv_smooth is not None,
-                                          BLOCK_K=block, num_warps=4 if block <= 1024 else 8)
+        jit(_quantize_rows_kernel)[(m,)](
+            x,
+            inv,
+            xq,
+            xs,
+            k,
+            x.stride(0),
+            HAS_SMOOTH=inv_smooth is not None,
+            BLOCK_K=block,
+            num_warps=4 if block <= 1024 else 8,
+        )
     return xq, xs
 
 
-def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                bias: torch.Tensor | None, group_size: int, inv_smooth: torch.Tensor | None = None,
-                config: dict | None = None) -> torch.Tensor:
+def w8a8_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+    inv_smooth: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype: per-token int8 activations (one kernel), then the
     int8 x int8 -> int32 GEMM (a second). Grouped scales need group_size % 32 == 0."""
     m, n, k, g = _check(x, qweight, scale, zero, bias, group_size)
@@ -1064,8 +1362,25 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zer
     zero_ = zero if zero is not None else qweight
     bias_ = bias if bias is not None else scale
     grid = (cdiv(n, const["BLOCK_N"]), cdiv(m, const["BLOCK_M"]))
-    jit(_w8a8_kernel)[grid](xq, xs, qweight, scale, zero_, bias_, y, m, n, k, g, y.stride(0),
-                            GROUP_K=gk, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, **const, **opts)
+    jit(_w8a8_kernel)[grid](
+        xq,
+        xs,
+        qweight,
+        scale,
+        zero_,
+        bias_,
+        y,
+        m,
+        n,
+        k,
+        g,
+        y.stride(0),
+        GROUP_K=gk,
+        HAS_ZERO=zero is not None,
+        HAS_BIAS=bias is not None,
+        **const,
+        **opts,
+    )
     return y
 
 
@@ -1095,8 +1410,11 @@ def _plan_w8a16_swiglu(x, qweight, scale, zero, group_size, *, arch):
     n2, k = qweight.shape
     gk = group_k(scale, group_size)
     cfg = w8a16_swiglu_config(n2, k, gk, arch, x.dtype.itemsize)
-    return {"name": "triton.w8a16_gemv_swiglu",
-            "config": {"N": n2, "K": k, **cfg, "M>1": "triton.w8a16 + triton.swiglu"}, "launches": 1}
+    return {
+        "name": "triton.w8a16_gemv_swiglu",
+        "config": {"N": n2, "K": k, **cfg, "M>1": "triton.w8a16 + triton.swiglu"},
+        "launches": 1,
+    }
 
 
 @planner("dsc.linear_w8a8.default")

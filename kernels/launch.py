@@ -29,13 +29,15 @@
   position and cache slots written in earlier steps, see `_decode_kernel`). Without PDL the
   kernels compile to what they were before. `DSC_PDL=auto|off` (`pdl_enabled`; auto, the default, is on).
 """
+
 from __future__ import annotations
 
 import functools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -77,19 +79,19 @@ def _triton():
     return triton, tl
 
 
-def jit(fn: Callable) -> "Kernel":
+def jit(fn: Callable) -> Kernel:
     """The kernel `fn` as dsc launches it (`jit(fn)[grid](*args, **kwargs)`): through its
     ahead-of-time binary when the loaded artifact has one for the launch (kernels/binaries.py),
     else through `triton_jit(fn)`."""
     return _kernel(fn, "triton")
 
 
-def gluon_jit(fn: Callable) -> "Kernel":
+def gluon_jit(fn: Callable) -> Kernel:
     """`jit` for a Gluon kernel (`gluon_triton_jit`)."""
     return _kernel(fn, "gluon")
 
 
-def launched(jitted) -> "Kernel":
+def launched(jitted) -> Kernel:
     """A kernel Triton has jitted already (kernels/attention.py's, jitted in their module),
     as `jit` gives it."""
     k = _KERNELS.get(jitted)
@@ -98,7 +100,7 @@ def launched(jitted) -> "Kernel":
     return k
 
 
-def _kernel(fn: Callable, dialect: str) -> "Kernel":
+def _kernel(fn: Callable, dialect: str) -> Kernel:
     k = _KERNELS.get(fn)
     if k is None:
         make = (lambda: triton_jit(fn)) if dialect == "triton" else (lambda: gluon_triton_jit(fn))
@@ -267,7 +269,7 @@ def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     n = x.shape[-1]
     lead = [(s, st) for s, st in zip(x.shape[:-1], x.stride()[:-1]) if s != 1]
     ok = x.stride(-1) == 1 or n == 1
-    for (s0, st0), (s1, st1) in zip(lead, lead[1:]):
+    for (_s0, st0), (s1, st1) in zip(lead, lead[1:]):
         ok = ok and st0 == st1 * s1
     if not ok:
         x = x.contiguous()
@@ -276,9 +278,16 @@ def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return x, rows, (lead[-1][1] if lead else n)
 
 
-def compile_for_arch(fn: Callable, types: dict[str, str], constexprs: dict[str, Any],
-                     num_warps: int = 4, capability: int = 90, aligned: tuple[str, ...] = (), gluon: bool = False,
-                     num_stages: int | None = None):
+def compile_for_arch(
+    fn: Callable,
+    types: dict[str, str],
+    constexprs: dict[str, Any],
+    num_warps: int = 4,
+    capability: int = 90,
+    aligned: tuple[str, ...] = (),
+    gluon: bool = False,
+    num_stages: int | None = None,
+):
     """Compile a kernel ahead of time for a GPU arch (no GPU needed): `types` gives the
     Triton type of every runtime argument ("*fp16", "i32", "fp32"), `constexprs` the values
     of the constexpr ones (those with a default, such as PDL, may be left out), `aligned` the
@@ -304,8 +313,10 @@ def compile_for_arch(fn: Callable, types: dict[str, str], constexprs: dict[str, 
 
 def planner(*ops: str):
     """Register `fn(*op_args, arch=...) -> {"name", "config", "launches"}` for these ops."""
+
     def register(fn):
         for op in ops:
             PLANNERS[op] = fn
         return fn
+
     return register

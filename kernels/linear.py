@@ -34,6 +34,7 @@ scripts/tune_gemv.py writes a row only where the best config beat cuBLAS at that
 GPU it ran on (the row keeps both times). `plan_kernels` records the choice per node.
 The CPU implementation and the test oracle is F.linear.
 """
+
 from __future__ import annotations
 
 import torch
@@ -79,8 +80,19 @@ def _x_tile(X, rows, offs, mask_n, K, EVEN: tl.constexpr, X_ROW: tl.constexpr):
 
 
 @device
-def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               X_ROW: tl.constexpr, PDL: tl.constexpr, EARLY_K: tl.constexpr = 0):
+def _gemv_rows(
+    X,
+    W,
+    offs_n,
+    mask_n,
+    K,
+    EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    X_ROW: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY_K: tl.constexpr = 0,
+):
     # y[n] = sum_k x[k] * w[n, k] for this program's rows offs_n, in fp32 ([BLOCK_N]); with PDL
     # it waits (gdc_wait) after the first weight tile's load and before any other access.
     # EARLY_K > 0 (a multiple of BLOCK_K, at most K): the first EARLY_K columns of the rows are one
@@ -115,9 +127,21 @@ def _gemv_rows(X, W, offs_n, mask_n, K, EVEN: tl.constexpr, BLOCK_N: tl.constexp
     return early + tl.sum(acc, axis=1)
 
 
-def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ROW: tl.constexpr, PDL: tl.constexpr = False,
-                 EARLY_K: tl.constexpr = 0):
+def _gemv_kernel(
+    X,
+    W,
+    B,
+    Y,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    X_ROW: tl.constexpr,
+    PDL: tl.constexpr = False,
+    EARLY_K: tl.constexpr = 0,
+):
     # y[n] = sum_k x[k] * w[n, k] (+ b[n])            x: [K], w: [N, K], y: [N]
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
         tl.extra.cuda.gdc_launch_dependents()
@@ -129,8 +153,19 @@ def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
-def _gemv_swiglu_kernel(X, W, Y, N, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        X_ROW: tl.constexpr, PDL: tl.constexpr = False, EARLY_K: tl.constexpr = 0):
+def _gemv_swiglu_kernel(
+    X,
+    W,
+    Y,
+    N,
+    K,
+    EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    X_ROW: tl.constexpr,
+    PDL: tl.constexpr = False,
+    EARLY_K: tl.constexpr = 0,
+):
     # y[n] = silu(g[n]) * u[n], g[n] = w[n] . x, u[n] = w[N + n] . x     x: [K], w: [2N, K], y: [N]
     if PDL:  # kernels/launch.py: the next kernel's programs may start now
         tl.extra.cuda.gdc_launch_dependents()
@@ -140,7 +175,9 @@ def _gemv_swiglu_kernel(X, W, Y, N, K, EVEN: tl.constexpr, BLOCK_N: tl.constexpr
     i = tl.arange(0, 2 * BLOCK_N)
     offs_n = tl.program_id(0) * BLOCK_N + i // 2
     mask_n = offs_n < N
-    gu = _gemv_rows(X, W, offs_n + (i % 2) * N, mask_n, K, EVEN, 2 * BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY_K)  # [2 BLOCK_N]
+    gu = _gemv_rows(
+        X, W, offs_n + (i % 2) * N, mask_n, K, EVEN, 2 * BLOCK_N, BLOCK_K, X_ROW, PDL, EARLY_K
+    )  # [2 BLOCK_N]
     g, u = tl.split(tl.reshape(gu, (BLOCK_N, 2)))  # [BLOCK_N] each
     # rounded to the dtype as the unfused linear's output is, then the swiglu kernel's math
     dt = Y.dtype.element_ty
@@ -181,8 +218,7 @@ def gemv_swiglu_config(n: int, k: int, arch: str, mode: str | None = None) -> di
     if cfg is None or n % 2:
         return None
     row = tuning_table().get(arch, {}).get("gemv_swiglu", {}).get(f"N{n}_K{k}") or {}
-    return {**cfg, "BLOCK_N": max(1, cfg["BLOCK_N"] // 2),
-            **{key: row[key] for key in CONFIG_KEYS if key in row}}
+    return {**cfg, "BLOCK_N": max(1, cfg["BLOCK_N"] // 2), **{key: row[key] for key in CONFIG_KEYS if key in row}}
 
 
 def default_gemv_config(k: int) -> dict:
@@ -195,8 +231,9 @@ def _check_one_row(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
     """ValueError unless x is one row of weight's dtype and weight [N, K] is contiguous."""
     n, k = weight.shape
     if x.numel() != k or x.dtype != weight.dtype:
-        raise ValueError(f"{op}: x {x.dtype}{list(x.shape)} does not match one row of weight "
-                         f"{weight.dtype}{list(weight.shape)}")
+        raise ValueError(
+            f"{op}: x {x.dtype}{list(x.shape)} does not match one row of weight {weight.dtype}{list(weight.shape)}"
+        )
     if weight.stride(1) != 1 or weight.stride(0) != k:
         raise ValueError(f"{op}: the weight must be contiguous [N, K]")
 
@@ -236,8 +273,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         raise ValueError(f"gemv: bias must be {x.dtype}[{n}], got {bias.dtype}{list(bias.shape)}")
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
     grid, opts = gemv_launch(config, n, k, x.device)
-    jit(_gemv_kernel)[grid](x.contiguous(), weight, bias if bias is not None else weight, y, n, k,
-                            HAS_BIAS=bias is not None, **opts)
+    jit(_gemv_kernel)[grid](
+        x.contiguous(), weight, bias if bias is not None else weight, y, n, k, HAS_BIAS=bias is not None, **opts
+    )
     return y
 
 
@@ -317,8 +355,11 @@ def _plan_linear(x, weight, bias=None, *, arch):
     cfg = gemv_config(n, k, arch, mode="tuned")
     if cfg is None:
         return {"name": "cublas.gemm", "config": {"N": n, "K": k, "bias": has_bias}, "launches": 2 if has_bias else 1}
-    return {"name": "triton.gemv", "config": {"N": n, "K": k, "bias": has_bias, **cfg, "M>1": "cublas.gemm"},
-            "launches": 1}
+    return {
+        "name": "triton.gemv",
+        "config": {"N": n, "K": k, "bias": has_bias, **cfg, "M>1": "cublas.gemm"},
+        "launches": 1,
+    }
 
 
 @planner("dsc.linear_swiglu.default")
@@ -328,9 +369,15 @@ def _plan_linear_swiglu(x, weight, *, arch):
     n, k = weight.shape
     cfg = gemv_swiglu_config(n, k, arch, mode="tuned")
     if cfg is not None:
-        return {"name": "triton.gemv_swiglu",
-                "config": {"N": n, "K": k, **cfg, "M>1": "cublas.gemm + triton.swiglu"}, "launches": 1}
+        return {
+            "name": "triton.gemv_swiglu",
+            "config": {"N": n, "K": k, **cfg, "M>1": "cublas.gemm + triton.swiglu"},
+            "launches": 1,
+        }
     lin = _plan_linear(x, weight, arch=arch)
     act = _plan_swiglu(torch.empty(n // 2, device="meta"), None, arch=arch)  # it reads the width
-    return {"name": f"{lin['name']} + {act['name']}", "config": {**lin["config"], "swiglu": act["config"]},
-            "launches": lin["launches"] + act["launches"]}
+    return {
+        "name": f"{lin['name']} + {act['name']}",
+        "config": {**lin["config"], "swiglu": act["config"]},
+        "launches": lin["launches"] + act["launches"],
+    }

@@ -25,6 +25,7 @@ tensor parallelism splits each expert's gate and up rows and its down columns
 Numerics: the reference computes each expert in the input dtype, as transformers' eager
 experts do, and sums the weighted expert outputs in fp32, rounding once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,7 @@ def _dequant(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) ->
     return (w.float() * scale.float().reshape(-1, 1)).to(dtype)
 
 
-def moe_reference(x, topk_ids, topk_weights, gate_up, down, first_expert: int = 0,
-                  gate_up_scale=None, down_scale=None):
+def moe_reference(x, topk_ids, topk_weights, gate_up, down, first_expert: int = 0, gate_up_scale=None, down_scale=None):
     T, H = x.shape
     inter = down.shape[1]
     experts = gate_up.shape[0] // (2 * inter)
@@ -78,9 +78,16 @@ def moe_dense(x, topk_ids, topk_weights, gate_up, down, first_expert: int = 0, g
 
 
 @torch.library.custom_op("dsc::moe", mutates_args=())
-def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
-        down: torch.Tensor, first_expert: int, gate_up_scale: torch.Tensor | None = None,
-        down_scale: torch.Tensor | None = None) -> torch.Tensor:
+def moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    first_expert: int,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     return moe_reference(x, topk_ids, topk_weights, gate_up, down, first_expert, gate_up_scale, down_scale)
 
 
@@ -92,8 +99,9 @@ def _(x, topk_ids, topk_weights, gate_up, down, first_expert, gate_up_scale=None
     from dsc.kernels.fused_moe import fused_moe_triton
 
     flat = lambda s: None if s is None else s.reshape(-1)  # noqa: E731  ([rows, 1] -> [rows])
-    return fused_moe_triton(x, topk_ids, topk_weights, gate_up, down, first_expert, flat(gate_up_scale),
-                            flat(down_scale))
+    return fused_moe_triton(
+        x, topk_ids, topk_weights, gate_up, down, first_expert, flat(gate_up_scale), flat(down_scale)
+    )
 
 
 @moe.register_fake
@@ -102,8 +110,7 @@ def _(x, topk_ids, topk_weights, gate_up, down, first_expert, gate_up_scale=None
 
 
 @planner("dsc.moe.default")
-def _plan_moe(x, topk_ids, topk_weights, gate_up, down, first_expert, gate_up_scale=None, down_scale=None, *,
-              arch):
+def _plan_moe(x, topk_ids, topk_weights, gate_up, down, first_expert, gate_up_scale=None, down_scale=None, *, arch):
     from dsc.kernels.fused_moe import plan_moe
 
     return plan_moe(x, topk_ids, gate_up, down, gate_up_scale is not None, arch=arch)

@@ -14,6 +14,7 @@ program, the whole row in registers (N <= 65536). Numerics follow Hugging Face's
 16-bit: the sum is rounded to the input dtype (as the unfused add), statistics are fp32, and
 RMSNorm rounds the normalized row before the weight multiply (LlamaRMSNorm's `.to(dtype)`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,22 @@ MAX_N = 65536
 
 
 # -- Triton kernels -------------------------------------------------------------------------
-def _rmsnorm_kernel(X, R, W, S, Y, stride_x, stride_r, stride_s, stride_y, N, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+def _rmsnorm_kernel(
+    X,
+    R,
+    W,
+    S,
+    Y,
+    stride_x,
+    stride_r,
+    stride_s,
+    stride_y,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -47,9 +62,26 @@ def _rmsnorm_kernel(X, R, W, S, Y, stride_x, stride_r, stride_s, stride_y, N, ep
     tl.store(Y + row * stride_y + cols, (w * y).to(Y.dtype.element_ty), mask=mask)
 
 
-def _layernorm_kernel(X, R, W, B, XB, S, Y, stride_x, stride_r, stride_s, stride_y, N, eps,
-                      HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_XBIAS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+def _layernorm_kernel(
+    X,
+    R,
+    W,
+    B,
+    XB,
+    S,
+    Y,
+    stride_x,
+    stride_r,
+    stride_s,
+    stride_y,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_XBIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -87,7 +119,11 @@ def _check(x, residual, weight, bias, x_bias=None):
     n = x.shape[-1]
     if n > MAX_N:
         raise ValueError(f"norm kernels hold a row in registers: N={n} > {MAX_N}")
-    if weight.shape != (n,) or (bias is not None and bias.shape != (n,)) or (x_bias is not None and x_bias.shape != (n,)):
+    if (
+        weight.shape != (n,)
+        or (bias is not None and bias.shape != (n,))
+        or (x_bias is not None and x_bias.shape != (n,))
+    ):
         raise ValueError(f"norm: weight/bias must be [{n}], got {list(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"norm: residual {residual.dtype}{list(residual.shape)} != x {x.dtype}{list(x.shape)}")
@@ -113,8 +149,24 @@ def add_norm_triton(kind: str, x, residual, weight, bias, eps: float, config: di
         else:
             b = bias.contiguous() if bias is not None else weight
             xb = x_bias.contiguous() if x_bias is not None else weight
-            jit(_layernorm_kernel)[(rows,)](x, r, weight.contiguous(), b, xb, s, y, sx, sr, n, n, n, eps,
-                                             HAS_BIAS=bias is not None, HAS_XBIAS=x_bias is not None, **common)
+            jit(_layernorm_kernel)[(rows,)](
+                x,
+                r,
+                weight.contiguous(),
+                b,
+                xb,
+                s,
+                y,
+                sx,
+                sr,
+                n,
+                n,
+                n,
+                eps,
+                HAS_BIAS=bias is not None,
+                HAS_XBIAS=x_bias is not None,
+                **common,
+            )
     return (s if residual is not None else None), y
 
 
@@ -155,8 +207,9 @@ def _(x, weight, eps):
 
 
 @torch.library.custom_op("dsc::add_rmsnorm", mutates_args=())
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     return add_rmsnorm_reference(x, residual, weight, eps)
 
 
@@ -174,8 +227,14 @@ def _(x, residual, weight, eps):
 
 
 @torch.library.custom_op("dsc::add_layernorm", mutates_args=())
-def add_layernorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  eps: float, x_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_layernorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    x_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return add_layernorm_reference(x, residual, weight, bias, eps, x_bias)
 
 
@@ -206,5 +265,8 @@ def _plan_add_rmsnorm(x, residual, weight, eps, *, arch):
 @planner("dsc.add_layernorm.default")
 def _plan_add_layernorm(x, residual, weight, bias, eps, x_bias=None, *, arch):
     cfg = norm_config("add_layernorm", x.shape[-1], arch)
-    return {"name": "triton.add_layernorm", "config": {**cfg, **({"x_bias": True} if x_bias is not None else {})},
-            "launches": 1}
+    return {
+        "name": "triton.add_layernorm",
+        "config": {**cfg, **({"x_bias": True} if x_bias is not None else {})},
+        "launches": 1,
+    }

@@ -57,6 +57,7 @@ Both kernels assume what the scheduler guarantees: slot_mapping[t] is the slot o
 position in its sequence's block table, and a step does not write a slot another sequence
 reads as cached.
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,9 +65,28 @@ import functools
 import torch
 
 from dsc.kernels import attention as A
-from dsc.kernels.attention import (_attend_new, _attend_tile, _combine_splits, _load_rows, _new_key_scores, _split_len,
-                                   _store_rows)
-from dsc.kernels.launch import SM_COUNT, arch_of, cdiv, jit, next_power_of_2, pdl_options, planner, sm_count, split_counters, triton_jit, tuned
+from dsc.kernels.attention import (
+    _attend_new,
+    _attend_tile,
+    _combine_splits,
+    _load_rows,
+    _new_key_scores,
+    _split_len,
+    _store_rows,
+)
+from dsc.kernels.launch import (
+    SM_COUNT,
+    arch_of,
+    cdiv,
+    jit,
+    next_power_of_2,
+    pdl_options,
+    planner,
+    sm_count,
+    split_counters,
+    triton_jit,
+    tuned,
+)
 from dsc.kernels.registry import cuda_kernel, declare
 
 tl = None  # triton.language, bound by launch.triton_jit on first launch
@@ -90,13 +110,28 @@ def _attend_sequence(q, kc, vc, first_pos, scale, window, softcap=0.0, alibi_slo
     mask = k_pos[None, :] <= q_pos[:, None]
     if window:
         mask &= k_pos[None, :] > q_pos[:, None] - window
-    out = A.attend_reference(q[None], kc[None].to(q.dtype), vc[None].to(q.dtype), mask, scale, softcap,
-                             alibi_slopes, q_pos[None], k_pos)
+    out = A.attend_reference(
+        q[None], kc[None].to(q.dtype), vc[None].to(q.dtype), mask, scale, softcap, alibi_slopes, q_pos[None], k_pos
+    )
     return out[0].transpose(0, 1)
 
 
-def paged_attention_reference(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens,
-                              block_tables, scale, window=0, softcap=0.0, alibi_slopes=None):
+def paged_attention_reference(
+    q,
+    k,
+    v,
+    k_pool,
+    v_pool,
+    slot_mapping,
+    query_start,
+    query_lens,
+    cache_lens,
+    block_tables,
+    scale,
+    window=0,
+    softcap=0.0,
+    alibi_slopes=None,
+):
     write_paged_kv_reference(k, v, k_pool, v_pool, slot_mapping)
     _, H, T, D = q.shape
     Hkv, bs = k_pool.shape[1], k_pool.shape[2]
@@ -108,20 +143,33 @@ def paged_attention_reference(q, k, v, k_pool, v_pool, slot_mapping, query_start
         blocks = block_tables[i, : -(-n_ctx // bs)].long()
         kc = k_pool[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :n_ctx]
         vc = v_pool[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :n_ctx]
-        out[0, a: a + n] = _attend_sequence(q[0, :, a: a + n], kc, vc, c, scale, window, softcap, alibi_slopes)
+        out[0, a : a + n] = _attend_sequence(q[0, :, a : a + n], kc, vc, c, scale, window, softcap, alibi_slopes)
     return out
 
 
-def ragged_attention_reference(q, k, v, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                               scale, window=0, softcap=0.0, alibi_slopes=None):
+def ragged_attention_reference(
+    q,
+    k,
+    v,
+    slot_mapping,
+    query_start,
+    query_lens,
+    cache_lens,
+    block_tables,
+    scale,
+    window=0,
+    softcap=0.0,
+    alibi_slopes=None,
+):
     """Without a cache: each sequence's new tokens attend causally among themselves (what a
     step computes when every cache_lens is 0)."""
     _, H, T, D = q.shape
     out = q.new_zeros(1, T, H, D)
     for a, n in zip(query_start.tolist(), query_lens.tolist()):
         if n > 0:
-            out[0, a: a + n] = _attend_sequence(q[0, :, a: a + n], k[0, :, a: a + n], v[0, :, a: a + n], 0,
-                                                scale, window, softcap, alibi_slopes)
+            out[0, a : a + n] = _attend_sequence(
+                q[0, :, a : a + n], k[0, :, a : a + n], v[0, :, a : a + n], 0, scale, window, softcap, alibi_slopes
+            )
     return out
 
 
@@ -132,8 +180,10 @@ def ragged_attention_reference(q, k, v, slot_mapping, query_start, query_lens, c
 # kernel's preloaded tile); kernels/tuning.json "paged_attention_prefill" / "paged_attention_decode"
 # rows (shape class "D<head_dim>") override them. BLOCK_S: sequences per chunk of the scans over
 # query_lens (the varlen kernel's tile lookup, the decode kernel's padding rows).
-PAGED_KEYS = {"prefill": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-              "decode": ("BLOCK_N", "num_warps", "num_stages", "PROGRAMS_PER_SM", "MIN_SPLIT", "SPLIT_FLOOR")}
+PAGED_KEYS = {
+    "prefill": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+    "decode": ("BLOCK_N", "num_warps", "num_stages", "PROGRAMS_PER_SM", "MIN_SPLIT", "SPLIT_FLOOR"),
+}
 MAX_BLOCK_S = 128
 
 
@@ -168,22 +218,85 @@ def _pool_rows(pool, bt_row, offs_j, ok, sp_b, sp_s, BS: tl.constexpr, MASKED: t
     return pool + (blk.to(tl.int64) * sp_b + (offs_j % BS) * sp_s)[:, None]
 
 
-def _attend_pool(acc, m_i, l_i, q, kp, vp, skp_b, skp_s, svp_b, svp_s, bt_row, offs_j, ok, offs_d, visible, qk_scale,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr, cap=None,
-                 slope=None, q_idx=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False):
+def _attend_pool(
+    acc,
+    m_i,
+    l_i,
+    q,
+    kp,
+    vp,
+    skp_b,
+    skp_s,
+    svp_b,
+    svp_s,
+    bt_row,
+    offs_j,
+    ok,
+    offs_d,
+    visible,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    MASKED: tl.constexpr,
+    cap=None,
+    slope=None,
+    q_idx=None,
+    SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
+):
     """Attend to cached positions offs_j read from the pool through the block table (if MASKED,
     rows with ok false read 0 and `visible` [M, N] masks the scores; else all are read and seen).
     The variant (kernels/attention.py `_variant_scores`): q_idx, the rows' positions."""
-    k = _load_rows(_pool_rows(kp, bt_row, offs_j, ok, skp_b, skp_s, BS, MASKED) + offs_d[None, :], ok, offs_d,
-                   HEAD_DIM, BLOCK_D, MASKED)
-    v = _load_rows(_pool_rows(vp, bt_row, offs_j, ok, svp_b, svp_s, BS, MASKED) + offs_d[None, :], ok, offs_d,
-                   HEAD_DIM, BLOCK_D, MASKED)
-    return _attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, MASKED, cap, slope, q_idx,
-                        offs_j, SOFTCAP, ALIBI)
+    k = _load_rows(
+        _pool_rows(kp, bt_row, offs_j, ok, skp_b, skp_s, BS, MASKED) + offs_d[None, :],
+        ok,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        MASKED,
+    )
+    v = _load_rows(
+        _pool_rows(vp, bt_row, offs_j, ok, svp_b, svp_s, BS, MASKED) + offs_d[None, :],
+        ok,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        MASKED,
+    )
+    return _attend_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k.to(q.dtype),
+        v.to(q.dtype),
+        visible,
+        qk_scale,
+        MASKED,
+        cap,
+        slope,
+        q_idx,
+        offs_j,
+        SOFTCAP,
+        ALIBI,
+    )
 
 
-def _write_pool(src, s_t, pool, sp_b, sp_s, slots, ok, offs_j, offs_d, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, BS: tl.constexpr):
+def _write_pool(
+    src,
+    s_t,
+    pool,
+    sp_b,
+    sp_s,
+    slots,
+    ok,
+    offs_j,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+):
     """Rows offs_j of one kv head of k (or v) -> that head's pool rows at `slots` (ok rows with
     slots >= 0), in the pool's dtype."""
     w = ok & (slots >= 0)
@@ -235,21 +348,61 @@ def _padding_row(QLEN, N, i, BLOCK_S: tl.constexpr):
 
 
 def _paged_decode_kernel(
-    Q, K, V, KP, VP, SLOTS, QSTART, QLEN, CLEN, BT, OUT, PART_O, PART_LSE, LOCK, qk_scale,
-    sq_h, sq_t,  # q [1, H, T, D]; the last stride of every tensor is 1
-    sk_h, sk_t,  # k [1, Hkv, T, D]
-    sv_h, sv_t,
-    skp_b, skp_h, skp_s,  # k_pool [num_blocks, Hkv, BS, D]
-    svp_b, svp_h, svp_s,
+    Q,
+    K,
+    V,
+    KP,
+    VP,
+    SLOTS,
+    QSTART,
+    QLEN,
+    CLEN,
+    BT,
+    OUT,
+    PART_O,
+    PART_LSE,
+    LOCK,
+    qk_scale,
+    sq_h,
+    sq_t,  # q [1, H, T, D]; the last stride of every tensor is 1
+    sk_h,
+    sk_t,  # k [1, Hkv, T, D]
+    sv_h,
+    sv_t,
+    skp_b,
+    skp_h,
+    skp_s,  # k_pool [num_blocks, Hkv, BS, D]
+    svp_b,
+    svp_h,
+    svp_s,
     sbt,  # block_tables [N, max_blocks]
-    so_t, so_h,  # out [1, T, H, D]
-    sp_b, sp_h, sp_s,  # part_o [N, H, splits, D] fp32
-    sl_b, sl_h,  # part_lse [N, H, splits] fp32
-    T, N, Hkv, split_floor, window,
-    SLOPES, cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr, WINDOWED: tl.constexpr, MIXED: tl.constexpr = False,
-    PDL: tl.constexpr = False, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    so_t,
+    so_h,  # out [1, T, H, D]
+    sp_b,
+    sp_h,
+    sp_s,  # part_o [N, H, splits, D] fp32
+    sl_b,
+    sl_h,  # part_lse [N, H, splits] fp32
+    T,
+    N,
+    Hkv,
+    split_floor,
+    window,
+    SLOPES,
+    cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    MIXED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
 ):
     # MIXED: a mixed step's single-token sequences (the varlen kernel runs the others, and the
     # output was zeroed); else a decode step (every sequence one token or none)
@@ -271,8 +424,14 @@ def _paged_decode_kernel(
             broken = qlen > 1
             row = tl.where(broken, tl.load(QSTART + i), _padding_row(QLEN, N, i, BLOCK_S)).to(tl.int64)
             val = tl.zeros([BLOCK_H, BLOCK_D], tl.float32) + tl.where(broken, float("nan"), 0.0)
-            _store_rows(OUT + row * so_t + heads[:, None] * so_h + offs_d[None, :], val.to(OUT.dtype.element_ty),
-                        tl.arange(0, BLOCK_H) < tl.where((row < T) & (split == 0), G, 0), offs_d, HEAD_DIM, BLOCK_D)
+            _store_rows(
+                OUT + row * so_t + heads[:, None] * so_h + offs_d[None, :],
+                val.to(OUT.dtype.element_ty),
+                tl.arange(0, BLOCK_H) < tl.where((row < T) & (split == 0), G, 0),
+                offs_d,
+                HEAD_DIM,
+                BLOCK_D,
+            )
         return
     t = tl.load(QSTART + i).to(tl.int64)  # the token's row
     pos = tl.load(CLEN + i).to(tl.int32)  # its position: the keys cached before it
@@ -303,9 +462,33 @@ def _paged_decode_kernel(
     for j0 in range(lo, hi, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         ok = offs_j < hi
-        acc, m_i, l_i = _attend_pool(acc, m_i, l_i, q, kp, vp, skp_b, skp_s, svp_b, svp_s, bt_row, offs_j, ok, offs_d,
-                                     ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, BS, True, cap, slope, q_pos, SOFTCAP,
-                                     ALIBI)
+        acc, m_i, l_i = _attend_pool(
+            acc,
+            m_i,
+            l_i,
+            q,
+            kp,
+            vp,
+            skp_b,
+            skp_s,
+            svp_b,
+            svp_s,
+            bt_row,
+            offs_j,
+            ok,
+            offs_d,
+            ok[None, :],
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D,
+            BS,
+            True,
+            cap,
+            slope,
+            q_pos,
+            SOFTCAP,
+            ALIBI,
+        )
     if PDL:  # the next kernel may start (it waits for this one's end before reading its output)
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -318,8 +501,9 @@ def _paged_decode_kernel(
             blk = (slot // BS).to(tl.int64)
             tl.store(kp + blk * skp_b + (slot % BS) * skp_s + offs_d, kn, mask=d_ok)
             tl.store(vp + blk * svp_b + (slot % BS) * svp_s + offs_d, vn, mask=d_ok)
-        s = _new_key_scores(tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1), qk_scale, cap,
-                            SOFTCAP)  # [BLOCK_H]
+        s = _new_key_scores(
+            tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1), qk_scale, cap, SOFTCAP
+        )  # [BLOCK_H]
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
@@ -351,15 +535,48 @@ def _paged_decode_kernel(
 
 
 def _paged_prefill_kernel(
-    Q, K, V, KP, VP, SLOTS, QSTART, QLEN, CLEN, BT, OUT, qk_scale,
-    sq_h, sq_t, sk_h, sk_t, sv_h, sv_t,  # q [1, H, T, D], k, v [1, Hkv, T, D]
-    skp_b, skp_h, skp_s, svp_b, svp_h, svp_s,  # pools [num_blocks, Hkv, BS, D]
-    sbt, so_t, so_h,  # block_tables [N, max_blocks], out [1, T, H, D]
-    N, window,
-    SLOPES, cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, BS: tl.constexpr, WINDOWED: tl.constexpr, SINGLES: tl.constexpr = True,
-    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    Q,
+    K,
+    V,
+    KP,
+    VP,
+    SLOTS,
+    QSTART,
+    QLEN,
+    CLEN,
+    BT,
+    OUT,
+    qk_scale,
+    sq_h,
+    sq_t,
+    sk_h,
+    sk_t,
+    sv_h,
+    sv_t,  # q [1, H, T, D], k, v [1, Hkv, T, D]
+    skp_b,
+    skp_h,
+    skp_s,
+    svp_b,
+    svp_h,
+    svp_s,  # pools [num_blocks, Hkv, BS, D]
+    sbt,
+    so_t,
+    so_h,  # block_tables [N, max_blocks], out [1, T, H, D]
+    N,
+    window,
+    SLOPES,
+    cap,  # ALIBI: slopes [H] fp32; SOFTCAP: softcap * log2(e) (qk_scale is then scale / softcap)
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BS: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SINGLES: tl.constexpr = True,
+    SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
 ):
     # SINGLES: every sequence's tokens; else those of 2+ tokens (the decode kernel runs the others)
     kvh = tl.program_id(1)
@@ -376,8 +593,9 @@ def _paged_prefill_kernel(
     qi = rows // G
     qh = kvh * G + rows % G
     row_ok = qi < qlen
-    q = _load_rows(Q + qh[:, None] * sq_h + (qs + qi)[:, None] * sq_t + offs_d[None, :], row_ok, offs_d, HEAD_DIM,
-                   BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    q = _load_rows(
+        Q + qh[:, None] * sq_h + (qs + qi)[:, None] * sq_t + offs_d[None, :], row_ok, offs_d, HEAD_DIM, BLOCK_D
+    )  # [BLOCK_M, BLOCK_D]
     k_new = K + kvh * sk_h + qs * sk_t  # the sequence's new keys / values: rows j at + j * sk_t
     v_new = V + kvh * sv_h + qs * sv_t
     kp = KP + kvh * skp_h
@@ -414,45 +632,189 @@ def _paged_prefill_kernel(
             offs_j = j0 + offs_n
             ok = offs_j < c
             visible = ok[None, :] & (offs_j[None, :] > (c + qi - window)[:, None])
-            acc, m_i, l_i = _attend_pool(acc, m_i, l_i, q, kp, vp, skp_b, skp_s, svp_b, svp_s, bt_row, offs_j, ok,
-                                         offs_d, visible, qk_scale, HEAD_DIM, BLOCK_D, BS, True, cap, slope, q_pos,
-                                         SOFTCAP, ALIBI)
+            acc, m_i, l_i = _attend_pool(
+                acc,
+                m_i,
+                l_i,
+                q,
+                kp,
+                vp,
+                skp_b,
+                skp_s,
+                svp_b,
+                svp_s,
+                bt_row,
+                offs_j,
+                ok,
+                offs_d,
+                visible,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_D,
+                BS,
+                True,
+                cap,
+                slope,
+                q_pos,
+                SOFTCAP,
+                ALIBI,
+            )
         for j0 in range(tl.maximum(lo_pos - c, 0), hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
             visible = (offs_j[None, :] <= qi[:, None]) & (offs_j[None, :] > qi[:, None] - window) & ok[None, :]
-            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_t, sv_t, offs_j, ok, offs_d, visible,
-                                        qk_scale, pool_ty, HEAD_DIM, BLOCK_D, True, cap, slope, qi, SOFTCAP, ALIBI)
+            acc, m_i, l_i = _attend_new(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_new,
+                v_new,
+                sk_t,
+                sv_t,
+                offs_j,
+                ok,
+                offs_d,
+                visible,
+                qk_scale,
+                pool_ty,
+                HEAD_DIM,
+                BLOCK_D,
+                True,
+                cap,
+                slope,
+                qi,
+                SOFTCAP,
+                ALIBI,
+            )
     else:
         # phase 1: the cached positions [0, c), visible to every row: full tiles unmasked
         c_full = (c // BLOCK_N) * BLOCK_N
         for j0 in range(0, c_full, BLOCK_N):
             offs_j = j0 + offs_n
-            acc, m_i, l_i = _attend_pool(acc, m_i, l_i, q, kp, vp, skp_b, skp_s, svp_b, svp_s, bt_row, offs_j, None,
-                                         offs_d, None, qk_scale, HEAD_DIM, BLOCK_D, BS, False, cap, slope, q_pos,
-                                         SOFTCAP, ALIBI)
+            acc, m_i, l_i = _attend_pool(
+                acc,
+                m_i,
+                l_i,
+                q,
+                kp,
+                vp,
+                skp_b,
+                skp_s,
+                svp_b,
+                svp_s,
+                bt_row,
+                offs_j,
+                None,
+                offs_d,
+                None,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_D,
+                BS,
+                False,
+                cap,
+                slope,
+                q_pos,
+                SOFTCAP,
+                ALIBI,
+            )
         for j0 in range(c_full, c, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < c
-            acc, m_i, l_i = _attend_pool(acc, m_i, l_i, q, kp, vp, skp_b, skp_s, svp_b, svp_s, bt_row, offs_j, ok,
-                                         offs_d, ok[None, :], qk_scale, HEAD_DIM, BLOCK_D, BS, True, cap, slope, q_pos,
-                                         SOFTCAP, ALIBI)
+            acc, m_i, l_i = _attend_pool(
+                acc,
+                m_i,
+                l_i,
+                q,
+                kp,
+                vp,
+                skp_b,
+                skp_s,
+                svp_b,
+                svp_s,
+                bt_row,
+                offs_j,
+                ok,
+                offs_d,
+                ok[None, :],
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_D,
+                BS,
+                True,
+                cap,
+                slope,
+                q_pos,
+                SOFTCAP,
+                ALIBI,
+            )
         # phase 2: the new tokens, causal; keys < free (<= i_min + 1) are seen by every row
         free = ((i_min + 1) // BLOCK_N) * BLOCK_N
         for j0 in range(0, free, BLOCK_N):
             offs_j = j0 + offs_n
-            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_t, sv_t, offs_j, None, offs_d, None,
-                                        qk_scale, pool_ty, HEAD_DIM, BLOCK_D, False, cap, slope, qi, SOFTCAP, ALIBI)
+            acc, m_i, l_i = _attend_new(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_new,
+                v_new,
+                sk_t,
+                sv_t,
+                offs_j,
+                None,
+                offs_d,
+                None,
+                qk_scale,
+                pool_ty,
+                HEAD_DIM,
+                BLOCK_D,
+                False,
+                cap,
+                slope,
+                qi,
+                SOFTCAP,
+                ALIBI,
+            )
         for j0 in range(free, hi, BLOCK_N):
             offs_j = j0 + offs_n
             ok = offs_j < hi
             visible = (offs_j[None, :] <= qi[:, None]) & ok[None, :]
-            acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_new, v_new, sk_t, sv_t, offs_j, ok, offs_d, visible,
-                                        qk_scale, pool_ty, HEAD_DIM, BLOCK_D, True, cap, slope, qi, SOFTCAP, ALIBI)
+            acc, m_i, l_i = _attend_new(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_new,
+                v_new,
+                sk_t,
+                sv_t,
+                offs_j,
+                ok,
+                offs_d,
+                visible,
+                qk_scale,
+                pool_ty,
+                HEAD_DIM,
+                BLOCK_D,
+                True,
+                cap,
+                slope,
+                qi,
+                SOFTCAP,
+                ALIBI,
+            )
 
     out = acc / l_i[:, None]
-    _store_rows(OUT + (qs + qi)[:, None] * so_t + qh[:, None] * so_h + offs_d[None, :], out.to(OUT.dtype.element_ty),
-                row_ok, offs_d, HEAD_DIM, BLOCK_D)
+    _store_rows(
+        OUT + (qs + qi)[:, None] * so_t + qh[:, None] * so_h + offs_d[None, :],
+        out.to(OUT.dtype.element_ty),
+        row_ok,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+    )
 
 
 @functools.cache
@@ -481,19 +843,27 @@ def _check_paged(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens,
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"paged_attention: {H} query heads are not a multiple of {Hkv} kv heads")
     if k_pool.dim() != 4 or k_pool.shape != v_pool.shape or k_pool.shape[1] != Hkv or k_pool.shape[3] != D:
-        raise ValueError(f"paged_attention: pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not fit "
-                         f"k {tuple(k.shape)}")
+        raise ValueError(
+            f"paged_attention: pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not fit k {tuple(k.shape)}"
+        )
     if k_pool.dtype != v_pool.dtype or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
         raise ValueError("paged_attention: the pools must share a dtype and be contiguous in head_dim")
     N = query_lens.shape[0] if query_lens.dim() == 1 else -1
-    for name, t, shape in (("slot_mapping", slot_mapping, (T,)), ("query_start", query_start, (N,)),
-                           ("query_lens", query_lens, (N,)), ("cache_lens", cache_lens, (N,))):
+    for name, t, shape in (
+        ("slot_mapping", slot_mapping, (T,)),
+        ("query_start", query_start, (N,)),
+        ("query_lens", query_lens, (N,)),
+        ("cache_lens", cache_lens, (N,)),
+    ):
         if t.shape != shape or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"paged_attention: {name} must be an int tensor of shape {shape}, got "
-                             f"{tuple(t.shape)} {t.dtype}")
+            raise ValueError(
+                f"paged_attention: {name} must be an int tensor of shape {shape}, got {tuple(t.shape)} {t.dtype}"
+            )
     if block_tables.dim() != 2 or block_tables.shape[0] != N or block_tables.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"paged_attention: block_tables must be an int tensor [{N}, max_blocks], got "
-                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+        raise ValueError(
+            f"paged_attention: block_tables must be an int tensor [{N}, max_blocks], got "
+            f"{tuple(block_tables.shape)} {block_tables.dtype}"
+        )
     if not 1 <= D <= 256:
         raise ValueError(f"paged_attention: head_dim {D} is outside the Triton kernels' range 1..256")
 
@@ -501,9 +871,28 @@ def _check_paged(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens,
 PATHS = ("decode", "mixed", "varlen")
 
 
-def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                           scale, window=0, softcap=0.0, alibi_slopes=None, *, out=None, path=None, config=None,
-                           decode_config=None, num_splits=None):
+def paged_attention_triton(
+    q,
+    k,
+    v,
+    k_pool,
+    v_pool,
+    slot_mapping,
+    query_start,
+    query_lens,
+    cache_lens,
+    block_tables,
+    scale,
+    window=0,
+    softcap=0.0,
+    alibi_slopes=None,
+    *,
+    out=None,
+    path=None,
+    config=None,
+    decode_config=None,
+    num_splits=None,
+):
     """`paged_attention` on the Triton kernels. path: "decode" (the decode kernel alone: every
     sequence brings one token or none), "mixed" (the output zeroed, the varlen kernel for the
     sequences of 2+ tokens, the decode kernel for those of one), "varlen" (the output zeroed, the
@@ -515,8 +904,9 @@ def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, q
     decode_kernel, varlen_kernel = _kernels()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     query_start, query_lens, cache_lens, slot_mapping, block_tables = (
-        t if t.is_contiguous() else t.contiguous() for t in (query_start, query_lens, cache_lens, slot_mapping,
-                                                              block_tables))
+        t if t.is_contiguous() else t.contiguous()
+        for t in (query_start, query_lens, cache_lens, slot_mapping, block_tables)
+    )
     _, H, T, D = q.shape
     Hkv, BS = k_pool.shape[1], k_pool.shape[2]
     N = query_lens.shape[0]
@@ -533,17 +923,44 @@ def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, q
     arch = arch_of(q.device)
     BLOCK_D = max(16, next_power_of_2(D))
     pools = (k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2))
-    common = (q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), *pools,
-              block_tables.stride(0), out.stride(1), out.stride(2))
+    common = (
+        q.stride(1),
+        q.stride(2),
+        k.stride(1),
+        k.stride(2),
+        v.stride(1),
+        v.stride(2),
+        *pools,
+        block_tables.stride(0),
+        out.stride(1),
+        out.stride(2),
+    )
     args = (q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables, out)
     qk_scale, slopes, cap, variant = A.variant_launch(scale, softcap, alibi_slopes)
     if path != "decode":
         cfg = config or paged_attention_config("prefill", D, arch, q.element_size())
         grid = (cdiv(T * G, cfg["BLOCK_M"]) + N, Hkv)  # a bound on the sequences' row tiles (see `_find_tile`)
-        varlen_kernel[grid](*args, qk_scale, *common, N, window, slopes, cap, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D,
-                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_S=cfg.get("BLOCK_S", _block_s(N)),
-                            BS=BS, WINDOWED=window > 0, SINGLES=path == "varlen", num_warps=cfg["num_warps"],
-                            num_stages=cfg["num_stages"], **variant)
+        varlen_kernel[grid](
+            *args,
+            qk_scale,
+            *common,
+            N,
+            window,
+            slopes,
+            cap,
+            G=G,
+            HEAD_DIM=D,
+            BLOCK_D=BLOCK_D,
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_S=cfg.get("BLOCK_S", _block_s(N)),
+            BS=BS,
+            WINDOWED=window > 0,
+            SINGLES=path == "varlen",
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            **variant,
+        )
     if path == "varlen":
         return out
     cfg = decode_config or paged_attention_config("decode", D, arch, q.element_size())
@@ -553,13 +970,41 @@ def paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, q
     part_o = torch.empty(N, H, splits, D, dtype=torch.float32, device=q.device) if splits > 1 else out
     part_lse = torch.empty(N, H, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     lock = split_counters(q.device, N * Hkv) if splits > 1 else out
-    parts = (part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1)) \
-        if splits > 1 else (0,) * 5
+    parts = (
+        (part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1))
+        if splits > 1
+        else (0,) * 5
+    )
     decode_kernel[(N * Hkv, splits)](
-        *args, part_o, part_lse, lock, qk_scale, *common, *parts, T, N, Hkv, cfg.get("SPLIT_FLOOR", cfg["MIN_SPLIT"]),
-        window, slopes, cap, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_S=cfg.get("BLOCK_S", _block_s(N)), BS=BS, SPLIT=splits > 1, WINDOWED=window > 0, MIXED=path == "mixed",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device), **variant)
+        *args,
+        part_o,
+        part_lse,
+        lock,
+        qk_scale,
+        *common,
+        *parts,
+        T,
+        N,
+        Hkv,
+        cfg.get("SPLIT_FLOOR", cfg["MIN_SPLIT"]),
+        window,
+        slopes,
+        cap,
+        G=G,
+        HEAD_DIM=D,
+        BLOCK_D=BLOCK_D,
+        BLOCK_H=max(16, next_power_of_2(G)),
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_S=cfg.get("BLOCK_S", _block_s(N)),
+        BS=BS,
+        SPLIT=splits > 1,
+        WINDOWED=window > 0,
+        MIXED=path == "mixed",
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        **pdl_options(q.device),
+        **variant,
+    )
     return out
 
 
@@ -569,18 +1014,41 @@ def _out_like(q):
 
 
 @torch.library.custom_op("dsc::ragged_attention", mutates_args=())
-def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-                     query_start: torch.Tensor, query_lens: torch.Tensor, cache_lens: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
-                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    cache_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softcap, alibi_slopes: as dsc::attention's (kernels/attention.py `attend_reference`)."""
-    return ragged_attention_reference(q, k, v, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                                      scale, window, softcap, alibi_slopes)
+    return ragged_attention_reference(
+        q, k, v, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window, softcap, alibi_slopes
+    )
 
 
 @ragged_attention.register_fake
-def _(q, k, v, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window=0, softcap=0.0,
-      alibi_slopes=None):
+def _(
+    q,
+    k,
+    v,
+    slot_mapping,
+    query_start,
+    query_lens,
+    cache_lens,
+    block_tables,
+    scale,
+    window=0,
+    softcap=0.0,
+    alibi_slopes=None,
+):
     return _out_like(q)
 
 
@@ -588,17 +1056,57 @@ declare("dsc.ragged_attention.default")
 
 
 @torch.library.custom_op("dsc::paged_attention", mutates_args=("k_pool", "v_pool"))
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    slot_mapping: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
-                    cache_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                    window: int = 0, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    return paged_attention_reference(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens,
-                                     block_tables, scale, window, softcap, alibi_slopes)
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    cache_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return paged_attention_reference(
+        q,
+        k,
+        v,
+        k_pool,
+        v_pool,
+        slot_mapping,
+        query_start,
+        query_lens,
+        cache_lens,
+        block_tables,
+        scale,
+        window,
+        softcap,
+        alibi_slopes,
+    )
 
 
 @paged_attention.register_fake
-def _(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window=0,
-      softcap=0.0, alibi_slopes=None):
+def _(
+    q,
+    k,
+    v,
+    k_pool,
+    v_pool,
+    slot_mapping,
+    query_start,
+    query_lens,
+    cache_lens,
+    block_tables,
+    scale,
+    window=0,
+    softcap=0.0,
+    alibi_slopes=None,
+):
     return _out_like(q)
 
 
@@ -606,15 +1114,59 @@ declare("dsc.paged_attention.default", attention=True)
 
 
 @cuda_kernel(paged_attention)
-def _(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables, scale, window=0,
-      softcap=0.0, alibi_slopes=None):
-    return paged_attention_triton(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens,
-                                  block_tables, scale, window, softcap, alibi_slopes)
+def _(
+    q,
+    k,
+    v,
+    k_pool,
+    v_pool,
+    slot_mapping,
+    query_start,
+    query_lens,
+    cache_lens,
+    block_tables,
+    scale,
+    window=0,
+    softcap=0.0,
+    alibi_slopes=None,
+):
+    return paged_attention_triton(
+        q,
+        k,
+        v,
+        k_pool,
+        v_pool,
+        slot_mapping,
+        query_start,
+        query_lens,
+        cache_lens,
+        block_tables,
+        scale,
+        window,
+        softcap,
+        alibi_slopes,
+    )
 
 
 @planner("dsc.paged_attention.default")
-def _plan_paged_attention(q, k, v, k_pool, v_pool, slot_mapping, query_start, query_lens, cache_lens, block_tables,
-                          scale, window=0, softcap=0.0, alibi_slopes=None, *, arch):
+def _plan_paged_attention(
+    q,
+    k,
+    v,
+    k_pool,
+    v_pool,
+    slot_mapping,
+    query_start,
+    query_lens,
+    cache_lens,
+    block_tables,
+    scale,
+    window=0,
+    softcap=0.0,
+    alibi_slopes=None,
+    *,
+    arch,
+):
     """The kernels the CUDA implementation launches: the decode kernel where T == N (one launch),
     else the output's memset, the varlen kernel and the decode kernel (three). The ragged
     program's T and N are symbolic at compile time: then both configs and a mixed step's

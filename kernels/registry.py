@@ -8,12 +8,14 @@ The aten ops the compiler leaves in a program and the few Python functions FX gr
 on sizes are listed here. A plan names ops by their stable schema names (`op_name`), and
 the runtime resolves a name only through this table (`resolve_op`): nothing else.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -44,10 +46,12 @@ CUDA_IMPLS: dict[str, Callable] = {}  # "dsc::rmsnorm" -> the op's CUDA implemen
 def cuda_kernel(op) -> Callable:
     """`op.register_kernel("cuda")`, the implementation also kept in CUDA_IMPLS: what a
     recording of kernel launches (compiler/kernel_binaries.py) runs on meta tensors."""
+
     def register(fn: Callable) -> Callable:
         op.register_kernel("cuda")(fn)
         CUDA_IMPLS[op._qualname] = fn
         return fn
+
     return register
 
 
@@ -82,33 +86,90 @@ def fused(first: str, then: str) -> str | None:
 # families those models' traces hold under other shapes and dtypes. The loader refuses any other.
 ATEN_OPS = (
     # in the plans
-    "aten.add.Tensor", "aten.arange.default", "aten.cat.default", "aten.chunk.default", "aten.cos.default",
-    "aten.embedding.default", "aten.flatten.using_ints", "aten.index.Tensor", "aten.layer_norm.default",
-    "aten.linear.default", "aten.mean.dim", "aten.mul.Tensor", "aten.neg.default", "aten.pow.Tensor_Scalar",
-    "aten.relu.default", "aten.reshape.default", "aten.rsqrt.default", "aten.select.int", "aten.silu.default",
-    "aten.sin.default", "aten.slice.Tensor", "aten.split.Tensor", "aten.stack.default", "aten.sym_size.int",
-    "aten.tanh.default", "aten.to.dtype", "aten.transpose.int", "aten.type_as.default", "aten.unsqueeze.default",
+    "aten.add.Tensor",
+    "aten.arange.default",
+    "aten.cat.default",
+    "aten.chunk.default",
+    "aten.cos.default",
+    "aten.embedding.default",
+    "aten.flatten.using_ints",
+    "aten.index.Tensor",
+    "aten.layer_norm.default",
+    "aten.linear.default",
+    "aten.mean.dim",
+    "aten.mul.Tensor",
+    "aten.neg.default",
+    "aten.pow.Tensor_Scalar",
+    "aten.relu.default",
+    "aten.reshape.default",
+    "aten.rsqrt.default",
+    "aten.select.int",
+    "aten.silu.default",
+    "aten.sin.default",
+    "aten.slice.Tensor",
+    "aten.split.Tensor",
+    "aten.stack.default",
+    "aten.sym_size.int",
+    "aten.tanh.default",
+    "aten.to.dtype",
+    "aten.transpose.int",
+    "aten.type_as.default",
+    "aten.unsqueeze.default",
     "aten.view.default",
     # mixture-of-experts routers (softmax, top-k, renormalization; Qwen2-MoE's shared-expert gate)
-    "aten.softmax.int", "aten.topk.default", "aten.sum.dim_IntList", "aten.sigmoid.default",
+    "aten.softmax.int",
+    "aten.topk.default",
+    "aten.sum.dim_IntList",
+    "aten.sigmoid.default",
     # their families
-    "aten.sub.Tensor", "aten.div.Tensor", "aten.gelu.default", "aten.mm.default", "aten.addmm.default",
-    "aten.bmm.default", "aten.expand.default", "aten.permute.default", "aten.squeeze.dim", "aten.unflatten.int",
-    "aten.split_with_sizes.default", "aten._unsafe_view.default", "aten.clone.default", "aten._to_copy.default",
-    "aten.arange.start", "aten.arange.start_step", "aten.full.default", "aten.where.self",
+    "aten.sub.Tensor",
+    "aten.div.Tensor",
+    "aten.gelu.default",
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.expand.default",
+    "aten.permute.default",
+    "aten.squeeze.dim",
+    "aten.unflatten.int",
+    "aten.split_with_sizes.default",
+    "aten._unsafe_view.default",
+    "aten.clone.default",
+    "aten._to_copy.default",
+    "aten.arange.start",
+    "aten.arange.start_step",
+    "aten.full.default",
+    "aten.where.self",
     "aten.sym_numel.default",
     # encoders: BERT's token-type ids (a gather of its buffer), RoBERTa's positions counted past
     # the padding (ne, cumsum), DistilBERT's
-    "aten.gather.default", "aten.ne.Scalar", "aten.cumsum.default",
+    "aten.gather.default",
+    "aten.ne.Scalar",
+    "aten.cumsum.default",
 )
 ATEN_TRAITS: dict[str, OpTraits] = {"aten.embedding.default": OpTraits(gather=True)}
 
 # The Python functions FX graphs call on sizes and tuples, with the kinds of their arguments:
 # "value" a node or a number, "index" an int.
 PYTHON_OPS: dict[str, tuple[Callable, tuple[str, ...]]] = {
-    **{f"operator.{f.__name__}": (f, ("value", "value")) for f in (
-        operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
-        operator.pow, operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge)},
+    **{
+        f"operator.{f.__name__}": (f, ("value", "value"))
+        for f in (
+            operator.add,
+            operator.sub,
+            operator.mul,
+            operator.truediv,
+            operator.floordiv,
+            operator.mod,
+            operator.pow,
+            operator.eq,
+            operator.ne,
+            operator.lt,
+            operator.le,
+            operator.gt,
+            operator.ge,
+        )
+    },
     "operator.neg": (operator.neg, ("value",)),
     "operator.getitem": (operator.getitem, ("value", "index")),
     **{f"math.{f.__name__}": (f, ("value",)) for f in (math.ceil, math.floor, math.trunc, math.sqrt)},
@@ -138,8 +199,9 @@ def resolve_torch_op(name: str) -> torch._ops.OpOverload:
 
 def is_known(name: Any) -> bool:
     """An op a plan may name: the dsc ops (not the export-only dsc_onnx ones), aten's, Python's."""
-    return isinstance(name, str) and (name in PYTHON_OPS or name in ATEN_OPS
-                                      or (name in DECLARED_OPS and name.startswith("dsc.")))
+    return isinstance(name, str) and (
+        name in PYTHON_OPS or name in ATEN_OPS or (name in DECLARED_OPS and name.startswith("dsc."))
+    )
 
 
 def resolve_op(name: str) -> Callable:

@@ -11,6 +11,7 @@ One program per (token, block of BLOCK_H heads), q heads first then k heads: it 
 token's cos/sin row and its heads' two halves once and writes them once. Each product and
 the sum are rounded to the input dtype, as Hugging Face's apply_rotary_pos_emb does in 16-bit.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,9 +42,31 @@ def rotate(x, cos, x_rot, sin, dt):
     return (x * cos).to(dt).to(tl.float32) + (x_rot * sin).to(dt).to(tl.float32)
 
 
-def _rotary_kernel(Q, K, COS, SIN, QO, KO,
-                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sc_b, sc_s, ss_b, ss_s,
-                   S, HQ, HK, HALF, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+def _rotary_kernel(
+    Q,
+    K,
+    COS,
+    SIN,
+    QO,
+    KO,
+    sq_b,
+    sq_h,
+    sq_s,
+    sk_b,
+    sk_h,
+    sk_s,
+    sc_b,
+    sc_s,
+    ss_b,
+    ss_s,
+    S,
+    HQ,
+    HK,
+    HALF,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     if PDL:  # kernels/launch.py: let the next kernel start; wait for the previous one before any access
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -99,8 +122,10 @@ def check_rotary(q, k, cos, sin) -> None:
     B, HQ, S, D = q.shape
     HK = k.shape[1]
     if k.shape != (B, HK, S, D) or cos.shape != (B, S, D) or sin.shape != (B, S, D) or D % 2:
-        raise ValueError(f"rotary: q {list(q.shape)}, k {list(k.shape)}, cos {list(cos.shape)}, "
-                         f"sin {list(sin.shape)}: expected [B,Hq,S,D], [B,Hk,S,D], [B,S,D] x2, D even")
+        raise ValueError(
+            f"rotary: q {list(q.shape)}, k {list(k.shape)}, cos {list(cos.shape)}, "
+            f"sin {list(sin.shape)}: expected [B,Hq,S,D], [B,Hk,S,D], [B,S,D] x2, D even"
+        )
     if k.dtype != q.dtype:
         raise ValueError(f"rotary: q is {q.dtype}, k is {k.dtype}")
 
@@ -132,11 +157,32 @@ def rotary_triton(q, k, cos, sin, config: dict | None = None):
     if B * S:
         num_warps, bh = cfg.pop("num_warps"), cfg["BLOCK_H"]
         grid = (B * S, cdiv(HQ, bh) + cdiv(HK, bh))
-        jit(_rotary_kernel)[grid](q, k, cos, sin, qo, ko,
-                                  q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                                  cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-                                  S, HQ, HK, D // 2, num_warps=num_warps, **cfg, **pdl_options(q.device),
-                                  **ROTATE_OPTIONS)
+        jit(_rotary_kernel)[grid](
+            q,
+            k,
+            cos,
+            sin,
+            qo,
+            ko,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            cos.stride(0),
+            cos.stride(1),
+            sin.stride(0),
+            sin.stride(1),
+            S,
+            HQ,
+            HK,
+            D // 2,
+            num_warps=num_warps,
+            **cfg,
+            **pdl_options(q.device),
+            **ROTATE_OPTIONS,
+        )
     return qo, ko
 
 
@@ -153,8 +199,7 @@ def rotary_reference(q, k, cos, sin):
 
 # -- custom op --------------------------------------------------------------------------------
 @torch.library.custom_op("dsc::rotary", mutates_args=())
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rotary_reference(q, k, cos, sin)
 
 

@@ -13,12 +13,14 @@ outside it (only the pattern's output may be).
     m["x"], m["weight"], m["eps"]   # what the pattern's inputs and wildcards bound to
     m.output                        # the program node the pattern's result is
 """
+
 from __future__ import annotations
 
 import inspect
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -109,6 +111,7 @@ def _trace(fn, args, names: list[str], wildcards: dict[str, Any]) -> fx.Graph:
 def _same_graph(a: fx.Graph, b: fx.Graph) -> bool:
     def sig(g):
         return [(n.op, str(n.target), str(n.args)) for n in g.nodes]
+
     return sig(a) == sig(b)
 
 

@@ -1,7 +1,9 @@
 """Small helpers shared by passes: node matching and replacement that keeps metadata."""
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -15,8 +17,9 @@ def is_call(node: Any, *targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
-def replace_with(node: fx.Node, target: Callable, args: tuple, kwargs: dict | None = None,
-                 infer: bool = True) -> fx.Node:
+def replace_with(
+    node: fx.Node, target: Callable, args: tuple, kwargs: dict | None = None, infer: bool = True
+) -> fx.Node:
     """Insert target(*args) before node, take over its uses and module path, erase node."""
     g = node.graph
     with g.inserting_before(node):
@@ -62,23 +65,38 @@ def take_bias(value: Any, consumer: fx.Node) -> tuple[fx.Node, fx.Node] | None:
                 value.replace_input_with(src, taken[0])
             return value, taken[1]
         return None
-    if is_call(value, aten.linear.default) and len(value.args) == 3 and value.args[2] is not None \
-            and not value.kwargs:
+    if is_call(value, aten.linear.default) and len(value.args) == 3 and value.args[2] is not None and not value.kwargs:
         x, w, b = value.args
         value.args = (x, w)
         return value, b
     if is_call(value, aten.add.Tensor) and len(value.args) == 2 and not value.kwargs:
         for t, b in (value.args, value.args[::-1]):
             vt, vb = getattr(t, "meta", {}).get("val"), getattr(b, "meta", {}).get("val")
-            if isinstance(vt, torch.Tensor) and isinstance(vb, torch.Tensor) and vt.shape == vv.shape \
-                    and vt.dtype == vv.dtype and tuple(vb.shape) == (vv.shape[-1],) and vb.dtype == vv.dtype:
+            if (
+                isinstance(vt, torch.Tensor)
+                and isinstance(vb, torch.Tensor)
+                and vt.shape == vv.shape
+                and vt.dtype == vv.dtype
+                and tuple(vb.shape) == (vv.shape[-1],)
+                and vb.dtype == vv.dtype
+            ):
                 return t, b
     return None
 
 
 # what a router computes between its linear and the experts: scores, top-k, renormalization
-_ROUTING = {aten.softmax.int, aten.topk.default, aten.sum.dim_IntList, aten.div.Tensor, aten.div_.Tensor,
-            aten.to.dtype, aten._to_copy.default, aten.sigmoid.default, aten.view.default, aten.reshape.default}
+_ROUTING = {
+    aten.softmax.int,
+    aten.topk.default,
+    aten.sum.dim_IntList,
+    aten.div.Tensor,
+    aten.div_.Tensor,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.sigmoid.default,
+    aten.view.default,
+    aten.reshape.default,
+}
 
 
 def is_router(linear: fx.Node) -> bool:

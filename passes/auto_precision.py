@@ -19,6 +19,7 @@ it also rounds the activations, so on quality W8A16 is at least as good.
 The choice is recorded in the plan's notes ("auto_precision": target, measured rounds, one
 scheme per layer) and the report prints the counts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,8 +89,10 @@ def choose(model: Model, targets: list[str], db: float) -> tuple[dict[str, str |
     groups = {n: layer_group(model, n) for n in targets}
     ladder = {n: [s for s in LADDER if s != "int4" or groups[n]] for n in targets}
     full_specs = {n: dataclasses.replace(model.weights[n], shard=None, dtype="float32") for n in targets}
-    index = {n: [local_columns(model.weights[n], torch.arange(model.weights[n].shape[1]), r, world)
-                 for r in range(world)] for n in targets}
+    index = {
+        n: [local_columns(model.weights[n], torch.arange(model.weights[n].shape[1]), r, world) for r in range(world)]
+        for n in targets
+    }
     xs: dict[str, torch.Tensor] = {}
 
     def observe(node, rank, args):  # a linear of a candidate weight (in the copy logits_at runs)
@@ -107,11 +110,16 @@ def choose(model: Model, targets: list[str], db: float) -> tuple[dict[str, str |
     keep = 3 * weight_bytes(model) * 4 <= KEEP_BYTES  # fp32 copies: the weights, and two rungs of the candidates
 
     with SourceReader(model.checkpoint) as reader:
+
         def full(n: str, scheme: str | None) -> torch.Tensor:
             key = ("full", n, scheme)
             if key in memo:
                 return memo[key]
-            t = float_tensor(full_specs[n], 0, 1, reader) if scheme is None else _rounded(full(n, None), scheme, groups[n])
+            t = (
+                float_tensor(full_specs[n], 0, 1, reader)
+                if scheme is None
+                else _rounded(full(n, None), scheme, groups[n])
+            )
             if keep:
                 memo[key] = t
             return t
@@ -133,8 +141,15 @@ def choose(model: Model, targets: list[str], db: float) -> tuple[dict[str, str |
                     made[n] = full(n, scheme)
                 return _local(model.weights[n], made[n], r, world)
 
-            sim = Simulator(model, produce, world, batch=len(prompts), seq=max(2, max(map(len, prompts))),
-                            weight_bytes=weight_bytes(model), dtype=torch.float32)
+            sim = Simulator(
+                model,
+                produce,
+                world,
+                batch=len(prompts),
+                seq=max(2, max(map(len, prompts))),
+                weight_bytes=weight_bytes(model),
+                dtype=torch.float32,
+            )
             return sim.logits_at(prompts, POSITIONS, observer)
 
         ref = run({}, observe)  # and every candidate's inputs
@@ -142,8 +157,9 @@ def choose(model: Model, targets: list[str], db: float) -> tuple[dict[str, str |
         for n in targets:
             w = full(n, None)
             base = float((xs[n] @ w.T).pow(2).sum()) or 1.0
-            cost[n] = {s: (0.0 if s is None else float((xs[n] @ (w - full(n, s)).T).pow(2).sum()) / base)
-                       for s in ladder[n]}
+            cost[n] = {
+                s: (0.0 if s is None else float((xs[n] @ (w - full(n, s)).T).pow(2).sum()) / base) for s in ladder[n]
+            }
         nbytes = {n: _bytes(model.weights[n].shape, groups[n]) for n in targets}
         assign = {n: ladder[n][0] for n in targets}
         rounds = []
@@ -190,6 +206,8 @@ def _counts(assign: dict[str, str | None]) -> dict[str, int]:
 def summary_line(notes: dict) -> str:
     last = notes["rounds"][-1]
     c = last["counts"]
-    return (f"auto-precision {notes['target_db']:g} dB: {c['int4']} int4, {c['int8']} int8, {c['16-bit']} 16-bit "
-            f"linears; logits SQNR {last['sqnr_db']:.1f} dB after {len(notes['rounds'])} measured round"
-            + ("s" if len(notes["rounds"]) > 1 else ""))
+    return (
+        f"auto-precision {notes['target_db']:g} dB: {c['int4']} int4, {c['int8']} int8, {c['16-bit']} 16-bit "
+        f"linears; logits SQNR {last['sqnr_db']:.1f} dB after {len(notes['rounds'])} measured round"
+        + ("s" if len(notes["rounds"]) > 1 else "")
+    )

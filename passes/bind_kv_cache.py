@@ -15,6 +15,7 @@ Requires: canonicalize ran. Guarantees: model.kv_cache describes the static prog
          number of blocks the runtime chooses at load (from a memory budget). The runtime
          allocates those tensors once and every program reads and writes them in place.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,10 @@ import torch
 from dsc.compiler.ir import Model
 from dsc.passes._util import replace_with
 
-_BOUND = {torch.ops.dsc.causal_attention.default: ("kv_cache", torch.ops.dsc.attention.default),
-          torch.ops.dsc.ragged_attention.default: ("kv_pool", torch.ops.dsc.paged_attention.default)}
+_BOUND = {
+    torch.ops.dsc.causal_attention.default: ("kv_cache", torch.ops.dsc.attention.default),
+    torch.ops.dsc.ragged_attention.default: ("kv_pool", torch.ops.dsc.paged_attention.default),
+}
 
 
 def bind_kv_cache(model: Model) -> Model:
@@ -40,10 +43,19 @@ def bind_kv_cache(model: Model) -> Model:
                     shape = (opts.max_batch, kv.shape[1], opts.max_seq, kv.shape[3])
                     layouts[kind] = {"layers": len(attn), "shape": list(shape), "dtype": dtype}
                 else:  # the plan's pool holds the blocks of max_batch full sequences; the runtime sizes its own
-                    shape = (opts.max_batch * -(-opts.max_seq // opts.block_size), kv.shape[1], opts.block_size,
-                             kv.shape[3])
-                    layouts[kind] = {"layers": len(attn), "block_size": opts.block_size, "kv_heads": kv.shape[1],
-                                     "head_dim": kv.shape[3], "dtype": dtype}
+                    shape = (
+                        opts.max_batch * -(-opts.max_seq // opts.block_size),
+                        kv.shape[1],
+                        opts.block_size,
+                        kv.shape[3],
+                    )
+                    layouts[kind] = {
+                        "layers": len(attn),
+                        "block_size": opts.block_size,
+                        "kv_heads": kv.shape[1],
+                        "head_dim": kv.shape[3],
+                        "dtype": dtype,
+                    }
                 with graph.inserting_before(node):
                     kc = graph.get_attr(f"{kind}.{i}.k")
                     vc = graph.get_attr(f"{kind}.{i}.v")

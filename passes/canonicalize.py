@@ -13,17 +13,19 @@ Matches / rewrites (each counted under `canonicalize.<rule>`):
 Requires: graphs from `trace`. Guarantees: every matmul against a weight is aten.linear with
 the weight [out, in]; no device arguments on casts; dead code removed.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from dsc.compiler.ir import Model, weight_nodes
 from dsc.passes._util import aten, bypass, is_call, replace_with
 
-_ASSERTS = (aten._assert_tensor_metadata.default, aten._assert_scalar.default,
-            aten.sym_constrain_range_for_size.default)
+_ASSERTS = (
+    aten._assert_tensor_metadata.default,
+    aten._assert_scalar.default,
+    aten.sym_constrain_range_for_size.default,
+)
 _IDENTITY = (aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default)
 _CASTS = (aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_copy.default)
 _IN_PLACE = {aten.add_.Tensor: aten.add.Tensor, aten.mul_.Tensor: aten.mul.Tensor, aten.div_.Tensor: aten.div.Tensor}
@@ -78,13 +80,13 @@ def _addmm_to_linear(model: Model, graph, transposed: set[str]) -> None:
     weights = weight_nodes(graph)
     for name, w in weights.items():
         users = list(w.users)
-        if not users or not all(is_call(u, aten.addmm.default) and u.args[2] is w and not u.kwargs
-                                for u in users):
+        if not users or not all(is_call(u, aten.addmm.default) and u.args[2] is w and not u.kwargs for u in users):
             continue
         if name not in transposed:
             spec = model.weights[name]
             model.weights[name] = dataclasses.replace(
-                spec, transpose=not spec.transpose, shape=tuple(reversed(spec.shape)))
+                spec, transpose=not spec.transpose, shape=tuple(reversed(spec.shape))
+            )
             transposed.add(name)
         w.meta["val"] = w.meta["val"].t().contiguous() if "val" in w.meta else None
         for u in users:

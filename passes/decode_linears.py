@@ -35,6 +35,7 @@ Guarantees: same math as F.linear (fp32 accumulation in the GEMV), and as the li
   rounded to the dtype then swiglu for linear_swiglu (linear_w8a16_swiglu: linear_w8a16's); the
   fused all-reduce ops compute the pair's values; no other change.
 """
+
 from __future__ import annotations
 
 import operator
@@ -118,8 +119,8 @@ def _bias_free_args(lin: fx.Node) -> tuple:
 
 def _gate_up_of(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """(lin, the nodes the fusion leaves dead, each before its inputs) where lin is the bias-free
-    dsc.linear(x, W) or dsc.linear_w8a16(x, qweight, ...), W [2h, K], whose output n = dsc.swiglu(gate, up) reads as exactly its two
-    halves: gate = y[..., :h] and up = y[..., h:] as two slices, or as the two pieces of
+    dsc.linear(x, W) or dsc.linear_w8a16(x, qweight, ...), W [2h, K], whose output
+    n = dsc.swiglu(gate, up) reads as exactly its two halves: gate = y[..., :h] and up = y[..., h:] as two slices, or as the two pieces of
     chunk(y, 2, -1); each half read by n alone and y by the halves (the chunk) alone; else None."""
     if not is_call(n, torch.ops.dsc.swiglu.default) or len(n.args) != 2 or n.kwargs:
         return None
@@ -163,5 +164,8 @@ def _is_piece(g, i: int) -> bool:
 def _is_slice(s: fx.Node, ndim: int, start: int, end: int) -> bool:
     """s = aten.slice(y, last dim, start, end[, step 1]), every bound a plain int."""
     dim, *rest = s.args[1:]
-    return (all(type(a) is int for a in (dim, *rest)) and dim in (-1, ndim - 1)
-            and tuple(rest) in ((start, end), (start, end, 1)))
+    return (
+        all(type(a) is int for a in (dim, *rest))
+        and dim in (-1, ndim - 1)
+        and tuple(rest) in ((start, end), (start, end, 1))
+    )

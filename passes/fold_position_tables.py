@@ -12,6 +12,7 @@ drawn at random (a subgraph that mixes positions is left alone).
 Requires: canonicalize. Guarantees: same values bit for bit (the tables are computed by the
 same ops on the CPU); table bytes = max_seq x (row bytes) per table, in every rank's file.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -91,8 +92,13 @@ def _read_sizes_from_positions(graph: fx.Graph, pos: fx.Node) -> None:
         return
     syms = {str(d): i for i, d in enumerate(dims.shape) if isinstance(d, torch.SymInt)}
     for n in graph.nodes:
-        if (n.op == "call_function" and n.target is aten.sym_size.int and n.args[0] is not pos
-                and isinstance(v := n.meta.get("val"), torch.SymInt) and str(v) in syms):
+        if (
+            n.op == "call_function"
+            and n.target is aten.sym_size.int
+            and n.args[0] is not pos
+            and isinstance(v := n.meta.get("val"), torch.SymInt)
+            and str(v) in syms
+        ):
             n.args = (pos, syms[str(v)])
 
 
@@ -108,8 +114,11 @@ def fold_position_tables(model: Model) -> Model:
         frontier = [n for n in pure if n in from_pos and any(u not in pure_set for u in n.users)]
         # an unsqueeze of a table value (cos[:, None] where no rotary fusion took it) stays, reading
         # the table: the table is of the value before it, [batch, seq, ...]
-        frontier = list(dict.fromkeys(n.args[0] if n.target is aten.unsqueeze.default and n.args[0] in from_pos
-                                      else n for n in frontier))
+        frontier = list(
+            dict.fromkeys(
+                n.args[0] if n.target is aten.unsqueeze.default and n.args[0] in from_pos else n for n in frontier
+            )
+        )
         frontier = [n for n in frontier if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() >= 2]
         if not frontier:
             continue
@@ -121,17 +130,22 @@ def fold_position_tables(model: Model) -> Model:
         names = stable_names(graph)
         for n in frontier:
             table, want = table_env[n], probe_env[n]
-            if not (isinstance(table, torch.Tensor) and table.shape[:2] == (1, max_seq)
-                    and isinstance(want, torch.Tensor) and want.shape[:2] == probe.shape
-                    and torch.equal(table[0][probe], want)):
+            if not (
+                isinstance(table, torch.Tensor)
+                and table.shape[:2] == (1, max_seq)
+                and isinstance(want, torch.Tensor)
+                and want.shape[:2] == probe.shape
+                and torch.equal(table[0][probe], want)
+            ):
                 continue  # not a per-position function of the positions
             src = n  # named after the value before its dtype casts, so every dtype names it alike
             while src.target in _CASTS and isinstance(src.args[0], fx.Node) and src.args[0] in pure_set:
                 src = src.args[0]
             name = f"{names[src]}.table"  # e.g. model.rotary_emb.cos.table
             table = table[0].contiguous()
-            model.weights[name] = WeightSpec(sources=(), shape=tuple(table.shape),
-                                             dtype=str(table.dtype).removeprefix("torch."), const=table)
+            model.weights[name] = WeightSpec(
+                sources=(), shape=tuple(table.shape), dtype=str(table.dtype).removeprefix("torch."), const=table
+            )
             with graph.inserting_before(n):
                 t = graph.get_attr(name)
                 look = graph.call_function(aten.index.Tensor, (t, [pos]))

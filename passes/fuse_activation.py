@@ -15,6 +15,7 @@ Requires: canonicalize (fuse_projections first, so swiglu reads the fused output
 Guarantees: one launch per activation; the kernel computes in fp32 (closer to exact than
   the op-by-op 16-bit chain it replaces; equal in fp32 up to rounding).
 """
+
 from __future__ import annotations
 
 import math

@@ -32,6 +32,7 @@ Guarantees: the sum takes over every other use of the add (the residual stream),
   decoder layer's two adds disappear into its two norms; values equal the unfused ops'
   (kernels/norm.py keeps Hugging Face's rounding points) up to fp32 reduction order.
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,8 +53,11 @@ def rmsnorm_pattern(x, weight):
     return weight * (xf * torch.rsqrt(variance + _EPS)).to(x.dtype)
 
 
-RMSNORM = Pattern(rmsnorm_pattern, lambda dt: (torch.randn(2, 3, 8, dtype=dt), torch.ones(8, dtype=dt)),
-                  wildcards={"eps": _EPS, "dtype": torch.bfloat16})
+RMSNORM = Pattern(
+    rmsnorm_pattern,
+    lambda dt: (torch.randn(2, 3, 8, dtype=dt), torch.ones(8, dtype=dt)),
+    wildcards={"eps": _EPS, "dtype": torch.bfloat16},
+)
 
 
 def _val(n):

@@ -15,6 +15,7 @@ Guarantees: under tensor parallelism the fused spec is sharded per member, never
   [q_r; k_r; v_r] and the slices' local sizes (read from the sharded graph) line up.
   Weights no program reads any more are dropped from model.weights.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,7 @@ def fused_spec(specs: list[WeightSpec], world: int) -> WeightSpec | None:
     first = specs[0]
     if any(s.quant or s.const is not None for s in specs):
         return None
-    if any(s.dtype != first.dtype or s.transpose != first.transpose or s.shape[1:] != first.shape[1:]
-           for s in specs):
+    if any(s.dtype != first.dtype or s.transpose != first.transpose or s.shape[1:] != first.shape[1:] for s in specs):
         return None
     shape = (sum(s.shape[0] for s in specs),) + tuple(first.shape[1:])
     sources = tuple(src for s in specs for src in s.sources)
@@ -120,7 +120,7 @@ def _fuse_group(model: Model, graph: fx.Graph, group: list[fx.Node]) -> bool:
         with graph.inserting_after(anchor):
             sl = graph.call_function(aten.slice.Tensor, (fused, -1, start, start + size))
         copy_meta(sl, n)
-        sl.meta["val"] = fused.meta["val"][..., start:start + size]
+        sl.meta["val"] = fused.meta["val"][..., start : start + size]
         n.replace_all_uses_with(sl)
         graph.erase_node(n)
         start, anchor = start + size, sl

@@ -9,6 +9,7 @@ Requires: bind_kv_cache ran (attention nodes name their q and k); full-width rot
 Guarantees: one launch rotates all q and k heads of a layer; q' and k' are contiguous
   [B, H, S, D]; each product and the sum rounded to the input dtype as transformers does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,12 @@ from dsc.passes._pattern import Pattern, insert_fused
 from dsc.passes._util import aten, is_call
 
 dsc = torch.ops.dsc
-_ATTENTION = (dsc.attention.default, dsc.causal_attention.default, dsc.paged_attention.default,
-              dsc.ragged_attention.default)
+_ATTENTION = (
+    dsc.attention.default,
+    dsc.causal_attention.default,
+    dsc.paged_attention.default,
+    dsc.ragged_attention.default,
+)
 
 
 def rotary_pattern(x, cos, sin):
@@ -30,10 +35,15 @@ def rotary_pattern(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-ROTARY = Pattern(rotary_pattern,
-                 lambda dt: (torch.randn(2, 3, 4, 74, dtype=dt), torch.randn(2, 1, 4, 74, dtype=dt),
-                             torch.randn(2, 1, 4, 74, dtype=dt)),
-                 wildcards={"half": 37})
+ROTARY = Pattern(
+    rotary_pattern,
+    lambda dt: (
+        torch.randn(2, 3, 4, 74, dtype=dt),
+        torch.randn(2, 1, 4, 74, dtype=dt),
+        torch.randn(2, 1, 4, 74, dtype=dt),
+    ),
+    wildcards={"half": 37},
+)
 
 
 def _table(n: fx.Node) -> fx.Node | None:

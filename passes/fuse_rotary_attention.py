@@ -25,6 +25,7 @@ Guarantees: the pair's arithmetic (q' and k' rounded to their dtypes where dsc.r
   them, k' then to the cache's): the same values on CPU, in the interpreter and on an H200
   (output and cache bit for bit, tests/gpu/test_gpu_fused_decode.py); no other node changes.
 """
+
 from __future__ import annotations
 
 import operator
@@ -46,8 +47,13 @@ def _attention_reading(rotary: fx.Node) -> fx.Node | None:
     q, k = sorted(items, key=lambda i: i.args[1])
     readers = set(q.users) | set(k.users)
     attn = readers.pop() if len(readers) == 1 else None
-    if not is_call(attn, dsc.attention.default) or attn.kwargs or attn.args[0] is not q or attn.args[1] is not k \
-            or any(a is q or a is k for a in attn.args[2:]):
+    if (
+        not is_call(attn, dsc.attention.default)
+        or attn.kwargs
+        or attn.args[0] is not q
+        or attn.args[1] is not k
+        or any(a is q or a is k for a in attn.args[2:])
+    ):
         return None
     return attn
 
@@ -58,12 +64,22 @@ def _table_lookup(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if not is_call(node, aten.index.Tensor) or len(node.args) != 2 or node.kwargs:
         return None
     table, idx = node.args
-    if not (isinstance(table, fx.Node) and table.op == "get_attr" and isinstance(idx, (list, tuple)) and len(idx) == 1
-            and isinstance(idx[0], fx.Node)):
+    if not (
+        isinstance(table, fx.Node)
+        and table.op == "get_attr"
+        and isinstance(idx, (list, tuple))
+        and len(idx) == 1
+        and isinstance(idx[0], fx.Node)
+    ):
         return None
     t, p = table.meta.get("val"), idx[0].meta.get("val")
-    if not (isinstance(t, torch.Tensor) and t.dim() == 2 and isinstance(p, torch.Tensor) and p.dim() == 2
-            and not p.is_floating_point()):
+    if not (
+        isinstance(t, torch.Tensor)
+        and t.dim() == 2
+        and isinstance(p, torch.Tensor)
+        and p.dim() == 2
+        and not p.is_floating_point()
+    ):
         return None
     return table, idx[0]
 
@@ -83,8 +99,12 @@ def fuse_rotary_attention(model: Model) -> Model:
         if tc and ts and tc[1] is ts[1] and tc[0].meta["val"].shape == ts[0].meta["val"].shape:
             # the output is the attention's (its value kept: the tables' fake values come from the
             # model's fake mode, not the program's, so the op is not run on them here)
-            replace_with(attn, dsc.rotary_attention.default,
-                         (q, k, v, tc[0], ts[0], *rest[:4], *(window or (0,)), tc[1], *variant), infer=False)
+            replace_with(
+                attn,
+                dsc.rotary_attention.default,
+                (q, k, v, tc[0], ts[0], *rest[:4], *(window or (0,)), tc[1], *variant),
+                infer=False,
+            )
             model.counters["fuse_rotary_attention.tables"] += 1
         else:
             tail = (*rest[:4], *(window or (0,)), None, *variant) if variant else rest  # rot_pos None

@@ -19,6 +19,7 @@ decoder layer (decode at the smallest batch bucket).
 Requires: the passes that rewrite ops ran (it is last). Guarantees: every call node has a
   "kernel" entry; no graph change.
 """
+
 from __future__ import annotations
 
 import operator
@@ -31,18 +32,36 @@ from dsc.compiler.ir import Model
 from dsc.compiler.serialize import program_nodes
 from dsc.kernels.embedding import vocab_embedding_config
 from dsc.kernels.launch import PLANNERS, TARGET_ARCH
-from dsc.launch_counts import launches
 from dsc.kernels.norm import norm_config
 from dsc.kernels.registry import op_name
+from dsc.launch_counts import launches
 from dsc.passes._util import aten
 
 VIEWS = {
-    aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.dims, aten.squeeze.default, aten.transpose.int, aten.permute.default,
-    aten.expand.default, aten.slice.Tensor, aten.select.int, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.t.default, aten.alias.default, aten.detach.default,
-    aten.as_strided.default, aten.unflatten.int, aten.narrow.default, aten.unbind.int,
-    aten.chunk.default, aten.view_as.default, aten.expand_as.default, operator.getitem,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.expand.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.t.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.as_strided.default,
+    aten.unflatten.int,
+    aten.narrow.default,
+    aten.unbind.int,
+    aten.chunk.default,
+    aten.view_as.default,
+    aten.expand_as.default,
+    operator.getitem,
 }
 MAYBE_COPY = {aten.reshape.default, aten.flatten.using_ints}
 # fused all-reduces whose planners give the decode program's kernel (prefill programs take NCCL)
@@ -58,7 +77,12 @@ def _is_host(node: fx.Node) -> bool:
     if t in (aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int):
         return True
     return getattr(t, "__module__", None) in ("_operator", "operator", "math") or t in (
-        torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not)
+        torch.sym_float,
+        torch.sym_int,
+        torch.sym_max,
+        torch.sym_min,
+        torch.sym_not,
+    )
 
 
 def _reshape_is_view(node: fx.Node) -> bool:
@@ -92,11 +116,16 @@ def _plan_all_reduce_norm(node: fx.Node, arch: str, program: str) -> dict:
         return PLANNERS[name](*[_val(a) if isinstance(a, fx.Node) else a for a in node.args], arch=arch)
     hidden = _val(node.args[0]).shape[-1]
     if name == "dsc.all_reduce_add_rmsnorm.default":
-        return {"name": "nccl.all_reduce + triton.add_rmsnorm", "config": norm_config("add_rmsnorm", hidden, arch),
-                "launches": 3}
-    return {"name": "triton.vocab_embedding + nccl.all_reduce + triton.rmsnorm",
-            "config": {"embedding": vocab_embedding_config(hidden), "norm": norm_config("rmsnorm", hidden, arch)},
-            "launches": 4}
+        return {
+            "name": "nccl.all_reduce + triton.add_rmsnorm",
+            "config": norm_config("add_rmsnorm", hidden, arch),
+            "launches": 3,
+        }
+    return {
+        "name": "triton.vocab_embedding + nccl.all_reduce + triton.rmsnorm",
+        "config": {"embedding": vocab_embedding_config(hidden), "norm": norm_config("rmsnorm", hidden, arch)},
+        "launches": 4,
+    }
 
 
 # planners for ops whose kernel files do not register one (yet); a registered planner wins
@@ -117,8 +146,11 @@ def plan_node(node: fx.Node, arch: str, program: str = "prefill") -> dict:
     if t is aten.linear.default:
         w = _val(node.args[1])
         bias = len(node.args) > 2 and node.args[2] is not None
-        return {"name": "cublas.gemm", "config": {"N": w.shape[0], "K": w.shape[1], "bias": bias},
-                "launches": 2 if bias and program == "decode" else 1}
+        return {
+            "name": "cublas.gemm",
+            "config": {"N": w.shape[0], "K": w.shape[1], "bias": bias},
+            "launches": 2 if bias and program == "decode" else 1,
+        }
     if name == "dsc.all_reduce.default" and name not in PLANNERS:
         return _plan_all_reduce(program)
     if name in ALL_REDUCE_NORM_OPS:

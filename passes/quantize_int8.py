@@ -44,8 +44,8 @@ Group size per layer: --int8-group-size G, which must divide the layer's local i
   row's (local) input features not above that: never coarser than DeepSpeed's.
 SmoothQuant (w8a8): the program as it stands (sharded, fused, unquantized) runs on the
   calibration prompts (--calibrate FILE, else 512 tokens of the built-in sample text in the
-  checkpoint's tokenizer; a checkpoint without one is not smoothed) (compiler/simulate.py) to record max|x| per input channel of
-  every quantized linear; s = max|x|^0.5 / max|W[:, k]|^0.5 (clamped to [1e-5, 1e5]). The
+  checkpoint's tokenizer; a checkpoint without one is not smoothed) (compiler/simulate.py) to
+  record max|x| per input channel of every quantized linear; s = max|x|^0.5 / max|W[:, k]|^0.5 (clamped to [1e-5, 1e5]). The
   weight spec gets col_scale = s (columns scaled before quantization) and the op gets
   inv_smooth = 1/s, which the activation-quantization kernel applies as it reads x. Every
   linear gets its own s (no norm weight is shared between q, k, v) and o_proj / down_proj
@@ -55,6 +55,7 @@ Requires: canonicalize (weights are [out, in] linears); runs after shard_tensor_
   (unless skipped, or kept by --auto-precision); every quantized get_attr has a spec with `quant`;
   node vals show local shapes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,8 +85,13 @@ def _linears(graph: fx.Graph, weights: dict[str, WeightSpec]) -> list[fx.Node]:
     for n in graph.nodes:
         if is_call(n, aten.linear.default) and not n.kwargs:
             w = n.args[1]
-            if isinstance(w, fx.Node) and w.op == "get_attr" and w.target in weights \
-                    and len(weights[w.target].shape) == 2 and weights[w.target].quant is None:
+            if (
+                isinstance(w, fx.Node)
+                and w.op == "get_attr"
+                and w.target in weights
+                and len(weights[w.target].shape) == 2
+                and weights[w.target].quant is None
+            ):
                 out.append(n)
     return out
 
@@ -93,8 +99,11 @@ def _linears(graph: fx.Graph, weights: dict[str, WeightSpec]) -> list[fx.Node]:
 def _shared(graph: fx.Graph) -> set[str]:
     """Weights something other than a linear's weight argument reads (the embedding of a tied
     lm_head): they stay in the compute dtype for that reader."""
-    return {n.target for n in graph.nodes if n.op == "get_attr"
-            and any(not (is_call(u, aten.linear.default) and u.args[1] is n) for u in n.users)}
+    return {
+        n.target
+        for n in graph.nodes
+        if n.op == "get_attr" and any(not (is_call(u, aten.linear.default) and u.args[1] is n) for u in n.users)
+    }
 
 
 def _keep_reason(model: Model, node: fx.Node, shared: set[str]) -> str | None:
@@ -121,9 +130,9 @@ def calibration_prompts(path: str | Path, ckpt, max_seq: int) -> list[list[int]]
     try:
         lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
     except FileNotFoundError:
-        raise UserError(f"{path}: calibration file not found")
+        raise UserError(f"{path}: calibration file not found") from None
     except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise UserError(f"{path}: not a UTF-8 text file of prompts ({type(e).__name__})")
+        raise UserError(f"{path}: not a UTF-8 text file of prompts ({type(e).__name__})") from None
     lines = [(i, ln) for i, ln in enumerate(lines, 1) if ln]
     if not lines:
         raise UserError(f"{path}: no calibration prompts (one per line)")
@@ -142,8 +151,9 @@ def calibration_prompts(path: str | Path, ckpt, max_seq: int) -> list[list[int]]
             try:
                 ids = [int(t) for t in ln.replace(",", " ").split()]
             except ValueError:
-                raise UserError(f"{path}:{i}: {ckpt.root} has no tokenizer.json; write calibration "
-                                "prompts as token ids")
+                raise UserError(
+                    f"{path}:{i}: {ckpt.root} has no tokenizer.json; write calibration prompts as token ids"
+                ) from None
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise UserError(f"{path}:{i}: token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
@@ -152,7 +162,6 @@ def calibration_prompts(path: str | Path, ckpt, max_seq: int) -> list[list[int]]
     if not out:
         raise UserError(f"{path}: every calibration prompt is empty after tokenization")
     return out
-
 
 
 def group_size_for(model: Model, name: str, tp: int | None = None) -> int | None:
@@ -177,8 +186,7 @@ def group_size_for(model: Model, name: str, tp: int | None = None) -> int | None
         return None
     if inp % gs:
         why = "scale groups must not cross shard boundaries: " if tp > 1 else ""
-        raise UserError(f"{given} does not divide the {inp} input features of {where}; "
-                        f"{why}choose a divisor of {inp}")
+        raise UserError(f"{given} does not divide the {inp} input features of {where}; {why}choose a divisor of {inp}")
     if opts.int8_mode == "w8a8" and gs % 32:
         raise UserError(f"{given}: w8a8 needs a multiple of 32 (the int8 MMA's K step), at {where}")
     return None if gs == inp else gs
@@ -195,8 +203,14 @@ def _new_attr(model: Model, graph: fx.Graph, after: fx.Node, name: str, spec: We
     return node
 
 
-def _parts(model: Model, name: str, gs: int | None, col_scale: torch.Tensor | None,
-           symmetric: bool | None = None, scheme: str = "int8") -> dict[str, WeightSpec]:
+def _parts(
+    model: Model,
+    name: str,
+    gs: int | None,
+    col_scale: torch.Tensor | None,
+    symmetric: bool | None = None,
+    scheme: str = "int8",
+) -> dict[str, WeightSpec]:
     """Specs of W's quantized parts (and of its inv_smooth vector), registered in model.weights."""
     spec = dataclasses.replace(model.weights[name], col_scale=col_scale)
     sym = not model.options.int8_asymmetric if symmetric is None else symmetric
@@ -207,8 +221,9 @@ def _parts(model: Model, name: str, gs: int | None, col_scale: torch.Tensor | No
     if col_scale is not None:
         shard = spec.shard
         vec_shard = Shard(0, shard.blocks, shard.groups) if shard is not None and shard.dim == 1 else None
-        out[f"{name}.inv_smooth"] = WeightSpec(sources=(), shape=(spec.shape[1],), dtype="float32",
-                                              shard=vec_shard, const=(1.0 / col_scale).float())
+        out[f"{name}.inv_smooth"] = WeightSpec(
+            sources=(), shape=(spec.shape[1],), dtype="float32", shard=vec_shard, const=(1.0 / col_scale).float()
+        )
     model.weights.update(out)
     return out
 
@@ -254,8 +269,12 @@ def _quantize_experts(model: Model) -> set[str]:
                 if w.target not in names:
                     _parts(model, w.target, None, None, symmetric=True)
                     names.add(w.target)
-                parts.append([_new_attr(model, graph, w, f"{w.target}.{part}", model.weights[f"{w.target}.{part}"])
-                              for part in ("qweight", "scale")])
+                parts.append(
+                    [
+                        _new_attr(model, graph, w, f"{w.target}.{part}", model.weights[f"{w.target}.{part}"])
+                        for part in ("qweight", "scale")
+                    ]
+                )
             (qgu, sgu), (qdn, sdn) = parts
             n.args = (*n.args[:3], qgu, qdn, n.args[5], sgu, sdn)
             model.counters["quantize_int8.experts"] += 1
@@ -284,10 +303,16 @@ def quantize_int8(model: Model) -> Model:
         for graph, node in uses:
             _rewrite(model, graph, node, groups[name], name in smooth)
     _drop_float_weights(model, [*targets, *experts])
-    model.notes["int8"] = {"mode": opts.int8_mode, "symmetric": not opts.int8_asymmetric,
-                           "group_size": opts.int8_group_size, "q_groups": opts.int8_q_groups,
-                           "lm_head": opts.int8_lm_head, "skip": list(opts.int8_skip),
-                           "smoothquant": bool(smooth), "weights": len(targets) + len(experts)}
+    model.notes["int8"] = {
+        "mode": opts.int8_mode,
+        "symmetric": not opts.int8_asymmetric,
+        "group_size": opts.int8_group_size,
+        "q_groups": opts.int8_q_groups,
+        "lm_head": opts.int8_lm_head,
+        "skip": list(opts.int8_skip),
+        "smoothquant": bool(smooth),
+        "weights": len(targets) + len(experts),
+    }
     return model
 
 
@@ -325,8 +350,14 @@ def _quantize_fp8(model: Model) -> Model:
             _rewrite_fp8(model, graph, node)
     _drop_float_weights(model, list(targets))
     opts = model.options
-    model.notes["fp8"] = {"format": "e4m3", "weights": "per output channel", "activations": "per token, dynamic",
-                          "lm_head": opts.int8_lm_head, "skip": list(opts.int8_skip), "linears": len(targets)}
+    model.notes["fp8"] = {
+        "format": "e4m3",
+        "weights": "per output channel",
+        "activations": "per token, dynamic",
+        "lm_head": opts.int8_lm_head,
+        "skip": list(opts.int8_skip),
+        "linears": len(targets),
+    }
     return model
 
 
@@ -341,28 +372,43 @@ def _quantize_int4(model: Model) -> Model:
         groups[name] = layer_group(model, name)
         if groups[name] is None:
             at = f", tp={opts.tp}" if opts.tp > 1 else ""
-            given = f"--int4-group-size {opts.int4_group_size}" if opts.int4_group_size else "no int4 group size (128, 64, 32)"
+            given = (
+                f"--int4-group-size {opts.int4_group_size}"
+                if opts.int4_group_size
+                else "no int4 group size (128, 64, 32)"
+            )
             other = f", or choose a multiple of 32 dividing {inp}" if opts.int4_group_size else ""
-            raise UserError(f"{given} does not divide the {inp} input features of {_layer(name)} "
-                            f"({'rank-local ' if opts.tp > 1 else ''}weight [{out}, {inp}]{at}); keep it in "
-                            f"16-bit with --int8-skip '{_layer(name)}'{other}")
+            raise UserError(
+                f"{given} does not divide the {inp} input features of {_layer(name)} "
+                f"({'rank-local ' if opts.tp > 1 else ''}weight [{out}, {inp}]{at}); keep it in "
+                f"16-bit with --int8-skip '{_layer(name)}'{other}"
+            )
     for name, uses in targets.items():
         _rewrite_int4(model, name, uses, groups[name])
     _drop_float_weights(model, list(targets))
-    model.notes["int4"] = {"group_sizes": sorted(set(groups.values())), "lm_head": opts.int8_lm_head,
-                           "skip": list(opts.int8_skip), "linears": len(targets)}
+    model.notes["int4"] = {
+        "group_sizes": sorted(set(groups.values())),
+        "lm_head": opts.int8_lm_head,
+        "skip": list(opts.int8_skip),
+        "linears": len(targets),
+    }
     return model
 
 
 def _rewrite_int4(model: Model, name: str, uses: list[tuple[fx.Graph, fx.Node]], gs: int) -> None:
     spec = model.weights[name]
-    model.weights.update({f"{name}.{p}": dataclasses.replace(spec, quant=Quant(p, gs, False, "int4"))
-                          for p in ("qweight", "scale", "min")})
+    model.weights.update(
+        {
+            f"{name}.{p}": dataclasses.replace(spec, quant=Quant(p, gs, False, "int4"))
+            for p in ("qweight", "scale", "min")
+        }
+    )
     for graph, node in uses:
         w = node.args[1]
         x, bias = node.args[0], (node.args[2] if len(node.args) > 2 else None)
-        qw, sc, mn = (_new_attr(model, graph, w, f"{name}.{p}", model.weights[f"{name}.{p}"])
-                      for p in ("qweight", "scale", "min"))
+        qw, sc, mn = (
+            _new_attr(model, graph, w, f"{name}.{p}", model.weights[f"{name}.{p}"]) for p in ("qweight", "scale", "min")
+        )
         replace_with(node, torch.ops.dsc.linear_w4a16.default, (x, qw, sc, mn, bias, gs))
         model.counters["quantize_int8.int4"] += 1
 
@@ -395,8 +441,9 @@ CALIBRATION_BATCH = 8  # prompts per prefill run (each run reads every weight on
 SAMPLE_PROMPTS, SAMPLE_TOKENS = 8, 64  # the built-in sample's calibration chunks: one run of 512 tokens
 
 
-def activation_maxima(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]],
-                      prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+def activation_maxima(
+    model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]], prompts: list[list[int]]
+) -> dict[str, torch.Tensor]:
     """max|x| [in] per weight over the prompts' tokens (padding excluded), from the unquantized
     prefill program (every rank; a row-parallel shard's columns go to their global indices)."""
     from dsc.compiler.simulate import Simulator, weight_bytes
@@ -405,8 +452,13 @@ def activation_maxima(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.N
     world = model.options.tp
     prefill = model.programs["prefill"]
     watch = {node: name for name, uses in targets.items() for g, node in uses if g is prefill}
-    index = {name: [local_columns(model.weights[name], torch.arange(model.weights[name].shape[1]), r, world)
-                    for r in range(world)] for name in targets}
+    index = {
+        name: [
+            local_columns(model.weights[name], torch.arange(model.weights[name].shape[1]), r, world)
+            for r in range(world)
+        ]
+        for name in targets
+    }
     amax = {name: torch.zeros(model.weights[name].shape[1]) for name in targets}
     valid = None  # [B * L] bool: real tokens of the current batch, row-major over [B, L]
 
@@ -414,16 +466,25 @@ def activation_maxima(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.N
         name = watch.get(node)
         if name is not None:
             x = args[0].float()
-            x = x.reshape(-1, x.shape[-1])[valid] if x.numel() // x.shape[-1] == valid.numel() else x.reshape(-1, x.shape[-1])
+            x = (
+                x.reshape(-1, x.shape[-1])[valid]
+                if x.numel() // x.shape[-1] == valid.numel()
+                else x.reshape(-1, x.shape[-1])
+            )
             idx = index[name][rank]
             amax[name][idx] = torch.maximum(amax[name][idx], x.abs().amax(0))
 
     with SourceReader(model.checkpoint) as reader:
-        sim = Simulator(model, lambda n, r: float_tensor(model.weights[n], r, world, reader), world,
-                        batch=min(CALIBRATION_BATCH, len(prompts)), seq=max(2, max(map(len, prompts))),
-                        weight_bytes=weight_bytes(model))
+        sim = Simulator(
+            model,
+            lambda n, r: float_tensor(model.weights[n], r, world, reader),
+            world,
+            batch=min(CALIBRATION_BATCH, len(prompts)),
+            seq=max(2, max(map(len, prompts))),
+            weight_bytes=weight_bytes(model),
+        )
         for i in range(0, len(prompts), CALIBRATION_BATCH):
-            batch = prompts[i:i + CALIBRATION_BATCH]
+            batch = prompts[i : i + CALIBRATION_BATCH]
             L = max(2, max(map(len, batch)))
             valid = (torch.arange(L)[None, :] < torch.tensor([len(p) for p in batch])[:, None]).reshape(-1)
             sim.prefill(batch, observe=observe)
@@ -439,12 +500,14 @@ def smoothing_prompts(model: Model) -> list[list[int]] | None:
     opts = model.options
     if opts.calibrate:
         return calibration_prompts(opts.calibrate, model.checkpoint, opts.max_seq)
-    return sample_prompts(model.checkpoint.root, SAMPLE_PROMPTS, min(SAMPLE_TOKENS, opts.max_seq - 1),
-                          model.config["vocab_size"])
+    return sample_prompts(
+        model.checkpoint.root, SAMPLE_PROMPTS, min(SAMPLE_TOKENS, opts.max_seq - 1), model.config["vocab_size"]
+    )
 
 
-def smoothing_factors(model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]],
-                      prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+def smoothing_factors(
+    model: Model, targets: dict[str, list[tuple[fx.Graph, fx.Node]]], prompts: list[list[int]]
+) -> dict[str, torch.Tensor]:
     """s [in] per weight: max|x|^a / max|W[:, k]|^(1-a), a = SMOOTH_ALPHA."""
     from dsc.compiler.weights import SourceReader, float_tensor
 

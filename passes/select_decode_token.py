@@ -13,6 +13,7 @@ Guarantees: the same values for every last_idx the gather accepted. The runtime'
   pass zeros (runtime/decode.py); `Engine.run` of the decode program rejects any other
   last_idx, as the gather did, with a clear error (the kernel no longer reads it).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,11 @@ def _last_token_gather(node) -> bool:
     if not isinstance(idx, (list, tuple)) or len(idx) != 2:
         return False
     rows, last = idx
-    return (is_call(rows, aten.arange.default, aten.arange.start) and getattr(last, "op", None) == "placeholder"
-            and last.name == "last_idx")
+    return (
+        is_call(rows, aten.arange.default, aten.arange.start)
+        and getattr(last, "op", None) == "placeholder"
+        and last.name == "last_idx"
+    )
 
 
 def select_decode_token(model: Model) -> Model:

@@ -40,6 +40,7 @@ Requires canonicalize (every matmul against a weight is aten.linear) and bind_kv
 Guarantees (tp > 1) every dsc.attention is inside a region; node vals show per-rank shapes;
          the program's logits [batch, vocab] are identical on every rank. tp == 1: no-op.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,20 +58,53 @@ Key = tuple[str, int]  # (column linear's node name, block index): blocks split 
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _ELEMENTWISE = {
-    aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.mul.Scalar,
-    aten.add.Scalar, aten.neg.default, aten.silu.default, aten.gelu.default, aten.tanh.default,
-    aten.sigmoid.default, aten.relu.default, aten.pow.Tensor_Scalar, aten.rsqrt.default,
-    aten.exp.default, aten.erf.default, aten.to.dtype, aten.clone.default,
+    aten.mul.Tensor,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.div.Tensor,
+    aten.mul.Scalar,
+    aten.add.Scalar,
+    aten.neg.default,
+    aten.silu.default,
+    aten.gelu.default,
+    aten.tanh.default,
+    aten.sigmoid.default,
+    aten.relu.default,
+    aten.pow.Tensor_Scalar,
+    aten.rsqrt.default,
+    aten.exp.default,
+    aten.erf.default,
+    aten.to.dtype,
+    aten.clone.default,
 }
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 _LOGIT_EPILOGUE = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.tanh.default)
-_ATTENTIONS = {torch.ops.dsc.attention.default, torch.ops.dsc.paged_attention.default,
-               torch.ops.dsc.encoder_attention.default}  # (an encoder's: no cache)
-_PASS_THROUGH = _VIEWS | _ELEMENTWISE | _REDUCTIONS | _SPLITS | {
-    aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.slice.Tensor,
-    aten.cat.default, operator.getitem, *_ATTENTIONS, aten.chunk.default, aten.stack.default,
-    aten.flatten.using_ints, aten.select.int, aten.type_as.default}
+_ATTENTIONS = {
+    torch.ops.dsc.attention.default,
+    torch.ops.dsc.paged_attention.default,
+    torch.ops.dsc.encoder_attention.default,
+}  # (an encoder's: no cache)
+_PASS_THROUGH = (
+    _VIEWS
+    | _ELEMENTWISE
+    | _REDUCTIONS
+    | _SPLITS
+    | {
+        aten.transpose.int,
+        aten.permute.default,
+        aten.unsqueeze.default,
+        aten.slice.Tensor,
+        aten.cat.default,
+        operator.getitem,
+        *_ATTENTIONS,
+        aten.chunk.default,
+        aten.stack.default,
+        aten.flatten.using_ints,
+        aten.select.int,
+        aten.type_as.default,
+    }
+)
 
 
 class _Unsupported(Exception):
@@ -137,6 +171,7 @@ class _Region:
 
 # -- finding regions ------------------------------------------------------------------------
 
+
 def _is_linear(n) -> bool:
     return is_call(n, aten.linear.default) and getattr(n.args[1], "op", None) == "get_attr"
 
@@ -186,6 +221,7 @@ def _grow(seed: fx.Node, order: dict[fx.Node, int]) -> _Region:
 
 # -- layouts ------------------------------------------------------------------------------
 
+
 def _val(a):
     return a.meta["val"] if isinstance(a, fx.Node) else a
 
@@ -211,8 +247,13 @@ def _norm(d: int, ndim: int) -> int:
 class _Solver:
     """Assigns a Layout to every value of a region, in graph order, checking each op."""
 
-    def __init__(self, region: _Region, world: int, column_blocks: dict[str, tuple[int, ...]],
-                 outer_views: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        region: _Region,
+        world: int,
+        column_blocks: dict[str, tuple[int, ...]],
+        outer_views: frozenset[str] = frozenset(),
+    ):
         self.region, self.world, self.column_blocks = region, world, column_blocks
         self.outer_views = outer_views  # views read as splitting the sharded dim into (1, rest)
         self.ambiguous: set[str] = set()  # views that read either way
@@ -223,7 +264,7 @@ class _Solver:
         self.means: list[tuple[fx.Node, Layout]] = []  # means over the sharded dim, and their input's layout
         self.weights: list[tuple[fx.Node, int, Layout]] = []  # elementwise weights split as (dim, layout)
 
-    def run(self) -> "_Solver":
+    def run(self) -> _Solver:
         for c in self.region.columns:
             sizes = self.column_blocks.get(c.name, (_val(c).shape[-1],))
             self.lay[c] = Layout(_val(c).dim() - 1, tuple((s, (c.name, i)) for i, s in enumerate(sizes)))
@@ -236,11 +277,12 @@ class _Solver:
             if any(self.pieces.get(k) != self.world for _, k in lay.blocks):
                 raise _Unsupported(f"{n.name} averages replicated pieces that the all-reduce would count twice")
         for n, lay in self.lay.items():
-            for l in (lay if isinstance(lay, list) else [lay]):
+            for l in lay if isinstance(lay, list) else [lay]:
                 for size, key in l.blocks:
                     if size % self.pieces.get(key):
-                        raise _Unsupported(f"{n.name}: size {size} along dim {l.dim} does not split "
-                                           f"into {self.pieces.get(key)} pieces")
+                        raise _Unsupported(
+                            f"{n.name}: size {size} along dim {l.dim} does not split into {self.pieces.get(key)} pieces"
+                        )
         return self
 
     def local(self, lay: Layout) -> int:
@@ -314,7 +356,7 @@ class _Solver:
         """The sharded dim must be the outermost of its group of merged or split dims."""
         lay = self._in(n.args[0])
         src, dst = _val(n.args[0]).shape, _val(n).shape
-        inner_src = _static_prod(src[lay.dim + 1:])
+        inner_src = _static_prod(src[lay.dim + 1 :])
         extent = inner_src * _static_prod([src[lay.dim]])
         inner = 1
         for j in reversed(range(len(dst))):
@@ -326,8 +368,11 @@ class _Solver:
                 raise _Unsupported(f"{n.name} merges the sharded dim with an outer dim")
         else:
             raise _Unsupported(f"{n.name}: no output dim matches the sharded dim")
-        if j > lay.dim and all(str(a) == str(b) for a, b in zip(src[:lay.dim], dst)) and \
-                all(isinstance(d, int) and d == 1 for d in dst[lay.dim:j]):
+        if (
+            j > lay.dim
+            and all(str(a) == str(b) for a, b in zip(src[: lay.dim], dst))
+            and all(isinstance(d, int) and d == 1 for d in dst[lay.dim : j])
+        ):
             # size-1 dims inserted before the sharded one: a new outer dim (GPT-2's decode
             # [B, E] -> [B, 1, E]) or a split into (1 head, head_dim) (Falcon-7B's one kv head:
             # [B, S, D] -> [B, S, 1, D]); _solve tries the first reading, then the second
@@ -350,7 +395,7 @@ class _Solver:
             return dataclasses.replace(lay, dim=lay.dim - (b - a))
         if lay.dim != a:
             raise _Unsupported(f"{n.name} merges the sharded dim with an outer dim")
-        factor = _static_prod(_val(n.args[0]).shape[a + 1:b + 1])
+        factor = _static_prod(_val(n.args[0]).shape[a + 1 : b + 1])
         return Layout(a, tuple((s * factor, k) for s, k in lay.blocks), lay.scale * factor)
 
     def _elementwise(self, n: fx.Node) -> Layout:
@@ -384,7 +429,7 @@ class _Solver:
     def _reduction(self, n: fx.Node) -> Layout:
         lay, ndim = self._in(n.args[0]), _val(n.args[0]).dim()
         dims = [_norm(d, ndim) for d in (n.args[1] if len(n.args) > 1 else range(ndim))]
-        keep = (n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
+        keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
         if lay.dim in dims:
             if n.target is aten.mean.dim and dims == [lay.dim]:  # OLMo 2's q/k norm over all heads
                 self.means.append((n, lay))
@@ -414,7 +459,7 @@ class _Solver:
         """x[..., a:b] along the sharded dim (Phi-3's q, k, v by offsets): the blocks between a
         and b, cut there first; the rank's slice is its pieces of those blocks."""
         total = sum(lay.sizes)
-        a, b, step = (list(n.args[2:5]) + [None, None, 1][len(n.args[2:5]):])
+        a, b, step = list(n.args[2:5]) + [None, None, 1][len(n.args[2:5]) :]
         a, b = (0 if a is None else a), (total if b is None else b)
         a, b = (min(x + total if x < 0 else x, total) for x in (a, b))
         if step != 1 or not all(isinstance(x, int) for x in (a, b)):
@@ -430,7 +475,7 @@ class _Solver:
         block refines that block first (_Refine)."""
         bounds = [sum(lay.sizes[: i + 1]) for i in range(len(lay.sizes))]
         start = 0
-        for i, (size, (col, idx)) in enumerate(lay.blocks):
+        for size, (col, idx) in lay.blocks:
             inside = [c - start for c in cuts if start < c < start + size]
             if inside:  # the split cuts this column block: make its pieces blocks of their own
                 edges = [0] + inside + [size]
@@ -510,7 +555,7 @@ def _solve(region: _Region, world: int) -> _Solver:
         except _Refine as e:
             col = next(c for c in region.columns if c.name == e.column)
             old = blocks.get(e.column, (_val(col).shape[-1],))
-            blocks[e.column] = old[: e.index] + tuple(e.sizes) + old[e.index + 1:]
+            blocks[e.column] = old[: e.index] + tuple(e.sizes) + old[e.index + 1 :]
         except _Unsupported:
             if solver.ambiguous <= outer:
                 raise
@@ -540,6 +585,7 @@ def _find_regions(graph: fx.Graph, world: int) -> tuple[list[_Solver], dict[fx.N
 
 
 # -- rewriting ----------------------------------------------------------------------------
+
 
 def _set_shard(shards: dict[str, Shard], name: str, shard: Shard) -> None:
     if shards.setdefault(name, shard) != shard:
@@ -611,7 +657,7 @@ def _apply_region(model: Model, s: _Solver, shards: dict[str, Shard]) -> list[fx
     for n in s.region.nodes:
         if n in s.lay:
             _rewrite_sizes(n, s)
-    for n, lay in s.means:
+    for n, _lay in s.means:
         touched += _all_reduce_mean(model, n, s.world)
     for w, dim, lay in s.weights:
         _set_shard(shards, w.target, s.shard(lay, dim))
@@ -631,8 +677,13 @@ _MOE = torch.ops.dsc.moe.default
 def _first_expert_weight(model: Model, gate_up: str, experts: int, world: int) -> str:
     """A per-rank constant: the global id of the rank's first expert, int64[1]."""
     name = gate_up.rsplit(".", 1)[0] + ".first_expert"
-    model.weights[name] = WeightSpec(sources=(), shape=(world,), dtype="int64", shard=Shard(0, (world,)),
-                                     const=torch.arange(world, dtype=torch.int64) * (experts // world))
+    model.weights[name] = WeightSpec(
+        sources=(),
+        shape=(world,),
+        dtype="int64",
+        shard=Shard(0, (world,)),
+        const=torch.arange(world, dtype=torch.int64) * (experts // world),
+    )
     return name
 
 
@@ -654,8 +705,9 @@ def _shard_experts(model: Model, graph: fx.Graph, world: int, shards: dict[str, 
                     start.meta["val"] = torch.empty(1, dtype=torch.int64)
                 # the experts' module path, not the router's: the local ids are not the router's
                 # output (dsc diff pairs nodes by module path)
-                local = copy_meta(copy_meta(g.call_function(aten.sub.Tensor, (ids, start)), n,
-                                            ("nn_module_stack",)), ids, ("val",))
+                local = copy_meta(
+                    copy_meta(g.call_function(aten.sub.Tensor, (ids, start)), n, ("nn_module_stack",)), ids, ("val",)
+                )
             n.args = (n.args[0], local, *n.args[2:])
             touched.append(local)
             model.counters["shard_tensor_parallel.experts_ep"] += 1
@@ -676,16 +728,21 @@ def _experts_note(model: Model, world: int) -> str | None:
     if not experts:
         return None
     if model.options.ep > 1:
-        return (f"expert-parallel: each rank holds {experts // world} of the {experts} experts of every MoE "
-                f"layer whole (rank r: experts {experts // world}r to {experts // world}(r + 1) - 1); the router "
-                f"is replicated, each rank computes its experts' part of every token's sum, and dsc.all_reduce "
-                f"adds the parts")
+        return (
+            f"expert-parallel: each rank holds {experts // world} of the {experts} experts of every MoE "
+            f"layer whole (rank r: experts {experts // world}r to {experts // world}(r + 1) - 1); the router "
+            f"is replicated, each rank computes its experts' part of every token's sum, and dsc.all_reduce "
+            f"adds the parts"
+        )
     inter = model.arch.expert_intermediate(model.config)
-    return (f"tensor-parallel inside the experts: each rank holds {inter // world} of every expert's {inter} "
-            f"MLP columns; the router is replicated and dsc.all_reduce sums the ranks' parts")
+    return (
+        f"tensor-parallel inside the experts: each rank holds {inter // world} of every expert's {inter} "
+        f"MLP columns; the router is replicated and dsc.all_reduce sums the ranks' parts"
+    )
 
 
 # -- vocabulary ---------------------------------------------------------------------------
+
 
 def _from_input_ids(n) -> bool:
     while is_call(n, *_VIEWS):
@@ -699,8 +756,13 @@ def _vocab_nodes(graph: fx.Graph) -> tuple[fx.Node | None, list[fx.Node]]:
     while is_call(out, *_LOGIT_EPILOGUE) and not any(isinstance(a, fx.Node) for a in out.args[1:]):
         out = out.args[0]  # scaled or soft-capped logits (compiler/architectures.py LOGIT_EPILOGUES)
     head = out if _is_linear(out) else None
-    embs = [n for n in graph.nodes if is_call(n, aten.embedding.default) and _from_input_ids(n.args[1])
-            and getattr(n.args[0], "op", None) == "get_attr"]
+    embs = [
+        n
+        for n in graph.nodes
+        if is_call(n, aten.embedding.default)
+        and _from_input_ids(n.args[1])
+        and getattr(n.args[0], "op", None) == "get_attr"
+    ]
     return head, embs
 
 
@@ -715,27 +777,36 @@ def _vocab_plan(model: Model, world: int) -> tuple[bool, str]:
         return False, "no token embedding or lm_head found"
     rows = {model.weights[n].shape[0] for n in names}
     if any(r % world for r in rows):
-        return False, (f"replicated: the vocabulary ({', '.join(map(str, sorted(rows)))} rows) does not "
-                       f"divide by tp={world}, so every rank holds the whole embedding and lm_head")
+        return False, (
+            f"replicated: the vocabulary ({', '.join(map(str, sorted(rows)))} rows) does not "
+            f"divide by tp={world}, so every rank holds the whole embedding and lm_head"
+        )
     for _, g in model.graphs():
         for n in g.nodes:
             if n.op == "get_attr" and n.target in names and any(u not in uses for u in n.users):
                 return False, f"replicated: {n.target} is read by more than the embedding and lm_head"
     rows_ = sorted(rows)[0]
-    return True, (f"vocab-parallel: each rank holds {rows_ // world} of {rows_} vocabulary rows of the "
-                  f"embedding and lm_head ({', '.join(sorted(names))}). The lookup is masked to the "
-                  f"rank's rows and summed with dsc.all_reduce (exact: the other ranks add zeros); "
-                  f"each rank computes its slice of the logits and dsc.all_gather assembles "
-                  f"[batch, vocab], identical on every rank. Why: the vocabulary matrix is the "
-                  f"largest weight, and replicating it would cost every rank its full size")
+    return True, (
+        f"vocab-parallel: each rank holds {rows_ // world} of {rows_} vocabulary rows of the "
+        f"embedding and lm_head ({', '.join(sorted(names))}). The lookup is masked to the "
+        f"rank's rows and summed with dsc.all_reduce (exact: the other ranks add zeros); "
+        f"each rank computes its slice of the logits and dsc.all_gather assembles "
+        f"[batch, vocab], identical on every rank. Why: the vocabulary matrix is the "
+        f"largest weight, and replicating it would cost every rank its full size"
+    )
 
 
 def _vocab_start_weight(model: Model, weight: str, world: int) -> str:
     """A per-rank constant: the first vocabulary row this rank holds, int64[1]."""
     name = weight.removesuffix(".weight") + ".vocab_start"
     rows = model.weights[weight].shape[0]
-    model.weights[name] = WeightSpec(sources=(), shape=(world,), dtype="int64", shard=Shard(0, (world,)),
-                                     const=torch.arange(world, dtype=torch.int64) * (rows // world))
+    model.weights[name] = WeightSpec(
+        sources=(),
+        shape=(world,),
+        dtype="int64",
+        shard=Shard(0, (world,)),
+        const=torch.arange(world, dtype=torch.int64) * (rows // world),
+    )
     return name
 
 
@@ -772,8 +843,10 @@ def _split_lm_head(model: Model, head: fx.Node, world: int) -> None:
 
 # -- the pass -----------------------------------------------------------------------------
 
-def _update_vals(model: Model, graph: fx.Graph, shards: dict[str, Shard], kv: dict[fx.Node, int],
-                 touched: list[fx.Node], world: int) -> None:
+
+def _update_vals(
+    model: Model, graph: fx.Graph, shards: dict[str, Shard], kv: dict[fx.Node, int], touched: list[fx.Node], world: int
+) -> None:
     """Per-rank shapes: weights and kv-cache tensors first, then the rewritten nodes in order."""
     for n in graph.nodes:
         if n.op == "get_attr" and (n.target in shards or n in kv):
@@ -797,16 +870,18 @@ def _record_vocab_shards(model: Model, head: fx.Node | None, embs: list[fx.Node]
         _set_shard(shards, w.target, Shard(0, (model.weights[w.target].shape[0],)))
 
 
-def _shard_program(model: Model, name: str, graph: fx.Graph, world: int, shards: dict[str, Shard],
-                   split_vocab: bool) -> dict:
+def _shard_program(
+    model: Model, name: str, graph: fx.Graph, world: int, shards: dict[str, Shard], split_vocab: bool
+) -> dict:
     head, embs = _vocab_nodes(graph)
     solved, reasons = _find_regions(graph, world)
     inside = {n for s in solved for n in s.region.nodes}
     for n in graph.nodes:
         if n.target in _ATTENTIONS and n not in inside:
             why = "; ".join(f"{k.name}: {v}" for k, v in list(reasons.items())[:4])
-            raise ValueError(f"{name}: attention {n.name} is not between linears this pass can shard "
-                             f"for tp={world}: {why}")
+            raise ValueError(
+                f"{name}: attention {n.name} is not between linears this pass can shard for tp={world}: {why}"
+            )
     touched, kv = [], {}
     for s in solved:
         touched += _apply_region(model, s, shards)
@@ -823,8 +898,10 @@ def _shard_program(model: Model, name: str, graph: fx.Graph, world: int, shards:
     heads = set(kv.values())
     if len(heads) > 1:
         raise ValueError(f"{name}: layers disagree on local kv heads {sorted(heads)}")
-    return {"kv_heads": heads.pop() if heads else None,
-            "replicated": [n.args[1].target for n in reasons if n is not head and not is_router(n)]}
+    return {
+        "kv_heads": heads.pop() if heads else None,
+        "replicated": [n.args[1].target for n in reasons if n is not head and not is_router(n)],
+    }
 
 
 def shard_tensor_parallel(model: Model) -> Model:
@@ -841,12 +918,16 @@ def shard_tensor_parallel(model: Model) -> Model:
     kv_local = facts["decode"]["kv_heads"] if "decode" in facts else None
     if model.kv_cache and kv_local:
         kv_global = model.kv_cache["shape"][1]
-        model.kv_cache = {**model.kv_cache, "shape": [model.kv_cache["shape"][0], kv_local,
-                                                      *model.kv_cache["shape"][2:]]}
-        kv_note = (f"{kv_global} kv heads over {world} ranks: "
-                   + (f"{kv_local} per rank" if kv_global >= world else
-                      f"fewer kv heads than ranks, so each kv head is replicated on {world // kv_global} "
-                      f"ranks (rank r holds kv head r * {kv_global} // {world}, the one its q heads read)"))
+        model.kv_cache = {
+            **model.kv_cache,
+            "shape": [model.kv_cache["shape"][0], kv_local, *model.kv_cache["shape"][2:]],
+        }
+        kv_note = f"{kv_global} kv heads over {world} ranks: " + (
+            f"{kv_local} per rank"
+            if kv_global >= world
+            else f"fewer kv heads than ranks, so each kv head is replicated on {world // kv_global} "
+            f"ranks (rank r holds kv head r * {kv_global} // {world}, the one its q heads read)"
+        )
     else:
         kv_note = "no kv cache"
     kv_local = facts["ragged"]["kv_heads"] if "ragged" in facts else None

@@ -2,6 +2,7 @@
 
 `Engine`, `GenerateResult` and `load` are imported on first use, so that the torch-free tools
 of this package (`dsc inspect`: runtime/inspect.py, runtime/artifact.py) load without torch."""
+
 from __future__ import annotations
 
 __all__ = ["Engine", "GenerateResult", "load"]

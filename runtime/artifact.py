@@ -9,6 +9,7 @@ See docs/security.md.
 Only torch-free stdlib here; errors a user can cause are `UserError` with one line naming
 the file or field.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,11 +36,34 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # (also the rule runtime/plan.py applies to node names and targets; at most 300 characters)
 SAFE_NAME = re.compile(r"(?=.{1,300}\Z)[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*", re.ASCII | re.DOTALL)
 # safetensors dtype tag -> bytes per element; plan (torch) dtype name -> safetensors tag
-ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-                  "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-PLAN_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-               "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+ST_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+PLAN_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
 _HEADER_LIMIT = 100_000_000  # bytes of a safetensors JSON header
 _MAX_DIM = 1 << 40
 _MAX_TP = 1024
@@ -95,8 +119,9 @@ class Artifact:
             if info is None:
                 raise UserError(f"{path}: missing tensor '{name}' the plan reads")
             if (PLAN_DTYPES.get(dtype), shape) != (info["dtype"], info["shape"]):
-                raise UserError(f"{path}: tensor '{name}' is {info['dtype']}{info['shape']}, "
-                                f"the plan reads {dtype}{shape}")
+                raise UserError(
+                    f"{path}: tensor '{name}' is {info['dtype']}{info['shape']}, the plan reads {dtype}{shape}"
+                )
         return header
 
     def tokenizer(self):
@@ -110,7 +135,9 @@ class Artifact:
         try:
             tok = Tokenizer.from_file(str(f))
         except Exception as e:  # tokenizers raises a bare Exception for any malformed file
-            raise UserError(f"{f}: not a valid tokenizer ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+            raise UserError(
+                f"{f}: not a valid tokenizer ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
+            ) from None
         # a tokenizer.json may carry the padding and truncation of its training (BERT-style
         # embedding models: padded and cut to 128): the runtime pads batches itself, and a
         # prompt over the artifact's max_seq is refused, never silently cut
@@ -131,8 +158,9 @@ def file_hashes(root: Path) -> dict[str, str]:
     """relative path -> sha256 of every file under root that a manifest lists (all but UNLISTED):
     what `dsc compile` records in manifest.json and `open_artifact` checks against."""
     files = sorted(p for p in Path(root).rglob("*") if p.is_file())
-    return {p.relative_to(root).as_posix(): sha256_file(p) for p in files
-            if p.relative_to(root).as_posix() not in UNLISTED}
+    return {
+        p.relative_to(root).as_posix(): sha256_file(p) for p in files if p.relative_to(root).as_posix() not in UNLISTED
+    }
 
 
 _MAX_INT_DIGITS = 300  # an integer literal longer than this is no size, count or id an artifact holds
@@ -212,8 +240,11 @@ def read_safetensors_header(path: Path) -> dict:
             lo, hi = info["data_offsets"]
             nbytes = ST_DTYPE_BYTES[info["dtype"]]
             shape = info["shape"]
-            if not (isinstance(shape, list) and len(shape) <= 16
-                    and all(type(d) is int and 0 <= d < _MAX_DIM for d in shape + [lo, hi])):
+            if not (
+                isinstance(shape, list)
+                and len(shape) <= 16
+                and all(type(d) is int and 0 <= d < _MAX_DIM for d in shape + [lo, hi])
+            ):
                 raise ValueError
             for d in shape:
                 nbytes *= d
@@ -238,8 +269,13 @@ def _check_rel_path(where: Path, rel) -> str:
     if not isinstance(rel, str) or not rel or len(rel) > 255:
         raise UserError(f"{where}: field 'files' has an entry that is not a file name")
     p = PurePosixPath(rel)
-    if (p.is_absolute() or "\\" in rel or any(part in ("", ".", "..") for part in rel.split("/"))
-            or any(ord(c) < 32 for c in rel) or rel in UNLISTED):
+    if (
+        p.is_absolute()
+        or "\\" in rel
+        or any(part in ("", ".", "..") for part in rel.split("/"))
+        or any(ord(c) < 32 for c in rel)
+        or rel in UNLISTED
+    ):
         raise UserError(f"{where}: field 'files': {rel[:80]!r} is not a relative path inside the artifact")
     return rel
 
@@ -265,15 +301,19 @@ def _listed_files(path: Path, manifest: dict) -> dict[str, str]:
                 raise UserError(f"{path}: {_show(rel, 80)} is a link; an artifact holds plain files only")
             if stat.S_ISREG(mode):
                 if full.lstat().st_nlink > 1:  # a hard link: the same file may be reachable from outside
-                    raise UserError(f"{path}: {_show(rel, 80)} has {full.lstat().st_nlink} hard links; an artifact "
-                                    "holds plain files with one link each (copy it, do not link it)")
+                    raise UserError(
+                        f"{path}: {_show(rel, 80)} has {full.lstat().st_nlink} hard links; an artifact "
+                        "holds plain files with one link each (copy it, do not link it)"
+                    )
                 present.add(rel)
             elif not stat.S_ISDIR(mode):
                 raise UserError(f"{path}: {_show(rel, 80)} is not a plain file; an artifact holds plain files only")
     unlisted = sorted(present - set(files) - set(UNLISTED))
     if unlisted:
-        raise UserError(f"{path}: file {_show(unlisted[0], 80)} is not listed in manifest.json "
-                        "(files added after compile are refused)")
+        raise UserError(
+            f"{path}: file {_show(unlisted[0], 80)} is not listed in manifest.json "
+            "(files added after compile are refused)"
+        )
     return files
 
 
@@ -282,8 +322,10 @@ def _check_manifest(path: Path, manifest: dict) -> None:
     if manifest.get("format") != FORMAT:
         raise UserError(f"{where}: not a dsc artifact (field 'format' is {_show(manifest.get('format'), 40)})")
     if manifest.get("format_version") != FORMAT_VERSION or type(manifest.get("format_version")) is not int:
-        raise UserError(f"{where}: artifact format version {_show(manifest.get('format_version'), 40)}, "
-                        f"this dsc reads version {FORMAT_VERSION}; recompile with this dsc")
+        raise UserError(
+            f"{where}: artifact format version {_show(manifest.get('format_version'), 40)}, "
+            f"this dsc reads version {FORMAT_VERSION}; recompile with this dsc"
+        )
     tp = manifest.get("tp", 1)
     if type(tp) is not int or not 1 <= tp <= _MAX_TP:
         raise UserError(f"{where}: field 'tp' must be an integer from 1 to {_MAX_TP}")
@@ -353,12 +395,19 @@ def _check_node(where: str, n) -> None:
         raise UserError(f"{where}: field 'shape': {why}")
     if "dtype" in n and not _is_dtype(n["dtype"]):
         raise UserError(f"{where}: field 'dtype' {_show(n['dtype'], 40)} is not a dtype")
-    if kind == "weight" and (not isinstance(n.get("shape"), list) or "dtype" not in n or not all(
-            _is_count(d) for d in (n["shape"][1:] if _is_pool(n) else n["shape"]))):
+    if kind == "weight" and (
+        not isinstance(n.get("shape"), list)
+        or "dtype" not in n
+        or not all(_is_count(d) for d in (n["shape"][1:] if _is_pool(n) else n["shape"]))
+    ):
         raise UserError(f"{where}: a weight needs a concrete shape and a dtype")
     k = n.get("kernel")
-    if k is not None and not (isinstance(k, dict) and isinstance(k.get("name"), str) and _is_count(k.get("launches"))
-                              and isinstance(k.get("config", {}), dict)):
+    if k is not None and not (
+        isinstance(k, dict)
+        and isinstance(k.get("name"), str)
+        and _is_count(k.get("launches"))
+        and isinstance(k.get("config", {}), dict)
+    ):
         raise UserError(f"{where}: field 'kernel' must be {{name, launches, config}}")
 
 
@@ -372,8 +421,16 @@ PROGRAM_INPUTS = {
     "prefill": ["input_ids", "position_ids", "cache_pos", "last_idx"],
     "decode": ["input_ids", "position_ids", "cache_pos", "last_idx"],
     # continuous batching (kernels/paged_attention.py has the layout)
-    "ragged": ["input_ids", "position_ids", "slot_mapping", "query_start", "query_lens", "cache_lens",
-               "block_tables", "logits_idx"],
+    "ragged": [
+        "input_ids",
+        "position_ids",
+        "slot_mapping",
+        "query_start",
+        "query_lens",
+        "cache_lens",
+        "block_tables",
+        "logits_idx",
+    ],
     "encode": ["input_ids", "lengths"],  # an encoder's one program: right-padded rows and their lengths
 }
 # the programs of each model kind (plan "model.kind"; a plan without one is a decoder's)
@@ -415,36 +472,62 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
     `dsc diff`, `dsc export-onnx`). Op names, argument encodings and node references are
     checked where the graph is built (runtime/plan.py)."""
     if plan.get("format_version") != FORMAT_VERSION or type(plan.get("format_version")) is not int:
-        raise UserError(f"{where}: plan format version {_show(plan.get('format_version'), 40)}, expected {FORMAT_VERSION}")
+        raise UserError(
+            f"{where}: plan format version {_show(plan.get('format_version'), 40)}, expected {FORMAT_VERSION}"
+        )
     if plan.get("tp") != tp or type(plan.get("tp")) is not int:
         raise UserError(f"{where}: field 'tp' must be the manifest's tp ({tp})")
     model, limits = plan.get("model"), plan.get("limits")
-    if not isinstance(model, dict) or not _is_dtype(model.get("dtype")) or not _is_count(model.get("vocab_size"), 1) \
-            or not isinstance(model.get("model_type"), str):
+    if (
+        not isinstance(model, dict)
+        or not _is_dtype(model.get("dtype"))
+        or not _is_count(model.get("vocab_size"), 1)
+        or not isinstance(model.get("model_type"), str)
+    ):
         raise UserError(f"{where}: field 'model' must hold model_type, a dtype and vocab_size")
     eos = model.get("eos_token_ids") or []
     if not isinstance(eos, list) or not all(_is_count(t) for t in eos):
         raise UserError(f"{where}: field 'model.eos_token_ids' must be a list of token ids")
-    if not isinstance(limits, dict) or not _is_count(limits.get("max_batch"), 1, _MAX_BATCH) \
-            or not _is_count(limits.get("max_seq"), 2, _MAX_SEQ):
+    if (
+        not isinstance(limits, dict)
+        or not _is_count(limits.get("max_batch"), 1, _MAX_BATCH)
+        or not _is_count(limits.get("max_seq"), 2, _MAX_SEQ)
+    ):
         raise UserError(f"{where}: field 'limits' must hold max_batch (1..{_MAX_BATCH}) and max_seq (2..{_MAX_SEQ})")
     buckets = limits.get("decode_buckets")
-    if buckets is not None and not (isinstance(buckets, list) and buckets
-                                    and all(_is_count(b, 1, limits["max_batch"]) for b in buckets)
-                                    and buckets == sorted(set(buckets))):
+    if buckets is not None and not (
+        isinstance(buckets, list)
+        and buckets
+        and all(_is_count(b, 1, limits["max_batch"]) for b in buckets)
+        and buckets == sorted(set(buckets))
+    ):
         raise UserError(f"{where}: field 'limits.decode_buckets' must be increasing batch sizes up to max_batch")
     kv = plan.get("kv_cache")
-    if kv is not None and not (isinstance(kv, dict) and _is_dtype(kv.get("dtype")) and _is_count(kv.get("layers"), 0, 4096)
-                               and isinstance(kv.get("shape"), list) and len(kv["shape"]) == 4
-                               and all(_is_count(d, 1, 1 << 20) for d in kv["shape"])
-                               and kv["shape"][0] == limits["max_batch"] and kv["shape"][2] == limits["max_seq"]):
-        raise UserError(f"{where}: field 'kv_cache' must hold dtype, layers and a [max_batch, heads, max_seq, dim] shape")
+    if kv is not None and not (
+        isinstance(kv, dict)
+        and _is_dtype(kv.get("dtype"))
+        and _is_count(kv.get("layers"), 0, 4096)
+        and isinstance(kv.get("shape"), list)
+        and len(kv["shape"]) == 4
+        and all(_is_count(d, 1, 1 << 20) for d in kv["shape"])
+        and kv["shape"][0] == limits["max_batch"]
+        and kv["shape"][2] == limits["max_seq"]
+    ):
+        raise UserError(
+            f"{where}: field 'kv_cache' must hold dtype, layers and a [max_batch, heads, max_seq, dim] shape"
+        )
     pool = plan.get("kv_pool")
-    if pool is not None and not (isinstance(pool, dict) and _is_dtype(pool.get("dtype"))
-                                 and _is_count(pool.get("layers"), 0, 4096) and pool.get("block_size") in (16, 32)
-                                 and _is_count(pool.get("kv_heads"), 1, 1 << 12)
-                                 and _is_count(pool.get("head_dim"), 1, 1 << 12)):
-        raise UserError(f"{where}: field 'kv_pool' must hold dtype, layers, block_size (16 or 32), kv_heads and head_dim")
+    if pool is not None and not (
+        isinstance(pool, dict)
+        and _is_dtype(pool.get("dtype"))
+        and _is_count(pool.get("layers"), 0, 4096)
+        and pool.get("block_size") in (16, 32)
+        and _is_count(pool.get("kv_heads"), 1, 1 << 12)
+        and _is_count(pool.get("head_dim"), 1, 1 << 12)
+    ):
+        raise UserError(
+            f"{where}: field 'kv_pool' must hold dtype, layers, block_size (16 or 32), kv_heads and head_dim"
+        )
     kind = model.get("kind", "decoder")
     if kind not in KIND_PROGRAMS:
         raise UserError(f"{where}: field 'model.kind' must be one of {', '.join(KIND_PROGRAMS)}")
@@ -461,15 +544,18 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
     weights: dict[str, tuple] = {}
     kv_targets = {f"kv_cache.{i}.{t}" for i in range(kv["layers"]) for t in "kv"} if kv else set()
     pool_targets = {f"kv_pool.{i}.{t}" for i in range(pool["layers"]) for t in "kv"} if pool else set()
-    pool_sig = (pool["dtype"], ["pool_blocks", pool["kv_heads"], pool["block_size"], pool["head_dim"]]) if pool else None
+    pool_sig = (
+        (pool["dtype"], ["pool_blocks", pool["kv_heads"], pool["block_size"], pool["head_dim"]]) if pool else None
+    )
     for prog in programs.values():
         for n in prog["nodes"]:
             if n["kind"] == "weight":
                 sig = (n["dtype"], n["shape"])
                 if weights.setdefault(n["target"], sig) != sig:
                     raise UserError(f"{where}: weight '{n['target']}' has two different shapes or dtypes")
-                if n["target"].startswith("kv_cache.") and (n["target"] not in kv_targets
-                                                            or sig != (kv["dtype"], kv["shape"])):
+                if n["target"].startswith("kv_cache.") and (
+                    n["target"] not in kv_targets or sig != (kv["dtype"], kv["shape"])
+                ):
                     raise UserError(f"{where}: weight '{n['target']}' is not a layer of field 'kv_cache'")
                 if n["target"].startswith("kv_pool.") and (n["target"] not in pool_targets or sig != pool_sig):
                     raise UserError(f"{where}: weight '{n['target']}' is not a layer of field 'kv_pool'")
@@ -478,8 +564,13 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
             raise UserError(f"{where}: field '{key}' must be an object")
 
 
-def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool = True,
-                  require_signature: str | Path | None = None, defer_rank_checksums: bool = False) -> Artifact:
+def open_artifact(
+    path: str | Path,
+    ranks: list[int] | None = None,
+    verify: bool = True,
+    require_signature: str | Path | None = None,
+    defer_rank_checksums: bool = False,
+) -> Artifact:
     """Open and check an artifact. With `verify`, every file this process reads (plan,
     tokenizer and the rank files in `ranks`; all rank files when ranks is None) must match
     the sha256 the manifest records. With `require_signature` (a public key file), the
@@ -512,8 +603,10 @@ def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool
     for rel in files:
         if not (path / rel).is_file():
             rank_file = re.fullmatch(r"rank\d+\.safetensors", rel)
-            raise UserError(f"{path / rel}: missing " + (f"rank file (artifact compiled for tp={tp})" if rank_file
-                                                         else "(listed in manifest.json)"))
+            raise UserError(
+                f"{path / rel}: missing "
+                + (f"rank file (artifact compiled for tp={tp})" if rank_file else "(listed in manifest.json)")
+            )
     pending = None
     if verify:
         check = ["plan.json"] + [f for f in files if f.startswith("tokenizer/")]
@@ -533,7 +626,9 @@ def open_artifact(path: str | Path, ranks: list[int] | None = None, verify: bool
         plan = read_json_object(path / "plan.json")
     except UserError:  # unreadable even unverified: say why, when the checksum knows
         if sha256_file(path / "plan.json") != files["plan.json"]:
-            raise UserError(f"{path / 'plan.json'}: checksum mismatch (file changed or corrupt since compile)") from None
+            raise UserError(
+                f"{path / 'plan.json'}: checksum mismatch (file changed or corrupt since compile)"
+            ) from None
         raise
     check_plan(path / "plan.json", plan, tp)
     return Artifact(path=path, manifest=manifest, plan=plan, pending_checks=pending)

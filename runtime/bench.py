@@ -6,6 +6,7 @@ back as `generate` runs them), batch-1 `generate` per token, prefill time per pr
 the bytes a decode step must read (matmul weights + the KV cache up to the current context)
 and the achieved bandwidth, and the GPU memory split into weights, KV cache and workspace.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,7 +16,6 @@ import torch
 
 from dsc.runtime.plan import GATHER_OPS
 from dsc.runtime.profile import READ_BW_H200
-
 
 
 def _sync(device):
@@ -70,10 +70,20 @@ def decode_bytes(engine, batch: int, context: int) -> dict[str, int]:
     nodes = engine.plan["programs"]["decode"]["nodes"]
     targets = {n["name"]: n["target"] for n in nodes if n["kind"] == "weight"}
     gathered = {targets[n["args"][0]["node"]] for n in nodes if n["kind"] == "call" and n["op"] in GATHER_OPS}
-    matmul = {targets[a["node"]] for n in nodes if n["kind"] == "call" and n["op"] not in GATHER_OPS
-              for a in n["args"] if isinstance(a, dict) and a.get("node") in targets}
-    experts = {targets[a["node"]] for n in nodes if n["kind"] == "call" and n["op"] == "dsc.moe.default"
-               for i, a in enumerate(n["args"]) if i in (3, 4, 6, 7) and isinstance(a, dict)}
+    matmul = {
+        targets[a["node"]]
+        for n in nodes
+        if n["kind"] == "call" and n["op"] not in GATHER_OPS
+        for a in n["args"]
+        if isinstance(a, dict) and a.get("node") in targets
+    }
+    experts = {
+        targets[a["node"]]
+        for n in nodes
+        if n["kind"] == "call" and n["op"] == "dsc.moe.default"
+        for i, a in enumerate(n["args"])
+        if i in (3, 4, 6, 7) and isinstance(a, dict)
+    }
     moe = engine.plan["model"].get("experts") or {}
     routed = 1.0 - (1.0 - moe["top_k"] / moe["experts"]) ** batch if experts else 1.0
     weights = 0
@@ -88,7 +98,15 @@ def decode_bytes(engine, batch: int, context: int) -> dict[str, int]:
     kvb = 0
     if kv:
         _, hkv, _, d = kv["shape"]
-        kvb = 2 * kv["layers"] * batch * hkv * context * d * torch.empty((), dtype=getattr(torch, kv["dtype"])).element_size()
+        kvb = (
+            2
+            * kv["layers"]
+            * batch
+            * hkv
+            * context
+            * d
+            * torch.empty((), dtype=getattr(torch, kv["dtype"])).element_size()
+        )
     return {"weights": weights, "kv_cache": kvb, "total": weights + kvb}
 
 
@@ -103,17 +121,26 @@ def generate_ms_per_token(engine, context: int, device, g: torch.Generator, shor
 
     def run() -> float:
         seen: list[float] = []
-        engine.generate_static(prompt, max_new_tokens=long, stop_tokens=[],
-                               callback=lambda step, tokens: seen.append(time.perf_counter()))
+        engine.generate_static(
+            prompt, max_new_tokens=long, stop_tokens=[], callback=lambda step, tokens: seen.append(time.perf_counter())
+        )
         return (seen[long - 1] - seen[short - 1]) / (long - short)
 
     run()  # warm-up
     return {"tokens": [short, long], "ms_per_token": min(run() for _ in range(3)) * 1e3}
 
 
-def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), prefill_lens=(128, 2048),
-          context: int = 128, iters: int = 50, cuda_graphs: bool = True, profile: bool = False,
-          trust_kernels: bool = False) -> dict:
+def bench(
+    path: str | Path,
+    device: str | None = None,
+    batches=(1, 8, 32, 64),
+    prefill_lens=(128, 2048),
+    context: int = 128,
+    iters: int = 50,
+    cuda_graphs: bool = True,
+    profile: bool = False,
+    trust_kernels: bool = False,
+) -> dict:
     from dsc.kernels.launch import pdl_enabled
     from dsc.runtime.engine import load
 
@@ -125,19 +152,31 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
     engine = load(path, device=dev, verify=False, cuda_graphs=cuda_graphs, trust_kernels=trust_kernels)
     _sync(dev)
     load_s = time.perf_counter() - t0
-    res: dict = {"artifact": str(path), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                 "dtype": engine.plan["model"]["dtype"], "tp": engine.world, "load_and_capture_s": load_s,
-                 "cuda_graphs": engine._decode.captured, "all_reduce": engine.all_reduce,
-                 "pdl": "on" if pdl_enabled(dev) else "off", "decode": {}, "prefill": {},
-                 "load_stages_s": dict(engine.load_times), "kernel_binaries": dict(engine.kernel_binaries)}
+    res: dict = {
+        "artifact": str(path),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": engine.plan["model"]["dtype"],
+        "tp": engine.world,
+        "load_and_capture_s": load_s,
+        "cuda_graphs": engine._decode.captured,
+        "all_reduce": engine.all_reduce,
+        "pdl": "on" if pdl_enabled(dev) else "off",
+        "decode": {},
+        "prefill": {},
+        "load_stages_s": dict(engine.load_times),
+        "kernel_binaries": dict(engine.kernel_binaries),
+    }
     if dev.type == "cuda":
         w = sum(t.numel() * t.element_size() for t in engine.weights.values())
         kv = sum(t.numel() * t.element_size() for t in engine.kv_cache.values())
         from dsc.runtime.memory_plan import workspace_bytes
 
-        res["memory"] = {"weights": w, "kv_cache": kv,
-                         "workspace": torch.cuda.max_memory_allocated(dev) - base_mem - w - kv,
-                         "planned_decode_workspace": workspace_bytes(engine.plan, "decode", max(engine.buckets))}
+        res["memory"] = {
+            "weights": w,
+            "kv_cache": kv,
+            "workspace": torch.cuda.max_memory_allocated(dev) - base_mem - w - kv,
+            "planned_decode_workspace": workspace_bytes(engine.plan, "decode", max(engine.buckets)),
+        }
     res["rank"] = engine.rank
     if engine.world > 1:  # every rank's memory, gathered to all
         import torch.distributed as dist
@@ -159,10 +198,16 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
         s = _time(step, dev, iters)
         q = _time_queued(step, dev, *((10, 7) if dev.type == "cuda" else (2, 3)))
         nbytes = decode_bytes(engine, b, context + 1)
-        res["decode"][b] = {"ms_per_step": s * 1e3, "ms_per_step_queued": q * 1e3, "tokens_per_s": b / s,
-                            "bytes": nbytes["total"],
-                            "weight_bytes": nbytes["weights"], "kv_bytes": nbytes["kv_cache"],
-                            "achieved_bw": nbytes["total"] / s, "fraction_of_read_bw": nbytes["total"] / s / READ_BW_H200}
+        res["decode"][b] = {
+            "ms_per_step": s * 1e3,
+            "ms_per_step_queued": q * 1e3,
+            "tokens_per_s": b / s,
+            "bytes": nbytes["total"],
+            "weight_bytes": nbytes["weights"],
+            "kv_bytes": nbytes["kv_cache"],
+            "achieved_bw": nbytes["total"] / s,
+            "fraction_of_read_bw": nbytes["total"] / s / READ_BW_H200,
+        }
     if 1 in res["decode"] and context + 41 < engine.max_seq:
         res["generate"] = generate_ms_per_token(engine, context, dev, g)
     if profile and res["decode"]:
@@ -174,8 +219,11 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
             continue
         prompt = [torch.randint(0, V, (n,), generator=g).tolist()]
         s = _time(lambda: engine.prefill(prompt), dev, max(3, iters // 10), warmup=1)
-        res["prefill"][n] = {"ms": s * 1e3, "tokens_per_s": n / s,
-                             "cuda_graph": engine._prefill.graphs and engine._prefill.padded(1, n)}
+        res["prefill"][n] = {
+            "ms": s * 1e3,
+            "tokens_per_s": n / s,
+            "cuda_graph": engine._prefill.graphs and engine._prefill.padded(1, n),
+        }
         if res["prefill"][n]["cuda_graph"]:  # the baseline: the same program run eagerly at the exact length
             try:
                 e = _time(lambda: engine.prefill(prompt, graphs=False), dev, max(3, iters // 10), warmup=1)
@@ -188,37 +236,55 @@ def bench(path: str | Path, device: str | None = None, batches=(1, 8, 32, 64), p
 
 
 def render(res: dict) -> str:
-    lines = [f"{res['artifact']}  on {res['device']}  {res['dtype']}  tp={res['tp']}  "
-             f"cuda_graphs={res['cuda_graphs']}  pdl={res.get('pdl', 'off')}"
-             + (f"  all_reduce={res.get('all_reduce')}" if res["tp"] > 1 else ""),
-             f"load + capture: {res['load_and_capture_s']:.2f} s ("
-             + ", ".join(f"{k} {v:.2f}" for k, v in res.get("load_stages_s", {}).items() if k != "total")
-             + f"; kernel binaries: {res.get('kernel_binaries', {}).get('status', 'none')})"]
+    lines = [
+        f"{res['artifact']}  on {res['device']}  {res['dtype']}  tp={res['tp']}  "
+        f"cuda_graphs={res['cuda_graphs']}  pdl={res.get('pdl', 'off')}"
+        + (f"  all_reduce={res.get('all_reduce')}" if res["tp"] > 1 else ""),
+        f"load + capture: {res['load_and_capture_s']:.2f} s ("
+        + ", ".join(f"{k} {v:.2f}" for k, v in res.get("load_stages_s", {}).items() if k != "total")
+        + f"; kernel binaries: {res.get('kernel_binaries', {}).get('status', 'none')})",
+    ]
     if "memory" in res:
         m = res["memory"]
-        lines.append(f"GPU memory: weights {m['weights'] / 2**30:.2f} GiB, KV cache {m['kv_cache'] / 2**30:.2f} GiB, "
-                     f"workspace {m['workspace'] / 2**20:.1f} MiB (memory plan for the largest decode bucket: "
-                     f"{m['planned_decode_workspace'] / 2**20:.1f} MiB)")
+        lines.append(
+            f"GPU memory: weights {m['weights'] / 2**30:.2f} GiB, KV cache {m['kv_cache'] / 2**30:.2f} GiB, "
+            f"workspace {m['workspace'] / 2**20:.1f} MiB (memory plan for the largest decode bucket: "
+            f"{m['planned_decode_workspace'] / 2**20:.1f} MiB)"
+        )
     for r, m in enumerate(res.get("memory_per_rank") or []):
         if m:
-            lines.append(f"  rank {r}: weights {m['weights'] / 2**30:.2f} GiB, KV cache {m['kv_cache'] / 2**30:.2f} GiB, "
-                         f"workspace {m['workspace'] / 2**20:.1f} MiB")
-    lines.append(f"{'batch':>6} {'ms/step':>9} {'queued':>8} {'tok/s':>10} {'MB read':>9} {'GB/s':>8} "
-                 f"{'% of 4.33 TB/s':>15}")
+            lines.append(
+                f"  rank {r}: weights {m['weights'] / 2**30:.2f} GiB, KV cache {m['kv_cache'] / 2**30:.2f} GiB, "
+                f"workspace {m['workspace'] / 2**20:.1f} MiB"
+            )
+    lines.append(
+        f"{'batch':>6} {'ms/step':>9} {'queued':>8} {'tok/s':>10} {'MB read':>9} {'GB/s':>8} {'% of 4.33 TB/s':>15}"
+    )
     for b, d in res["decode"].items():
         queued = f"{d['ms_per_step_queued']:>8.3f}" if "ms_per_step_queued" in d else f"{'-':>8}"
-        lines.append(f"{b:>6} {d['ms_per_step']:>9.3f} {queued} {d['tokens_per_s']:>10.1f} {d['bytes'] / 1e6:>9.1f} "
-                     f"{d['achieved_bw'] / 1e9:>8.1f} {100 * d['fraction_of_read_bw']:>14.1f}%")
+        lines.append(
+            f"{b:>6} {d['ms_per_step']:>9.3f} {queued} {d['tokens_per_s']:>10.1f} {d['bytes'] / 1e6:>9.1f} "
+            f"{d['achieved_bw'] / 1e9:>8.1f} {100 * d['fraction_of_read_bw']:>14.1f}%"
+        )
     if res["decode"]:
-        lines.append("  (ms/step: each step alone, synced after it; queued: steps queued back to back, as generate "
-                     "runs them)")
+        lines.append(
+            "  (ms/step: each step alone, synced after it; queued: steps queued back to back, as generate runs them)"
+        )
     if res.get("generate") and 1 in res["decode"]:
-        lines.append(f"generate, batch 1, greedy: {res['generate']['ms_per_token']:.3f} ms/token "
-                     f"(the decode step alone: {res['decode'][1]['ms_per_step']:.3f} ms)")
+        lines.append(
+            f"generate, batch 1, greedy: {res['generate']['ms_per_token']:.3f} ms/token "
+            f"(the decode step alone: {res['decode'][1]['ms_per_step']:.3f} ms)"
+        )
     for n, d in res["prefill"].items():
-        lines.append(f"prefill {n:>5} tokens: {d['ms']:.2f} ms ({d['tokens_per_s']:.0f} tok/s)"
-                     + (f", CUDA graph; eager {d['eager_ms']:.2f} ms ({d['eager_ms'] / d['ms']:.2f}x)"
-                        if "eager_ms" in d else "") + (f"; eager failed: {d['eager_error']}" if "eager_error" in d else ""))
+        lines.append(
+            f"prefill {n:>5} tokens: {d['ms']:.2f} ms ({d['tokens_per_s']:.0f} tok/s)"
+            + (
+                f", CUDA graph; eager {d['eager_ms']:.2f} ms ({d['eager_ms'] / d['ms']:.2f}x)"
+                if "eager_ms" in d
+                else ""
+            )
+            + (f"; eager failed: {d['eager_error']}" if "eager_error" in d else "")
+        )
     if "peak_with_prefill" in res.get("memory", {}):
         lines.append(f"GPU memory after the prefills: {res['memory']['peak_with_prefill'] / 2**30:.2f} GiB at peak")
     if res.get("profile"):

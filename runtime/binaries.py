@@ -7,6 +7,7 @@ compiles the kernels from its own sources with Triton, as an artifact without bi
 (docs/security.md). Every binary read is checked against the sha256 the manifest records,
 whatever `verify` says, and binaries.json is checked field by field before anything uses it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +36,9 @@ def _scalar(v) -> bool:
 
 
 def _pairs(v, name_ok) -> bool:
-    return isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                                       and name_ok(p[0]) and _scalar(p[1]) for p in v)
+    return isinstance(v, list) and all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and name_ok(p[0]) and _scalar(p[1]) for p in v
+    )
 
 
 def _check_entry(where: str, i: int, e, files: dict) -> B.Spec:
@@ -59,13 +61,27 @@ def _check_entry(where: str, i: int, e, files: dict) -> B.Spec:
         raise UserError(f"{field}: field 'params' must list PTX parameter types ({', '.join(sorted(B.PTX_TYPES))})")
     s = e.get("spec")
     try:
-        ok = (isinstance(s, dict) and isinstance(s.get("kernel"), str) and _KERNEL.fullmatch(s["kernel"])
-              and s.get("dialect") in ("triton", "gluon") and isinstance(s.get("source"), str)
-              and _HEX.fullmatch(s["source"]) and isinstance(s.get("args"), list)
-              and all(isinstance(a, list) and len(a) == 3 and isinstance(a[0], str) and _NAME.fullmatch(a[0])
-                      and isinstance(a[1], str) and _TYPE.fullmatch(a[1]) and type(a[2]) is bool for a in s["args"])
-              and _pairs(s.get("constants"), lambda n: bool(_NAME.fullmatch(n)))
-              and _pairs(s.get("options"), lambda n: n in B.OPTIONS))
+        ok = (
+            isinstance(s, dict)
+            and isinstance(s.get("kernel"), str)
+            and _KERNEL.fullmatch(s["kernel"])
+            and s.get("dialect") in ("triton", "gluon")
+            and isinstance(s.get("source"), str)
+            and _HEX.fullmatch(s["source"])
+            and isinstance(s.get("args"), list)
+            and all(
+                isinstance(a, list)
+                and len(a) == 3
+                and isinstance(a[0], str)
+                and _NAME.fullmatch(a[0])
+                and isinstance(a[1], str)
+                and _TYPE.fullmatch(a[1])
+                and type(a[2]) is bool
+                for a in s["args"]
+            )
+            and _pairs(s.get("constants"), lambda n: bool(_NAME.fullmatch(n)))
+            and _pairs(s.get("options"), lambda n: n in B.OPTIONS)
+        )
     except TypeError:
         ok = False
     if not ok:
@@ -124,16 +140,22 @@ def load_binaries(artifact: Artifact, device: torch.device, trusted: bool) -> di
     if INDEX not in files or device.type != "cuda":
         return {"status": "none", "binaries": 0}
     if not trusted:
-        print(f"dsc: {artifact.path}: its kernel binaries are not loaded (GPU code: give --require-signature "
-              "KEY.pub for a signed artifact, or --trust-kernels); kernels compile with Triton", file=sys.stderr)
+        print(
+            f"dsc: {artifact.path}: its kernel binaries are not loaded (GPU code: give --require-signature "
+            "KEY.pub for a signed artifact, or --trust-kernels); kernels compile with Triton",
+            file=sys.stderr,
+        )
         return {"status": "untrusted", "binaries": 0}
     t = time.perf_counter()
     arch = arch_of_device(device)
     out = read_binaries(artifact, arch)
     if not out:
         targets = sorted({e["target"] for e, _ in _index(artifact)})
-        print(f"dsc: {artifact.path}: no kernel binaries for this GPU ({arch}; the artifact has "
-              f"{', '.join(targets) or 'none'}); kernels compile with Triton", file=sys.stderr)
+        print(
+            f"dsc: {artifact.path}: no kernel binaries for this GPU ({arch}; the artifact has "
+            f"{', '.join(targets) or 'none'}); kernels compile with Triton",
+            file=sys.stderr,
+        )
         return {"status": f"no binaries for {arch}", "binaries": 0}
     B.install(out)
     return {"status": "loaded", "binaries": len(out), "seconds": time.perf_counter() - t}

@@ -26,6 +26,7 @@ one render at a time, under limits a template cannot lift:
 Every failure is a UserError naming the template: a template error (raise_exception, a bad
 expression, a sandbox refusal) or a limit.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,15 +53,17 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 def make_environment():
     """transformers' chat-template environment (its `_cached_compile_jinja_template`), with
     size checks on `*` and `**`."""
+    from datetime import datetime
+
     import jinja2
     import jinja2.ext
     import jinja2.nodes
-    from datetime import datetime
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}`: transformers marks assistant text with it
         (for its assistant-token masks); rendering shows the body unchanged."""
+
         tags = {"generation"}
 
         def parse(self, parser):
@@ -77,12 +80,22 @@ def make_environment():
         def call_binop(self, context, operator, left, right):
             if operator == "*":
                 for seq, times in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
-                            and len(seq) * times > MAX_OUTPUT_CHARS:
+                    if (
+                        isinstance(seq, (str, list, tuple))
+                        and isinstance(times, int)
+                        and len(seq) * times > MAX_OUTPUT_CHARS
+                    ):
                         raise jinja2.exceptions.TemplateError(
-                            f"repeating a sequence of {len(seq)} {times} times is over the output limit")
-            if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
-                    and abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
+                            f"repeating a sequence of {len(seq)} {times} times is over the output limit"
+                        )
+            if (
+                operator == "**"
+                and isinstance(left, int)
+                and isinstance(right, int)
+                and right > 0
+                and abs(left) > 1
+                and right * abs(left).bit_length() > MAX_POWER_BITS
+            ):
                 raise jinja2.exceptions.TemplateError(f"{left} ** {right} is too large")
             return super().call_binop(context, operator, left, right)
 
@@ -122,7 +135,8 @@ def make_environment():
         def _check_name(name):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})")
+                    f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})"
+                )
 
     env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
@@ -222,27 +236,41 @@ class ChatTemplates:
                 reply = {"error": str(e)}
             if "error" in reply:
                 self.close()
-                raise UserError(f"{where}: chat template {name!r} refused at load: it fails on the probe "
-                                f"conversation {json.dumps(PROBE)}: {reply['error']}")
+                raise UserError(
+                    f"{where}: chat template {name!r} refused at load: it fails on the probe "
+                    f"conversation {json.dumps(PROBE)}: {reply['error']}"
+                )
 
     def pick(self, template: str | None, tools) -> str:
         from dsc.errors import UserError
 
         if template is not None:
             if template not in self.templates:
-                raise UserError(f"chat_template: {template!r} is not one of the artifact's chat templates "
-                                f"({', '.join(sorted(self.templates))})")
+                raise UserError(
+                    f"chat_template: {template!r} is not one of the artifact's chat templates "
+                    f"({', '.join(sorted(self.templates))})"
+                )
             return template
         if tools is not None and "tool_use" in self.templates:
             return "tool_use"
         if "default" in self.templates:
             return "default"
-        raise UserError(f"{self.where}: several chat templates and none is the default "
-                        f"({', '.join(sorted(self.templates))}); name one")
+        raise UserError(
+            f"{self.where}: several chat templates and none is the default "
+            f"({', '.join(sorted(self.templates))}); name one"
+        )
 
-    def render(self, messages: list, *, tools: list | None = None, documents: list | None = None,
-               add_generation_prompt: bool = True, kwargs: dict | None = None, template: str | None = None,
-               budget_s: float = RENDER_BUDGET_S) -> str:
+    def render(
+        self,
+        messages: list,
+        *,
+        tools: list | None = None,
+        documents: list | None = None,
+        add_generation_prompt: bool = True,
+        kwargs: dict | None = None,
+        template: str | None = None,
+        budget_s: float = RENDER_BUDGET_S,
+    ) -> str:
         from dsc.errors import UserError
 
         name = self.pick(template, tools)
@@ -256,8 +284,14 @@ class ChatTemplates:
         return reply["text"]
 
     def _context(self, messages, tools, documents, add_generation_prompt, kwargs) -> dict:
-        return {**self.special_tokens, **kwargs, "messages": template_messages(messages), "tools": tools,
-                "documents": documents, "add_generation_prompt": bool(add_generation_prompt)}
+        return {
+            **self.special_tokens,
+            **kwargs,
+            "messages": template_messages(messages),
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": bool(add_generation_prompt),
+        }
 
     def _render(self, name: str, context: dict, budget_s: float) -> dict:
         from dsc.errors import UserError
@@ -275,8 +309,13 @@ class ChatTemplates:
         import subprocess
 
         # -I: the child sees no PYTHON* variables, no user site and not the working directory
-        self._proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            bufsize=0,
+        )
 
     def _exchange(self, msg: dict, budget_s: float, doing: str) -> dict:
         """Send msg, wait up to budget_s for the reply ({"error": why} past it: the worker is

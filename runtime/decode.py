@@ -9,13 +9,14 @@ memory pool, so the intermediates of a step are allocated once and reused by eve
 (the step's workspace is bounded by the largest bucket's). On CPU the same static-buffer path
 runs eagerly, so bucket choice and padding are exercised everywhere.
 """
+
 from __future__ import annotations
 
 import bisect
 import time
 import weakref
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -43,7 +44,9 @@ def release_cuda_graphs() -> None:
         runner.release()
 
 
-def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture_graph(
+    forward: Callable[[], torch.Tensor], device: torch.device, pool
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Warm `forward` up on a side stream (Triton JIT, cuBLAS handles), then capture it into a
     CUDA graph in `pool`; returns the graph and the output tensor its replays write."""
     t0 = time.perf_counter()

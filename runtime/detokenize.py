@@ -12,6 +12,7 @@ trailing tokens (vLLM's and TGI's prefix offset / read offset):
 and the offsets move up only when the decoded window does not end in U+FFFD, the replacement
 character of an incomplete UTF-8 sequence, which the next token may complete.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -32,8 +33,14 @@ class Detokenizer:
     SentencePiece-style decoders a first word keeps the space a lone decode would drop).
     """
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         self.include_stop = include_stop
@@ -53,10 +60,10 @@ class Detokenizer:
     def _read_new(self, final: bool) -> None:
         """Extend the stable text with what the tokens past the read offset decode to, unless
         that ends in a partial character (kept too when `final`)."""
-        window = self._decode(self._ids[self._prefix:])
+        window = self._decode(self._ids[self._prefix :])
         if window.endswith(_PARTIAL) and not final:
             return
-        self._stable += window[len(self._decode(self._ids[self._prefix:self._read])):]
+        self._stable += window[len(self._decode(self._ids[self._prefix : self._read])) :]
         self._prefix, self._read = self._read, len(self._ids)
 
     def add(self, token_ids: Sequence[int]) -> str:
@@ -83,7 +90,7 @@ class Detokenizer:
         return self._emit(len(self._stable) if final else len(self._stable) - self._held_for_stop())
 
     def _emit(self, end: int) -> str:
-        piece = self._stable[len(self.text):end]
+        piece = self._stable[len(self.text) : end]
         self.text += piece
         return piece
 

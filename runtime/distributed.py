@@ -1,4 +1,5 @@
 """Process-group set-up for tensor-parallel runs: NCCL on GPU, gloo on CPU."""
+
 from __future__ import annotations
 
 import atexit

@@ -20,13 +20,15 @@ on the batch it ran in beyond floating-point rounding.
 Under tensor parallelism rank 0 schedules and broadcasts each batch (executor.broadcast); the
 other ranks run it in `follow` until rank 0's `release_followers`.
 """
+
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -39,6 +41,7 @@ DEFAULT_EMBED_BUDGET = 16384  # padded tokens per step: batches of short inputs 
 @dataclass
 class EmbeddingParams:
     """What a request may choose (vLLM's PoolingParams): normalize None keeps the artifact's."""
+
     normalize: bool | None = None
     n: int = 1  # one embedding per request (the serving loop's choice count)
 
@@ -87,10 +90,21 @@ class _Waiting:
 
 
 class EmbeddingEngine:
-    def __init__(self, artifact: str | Path | None = None, *, device=None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = DEFAULT_EMBED_BUDGET, verify: bool = True,
-                 require_signature: str | Path | None = None, engine=None, trust_kernels: bool = False,
-                 offload: str | None = None, gpu_memory: float | None = None, **decoder_options: Any):
+    def __init__(
+        self,
+        artifact: str | Path | None = None,
+        *,
+        device=None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = DEFAULT_EMBED_BUDGET,
+        verify: bool = True,
+        require_signature: str | Path | None = None,
+        engine=None,
+        trust_kernels: bool = False,
+        offload: str | None = None,
+        gpu_memory: float | None = None,
+        **decoder_options: Any,
+    ):
         """decoder_options: the KV-cache, CUDA-graph and scheduling keywords of LLMEngine, which
         an encoder has no use for (accepted, so that one set of serving flags starts either)."""
         for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens)):
@@ -101,11 +115,21 @@ class EmbeddingEngine:
         if engine is None:
             from dsc.runtime.engine import load
 
-            engine = load(artifact, device=device, verify=verify, require_signature=require_signature, static=False,
-                          trust_kernels=trust_kernels, offload=offload, gpu_memory=gpu_memory)
+            engine = load(
+                artifact,
+                device=device,
+                verify=verify,
+                require_signature=require_signature,
+                static=False,
+                trust_kernels=trust_kernels,
+                offload=offload,
+                gpu_memory=gpu_memory,
+            )
         if engine.kind != "encoder":
-            raise UserError(f"{engine.artifact.path}: a {engine.kind} artifact has no embeddings; "
-                            "use LLM.generate, /v1/completions or /v1/chat/completions")
+            raise UserError(
+                f"{engine.artifact.path}: a {engine.kind} artifact has no embeddings; "
+                "use LLM.generate, /v1/completions or /v1/chat/completions"
+            )
         self.engine = engine
         self.kind = "encoder"
         model = engine.plan["model"]
@@ -120,8 +144,10 @@ class EmbeddingEngine:
         self.max_num_seqs = min(max_num_seqs, engine.max_batch)
         self.budget = max_num_batched_tokens
         if self.budget < self.max_model_len:
-            raise UserError(f"--max-num-batched-tokens {self.budget} is below the artifact's max_seq "
-                            f"{self.max_model_len}: its longest inputs would never run")
+            raise UserError(
+                f"--max-num-batched-tokens {self.budget} is below the artifact's max_seq "
+                f"{self.max_model_len}: its longest inputs would never run"
+            )
         self.load_times = dict(getattr(engine, "load_times", {}))
         self._waiting: deque[_Waiting] = deque()
         self._steps = self._tokens = 0
@@ -164,9 +190,17 @@ class EmbeddingEngine:
 
     def stats(self) -> dict:
         """LLMEngine.stats' fields (the server's metrics read them): no KV blocks, no generation."""
-        return {"num_running": 0, "num_waiting": len(self._waiting), "kv_blocks_total": 0, "kv_blocks_used": 0,
-                "prefix_cache_hit_tokens": 0, "prompt_tokens_total": self._tokens, "generation_tokens_total": 0,
-                "preemptions": 0, "steps": self._steps}
+        return {
+            "num_running": 0,
+            "num_waiting": len(self._waiting),
+            "kv_blocks_total": 0,
+            "kv_blocks_used": 0,
+            "prefix_cache_hit_tokens": 0,
+            "prompt_tokens_total": self._tokens,
+            "generation_tokens_total": 0,
+            "preemptions": 0,
+            "steps": self._steps,
+        }
 
     # -- steps ------------------------------------------------------------------------------------
     def _take(self) -> list[_Waiting]:
@@ -192,8 +226,10 @@ class EmbeddingEngine:
         vecs = self._run(ids, lengths, [w.normalize for w in batch]).cpu()
         self._steps += 1
         self._tokens += sum(len(w.ids) for w in batch)
-        return [EmbeddingRequestOutput(w.request_id, w.prompt, w.ids, EmbeddingOutput(v.tolist()))
-                for w, v in zip(batch, vecs)]
+        return [
+            EmbeddingRequestOutput(w.request_id, w.prompt, w.ids, EmbeddingOutput(v.tolist()))
+            for w, v in zip(batch, vecs)
+        ]
 
     def _run(self, ids: torch.Tensor, lengths: torch.Tensor, normalize: list[bool]) -> torch.Tensor:
         eng = self.engine
@@ -211,8 +247,8 @@ class EmbeddingEngine:
             if t.numel() == STOP.numel() and int(t[0]) == int(STOP[0]):
                 return
             B, S = int(t[0]), int(t[1])
-            ids = t[3: 3 + B * S].view(B, S)
-            lengths = t[3 + B * S: 3 + B * S + B]
+            ids = t[3 : 3 + B * S].view(B, S)
+            lengths = t[3 + B * S : 3 + B * S + B]
             self.engine.encode(ids, lengths)
 
     def release_followers(self) -> None:

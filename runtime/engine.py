@@ -4,13 +4,14 @@ No model code: programs are rebuilt from plan.json as FX GraphModules over the r
 weights (memory-mapped on CPU) and a preallocated KV cache. Imports torch, safetensors and
 dsc.kernels only; never transformers, dsc.compiler or dsc.passes.
 """
+
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -22,10 +23,10 @@ from dsc.errors import UserError
 from dsc.kernels import collectives, registry
 from dsc.runtime.artifact import Artifact, open_artifact
 from dsc.runtime.decode import DecodeRunner
-from dsc.runtime.prefill import EncodeRunner, PrefillRunner
-from dsc.runtime.ragged import RaggedRunner, allocate_kv_pool
 from dsc.runtime.pipeline import kv_pool_layers
 from dsc.runtime.plan import build_graph
+from dsc.runtime.prefill import EncodeRunner, PrefillRunner
+from dsc.runtime.ragged import RaggedRunner, allocate_kv_pool
 from dsc.runtime.sampling import check_sampling, sample
 
 
@@ -82,10 +83,21 @@ def _first_shape(node: dict) -> list:
 
 
 class Engine:
-    def __init__(self, artifact: Artifact, rank: int, world: int, device: torch.device,
-                 cuda_graphs: bool = True, prefill_buckets: bool | None = None, static: bool = True,
-                 kv_cache_memory: float | None = None, max_num_seqs: int | None = None,
-                 offload: str | None = None, gpu_memory: float | None = None, pipeline_parallel_size: int = 1):
+    def __init__(
+        self,
+        artifact: Artifact,
+        rank: int,
+        world: int,
+        device: torch.device,
+        cuda_graphs: bool = True,
+        prefill_buckets: bool | None = None,
+        static: bool = True,
+        kv_cache_memory: float | None = None,
+        max_num_seqs: int | None = None,
+        offload: str | None = None,
+        gpu_memory: float | None = None,
+        pipeline_parallel_size: int = 1,
+    ):
         self.artifact = artifact
         self.plan = artifact.plan
         # rank and world count every rank that steps together (tp x pp); a stage's ranks hold
@@ -119,34 +131,61 @@ class Engine:
             cuda_graphs = False
             prefill_buckets = device.type == "cuda" if prefill_buckets is None else prefill_buckets
         self._all_reduces = {name: _all_reduce_nodes(p) for name, p in self.plan["programs"].items()}
-        self._slots = {name: sum(n.get("op") in SLOT_OPS for n in p["nodes"]) for name, p in self.plan["programs"].items()}
+        self._slots = {
+            name: sum(n.get("op") in SLOT_OPS for n in p["nodes"]) for name, p in self.plan["programs"].items()
+        }
         self.all_reduce = self._enable_symmetric_all_reduce()
         # the static programs (prefill + decode over a [max_batch, max_seq] cache): `dsc bench`'s
         # and the ONNX export's; static=False (the serving engine) holds no static cache
         encoder = self.kind == "encoder"
         self.kv_cache = self._allocate_kv_cache() if static and not encoder else {}
-        self.kv_pool = {} if encoder else allocate_kv_pool(
-            self.plan, device, kv_cache_memory, where=self.artifact.path / "plan.json", serving=not static,
-            layers=kv_pool_layers(self.stage_programs["ragged"]) if self.pp > 1 else None,
-            agree=_fewest_blocks if self.pp > 1 else None)
+        self.kv_pool = (
+            {}
+            if encoder
+            else allocate_kv_pool(
+                self.plan,
+                device,
+                kv_cache_memory,
+                where=self.artifact.path / "plan.json",
+                serving=not static,
+                layers=kv_pool_layers(self.stage_programs["ragged"]) if self.pp > 1 else None,
+                agree=_fewest_blocks if self.pp > 1 else None,
+            )
+        )
         clock.mark("kv_cache")
-        self.programs = {name: self._build(p, name) for name, p in self.plan["programs"].items()
-                         if static or name in ("ragged", "encode")}
+        self.programs = {
+            name: self._build(p, name)
+            for name, p in self.plan["programs"].items()
+            if static or name in ("ragged", "encode")
+        }
         clock.mark("programs")
         self.max_num_seqs = max_num_seqs or self.max_batch
         if encoder:  # on CUDA the encode program replays a graph per (batch, length) bucket
             self.buckets = ()
-            self._encode = EncodeRunner(lambda *a: self._call("encode", *a), self.max_seq, device, cuda_graphs,
-                                        int(self.plan["model"].get("pad_token_id") or 0))
+            self._encode = EncodeRunner(
+                lambda *a: self._call("encode", *a),
+                self.max_seq,
+                device,
+                cuda_graphs,
+                int(self.plan["model"].get("pad_token_id") or 0),
+            )
             self.load_times = clock.times
             return
         self.buckets = tuple(self.plan["limits"].get("decode_buckets") or [self.max_batch])
         if static:
             self._decode = DecodeRunner(self._decode_program, self.buckets, device, cuda_graphs)
-            self._prefill = PrefillRunner(lambda *a: self._call("prefill", *a), self.max_seq, device, cuda_graphs,
-                                          buckets=prefill_buckets)
-        self.ragged = RaggedRunner(lambda *a: self._call("ragged", *a), self.plan["kv_pool"], self.max_seq,
-                                   self.max_num_seqs, device, cuda_graphs, pad=prefill_buckets)
+            self._prefill = PrefillRunner(
+                lambda *a: self._call("prefill", *a), self.max_seq, device, cuda_graphs, buckets=prefill_buckets
+            )
+        self.ragged = RaggedRunner(
+            lambda *a: self._call("ragged", *a),
+            self.plan["kv_pool"],
+            self.max_seq,
+            self.max_num_seqs,
+            device,
+            cuda_graphs,
+            pad=prefill_buckets,
+        )
         clock.mark("kernels_and_graphs")
         # seconds by stage; "kernels" (warm-up runs: Triton JIT) and "graphs" (captures) split the
         # capture stage, and grow when the serving engine captures its mixed steps
@@ -285,11 +324,16 @@ class Engine:
             return {}
         dtype = getattr(torch, kv["dtype"])
         try:
-            return {f"kv_cache.{i}.{t}": torch.zeros(kv["shape"], dtype=dtype, device=self.device)
-                    for i in range(kv["layers"]) for t in ("k", "v")}
+            return {
+                f"kv_cache.{i}.{t}": torch.zeros(kv["shape"], dtype=dtype, device=self.device)
+                for i in range(kv["layers"])
+                for t in ("k", "v")
+            }
         except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
-            raise UserError(f"{self.artifact.path / 'plan.json'}: the KV cache ({kv['layers']} layers x 2 x "
-                            f"{kv['shape']} {kv['dtype']}) does not fit on {self.device}") from None
+            raise UserError(
+                f"{self.artifact.path / 'plan.json'}: the KV cache ({kv['layers']} layers x 2 x "
+                f"{kv['shape']} {kv['dtype']}) does not fit on {self.device}"
+            ) from None
 
     def _build(self, program: dict, name: str) -> fx.GraphModule:
         nodes = program.get("nodes") if isinstance(program, dict) else None
@@ -321,23 +365,34 @@ class Engine:
             t.zero_()
 
     @torch.inference_mode()
-    def run(self, program: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            cache_pos: torch.Tensor, last_idx: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        program: str,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_pos: torch.Tensor,
+        last_idx: torch.Tensor,
+    ) -> torch.Tensor:
         """One forward step. Shapes: input_ids/position_ids [B, S], cache_pos/last_idx [B].
         Returns logits [B, vocab] (fp32) for the token at last_idx of each sequence."""
         self._no_stages("run")
         if program not in self.programs:
             raise ValueError(f"run: no program {program!r} (the artifact has {', '.join(self.programs)})")
         if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
-            raise ValueError(f"run: input_ids and position_ids must both be [batch, seq], got "
-                             f"{list(input_ids.shape)} and {list(position_ids.shape)}")
+            raise ValueError(
+                f"run: input_ids and position_ids must both be [batch, seq], got "
+                f"{list(input_ids.shape)} and {list(position_ids.shape)}"
+            )
         B = input_ids.shape[0]
         if cache_pos.shape != (B,) or last_idx.shape != (B,):
-            raise ValueError(f"run: cache_pos and last_idx must be [batch] = [{B}], got "
-                             f"{list(cache_pos.shape)} and {list(last_idx.shape)}")
+            raise ValueError(
+                f"run: cache_pos and last_idx must be [batch] = [{B}], got "
+                f"{list(cache_pos.shape)} and {list(last_idx.shape)}"
+            )
         if program == "decode" and bool((last_idx != 0).any()):  # (passes/select_decode_token.py)
-            raise ValueError(f"run: a decode step has one token per sequence, so last_idx must be 0, "
-                             f"got {last_idx.tolist()}")
+            raise ValueError(
+                f"run: a decode step has one token per sequence, so last_idx must be 0, got {last_idx.tolist()}"
+            )
         return self._call(program, input_ids, position_ids, cache_pos, last_idx).float()
 
     @torch.inference_mode()
@@ -373,30 +428,45 @@ class Engine:
 
     def _no_stages(self, what: str) -> None:
         if self.pp > 1:
-            raise UserError(f"{what}: the static programs do not run in pipeline stages (pipeline_parallel_size="
-                            f"{self.pp}); generate runs the ragged program through the scheduler")
+            raise UserError(
+                f"{what}: the static programs do not run in pipeline stages (pipeline_parallel_size="
+                f"{self.pp}); generate runs the ragged program through the scheduler"
+            )
 
     def check_batch(self, prompts: Sequence[Sequence[int]], batch_limit: bool = True) -> None:
         if not prompts:
             raise UserError("generate: no prompts given")
         if batch_limit and len(prompts) > self.max_batch:
-            raise UserError(f"generate: batch of {len(prompts)} prompts exceeds the artifact's "
-                            f"max_batch={self.max_batch} (recompile with --max-batch)")
+            raise UserError(
+                f"generate: batch of {len(prompts)} prompts exceeds the artifact's "
+                f"max_batch={self.max_batch} (recompile with --max-batch)"
+            )
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise UserError(f"generate: prompt {i} is empty")
             if len(p) >= self.max_seq:
-                raise UserError(f"generate: prompt {i} has {len(p)} tokens; the artifact's max_seq is "
-                                f"{self.max_seq} (recompile with --max-seq)")
+                raise UserError(
+                    f"generate: prompt {i} has {len(p)} tokens; the artifact's max_seq is "
+                    f"{self.max_seq} (recompile with --max-seq)"
+                )
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:
-                raise UserError(f"generate: prompt {i} has token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
+                raise UserError(
+                    f"generate: prompt {i} has token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})"
+                )
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop_tokens: Sequence[int] | None = None,
-                 callback: Callable[[int, list[int | None]], None] | None = None,
-                 max_num_batched_tokens: int = 2048) -> GenerateResult:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_tokens: Sequence[int] | None = None,
+        callback: Callable[[int, list[int | None]], None] | None = None,
+        max_num_batched_tokens: int = 2048,
+    ) -> GenerateResult:
         """Generate for token-id prompts of different lengths (any number: they are scheduled
         as the KV pool allows), through the continuous-batching scheduler (runtime/scheduler.py).
 
@@ -410,7 +480,8 @@ class Engine:
         if self.kind == "encoder":
             raise UserError(f"generate: {self.artifact.path} is an embedding (encoder) model; use dsc.LLM(...).embed")
         from dsc.runtime.executor import EngineCore, follow, release_followers
-        from dsc.runtime.scheduler import SeqParams, Sequence as Seq
+        from dsc.runtime.scheduler import SeqParams
+        from dsc.runtime.scheduler import Sequence as Seq
 
         prompts = [list(p) for p in prompts]
         self.check_batch(prompts, batch_limit=False)
@@ -426,9 +497,14 @@ class Engine:
             core = EngineCore.for_engine(self, max_num_batched_tokens)
             seqs = []
             for i, p in enumerate(prompts):
-                params = SeqParams(max_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
-                                   top_p=float(top_p), seed=((0 if seed is None else seed) + i) % 2**63,
-                                   stop_token_ids=frozenset(stops))
+                params = SeqParams(
+                    max_tokens=max_new_tokens,
+                    temperature=float(temperature),
+                    top_k=top_k,
+                    top_p=float(top_p),
+                    seed=((0 if seed is None else seed) + i) % 2**63,
+                    stop_token_ids=frozenset(stops),
+                )
                 seq = Seq(str(i), p, params, index=i)
                 core.scheduler.add(seq, where=f"generate: prompt {i}")
                 seqs.append(seq)
@@ -457,10 +533,17 @@ class Engine:
         dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         return box[0]
 
-    def generate_static(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, temperature: float = 0.0,
-                        top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                        stop_tokens: Sequence[int] | None = None,
-                        callback: Callable[[int, list[int | None]], None] | None = None) -> GenerateResult:
+    def generate_static(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_tokens: Sequence[int] | None = None,
+        callback: Callable[[int, list[int | None]], None] | None = None,
+    ) -> GenerateResult:
         """Generate for one static batch (at most max_batch prompts) with the static programs:
         all prompts prefilled together, then decoded in lockstep until the last one stops
         (`dsc bench`'s and the serving benchmark's baseline).
@@ -501,6 +584,7 @@ class Engine:
             tok = sample(logits, temperature, top_k, top_p, gen)
             if self.world > 1:  # keep ranks in lockstep even when sampling
                 import torch.distributed as dist
+
                 dist.broadcast(tok, src=0)
             return tok
 
@@ -546,10 +630,12 @@ def free_device_bytes(device: torch.device) -> int | None:
 
 
 def weights_do_not_fit(path: Path, need: int, free: int, device: torch.device) -> str:
-    return (f"{path}: the weights need {need / 2**30:.2f} GiB ({need} bytes) on {device}, which has "
-            f"{free / 2**30:.2f} GiB ({free} bytes) free; split them over more GPUs (`dsc compile --tp N`), halve "
-            "them (`dsc compile --int8`), stream them from host memory (`--offload cpu --gpu-memory GIB`), or run on the "
-            "CPU (`--device cpu`)")
+    return (
+        f"{path}: the weights need {need / 2**30:.2f} GiB ({need} bytes) on {device}, which has "
+        f"{free / 2**30:.2f} GiB ({free} bytes) free; split them over more GPUs (`dsc compile --tp N`), halve "
+        "them (`dsc compile --int8`), stream them from host memory (`--offload cpu --gpu-memory GIB`), or run on the "
+        "CPU (`--device cpu`)"
+    )
 
 
 def _dist_rank_world(artifact: Artifact, rank: int | None, pp: int = 1) -> tuple[int, int]:
@@ -568,13 +654,17 @@ def _dist_rank_world(artifact: Artifact, rank: int | None, pp: int = 1) -> tuple
             raise UserError(f"{artifact.path}: {what}, but WORLD_SIZE={world} (run with --nproc-per-node {n})")
         return int(os.environ["RANK"]), world
     if n > 1 and rank is None:
-        raise UserError(f"{artifact.path}: {what}; run under torchrun --nproc-per-node {n} "
-                        "(or `dsc generate`, which starts the ranks itself)")
+        raise UserError(
+            f"{artifact.path}: {what}; run under torchrun --nproc-per-node {n} "
+            "(or `dsc generate`, which starts the ranks itself)"
+        )
     if n > 1 and not 0 <= rank < n:
         raise UserError(f"{artifact.path}: rank {rank} is out of range for {n} ranks ({what})")
     if n > 1 and "MASTER_ADDR" not in os.environ:
-        raise UserError(f"{artifact.path}: {what}; loading rank {rank} needs a process group: call "
-                        "torch.distributed.init_process_group first, or run under torchrun")
+        raise UserError(
+            f"{artifact.path}: {what}; loading rank {rank} needs a process group: call "
+            "torch.distributed.init_process_group first, or run under torchrun"
+        )
     return (rank or 0), n
 
 
@@ -596,11 +686,22 @@ def _check_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def load(path: str | Path, rank: int | None = None, device: str | torch.device | None = None,
-         verify: bool = True, cuda_graphs: bool = True, prefill_buckets: bool | None = None,
-         require_signature: str | Path | None = None, static: bool = True, kv_cache_memory: float | None = None,
-         max_num_seqs: int | None = None, trust_kernels: bool = False, offload: str | None = None,
-         gpu_memory: float | None = None, pipeline_parallel_size: int = 1) -> Engine:
+def load(
+    path: str | Path,
+    rank: int | None = None,
+    device: str | torch.device | None = None,
+    verify: bool = True,
+    cuda_graphs: bool = True,
+    prefill_buckets: bool | None = None,
+    require_signature: str | Path | None = None,
+    static: bool = True,
+    kv_cache_memory: float | None = None,
+    max_num_seqs: int | None = None,
+    trust_kernels: bool = False,
+    offload: str | None = None,
+    gpu_memory: float | None = None,
+    pipeline_parallel_size: int = 1,
+) -> Engine:
     """Load an artifact for one rank. Checks format version and the sha256 of every file this
     rank reads (skip with verify=False). On CUDA, decode steps are captured as CUDA graphs at
     load, one per batch bucket (cuda_graphs=False runs them eagerly). Prefills are right-padded
@@ -610,7 +711,8 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     bf16 that flips near-tie greedy tokens), False never pads. For tp > 1, call under
     torchrun: the process group is initialised here (NCCL on GPU, gloo on CPU) if it is not
     already, and each rank takes the GPU of its LOCAL_RANK. The DSC_* switches
-    (switches.py) are read and checked here, on every device, and kept for the engine's life. The artifact is untrusted data
+    (switches.py) are read and checked here, on every device, and kept for the engine's life. The artifact is
+    untrusted data
     (docs/security.md): its file list, plan structure and rank-file header are checked before
     use, with verify=False too; require_signature=PUBKEY (a public key file from `dsc keygen`)
     also refuses an artifact that is unsigned or altered after `dsc sign`, and implies verify.
@@ -636,7 +738,9 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
     probe = open_artifact(path, ranks=None, verify=False)  # every rank file present, before any rank loads
     r, world = _dist_rank_world(probe, rank, pipeline_parallel_size)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else torch.cuda.current_device())
+        device = torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else torch.cuda.current_device()
+        )
     if world > 1:
         from dsc.runtime.distributed import ensure_process_group
 
@@ -648,21 +752,37 @@ def load(path: str | Path, rank: int | None = None, device: str | torch.device |
 
     t = time.perf_counter()
     # the rank file is hashed on its own thread while its weights are copied and the kernels built
-    artifact = open_artifact(path, ranks=[r % probe.tp], verify=verify, require_signature=require_signature,
-                             defer_rank_checksums=True)
+    artifact = open_artifact(
+        path, ranks=[r % probe.tp], verify=verify, require_signature=require_signature, defer_rank_checksums=True
+    )
     from dsc.runtime.binaries import load_binaries
 
     binaries = load_binaries(artifact, device, trusted=trust_kernels or require_signature is not None)
     try:
-        engine = Engine(artifact, r, world, device, cuda_graphs=cuda_graphs, prefill_buckets=prefill_buckets,
-                        static=static, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                        offload=offload, gpu_memory=gpu_memory, pipeline_parallel_size=pipeline_parallel_size)
+        engine = Engine(
+            artifact,
+            r,
+            world,
+            device,
+            cuda_graphs=cuda_graphs,
+            prefill_buckets=prefill_buckets,
+            static=static,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            offload=offload,
+            gpu_memory=gpu_memory,
+            pipeline_parallel_size=pipeline_parallel_size,
+        )
     finally:
         t_wait = time.perf_counter()
         artifact.finish_checks()
     done = time.perf_counter()
     # "checksums": the wait for the hashes after everything else had loaded (0 when they were first)
-    engine.load_times = {**engine.load_times, "kernel_binaries": binaries.get("seconds", 0.0),
-                         "checksums": done - t_wait, "total": done - t}
+    engine.load_times = {
+        **engine.load_times,
+        "kernel_binaries": binaries.get("seconds", 0.0),
+        "checksums": done - t_wait,
+        "total": done - t,
+    }
     engine.kernel_binaries = binaries
     return engine

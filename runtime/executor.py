@@ -21,6 +21,7 @@ other ranks may return from `follow`. Under pipeline parallelism (runtime/pipeli
 in flight per stage, each step's packed inputs handed down the stages and its logits sent back
 to rank 0 (no pending inputs: a micro-batch is scheduled again once its step is collected).
 """
+
 from __future__ import annotations
 
 from array import array
@@ -56,8 +57,9 @@ class _HostRing:
         buf = self.bufs[i]
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if buf is None or buf.numel() < nbytes:
-            buf = self.bufs[i] = torch.empty(max(nbytes, 2 * (buf.numel() if buf is not None else 0), 4096),
-                                             dtype=torch.uint8, pin_memory=self.cuda)
+            buf = self.bufs[i] = torch.empty(
+                max(nbytes, 2 * (buf.numel() if buf is not None else 0), 4096), dtype=torch.uint8, pin_memory=self.cuda
+            )
         return buf[:nbytes].view(dtype), i
 
     def record(self, i: int) -> torch.cuda.Event | None:
@@ -104,8 +106,7 @@ class Executor:
         dev = self._upload(packed)
         if self.world > 1:
             broadcast(dev, self._upload)
-        logits = self.engine.ragged(packed, self.prev if plan.pending_inputs else None,
-                                    upload=lambda _: dev)  # [N, V]
+        logits = self.engine.ragged(packed, self.prev if plan.pending_inputs else None, upload=lambda _: dev)  # [N, V]
         tokens = self._sample(logits, plan)  # [N]
         if self.world > 1:
             broadcast(tokens, self._upload)
@@ -115,8 +116,11 @@ class Executor:
     def _to_host(self, logits: torch.Tensor, tokens: torch.Tensor, plan: StepPlan) -> Launched:
         """The plan's sampled rows of `tokens` (and their log-probabilities) copied to the host."""
         rows = plan.sample
-        chosen = tokens if len(rows) == tokens.shape[0] else tokens.index_select(
-            0, self._upload(torch.tensor(rows, dtype=torch.long)))
+        chosen = (
+            tokens
+            if len(rows) == tokens.shape[0]
+            else tokens.index_select(0, self._upload(torch.tensor(rows, dtype=torch.long)))
+        )
         host, i = self._out.take(len(rows), torch.long)
         host.copy_(chosen, non_blocking=True)
         lp = self._logprobs(logits, tokens, plan)
@@ -127,12 +131,17 @@ class Executor:
         the others greedy (their tokens are never read)."""
         seqs = plan.sampled_seqs
         ps = [s.params for s in seqs]
-        masks = [(r, t) for r, s, c in zip(plan.sample, seqs, plan.counters)
-                 if c < s.params.min_tokens for t in s.params.stop_token_ids]
+        masks = [
+            (r, t)
+            for r, s, c in zip(plan.sample, seqs, plan.counters)
+            if c < s.params.min_tokens
+            for t in s.params.stop_token_ids
+        ]
         if masks:  # min_tokens: no stop token yet
             idx = self._upload(torch.tensor(masks, dtype=torch.long).T.contiguous())
-            logits = logits.index_put((idx[0], idx[1]), torch.full((1,), float("-inf"), dtype=logits.dtype,
-                                                                    device=logits.device))
+            logits = logits.index_put(
+                (idx[0], idx[1]), torch.full((1,), float("-inf"), dtype=logits.dtype, device=logits.device)
+            )
         if not any(p.temperature > 0 for p in ps):
             return logits.argmax(dim=-1)
         N = logits.shape[0]
@@ -143,23 +152,35 @@ class Executor:
         ints = array("q", top_k + seed + counter)
         ints.frombytes(array("d", temp + top_p).tobytes())
         dev = self._upload(torch.frombuffer(ints, dtype=torch.long))
-        k, sd, ctr, floats = dev[:N], dev[N:2 * N], dev[2 * N:3 * N], dev[3 * N:].view(torch.float64).float()
+        k, sd, ctr, floats = dev[:N], dev[N : 2 * N], dev[2 * N : 3 * N], dev[3 * N :].view(torch.float64).float()
         sampled = [p for p in ps if p.temperature > 0]
         top_ks = [p.top_k for p in sampled]
-        return sample_batch(logits, floats[:N], k, floats[N:], sd, ctr, any_sampled=True,
-                            any_top_k=any(top_ks), any_top_p=any(p.top_p < 1 for p in sampled),
-                            max_top_k=max(top_ks) if all(top_ks) else None)
+        return sample_batch(
+            logits,
+            floats[:N],
+            k,
+            floats[N:],
+            sd,
+            ctr,
+            any_sampled=True,
+            any_top_k=any(top_ks),
+            any_top_p=any(p.top_p < 1 for p in sampled),
+            max_top_k=max(top_ks) if all(top_ks) else None,
+        )
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, plan: StepPlan):
         want = [s.params.logprobs for s in plan.sampled_seqs]
         if all(w is None for w in want):
             return None, None
         rows = self._upload(torch.tensor(plan.sample, dtype=torch.long))
-        chosen, top_ids, top_lps = token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows),
-                                                  max(w for w in want if w is not None))
+        chosen, top_ids, top_lps = token_logprobs(
+            logits.index_select(0, rows), tokens.index_select(0, rows), max(w for w in want if w is not None)
+        )
         pin = self.device.type == "cuda"
-        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=True)
-                     for t in (chosen, top_ids, top_lps))
+        host = tuple(
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=True)
+            for t in (chosen, top_ids, top_lps)
+        )
         return host, [w or 0 for w in want]
 
     def collect(self, launched: Launched) -> tuple[list[int], list[dict[int, float]] | None]:
@@ -186,18 +207,29 @@ class EngineCore:
         self._inflight: deque[tuple[StepPlan, Launched]] = deque()
 
     @classmethod
-    def for_engine(cls, engine, max_num_batched_tokens: int = DEFAULT_BUDGET, max_num_seqs: int | None = None,
-                   prefix_caching: bool = True, async_scheduling: bool = True) -> "EngineCore":
+    def for_engine(
+        cls,
+        engine,
+        max_num_batched_tokens: int = DEFAULT_BUDGET,
+        max_num_seqs: int | None = None,
+        prefix_caching: bool = True,
+        async_scheduling: bool = True,
+    ) -> EngineCore:
         """Over an engine's KV pool and ragged program; the mixed steps of the budget captured now.
         Under pipeline parallelism, a PipelineCore (its micro-batches step themselves)."""
         if getattr(engine, "pp", 1) > 1:
             return PipelineCore(engine, max_num_batched_tokens, max_num_seqs, prefix_caching)
         num_blocks = next(iter(engine.kv_pool.values())).shape[0]
-        scheduler = Scheduler(SchedulerLimits(
-            num_blocks=num_blocks, block_size=engine.plan["kv_pool"]["block_size"],
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=min(max_num_seqs or engine.max_num_seqs, engine.max_num_seqs),
-            max_seq=engine.max_seq, prefix_caching=prefix_caching))
+        scheduler = Scheduler(
+            SchedulerLimits(
+                num_blocks=num_blocks,
+                block_size=engine.plan["kv_pool"]["block_size"],
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=min(max_num_seqs or engine.max_num_seqs, engine.max_num_seqs),
+                max_seq=engine.max_seq,
+                prefix_caching=prefix_caching,
+            )
+        )
         engine.ragged.warm_up(max_num_batched_tokens)
         return cls(scheduler, Executor(engine), async_scheduling)
 
@@ -271,7 +303,7 @@ def follow(engine) -> None:
         packed = _receive().cpu()
         if int(packed[0]) < 0:
             return
-        has_pending = bool((packed[3:3 + int(packed[0])] < 0).any())
+        has_pending = bool((packed[3 : 3 + int(packed[0])] < 0).any())
         engine.ragged(packed, prev.to(engine.device) if has_pending and prev is not None else None)
         prev = _receive()
 
@@ -313,8 +345,11 @@ def _shifted(step, blocks: int, block_size: int):
 
     if blocks == 0:
         return step
-    return replace(step, block_tables=[[b + blocks for b in t] for t in step.block_tables],
-                   slot_mapping=[s + blocks * block_size if s >= 0 else s for s in step.slot_mapping])
+    return replace(
+        step,
+        block_tables=[[b + blocks for b in t] for t in step.block_tables],
+        slot_mapping=[s + blocks * block_size if s >= 0 else s for s in step.slot_mapping],
+    )
 
 
 class PipelineExecutor(Executor):
@@ -352,10 +387,21 @@ class PipelineCore:
         each = num_blocks // k
         if each < 1:
             raise UserError(f"--kv-cache-memory: {num_blocks} KV blocks cannot be shared by {k} pipeline micro-batches")
-        self.scheduler = MultiScheduler([Scheduler(SchedulerLimits(
-            num_blocks=each, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max(1, seqs // k), max_seq=engine.max_seq, prefix_caching=prefix_caching))
-            for _ in range(k)])
+        self.scheduler = MultiScheduler(
+            [
+                Scheduler(
+                    SchedulerLimits(
+                        num_blocks=each,
+                        block_size=block_size,
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        max_num_seqs=max(1, seqs // k),
+                        max_seq=engine.max_seq,
+                        prefix_caching=prefix_caching,
+                    )
+                )
+                for _ in range(k)
+            ]
+        )
         self.executor = PipelineExecutor(engine, each, block_size)
         self._inflight: deque[tuple[int, StepPlan]] = deque()
         self._next = 0

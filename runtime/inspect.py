@@ -1,6 +1,7 @@
 """`dsc inspect`: what an artifact holds, read from its manifest, plan and rank headers.
 
 JSON and the standard library only (no torch): `dsc inspect` answers in a fraction of a second."""
+
 from __future__ import annotations
 
 import json
@@ -16,14 +17,25 @@ from dsc.runtime.offload import offload_line
 def cache_readers(program: dict) -> list[dict]:
     """The program's call nodes that take a KV-cache tensor (weight nodes whose target is
     `kv_cache.<layer>.k|v`, as the runtime names the cache): its attentions, one per layer."""
-    caches = {n["name"] for n in program["nodes"]
-              if n["kind"] == "weight" and str(n.get("target", "")).startswith("kv_cache.")}
-    return [n for n in program["nodes"] if n["kind"] == "call"
-            and any(isinstance(a, dict) and a.get("node") in caches for a in n.get("args", []))]
+    caches = {
+        n["name"]
+        for n in program["nodes"]
+        if n["kind"] == "weight" and str(n.get("target", "")).startswith("kv_cache.")
+    }
+    return [
+        n
+        for n in program["nodes"]
+        if n["kind"] == "call" and any(isinstance(a, dict) and a.get("node") in caches for a in n.get("args", []))
+    ]
 
 
-def describe(path: str | Path, require_signature: str | Path | None = None, offload: str | None = None,
-             gpu_memory: float | None = None, pipeline_parallel_size: int = 1) -> dict:
+def describe(
+    path: str | Path,
+    require_signature: str | Path | None = None,
+    offload: str | None = None,
+    gpu_memory: float | None = None,
+    pipeline_parallel_size: int = 1,
+) -> dict:
     """What `dsc inspect` shows. Reads the manifest, plan and rank headers (each checked as the
     loader checks them, docs/security.md), no tensor; checksums only with require_signature.
     With `offload` (and `gpu_memory` GiB), where each rank's weights would live at load
@@ -40,8 +52,13 @@ def describe(path: str | Path, require_signature: str | Path | None = None, offl
         calls = [n for n in p["nodes"] if n["kind"] == "call"]
         ops = Counter(n["op"] for n in calls)
         kernels = Counter(n["kernel"]["name"] for n in calls if "kernel" in n)
-        programs[name] = {"nodes": len(p["nodes"]), "calls": len(calls), "ops": dict(sorted(ops.items())),
-                          "kernels": dict(sorted(kernels.items())), **launches(calls)}
+        programs[name] = {
+            "nodes": len(p["nodes"]),
+            "calls": len(calls),
+            "ops": dict(sorted(ops.items())),
+            "kernels": dict(sorted(kernels.items())),
+            **launches(calls),
+        }
     ranks, expert_bytes, other_bytes, placements = {}, 0, 0, {}
     for r in range(art.tp):
         f = art.rank_file(r)
@@ -67,17 +84,33 @@ def describe(path: str | Path, require_signature: str | Path | None = None, offl
     windows = Counter(_window(n) for n in attn)
     buckets = plan["limits"].get("decode_buckets") or [plan["limits"]["max_batch"]]
     workspace = {b: workspace_bytes(plan, "decode", b) for b in buckets} if "decode" in plan["programs"] else {}
-    return {"path": str(path), "decode_buckets": buckets, "decode_workspace": workspace, "format_version": man["format_version"], "versions": man.get("versions"),
-            "source": (man.get("source") if isinstance(man.get("source"), dict) else {}).get("model"), "model_type": plan["model"]["model_type"],
-            "dtype": plan["model"]["dtype"], "tp": plan["tp"], "options": man.get("options"),
-            "limits": plan["limits"], "kv_cache": plan.get("kv_cache"), "programs": programs,
-            "attention_windows": {str(w): c for w, c in sorted(windows.items())},
-            "attention_variants": {v: c for v, c in sorted(Counter(score_variant(n) for n in attn).items()) if v},
-            "ranks": ranks, "passes": plan.get("passes", {}), "notes": plan.get("notes", {}),
-            "experts": _experts(plan["model"].get("experts"), expert_bytes, other_bytes),
-            "kind": plan["model"].get("kind", "decoder"), "pooling": plan["model"].get("pooling"),
-            "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)},
-            "kernel_binaries": describe_binaries(art), "offload": placements or None, "stages": stages}
+    return {
+        "path": str(path),
+        "decode_buckets": buckets,
+        "decode_workspace": workspace,
+        "format_version": man["format_version"],
+        "versions": man.get("versions"),
+        "source": (man.get("source") if isinstance(man.get("source"), dict) else {}).get("model"),
+        "model_type": plan["model"]["model_type"],
+        "dtype": plan["model"]["dtype"],
+        "tp": plan["tp"],
+        "options": man.get("options"),
+        "limits": plan["limits"],
+        "kv_cache": plan.get("kv_cache"),
+        "programs": programs,
+        "attention_windows": {str(w): c for w, c in sorted(windows.items())},
+        "attention_variants": {v: c for v, c in sorted(Counter(score_variant(n) for n in attn).items()) if v},
+        "ranks": ranks,
+        "passes": plan.get("passes", {}),
+        "notes": plan.get("notes", {}),
+        "experts": _experts(plan["model"].get("experts"), expert_bytes, other_bytes),
+        "kind": plan["model"].get("kind", "decoder"),
+        "pooling": plan["model"].get("pooling"),
+        "extra": {k: man[k] for k in ("int8_report",) if isinstance(man.get(k), dict)},
+        "kernel_binaries": describe_binaries(art),
+        "offload": placements or None,
+        "stages": stages,
+    }
 
 
 def _stages(art, pp: int) -> list[dict]:
@@ -94,8 +127,15 @@ def _stages(art, pp: int) -> list[dict]:
         sp = stage_program(nodes, split, s)
         layers = [k for k, t in split.items() if t == s]
         nbytes = sum(header[w]["data_offsets"][1] - header[w]["data_offsets"][0] for w in sp.weights if w in header)
-        out.append({"stage": s, "layers": [layers[0], layers[-1]], "count": len(layers), "bytes": nbytes,
-                    "receives": len(sp.recv)})
+        out.append(
+            {
+                "stage": s,
+                "layers": [layers[0], layers[-1]],
+                "count": len(layers),
+                "bytes": nbytes,
+                "receives": len(sp.recv),
+            }
+        )
     return out
 
 
@@ -121,8 +161,11 @@ def describe_binaries(art) -> dict | None:
         k[m["target"]] = k.get(m["target"], 0) + 1
     summary = art.manifest.get("kernel_binaries")
     skipped = summary.get("skipped") if isinstance(summary, dict) else None
-    return {"targets": dict(sorted(targets.items())), "kernels": dict(sorted(kernels.items())),
-            "skipped": {str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {}}
+    return {
+        "targets": dict(sorted(targets.items())),
+        "kernels": dict(sorted(kernels.items())),
+        "skipped": {str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {},
+    }
 
 
 def _experts(facts, expert_bytes: int, other_bytes: int) -> dict | None:
@@ -167,14 +210,18 @@ def render(info: dict) -> None:
 
     c = Console(markup=False)  # artifact text is shown as it is, never read as rich markup
     c.print(info["path"], style="bold", end="")
-    c.print(f"  {info['model_type']}  {info['dtype']}  tp={info['tp']}  "
-            f"(source {info['source']}, format v{info['format_version']})")
+    c.print(
+        f"  {info['model_type']}  {info['dtype']}  tp={info['tp']}  "
+        f"(source {info['source']}, format v{info['format_version']})"
+    )
     c.print(f"options: {json.dumps(info['options'], sort_keys=True)}")
     if info.get("kind") == "encoder":
         pool = info.get("pooling") if isinstance(info.get("pooling"), dict) else {}
-        c.print(f"kind: encoder (embeddings): program encode runs right-padded rows to their last hidden states; "
-                f"pooling {pool.get('mode')}{', L2-normalized' if pool.get('normalize') else ''} "
-                f"(from {pool.get('source')})")
+        c.print(
+            f"kind: encoder (embeddings): program encode runs right-padded rows to their last hidden states; "
+            f"pooling {pool.get('mode')}{', L2-normalized' if pool.get('normalize') else ''} "
+            f"(from {pool.get('source')})"
+        )
     else:
         c.print("kind: decoder: prefill and decode (static cache), ragged (continuous batching over the paged cache)")
     kv = info["kv_cache"]
@@ -182,21 +229,32 @@ def render(info: dict) -> None:
         c.print(f"kv cache: {kv['layers']} layers x 2 x {kv['shape']} {kv['dtype']}")
     windows = {int(w): n for w, n in info.get("attention_windows", {}).items()}
     if any(windows):
-        c.print("attention: " + ", ".join(f"{n} layer{'s' * (n != 1)} " + (f"sliding window {w}" if w else "full")
-                                          for w, n in sorted(windows.items())))
+        c.print(
+            "attention: "
+            + ", ".join(
+                f"{n} layer{'s' * (n != 1)} " + (f"sliding window {w}" if w else "full")
+                for w, n in sorted(windows.items())
+            )
+        )
     variants = info.get("attention_variants", {})
     if variants:
         c.print("attention scores: " + ", ".join(f"{n} layer{'s' * (n != 1)} {v}" for v, n in variants.items()))
     moe = info.get("experts")
     if moe:
-        line = (f"experts: {moe['experts']} per MoE layer, {moe['top_k']} routed per token; {moe['per_rank']} "
-                f"per rank ({moe['placement']})")
+        line = (
+            f"experts: {moe['experts']} per MoE layer, {moe['top_k']} routed per token; {moe['per_rank']} "
+            f"per rank ({moe['placement']})"
+        )
         if "active_bytes_per_token" in moe:
-            line += (f"; a token reads {_fmt_bytes(moe['active_bytes_per_token'])} of weights "
-                     f"(experts hold {_fmt_bytes(moe['expert_bytes'])})")
+            line += (
+                f"; a token reads {_fmt_bytes(moe['active_bytes_per_token'])} of weights "
+                f"(experts hold {_fmt_bytes(moe['expert_bytes'])})"
+            )
         c.print(line)
-    c.print("decode buckets (CUDA graphs): " + ", ".join(
-        f"{b} (workspace {_fmt_bytes(w)})" for b, w in info["decode_workspace"].items()))
+    c.print(
+        "decode buckets (CUDA graphs): "
+        + ", ".join(f"{b} (workspace {_fmt_bytes(w)})" for b, w in info["decode_workspace"].items())
+    )
     for name, p in info["programs"].items():
         t = Table(title=f"program {name}: {p['calls']} ops", show_lines=False)
         t.add_column("op")
@@ -212,17 +270,25 @@ def render(info: dict) -> None:
             for kn, n in sorted(p["kernels"].items(), key=lambda x: -x[1]):
                 k.add_row(kn, str(n), str(p["launches_by_kernel"].get(kn, "")))
             c.print(k)
-            c.print(f"program {name}: {p['launches']} kernel launches per step"
-                    + (" (decode: at the smallest batch bucket)" if name == "decode" else "")
-                    + (f"; {p['launches_per_layer']} per layer x {p['layers']} layers"
-                       f" + {p['launches_outside_layers']} outside the layers" if p["layers"] else ""))
+            c.print(
+                f"program {name}: {p['launches']} kernel launches per step"
+                + (" (decode: at the smallest batch bucket)" if name == "decode" else "")
+                + (
+                    f"; {p['launches_per_layer']} per layer x {p['layers']} layers"
+                    f" + {p['launches_outside_layers']} outside the layers"
+                    if p["layers"]
+                    else ""
+                )
+            )
             if p.get("layer_kernels"):
                 c.print(f"  one layer ({p['layer_kernels']['layer']}): " + ", ".join(p["layer_kernels"]["kernels"]))
     bins = info.get("kernel_binaries")
     if bins:
         targets = list(bins["targets"])
-        k = Table(title="kernel binaries (dsc compile --target): " + ", ".join(
-            f"{t} {d['binaries']} ({_fmt_bytes(d['bytes'])})" for t, d in bins["targets"].items()))
+        k = Table(
+            title="kernel binaries (dsc compile --target): "
+            + ", ".join(f"{t} {d['binaries']} ({_fmt_bytes(d['bytes'])})" for t, d in bins["targets"].items())
+        )
         k.add_column("kernel")
         for t in targets:
             k.add_column(t, justify="right")
@@ -232,8 +298,10 @@ def render(info: dict) -> None:
         for name, why in bins["skipped"].items():
             c.print(f"kernel {name}: no binary ({why}); compiled with Triton at run time")
     for st in info.get("stages") or []:
-        c.print(f"pipeline stage {st['stage']}: {st['count']} layers ({st['layers'][0]} .. {st['layers'][1]}), "
-                f"{_fmt_bytes(st['bytes'])} per rank, {st['receives']} tensors received per step")
+        c.print(
+            f"pipeline stage {st['stage']}: {st['count']} layers ({st['layers'][0]} .. {st['layers'][1]}), "
+            f"{_fmt_bytes(st['bytes'])} per rank, {st['receives']} tensors received per step"
+        )
     for rank, placed in (info.get("offload") or {}).items():
         c.print(f"rank {rank}: " + offload_line(placed))
     r = Table(title="rank files")
@@ -245,8 +313,12 @@ def render(info: dict) -> None:
         if d.get("missing"):
             r.add_row(str(rank), "-", "missing", "")
         else:
-            r.add_row(str(rank), str(d["tensors"]), _fmt_bytes(d["bytes"]),
-                      ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in d["bytes_by_dtype"].items()))
+            r.add_row(
+                str(rank),
+                str(d["tensors"]),
+                _fmt_bytes(d["bytes"]),
+                ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in d["bytes_by_dtype"].items()),
+            )
     c.print(r)
     if info["passes"]:
         p = Table(title="pass rewrites")
@@ -271,7 +343,9 @@ def int8_summary(rep: dict) -> list[str]:
     """The manifest's int8 report in a few lines (compiler/int8_report.py writes it)."""
     mem, ws = rep["memory"], rep["weight_sqnr_db"]
     scheme = rep["mode"] + (f", group {rep['group_size']}" if rep.get("group_size") else ", per-channel")
-    scheme += (", symmetric" if rep["symmetric"] else ", asymmetric") + (", SmoothQuant" if rep.get("smoothquant") else "")
+    scheme += (", symmetric" if rep["symmetric"] else ", asymmetric") + (
+        ", SmoothQuant" if rep.get("smoothquant") else ""
+    )
     name = rep["mode"] if rep["mode"] in ("fp8", "int4") else "mixed" if rep["mode"] == "auto" else "int8"
     if name == "fp8":
         scheme = "e4m3, per-channel weights, per-token activations"
@@ -279,18 +353,26 @@ def int8_summary(rep: dict) -> list[str]:
         scheme = f"w4a16, group {rep.get('group_size')}, scale and min per group"
     elif name == "mixed":
         c = ((rep.get("auto_precision") or {}).get("rounds") or [{}])[-1].get("counts") or {}
-        scheme = f"auto-precision: {c.get('int4', 0)} int4, {c.get('int8', 0)} int8, {c.get('16-bit', 0)} 16-bit linears"
+        scheme = (
+            f"auto-precision: {c.get('int4', 0)} int4, {c.get('int8', 0)} int8, {c.get('16-bit', 0)} 16-bit linears"
+        )
     if "logits" in rep:
         lg = rep["logits"]
-        out = [f"{name} ({scheme}): logits SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, "
-               f"top-1 agreement {lg['top1_agreement']:.1%} over {lg['positions']} positions"]
+        out = [
+            f"{name} ({scheme}): logits SQNR {lg['sqnr_db']:.1f} dB, KL {lg['kl_div']:.2e}, "
+            f"top-1 agreement {lg['top1_agreement']:.1%} over {lg['positions']} positions"
+        ]
     else:  # an encoder's
         lg = rep["hidden_states"]
-        out = [f"{name} ({scheme}): hidden-state SQNR {lg['sqnr_db']:.1f} dB, lowest cosine {lg['min_cosine']:.5f} "
-               f"over {lg['positions']} tokens"]
+        out = [
+            f"{name} ({scheme}): hidden-state SQNR {lg['sqnr_db']:.1f} dB, lowest cosine {lg['min_cosine']:.5f} "
+            f"over {lg['positions']} tokens"
+        ]
     if ws.get("worst"):
         out.append("  worst weight SQNR: " + ", ".join(f"{k} {v:.1f} dB" for k, v in ws["worst"][:3]))
-    out.append(f"  quantized linear weights: {_fmt_bytes(mem['int8_bytes'])} {name} + {_fmt_bytes(mem['scale_bytes'])} "
-               f"scales/zeros, {_fmt_bytes(mem['bytes_16bit'])} at 16 bits "
-               f"({(mem['int8_bytes'] + mem['scale_bytes']) / max(mem['bytes_16bit'], 1):.0%})")
+    out.append(
+        f"  quantized linear weights: {_fmt_bytes(mem['int8_bytes'])} {name} + {_fmt_bytes(mem['scale_bytes'])} "
+        f"scales/zeros, {_fmt_bytes(mem['bytes_16bit'])} at 16 bits "
+        f"({(mem['int8_bytes'] + mem['scale_bytes']) / max(mem['bytes_16bit'], 1):.0%})"
+    )
     return out

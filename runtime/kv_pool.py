@@ -16,6 +16,7 @@ Chain hash of block j of a token sequence (bs = block_size):
 so a block's digest names its whole prefix, and identical digests mean identical prefixes (sha256:
 no collision on adversarial prompts, unlike Python's hash()).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 @dataclass
 class PoolStats:
     prefix_queries: int = 0  # tokens passed to match_prefix
-    prefix_hits: int = 0     # of those, tokens found in cached blocks
-    evictions: int = 0       # cached blocks taken back for allocation (their hash forgotten)
+    prefix_hits: int = 0  # of those, tokens found in cached blocks
+    evictions: int = 0  # cached blocks taken back for allocation (their hash forgotten)
 
 
 def chain_digest(parent: bytes, block_tokens: Sequence[int]) -> bytes:
@@ -60,7 +61,7 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # first = least recently freed
         self._used = 0
         self._block_of: dict[bytes, int] = {}  # digest -> the block registered under it
-        self._hash_of: dict[int, bytes] = {}   # its inverse
+        self._hash_of: dict[int, bytes] = {}  # its inverse
         # block -> its chain digest, known once register() walked it, whether or not it is the
         # block registered under that digest; forgotten when the block is allocated again
         self._chain: dict[int, bytes] = {}
@@ -126,7 +127,7 @@ class BlockPool:
             return []
         bs, digest, found = self.block_size, b"", []
         for j in range(len(token_ids) // bs):
-            digest = chain_digest(digest, token_ids[j * bs:(j + 1) * bs])
+            digest = chain_digest(digest, token_ids[j * bs : (j + 1) * bs])
             b = self._block_of.get(digest)
             if b is None:
                 break
@@ -154,7 +155,7 @@ class BlockPool:
         digest = self._chain[block_table[start - 1]] if start else b""
         for j in range(start, full):
             b = block_table[j]
-            digest = chain_digest(digest, token_ids[j * bs:(j + 1) * bs])
+            digest = chain_digest(digest, token_ids[j * bs : (j + 1) * bs])
             self._chain[b] = digest
             if digest not in self._block_of and b not in self._hash_of:
                 self._block_of[digest] = b

@@ -14,15 +14,17 @@ outputs carry token ids only, and the caller ends a sequence its stop string end
 Defaults a SamplingParams leaves unset come from the artifact's generation_config.json (as the
 checkpoint shipped it), else OpenAI's: temperature 1, top_p 1, no top-k, 16 tokens.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import secrets
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any
 
 from dsc.errors import UserError
 from dsc.runtime.executor import EngineCore, follow, release_followers
@@ -95,8 +97,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_sampling_fields(*, n: Any = 1, temperature: Any = 1.0, top_p: Any = 1.0, top_k: Any = 0,
-                          vocab_size: int, where: str = "") -> None:
+def check_sampling_fields(
+    *, n: Any = 1, temperature: Any = 1.0, top_p: Any = 1.0, top_k: Any = 0, vocab_size: int, where: str = ""
+) -> None:
     """The bounds of n, temperature, top_p and top_k (for a request, and for the artifact's
     generation_config.json defaults, which `where` then names)."""
     if not _is_int(n) or not 1 <= n <= 128:
@@ -106,8 +109,10 @@ def check_sampling_fields(*, n: Any = 1, temperature: Any = 1.0, top_p: Any = 1.
     if not _is_num(top_p) or not 0 < top_p <= 1:
         raise UserError(f"{where}top_p: expected a number in (0, 1], got {_short(top_p)}")
     if not _is_int(top_k) or not -1 <= top_k <= vocab_size:
-        raise UserError(f"{where}top_k: expected an integer from -1 to the vocabulary size {vocab_size} "
-                        f"(0 or -1: off), got {_short(top_k)}")
+        raise UserError(
+            f"{where}top_k: expected an integer from -1 to the vocabulary size {vocab_size} "
+            f"(0 or -1: off), got {_short(top_k)}"
+        )
 
 
 @dataclass
@@ -124,27 +129,54 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, artifact: str | Path | None = None, *, device=None, kv_cache_memory: float | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = DEFAULT_BUDGET, enable_prefix_caching: bool = True,
-                 verify: bool = True, cuda_graphs: bool = True, require_signature: str | Path | None = None,
-                 prefill_buckets: bool | None = None, engine=None, async_scheduling: bool = True,
-                 detokenize: bool = True, trust_kernels: bool = False, offload: str | None = None,
-                 gpu_memory: float | None = None, pipeline_parallel_size: int = 1):
+    def __init__(
+        self,
+        artifact: str | Path | None = None,
+        *,
+        device=None,
+        kv_cache_memory: float | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = DEFAULT_BUDGET,
+        enable_prefix_caching: bool = True,
+        verify: bool = True,
+        cuda_graphs: bool = True,
+        require_signature: str | Path | None = None,
+        prefill_buckets: bool | None = None,
+        engine=None,
+        async_scheduling: bool = True,
+        detokenize: bool = True,
+        trust_kernels: bool = False,
+        offload: str | None = None,
+        gpu_memory: float | None = None,
+        pipeline_parallel_size: int = 1,
+    ):
         if engine is None:
             from dsc.runtime.engine import load
 
             if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
                 raise UserError(f"--max-num-seqs: expected an integer >= 1, got {max_num_seqs!r}")
-            engine = load(artifact, device=device, verify=verify, cuda_graphs=cuda_graphs,
-                          require_signature=require_signature, static=False, kv_cache_memory=kv_cache_memory,
-                          max_num_seqs=max_num_seqs, prefill_buckets=prefill_buckets, trust_kernels=trust_kernels,
-                          offload=offload, gpu_memory=gpu_memory, pipeline_parallel_size=pipeline_parallel_size)
+            engine = load(
+                artifact,
+                device=device,
+                verify=verify,
+                cuda_graphs=cuda_graphs,
+                require_signature=require_signature,
+                static=False,
+                kv_cache_memory=kv_cache_memory,
+                max_num_seqs=max_num_seqs,
+                prefill_buckets=prefill_buckets,
+                trust_kernels=trust_kernels,
+                offload=offload,
+                gpu_memory=gpu_memory,
+                pipeline_parallel_size=pipeline_parallel_size,
+            )
         self.engine = engine
         from dsc.runtime.decode import CAPTURE_TIMES, capture_times_since
 
         before, t = dict(CAPTURE_TIMES), time.perf_counter()
-        self.core = EngineCore.for_engine(engine, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
-                                          async_scheduling)
+        self.core = EngineCore.for_engine(
+            engine, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, async_scheduling
+        )
         # seconds by load stage (checksums, weights, kv_cache, programs, kernels, graphs), the
         # scheduler's mixed-step captures included
         self.load_times = dict(getattr(engine, "load_times", {}))
@@ -197,11 +229,14 @@ class LLMEngine:
         art, root = self.engine.artifact, Path(self.engine.artifact.path) / "tokenizer"
         cfg = self._tokenizer_json("tokenizer_config.json")
         templates, where = {}, root / "tokenizer_config.json"
-        files = sorted(f for f in art.manifest["files"] if f == "tokenizer/chat_template.jinja"
-                       or (f.startswith("tokenizer/additional_chat_templates/") and f.endswith(".jinja")
-                           and f.count("/") == 2))
+        files = sorted(
+            f
+            for f in art.manifest["files"]
+            if f == "tokenizer/chat_template.jinja"
+            or (f.startswith("tokenizer/additional_chat_templates/") and f.endswith(".jinja") and f.count("/") == 2)
+        )
         for f in files:
-            name = "default" if f == "tokenizer/chat_template.jinja" else f.rsplit("/", 1)[1][:-len(".jinja")]
+            name = "default" if f == "tokenizer/chat_template.jinja" else f.rsplit("/", 1)[1][: -len(".jinja")]
             try:
                 templates[name] = (Path(art.path) / f).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):
@@ -211,8 +246,9 @@ class LLMEngine:
             t = cfg.get("chat_template")
             if isinstance(t, str):
                 templates["default"] = t
-            elif isinstance(t, list) and all(isinstance(e, dict) and isinstance(e.get("name"), str)
-                                             and isinstance(e.get("template"), str) for e in t):
+            elif isinstance(t, list) and all(
+                isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str) for e in t
+            ):
                 templates = {e["name"]: e["template"] for e in t}
             elif t is not None:
                 raise UserError(f"{where}: field 'chat_template' must be a string or a list of {{name, template}}")
@@ -227,28 +263,44 @@ class LLMEngine:
                 tokens[key] = t
         return ChatTemplates(templates, tokens, str(where))
 
-    def apply_chat_template(self, messages: list[dict], *, tools: list[dict] | None = None,
-                            documents: list[dict] | None = None, add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        chat_template: str | None = None,
+    ) -> str:
         """The artifact's chat template over `messages`, as transformers' apply_chat_template(...,
         tokenize=False) renders it (the assistant's turn opened by default). `chat_template_kwargs`
         are the template's extra variables (enable_thinking, ...); `chat_template` names one of the
         artifact's templates. Rendered in a sandboxed worker with time, memory and size limits."""
         if self.chat_templates is None:
             raise UserError(f"{self.model_name}: the artifact's tokenizer has no chat template")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise UserError("messages: expected a non-empty list of {\"role\": str, \"content\": ...}")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+        ):
+            raise UserError('messages: expected a non-empty list of {"role": str, "content": ...}')
         for name, value in (("tools", tools), ("documents", documents)):
             if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
                 raise UserError(f"{name}: expected a list of objects")
-        if chat_template_kwargs is not None and not (isinstance(chat_template_kwargs, dict)
-                                                     and all(isinstance(k, str) for k in chat_template_kwargs)):
+        if chat_template_kwargs is not None and not (
+            isinstance(chat_template_kwargs, dict) and all(isinstance(k, str) for k in chat_template_kwargs)
+        ):
             raise UserError("chat_template_kwargs: expected an object")
         _check_text(messages, "messages")
-        return self.chat_templates.render(messages, tools=tools, documents=documents,
-                                          add_generation_prompt=add_generation_prompt,
-                                          kwargs=chat_template_kwargs, template=chat_template)
+        return self.chat_templates.render(
+            messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            kwargs=chat_template_kwargs,
+            template=chat_template,
+        )
 
     # -- requests ---------------------------------------------------------------------------------
     def _resolve(self, p: SamplingParams) -> SamplingParams:
@@ -272,8 +324,15 @@ class LLMEngine:
             raise UserError(f"min_tokens: expected an integer from 0 to max_tokens ({most}), got {_short(min_tokens)}")
         if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < 2**63):
             raise UserError(f"seed: expected an integer in [0, 2^63), got {_short(p.seed)}")
-        stop = [p.stop] if isinstance(p.stop, str) else p.stop if isinstance(p.stop, (list, tuple)) else \
-            [] if p.stop is None else None
+        stop = (
+            [p.stop]
+            if isinstance(p.stop, str)
+            else p.stop
+            if isinstance(p.stop, (list, tuple))
+            else []
+            if p.stop is None
+            else None
+        )
         if stop is None or not all(isinstance(s, str) and s for s in stop):
             raise UserError("stop: expected a non-empty string or a list of them")
         _check_text(stop, "stop")
@@ -288,8 +347,16 @@ class LLMEngine:
                 raise UserError(f"{name}: expected true or false, got {_short(getattr(p, name))}")
         from dataclasses import replace
 
-        return replace(p, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                       top_k=max(int(top_k), 0), stop=list(stop), stop_token_ids=list(ids), min_tokens=min_tokens)
+        return replace(
+            p,
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=max(int(top_k), 0),
+            stop=list(stop),
+            stop_token_ids=list(ids),
+            min_tokens=min_tokens,
+        )
 
     def encode(self, prompt: str | Seq[int], where: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -319,13 +386,29 @@ class LLMEngine:
         base_seed = p.seed if p.seed is not None else secrets.randbits(62)
         seqs, detoks = [], []
         for i in range(p.n):
-            sp = SeqParams(max_tokens=max(max_tokens, 1), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                           seed=(base_seed + i) % 2**63, stop_token_ids=stop_ids, logprobs=p.logprobs,
-                           min_tokens=p.min_tokens)
+            sp = SeqParams(
+                max_tokens=max(max_tokens, 1),
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                seed=(base_seed + i) % 2**63,
+                stop_token_ids=stop_ids,
+                logprobs=p.logprobs,
+                min_tokens=p.min_tokens,
+            )
             seqs.append(Sequence(request_id, ids, sp, index=i))
             detoks.append(self._detokenizer(ids, p))
-        req = _Request(request_id, prompt if isinstance(prompt, str) else None, ids, p, seqs, detoks, p.stop,
-                       [None] * p.n, [0] * p.n)
+        req = _Request(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            ids,
+            p,
+            seqs,
+            detoks,
+            p.stop,
+            [None] * p.n,
+            [0] * p.n,
+        )
         for s in seqs:
             self.scheduler.add(s)
         self._requests[request_id] = req
@@ -335,8 +418,13 @@ class LLMEngine:
             return None
         from dsc.runtime.detokenize import Detokenizer
 
-        return Detokenizer(self.tokenizer, ids, stop=p.stop, include_stop=p.include_stop_str_in_output,
-                           skip_special_tokens=p.skip_special_tokens)
+        return Detokenizer(
+            self.tokenizer,
+            ids,
+            stop=p.stop,
+            include_stop=p.include_stop_str_in_output,
+            skip_special_tokens=p.skip_special_tokens,
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now and free its KV blocks; returns its final output (None if unknown)."""
@@ -373,7 +461,7 @@ class LLMEngine:
                 continue
             d = req.detoks[seq.index]
             if d is not None and len(seq.output_ids) > req.fed[seq.index]:
-                d.add(seq.output_ids[req.fed[seq.index]:])
+                d.add(seq.output_ids[req.fed[seq.index] :])
                 req.fed[seq.index] = len(seq.output_ids)
                 if d.stopped and not seq.finished:
                     self.scheduler.finish(seq, "stop")
@@ -398,9 +486,16 @@ class LLMEngine:
         comps = []
         for seq, d, reason in zip(req.seqs, req.detoks, req.stop_reasons):
             text = d.text if d is not None else ""
-            comps.append(CompletionOutput(seq.index, text, list(seq.output_ids),
-                                          list(seq.logprobs) if req.params.logprobs is not None else None,
-                                          seq.finish_reason, reason))
+            comps.append(
+                CompletionOutput(
+                    seq.index,
+                    text,
+                    list(seq.output_ids),
+                    list(seq.logprobs) if req.params.logprobs is not None else None,
+                    seq.finish_reason,
+                    reason,
+                )
+            )
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, comps, all(s.finished for s in req.seqs))
 
     def stats(self) -> dict:
@@ -424,7 +519,7 @@ class LLMEngine:
 
 
 def artifact_kind(path: str | Path) -> str:
-    """"decoder" or "encoder", from the artifact's plan (checked as the loader checks it)."""
+    """ "decoder" or "encoder", from the artifact's plan (checked as the loader checks it)."""
     from dsc.runtime.artifact import open_artifact
 
     return open_artifact(path, ranks=[], verify=False).plan["model"].get("kind", "decoder")
@@ -455,25 +550,36 @@ class LLM:
 
         eng = self.engine
         if not isinstance(eng, EmbeddingEngine):
-            raise UserError(f"embed: {eng.model_name} is a decoder (causal LM); compile an encoder model "
-                            "(BERT, RoBERTa, DistilBERT, a sentence-transformers checkpoint) for embeddings")
+            raise UserError(
+                f"embed: {eng.model_name} is a decoder (causal LM); compile an encoder model "
+                "(BERT, RoBERTa, DistilBERT, a sentence-transformers checkpoint) for embeddings"
+            )
         return self._run(prompts, pooling_params, "pooling_params")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
     def _prompts(self, prompts) -> list:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(_is_int(t) for t in prompts)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(_is_int(t) for t in prompts)
+        ):
             return [prompts]
         if isinstance(prompts, dict):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise UserError("prompts: expected text, token ids, or a non-empty list of them")
-        return [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
-                else p["prompt"] if isinstance(p, dict) and "prompt" in p else p for p in prompts]
+        return [
+            p["prompt_token_ids"]
+            if isinstance(p, dict) and "prompt_token_ids" in p
+            else p["prompt"]
+            if isinstance(p, dict) and "prompt" in p
+            else p
+            for p in prompts
+        ]
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 callback=None) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, callback=None
+    ) -> list[RequestOutput]:
         """One output per prompt, in order. Under tensor parallelism every rank calls this; rank
         0 schedules and returns the outputs, the others run its steps and return []."""
         self._decoder("generate")
@@ -514,10 +620,18 @@ class LLM:
         finally:
             eng.release_followers()
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, callback=None, *,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             documents: list[dict] | None = None, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | None = None,
+        callback=None,
+        *,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of them, rendered
         by the artifact's chat template (LLMEngine.apply_chat_template takes the keywords)."""
         self._decoder("chat")
@@ -527,7 +641,11 @@ class LLM:
             return []
         if not isinstance(convs, list) or not convs:
             raise UserError("messages: expected a conversation (a list of messages) or a list of them")
-        kw = dict(chat_template_kwargs=chat_template_kwargs, tools=tools, documents=documents,
-                  add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+        kw = dict(
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+        )
         return self.generate([self.engine.apply_chat_template(c, **kw) for c in convs], sampling_params, callback)
-

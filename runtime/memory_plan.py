@@ -7,6 +7,7 @@ arena size is the step's workspace bound for a given batch. On CUDA the captured
 private memory pool is what actually holds these buffers; the plan is the bound `dsc bench`
 and `dsc inspect` report and the test suite checks for soundness (no live overlap).
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,11 +17,23 @@ from dataclasses import dataclass
 
 from dsc.errors import UserError
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "float8_e4m3fn": 1,
-                "uint8": 1, "bool": 1, "float64": 8}
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float64": 8,
+}
 # ops whose output aliases an input (no new storage)
-_VIEWS = re.compile(r"^aten\.(view|_unsafe_view|reshape|transpose|t|permute|unsqueeze|squeeze|expand|slice|select|"
-                    r"split|split_with_sizes|chunk|alias|as_strided|narrow|unflatten|flatten|detach)\.|^operator\.getitem$")
+_VIEWS = re.compile(
+    r"^aten\.(view|_unsafe_view|reshape|transpose|t|permute|unsqueeze|squeeze|expand|slice|select|"
+    r"split|split_with_sizes|chunk|alias|as_strided|narrow|unflatten|flatten|detach)\.|^operator\.getitem$"
+)
 # ops that produce no tensor on the device (sizes)
 _SCALARS = re.compile(r"^aten\.sym_size|^operator\.(?!getitem)|^torch\.sym|^math\.")
 
@@ -38,8 +51,13 @@ class Buffer:
 # "seq", "2*seq + 1"). It is parsed, never evaluated by Python: names, non-negative integer
 # constants, + - * // % and unary minus; no calls, attributes or powers, and every value
 # bounded, so that no plan text can run code or hang the reader.
-_DIM_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-            ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
+_DIM_OPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+}
 _DIM_LIMIT = 1 << 48  # larger than any real tensor dim, small enough that products stay cheap
 _DIM_TEXT_LIMIT = 200
 
@@ -58,11 +76,18 @@ def _parse_dim(text: str) -> ast.expr:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise ValueError(f"symbolic dim {text!r} is not an expression") from None
     for node in ast.walk(tree):
-        ok = (isinstance(node, ast.Name) and node.id.isidentifier()
-              or isinstance(node, ast.Constant) and type(node.value) is int and 0 <= node.value < _DIM_LIMIT
-              or isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPS
-              or isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
-              or isinstance(node, (ast.Load, ast.operator, ast.unaryop)))
+        ok = (
+            isinstance(node, ast.Name)
+            and node.id.isidentifier()
+            or isinstance(node, ast.Constant)
+            and type(node.value) is int
+            and 0 <= node.value < _DIM_LIMIT
+            or isinstance(node, ast.BinOp)
+            and type(node.op) in _DIM_OPS
+            or isinstance(node, ast.UnaryOp)
+            and isinstance(node.op, ast.USub)
+            or isinstance(node, (ast.Load, ast.operator, ast.unaryop))
+        )
         if not ok:
             raise ValueError(f"symbolic dim {text!r}: only size names, integers and + - * // % are allowed")
     return tree
@@ -70,6 +95,7 @@ def _parse_dim(text: str) -> ast.expr:
 
 def eval_dim(text: str, sizes: dict[str, int]) -> int:
     """The value of a symbolic dim at concrete sizes (e.g. {"batch": 8, "seq": 1})."""
+
     def ev(node: ast.expr) -> int:
         if isinstance(node, ast.Constant):
             return node.value

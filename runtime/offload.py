@@ -18,6 +18,7 @@ The stream runs eagerly (no CUDA graphs: the copies follow the host's order of l
 step moves every streamed layer's bytes once: throughput comes from large batches, which the
 ragged program's continuous batching supplies.
 """
+
 from __future__ import annotations
 
 import math
@@ -103,11 +104,19 @@ class Placement:
         return self.resident_bytes + self.slots * self.slot_bytes
 
     def summary(self) -> dict:
-        return {"where": self.where, "budget_bytes": self.budget, "device_bytes": self.device_bytes,
-                "resident_bytes": self.resident_bytes, "resident_layers": self.layers - len(self.streamed),
-                "streamed_layers": len(self.streamed), "layers": self.layers,
-                ("host_bytes" if self.where == "cpu" else "disk_bytes"): self.streamed_bytes,
-                "slots": self.slots, "slot_bytes": self.slot_bytes, "bytes_per_step": self.streamed_bytes}
+        return {
+            "where": self.where,
+            "budget_bytes": self.budget,
+            "device_bytes": self.device_bytes,
+            "resident_bytes": self.resident_bytes,
+            "resident_layers": self.layers - len(self.streamed),
+            "streamed_layers": len(self.streamed),
+            "layers": self.layers,
+            ("host_bytes" if self.where == "cpu" else "disk_bytes"): self.streamed_bytes,
+            "slots": self.slots,
+            "slot_bytes": self.slot_bytes,
+            "bytes_per_step": self.streamed_bytes,
+        }
 
 
 def gib(n: int, up: bool = False) -> str:
@@ -121,22 +130,27 @@ def gib(n: int, up: bool = False) -> str:
 
 def offload_line(summary: dict) -> str:
     """A placement's summary in one line: what lives on the device, what is streamed from where."""
-    on = (f"weights: {gib(summary['resident_bytes'])} on the device ({summary['resident_layers']} of "
-          f"{summary['layers']} layers and those outside them)")
+    on = (
+        f"weights: {gib(summary['resident_bytes'])} on the device ({summary['resident_layers']} of "
+        f"{summary['layers']} layers and those outside them)"
+    )
     if not summary["streamed_layers"]:
         return on + "; none streamed"
     src = "pinned host memory" if summary["where"] == "cpu" else "the rank file"
-    return (on + f", {summary['slots']} layer buffers of {gib(summary['slot_bytes'])}; "
-            f"{summary['streamed_layers']} layers ({gib(summary['bytes_per_step'])}) streamed from {src}, "
-            f"{gib(summary['bytes_per_step'])} moved per step")
+    return (
+        on + f", {summary['slots']} layer buffers of {gib(summary['slot_bytes'])}; "
+        f"{summary['streamed_layers']} layers ({gib(summary['bytes_per_step'])}) streamed from {src}, "
+        f"{gib(summary['bytes_per_step'])} moved per step"
+    )
 
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def plan_offload(header: dict, data_start: int, budget: int | None, where: str = "cpu",
-                 slots: int = SLOTS, path: str = "rank file") -> Placement:
+def plan_offload(
+    header: dict, data_start: int, budget: int | None, where: str = "cpu", slots: int = SLOTS, path: str = "rank file"
+) -> Placement:
     """Split a (checked) safetensors header's tensors by a device budget in bytes (None: stream
     every layer). Raises UserError naming --gpu-memory when the budget cannot hold what must
     stay on the device plus the layer buffers."""
@@ -169,29 +183,41 @@ def plan_offload(header: dict, data_start: int, budget: int | None, where: str =
         units.append(Layer(f"{key[0]}{key[1]}", tuple(tensors)))
     total = resident_bytes + sum(u.nbytes for u in units)
     if (budget is not None and total <= budget) or (budget is None and len(units) <= slots):
-        return Placement(budget, tuple(resident + [t.name for u in units for t in u.tensors]), total, (), 0, 0,
-                         len(units), where)
+        return Placement(
+            budget, tuple(resident + [t.name for u in units for t in u.tensors]), total, (), 0, 0, len(units), where
+        )
     if len(units) <= slots:  # its buffers would hold every layer: streaming saves nothing
-        raise UserError(f"--gpu-memory: {gib(budget)} is below the weights' {gib(total)}, and {path} has {len(units)} "
-                        f"numbered layers, no more than the {slots} layer buffers streaming needs; give at least "
-                        f"{gib(total, up=True)}")
+        raise UserError(
+            f"--gpu-memory: {gib(budget)} is below the weights' {gib(total)}, and {path} has {len(units)} "
+            f"numbered layers, no more than the {slots} layer buffers streaming needs; give at least "
+            f"{gib(total, up=True)}"
+        )
     slots = min(slots, len(units))
     slot_bytes = max(_aligned(u.tensors[-1].slot_offset + u.tensors[-1].nbytes) for u in units)
     floor = resident_bytes + slots * slot_bytes
     keep = 0
     if budget is not None:
         if budget < floor:
-            raise UserError(f"--gpu-memory: {gib(budget)} cannot hold the weights outside the layers "
-                            f"({gib(resident_bytes)}) and {slots} layer buffers ({gib(slots * slot_bytes)}); "
-                            f"give at least {gib(floor, up=True)}")
+            raise UserError(
+                f"--gpu-memory: {gib(budget)} cannot hold the weights outside the layers "
+                f"({gib(resident_bytes)}) and {slots} layer buffers ({gib(slots * slot_bytes)}); "
+                f"give at least {gib(floor, up=True)}"
+            )
         room = budget - floor
         while keep < len(units) - slots and units[keep].nbytes <= room:
             room -= units[keep].nbytes
             keep += 1
     kept = units[:keep]
-    return Placement(budget, tuple(resident + [t.name for u in kept for t in u.tensors]),
-                     resident_bytes + sum(u.nbytes for u in kept), tuple(units[keep:]), slots, slot_bytes,
-                     len(units), where)
+    return Placement(
+        budget,
+        tuple(resident + [t.name for u in kept for t in u.tensors]),
+        resident_bytes + sum(u.nbytes for u in kept),
+        tuple(units[keep:]),
+        slots,
+        slot_bytes,
+        len(units),
+        where,
+    )
 
 
 def data_start(path: Path) -> int:
@@ -245,8 +271,11 @@ class WeightRing:
                 self.host.append(buf)
         else:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsc-offload")
-            self._staging = [torch.empty(placement.slot_bytes, dtype=torch.uint8, pin_memory=True)
-                             for _ in range(2)] if self.cuda else []
+            self._staging = (
+                [torch.empty(placement.slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+                if self.cuda
+                else []
+            )
             self._staged: list = [None] * len(self._staging)
             self._next_stage = 0
 
@@ -274,8 +303,9 @@ class WeightRing:
         if views is None:
             buf, u = self.slots[s], self.layers[layer]
             views = self._views[(s, layer)] = [
-                buf[t.slot_offset:t.slot_offset + t.nbytes].view(dt).view(t.shape)
-                for t, dt in zip(u.tensors, self._dtypes[layer])]
+                buf[t.slot_offset : t.slot_offset + t.nbytes].view(dt).view(t.shape)
+                for t, dt in zip(u.tensors, self._dtypes[layer])
+            ]
         return views[tensor]
 
     def release(self, layer: int) -> None:
@@ -370,9 +400,14 @@ class WeightRing:
         """The layer's tensors from the rank file into `buf` (its buffer layout), in pieces of at
         most READ_CHUNK bytes read by the reader threads at once."""
         view = memoryview(buf.numpy())
-        pieces = [(t.slot_offset + o, t.file_offset + o, min(READ_CHUNK, t.nbytes - o))
-                  for t in u.tensors for o in range(0, t.nbytes, READ_CHUNK)]
-        reads = [self._readers.submit(_pread_into, self._fd, view[at:at + n], off, self.path) for at, off, n in pieces]
+        pieces = [
+            (t.slot_offset + o, t.file_offset + o, min(READ_CHUNK, t.nbytes - o))
+            for t in u.tensors
+            for o in range(0, t.nbytes, READ_CHUNK)
+        ]
+        reads = [
+            self._readers.submit(_pread_into, self._fd, view[at : at + n], off, self.path) for at, off, n in pieces
+        ]
         for r in reads:
             r.result()
 

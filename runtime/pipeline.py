@@ -16,6 +16,7 @@ one what it and the stages after it read; the last stage's output is the program
 logits). Global rank g is stage g // tp, tensor-parallel rank g % tp; it reads rank file
 g % tp, only the tensors its stage reads, and its KV pool holds only its layers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -184,8 +185,11 @@ def stage_program(nodes: list[dict], layer_stage: dict[str, int], s: int) -> Sta
 
     def crosses_into(v: str, t: int) -> bool:
         """v, made before stage t, is read on stage t or later."""
-        return stage[v] != REPLICATED and stage[v] < t and any(
-            reader_stage(u) >= t for u in users.get(v, []) if reader_stage(u) != REPLICATED)
+        return (
+            stage[v] != REPLICATED
+            and stage[v] < t
+            and any(reader_stage(u) >= t for u in users.get(v, []) if reader_stage(u) != REPLICATED)
+        )
 
     order = [n["name"] for n in nodes if n["kind"] == "call"]
     recv = [v for v in order if crosses_into(v, s)]
@@ -207,12 +211,16 @@ def stage_program(nodes: list[dict], layer_stage: dict[str, int], s: int) -> Sta
                 raise UserError(f"pipeline: stage {s} reads {r!r} of stage {stage[r]} that is not handed over")
     for v in recv:
         if by_name[v].get("dtype") not in _DTYPES:
-            raise UserError(f"pipeline: {v!r} ({by_name[v].get('dtype')}) crosses from stage {stage[v]} to {s} and is not "
-                            "a tensor this runtime sends; run this artifact without pipeline stages")
+            raise UserError(
+                f"pipeline: {v!r} ({by_name[v].get('dtype')}) crosses from stage {stage[v]} to {s} and is not "
+                "a tensor this runtime sends; run this artifact without pipeline stages"
+            )
     names = {v: f"recv_{i}" for i, v in enumerate(recv)}
     out: list[dict] = [n for n in nodes if n["kind"] == "input"]
-    out += [{"kind": "input", "name": names[v], "dtype": by_name[v].get("dtype"), "shape": by_name[v].get("shape")}
-            for v in recv]
+    out += [
+        {"kind": "input", "name": names[v], "dtype": by_name[v].get("dtype"), "shape": by_name[v].get("shape")}
+        for v in recv
+    ]
     out += [n for n in nodes if n["kind"] == "weight" and n["name"] in need]
     for n in nodes:
         if n["kind"] == "call" and n["name"] in need:
@@ -231,7 +239,6 @@ def kv_pool_layers(sp: StageProgram) -> list[int]:
     return sorted({int(w.split(".")[1]) for w in sp.weights if w.startswith("kv_pool.")})
 
 
-
 _DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "int8", "uint8", "bool", "float8_e4m3fn")
 _HEADER = 8  # int64s: ndim, dtype code, up to 6 dims
 
@@ -247,7 +254,7 @@ def send_tensor(t, dst: int, wait: bool = True) -> list:
     dev = comm_device()
     header = torch.zeros(_HEADER, dtype=torch.long)
     header[0], header[1] = t.dim(), _DTYPES.index(str(t.dtype).removeprefix("torch."))
-    header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.long)
+    header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.long)
     out = []
     for x in (header.to(dev), t.contiguous().to(dev)):
         if wait:
@@ -284,7 +291,7 @@ def recv_tensor(src: int, device):
     header = torch.zeros(_HEADER, dtype=torch.long, device=dev)
     dist.recv(header, src)
     h = header.tolist()
-    t = torch.empty(h[2:2 + h[0]], dtype=getattr(torch, _DTYPES[h[1]]), device=dev)
+    t = torch.empty(h[2 : 2 + h[0]], dtype=getattr(torch, _DTYPES[h[1]]), device=dev)
     dist.recv(t, src)
     return t.to(device)
 

@@ -20,6 +20,7 @@ naming the node and the field.
 
 This module is shared by the compiler (writing) and the runtime (reading); it needs torch only.
 """
+
 from __future__ import annotations
 
 import functools
@@ -77,7 +78,7 @@ def decode_arg(a: Any, env: dict[str, fx.Node], device: torch.device) -> Any:
     if isinstance(a, list):
         return [decode_arg(x, env, device) for x in a]
     if isinstance(a, dict):
-        (tag, val), = a.items()
+        ((tag, val),) = a.items()
         if tag == "node":
             return env[val]
         if tag == "dict":
@@ -108,7 +109,7 @@ def _check_arg(a: Any, defined: set[str], field: str = "args", depth: int = 0) -
         return
     if not isinstance(a, dict) or len(a) != 1:
         raise _Bad(field, f"{_short(a)} is not an encoded argument")
-    (tag, val), = a.items()
+    ((tag, val),) = a.items()
     if tag == "node":
         if not isinstance(val, str) or val not in defined:
             raise _Bad(field, f"refers to {_short(val)}, which no earlier node defines")
@@ -120,7 +121,7 @@ def _check_arg(a: Any, defined: set[str], field: str = "args", depth: int = 0) -
             _check_arg(v, defined, field, depth + 1)
     elif tag == "device":
         if val != "target":
-            raise _Bad(field, f"device {_short(val)} (only \"target\")")
+            raise _Bad(field, f'device {_short(val)} (only "target")')
     elif tag == "float":
         if val not in ("inf", "-inf", "nan"):
             raise _Bad(field, f"float {_short(val)} (only inf, -inf, nan)")
@@ -208,7 +209,9 @@ def _check_identifier(s: Any, field: str, what: str) -> None:
 
 def _check_dotted(s: Any, field: str) -> None:
     if not isinstance(s, str) or not SAFE_NAME.fullmatch(s):
-        raise _Bad(field, f"{_short(s)} is not a dotted name of letters, digits and underscores (at most 300 characters)")
+        raise _Bad(
+            field, f"{_short(s)} is not a dotted name of letters, digits and underscores (at most 300 characters)"
+        )
 
 
 def _short(v: Any) -> str:

@@ -19,10 +19,11 @@ order, so the ranks capture (and replay) their collectives in lockstep. A captur
 (an op that cannot be captured) prints one line and turns the runner eager: a rank that falls
 back still issues the same collectives in the same order as its peers' replays.
 """
+
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -75,8 +76,9 @@ class PrefillRunner:
 
     max_graph_tokens = 8192
 
-    def __init__(self, program: Callable, max_seq: int, device: torch.device, cuda_graphs: bool,
-                 buckets: bool | None = None):
+    def __init__(
+        self, program: Callable, max_seq: int, device: torch.device, cuda_graphs: bool, buckets: bool | None = None
+    ):
         """buckets: pad to length buckets (default: where graphs are captured, i.e. on CUDA with
         cuda_graphs; load's prefill_buckets: True runs the padded path eagerly, as tests do on CPU)."""
         self.program, self.device = program, device
@@ -111,8 +113,11 @@ class PrefillRunner:
                 try:
                     step.capture(self._pool)
                 except Exception as e:  # e.g. an op that cannot be captured: say so, run eagerly
-                    print(f"dsc: capturing the prefill of {B} x {Lb} tokens failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); prefills run eagerly", file=sys.stderr)
+                    print(
+                        f"dsc: capturing the prefill of {B} x {Lb} tokens failed ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); prefills run eagerly",
+                        file=sys.stderr,
+                    )
                     self.graphs = self.pad = False
                     del self.steps[(B, Lb)]
                     return self(ids, last)
@@ -188,8 +193,11 @@ class EncodeRunner:
             try:
                 step.capture(self._pool)
             except Exception as e:  # an op that cannot be captured: say so, run eagerly
-                print(f"dsc: capturing the encoding of {Bb} x {Lb} tokens failed ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}); encodings run eagerly", file=sys.stderr)
+                print(
+                    f"dsc: capturing the encoding of {Bb} x {Lb} tokens failed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); encodings run eagerly",
+                    file=sys.stderr,
+                )
                 self.graphs = False
                 del self.steps[(Bb, Lb)]
                 return self.program(ids, lengths)

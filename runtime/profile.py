@@ -13,6 +13,7 @@ torch.profiler and reports, per step:
     records each node's kernel and launch count), the time, bytes read and achieved bandwidth
     of every plan node, so a slow matmul or norm is named by its place in the model.
 """
+
 from __future__ import annotations
 
 import time
@@ -57,7 +58,9 @@ def _plan_launches(engine, batch: int, context: int) -> list[dict]:
         if n["op"] == "dsc.rotary_attention.default" and len(n["args"]) > 10 and isinstance(n["args"][10], dict):
             rows = [3, 4]
         for i in rows:
-            table = engine.weights.get(targets.get(n["args"][i].get("node"))) if isinstance(n["args"][i], dict) else None
+            table = (
+                engine.weights.get(targets.get(n["args"][i].get("node"))) if isinstance(n["args"][i], dict) else None
+            )
             if table is not None:
                 nbytes -= (table.shape[0] - batch) * table[0].numel() * table.element_size()
         for i in range(launches):
@@ -74,8 +77,10 @@ def attribute(kernels: list[tuple[str, float]], plan: list[dict], steps: int) ->
     per: dict[str, dict] = {}
     for i, (name, us) in enumerate(kernels):
         p = plan[i % len(plan)]
-        row = per.setdefault(p["node"], {"node": p["node"], "kernel": name, "plan_kernel": p["kernel"],
-                                         "us": 0.0, "bytes": 0, "launches": 0})
+        row = per.setdefault(
+            p["node"],
+            {"node": p["node"], "kernel": name, "plan_kernel": p["kernel"], "us": 0.0, "bytes": 0, "launches": 0},
+        )
         row["us"] += us / steps
         if i < len(plan):
             row["bytes"] += p["bytes"]
@@ -120,8 +125,14 @@ def profile_decode(engine, batch: int = 1, context: int = 128, steps: int = 20) 
             step_us = start.elapsed_time(end) * 1e3 / steps
         else:
             step_us = (time.perf_counter() - t0) * 1e6 / steps
-    res: dict = {"batch": batch, "context": context, "steps": steps, "step_us": step_us,
-                 "device": "cuda" if cuda else "cpu", "graphs": engine._decode.captured}
+    res: dict = {
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "step_us": step_us,
+        "device": "cuda" if cuda else "cpu",
+        "graphs": engine._decode.captured,
+    }
     by_name: dict[str, list[float]] = defaultdict(list)
     exposed: dict[str, float] = defaultdict(float)
     if cuda:
@@ -143,9 +154,11 @@ def profile_decode(engine, batch: int = 1, context: int = 128, steps: int = 20) 
         res["busy_us"] = _union_us([(e.time_range.start, e.time_range.end) for e in evs]) / steps
         summed = sum(e.time_range.elapsed_us() for e in evs) / steps
         if summed > 1.05 * res["busy_us"]:  # kernels overlap: PDL starts one before its predecessor ends
-            res["note"] = (f"kernels overlap (PDL: a kernel that starts early counts its wait for the previous "
-                           f"one): their times sum to {summed:.1f} us per step; for a per-kernel split run with "
-                           f"DSC_PDL=off")
+            res["note"] = (
+                f"kernels overlap (PDL: a kernel that starts early counts its wait for the previous "
+                f"one): their times sum to {summed:.1f} us per step; for a per-kernel split run with "
+                f"DSC_PDL=off"
+            )
         plan = _plan_launches(engine, batch, context + 1)
         res["plan_launches_per_step"] = len(plan)
         # the step's own kernels; the copies of tokens and positions into the static buffers
@@ -160,9 +173,18 @@ def profile_decode(engine, batch: int = 1, context: int = 128, steps: int = 20) 
             if "::" in e.key and e.count >= steps:
                 by_name[e.key] = [e.self_cpu_time_total / e.count] * e.count
         res["busy_us"] = sum(sum(v) for v in by_name.values()) / steps
-    res["by_name"] = sorted(({"name": k, "launches": len(v) / steps, "us": sum(v) / steps,
-                              **({"exposed_us": exposed[k] / steps} if cuda else {})}
-                             for k, v in by_name.items()), key=lambda r: -r["us"])
+    res["by_name"] = sorted(
+        (
+            {
+                "name": k,
+                "launches": len(v) / steps,
+                "us": sum(v) / steps,
+                **({"exposed_us": exposed[k] / steps} if cuda else {}),
+            }
+            for k, v in by_name.items()
+        ),
+        key=lambda r: -r["us"],
+    )
     return res
 
 
@@ -174,10 +196,15 @@ def _per_launch(evs: list, exposed_each: list[float], steps: int) -> list[dict]:
     rows = []
     for i in range(n):
         ks = range(i, len(evs), n)
-        rows.append({"i": i, "name": evs[i].name,
-                     "start_us": sum(evs[k].time_range.start - evs[k - i].time_range.start for k in ks) / steps,
-                     "us": sum(evs[k].time_range.elapsed_us() for k in ks) / steps,
-                     "exposed_us": sum(exposed_each[k] for k in ks) / steps})
+        rows.append(
+            {
+                "i": i,
+                "name": evs[i].name,
+                "start_us": sum(evs[k].time_range.start - evs[k - i].time_range.start for k in ks) / steps,
+                "us": sum(evs[k].time_range.elapsed_us() for k in ks) / steps,
+                "exposed_us": sum(exposed_each[k] for k in ks) / steps,
+            }
+        )
     return rows
 
 
@@ -194,25 +221,33 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 def render_profile(res: dict, top: int = 25) -> str:
     what = "kernel" if res["device"] == "cuda" else "op (self CPU time)"
     step = res["step_us"]
-    lines = [f"profile: decode batch {res['batch']}, context {res['context']}, {res['steps']} steps "
-             f"({'CUDA graph replay' if res['graphs'] else 'eager'})",
-             f"  step {step:.1f} us; {'kernels busy' if res['device'] == 'cuda' else 'ops'} "
-             f"{res['busy_us']:.1f} us ({100 * res['busy_us'] / step:.0f}%); "
-             f"{'between kernels' if res['device'] == 'cuda' else 'elsewhere (Python, dispatch)'} "
-             f"{max(step - res['busy_us'], 0):.1f} us"]
+    lines = [
+        f"profile: decode batch {res['batch']}, context {res['context']}, {res['steps']} steps "
+        f"({'CUDA graph replay' if res['graphs'] else 'eager'})",
+        f"  step {step:.1f} us; {'kernels busy' if res['device'] == 'cuda' else 'ops'} "
+        f"{res['busy_us']:.1f} us ({100 * res['busy_us'] / step:.0f}%); "
+        f"{'between kernels' if res['device'] == 'cuda' else 'elsewhere (Python, dispatch)'} "
+        f"{max(step - res['busy_us'], 0):.1f} us",
+    ]
     if "kernels_per_step" in res:
-        lines.append(f"  {res['kernels_per_step']:.0f} kernels per step, copies included (the plan counts "
-                     f"{res['plan_launches_per_step']} launches)")
+        lines.append(
+            f"  {res['kernels_per_step']:.0f} kernels per step, copies included (the plan counts "
+            f"{res['plan_launches_per_step']} launches)"
+        )
     if res.get("note"):
         lines.append(f"  {res['note']}")
     gpu = res["device"] == "cuda"
     lines.append(f"  {'us/step':>9} {'%step':>6} {'n/step':>7}{'  exposed' if gpu else ''}  {what}")
     for r in res["by_name"][:top]:
-        lines.append(f"  {r['us']:>9.1f} {100 * r['us'] / step:>5.1f}% {r['launches']:>7.1f}"
-                     f"{format(r.get('exposed_us', 0.0), '9.1f') if gpu else ''}  {r['name'][:100]}")
+        lines.append(
+            f"  {r['us']:>9.1f} {100 * r['us'] / step:>5.1f}% {r['launches']:>7.1f}"
+            f"{format(r.get('exposed_us', 0.0), '9.1f') if gpu else ''}  {r['name'][:100]}"
+        )
     if res.get("nodes"):
         lines.append(f"  per plan node (slowest first): {'us':>8} {'MB read':>8} {'GB/s':>7} {'% of 4.33 TB/s':>15}")
         for r in sorted(res["nodes"], key=lambda r: -r["us"])[:top]:
-            lines.append(f"    {r['node'][:48]:<48} {r['us']:>8.1f} {r['bytes'] / 1e6:>8.2f} {r['bw'] / 1e9:>7.0f} "
-                         f"{100 * r['bw'] / READ_BW_H200:>14.1f}%")
+            lines.append(
+                f"    {r['node'][:48]:<48} {r['us']:>8.1f} {r['bytes'] / 1e6:>8.2f} {r['bw'] / 1e9:>7.0f} "
+                f"{100 * r['bw'] / READ_BW_H200:>14.1f}%"
+            )
     return "\n".join(lines)

@@ -11,14 +11,15 @@ host-to-device copy moves), and `RaggedRunner` runs it:
     the largest buckets, eagerly at its exact sizes.
 The pool's size is chosen at load from a memory budget (`allocate_kv_pool`).
 """
+
 from __future__ import annotations
 
 import math
 import sys
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -40,9 +41,15 @@ def default_num_blocks(plan: dict) -> int:
     return lim["max_batch"] * -(-lim["max_seq"] // bs)
 
 
-def allocate_kv_pool(plan: dict, device: torch.device, kv_cache_memory: float | None, where: Path,
-                     serving: bool = True, layers: list[int] | None = None,
-                     agree: Callable[[int], int] | None = None) -> dict[str, torch.Tensor]:
+def allocate_kv_pool(
+    plan: dict,
+    device: torch.device,
+    kv_cache_memory: float | None,
+    where: Path,
+    serving: bool = True,
+    layers: list[int] | None = None,
+    agree: Callable[[int], int] | None = None,
+) -> dict[str, torch.Tensor]:
     """kv_pool.<layer>.k|v [num_blocks, kv_heads, block_size, head_dim]. kv_cache_memory (GiB)
     sizes it; without it: 90% of the free GPU memory for a serving engine on CUDA, else the
     static cache's size (on CPU, and beside the static programs, which hold their own cache).
@@ -52,8 +59,12 @@ def allocate_kv_pool(plan: dict, device: torch.device, kv_cache_memory: float | 
     layers = list(range(pool["layers"])) if layers is None else layers
     per_block = pool_block_bytes(pool) * len(layers) // pool["layers"]
     if kv_cache_memory is not None:
-        if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)) \
-                or not math.isfinite(kv_cache_memory) or kv_cache_memory <= 0:
+        if (
+            isinstance(kv_cache_memory, bool)
+            or not isinstance(kv_cache_memory, (int, float))
+            or not math.isfinite(kv_cache_memory)
+            or kv_cache_memory <= 0
+        ):
             raise UserError(f"--kv-cache-memory: expected a positive number of GiB, got {kv_cache_memory!r}")
         num_blocks = int(kv_cache_memory * GiB // per_block)
     elif device.type == "cuda" and serving:
@@ -64,15 +75,19 @@ def allocate_kv_pool(plan: dict, device: torch.device, kv_cache_memory: float | 
     if agree is not None:
         num_blocks = agree(num_blocks)
     if num_blocks < 2:
-        raise UserError(f"--kv-cache-memory: {kv_cache_memory} GiB holds {num_blocks} KV blocks of "
-                        f"{per_block / 2**20:.3f} MiB; give at least {2 * per_block / 2**20:.3f} MiB")
+        raise UserError(
+            f"--kv-cache-memory: {kv_cache_memory} GiB holds {num_blocks} KV blocks of "
+            f"{per_block / 2**20:.3f} MiB; give at least {2 * per_block / 2**20:.3f} MiB"
+        )
     shape = (num_blocks, pool["kv_heads"], pool["block_size"], pool["head_dim"])
     dtype = getattr(torch, pool["dtype"])
     try:
         return {f"kv_pool.{i}.{t}": torch.zeros(shape, dtype=dtype, device=device) for i in layers for t in ("k", "v")}
     except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
-        raise UserError(f"{where}: a KV pool of {num_blocks} blocks ({num_blocks * per_block / GiB:.2f} GiB) does "
-                        f"not fit on {device}; give a smaller --kv-cache-memory") from None
+        raise UserError(
+            f"{where}: a KV pool of {num_blocks} blocks ({num_blocks * per_block / GiB:.2f} GiB) does "
+            f"not fit on {device}; give a smaller --kv-cache-memory"
+        ) from None
 
 
 @dataclass
@@ -100,8 +115,7 @@ def pack(step: Step) -> torch.Tensor:
     T, N = len(step.input_ids), len(step.query_lens)
     MB = max(1, max((len(b) for b in step.block_tables), default=1))
     buf = array("q", (T, N, MB))
-    for part in (step.input_ids, step.positions, step.slot_mapping, step.query_start, step.query_lens,
-                 step.cache_lens):
+    for part in (step.input_ids, step.positions, step.slot_mapping, step.query_start, step.query_lens, step.cache_lens):
         buf.extend(part)
     pad = array("q", bytes(8 * MB))
     for b in step.block_tables:
@@ -192,8 +206,16 @@ class RaggedRunner:
     use, as runtime/prefill.py does; larger steps, and every mixed step where nothing is
     captured (pad=False: the CPU's default), run eagerly at their exact sizes."""
 
-    def __init__(self, program: Callable, pool: dict, max_seq: int, max_num_seqs: int, device: torch.device,
-                 cuda_graphs: bool, pad: bool | None = None):
+    def __init__(
+        self,
+        program: Callable,
+        pool: dict,
+        max_seq: int,
+        max_num_seqs: int,
+        device: torch.device,
+        cuda_graphs: bool,
+        pad: bool | None = None,
+    ):
         self.program, self.device = program, device
         self.max_blocks = -(-max_seq // pool["block_size"])
         self.buckets = decode_buckets(max_num_seqs)
@@ -215,8 +237,11 @@ class RaggedRunner:
             register_runner(self)
 
     def _give_up(self, e: Exception) -> None:
-        print(f"dsc: capturing a ragged step failed ({type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''}); steps run eagerly", file=sys.stderr)
+        print(
+            f"dsc: capturing a ragged step failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); steps run eagerly",
+            file=sys.stderr,
+        )
         self.release()
         self.graphs = self.pad = False
 
@@ -248,13 +273,22 @@ class RaggedRunner:
                     return None
         return step
 
-    def __call__(self, packed: torch.Tensor, prev: torch.Tensor | None = None,
-                 upload: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        packed: torch.Tensor,
+        prev: torch.Tensor | None = None,
+        upload: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """packed: a step from `pack`, on the host. An input id -(r + 1) is the token at row r of
         prev (the previous step's sampled tokens, on the device), gathered there. upload moves
         the packed step to the device (default: through a pinned copy)."""
-        dev = upload(packed) if upload is not None else packed.pin_memory().to(self.device, non_blocking=True) \
-            if self._pinned else packed
+        dev = (
+            upload(packed)
+            if upload is not None
+            else packed.pin_memory().to(self.device, non_blocking=True)
+            if self._pinned
+            else packed
+        )
         T, N, MB, parts = unpack_sizes(packed, dev)
         if prev is not None:  # ids [T]: pending inputs taken from the device
             ids = parts[0]
@@ -275,6 +309,6 @@ def unpack_sizes(host: torch.Tensor, dev: torch.Tensor) -> tuple[int, int, int, 
     """The sizes read from the host copy, the parts sliced from the device copy."""
     T, N, MB = (int(x) for x in host[:3].tolist())
     sizes = [T, T, T, N, N, N, N * MB, N]
-    parts = list(dev[3:3 + sum(sizes)].split(sizes))
+    parts = list(dev[3 : 3 + sum(sizes)].split(sizes))
     parts[6] = parts[6].view(N, MB)
     return T, N, MB, parts

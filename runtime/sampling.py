@@ -1,4 +1,5 @@
 """Token selection from logits, on the device, with no host synchronisation."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,12 @@ from dsc.errors import UserError
 def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int, seed: int | None = None) -> None:
     """Sampling parameters as a user gives them (CLI flag or Python argument): one UserError
     line naming the parameter when one is out of range."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
         raise UserError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise UserError(f"generate: top_k must be an integer >= 0 (0 = off), got {top_k!r}")
@@ -24,8 +29,13 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens:
         raise UserError(f"generate: seed must be an integer in [0, 2^63), got {seed!r}")
 
 
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """logits: [B, V] -> tokens [B] int64. temperature 0 is greedy."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
@@ -33,9 +43,14 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     any_top_k, any_top_p = 0 < top_k < logits.shape[-1], top_p < 1.0
     if any_top_k or any_top_p:
         rows = logits.shape[0]
-        logits = _filter_top_k_top_p(logits, torch.full((rows,), top_k, device=logits.device),
-                                     torch.full((rows,), top_p, device=logits.device), any_top_k, any_top_p,
-                                     max_top_k=top_k)
+        logits = _filter_top_k_top_p(
+            logits,
+            torch.full((rows,), top_k, device=logits.device),
+            torch.full((rows,), top_p, device=logits.device),
+            any_top_k,
+            any_top_p,
+            max_top_k=top_k,
+        )
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -86,8 +101,14 @@ def _neg_gumbel(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Ten
     return u.log_().neg_().log_()
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, any_top_k: bool,
-                        any_top_p: bool, max_top_k: int | None) -> torch.Tensor:
+def _filter_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    any_top_k: bool,
+    any_top_p: bool,
+    max_top_k: int | None,
+) -> torch.Tensor:
     """logits [N, V] (already divided by temperature) with the tokens outside each row's top-k,
     then outside its top-p nucleus, set to -inf (`sample`'s semantics, per row)."""
     V = logits.shape[-1]
@@ -111,9 +132,19 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 seed: torch.Tensor, step: torch.Tensor, *, any_sampled: bool, any_top_k: bool, any_top_p: bool,
-                 max_top_k: int | None = None) -> torch.Tensor:
+def sample_batch(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    any_sampled: bool,
+    any_top_k: bool,
+    any_top_p: bool,
+    max_top_k: int | None = None,
+) -> torch.Tensor:
     """One token per row, each row with its own parameters, on the device with no host sync.
 
     logits [N, V]; temperature [N] f32 (0 = greedy: argmax of the raw logits); top_k [N] int64

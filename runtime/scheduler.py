@@ -35,6 +35,7 @@ A sequence whose length limit (max_tokens, max_seq) is reached by its pending to
 scheduled again. Sequences never wait on the host otherwise: with `update` called right after
 each plan's tokens (sync stepping) nothing is ever pending, and the tokens are the same.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -165,12 +166,16 @@ class Scheduler:
     def check_fits(self, n_prompt: int, max_tokens: int, where: str = "prompt") -> None:
         """A sequence must fit max_seq and, alone, the pool: else it could never run."""
         if n_prompt + 1 > self.max_seq:
-            raise UserError(f"{where}: {n_prompt} tokens; the artifact's max_seq is {self.max_seq} (prompt + "
-                            "at least one generated token; recompile with --max-seq)")
+            raise UserError(
+                f"{where}: {n_prompt} tokens; the artifact's max_seq is {self.max_seq} (prompt + "
+                "at least one generated token; recompile with --max-seq)"
+            )
         need = self.blocks_for(min(n_prompt + max_tokens, self.max_seq))
         if need > self.pool.num_blocks:
-            raise UserError(f"{where}: {n_prompt} prompt tokens + max_tokens {max_tokens} need {need} KV blocks; "
-                            f"the KV pool holds {self.pool.num_blocks} (give a larger --kv-cache-memory)")
+            raise UserError(
+                f"{where}: {n_prompt} prompt tokens + max_tokens {max_tokens} need {need} KV blocks; "
+                f"the KV pool holds {self.pool.num_blocks} (give a larger --kv-cache-memory)"
+            )
 
     def add(self, seq: Sequence, where: str = "prompt") -> None:
         self.check_fits(len(seq.prompt_ids), seq.params.max_tokens, where)
@@ -221,8 +226,7 @@ class Scheduler:
         budget = self.budget
         planned: list[tuple[Sequence, int]] = []
         # running sequences: decodes first, then prompt chunks (running order = admission order)
-        order = sorted((s for s in self.running if not self._at_limit(s)),
-                       key=lambda s: s.length - s.num_computed > 1)
+        order = sorted((s for s in self.running if not self._at_limit(s)), key=lambda s: s.length - s.num_computed > 1)
         preempted: set[int] = set()
         for seq in order:
             if budget == 0:
@@ -295,15 +299,17 @@ class Scheduler:
         return StepPlan(step, entries, sample, counters, pending_inputs)
 
     # -- results --------------------------------------------------------------------------------
-    def update(self, plan: StepPlan, tokens: list[int], logprobs: list[dict[int, float]] | None = None
-               ) -> list[Sequence]:
+    def update(
+        self, plan: StepPlan, tokens: list[int], logprobs: list[dict[int, float]] | None = None
+    ) -> list[Sequence]:
         """tokens[i]: the token sampled for row plan.sample[i] (logprobs[i] its log-probabilities
         when asked). Registers the blocks the step filled, appends the tokens and applies the stop
         rules; returns the sequences that got a token (finished ones included)."""
         for seq, start, n, epoch in plan.entries:
-            if epoch == seq.epoch and not seq.finished \
-                    and (start + n) // self.block_size > start // self.block_size:  # a block filled
-                self.pool.register(seq.block_table, seq.tokens[:start + n])
+            if (
+                epoch == seq.epoch and not seq.finished and (start + n) // self.block_size > start // self.block_size
+            ):  # a block filled
+                self.pool.register(seq.block_table, seq.tokens[: start + n])
         out = []
         for i, row in enumerate(plan.sample):
             seq = plan.entries[row][0]
@@ -324,8 +330,14 @@ class Scheduler:
         return out
 
     def stats(self) -> dict:
-        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "kv_blocks_total": self.pool.num_blocks, "kv_blocks_used": self.pool.num_used(),
-                "prefix_cache_hit_tokens": self.pool.stats.prefix_hits, "prompt_tokens_total": self.prompt_tokens,
-                "generation_tokens_total": self.generated_tokens, "preemptions": self.preemptions,
-                "steps": self.steps}
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_used": self.pool.num_used(),
+            "prefix_cache_hit_tokens": self.pool.stats.prefix_hits,
+            "prompt_tokens_total": self.prompt_tokens,
+            "generation_tokens_total": self.generated_tokens,
+            "preemptions": self.preemptions,
+            "steps": self.steps,
+        }

@@ -9,6 +9,7 @@ beside the manifest: {"algorithm": "ed25519", "public_key": hex, "signature": he
 `cryptography` is an optional dependency (the `sign` extra), imported only here and only when
 a signature is made or checked.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,16 +45,16 @@ def keygen(private_path: str | Path) -> tuple[Path, Path]:
         if p.exists():
             raise UserError(f"{p}: exists; keygen does not overwrite keys")
     key = ed25519.Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     try:
         fd = os.open(priv, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as e:
         raise UserError(f"{priv}: cannot write ({e.strerror})") from None
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
+    pub.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     return priv, pub
 
 
@@ -65,10 +66,15 @@ def _load_key(path: str | Path, private: bool):
     except OSError as e:
         raise UserError(f"{path}: cannot read key ({e.strerror})") from None
     try:
-        key = (serialization.load_pem_private_key(data, password=None) if private
-               else serialization.load_pem_public_key(data))
+        key = (
+            serialization.load_pem_private_key(data, password=None)
+            if private
+            else serialization.load_pem_public_key(data)
+        )
     except (ValueError, TypeError):
-        raise UserError(f"{path}: not a PEM {'private' if private else 'public'} key (make one with `dsc keygen`)") from None
+        raise UserError(
+            f"{path}: not a PEM {'private' if private else 'public'} key (make one with `dsc keygen`)"
+        ) from None
     want = ed25519.Ed25519PrivateKey if private else ed25519.Ed25519PublicKey
     if not isinstance(key, want):
         raise UserError(f"{path}: not an ed25519 key")
@@ -79,8 +85,11 @@ def write_signature(artifact: Path, manifest_bytes: bytes, private_key: str | Pa
     """Sign manifest_bytes (the artifact's manifest.json) with PRIVATE_KEY; writes signature.json
     into the artifact directory, atomically. `dsc.runtime.artifact.sign` checks the artifact first."""
     key = _load_key(private_key, private=True)
-    sig = {"algorithm": "ed25519", "public_key": _raw_public(key.public_key()).hex(),
-           "signature": key.sign(manifest_bytes).hex()}
+    sig = {
+        "algorithm": "ed25519",
+        "public_key": _raw_public(key.public_key()).hex(),
+        "signature": key.sign(manifest_bytes).hex(),
+    }
     out = artifact / SIGNATURE_FILE
     tmp = artifact / f".{SIGNATURE_FILE}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(sig, indent=1, sort_keys=True) + "\n")
@@ -105,5 +114,7 @@ def verify_signature(artifact: Path, manifest_bytes: bytes, public_key: str | Pa
     try:
         key.verify(signature, manifest_bytes)
     except InvalidSignature:
-        raise UserError(f"{f}: signature does not match manifest.json and key {public_key} "
-                        "(artifact altered after signing, or signed by another key)") from None
+        raise UserError(
+            f"{f}: signature does not match manifest.json and key {public_key} "
+            "(artifact altered after signing, or signed by another key)"
+        ) from None

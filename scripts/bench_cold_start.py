@@ -15,6 +15,7 @@ ahead-of-time kernel binaries (`dsc compile --target sm_90`), in the same run.
 
 Writes $OUT/bench_cold_start.json (or --work's) and prints the ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,13 @@ def _child_env(extra: dict) -> dict:
     return {**os.environ, **extra}
 
 
-def compile_artifact(work: Path, shape: str, dtype: str, gpu_checkpoint: bool,
-                     options: tuple[str, ...] = ("--target", "sm_90", "--max-batch", "64", "--max-seq", "2048")
-                     ) -> tuple[Path, float]:
+def compile_artifact(
+    work: Path,
+    shape: str,
+    dtype: str,
+    gpu_checkpoint: bool,
+    options: tuple[str, ...] = ("--target", "sm_90", "--max-batch", "64", "--max-seq", "2048"),
+) -> tuple[Path, float]:
     """work/art: a random checkpoint of the shape (made on the GPU with gpu_checkpoint) compiled
     with `options` in a child that sees no GPU, as on a CI box; (artifact, compile seconds)."""
     art = work / "art"
@@ -47,13 +52,18 @@ def compile_artifact(work: Path, shape: str, dtype: str, gpu_checkpoint: bool,
         return art, 0.0
     ck = work / "ckpt"
     if not (ck / "config.json").exists():
-        code = ("from dsc.compiler.random_checkpoint import make_random_checkpoint\n"
-                f"make_random_checkpoint({str(ck)!r}, {shape!r}, dtype={dtype!r}, "
-                f"device={'cuda' if gpu_checkpoint else 'cpu'!r})\n")
+        code = (
+            "from dsc.compiler.random_checkpoint import make_random_checkpoint\n"
+            f"make_random_checkpoint({str(ck)!r}, {shape!r}, dtype={dtype!r}, "
+            f"device={'cuda' if gpu_checkpoint else 'cpu'!r})\n"
+        )
         subprocess.run([PY, "-c", code], check=True, env=_child_env({}))
     t = time.perf_counter()
-    subprocess.run([PY, "-m", "dsc", "compile", str(ck), "-o", str(art), *options],
-                   check=True, env=_child_env({"CUDA_VISIBLE_DEVICES": ""}))
+    subprocess.run(
+        [PY, "-m", "dsc", "compile", str(ck), "-o", str(art), *options],
+        check=True,
+        env=_child_env({"CUDA_VISIBLE_DEVICES": ""}),
+    )
     return art, time.perf_counter() - t
 
 
@@ -77,7 +87,19 @@ def _post(url: str, body: dict, timeout: float = 300.0):
 def cold_serve(art: Path, trust: bool, device: str, kv_gib: float, verify: bool = True, limit: float = 400.0) -> dict:
     port = _free_port()
     cache = tempfile.mkdtemp(prefix="triton-cold-")
-    cmd = [PY, "-m", "dsc", "serve", str(art), "--port", str(port), "--device", device, "--kv-cache-memory", str(kv_gib)]
+    cmd = [
+        PY,
+        "-m",
+        "dsc",
+        "serve",
+        str(art),
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--kv-cache-memory",
+        str(kv_gib),
+    ]
     if trust:
         cmd.append("--trust-kernels")
     if not verify:
@@ -114,15 +136,38 @@ def cold_serve(art: Path, trust: bool, device: str, kv_gib: float, verify: bool 
     m = re.search(r"loaded in [\d.]+ s[^(]*\((.*)\)", text)
     stages = {k: float(v) for k, v in (s.rsplit(" ", 1) for s in m.group(1).split(", "))} if m else {}
     jit_lines = [line for line in text.splitlines() if "compiling it with Triton" in line or "not loaded" in line]
-    return {"ready_s": round(ready, 2), "first_answer_s": round(answered, 2), "first_request_s": round(first_request, 3),
-            "load_stages_s": stages, "text": first["choices"][0]["text"], "triton_cache_files": sum(
-                len(f) for _, _, f in os.walk(cache)), "notes": jit_lines[:5]}
+    return {
+        "ready_s": round(ready, 2),
+        "first_answer_s": round(answered, 2),
+        "first_request_s": round(first_request, 3),
+        "load_stages_s": stages,
+        "text": first["choices"][0]["text"],
+        "triton_cache_files": sum(len(f) for _, _, f in os.walk(cache)),
+        "notes": jit_lines[:5],
+    }
 
 
 def decode_ms(art: Path, trust: bool, device: str) -> dict:
     out = tempfile.mktemp(suffix=".json")
-    cmd = [PY, "-m", "dsc", "bench", str(art), "--device", device, "--batch", "1", "--batch", "64",
-           "--prefill", "128", "--iters", "100", "--json", out] + (["--trust-kernels"] if trust else [])
+    cmd = [
+        PY,
+        "-m",
+        "dsc",
+        "bench",
+        str(art),
+        "--device",
+        device,
+        "--batch",
+        "1",
+        "--batch",
+        "64",
+        "--prefill",
+        "128",
+        "--iters",
+        "100",
+        "--json",
+        out,
+    ] + (["--trust-kernels"] if trust else [])
     subprocess.run(cmd, check=True, env=_child_env({}), stdout=subprocess.DEVNULL)
     res = json.loads(Path(out).read_text())
     return {str(b): round(r["ms_per_step"], 4) for b, r in res["decode"].items()}
@@ -145,9 +190,13 @@ def main() -> None:
     else:
         art, compile_s = compile_artifact(work, args.shape, args.dtype, gpu_checkpoint=args.device == "cuda")
     manifest = json.loads((art / "manifest.json").read_text())
-    res = {"shape": args.shape, "dtype": args.dtype, "compile_s_without_gpu": round(compile_s, 1),
-           "kernel_binaries": {k: v for k, v in manifest.get("kernel_binaries", {}).items() if k != "skipped"},
-           "skipped": manifest.get("kernel_binaries", {}).get("skipped")}
+    res = {
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "compile_s_without_gpu": round(compile_s, 1),
+        "kernel_binaries": {k: v for k, v in manifest.get("kernel_binaries", {}).items() if k != "skipped"},
+        "skipped": manifest.get("kernel_binaries", {}).get("skipped"),
+    }
     out = Path(os.environ.get("OUT") or work)
     out.mkdir(parents=True, exist_ok=True)
     save = lambda: (out / "bench_cold_start.json").write_text(json.dumps(res, indent=1))  # noqa: E731
@@ -164,8 +213,9 @@ def main() -> None:
         for name, trust in (("jit", False), ("binaries", True)):
             res["decode_ms"][name] = decode_ms(art, trust, args.device)
             save()
-        res["decode_ratio"] = {b: round(res["decode_ms"]["binaries"][b] / res["decode_ms"]["jit"][b], 4)
-                               for b in res["decode_ms"]["jit"]}
+        res["decode_ratio"] = {
+            b: round(res["decode_ms"]["binaries"][b] / res["decode_ms"]["jit"][b], 4) for b in res["decode_ms"]["jit"]
+        }
     save()
     print(json.dumps({k: v for k, v in res.items() if k not in ("jit", "binaries", "binaries_no_verify")}, indent=1))
     if not res["texts_equal"]:

@@ -21,6 +21,7 @@ so a fat parent would inflate every number. Artifacts are deleted after each run
 multiple of the largest tensor whatever the model size, and tp=N within one tensor (the
 largest) of tp=1. Exit 1 when a tp=N compile exceeds that bound.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,14 +46,19 @@ def python(code: str, *args: str) -> str:
 
 def checkpoint_bytes(shape: str, dtype_bytes: int) -> int:
     """Size on disk of a random checkpoint of this shape, from its config alone."""
-    return int(python("import sys; from dsc.compiler.random_checkpoint import SHAPES\n"
-                      "f = SHAPES[sys.argv[1]][1]; h, i, v, n = (f[k] for k in ('hidden_size', 'intermediate_size', "
-                      "'vocab_size', 'num_hidden_layers'))\n"
-                      "hd = f.get('head_dim') or h // f['num_attention_heads']\n"
-                      "kv, q = f['num_key_value_heads'] * hd, f['num_attention_heads'] * hd\n"
-                      "emb = v * h * (1 if f.get('tie_word_embeddings') else 2)\n"
-                      "print((n * (h * q * 2 + h * kv * 2 + 3 * h * i + 2 * h) + emb + h) * int(sys.argv[2]))",
-                      shape, str(dtype_bytes)))
+    return int(
+        python(
+            "import sys; from dsc.compiler.random_checkpoint import SHAPES\n"
+            "f = SHAPES[sys.argv[1]][1]; h, i, v, n = (f[k] for k in ('hidden_size', 'intermediate_size', "
+            "'vocab_size', 'num_hidden_layers'))\n"
+            "hd = f.get('head_dim') or h // f['num_attention_heads']\n"
+            "kv, q = f['num_key_value_heads'] * hd, f['num_attention_heads'] * hd\n"
+            "emb = v * h * (1 if f.get('tie_word_embeddings') else 2)\n"
+            "print((n * (h * q * 2 + h * kv * 2 + 3 * h * i + 2 * h) + emb + h) * int(sys.argv[2]))",
+            shape,
+            str(dtype_bytes),
+        )
+    )
 
 
 def largest_tensor(ckpt: Path) -> tuple[str, int]:
@@ -116,8 +122,12 @@ def run_compile(ckpt: Path, out: Path, tp: int, dtype: str, int8: bool = False) 
     drop_cached(sorted(ckpt.glob("*.safetensors")))
     rfd, wfd = os.pipe()
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(wfd), *args], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, pass_fds=(wfd,))
+    p = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(wfd), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        pass_fds=(wfd,),
+    )
     os.close(wfd)
     err = p.stderr.read().decode()
     io_text = os.read(rfd, 1 << 16).decode()
@@ -131,18 +141,34 @@ def run_compile(ckpt: Path, out: Path, tp: int, dtype: str, int8: bool = False) 
     ranks = {f.name: f.stat().st_size for f in sorted(out.glob("rank*.safetensors"))}
     stages = json.loads(timings.read_text())
     timings.unlink()
-    return {"tp": tp, "int8": int8, "wall_s": round(wall, 1), "peak_rss_bytes": usage.ru_maxrss * 1024,  # Linux: KiB
-            "load_avg": [round(x, 2) for x in os.getloadavg()],  # 1, 5, 15 min, at the compile's end
-            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "read_bytes": io["rchar"], "written_bytes": io["wchar"],
-            "disk_read_bytes": io["read_bytes"], "rank_files": ranks, "timings": stages,
-            "command": "dsc " + " ".join(args[:-2] + (["--int8"] if int8 else []))}
+    return {
+        "tp": tp,
+        "int8": int8,
+        "wall_s": round(wall, 1),
+        "peak_rss_bytes": usage.ru_maxrss * 1024,  # Linux: KiB
+        "load_avg": [round(x, 2) for x in os.getloadavg()],  # 1, 5, 15 min, at the compile's end
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+        "read_bytes": io["rchar"],
+        "written_bytes": io["wchar"],
+        "disk_read_bytes": io["read_bytes"],
+        "rank_files": ranks,
+        "timings": stages,
+        "command": "dsc " + " ".join(args[:-2] + (["--int8"] if int8 else [])),
+    }
 
 
 VARIANTS = {"plain": False, "int8": True}
 
 
-def bench(shape: str, dtype: str, tps: list[int], workdir: Path, keep: bool, variants: tuple[str, ...] = ("plain",),
-          ckpt_dir: Path | None = None) -> dict:
+def bench(
+    shape: str,
+    dtype: str,
+    tps: list[int],
+    workdir: Path,
+    keep: bool,
+    variants: tuple[str, ...] = ("plain",),
+    ckpt_dir: Path | None = None,
+) -> dict:
     ckpt = (ckpt_dir or workdir) / f"{shape}-{dtype}"
     made = not (ckpt / "config.json").exists()
     need = (made + 1) * checkpoint_bytes(shape, 4 if dtype == "fp32" else 2) + 2 * 2**30  # + one artifact + slack
@@ -152,8 +178,13 @@ def bench(shape: str, dtype: str, tps: list[int], workdir: Path, keep: bool, var
     try:
         if made:
             t0 = time.perf_counter()
-            python("import sys; from dsc.compiler.random_checkpoint import make_random_checkpoint as m; "
-                   "m(sys.argv[1], sys.argv[2], dtype=sys.argv[3])", str(ckpt), shape, DTYPES[dtype])
+            python(
+                "import sys; from dsc.compiler.random_checkpoint import make_random_checkpoint as m; "
+                "m(sys.argv[1], sys.argv[2], dtype=sys.argv[3])",
+                str(ckpt),
+                shape,
+                DTYPES[dtype],
+            )
             print(f"{shape}: checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
         name, big = largest_tensor(ckpt)
         src = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
@@ -171,17 +202,28 @@ def bench(shape: str, dtype: str, tps: list[int], workdir: Path, keep: bool, var
                 r["variant"] = variant
                 r["wall_over_cold_read"] = round(r["wall_s"] / cold, 2)
                 runs.append(r)
-                print(f"{shape} {variant} tp={tp}: {r['wall_s']:7.1f} s wall ({r['wall_over_cold_read']:.1f}x the cold "
-                      f"read), {r['cpu_s']:7.1f} s cpu, peak RSS {r['peak_rss_bytes'] / GB:.2f} GB, read "
-                      f"{r['read_bytes'] / GB:.1f} GB, wrote {r['written_bytes'] / GB:.1f} GB", flush=True)
+                print(
+                    f"{shape} {variant} tp={tp}: {r['wall_s']:7.1f} s wall ({r['wall_over_cold_read']:.1f}x the cold "
+                    f"read), {r['cpu_s']:7.1f} s cpu, peak RSS {r['peak_rss_bytes'] / GB:.2f} GB, read "
+                    f"{r['read_bytes'] / GB:.1f} GB, wrote {r['written_bytes'] / GB:.1f} GB",
+                    flush=True,
+                )
         within = {}
         for variant in variants:
             base = next((r for r in runs if r["variant"] == variant and r["tp"] == 1), None)
             for r in runs:
                 if base and r["variant"] == variant and r["tp"] > 1:
                     within[f"{variant} tp{r['tp']}"] = r["peak_rss_bytes"] <= base["peak_rss_bytes"] + big
-        return {"shape": shape, "dtype": dtype, "source_bytes": src, "cold_read_s": round(cold, 2), "largest": name,
-                "largest_bytes": big, "runs": runs, "within_one_tensor_of_tp1": within}
+        return {
+            "shape": shape,
+            "dtype": dtype,
+            "source_bytes": src,
+            "cold_read_s": round(cold, 2),
+            "largest": name,
+            "largest_bytes": big,
+            "runs": runs,
+            "within_one_tensor_of_tp1": within,
+        }
     finally:
         if made and not keep:
             shutil.rmtree(ckpt, ignore_errors=True)
@@ -189,15 +231,20 @@ def bench(shape: str, dtype: str, tps: list[int], workdir: Path, keep: bool, var
 
 def table(rows: list[dict]) -> str:
     """The results as a Markdown table."""
-    out = ["| shape | ckpt GB | cold read s | variant | tp | wall s | wall / cold read | cpu s | peak RSS GB | "
-           "read GB | written GB | int8 report s | load 5 min |", "|" + "---|" * 13]
+    out = [
+        "| shape | ckpt GB | cold read s | variant | tp | wall s | wall / cold read | cpu s | peak RSS GB | "
+        "read GB | written GB | int8 report s | load 5 min |",
+        "|" + "---|" * 13,
+    ]
     for r in rows:
         for x in r["runs"]:
             report = next((s["seconds"] for s in x["timings"]["stages"] if s["name"] == "int8 report"), None)
-            out.append(f"| {r['shape']} | {r['source_bytes'] / GB:.2f} | {r['cold_read_s']:.1f} | {x['variant']} | "
-                       f"{x['tp']} | {x['wall_s']:.1f} | {x['wall_over_cold_read']:.1f} | {x['cpu_s']:.1f} | "
-                       f"{x['peak_rss_bytes'] / GB:.2f} | {x['read_bytes'] / GB:.1f} | {x['written_bytes'] / GB:.1f} | "
-                       f"{'-' if report is None else f'{report:.1f}'} | {x['load_avg'][1]:.1f} |")
+            out.append(
+                f"| {r['shape']} | {r['source_bytes'] / GB:.2f} | {r['cold_read_s']:.1f} | {x['variant']} | "
+                f"{x['tp']} | {x['wall_s']:.1f} | {x['wall_over_cold_read']:.1f} | {x['cpu_s']:.1f} | "
+                f"{x['peak_rss_bytes'] / GB:.2f} | {x['read_bytes'] / GB:.1f} | {x['written_bytes'] / GB:.1f} | "
+                f"{'-' if report is None else f'{report:.1f}'} | {x['load_avg'][1]:.1f} |"
+            )
     return "\n".join(out)
 
 

@@ -3,7 +3,8 @@ a static cache + torch.compile, on the same random-weight model, in the same run
 checkout's `dsc bench` against another checkout's on the same artifact.
 
     python scripts/bench_decode.py --shape llama-8b --dtype bfloat16 [--int8] [--hf-batches 1,64]
-    python scripts/bench_decode.py --shape llama-8b --int8 --batches 1 --baseline .base   # A/B against the checkout in .base
+    python scripts/bench_decode.py --shape llama-8b --int8 --batches 1 --baseline .base   # A/B against the checkout
+    in .base
     python scripts/bench_decode.py --shape llama-8b --int8 --batches 1 --prepare          # checkpoint + artifact only
     python scripts/bench_decode.py --plot bench_llama-8b-bfloat16.json ... [-o bench.png]  # draw saved results
     python scripts/bench_decode.py --shape llama-tiny --device cpu --hf none              # a dry run on the CPU
@@ -17,6 +18,7 @@ with DIR's code too, for a format the two do not share), in interleaved rounds (
 base, this, ...). Prints the median over rounds of each side's queued ms/step (steps queued back
 to back, as generate runs them) per batch and their ratio; writes ab_<tag>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,7 +77,6 @@ def hf_prefill_ms(model, n: int, vocab: int) -> float:
     return (time.perf_counter() - t) / 5 * 1e3
 
 
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama-1b")
@@ -87,15 +88,23 @@ def parse_args(argv=None):
     ap.add_argument("--hf", default="eager,compile", help="which baselines: eager,compile or none")
     ap.add_argument("--prefill", default="128,2048")
     ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--max-seq", type=int, default=2304,
-                    help="clamped to the shape's max_position_embeddings (GPT-2: 1024)")
+    ap.add_argument(
+        "--max-seq", type=int, default=2304, help="clamped to the shape's max_position_embeddings (GPT-2: 1024)"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run of the script itself)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also profile decode at the smallest batch: per-kernel and per-plan-node times")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile decode at the smallest batch: per-kernel and per-plan-node times",
+    )
     ap.add_argument("--baseline", type=Path, help="another dsc checkout: `dsc bench` of both on the same artifact")
-    ap.add_argument("--baseline-artifact", choices=["same", "own"], default="same",
-                    help="own: the baseline runs an artifact compiled by its own code")
+    ap.add_argument(
+        "--baseline-artifact",
+        choices=["same", "own"],
+        default="same",
+        help="own: the baseline runs an artifact compiled by its own code",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the --baseline comparison")
     ap.add_argument("--prepare", action="store_true", help="only make the checkpoint and compile the artifact")
     ap.add_argument("--plot", nargs="+", type=Path, metavar="JSON", help="only draw these saved results (-o: the PNG)")
@@ -119,8 +128,14 @@ def main(argv=None) -> int:
     from dsc.runtime.bench import bench, render
 
     res = {"shape": args.shape, "dtype": args.dtype, "int8": args.int8, "context": args.context}
-    res["dsc"] = bench(art, device=args.device, batches=batches_of(args), context=args.context,
-                       prefill_lens=prefill_lens_of(args, ckpt), profile=args.profile)
+    res["dsc"] = bench(
+        art,
+        device=args.device,
+        batches=batches_of(args),
+        context=args.context,
+        prefill_lens=prefill_lens_of(args, ckpt),
+        profile=args.profile,
+    )
     print(render(res["dsc"]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,8 +181,9 @@ def prepare(args) -> tuple[Path, Path, str]:
     print(f"[{tag}] checkpoint ready in {time.perf_counter() - t:.1f}s", flush=True)
     t = time.perf_counter()
     if not (art / "manifest.json").exists():
-        dsc.compile(str(ckpt), art, max_batch=max(batches_of(args)), max_seq=max_seq_of(args, ckpt),
-                    int8=args.int8 or None)
+        dsc.compile(
+            str(ckpt), art, max_batch=max(batches_of(args)), max_seq=max_seq_of(args, ckpt), int8=args.int8 or None
+        )
     print(f"[{tag}] compiled in {time.perf_counter() - t:.1f}s", flush=True)
     return ckpt, art, tag
 
@@ -194,8 +210,11 @@ def hf_baselines(args, res: dict, ckpt: Path, tag: str) -> None:
                 r["decode"][b] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
                 print(f"[{tag}] transformers {base} batch {b} failed: {r['decode'][b]['error']}", flush=True)
                 continue
-            print(f"[{tag}] transformers {base} batch {b}: {r['decode'][b]['ms_per_step']:.3f} ms/step "
-                  f"(first call {r['decode'][b]['first_call_s']:.1f}s)", flush=True)
+            print(
+                f"[{tag}] transformers {base} batch {b}: {r['decode'][b]['ms_per_step']:.3f} ms/step "
+                f"(first call {r['decode'][b]['first_call_s']:.1f}s)",
+                flush=True,
+            )
         if base == "eager":
             for n in prefill_lens_of(args, ckpt):
                 r["prefill"][n] = {"ms": hf_prefill_ms(model, n, V)}
@@ -207,22 +226,30 @@ def hf_baselines(args, res: dict, ckpt: Path, tag: str) -> None:
 
 def summary(res: dict, tag: str) -> str:
     """The table of dsc against the transformers baselines."""
-    lines = [f"\n== {tag} on {res['dsc']['device']} ==",
-             f"{'batch':>5} {'dsc ms':>9} {'eager ms':>9} {'compile ms':>10} {'vs eager':>9} {'vs compile':>10} {'dsc %BW':>8}"]
+    lines = [
+        f"\n== {tag} on {res['dsc']['device']} ==",
+        f"{'batch':>5} {'dsc ms':>9} {'eager ms':>9} {'compile ms':>10} {'vs eager':>9} {'vs compile':>10} "
+        f"{'dsc %BW':>8}",
+    ]
     for b, d in res["dsc"]["decode"].items():
         e = res.get("hf_eager", {}).get("decode", {}).get(b, {}).get("ms_per_step")
         c = res.get("hf_compile", {}).get("decode", {}).get(b, {}).get("ms_per_step")
         f = lambda x: f"{x:.3f}" if x else "-"  # noqa: E731
         r = lambda x: f"{x / d['ms_per_step']:.2f}x" if x else "-"  # noqa: E731
-        lines.append(f"{b:>5} {d['ms_per_step']:>9.3f} {f(e):>9} {f(c):>10} {r(e):>9} {r(c):>10} "
-                     f"{100 * d['fraction_of_read_bw']:>7.1f}%")
+        lines.append(
+            f"{b:>5} {d['ms_per_step']:>9.3f} {f(e):>9} {f(c):>10} {r(e):>9} {r(c):>10} "
+            f"{100 * d['fraction_of_read_bw']:>7.1f}%"
+        )
     for n, d in res["dsc"]["prefill"].items():
         e = res.get("hf_eager", {}).get("prefill", {}).get(n, {}).get("ms")
         lines.append(f"prefill {n}: dsc {d['ms']:.2f} ms" + (f", eager {e:.2f} ms ({e / d['ms']:.2f}x)" if e else ""))
     lines.append(f"load + capture: {res['dsc']['load_and_capture_s']:.2f} s")
     for b, d in res.get("hf_compile", {}).get("decode", {}).items():
         if "first_call_s" in d:
-            lines.append(f"transformers static cache + torch.compile, batch {b}: first generate (compile) {d['first_call_s']:.1f} s")
+            lines.append(
+                f"transformers static cache + torch.compile, batch {b}: "
+                f"first generate (compile) {d['first_call_s']:.1f} s"
+            )
     return "\n".join(lines)
 
 
@@ -245,15 +272,32 @@ def run_child(cmd: list[str], env: dict) -> None:
     """cmd in its own process, from a neutral folder (no checkout shadows the linked `dsc`)."""
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     if proc.returncode:
-        raise SystemExit(f"error: {' '.join(cmd)} (PYTHONPATH={env['PYTHONPATH']}) exited {proc.returncode}:\n"
-                         + proc.stderr[-3000:])
+        raise SystemExit(
+            f"error: {' '.join(cmd)} (PYTHONPATH={env['PYTHONPATH']}) exited {proc.returncode}:\n" + proc.stderr[-3000:]
+        )
 
 
 def dsc_bench(env: dict, art: Path, args, out: Path) -> dict:
     """One `python -m dsc bench` at --batches, without prefill rows: its JSON results."""
-    run_child([sys.executable, "-m", "dsc", "bench", str(art), "--device", args.device, "--prefill", str(NO_PREFILL),
-               "--context", str(args.context), "--json", str(out),
-               *(a for b in batches_of(args) for a in ("--batch", str(b)))], env)
+    run_child(
+        [
+            sys.executable,
+            "-m",
+            "dsc",
+            "bench",
+            str(art),
+            "--device",
+            args.device,
+            "--prefill",
+            str(NO_PREFILL),
+            "--context",
+            str(args.context),
+            "--json",
+            str(out),
+            *(a for b in batches_of(args) for a in ("--batch", str(b))),
+        ],
+        env,
+    )
     res = json.loads(out.read_text())
     out.unlink()
     return res
@@ -267,12 +311,31 @@ def compare(args, art: Path, tag: str) -> int:
         arts["base"] = Path(f"{art}-base")
         if not (arts["base"] / "manifest.json").exists():
             ckpt = Path(args.work) / f"ckpt-{args.shape}-{args.dtype}"
-            run_child([sys.executable, "-m", "dsc", "compile", str(ckpt), "-o", str(arts["base"].resolve()),
-                       "--max-batch", str(max(batches_of(args))), "--max-seq", str(max_seq_of(args, ckpt)),
-                       *(["--int8"] if args.int8 else [])], envs["base"])
+            run_child(
+                [
+                    sys.executable,
+                    "-m",
+                    "dsc",
+                    "compile",
+                    str(ckpt),
+                    "-o",
+                    str(arts["base"].resolve()),
+                    "--max-batch",
+                    str(max(batches_of(args))),
+                    "--max-seq",
+                    str(max_seq_of(args, ckpt)),
+                    *(["--int8"] if args.int8 else []),
+                ],
+                envs["base"],
+            )
     for side, env in envs.items():  # which code each side imports, for the record
-        where = subprocess.run([sys.executable, "-c", "import dsc, os; print(os.path.realpath(dsc.__file__))"], env=env, capture_output=True,
-                               text=True, cwd=tempfile.gettempdir()).stdout.strip()
+        where = subprocess.run(
+            [sys.executable, "-c", "import dsc, os; print(os.path.realpath(dsc.__file__))"],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=tempfile.gettempdir(),
+        ).stdout.strip()
         print(f"[{tag}] {side}: dsc from {where}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -281,20 +344,39 @@ def compare(args, art: Path, tag: str) -> int:
         for side in ("this", "base") if r % 2 == 0 else ("base", "this"):
             res = dsc_bench(envs[side], arts[side].resolve(), args, (out / f"ab_{tag}_{side}.json").resolve())
             runs[side].append(res)
-            print(f"[{tag}] round {r + 1} {side}: " + ", ".join(
-                f"batch {b} {d['ms_per_step_queued']:.4f} ms/step queued" for b, d in res["decode"].items()), flush=True)
+            print(
+                f"[{tag}] round {r + 1} {side}: "
+                + ", ".join(
+                    f"batch {b} {d['ms_per_step_queued']:.4f} ms/step queued" for b, d in res["decode"].items()
+                ),
+                flush=True,
+            )
     table = {}
     for b in runs["this"][0]["decode"]:
         ms = {side: statistics.median(x["decode"][b]["ms_per_step_queued"] for x in rs) for side, rs in runs.items()}
         table[b] = {"this_ms": ms["this"], "base_ms": ms["base"], "this_over_base": ms["this"] / ms["base"]}
-    print(f"\n== {tag} on {runs['this'][0]['device']}: this checkout ({ROOT}) against --baseline "
-          f"({args.baseline.resolve()}); queued ms/step, median of {args.rounds} rounds ==\n"
-          f"{'batch':>5} {'this ms':>9} {'base ms':>9} {'this/base':>9}\n"
-          + "\n".join(f"{b:>5} {t['this_ms']:>9.4f} {t['base_ms']:>9.4f} {t['this_over_base']:>9.4f}"
-                      for b, t in table.items()), flush=True)
-    (out / f"ab_{tag}.json").write_text(json.dumps({"tag": tag, "baseline": str(args.baseline.resolve()),
-                                                    "artifacts": {k: str(v) for k, v in arts.items()},
-                                                    "table": table, "runs": runs}, indent=1, default=str))
+    print(
+        f"\n== {tag} on {runs['this'][0]['device']}: this checkout ({ROOT}) against --baseline "
+        f"({args.baseline.resolve()}); queued ms/step, median of {args.rounds} rounds ==\n"
+        f"{'batch':>5} {'this ms':>9} {'base ms':>9} {'this/base':>9}\n"
+        + "\n".join(
+            f"{b:>5} {t['this_ms']:>9.4f} {t['base_ms']:>9.4f} {t['this_over_base']:>9.4f}" for b, t in table.items()
+        ),
+        flush=True,
+    )
+    (out / f"ab_{tag}.json").write_text(
+        json.dumps(
+            {
+                "tag": tag,
+                "baseline": str(args.baseline.resolve()),
+                "artifacts": {k: str(v) for k, v in arts.items()},
+                "table": table,
+                "runs": runs,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     return 0
 
 

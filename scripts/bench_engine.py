@@ -11,6 +11,7 @@ outputs from --output-lens (eos ignored), all queued at once. The compute floor 
 workload's matmul and attention FLOPs at --peak-tflops (a bf16 matmul's measured rate on an
 H200). Prints a table; writes bench_engine.json (and the profiles) under --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,9 @@ def prepare(args) -> Path:
     (_, phi), (_, ohi) = _pair(args.prompt_lens), _pair(args.output_lens)
     t = time.perf_counter()
     if not (ckpt / "config.json").exists():
-        make_random_checkpoint(ckpt, args.shape, dtype=args.dtype, tokenizer=False,
-                               device="cuda" if torch.cuda.is_available() else "cpu")
+        make_random_checkpoint(
+            ckpt, args.shape, dtype=args.dtype, tokenizer=False, device="cuda" if torch.cuda.is_available() else "cpu"
+        )
     if not (art / "manifest.json").exists():
         dsc.compile(str(ckpt), art, max_batch=8, max_seq=max(phi + ohi + 1, args.batch1_prompt + args.batch1_new + 1))
     print(f"checkpoint and artifact ready in {time.perf_counter() - t:.1f}s", flush=True)
@@ -80,8 +82,10 @@ def prepare(args) -> Path:
 def workload(args, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(0)
     (plo, phi), (olo, ohi) = _pair(args.prompt_lens), _pair(args.output_lens)
-    return [([rng.randrange(vocab) for _ in range(rng.randint(plo, phi))], rng.randint(olo, ohi))
-            for _ in range(args.requests)]
+    return [
+        ([rng.randrange(vocab) for _ in range(rng.randint(plo, phi))], rng.randint(olo, ohi))
+        for _ in range(args.requests)
+    ]
 
 
 def workload_flops(engine, reqs) -> float:
@@ -131,7 +135,9 @@ def run_engine(llm_engine, reqs, profile_to: Path | None = None) -> dict:
 
         for _ in range(5):
             llm_engine.step()
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else []
+        )
         with torch.profiler.profile(activities=acts) as prof:
             t = time.perf_counter()
             steps = 20
@@ -170,9 +176,16 @@ def run_engine(llm_engine, reqs, profile_to: Path | None = None) -> dict:
     assert gen == sum(n for _, n in reqs), "every request gets its max_tokens (eos ignored)"
     stats = llm_engine.stats()
     steps = stats["steps"] - s0["steps"]
-    return {"wall_s": wall, "generated_tokens": gen, "prompt_tokens": sum(len(p) for p, _ in reqs),
-            "gen_tok_s": gen / wall, "steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1),
-            "preemptions": stats["preemptions"] - s0["preemptions"], "by_step_kind": by_kind(launches, t + wall)}
+    return {
+        "wall_s": wall,
+        "generated_tokens": gen,
+        "prompt_tokens": sum(len(p) for p, _ in reqs),
+        "gen_tok_s": gen / wall,
+        "steps": steps,
+        "ms_per_step": 1e3 * wall / max(steps, 1),
+        "preemptions": stats["preemptions"] - s0["preemptions"],
+        "by_step_kind": by_kind(launches, t + wall),
+    }
 
 
 def by_kind(launches, end: float) -> dict:
@@ -209,8 +222,11 @@ def part_offline(args) -> dict:
         name = f"budget {budget}{'' if async_ else ', sync'}"
         res["runs"][name] = r = run_engine(eng, reqs)
         r["floor_ratio"] = res["flops"] / (args.peak_tflops * 1e12) / r["wall_s"]
-        print(f"{name}: {r['wall_s']:.2f} s, {r['gen_tok_s']:.0f} generated tok/s, {r['steps']} steps, "
-              f"{100 * r['floor_ratio']:.0f}% of the compute floor", flush=True)
+        print(
+            f"{name}: {r['wall_s']:.2f} s, {r['gen_tok_s']:.0f} generated tok/s, {r['steps']} steps, "
+            f"{100 * r['floor_ratio']:.0f}% of the compute floor",
+            flush=True,
+        )
     for budget in filter(None, args.profile_budgets.split(",")):
         eng = LLMEngine(engine=engine, max_num_batched_tokens=int(budget))
         run_engine(eng, reqs, profile_to=Path(args.out) / f"profile-budget{budget}.txt")
@@ -240,15 +256,18 @@ def part_batch1(args) -> dict:
         import torch
 
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        for name, fn in (("static", lambda: engine.generate_static([prompt], max_new_tokens=64, stop_tokens=[])),
-                         ("paged", lambda: _drain(LLMEngine(engine=engine), prompt, 64))):
+        for name, fn in (
+            ("static", lambda: engine.generate_static([prompt], max_new_tokens=64, stop_tokens=[])),
+            ("paged", lambda: _drain(LLMEngine(engine=engine), prompt, 64)),
+        ):
             fn()
             _sync(engine.device)
             with torch.profiler.profile(activities=acts) as prof:
                 fn()
                 _sync(engine.device)
             (Path(args.out) / f"profile-batch1-{name}.txt").write_text(
-                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+            )
     for name, fn in (("static", static), ("dsc.LLM", paged(True)), ("dsc.LLM sync", paged(False))):
         fn()
         _sync(engine.device)
@@ -260,8 +279,10 @@ def part_batch1(args) -> dict:
             times.append(time.perf_counter() - t)
         out[name] = 1e3 * min(times) / n
     out["ratio"] = out["dsc.LLM"] / out["static"]
-    print(f"batch 1, {args.batch1_prompt}-token prompt, {n} new: " +
-          ", ".join(f"{k} {v:.3f}" for k, v in out.items()), flush=True)
+    print(
+        f"batch 1, {args.batch1_prompt}-token prompt, {n} new: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()),
+        flush=True,
+    )
     return out
 
 
@@ -295,8 +316,19 @@ def part_http(args) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "dsc", "serve", str(artifact_path(args)), "--port", str(port),
-           "--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(10 * args.requests)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsc",
+        "serve",
+        str(artifact_path(args)),
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-queue",
+        str(10 * args.requests),
+    ]
     if args.device:
         cmd += ["--device", args.device]
     proc = subprocess.Popen(cmd, env=os.environ.copy())
@@ -304,17 +336,24 @@ def part_http(args) -> dict:
         url = f"http://127.0.0.1:{port}/v1"
         _wait_ready(url, proc)
         (plo, phi), (olo, ohi) = _pair(args.prompt_lens), _pair(args.output_lens)
-        cfg = BenchConfig(url=url, rates=[float("inf")], num_requests=args.requests,
-                          prompt_len=Lengths.parse(f"{plo}:{phi}", "--prompt-len"),
-                          output_len=Lengths.parse(f"{olo}:{ohi}", "--output-len"))
+        cfg = BenchConfig(
+            url=url,
+            rates=[float("inf")],
+            num_requests=args.requests,
+            prompt_len=Lengths.parse(f"{plo}:{phi}", "--prompt-len"),
+            output_len=Lengths.parse(f"{olo}:{ohi}", "--output-len"),
+        )
         procs = {"api": proc.pid, **{f"engine{i}": c for i, c in enumerate(_children(proc.pid))}}
         before, client0, t0 = {k: _cpu_s(v) for k, v in procs.items()}, time.process_time(), time.perf_counter()
         res = run(cfg)
         wall = time.perf_counter() - t0
         # where the host time goes: each process's CPU seconds over the run's wall time (1.0: one
         # core busy all along, the most a process's Python thread can give)
-        res["cpu_share"] = {**{k: round((_cpu_s(v) - before[k]) / wall, 3) for k, v in procs.items()},
-                            "client": round((time.process_time() - client0) / wall, 3), "wall_s": round(wall, 2)}
+        res["cpu_share"] = {
+            **{k: round((_cpu_s(v) - before[k]) / wall, 3) for k, v in procs.items()},
+            "client": round((time.process_time() - client0) / wall, 3),
+            "wall_s": round(wall, 2),
+        }
         print(f"cpu share over the HTTP run: {res['cpu_share']}", flush=True)
     finally:
         proc.terminate()
@@ -393,20 +432,29 @@ def render(results: dict) -> str:
     lines = []
     off = results.get("offline", {})
     if "runs" in off:
-        lines += [f"workload: {off['flops'] / 1e15:.2f} PFLOP", "| path | wall s | generated tok/s | steps | % of floor |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            f"workload: {off['flops'] / 1e15:.2f} PFLOP",
+            "| path | wall s | generated tok/s | steps | % of floor |",
+            "|---|---|---|---|---|",
+        ]
         for name, r in off["runs"].items():
-            lines.append(f"| dsc.LLM engine, {name} | {r['wall_s']:.2f} | {r['gen_tok_s']:.0f} | {r['steps']} | "
-                         f"{100 * r['floor_ratio']:.0f}% |")
+            lines.append(
+                f"| dsc.LLM engine, {name} | {r['wall_s']:.2f} | {r['gen_tok_s']:.0f} | {r['steps']} | "
+                f"{100 * r['floor_ratio']:.0f}% |"
+            )
     b1 = results.get("batch1", {})
     if "ratio" in b1:
-        lines.append(f"batch 1 ms/token: static {b1['static']:.3f}, dsc.LLM {b1['dsc.LLM']:.3f} ({b1['ratio']:.3f}x), "
-                     f"sync {b1['dsc.LLM sync']:.3f}")
+        lines.append(
+            f"batch 1 ms/token: static {b1['static']:.3f}, dsc.LLM {b1['dsc.LLM']:.3f} ({b1['ratio']:.3f}x), "
+            f"sync {b1['dsc.LLM sync']:.3f}"
+        )
     for key in ("load", "load again"):
         ld = results.get(key, {})
         if "ready_s" in ld:
-            lines.append(f"dsc.LLM ready ({key}) in {ld['ready_s']:.1f} s: " +
-                         ", ".join(f"{k} {v:.2f}" for k, v in ld["stages"].items()))
+            lines.append(
+                f"dsc.LLM ready ({key}) in {ld['ready_s']:.1f} s: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in ld["stages"].items())
+            )
     ht = results.get("http", {})
     if ht.get("rates"):
         r = ht["rates"][0]

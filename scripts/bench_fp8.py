@@ -12,6 +12,7 @@ and the ratio. e2e: `dsc bench` of the bf16 and the fp8 artifact of the same che
 prefill of 128 and 2,048 tokens (TFLOP/s from the model's FLOPs: 2 x parameters x tokens plus
 attention) and decode ms/step at batches 1, 8, 64; ratios printed. Writes $OUT/bench_fp8_*.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from timing import bench_ms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def gemm(ms=MS, smoke: bool = False) -> None:
     shapes = {"tiny": (128, 48)} if smoke else SHAPES
     rows, g = [], torch.Generator(device=dev).manual_seed(0)
     for name, (k, n) in shapes.items():
-        w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) / k ** 0.5
+        w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) / k**0.5
         p = fp8.quantize_weight(w)
         for m in ms:
             x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
@@ -58,21 +58,46 @@ def gemm(ms=MS, smoke: bool = False) -> None:
             if smoke:  # cuBLASLt's fp8 GEMM is the GPU's
                 tmm = tfast = float("nan")
             else:
-                tmm = bench_ms(lambda: torch._scaled_mm(xq, p["qweight"].t(), scale_a=xs,
-                                                        scale_b=p["scale"].reshape(1, n), out_dtype=torch.bfloat16))
-                tfast = bench_ms(lambda: torch._scaled_mm(xq, p["qweight"].t(), scale_a=xs,
-                                                          scale_b=p["scale"].reshape(1, n), out_dtype=torch.bfloat16,
-                                                          use_fast_accum=True))
+                tmm = bench_ms(
+                    lambda: torch._scaled_mm(
+                        xq, p["qweight"].t(), scale_a=xs, scale_b=p["scale"].reshape(1, n), out_dtype=torch.bfloat16
+                    )
+                )
+                tfast = bench_ms(
+                    lambda: torch._scaled_mm(
+                        xq,
+                        p["qweight"].t(),
+                        scale_a=xs,
+                        scale_b=p["scale"].reshape(1, n),
+                        out_dtype=torch.bfloat16,
+                        use_fast_accum=True,
+                    )
+                )
             fl = 2 * m * n * k
-            rows.append({"linear": name, "M": m, "K": k, "N": n, "bf16_ms": t16, "fp8_ms": t8, "scaled_mm_ms": tmm,
-                         "scaled_mm_fast_accum_ms": tfast,
-                         "bf16_tflops": fl / t16 / 1e9, "fp8_tflops": fl / t8 / 1e9, "speedup": t16 / t8,
-                         "rel_err_vs_reference": err})
+            rows.append(
+                {
+                    "linear": name,
+                    "M": m,
+                    "K": k,
+                    "N": n,
+                    "bf16_ms": t16,
+                    "fp8_ms": t8,
+                    "scaled_mm_ms": tmm,
+                    "scaled_mm_fast_accum_ms": tfast,
+                    "bf16_tflops": fl / t16 / 1e9,
+                    "fp8_tflops": fl / t8 / 1e9,
+                    "speedup": t16 / t8,
+                    "rel_err_vs_reference": err,
+                }
+            )
             r = rows[-1]
-            print(f"{name:8s} M={m:5d} K={k:5d} N={n:5d}  bf16 {t16 * 1e3:8.1f} us {r['bf16_tflops']:6.1f} TF/s  "
-                  f"fp8 {t8 * 1e3:8.1f} us {r['fp8_tflops']:6.1f} TF/s (scaled_mm alone {tmm * 1e3:7.1f} us, "
-                  f"fast accumulation {tfast * 1e3:7.1f} us)  "
-                  f"x{r['speedup']:.2f}  err {err:.1e}", flush=True)
+            print(
+                f"{name:8s} M={m:5d} K={k:5d} N={n:5d}  bf16 {t16 * 1e3:8.1f} us {r['bf16_tflops']:6.1f} TF/s  "
+                f"fp8 {t8 * 1e3:8.1f} us {r['fp8_tflops']:6.1f} TF/s (scaled_mm alone {tmm * 1e3:7.1f} us, "
+                f"fast accumulation {tfast * 1e3:7.1f} us)  "
+                f"x{r['speedup']:.2f}  err {err:.1e}",
+                flush=True,
+            )
     _out("gemm", rows)
 
 
@@ -98,8 +123,25 @@ def e2e(work: Path) -> None:
     res = {}
     for tag in ("bf16", "fp8"):
         js = work / f"bench-{tag}.json"
-        cmd = [sys.executable, "-m", "dsc", "bench", str(work / tag), "--batch", "1", "--batch", "8", "--batch", "64",
-               "--prefill", "128", "--prefill", "2048", "--json", str(js)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dsc",
+            "bench",
+            str(work / tag),
+            "--batch",
+            "1",
+            "--batch",
+            "8",
+            "--batch",
+            "64",
+            "--prefill",
+            "128",
+            "--prefill",
+            "2048",
+            "--json",
+            str(js),
+        ]
         subprocess.run(cmd, check=True)
         res[tag] = json.loads(js.read_text())
     cfg = json.loads((work / "ckpt" / "config.json").read_text())
@@ -113,16 +155,23 @@ def e2e(work: Path) -> None:
     lines, summary = [], {}
     for n in ("128", "2048"):
         b, f = res["bf16"]["prefill"][n]["ms"], res["fp8"]["prefill"][n]["ms"]
-        summary[f"prefill_{n}"] = {"bf16_ms": b, "fp8_ms": f, "bf16_tflops": flops(int(n)) / b / 1e9,
-                                   "fp8_tflops": flops(int(n)) / f / 1e9, "ratio": b / f}
+        summary[f"prefill_{n}"] = {
+            "bf16_ms": b,
+            "fp8_ms": f,
+            "bf16_tflops": flops(int(n)) / b / 1e9,
+            "fp8_tflops": flops(int(n)) / f / 1e9,
+            "ratio": b / f,
+        }
         s = summary[f"prefill_{n}"]
-        lines.append(f"prefill {n:>5} tokens: bf16 {b:7.2f} ms ({s['bf16_tflops']:.0f} TFLOP/s)  fp8 {f:7.2f} ms "
-                     f"({s['fp8_tflops']:.0f} TFLOP/s)  fp8/bf16 TFLOP/s x{s['ratio']:.2f}")
+        lines.append(
+            f"prefill {n:>5} tokens: bf16 {b:7.2f} ms ({s['bf16_tflops']:.0f} TFLOP/s)  fp8 {f:7.2f} ms "
+            f"({s['fp8_tflops']:.0f} TFLOP/s)  fp8/bf16 TFLOP/s x{s['ratio']:.2f}"
+        )
     for bsz in ("1", "8", "64"):
         b, f = res["bf16"]["decode"][bsz]["ms_per_step"], res["fp8"]["decode"][bsz]["ms_per_step"]
         summary[f"decode_{bsz}"] = {"bf16_ms": b, "fp8_ms": f, "ratio": b / f}
         lines.append(f"decode batch {bsz:>2}: bf16 {b:6.3f} ms/step  fp8 {f:6.3f} ms/step  x{b / f:.2f}")
-    summary["weights_gib"] = {t: res[t]["memory"]["weights"] / 2 ** 30 for t in res}
+    summary["weights_gib"] = {t: res[t]["memory"]["weights"] / 2**30 for t in res}
     lines.append("weights: " + ", ".join(f"{t} {v:.2f} GiB" for t, v in summary["weights_gib"].items()))
     print("\n".join(lines))
     _out("e2e", {"summary": summary, "runs": res})
@@ -138,7 +187,11 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    {"gemm": lambda: gemm(tuple(int(v) for v in args.m.split(",")), args.smoke), "prepare": lambda: prepare(work, args.layers), "e2e": lambda: e2e(work)}[args.what]()
+    {
+        "gemm": lambda: gemm(tuple(int(v) for v in args.m.split(",")), args.smoke),
+        "prepare": lambda: prepare(work, args.layers),
+        "e2e": lambda: e2e(work),
+    }[args.what]()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ cuBLAS on the same shapes; bandwidth of the weight bytes read. e2e: `dsc bench` 
 artifact at batches 1 and 8 (the bf16 artifact's numbers: scripts/bench_fp8.py e2e). Writes
 $OUT/bench_int4_*.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,14 @@ import time
 from pathlib import Path
 
 import torch
-
 from timing import bench_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
-GEMV_SWEEP = [{"kernel": "w4a16_gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
-              for bn, bk, w in itertools.product((4, 8, 16, 32), (64, 128), (2, 4))]
+GEMV_SWEEP = [
+    {"kernel": "w4a16_gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
+    for bn, bk, w in itertools.product((4, 8, 16, 32), (64, 128), (2, 4))
+]
 
 
 def _out(name: str, data) -> None:
@@ -49,11 +51,13 @@ def gemm(smoke: bool = False) -> None:
     from dsc.kernels import int4
 
     dev = "cpu" if smoke else "cuda"
-    shapes, ms, sweep = ({"tiny": (256, 48)}, (1, 5, 40), GEMV_SWEEP[:2]) if smoke else (SHAPES, (1, 8, 2048), GEMV_SWEEP)
+    shapes, ms, sweep = (
+        ({"tiny": (256, 48)}, (1, 5, 40), GEMV_SWEEP[:2]) if smoke else (SHAPES, (1, 8, 2048), GEMV_SWEEP)
+    )
     dtype = torch.float32 if smoke else torch.bfloat16
     rows, g = [], torch.Generator(device=dev).manual_seed(0)
     for name, (k, n) in shapes.items():
-        w = torch.randn(n, k, device=dev, generator=g, dtype=dtype) / k ** 0.5
+        w = torch.randn(n, k, device=dev, generator=g, dtype=dtype) / k**0.5
         p = int4.quantize_weight(w, 128)
         wbytes = p["qweight"].numel() + 4 * p["scale"].numel()
         for m in ms:
@@ -65,13 +69,32 @@ def gemm(smoke: bool = False) -> None:
                 run = lambda: int4.w4a16_matmul(x, p["qweight"], p["scale"], p["min"], None, 128, config=cfg)  # noqa: E731
                 s = _sqnr(ref, run().float())
                 t = bench_ms(run) if s >= 40 else float("nan")
-                rows.append({"linear": name, "M": m, "K": k, "N": n, "config": cfg, "sqnr_db": s, "int4_ms": t,
-                             "bf16_ms": t16, "speedup": t16 / t, "weight_GBps": wbytes / t / 1e6})
-            best = min((r for r in rows if r["linear"] == name and r["M"] == m and r["sqnr_db"] >= 40),
-                       key=lambda r: r["int4_ms"], default=None)
+                rows.append(
+                    {
+                        "linear": name,
+                        "M": m,
+                        "K": k,
+                        "N": n,
+                        "config": cfg,
+                        "sqnr_db": s,
+                        "int4_ms": t,
+                        "bf16_ms": t16,
+                        "speedup": t16 / t,
+                        "weight_GBps": wbytes / t / 1e6,
+                    }
+                )
+            best = min(
+                (r for r in rows if r["linear"] == name and r["M"] == m and r["sqnr_db"] >= 40),
+                key=lambda r: r["int4_ms"],
+                default=None,
+            )
             if best:
-                print(f"{name:8s} M={m:5d} K={k:5d} N={n:5d}  bf16 {t16 * 1e3:8.1f} us  int4 {best['int4_ms'] * 1e3:8.1f} us "
-                      f"x{best['speedup']:.2f} ({best['weight_GBps']:.0f} GB/s)  {best['config']}", flush=True)
+                print(
+                    f"{name:8s} M={m:5d} K={k:5d} N={n:5d}  bf16 {t16 * 1e3:8.1f} us  "
+                    f"int4 {best['int4_ms'] * 1e3:8.1f} us "
+                    f"x{best['speedup']:.2f} ({best['weight_GBps']:.0f} GB/s)  {best['config']}",
+                    flush=True,
+                )
             bad = [r for r in rows if r["linear"] == name and r["M"] == m and r["sqnr_db"] < 40]
             for r in bad:
                 print(f"  WRONG: {r['config']} SQNR {r['sqnr_db']:.1f} dB", flush=True)
@@ -85,16 +108,38 @@ def e2e(work: Path, layers: int | None) -> None:
     ckpt, art = work / "ckpt", work / "int4"
     t = time.perf_counter()
     if not (ckpt / "config.json").exists():
-        make_random_checkpoint(ckpt, "llama-8b", dtype="bfloat16", device="cuda", tokenizer=False,
-                               **({"num_hidden_layers": layers} if layers else {}))
+        make_random_checkpoint(
+            ckpt,
+            "llama-8b",
+            dtype="bfloat16",
+            device="cuda",
+            tokenizer=False,
+            **({"num_hidden_layers": layers} if layers else {}),
+        )
     print(f"checkpoint in {time.perf_counter() - t:.1f} s", flush=True)
     t = time.perf_counter()
     if not (art / "manifest.json").exists():
         dsc.compile(str(ckpt), art, max_batch=8, max_seq=1024, int4=True)
     print(f"int4: compiled in {time.perf_counter() - t:.1f} s", flush=True)
     js = work / "bench-int4.json"
-    subprocess.run([sys.executable, "-m", "dsc", "bench", str(art), "--batch", "1", "--batch", "8", "--prefill", "128",
-                    "--json", str(js)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsc",
+            "bench",
+            str(art),
+            "--batch",
+            "1",
+            "--batch",
+            "8",
+            "--prefill",
+            "128",
+            "--json",
+            str(js),
+        ],
+        check=True,
+    )
     _out("e2e", json.loads(js.read_text()))
 
 

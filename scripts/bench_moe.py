@@ -16,6 +16,7 @@ events around each call, L2 flushed (a 256 MB write) before each, median over th
 after warm-up; the kernel and the dense MLP replay CUDA graphs (what a decode step runs: no
 Python launch overhead), the reference runs eagerly (it syncs on its routing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,6 @@ import sys
 import time
 
 import torch
-
 from timing import checkout_modules
 
 FM, MOE, Q = checkout_modules("kernels.fused_moe", "kernels.moe", "kernels.int8")
@@ -108,8 +108,10 @@ def bench_shape(name, h, inter, e, k, tokens, int8, device, reps, flush) -> list
         got, want = kernel(), reference()
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-30))
         if not (err <= 3e-2 and torch.isfinite(got).all()):
-            raise SystemExit(f"{name} T={t}{' int8' if int8 else ''}: the kernel disagrees with the reference "
-                             f"(max error {err:.3g} of max |ref|): not timing it")
+            raise SystemExit(
+                f"{name} T={t}{' int8' if int8 else ''}: the kernel disagrees with the reference "
+                f"(max error {err:.3g} of max |ref|): not timing it"
+            )
         # the dense MLP of intermediate K*I: same FLOPs; at T = 1 the same weight bytes
         wgu = torch.randn(2 * k * inter, h, generator=g, device=device).to(dtype) / math.sqrt(h)
         wd = torch.randn(h, k * inter, generator=g, device=device).to(dtype) / math.sqrt(k * inter)
@@ -124,20 +126,37 @@ def bench_shape(name, h, inter, e, k, tokens, int8, device, reps, flush) -> list
         active = int(torch.unique(ids).numel())
         bytes_w = active * 3 * h * inter * wbytes
         flops = t * k * 6 * h * inter
-        row = {"shape": name, "H": h, "I": inter, "E": e, "K": k, "T": t, "int8": int8, "active_experts": active,
-               "ms": ms_kernel, "ref_ms": ms_ref, "dense_ms": ms_dense, "max_err": err,
-               "weight_TBps": bytes_w / ms_kernel / 1e9, "TFLOPs": flops / ms_kernel / 1e9,
-               "dense_TBps": 3 * k * h * inter * 2 / ms_dense / 1e9, "dense_TFLOPs": flops / ms_dense / 1e9,
-               "speedup_vs_ref": ms_ref / ms_kernel, "vs_dense": ms_kernel / ms_dense,
-               "config": FM.moe_config(t, h, inter, e, k, FM.arch_of(device), x.element_size(), wbytes)}
+        row = {
+            "shape": name,
+            "H": h,
+            "I": inter,
+            "E": e,
+            "K": k,
+            "T": t,
+            "int8": int8,
+            "active_experts": active,
+            "ms": ms_kernel,
+            "ref_ms": ms_ref,
+            "dense_ms": ms_dense,
+            "max_err": err,
+            "weight_TBps": bytes_w / ms_kernel / 1e9,
+            "TFLOPs": flops / ms_kernel / 1e9,
+            "dense_TBps": 3 * k * h * inter * 2 / ms_dense / 1e9,
+            "dense_TFLOPs": flops / ms_dense / 1e9,
+            "speedup_vs_ref": ms_ref / ms_kernel,
+            "vs_dense": ms_kernel / ms_dense,
+            "config": FM.moe_config(t, h, inter, e, k, FM.arch_of(device), x.element_size(), wbytes),
+        }
         rows.append(row)
         wname = "int8" if int8 else str(dtype).removeprefix("torch.")
-        print(f"{name:14s} {wname} T={t:5d} experts {active:3d}  kernel {ms_kernel:8.3f} ms "
-              f"({row['weight_TBps']:5.2f} TB/s, {row['TFLOPs']:6.1f} TFLOP/s)  reference {ms_ref:8.3f} ms "
-              f"(x{row['speedup_vs_ref']:5.2f})  dense {ms_dense:8.3f} ms (kernel/dense {row['vs_dense']:5.2f})",
-              flush=True)
-        del wgu, wd
-    del gu, dn, gs, ds
+        print(
+            f"{name:14s} {wname} T={t:5d} experts {active:3d}  kernel {ms_kernel:8.3f} ms "
+            f"({row['weight_TBps']:5.2f} TB/s, {row['TFLOPs']:6.1f} TFLOP/s)  reference {ms_ref:8.3f} ms "
+            f"(x{row['speedup_vs_ref']:5.2f})  dense {ms_dense:8.3f} ms (kernel/dense {row['vs_dense']:5.2f})",
+            flush=True,
+        )
+        wgu = wd = None  # frees them (the timing lambdas hold the names)
+    gu = dn = gs = ds = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -173,8 +192,7 @@ def main() -> int:
             rows += bench_shape(name, h, inter, e, k, tokens, int8, device, reps, flush)
     print(f"{len(rows)} measurements in {time.time() - t0:.0f} s")
     if args.out:
-        info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                "torch": torch.__version__}
+        info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
         with open(args.out, "w") as f:
             json.dump({**info, "rows": rows}, f, indent=1)
     return 0

@@ -12,6 +12,7 @@ PCIe bound of a step is the bytes it streams over the measured bandwidth; each o
 is printed as a fraction of its bound and of the resident engine's. The greedy tokens of the
 first prompt must be equal on every path. Writes $OUT/bench_offload.json (or --work's).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,13 @@ def run(art: Path, mode: str, gpu_memory: float | None, batches: list[int], devi
     kw = {} if mode == "resident" else {"offload": mode, "gpu_memory": gpu_memory}
     t = time.perf_counter()
     eng = LLMEngine(art, device=device, max_num_seqs=max(batches), **kw)
-    res = {"mode": mode, "load_s": round(time.perf_counter() - t, 2), "offload": eng.engine.offload,
-           "load_times": {k: round(v, 2) for k, v in eng.load_times.items()}, "batches": {}}
+    res = {
+        "mode": mode,
+        "load_s": round(time.perf_counter() - t, 2),
+        "offload": eng.engine.offload,
+        "load_times": {k: round(v, 2) for k, v in eng.load_times.items()},
+        "batches": {},
+    }
     vocab = eng.vocab_size
     for b in batches:
         g = torch.Generator().manual_seed(b)
@@ -85,8 +91,12 @@ def run(art: Path, mode: str, gpu_memory: float | None, batches: list[int], devi
         moved = (ring.bytes_moved - moved) // STEPS if ring is not None else 0
         while eng.has_unfinished_requests():
             step()
-        res["batches"][str(b)] = {"step_ms": round(dt / STEPS * 1e3, 2), "tokens_per_s": round(b * STEPS / dt, 1),
-                                  "bytes_moved_per_step": moved, "first_tokens": got[ids[0]]}
+        res["batches"][str(b)] = {
+            "step_ms": round(dt / STEPS * 1e3, 2),
+            "tokens_per_s": round(b * STEPS / dt, 1),
+            "bytes_moved_per_step": moved,
+            "first_tokens": got[ids[0]],
+        }
         print(mode, b, res["batches"][str(b)], flush=True)
     return res
 
@@ -116,15 +126,38 @@ def main() -> None:
     out = Path(os.environ.get("OUT") or work)
     out.mkdir(parents=True, exist_ok=True)
     art, compile_s = (args.artifact, 0.0) if args.artifact else prepare(work, args.shape, args.dtype)
-    res = {"shape": args.shape, "dtype": args.dtype, "gpu_memory_gib": args.gpu_memory,
-           "compile_s_without_gpu": round(compile_s, 1), "h2d_gb_s": round(bandwidth(), 2), "engines": {}}
+    res = {
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "gpu_memory_gib": args.gpu_memory,
+        "compile_s_without_gpu": round(compile_s, 1),
+        "h2d_gb_s": round(bandwidth(), 2),
+        "engines": {},
+    }
     save = lambda: (out / "bench_offload.json").write_text(json.dumps(res, indent=1))  # noqa: E731
     middle = batches[len(batches) // 2]
     for mode, bs in (("resident", batches), ("cpu", batches), ("disk", [middle])):
         path = work / f"{mode}.json"
-        subprocess.run([PY, __file__, "run", "--artifact", str(art), "--mode", mode, "--gpu-memory",
-                        str(args.gpu_memory), "--batches", ",".join(map(str, bs)), "--device", args.device,
-                        "--json", str(path)], check=True)
+        subprocess.run(
+            [
+                PY,
+                __file__,
+                "run",
+                "--artifact",
+                str(art),
+                "--mode",
+                mode,
+                "--gpu-memory",
+                str(args.gpu_memory),
+                "--batches",
+                ",".join(map(str, bs)),
+                "--device",
+                args.device,
+                "--json",
+                str(path),
+            ],
+            check=True,
+        )
         res["engines"][mode] = json.loads(path.read_text())
         save()
     resident = res["engines"]["resident"]["batches"]
@@ -137,9 +170,11 @@ def main() -> None:
             r["of_pcie_bound"] = round(r["tokens_per_s"] / r["pcie_bound_tokens_per_s"], 3)
             r["of_resident"] = round(r["tokens_per_s"] / resident[b]["tokens_per_s"], 4)
             r["tokens_equal_resident"] = r["first_tokens"] == resident[b]["first_tokens"]
-            print(f"{mode} batch {b}: {r['tokens_per_s']} tokens/s, {r['of_pcie_bound']:.0%} of the PCIe bound "
-                  f"({r['pcie_bound_tokens_per_s']}), {r['of_resident']:.2%} of resident "
-                  f"({resident[b]['tokens_per_s']}); tokens equal: {r['tokens_equal_resident']}")
+            print(
+                f"{mode} batch {b}: {r['tokens_per_s']} tokens/s, {r['of_pcie_bound']:.0%} of the PCIe bound "
+                f"({r['pcie_bound_tokens_per_s']}), {r['of_resident']:.2%} of resident "
+                f"({resident[b]['tokens_per_s']}); tokens equal: {r['tokens_equal_resident']}"
+            )
     save()
 
 

@@ -20,6 +20,7 @@ Reports, as a table and bench_serving_<tag>.json under $OUT or --out:
     static batch size.
 The checkpoint and artifacts are kept under --work and reused by later runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,8 +81,9 @@ def prepare(args, max_seq: int) -> tuple[Path, str]:
     art = work / f"serve-{tag}-{args.static_batch}x{max_seq}"
     t = time.perf_counter()
     if not (ckpt / "config.json").exists():
-        make_random_checkpoint(ckpt, args.shape, dtype=args.dtype, tokenizer=False,
-                               device="cuda" if torch.cuda.is_available() else "cpu")
+        make_random_checkpoint(
+            ckpt, args.shape, dtype=args.dtype, tokenizer=False, device="cuda" if torch.cuda.is_available() else "cpu"
+        )
     if not (art / "manifest.json").exists():
         dsc.compile(str(ckpt), art, max_batch=args.static_batch, max_seq=max_seq, int8=args.int8 or None)
     print(f"[{tag}] checkpoint and artifact ready in {time.perf_counter() - t:.1f}s", flush=True)
@@ -91,8 +93,10 @@ def prepare(args, max_seq: int) -> tuple[Path, str]:
 def workload(args, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(0)
     (plo, phi), (olo, ohi) = _pair(args.prompt_lens), _pair(args.output_lens)
-    return [([rng.randrange(vocab) for _ in range(rng.randint(plo, phi))], rng.randint(olo, ohi))
-            for _ in range(args.requests)]
+    return [
+        ([rng.randrange(vocab) for _ in range(rng.randint(plo, phi))], rng.randint(olo, ohi))
+        for _ in range(args.requests)
+    ]
 
 
 def run_llm(llm, reqs) -> dict:
@@ -113,8 +117,15 @@ def run_llm(llm, reqs) -> dict:
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     assert gen == sum(n for _, n in reqs), "every request gets its max_tokens (eos ignored)"
     prompt = sum(len(p) for p, _ in reqs)
-    return {"wall_s": wall, "generated_tokens": gen, "prompt_tokens": prompt, "gen_tok_s": gen / wall,
-            "all_tok_s": (gen + prompt) / wall, "peak_running": peak["running"], "stats": llm.engine.stats()}
+    return {
+        "wall_s": wall,
+        "generated_tokens": gen,
+        "prompt_tokens": prompt,
+        "gen_tok_s": gen / wall,
+        "all_tok_s": (gen + prompt) / wall,
+        "peak_running": peak["running"],
+        "stats": llm.engine.stats(),
+    }
 
 
 def run_static(engine, reqs, batch: int) -> dict:
@@ -123,7 +134,7 @@ def run_static(engine, reqs, batch: int) -> dict:
     t = time.perf_counter()
     gen = 0
     for i in range(0, len(reqs), batch):
-        chunk = reqs[i:i + batch]
+        chunk = reqs[i : i + batch]
         res = engine.generate_static([p for p, _ in chunk], max_new_tokens=max(n for _, n in chunk), stop_tokens=[])
         gen += sum(min(len(t), n) for t, (_, n) in zip(res.tokens, chunk))
     _sync(dev)
@@ -191,9 +202,16 @@ def main(argv=None) -> int:
     art, tag = prepare(args, max_seq)
     device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     steps = [int(s) for s in args.steps.split(",")]
-    res: dict = {"shape": args.shape, "dtype": args.dtype, "int8": args.int8, "requests": args.requests,
-                 "prompt_lens": args.prompt_lens, "output_lens": args.output_lens, "budget": args.budget,
-                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    res: dict = {
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "int8": args.int8,
+        "requests": args.requests,
+        "prompt_lens": args.prompt_lens,
+        "output_lens": args.output_lens,
+        "budget": args.budget,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
 
     # 1. continuous batching, mixed workload, and its decode-only steps
     t = time.perf_counter()
@@ -213,12 +231,17 @@ def main(argv=None) -> int:
 
     # 2. concurrency in the KV memory of a static cache, short prompts
     kv = kv_bytes_static(plan, args.static_batch, args.kv_seq)
-    llm = LLM(art, device=device, max_num_seqs=4096, max_num_batched_tokens=max(args.budget, 2048),
-              kv_cache_memory=kv / 2**30)
+    llm = LLM(
+        art, device=device, max_num_seqs=4096, max_num_batched_tokens=max(args.budget, 2048), kv_cache_memory=kv / 2**30
+    )
     short = [([1 + i % 97] * args.short_prompt, args.short_output) for i in range(16 * args.static_batch)]
     conc = run_llm(llm, short)
-    res["kv_concurrency"] = {"kv_bytes": kv, "static_batch": args.static_batch, "peak_running": conc["peak_running"],
-                             "ratio": conc["peak_running"] / args.static_batch}
+    res["kv_concurrency"] = {
+        "kv_bytes": kv,
+        "static_batch": args.static_batch,
+        "peak_running": conc["peak_running"],
+        "ratio": conc["peak_running"] / args.static_batch,
+    }
     del llm
     gc.collect()
     if device.type == "cuda":
@@ -239,10 +262,16 @@ def main(argv=None) -> int:
 
 
 def render(res: dict, tag: str) -> str:
-    lines = [f"## {tag}: {res['requests']} requests, prompts {res['prompt_lens']}, outputs {res['output_lens']}, "
-             f"budget {res['budget']} tokens/step, on {res['device']}",
-             "| | generated tok/s | all tok/s | wall s |", "|---|---|---|---|"]
-    for name, key in (("dsc.LLM (continuous batching)", "llm"), ("static generate, batches in arrival order", "static")):
+    lines = [
+        f"## {tag}: {res['requests']} requests, prompts {res['prompt_lens']}, outputs {res['output_lens']}, "
+        f"budget {res['budget']} tokens/step, on {res['device']}",
+        "| | generated tok/s | all tok/s | wall s |",
+        "|---|---|---|---|",
+    ]
+    for name, key in (
+        ("dsc.LLM (continuous batching)", "llm"),
+        ("static generate, batches in arrival order", "static"),
+    ):
         if key in res:
             r = res[key]
             lines.append(f"| {name} | {r['gen_tok_s']:.0f} | {r['all_tok_s']:.0f} | {r['wall_s']:.1f} |")
@@ -251,10 +280,14 @@ def render(res: dict, tag: str) -> str:
     steps = " | ".join(f"{n}: {ms:.3f}" for n, ms in res["decode_step_ms"].items())
     lines.append(f"decode-only step, ms by running sequences: {steps}")
     if "static_step_ms" in res:
-        lines.append(f"static decode step at batch {res['kv_concurrency']['static_batch']}: {res['static_step_ms']:.3f} ms")
+        lines.append(
+            f"static decode step at batch {res['kv_concurrency']['static_batch']}: {res['static_step_ms']:.3f} ms"
+        )
     c = res["kv_concurrency"]
-    lines.append(f"sequences at once in the KV memory of a {c['static_batch']}-row static cache: {c['peak_running']} "
-                 f"({c['ratio']:.1f}x)")
+    lines.append(
+        f"sequences at once in the KV memory of a {c['static_batch']}-row static cache: {c['peak_running']} "
+        f"({c['ratio']:.1f}x)"
+    )
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@
     python scripts/demo.py --out DIR            # its files under DIR instead of build/demo
     python scripts/demo.py --artifact ART       # skip the compile: ART is SmolLM2 compiled in fp32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,10 @@ def transformers_chat(gguf: Path, messages: list[dict], new_tokens: int) -> list
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id)  # stops at eos, as dsc does
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+        )  # stops at eos, as dsc does
+    return out[0, len(ids) :].tolist()
 
 
 def main() -> None:
@@ -83,8 +85,10 @@ def main() -> None:
     print(f"\ntransformers greedy: {want}\ndsc greedy:          {got}")
     if got != want:
         sys.exit("demo: FAILED, dsc and transformers disagree")
-    print(f"check against transformers: the same {len(got)} tokens, token for token "
-          f"({time.perf_counter() - t0:.0f} s in all)")
+    print(
+        f"check against transformers: the same {len(got)} tokens, token for token "
+        f"({time.perf_counter() - t0:.0f} s in all)"
+    )
 
 
 if __name__ == "__main__":

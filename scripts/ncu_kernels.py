@@ -12,6 +12,7 @@ only the timed launches. The sections that read the int8 and attention bottlenec
         --section SchedulerStats --section ComputeWorkloadAnalysis python3 scripts/ncu_kernels.py ...
     python3 scripts/ncu_kernels.py int8 --m 8 --smoke     # no profiler: the runner's code path
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import A, D, H, HKV, prefill_inputs, sdpa_backend  # noqa: E402  (loads the kernels by path)
 from bench_int8 import int8  # noqa: E402
+from bench_kernels import HKV, A, D, H, prefill_inputs, sdpa_backend  # noqa: E402  (loads the kernels by path)
 
 DTYPE = torch.bfloat16
 
@@ -66,6 +67,7 @@ def main() -> None:
         def fn():
             with sdpa_backend("CUDNN_ATTENTION"):
                 return torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True, scale=D**-0.5)
+
     for _ in range(3):
         fn()
     if args.smoke:

@@ -12,6 +12,7 @@ third (after the first window, which warms up) by more than --max-growth-mib, wh
 a failed request, or when KV blocks are in use at idle. Ends the server with SIGTERM and
 checks that it exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,11 @@ def _artifact(args, tmp: Path) -> Path:
 
 
 def _start(artifact: Path, device: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "dsc", "serve", str(artifact), "--port", "0", "--device", device],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsc", "serve", str(artifact), "--port", "0", "--device", device],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     m = re.search(r"on (http://\S+)/v1", line)
     if not m:
@@ -93,16 +97,31 @@ def soak(args) -> int:
         samples, bad = [], []
         try:
             for w in range(windows):
-                cfg = BenchConfig(url, [args.rate], max(1, round(args.rate * args.window)),
-                                  Lengths.parse(args.prompt_len, "--prompt-len"),
-                                  Lengths.parse(args.output_len, "--output-len"), args.vocab, seed=w)
+                cfg = BenchConfig(
+                    url,
+                    [args.rate],
+                    max(1, round(args.rate * args.window)),
+                    Lengths.parse(args.prompt_len, "--prompt-len"),
+                    Lengths.parse(args.output_len, "--output-len"),
+                    args.vocab,
+                    seed=w,
+                )
                 row = run(cfg)["results"][0]
-                s = {"window": w, "rss_mib": _rss_mib(proc.pid), "kv_blocks_used_idle": _kv_blocks_used(url),
-                     "completed": row["completed"], "failed": row["failed"],
-                     "output_tokens_per_s": row["output_tokens_per_s"], "e2e_p99_ms": row["e2e_ms"]["p99"]}
+                s = {
+                    "window": w,
+                    "rss_mib": _rss_mib(proc.pid),
+                    "kv_blocks_used_idle": _kv_blocks_used(url),
+                    "completed": row["completed"],
+                    "failed": row["failed"],
+                    "output_tokens_per_s": row["output_tokens_per_s"],
+                    "e2e_p99_ms": row["e2e_ms"]["p99"],
+                }
                 samples.append(s)
-                print(f"window {w}: rss {s['rss_mib']:.1f} MiB, kv blocks at idle {s['kv_blocks_used_idle']:.0f}, "
-                      f"{s['completed']} done, {s['failed']} failed, {s['output_tokens_per_s']:.1f} tok/s", flush=True)
+                print(
+                    f"window {w}: rss {s['rss_mib']:.1f} MiB, kv blocks at idle {s['kv_blocks_used_idle']:.0f}, "
+                    f"{s['completed']} done, {s['failed']} failed, {s['output_tokens_per_s']:.1f} tok/s",
+                    flush=True,
+                )
                 if s["failed"]:
                     bad.append(f"window {w}: {s['failed']} failed requests: {row['errors']}")
                 if s["kv_blocks_used_idle"]:
@@ -113,15 +132,18 @@ def soak(args) -> int:
     if rc != 0:
         bad.append(f"the server exited {rc} on SIGTERM")
     third = max(1, (len(samples) - 1) // 3)
-    first = statistics.median(s["rss_mib"] for s in samples[1:1 + third])
+    first = statistics.median(s["rss_mib"] for s in samples[1 : 1 + third])
     last = statistics.median(s["rss_mib"] for s in samples[-third:])
-    print(f"rss: first third {first:.1f} MiB, last third {last:.1f} MiB, growth {last - first:+.1f} MiB "
-          f"(limit {args.max_growth_mib} MiB) over {len(samples)} windows")
+    print(
+        f"rss: first third {first:.1f} MiB, last third {last:.1f} MiB, growth {last - first:+.1f} MiB "
+        f"(limit {args.max_growth_mib} MiB) over {len(samples)} windows"
+    )
     if last - first > args.max_growth_mib:
         bad.append(f"resident memory grew {last - first:.1f} MiB")
     if args.json:
-        args.json.write_text(json.dumps({"samples": samples, "growth_mib": last - first, "problems": bad}, indent=1)
-                             + "\n")
+        args.json.write_text(
+            json.dumps({"samples": samples, "growth_mib": last - first, "problems": bad}, indent=1) + "\n"
+        )
     for b in bad:
         print(f"FAIL: {b}")
     print("ok" if not bad else "soak failed")

@@ -12,6 +12,7 @@ graph replays (what a decode step runs), or from triton.testing.do_bench for eag
 On the CPU (the scripts' smoke runs) the same helpers time with perf_counter.
 The scripts run as `python scripts/X.py`, which puts this folder on sys.path; tests/gpu adds it.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -17,6 +17,7 @@ kept; other kernels' rows and other arches are untouched.
 Writes $OUT/tune_gemv.json (every time) and $OUT/tuning.json (the merged table; copy it to
 kernels/tuning.json), and prints a table with the achieved bandwidth of both.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,8 @@ import time
 from pathlib import Path
 
 import torch
-
-from timing import graph_us, median_s
 import torch.nn.functional as F
+from timing import graph_us, median_s
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,8 +48,12 @@ def linear_shapes(shape: str, tp: int) -> dict[str, tuple[int, int]]:
     hd = arch.head_dim(c)
     q, kv = arch.heads(c) * hd // tp, arch.kv_heads(c) * hd // min(tp, arch.kv_heads(c))
     if model_type == "gpt2":
-        out = {"c_attn": (3 * e // tp, e), "attn.c_proj": (e, e // tp), "c_fc": (4 * e // tp, e),
-               "mlp.c_proj": (e, 4 * e // tp)}
+        out = {
+            "c_attn": (3 * e // tp, e),
+            "attn.c_proj": (e, e // tp),
+            "c_fc": (4 * e // tp, e),
+            "mlp.c_proj": (e, 4 * e // tp),
+        }
     elif arch.family == "gpt2":  # LayerNorm, one up projection (Falcon, GPT-J, GPT-NeoX, ...)
         out = {"qkv": (q + 2 * kv, e), "o": (e, q), "up": (i // tp, e), "down": (e, i // tp)}
     else:
@@ -93,9 +97,12 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cuda; cpu only with --smoke under TRITON_INTERPRET=1")
     ap.add_argument("--smoke", action="store_true", help="one tiny shape, two candidates (code path only)")
-    ap.add_argument("--int8", action="store_true",
-                    help="tune the W8A16 GEMV (kernels/int8.py, per-channel int8 weights) instead: rows "
-                         "'w8a16_gemv' M1_N<n>_K<k> with the best config, timed against the current one")
+    ap.add_argument(
+        "--int8",
+        action="store_true",
+        help="tune the W8A16 GEMV (kernels/int8.py, per-channel int8 weights) instead: rows "
+        "'w8a16_gemv' M1_N<n>_K<k> with the best config, timed against the current one",
+    )
     args = ap.parse_args()
     from dsc.kernels import linear as L
     from dsc.kernels.launch import TUNING_FILE, arch_of
@@ -118,8 +125,11 @@ def main() -> int:
     if args.int8:
         return tune_int8(args, jobs, table, arch, dev, graphs)
     seen: dict[tuple, dict] = {}
-    print(f"{'linear':<28} {'N x K':>14} {'MB':>7} {'cuBLAS us':>10} {'TB/s':>5} {'gemv us':>8} {'TB/s':>5} "
-          f"{'speedup':>7}  config", flush=True)
+    print(
+        f"{'linear':<28} {'N x K':>14} {'MB':>7} {'cuBLAS us':>10} {'TB/s':>5} {'gemv us':>8} {'TB/s':>5} "
+        f"{'speedup':>7}  config",
+        flush=True,
+    )
     t0 = time.perf_counter()
     for label, (n, k), dtype in jobs:
         key = (n, k, dtype)
@@ -127,7 +137,7 @@ def main() -> int:
             nbytes = n * k * dtype.itemsize
             ncopy = 1 if args.smoke else max(2, min(256, (1 << 30) // nbytes))
             g = torch.Generator(device=dev).manual_seed(0)
-            copies = [torch.randn(n, k, generator=g, device=dev).div_(k ** 0.5).to(dtype) for _ in range(ncopy)]
+            copies = [torch.randn(n, k, generator=g, device=dev).div_(k**0.5).to(dtype) for _ in range(ncopy)]
             x = torch.randn(1, k, generator=g, device=dev).to(dtype)
             cublas = time_calls(lambda x, w: F.linear(x, w), copies, x, graphs)
             cands = list(candidates(k))[: 2 if args.smoke else None]
@@ -142,29 +152,48 @@ def main() -> int:
             err = ((L.gemv(x, copies[0], None, cfg).float() - ref).norm() / ref.norm()).item()
             if err > 1e-2:
                 raise SystemExit(f"{label}: the GEMV with {cfg} is wrong (relative error {err:.2e})")
-            seen[key] = {"N": n, "K": k, "dtype": str(dtype).removeprefix("torch."), "MB": nbytes / 1e6,
-                         "cublas_us": cublas, "gemv_us": us, "config": cfg, "rel_err": err,
-                         "all": [{"us": t, **c} for t, c in times]}
+            seen[key] = {
+                "N": n,
+                "K": k,
+                "dtype": str(dtype).removeprefix("torch."),
+                "MB": nbytes / 1e6,
+                "cublas_us": cublas,
+                "gemv_us": us,
+                "config": cfg,
+                "rel_err": err,
+                "all": [{"us": t, **c} for t, c in times],
+            }
             del copies
         r = seen[key]
         results.append({"linear": label, **r})
-        bw = lambda us: r["MB"] / us  # MB/us = TB/s
-        print(f"{label:<28} {f'{n} x {k}':>14} {r['MB']:7.1f} {r['cublas_us']:10.2f} {bw(r['cublas_us']):5.2f} "
-              f"{r['gemv_us']:8.2f} {bw(r['gemv_us']):5.2f} {r['cublas_us'] / r['gemv_us']:6.2f}x  {r['config']}",
-              flush=True)
+
+        def bw(us):
+            return r["MB"] / us  # MB/us = TB/s
+
+        print(
+            f"{label:<28} {f'{n} x {k}':>14} {r['MB']:7.1f} {r['cublas_us']:10.2f} {bw(r['cublas_us']):5.2f} "
+            f"{r['gemv_us']:8.2f} {bw(r['gemv_us']):5.2f} {r['cublas_us'] / r['gemv_us']:6.2f}x  {r['config']}",
+            flush=True,
+        )
     for r in seen.values():
         shape_class = f"N{r['N']}_K{r['K']}"
         if r["gemv_us"] < 0.97 * r["cublas_us"]:
             # EARLY (K-blocks loaded before the PDL wait) is measured in decode steps, not here: kept
             early = {key: v for key, v in rows.get(shape_class, {}).items() if key == "EARLY"}
-            rows[shape_class] = {**r["config"], "us": round(r["gemv_us"], 2), "cublas_us": round(r["cublas_us"], 2),
-                                 **early}
+            rows[shape_class] = {
+                **r["config"],
+                "us": round(r["gemv_us"], 2),
+                "cublas_us": round(r["cublas_us"], 2),
+                **early,
+            }
         else:
             rows.pop(shape_class, None)
     table[arch]["gemv"] = dict(sorted(rows.items()))
     out = write_outputs(args.out, "tune_gemv.json", dev, results, table)
-    print(f"{len(seen)} shapes in {time.perf_counter() - t0:.0f}s; rows written for "
-          f"{sum(r['gemv_us'] < 0.97 * r['cublas_us'] for r in seen.values())}: {out / 'tuning.json'}")
+    print(
+        f"{len(seen)} shapes in {time.perf_counter() - t0:.0f}s; rows written for "
+        f"{sum(r['gemv_us'] < 0.97 * r['cublas_us'] for r in seen.values())}: {out / 'tuning.json'}"
+    )
     return 0
 
 
@@ -172,9 +201,16 @@ def int8_candidates(k: int):
     for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096), (2, 4, 8)):
         per_thread = bn * bk // (32 * w)  # int8 weights per thread per K-block
         if 16 <= per_thread <= 64 and bk <= max(512, 1 << (k - 1).bit_length()):
-            for x_row in ((False, True) if bn > 1 else (False,)):
-                yield {"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": False, "FAST_CVT": True, "num_warps": w,
-                       "num_stages": 1, **({"X_ROW": True} if x_row else {})}
+            for x_row in (False, True) if bn > 1 else (False,):
+                yield {
+                    "BLOCK_N": bn,
+                    "BLOCK_K": bk,
+                    "PREFETCH": False,
+                    "FAST_CVT": True,
+                    "num_warps": w,
+                    "num_stages": 1,
+                    **({"X_ROW": True} if x_row else {}),
+                }
 
 
 def tune_int8(args, jobs, table, arch, dev, graphs) -> int:
@@ -184,19 +220,26 @@ def tune_int8(args, jobs, table, arch, dev, graphs) -> int:
 
     rows = table.setdefault(arch, {}).setdefault("w8a16_gemv", {})
     results, seen = [], {}
-    print(f"{'linear':<28} {'N x K':>14} {'MB':>7} {'current us':>10} {'TB/s':>5} {'best us':>8} {'TB/s':>5} "
-          f"{'speedup':>7}  config", flush=True)
+    print(
+        f"{'linear':<28} {'N x K':>14} {'MB':>7} {'current us':>10} {'TB/s':>5} {'best us':>8} {'TB/s':>5} "
+        f"{'speedup':>7}  config",
+        flush=True,
+    )
     for label, (n, k), dtype in jobs:
         if (n, k) not in seen:
             ncopy = 1 if args.smoke else max(2, min(256, (1 << 30) // (n * k)))
             g = torch.Generator(device=dev).manual_seed(0)
             w = torch.randn(n, k, generator=g, device=dev)
             p = I.quantize_weight(w)
-            copies = [p["qweight"]] + [p["qweight"][torch.randperm(n, device=dev, generator=g)]
-                                       for _ in range(ncopy - 1)]
+            copies = [p["qweight"]] + [
+                p["qweight"][torch.randperm(n, device=dev, generator=g)] for _ in range(ncopy - 1)
+            ]
             scale = p["scale"]
             x = torch.randn(1, k, generator=g, device=dev).to(dtype)
-            run = lambda x, q, c: I.w8a16_matmul(x, q, scale, None, None, k, kernel="w8a16_gemv", config=c)
+
+            def run(x, q, c):
+                return I.w8a16_matmul(x, q, scale, None, None, k, kernel="w8a16_gemv", config=c)
+
             current = dict(I.int8_config("w8a16_gemv", 1, n, k, 0, arch))
             cur_us = time_calls(lambda x, q: run(x, q, current), copies, x, graphs)
             times = []
@@ -210,14 +253,24 @@ def tune_int8(args, jobs, table, arch, dev, graphs) -> int:
             err = ((run(x, copies[0], cfg).float() - ref).norm() / ref.norm()).item()
             if err > 1e-2:
                 raise SystemExit(f"{label}: the W8A16 GEMV with {cfg} is wrong (relative error {err:.2e})")
-            seen[(n, k)] = {"N": n, "K": k, "MB": n * k / 1e6, "current_us": cur_us, "best_us": us, "config": cfg,
-                            "rel_err": err, "all": [{"us": t, **c} for t, c in times]}
+            seen[(n, k)] = {
+                "N": n,
+                "K": k,
+                "MB": n * k / 1e6,
+                "current_us": cur_us,
+                "best_us": us,
+                "config": cfg,
+                "rel_err": err,
+                "all": [{"us": t, **c} for t, c in times],
+            }
             del copies
         r = seen[(n, k)]
         results.append({"linear": label, **r})
-        print(f"{label:<28} {f'{n} x {k}':>14} {r['MB']:7.1f} {r['current_us']:10.2f} {r['MB'] / r['current_us']:5.2f} "
-              f"{r['best_us']:8.2f} {r['MB'] / r['best_us']:5.2f} {r['current_us'] / r['best_us']:6.2f}x  {r['config']}",
-              flush=True)
+        print(
+            f"{label:<28} {f'{n} x {k}':>14} {r['MB']:7.1f} {r['current_us']:10.2f} {r['MB'] / r['current_us']:5.2f} "
+            f"{r['best_us']:8.2f} {r['MB'] / r['best_us']:5.2f} {r['current_us'] / r['best_us']:6.2f}x  {r['config']}",
+            flush=True,
+        )
     for r in seen.values():  # the config only: int8_config passes every key to the kernel
         rows[f"M1_N{r['N']}_K{r['K']}"] = dict(r["config"])
     table[arch]["w8a16_gemv"] = dict(sorted(rows.items()))

@@ -15,6 +15,7 @@ read the same table, so recompile artifacts after a retune to refresh their plan
 Writes --out (default: $OUT/tuning.json when OUT is set, else kernels/tuning.json) and prints
 every candidate's time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from timing import bench_ms, checkout_modules
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +40,11 @@ def candidates(kernel: str, width: int):
         block = LAUNCH.next_power_of_2(width)
         return [{"num_warps": w} for w in WARPS + (32,) if w * 32 <= block]
     if kernel in ("swiglu", "gelu"):
-        return [{"BLOCK": b, "num_warps": w} for b, w in itertools.product((256, 512, 1024, 2048, 4096), WARPS)
-                if w * 32 <= b]
+        return [
+            {"BLOCK": b, "num_warps": w}
+            for b, w in itertools.product((256, 512, 1024, 2048, 4096), WARPS)
+            if w * 32 <= b
+        ]
     if kernel == "rotary":
         return [{"BLOCK_H": h, "num_warps": w} for h, w in itertools.product((1, 2, 4, 8, 16, 32), (1, 2, 4, 8))]
     raise ValueError(kernel)
@@ -54,11 +57,16 @@ def runner(kernel: str, width: int, rows: int, dtype, device):
         x, res, w, b = r(rows, width), r(rows, width), r(width), r(width)
         kind = "rms" if kernel == "add_rmsnorm" else "layer"
         block = LAUNCH.next_power_of_2(width)
-        return (lambda c: NORM.add_norm_triton(kind, x, res, w, b if kind == "layer" else None, 1e-5,
-                                               config={"BLOCK_N": block, **c})), f"N{block}"
+        return (
+            lambda c: NORM.add_norm_triton(
+                kind, x, res, w, b if kind == "layer" else None, 1e-5, config={"BLOCK_N": block, **c}
+            )
+        ), f"N{block}"
     if kernel == "swiglu":
         gu = r(rows, 2 * width)
-        return (lambda c: ACT.swiglu_triton(gu[:, :width], gu[:, width:], config=c)), f"N{LAUNCH.next_power_of_2(width)}"
+        return (
+            lambda c: ACT.swiglu_triton(gu[:, :width], gu[:, width:], config=c)
+        ), f"N{LAUNCH.next_power_of_2(width)}"
     if kernel == "gelu":
         x = r(rows, width)
         return (lambda c: ACT.gelu_triton(x, "tanh", config=c)), f"N{LAUNCH.next_power_of_2(width)}"
@@ -66,9 +74,11 @@ def runner(kernel: str, width: int, rows: int, dtype, device):
         H, HKV, D = 32, 8, width
         qkv = r(1, rows, (H + 2 * HKV) * D)
         q = qkv[..., : H * D].view(1, rows, H, D).transpose(1, 2)
-        k = qkv[..., H * D: (H + HKV) * D].view(1, rows, HKV, D).transpose(1, 2)
+        k = qkv[..., H * D : (H + HKV) * D].view(1, rows, HKV, D).transpose(1, 2)
         cos, sin = r(1, rows, D), r(1, rows, D)
-        return (lambda c: ROT.rotary_triton(q, k, cos, sin, config={"BLOCK_D": LAUNCH.next_power_of_2(D // 2), **c})), f"D{D}"
+        return (
+            lambda c: ROT.rotary_triton(q, k, cos, sin, config={"BLOCK_D": LAUNCH.next_power_of_2(D // 2), **c})
+        ), f"D{D}"
     raise ValueError(kernel)
 
 
@@ -100,7 +110,9 @@ def main() -> int:
     arch = LAUNCH.arch_of(torch.device(device)) if device == "cuda" else "default"
     widths = SMOKE_WIDTHS if args.smoke else WIDTHS
     only = set(filter(None, args.only.split(","))) or set(widths)
-    out_path = Path(args.out or (Path(os.environ["OUT"]) / "tuning.json" if os.environ.get("OUT") else LAUNCH.TUNING_FILE))
+    out_path = Path(
+        args.out or (Path(os.environ["OUT"]) / "tuning.json" if os.environ.get("OUT") else LAUNCH.TUNING_FILE)
+    )
     table = json.loads(LAUNCH.TUNING_FILE.read_text())
     tuned: dict[str, dict] = {}
     log = []
@@ -116,20 +128,42 @@ def main() -> int:
             pick = min(near, key=t_small.__getitem__)
             tuned.setdefault(kernel, {})[key] = cands[pick]
             for i, c in enumerate(cands):
-                log.append({"kernel": kernel, "width": width, "class": key, "config": c, "ms": t_big[i],
-                            "decode_ms": t_small.get(i), "picked": i == pick})
-            print(f"{kernel:14s} {key:7s} width {width:6d}: {cands[pick]}  {t_big[pick]:.3f} ms "
-                  f"(worst candidate {max(t_big.values()):.3f} ms)", flush=True)
-            del big, small
+                log.append(
+                    {
+                        "kernel": kernel,
+                        "width": width,
+                        "class": key,
+                        "config": c,
+                        "ms": t_big[i],
+                        "decode_ms": t_small.get(i),
+                        "picked": i == pick,
+                    }
+                )
+            print(
+                f"{kernel:14s} {key:7s} width {width:6d}: {cands[pick]}  {t_big[pick]:.3f} ms "
+                f"(worst candidate {max(t_big.values()):.3f} ms)",
+                flush=True,
+            )
+            big = small = None  # frees their buffers (the timing lambdas hold the names)
     section = table.setdefault(arch, {})
     for kernel, classes in tuned.items():
         section.setdefault(kernel, {}).update(classes)
     table[arch] = {k: dict(sorted(v.items(), key=lambda kv: (len(kv[0]), kv[0]))) for k, v in sorted(section.items())}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(table, indent=1) + "\n")
-    (out_path.parent / "tune_kernels_log.json").write_text(json.dumps(
-        {"arch": arch, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": args.rows,
-         "decode_rows": args.decode_rows, "dtype": args.dtype, "candidates": log}, indent=1))
+    (out_path.parent / "tune_kernels_log.json").write_text(
+        json.dumps(
+            {
+                "arch": arch,
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "rows": args.rows,
+                "decode_rows": args.decode_rows,
+                "dtype": args.dtype,
+                "candidates": log,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out_path} ({arch})")
     return 0
 

@@ -15,6 +15,7 @@ streams in flight never wait for one. When shutdown's timeout passes (`Server.be
 the requests still open end with a 503 error: a stream's last events are the error and
 `data: [DONE]`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,8 @@ import secrets
 import time
 import uuid
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,24 +42,33 @@ _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type_: str = "invalid_request_error", headers: Optional[dict] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(P.error_body(self.message, self.type, self.param, self.code), self.status,
-                            headers=self.headers)
+        return JSONResponse(
+            P.error_body(self.message, self.type, self.param, self.code), self.status, headers=self.headers
+        )
 
 
 @dataclass
 class _Track:
     """One engine request seen from the HTTP side: for metrics and for streaming deltas."""
+
     prompt_index: int
     arrival: float
     seqs: int = 1  # the engine sequences it runs (its n)
-    last: Optional[float] = None
+    last: float | None = None
     tokens: int = 0
     finished: bool = False
     sent: dict = field(default_factory=dict)  # choice index -> (chars sent, tokens sent)
@@ -67,8 +77,13 @@ class _Track:
 class Server:
     """The app's state: the driver, the served name, the queue limit, the metrics."""
 
-    def __init__(self, driver: EngineDriver, served_model_name: Optional[str] = None, max_queue: int = 1024,
-                 retry_after_s: int = 1):
+    def __init__(
+        self,
+        driver: EngineDriver,
+        served_model_name: str | None = None,
+        max_queue: int = 1024,
+        retry_after_s: int = 1,
+    ):
         self.driver = driver
         self.engine = driver.engine
         self.model_name = served_model_name or self.engine.model_name
@@ -80,7 +95,7 @@ class Server:
         sched = getattr(self.engine, "scheduler", self.engine)
         self.max_num_seqs = int(getattr(sched, "max_num_seqs", 1))
         self.kind = getattr(self.engine, "kind", "decoder")  # "encoder": an embedding model
-        self.open: "weakref.WeakSet[_Outputs]" = weakref.WeakSet()  # requests not finished
+        self.open: weakref.WeakSet[_Outputs] = weakref.WeakSet()  # requests not finished
         self.closing = False
 
     # -- shutdown ---------------------------------------------------------------------------------
@@ -95,15 +110,21 @@ class Server:
             outs.queue.put_nowait((None, _CUT))
 
     # -- admission --------------------------------------------------------------------------------
-    def check_model(self, model: Optional[str], kind: str = "decoder") -> None:
+    def check_model(self, model: str | None, kind: str = "decoder") -> None:
         """The request names the served model (or none), and the endpoint serves its kind."""
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"model: {model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"model: {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
         if kind != self.kind:
-            what = ("an embedding (encoder) model: it serves /v1/embeddings only" if self.kind == "encoder"
-                    else "a text-generation model: it serves /v1/completions and /v1/chat/completions, "
-                         "not /v1/embeddings")
+            what = (
+                "an embedding (encoder) model: it serves /v1/embeddings only"
+                if self.kind == "encoder"
+                else "a text-generation model: it serves /v1/completions and /v1/chat/completions, not /v1/embeddings"
+            )
             raise ApiError(400, f"model: {self.model_name!r} is {what}", "model", "model_not_supported")
 
     def waiting(self) -> int:
@@ -120,10 +141,16 @@ class Server:
         if self.closing:
             raise ApiError(503, "the server is shutting down", None, "server_shutting_down", "server_error")
         if self.waiting() + count > self.max_queue:
-            raise ApiError(429, f"the request queue is full ({self.max_queue} waiting, --max-queue); retry later",
-                           None, "queue_full", "rate_limit_error", {"Retry-After": str(self.retry_after_s)})
+            raise ApiError(
+                429,
+                f"the request queue is full ({self.max_queue} waiting, --max-queue); retry later",
+                None,
+                "queue_full",
+                "rate_limit_error",
+                {"Retry-After": str(self.retry_after_s)},
+            )
 
-    async def submit(self, prompts: list, fields: dict) -> "_Outputs":
+    async def submit(self, prompts: list, fields: dict) -> _Outputs:
         """Add one engine request per prompt; return once the engine took them all, or raise
         ApiError(400) for the first one it refused (the others are aborted); 503 when the
         engine has stopped."""
@@ -139,8 +166,12 @@ class Server:
                 rid = f"{base}-{i}"
                 outs.track[rid] = _Track(i, time.perf_counter(), seqs=fields.get("n", 1))
                 self.in_flight += fields.get("n", 1)
-                self.driver.add(rid, prompt, fields, lambda item, rid=rid: loop.call_soon_threadsafe(
-                    outs.queue.put_nowait, (rid, item)))
+                self.driver.add(
+                    rid,
+                    prompt,
+                    fields,
+                    lambda item, rid=rid: loop.call_soon_threadsafe(outs.queue.put_nowait, (rid, item)),
+                )
             await outs.wait_accepted()
         except BaseException:
             outs.abort()
@@ -223,8 +254,13 @@ class _Outputs:
 
 
 def _shutdown_error() -> ApiError:
-    return ApiError(503, "the server is shutting down and its --shutdown-timeout has passed; request aborted",
-                    None, "server_shutting_down", "server_error")
+    return ApiError(
+        503,
+        "the server is shutting down and its --shutdown-timeout has passed; request aborted",
+        None,
+        "server_shutting_down",
+        "server_error",
+    )
 
 
 def _as_api_error(item: BaseException) -> ApiError:
@@ -232,8 +268,9 @@ def _as_api_error(item: BaseException) -> ApiError:
         msg = str(item)
         head = msg.split(":", 1)[0].strip()
         return ApiError(400, msg, head if head.isidentifier() else None)
-    return ApiError(500, f"the engine failed on this request: {type(item).__name__}: {item}", None, None,
-                    "server_error")
+    return ApiError(
+        500, f"the engine failed on this request: {type(item).__name__}: {item}", None, None, "server_error"
+    )
 
 
 # -- the endpoints' bodies ------------------------------------------------------------------------
@@ -254,9 +291,14 @@ def _chat_logprobs(server: Server, c, start: int, top_n: int) -> P.ChatLogprobs:
         s = server.token_str(tid)
         return dict(token=s, logprob=lp, bytes=list(s.encode()))
 
-    return P.ChatLogprobs(content=[
-        P.TokenLogprob(**entry(tid, lps[tid]), top_logprobs=[P.TopLogprob(**entry(t, lp)) for t, lp in _top(lps, top_n)])
-        for tid, lps in zip(c.token_ids[start:], c.logprobs[start:])])
+    return P.ChatLogprobs(
+        content=[
+            P.TokenLogprob(
+                **entry(tid, lps[tid]), top_logprobs=[P.TopLogprob(**entry(t, lp)) for t, lp in _top(lps, top_n)]
+            )
+            for tid, lps in zip(c.token_ids[start:], c.logprobs[start:])
+        ]
+    )
 
 
 def _safe_end(text: str, stops: list) -> int:
@@ -274,9 +316,10 @@ def _top(lps: dict, n: int) -> list:
 @dataclass
 class _Shape:
     """What differs between the completions and the chat endpoints' bodies."""
+
     chat: bool
     n: int
-    logprobs: Optional[int]  # top-N asked for; None: no logprobs
+    logprobs: int | None  # top-N asked for; None: no logprobs
     stops: list = field(default_factory=list)
     token_ids: bool = False  # return_token_ids
 
@@ -290,10 +333,17 @@ class _Shape:
         text = c.text[chars:end]
         lp = None
         if self.logprobs is not None and c.logprobs is not None:
-            lp = (_chat_logprobs(server, c, ntok, self.logprobs) if self.chat
-                  else _completion_logprobs(server, c, ntok, self.logprobs, chars))
-        common = dict(index=index, logprobs=lp, finish_reason=c.finish_reason,
-                      token_ids=list(c.token_ids[ntok:]) if self.token_ids else None)
+            lp = (
+                _chat_logprobs(server, c, ntok, self.logprobs)
+                if self.chat
+                else _completion_logprobs(server, c, ntok, self.logprobs, chars)
+            )
+        common = dict(
+            index=index,
+            logprobs=lp,
+            finish_reason=c.finish_reason,
+            token_ids=list(c.token_ids[ntok:]) if self.token_ids else None,
+        )
         if not self.chat:
             return P.CompletionChoice(text=text, **common)
         if stream:
@@ -302,19 +352,25 @@ class _Shape:
 
     def body(self, rid: str, created: int, model: str, choices: list, usage=None, chunk: bool = False):
         if self.chat:
-            return P.ChatCompletionResponse(id=rid, object="chat.completion.chunk" if chunk else "chat.completion",
-                                            created=created, model=model, choices=choices, usage=usage)
+            return P.ChatCompletionResponse(
+                id=rid,
+                object="chat.completion.chunk" if chunk else "chat.completion",
+                created=created,
+                model=model,
+                choices=choices,
+                usage=usage,
+            )
         return P.CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
 
 
-async def _respond(server: Server, request: Request, req: P._Sampling, prompts: list, fields: dict,
-                   shape: _Shape):
+async def _respond(server: Server, request: Request, req: P._Sampling, prompts: list, fields: dict, shape: _Shape):
     outs = await server.submit(prompts, fields)
     rid, created = f"{'chatcmpl' if shape.chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(server, outs, shape, rid, created, include_usage),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(server, outs, shape, rid, created, include_usage), media_type="text/event-stream"
+        )
     return await _unless_disconnected(request, _collect(server, outs, shape, rid, created), outs)
 
 
@@ -352,17 +408,23 @@ async def _unless_disconnected(request: Request, work, outs: _Outputs, poll_s: f
 
 async def _stream(server: Server, outs: _Outputs, shape: _Shape, rid: str, created: int, include_usage: bool):
     """Server-sent events: a chunk per engine output, then usage if asked for, then [DONE]."""
+
     def event(body) -> str:
         return f"data: {body.model_dump_json()}\n\n"
 
     try:
         if shape.chat:  # OpenAI's first chat chunk carries the role
-            first = [P.ChatStreamChoice(index=i, delta=P.ChatResponseMessage(role="assistant", content=""))
-                     for i in range(len(outs.track) * shape.n)]
+            first = [
+                P.ChatStreamChoice(index=i, delta=P.ChatResponseMessage(role="assistant", content=""))
+                for i in range(len(outs.track) * shape.n)
+            ]
             yield event(shape.body(rid, created, server.model_name, first, chunk=True))
         async for t, out in outs:
-            choices = [shape.choice(server, t, c, stream=True) for c in out.outputs
-                       if c.finish_reason is not None or len(c.token_ids) > t.sent.get(c.index, (0, 0))[1]]
+            choices = [
+                shape.choice(server, t, c, stream=True)
+                for c in out.outputs
+                if c.finish_reason is not None or len(c.token_ids) > t.sent.get(c.index, (0, 0))[1]
+            ]
             if choices:
                 yield event(shape.body(rid, created, server.model_name, choices, chunk=True))
         if include_usage:
@@ -388,8 +450,12 @@ def _embedding_inputs(server: Server, inputs: list) -> list[list[int]]:
         except UserError as e:
             raise ApiError(400, f"{where}: {str(e).split(': ', 1)[-1]}", "input") from None
         if len(ids) > server.engine.max_model_len:
-            raise ApiError(400, f"{where}: {len(ids)} tokens; this model's maximum is "
-                                f"{server.engine.max_model_len}", "input", "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"{where}: {len(ids)} tokens; this model's maximum is {server.engine.max_model_len}",
+                "input",
+                "context_length_exceeded",
+            )
         out.append(ids)
     return out
 
@@ -412,14 +478,21 @@ async def _collect_embeddings(server: Server, outs: _Outputs, encoding_format: s
 
     data = [P.Embedding(index=i, embedding=encoded(v)) for i, v in sorted(final.items())]
     tokens = sum(outs.prompt_tokens.values())
-    body = P.EmbeddingResponse(data=data, model=server.model_name,
-                               usage=P.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    body = P.EmbeddingResponse(
+        data=data, model=server.model_name, usage=P.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+    )
     return JSONResponse(body.model_dump())
 
 
 # -- the app ----------------------------------------------------------------------------------------
-def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-               max_queue: int = 1024, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(
+    driver: EngineDriver,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_queue: int = 1024,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
     server = Server(driver, served_model_name, max_queue)
     app = FastAPI(title="dsc", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -428,8 +501,12 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
 
     @v1.get("/models")
     async def models():
-        card = P.ModelCard(id=server.model_name, created=server.created, max_model_len=server.engine.max_model_len,
-                           vocab_size=server.engine.vocab_size)
+        card = P.ModelCard(
+            id=server.model_name,
+            created=server.created,
+            max_model_len=server.engine.max_model_len,
+            vocab_size=server.engine.vocab_size,
+        )
         return P.ModelList(data=[card]).model_dump()
 
     def check_limits(req: P._Sampling) -> None:
@@ -452,11 +529,16 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
         check_limits(req)
         server.check_queue(req.n)  # before the render: a full server refuses at once
         try:  # in a worker thread: the render waits on the template's sandboxed process, not the loop
-            prompt = await asyncio.to_thread(server.engine.apply_chat_template,
-                                             [m.as_template_input() for m in req.messages], **req.template_inputs())
+            prompt = await asyncio.to_thread(
+                server.engine.apply_chat_template,
+                [m.as_template_input() for m in req.messages],
+                **req.template_inputs(),
+            )
         except UserError as e:
             head = str(e).split(":", 1)[0]
-            raise ApiError(400, str(e), head if head in ("tools", "documents", "chat_template_kwargs") else "messages")
+            raise ApiError(
+                400, str(e), head if head in ("tools", "documents", "chat_template_kwargs") else "messages"
+            ) from None
         top = (req.top_logprobs or 0) if req.logprobs else None
         # no max_tokens: as many as the context leaves (OpenAI's chat default; the engine's None)
         fields = dict(req.sampling_fields(), max_tokens=req.requested_max_tokens(), logprobs=top)
@@ -467,8 +549,12 @@ def create_app(driver: EngineDriver, *, served_model_name: Optional[str] = None,
     async def embeddings(req: P.EmbeddingRequest, request: Request):
         server.check_model(req.model, "encoder")
         if req.dimensions is not None:
-            raise ApiError(400, f"dimensions: {server.model_name!r} returns {server.engine.hidden_size} dimensions "
-                                "and does not support shortened embeddings", "dimensions")
+            raise ApiError(
+                400,
+                f"dimensions: {server.model_name!r} returns {server.engine.hidden_size} dimensions "
+                "and does not support shortened embeddings",
+                "dimensions",
+            )
         inputs = req.inputs()
         server.check_queue(len(inputs))  # before tokenizing: a full server refuses at once
         prompts = await asyncio.to_thread(_embedding_inputs, server, inputs)
@@ -496,8 +582,8 @@ def _require_key(api_key: str):
     async def check(request: Request) -> None:
         given = request.headers.get("authorization", "").encode()
         if not secrets.compare_digest(given, expected):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
-                           "invalid_api_key")
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key")
+
     return check
 
 
@@ -521,7 +607,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return ApiError(500, f"internal error: {type(e).__name__}", None, None, "server_error").response()
 
 
-def _describe(errors) -> tuple[Optional[str], str]:
+def _describe(errors) -> tuple[str | None, str]:
     """pydantic's first error as (the field, one line naming it)."""
     err = errors[0] if errors else {}
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
@@ -602,4 +688,5 @@ def _replay(body: bytes, receive):
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
+
     return wrapped

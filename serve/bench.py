@@ -19,6 +19,7 @@ outputs of 128 tokens each, or half of max_model_len each when that is smaller; 
 `--offline ARTIFACT` also runs the same requests through `dsc.LLM` in this process, all at
 once, for the throughput the server's saturated rate is compared with.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,9 +28,9 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
 
 from dsc.errors import UserError
 
@@ -37,13 +38,14 @@ from dsc.errors import UserError
 @dataclass(frozen=True)
 class Lengths:
     """A distribution of token counts: values (uniform choice) or an inclusive range."""
+
     spec: str
     lo: int
     hi: int
     values: tuple = ()
 
     @classmethod
-    def parse(cls, spec: str, flag: str) -> "Lengths":
+    def parse(cls, spec: str, flag: str) -> Lengths:
         try:
             if ":" in spec:
                 lo, hi = (int(x) for x in spec.split(":"))
@@ -66,10 +68,10 @@ class BenchConfig:
     url: str
     rates: list  # requests per second; math.inf: all at once
     num_requests: int = 100
-    prompt_len: Optional[Lengths] = None  # None: DEFAULT_LEN, or half the model's max length
-    output_len: Optional[Lengths] = None
-    vocab: Optional[int] = None  # prompt token ids are drawn from [10, vocab); None: the model's
-    model: Optional[str] = None  # None: the server's first model
+    prompt_len: Lengths | None = None  # None: DEFAULT_LEN, or half the model's max length
+    output_len: Lengths | None = None
+    vocab: int | None = None  # prompt token ids are drawn from [10, vocab); None: the model's
+    model: str | None = None  # None: the server's first model
     api_key: str = "none"
     seed: int = 0
     timeout_s: float = 600.0
@@ -92,27 +94,33 @@ DEFAULT_LEN = 128  # prompt and output tokens when not given
 FALLBACK_VOCAB = 1000  # prompt ids below this when the server does not report its vocabulary
 
 
-def fit(cfg: BenchConfig, vocab: Optional[int], max_model_len: Optional[int], where: str) -> BenchConfig:
+def fit(cfg: BenchConfig, vocab: int | None, max_model_len: int | None, where: str) -> BenchConfig:
     """cfg for a model of this vocabulary and max length (None: unknown): the lengths not given
     fitted to it, the given ones and --vocab checked against it."""
     if cfg.vocab is not None and vocab and cfg.vocab > vocab:
         raise UserError(f"--vocab {cfg.vocab}: {where} has a vocabulary of {vocab} token ids")
     use_vocab = cfg.vocab or vocab or FALLBACK_VOCAB
     if use_vocab <= 10:
-        raise UserError(f"--vocab: prompt ids are drawn from [10, vocab), so it must be > 10, got {use_vocab}"
-                        + ("" if cfg.vocab else f" (the vocabulary of {where})"))
+        raise UserError(
+            f"--vocab: prompt ids are drawn from [10, vocab), so it must be > 10, got {use_vocab}"
+            + ("" if cfg.vocab else f" (the vocabulary of {where})")
+        )
     prompt, output = cfg.prompt_len, cfg.output_len
     if max_model_len:
         if prompt is None:
             prompt = Lengths.parse(str(max(1, min(DEFAULT_LEN, max_model_len // 2))), "--prompt-len")
         if prompt.hi >= max_model_len:
-            raise UserError(f"--prompt-len {prompt.spec}: {where} takes prompts of at most {max_model_len - 1} "
-                            f"tokens (max_model_len {max_model_len})")
+            raise UserError(
+                f"--prompt-len {prompt.spec}: {where} takes prompts of at most {max_model_len - 1} "
+                f"tokens (max_model_len {max_model_len})"
+            )
         if output is None:
             output = Lengths.parse(str(min(DEFAULT_LEN, max_model_len - prompt.hi)), "--output-len")
         if prompt.hi + output.hi > max_model_len:
-            raise UserError(f"--prompt-len {prompt.spec}, --output-len {output.spec}: the longest request "
-                            f"({prompt.hi} + {output.hi} tokens) exceeds the max_model_len {max_model_len} of {where}")
+            raise UserError(
+                f"--prompt-len {prompt.spec}, --output-len {output.spec}: the longest request "
+                f"({prompt.hi} + {output.hi} tokens) exceeds the max_model_len {max_model_len} of {where}"
+            )
     default = Lengths.parse(str(DEFAULT_LEN), "--prompt-len")
     return replace(cfg, vocab=use_vocab, prompt_len=prompt or default, output_len=output or default)
 
@@ -121,8 +129,10 @@ def workload(cfg: BenchConfig) -> list[tuple[list[int], int]]:
     """The (prompt token ids, output length) of every request: the same at every rate (cfg as
     `fit` returns it)."""
     rng = random.Random(cfg.seed)
-    return [([rng.randrange(10, cfg.vocab) for _ in range(cfg.prompt_len.draw(rng))], cfg.output_len.draw(rng))
-            for _ in range(cfg.num_requests)]
+    return [
+        ([rng.randrange(10, cfg.vocab) for _ in range(cfg.prompt_len.draw(rng))], cfg.output_len.draw(rng))
+        for _ in range(cfg.num_requests)
+    ]
 
 
 def arrivals(rate: float, n: int, seed: int) -> list[float]:
@@ -142,8 +152,14 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int, at: float
     last = None
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         async for chunk in stream:
             if chunk.usage is not None:
                 res.completion_tokens = chunk.usage.completion_tokens
@@ -172,6 +188,7 @@ def _percentiles(xs: list[float]) -> dict:
 
     def q(p):  # nearest rank
         return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))] * 1e3
+
     return {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "mean": sum(s) / len(s) * 1e3}
 
 
@@ -180,12 +197,16 @@ def summarize(rate: float, results: list[RequestResult], duration: float) -> dic
     out_tokens = sum(r.completion_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
     return {
-        "rate": "inf" if math.isinf(rate) else rate, "requests": len(results), "completed": len(ok),
-        "failed": len(results) - len(ok), "duration_s": duration,
+        "rate": "inf" if math.isinf(rate) else rate,
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
         "requests_per_s": len(ok) / duration if duration else 0.0,
         "output_tokens_per_s": out_tokens / duration if duration else 0.0,
         "total_tokens_per_s": (in_tokens + out_tokens) / duration if duration else 0.0,
-        "ttft_ms": _percentiles([r.ttft for r in ok]), "itl_ms": _percentiles([x for r in ok for x in r.itl]),
+        "ttft_ms": _percentiles([r.ttft for r in ok]),
+        "itl_ms": _percentiles([x for r in ok for x in r.itl]),
         "e2e_ms": _percentiles([r.e2e for r in ok]),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
@@ -210,23 +231,31 @@ async def _bench(cfg: BenchConfig, progress: Callable[[str], None]) -> dict:
             raise UserError(f"{cfg.url}: cannot list the server's models: {e}") from None
         card = next((c for c in cards if c.id == cfg.model), None) if cfg.model else (cards[0] if cards else None)
         if card is None:
-            raise UserError(f"--model: {cfg.url} serves {', '.join(c.id for c in cards) or 'no model'}"
-                            + (f", not {cfg.model!r}" if cfg.model else ""))
+            raise UserError(
+                f"--model: {cfg.url} serves {', '.join(c.id for c in cards) or 'no model'}"
+                + (f", not {cfg.model!r}" if cfg.model else "")
+            )
         model, extra = card.id, card.model_extra or {}
         cfg = fit(cfg, _count(extra.get("vocab_size")), _count(extra.get("max_model_len")), f"{cfg.url} ({model})")
-        progress(f"{model}: prompt ids from [10, {cfg.vocab}), prompts {cfg.prompt_len.spec} and outputs "
-                 f"{cfg.output_len.spec} tokens")
+        progress(
+            f"{model}: prompt ids from [10, {cfg.vocab}), prompts {cfg.prompt_len.spec} and outputs "
+            f"{cfg.output_len.spec} tokens"
+        )
         work = workload(cfg)
         rows = []
         for rate in cfg.rates:
             progress(f"rate {rate} req/s: {len(work)} requests")
             rows.append(await _run_rate(client, model, cfg, rate, work))
-    config = asdict(cfg) | {"prompt_len": cfg.prompt_len.spec, "output_len": cfg.output_len.spec,
-                            "rates": [("inf" if math.isinf(r) else r) for r in cfg.rates], "api_key": None}
+    config = asdict(cfg) | {
+        "prompt_len": cfg.prompt_len.spec,
+        "output_len": cfg.output_len.spec,
+        "rates": [("inf" if math.isinf(r) else r) for r in cfg.rates],
+        "api_key": None,
+    }
     return {"model": model, "config": config, "results": rows}
 
 
-def _count(v) -> Optional[int]:
+def _count(v) -> int | None:
     """A positive integer the server reported, else None (not reported, or not a count)."""
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
@@ -263,11 +292,20 @@ def run_offline(cfg: BenchConfig, artifact, **engine_kwargs) -> tuple[dict, Benc
     finally:
         llm.engine.shutdown()
     done = [(len(p), len(o.outputs[0].token_ids)) for (p, n), o in zip(work, outs) if len(o.outputs[0].token_ids) == n]
-    return {"rate": "offline", "requests": len(work), "completed": len(done), "failed": len(work) - len(done),
-            "duration_s": duration, "requests_per_s": len(done) / duration,
-            "output_tokens_per_s": sum(n for _, n in done) / duration,
-            "total_tokens_per_s": sum(a + b for a, b in done) / duration,
-            "ttft_ms": _percentiles([]), "itl_ms": _percentiles([]), "e2e_ms": _percentiles([]), "errors": []}, cfg
+    return {
+        "rate": "offline",
+        "requests": len(work),
+        "completed": len(done),
+        "failed": len(work) - len(done),
+        "duration_s": duration,
+        "requests_per_s": len(done) / duration,
+        "output_tokens_per_s": sum(n for _, n in done) / duration,
+        "total_tokens_per_s": sum(a + b for a, b in done) / duration,
+        "ttft_ms": _percentiles([]),
+        "itl_ms": _percentiles([]),
+        "e2e_ms": _percentiles([]),
+        "errors": [],
+    }, cfg
 
 
 def compare_offline(res: dict) -> None:
@@ -283,20 +321,40 @@ def render(res: dict) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"dsc bench-serve: {res['model']}, prompts {res['config']['prompt_len']}, "
-                    f"outputs {res['config']['output_len']} tokens")
-    for col in ("rate/s", "done", "fail", "req/s", "out tok/s", "tok/s", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms",
-                "E2E p50/p90/p99 ms"):
+    t = Table(
+        title=f"dsc bench-serve: {res['model']}, prompts {res['config']['prompt_len']}, "
+        f"outputs {res['config']['output_len']} tokens"
+    )
+    for col in (
+        "rate/s",
+        "done",
+        "fail",
+        "req/s",
+        "out tok/s",
+        "tok/s",
+        "TTFT p50/p90/p99 ms",
+        "ITL p50/p90/p99 ms",
+        "E2E p50/p90/p99 ms",
+    ):
         t.add_column(col, justify="right")
     for r in res["results"]:
-        t.add_row(str(r["rate"]), str(r["completed"]), str(r["failed"]), f"{r['requests_per_s']:.2f}",
-                  f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_s']:.1f}",
-                  *(_triple(r[k]) for k in ("ttft_ms", "itl_ms", "e2e_ms")))
+        t.add_row(
+            str(r["rate"]),
+            str(r["completed"]),
+            str(r["failed"]),
+            f"{r['requests_per_s']:.2f}",
+            f"{r['output_tokens_per_s']:.1f}",
+            f"{r['total_tokens_per_s']:.1f}",
+            *(_triple(r[k]) for k in ("ttft_ms", "itl_ms", "e2e_ms")),
+        )
     console = Console(width=160, record=True, file=io.StringIO())
     console.print(t)
     errors = sorted({e for r in res["results"] for e in r["errors"]})
-    ratio = (f"saturated HTTP throughput / offline dsc.LLM: {res['http_over_offline']:.3f}\n"
-             if "http_over_offline" in res else "")
+    ratio = (
+        f"saturated HTTP throughput / offline dsc.LLM: {res['http_over_offline']:.3f}\n"
+        if "http_over_offline" in res
+        else ""
+    )
     return console.export_text() + ratio + "".join(f"error: {e}\n" for e in errors)
 
 
@@ -304,7 +362,7 @@ def _triple(p: dict) -> str:
     return "-" if p["p50"] is None else f"{p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f}"
 
 
-def plot(res: dict, path: Path) -> Optional[str]:
+def plot(res: dict, path: Path) -> str | None:
     """Latency against output throughput across the rates, to `path`; None when matplotlib is
     missing (the reason is returned instead of raising)."""
     try:

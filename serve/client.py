@@ -16,6 +16,7 @@ The receiver thread reads the engine's frames (serve/engine_process.py has the m
 watches the engine: when its process exits, or its socket disconnects, while the server is not
 stopping, every request in flight fails at once, alive() turns False and `on_death` is called.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,10 +28,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any
 
 import zmq
 
@@ -99,32 +101,40 @@ def encode(engine, prompt) -> list[int]:
 @dataclass
 class _Choice:
     index: int
-    detok: Optional[Detokenizer]
+    detok: Detokenizer | None
     token_ids: list = field(default_factory=list)
-    logprobs: Optional[list] = None
-    finish_reason: Optional[str] = None
+    logprobs: list | None = None
+    finish_reason: str | None = None
     stop_reason: Any = None
 
 
 @dataclass
 class _Request:
     sink: Sink
-    prompt: Optional[str]
+    prompt: str | None
     prompt_ids: list
     fields: dict
-    choices: Optional[list] = None  # made when the engine accepts the request
+    choices: list | None = None  # made when the engine accepts the request
 
 
 class EngineClient:
     """The driver over an engine in another process (or any peer speaking engine_process's
     messages on the two sockets). `proc` is the process to watch (None: the sockets only)."""
 
-    def __init__(self, ctx: zmq.Context, requests: zmq.Socket, outputs: zmq.Socket, engine, stats: dict,
-                 proc: Optional[subprocess.Popen] = None, workdir: Optional[str] = None):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        requests: zmq.Socket,
+        outputs: zmq.Socket,
+        engine,
+        stats: dict,
+        proc: subprocess.Popen | None = None,
+        workdir: str | None = None,
+    ):
         self.engine = engine
         self.stats: dict = stats
         self.on_death: Callable[[], None] = lambda: None
-        self.failure: Optional[str] = None  # why the engine is gone, when it went while serving
+        self.failure: str | None = None  # why the engine is gone, when it went while serving
         self._ctx, self._requests, self._outputs = ctx, requests, outputs
         self._monitor = outputs.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._proc, self._workdir = proc, workdir
@@ -139,12 +149,11 @@ class EngineClient:
 
     # -- starting the engine process --------------------------------------------------------------
     @classmethod
-    def launch(cls, artifact, engine_kwargs: dict, env: Optional[dict] = None) -> "EngineClient":
+    def launch(cls, artifact, engine_kwargs: dict, env: dict | None = None) -> EngineClient:
         """Start the engine process (its ranks under torchrun for a tp > 1 artifact; `env` added
         to its environment), wait for it to load, and return the client. A load that fails
         raises the engine's UserError."""
         from dsc.runtime.artifact import open_artifact
-
         from dsc.runtime.pipeline import check_stages
 
         art = open_artifact(artifact, ranks=[], verify=engine_kwargs.get("verify", True))
@@ -155,8 +164,12 @@ class EngineClient:
         ctx, requests, outputs, addresses = bind_sockets(workdir)
         cfg = dict(artifact=os.path.abspath(artifact), engine=engine_kwargs, api_pid=os.getpid(), **addresses)
         ranks = art.tp * pp
-        proc = subprocess.Popen(_engine_command(ranks, json.dumps(cfg)), env={**_engine_env(ranks), **(env or {})},
-                                stdout=2, start_new_session=True)  # stdout is the API's
+        proc = subprocess.Popen(
+            _engine_command(ranks, json.dumps(cfg)),
+            env={**_engine_env(ranks), **(env or {})},
+            stdout=2,
+            start_new_session=True,
+        )  # stdout is the API's
         try:
             import dsc.runtime.llm  # noqa: F401  (torch: imported here while the engine process loads)
 
@@ -197,7 +210,7 @@ class EngineClient:
             if self._reqs.pop(request_id, None) is not None:
                 self._send(["abort", request_id])
 
-    def stop(self, timeout: Optional[float] = None) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Fail what is left, let the engine shut down (it aborts its requests and releases its
         ranks), end the thread; kill the engine when it does not exit in time."""
         if self._closed:
@@ -282,15 +295,17 @@ class EngineClient:
                 continue
             p = self._llm.SamplingParams(**req.fields)
             stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
-            req.choices = [_Choice(i, self._detokenizer(req.prompt_ids, p, stop),
-                                   logprobs=[] if p.logprobs is not None else None) for i in range(p.n)]
+            req.choices = [
+                _Choice(i, self._detokenizer(req.prompt_ids, p, stop), logprobs=[] if p.logprobs is not None else None)
+                for i in range(p.n)
+            ]
             if not _deliver(req.sink, ACCEPTED):
                 self.abort(rid)
         for rid, user_error, message in errors:
             req = self._reqs.pop(rid, None)
             if req is not None:
                 _deliver(req.sink, UserError(message) if user_error else EngineError(message))
-        for rid, finished, choices in outputs:
+        for rid, _finished, choices in outputs:
             req = self._reqs.get(rid)
             if req is None or req.choices is None:
                 continue
@@ -303,15 +318,22 @@ class EngineClient:
                     self._reqs.pop(rid, None)
                 vec = array("f")
                 vec.frombytes(choices["embedding"])
-                _deliver(req.sink, EmbeddingRequestOutput(rid, req.prompt, req.prompt_ids, EmbeddingOutput(vec.tolist())))
+                _deliver(
+                    req.sink, EmbeddingRequestOutput(rid, req.prompt, req.prompt_ids, EmbeddingOutput(vec.tolist()))
+                )
                 continue
             self._output(rid, req, choices)
 
-    def _detokenizer(self, prompt_ids: list, p, stop: list) -> Optional[Detokenizer]:
+    def _detokenizer(self, prompt_ids: list, p, stop: list) -> Detokenizer | None:
         if self.engine.tokenizer is None:
             return None
-        return Detokenizer(self.engine.tokenizer, prompt_ids, stop=stop, include_stop=p.include_stop_str_in_output,
-                           skip_special_tokens=p.skip_special_tokens)
+        return Detokenizer(
+            self.engine.tokenizer,
+            prompt_ids,
+            stop=stop,
+            include_stop=p.include_stop_str_in_output,
+            skip_special_tokens=p.skip_special_tokens,
+        )
 
     def _output(self, rid: str, req: _Request, choices: list) -> None:
         stopped = []  # choices a stop string ended here, which the engine still runs
@@ -344,10 +366,23 @@ class EngineClient:
             with self._lock:
                 for index in stopped:
                     self._send(["finish", rid, index])
-        out = self._llm.RequestOutput(rid, req.prompt, req.prompt_ids, [
-            self._llm.CompletionOutput(c.index, c.detok.text if c.detok is not None else "", list(c.token_ids),
-                             list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
-            for c in req.choices], finished)
+        out = self._llm.RequestOutput(
+            rid,
+            req.prompt,
+            req.prompt_ids,
+            [
+                self._llm.CompletionOutput(
+                    c.index,
+                    c.detok.text if c.detok is not None else "",
+                    list(c.token_ids),
+                    list(c.logprobs) if c.logprobs is not None else None,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+                for c in req.choices
+            ],
+            finished,
+        )
         if not _deliver(req.sink, out) and not finished:
             self.abort(rid)
 
@@ -412,8 +447,16 @@ def _disconnected(monitor: zmq.Socket) -> bool:
 def _engine_command(tp: int, cfg: str) -> list[str]:
     if tp == 1:
         return [sys.executable, "-m", "dsc.serve.engine_process", cfg]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-            "-m", "dsc.serve.engine_process", cfg]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={tp}",
+        "-m",
+        "dsc.serve.engine_process",
+        cfg,
+    ]
 
 
 def _engine_env(tp: int) -> dict:
@@ -440,7 +483,7 @@ def _wait_ready(outputs: zmq.Socket, proc: subprocess.Popen) -> dict:
             raise UserError(f"the engine process exited while loading ({_exit_status(rc)}; its output is above)")
 
 
-def _exit_status(rc: Optional[int]) -> str:
+def _exit_status(rc: int | None) -> str:
     if rc is None:
         return "its socket closed"
     return f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"

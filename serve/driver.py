@@ -6,12 +6,14 @@ ACCEPTED once add_request took it, then each RequestOutput, or an exception (a U
 add_request, or the error of a failed step). The asyncio side makes the sink with
 `loop.call_soon_threadsafe` into a per-request asyncio.Queue (see app.py).
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from dsc.errors import UserError
 
@@ -25,7 +27,8 @@ Sink = Callable[[Any], None]
 class EngineDriver:
     """Runs `engine.step()` on a dedicated thread while there is work; sleeps on the inbox
     when there is none. `sampling_params_cls` builds the engine's SamplingParams from the
-    endpoint's keywords (dsc.runtime.llm.SamplingParams for the real engine). `stats` is the engine's stats() after the latest step or inbox batch,
+    endpoint's keywords (dsc.runtime.llm.SamplingParams for the real engine). `stats` is the engine's stats() after
+    the latest step or inbox batch,
     read by the asyncio side without touching the engine."""
 
     def __init__(self, engine, sampling_params_cls):

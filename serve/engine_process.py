@@ -24,6 +24,7 @@ step's outputs for every request cross in one message. The engine does not detok
 stop strings are the API process's. The messages are plain values (msgpack), never pickles: a
 request's fields come from a client.
 """
+
 from __future__ import annotations
 
 import json
@@ -233,13 +234,21 @@ def main(argv: list[str]) -> int:
         inbox = ctx.socket(zmq.PULL)
         inbox.connect(cfg["requests"])
         encoder = getattr(engine, "kind", "decoder") == "encoder"
-        facts = dict(model_name=engine.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
-                     eos_token_ids=engine.eos_token_ids, world=world,
-                     block_size=0 if encoder else engine.scheduler.block_size,
-                     kind="encoder" if encoder else "decoder", hidden_size=engine.hidden_size if encoder else None,
-                     pid=os.getpid(), load_s=round(time.perf_counter() - t0, 3), stats=engine.stats(),
-                     load_times={k: round(v, 2) for k, v in getattr(engine, "load_times", {}).items()},
-                     offload=engine.engine.offload)
+        facts = dict(
+            model_name=engine.model_name,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            eos_token_ids=engine.eos_token_ids,
+            world=world,
+            block_size=0 if encoder else engine.scheduler.block_size,
+            kind="encoder" if encoder else "decoder",
+            hidden_size=engine.hidden_size if encoder else None,
+            pid=os.getpid(),
+            load_s=round(time.perf_counter() - t0, 3),
+            stats=engine.stats(),
+            load_times={k: round(v, 2) for k, v in getattr(engine, "load_times", {}).items()},
+            offload=engine.engine.offload,
+        )
         outbox.send(pack(["ready", facts]))
         api_pid = cfg["api_pid"]
         try:

@@ -11,19 +11,21 @@ then carries its `token_ids`, exact where text is not), and for chat `chat_templ
 (the template's extra variables, such as enable_thinking), `tools` and `documents` (handed to
 the template) and `add_generation_prompt`.
 """
+
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TokenId = Annotated[int, Field(ge=0)]
-StopStrings = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]],
-                                                                   Field(max_length=16)]]
+StopStrings = (
+    Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
+)
 MAX_SEED = 2**63  # seeds are 63-bit: the sampler hashes them as int64
 
 
-def lone_surrogate(value: Any) -> Optional[int]:
+def lone_surrogate(value: Any) -> int | None:
     """The position of the first lone surrogate in any string of value (nested in lists and
     dicts, keys included), or None."""
     if isinstance(value, str):
@@ -32,8 +34,13 @@ def lone_surrogate(value: Any) -> Optional[int]:
         except UnicodeEncodeError as e:
             return e.start
         return None
-    items = value.items() if isinstance(value, dict) else ((None, v) for v in value) \
-        if isinstance(value, (list, tuple)) else ()
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else ((None, v) for v in value)
+        if isinstance(value, (list, tuple))
+        else ()
+    )
     for k, v in items:
         at = lone_surrogate(k) if k is not None else None
         if at is None:
@@ -66,21 +73,22 @@ class StreamOptions(_Request):
 
 class _Sampling(_Request):
     """The fields completions and chat share."""
-    model: Optional[str] = None  # None: the served model
-    max_tokens: Optional[int] = Field(None, ge=1)
-    min_tokens: Optional[int] = Field(None, ge=0)  # None: the artifact's default (else 0)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=-1)  # 0 or -1: off; at most the vocabulary (check_limits)
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int | None = Field(None, ge=0)  # None: the artifact's default (else 0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: off; at most the vocabulary (check_limits)
     n: int = Field(1, ge=1, le=128)
-    seed: Optional[int] = Field(None, ge=0, lt=MAX_SEED)
-    stop: Optional[StopStrings] = None
-    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=1024)]] = None
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    stop: StopStrings | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None  # accepted, unused
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, unused
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -88,7 +96,7 @@ class _Sampling(_Request):
             raise ValueError("stream_options: only allowed when stream is true")
         return self
 
-    def requested_max_tokens(self) -> Optional[int]:
+    def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
     def check_limits(self, vocab_size: int, max_model_len: int) -> None:
@@ -103,25 +111,36 @@ class _Sampling(_Request):
         if most is not None and most > max_model_len:
             raise ValueError(f"max_tokens: at most the model's context, {max_model_len} tokens (got {most})")
         if self.min_tokens is not None and self.min_tokens > (most if most is not None else max_model_len):
-            raise ValueError(f"min_tokens: at most max_tokens ({most if most is not None else max_model_len}; "
-                             f"got {self.min_tokens})")
+            raise ValueError(
+                f"min_tokens: at most max_tokens ({most if most is not None else max_model_len}; got {self.min_tokens})"
+            )
 
     def sampling_fields(self) -> dict:
         """SamplingParams keywords, except max_tokens and logprobs (the endpoint's to decide)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return dict(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                    stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                    min_tokens=self.min_tokens)
+        return dict(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+        )
 
 
 class CompletionRequest(_Sampling):
     # text, several texts, token ids, or several token-id lists (as OpenAI's completions API)
-    prompt: Union[Annotated[str, Field(min_length=1)],
-                  Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
-                  Annotated[list[TokenId], Field(min_length=1)],
-                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
-    max_tokens: Optional[int] = Field(16, ge=1)  # null: 16, as OpenAI
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    max_tokens: int | None = Field(16, ge=1)  # null: 16, as OpenAI
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
     @model_validator(mode="after")
@@ -130,7 +149,7 @@ class CompletionRequest(_Sampling):
             raise ValueError("echo: not supported")
         return self
 
-    def prompts(self) -> list[Union[str, list[int]]]:
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
@@ -142,19 +161,23 @@ MAX_EMBEDDING_INPUTS = 2048  # inputs of one request, as OpenAI's embeddings API
 
 class EmbeddingRequest(_Request):
     """OpenAI's embeddings request; `normalize` is vLLM's (None: the model's pooling config)."""
-    model: Optional[str] = None
-    # text, several texts, token ids, or several token-id lists
-    input: Union[Annotated[str, Field(min_length=1)],
-                 Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)],
-                 Annotated[list[TokenId], Field(min_length=1)],
-                 Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-                           Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = Field(None, ge=1)
-    normalize: Optional[bool] = None
-    user: Optional[str] = None  # accepted, unused
 
-    def inputs(self) -> list[Union[str, list[int]]]:
+    model: str | None = None
+    # text, several texts, token ids, or several token-id lists
+    input: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+        ]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    normalize: bool | None = None
+    user: str | None = None  # accepted, unused
+
+    def inputs(self) -> list[str | list[int]]:
         p = self.input
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
@@ -172,32 +195,40 @@ class FunctionCall(_Request):
 
 
 class ToolCall(_Request):
-    id: Optional[str] = None
+    id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
-    tool_call_id: Optional[str] = None  # a tool's answer to one of them
-    reasoning_content: Optional[str] = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer to one of them
+    reasoning_content: str | None = None
 
     def as_template_input(self) -> dict:
         """The message as a chat template reads it: text parts joined into one string, tool
         calls' arguments as JSON objects (as vLLM hands them to templates), unset fields left out."""
-        text = self.content if isinstance(self.content, str) or self.content is None \
+        text = (
+            self.content
+            if isinstance(self.content, str) or self.content is None
             else "".join(part.text for part in self.content)
+        )
         out = {"role": self.role, "content": text}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.tool_calls is not None:
-            out["tool_calls"] = [{"id": c.id, "type": c.type,
-                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                                 for c in self.tool_calls]
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -213,8 +244,8 @@ def _arguments(text: str):
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # JSON schema keywords pass through
     name: str
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
 
 
 class Tool(_Request):
@@ -224,14 +255,14 @@ class Tool(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Optional[int] = Field(None, ge=1)  # the newer spelling of max_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer spelling of max_tokens
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[Annotated[list[Tool], Field(max_length=256)]] = None
-    tool_choice: Optional[Literal["none", "auto"]] = None  # the template sees the tools; calls are text
-    documents: Optional[Annotated[list[dict[str, Any]], Field(max_length=256)]] = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: Annotated[list[Tool], Field(max_length=256)] | None = None
+    tool_choice: Literal["none", "auto"] | None = None  # the template sees the tools; calls are text
+    documents: Annotated[list[dict[str, Any]], Field(max_length=256)] | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -239,14 +270,17 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs: only allowed when logprobs is true")
         return self
 
-    def requested_max_tokens(self) -> Optional[int]:
+    def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def template_inputs(self) -> dict:
         """LLMEngine.apply_chat_template's keywords."""
-        return dict(tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools is not None else None,
-                    documents=self.documents, add_generation_prompt=self.add_generation_prompt,
-                    chat_template_kwargs=self.chat_template_kwargs)
+        return dict(
+            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools is not None else None,
+            documents=self.documents,
+            add_generation_prompt=self.add_generation_prompt,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -266,9 +300,9 @@ class CompletionLogprobs(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    token_ids: Optional[list[int]] = None  # with return_token_ids
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -277,7 +311,7 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class TopLogprob(BaseModel):
@@ -295,24 +329,24 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
+    role: Literal["assistant"] | None = None
+    content: str | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    token_ids: Optional[list[int]] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: ChatResponseMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    token_ids: Optional[list[int]] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -320,14 +354,14 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion", "chat.completion.chunk"] = "chat.completion"
     created: int
     model: str
-    choices: list[Union[ChatChoice, ChatStreamChoice]]
-    usage: Optional[Usage] = None
+    choices: list[ChatChoice | ChatStreamChoice]
+    usage: Usage | None = None
 
 
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: Union[list[float], str]  # base64: the float32 values, little-endian
+    embedding: list[float] | str  # base64: the float32 values, little-endian
 
 
 class EmbeddingUsage(BaseModel):
@@ -356,7 +390,8 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

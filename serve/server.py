@@ -12,6 +12,7 @@ server shuts down and exits 1.
 HTTP/1.1 is uvicorn's h11 protocol with one change: a request h11 cannot parse (a malformed
 request line or header, `Content-Length: abc`) gets the OpenAI JSON error shape, not plain text.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -20,8 +21,8 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -30,7 +31,6 @@ from dsc.errors import UserError
 from dsc.serve.app import create_app
 from dsc.serve.driver import EngineDriver
 from dsc.serve.protocol import error_body
-
 
 KEEP_ALIVE_S = 65
 # uvicorn's own graceful-shutdown timeout is this much longer than --shutdown-timeout: the app
@@ -47,11 +47,17 @@ class JsonErrorH11Protocol(H11Protocol):
         import h11
 
         body = json.dumps(error_body(f"malformed HTTP request: {msg}", code="bad_http_request")).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         try:
-            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
-                          h11.EndOfMessage()):
+            for event in (
+                h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
                 self.transport.write(self.conn.send(event))
         except h11.LocalProtocolError:  # h11 cannot answer in this state: close, as uvicorn would
             pass
@@ -74,8 +80,8 @@ class _Server(uvicorn.Server):
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: Optional[str] = None
-    api_key: Optional[str] = None
+    served_model_name: str | None = None
+    api_key: str | None = None
     max_queue: int = 1024
     shutdown_timeout: float = 30.0
 
@@ -97,8 +103,10 @@ def serve_artifact(artifact, opts: ServeOptions, echo: Callable[[str], None], **
         announce(server, opts, echo)
         world = f", {client.engine.world} ranks" if client.engine.world > 1 else ""
         stages = ", ".join(f"{k} {v:.1f}" for k, v in client.engine.load_times.items() if k != "total")
-        echo(f"engine process {client.engine.pid}: loaded in {client.engine.load_s:.1f} s{world}"
-             + (f" ({stages})" if stages else ""))
+        echo(
+            f"engine process {client.engine.pid}: loaded in {client.engine.load_s:.1f} s{world}"
+            + (f" ({stages})" if stages else "")
+        )
         if client.engine.offload:
             from dsc.runtime.offload import offload_line
 
@@ -134,24 +142,31 @@ def serve_in_process(artifact, opts: ServeOptions, echo: Callable[[str], None], 
         shutdown_process_group()
 
 
-def build(engine, opts: ServeOptions, sampling_params_cls, sock: Optional[socket.socket] = None) -> uvicorn.Server:
+def build(engine, opts: ServeOptions, sampling_params_cls, sock: socket.socket | None = None) -> uvicorn.Server:
     """A uvicorn server over `engine`, in this process: build_server over an EngineDriver."""
     return build_server(EngineDriver(engine, sampling_params_cls), opts, sock)
 
 
-def build_server(driver, opts: ServeOptions, sock: Optional[socket.socket] = None) -> uvicorn.Server:
+def build_server(driver, opts: ServeOptions, sock: socket.socket | None = None) -> uvicorn.Server:
     """A uvicorn server over `driver` (an EngineDriver, or the EngineClient of an engine
     process) on `sock` (default: listen(opts.host, opts.port)); the driver started; `.driver`
     is it, `.port` the port (the one port 0 picked)."""
     sock = sock or listen(opts.host, opts.port)
-    app = create_app(driver, served_model_name=opts.served_model_name, api_key=opts.api_key,
-                     max_queue=opts.max_queue)
+    app = create_app(driver, served_model_name=opts.served_model_name, api_key=opts.api_key, max_queue=opts.max_queue)
     # keep idle connections longer than clients do (httpx: 5 s, aiohttp: 15 s) and than load
     # balancers' idle timeouts (60 s): the side that closes first must be the client, or a request
     # sent on a connection the server is closing fails with a connection error
-    config = uvicorn.Config(app, host=opts.host, port=opts.port, lifespan="off", log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=opts.shutdown_timeout + _SHUTDOWN_GRACE_S,
-                            timeout_keep_alive=KEEP_ALIVE_S, http=JsonErrorH11Protocol)
+    config = uvicorn.Config(
+        app,
+        host=opts.host,
+        port=opts.port,
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=opts.shutdown_timeout + _SHUTDOWN_GRACE_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        http=JsonErrorH11Protocol,
+    )
     server = _Server(config, app.state.server, opts.shutdown_timeout)
     server.driver, server.sock, server.port = driver, sock, sock.getsockname()[1]
     driver.start()

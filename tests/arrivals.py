@@ -1,8 +1,9 @@
 """Requests that arrive while others run, for the continuous-batching tests.
 
-    reqs = workload(vocab, n, max_prompt, max_new, seed)   # [(arrival step, prompt, max_tokens)]
-    outputs = run_arrivals(engine, reqs)                    # request id -> its tokens
+reqs = workload(vocab, n, max_prompt, max_new, seed)   # [(arrival step, prompt, max_tokens)]
+outputs = run_arrivals(engine, reqs)                    # request id -> its tokens
 """
+
 from __future__ import annotations
 
 import random

@@ -1,6 +1,7 @@
 """Edits of a copied artifact as an attacker would make them: change a file, then recompute the
 manifest's sha256 list (runtime/artifact.py's own `file_hashes`), so that only the loader's
 structural checks, not the checksums, stand between the edit and the runtime."""
+
 from __future__ import annotations
 
 import json

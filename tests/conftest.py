@@ -6,13 +6,14 @@ Both are cached by their arguments for the whole test session, and shared by its
 workers: the first worker to ask makes one under a file lock, the others take it. Tests copy
 one before changing it.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -66,8 +67,9 @@ def make_checkpoint(tmp_path_factory):
     def make(shape: str = "llama-tiny", dtype: str = "float32", **kw):
         key = (shape, dtype, json.dumps(kw, sort_keys=True))
         if key not in cache:
-            cache[key] = _make_once(root, f"ckpt-{shape}", key,
-                                    lambda d: make_random_checkpoint(d, shape, dtype=dtype, **kw))
+            cache[key] = _make_once(
+                root, f"ckpt-{shape}", key, lambda d: make_random_checkpoint(d, shape, dtype=dtype, **kw)
+            )
         return cache[key]
 
     return make
@@ -84,8 +86,9 @@ def compile_artifact(tmp_path_factory, make_checkpoint):
         key = (shape, json.dumps(ckpt_kwargs or {}, sort_keys=True), json.dumps(options, sort_keys=True, default=str))
         if key not in cache:
             ckpt = make_checkpoint(shape, **(ckpt_kwargs or {}))
-            cache[key] = _make_once(root, f"art-{shape}", key,
-                                    lambda d: dsc.compile(str(ckpt), d / "artifact", **options))
+            cache[key] = _make_once(
+                root, f"art-{shape}", key, lambda d: dsc.compile(str(ckpt), d / "artifact", **options)
+            )
         return cache[key]
 
     return compile_
@@ -100,6 +103,10 @@ def smollm2(tmp_path_factory):
     from dsc.compiler.real_model import smollm2_gguf
 
     gguf = smollm2_gguf()  # UserError naming the package when it is missing
-    art = _make_once(_shared_root(tmp_path_factory), "art-smollm2", ("smollm2", "fp32", str(gguf)),
-                     lambda d: dsc.compile(str(gguf), d / "artifact", dtype="fp32", max_seq=256))
+    art = _make_once(
+        _shared_root(tmp_path_factory),
+        "art-smollm2",
+        ("smollm2", "fp32", str(gguf)),
+        lambda d: dsc.compile(str(gguf), d / "artifact", dtype="fp32", max_seq=256),
+    )
     return gguf, art

@@ -4,6 +4,7 @@ script (`python FILE interpret|aot OUT.json`) and its tests read the JSON.
 
     interpreted, compiled = child_fixtures(__file__, "kernels")   # module-scoped fixtures
 """
+
 from __future__ import annotations
 
 import json
@@ -21,14 +22,15 @@ def run_child(script: str, mode: str, out) -> dict:
     env.pop("TRITON_INTERPRET", None)
     if mode == "interpret":
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, script, mode, str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, script, mode, str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
 def pdl_check(kernel, pdl: bool, allowed_before_wait: frozenset[str] = frozenset()) -> str:
-    """"ok" if a kernel compiled with PDL=False has no griddepcontrol instruction, and one compiled
+    """ "ok" if a kernel compiled with PDL=False has no griddepcontrol instruction, and one compiled
     with PDL=True has launch_dependents and wait in its PTX and issues no memory operation before
     the first wait but `allowed_before_wait`, named "<op> <variable>" ("load w", "asm
     prefetch.global.L2": inline asm with side effects; pure asm such as the int8 conversion is
@@ -65,13 +67,18 @@ def spill_bytes(kernel) -> int:
 
     with tempfile.TemporaryDirectory() as d:
         Path(d, "k.ptx").write_text(kernel.asm["ptx"])
-        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o",
-                               str(Path(d, "k.cubin"))], capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [get_ptxas(90).path, "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o", str(Path(d, "k.cubin"))],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", proc.stdout + proc.stderr))
 
 
 def child_fixtures(script: str, prefix: str):
     """The `interpreted` and `compiled` (sm_90, no GPU) result fixtures of a kernel test file."""
+
     @pytest.fixture(scope="module")
     def interpreted(tmp_path_factory):
         return run_child(script, "interpret", tmp_path_factory.mktemp(f"{prefix}-interpret") / "results.json")

@@ -10,14 +10,29 @@ the new tokens' slots before the write, positions below the first new token's wi
     step = build(Case(Hkv=2, G=4, D=128, BS=16, seqs=((0, 300), (77, 1))), torch.bfloat16, device="cuda")
     paged_attention_reference(*args_of(step))
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-ARGS = ("q", "k", "v", "k_pool", "v_pool", "slot_mapping", "query_start", "query_lens", "cache_lens", "block_tables",
-        "scale", "window", "softcap", "alibi_slopes")
+ARGS = (
+    "q",
+    "k",
+    "v",
+    "k_pool",
+    "v_pool",
+    "slot_mapping",
+    "query_start",
+    "query_lens",
+    "cache_lens",
+    "block_tables",
+    "scale",
+    "window",
+    "softcap",
+    "alibi_slopes",
+)
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,7 @@ def build(case: Case, dtype: torch.dtype, seed: int = 0, device: str = "cpu") ->
     block_tables = torch.full((N, case.max_blocks or max(need) + 1), spare, dtype=torch.int32)
     a = 0
     for i, n_blocks in enumerate(need):
-        block_tables[i, :n_blocks] = order[a: a + n_blocks].to(torch.int32)
+        block_tables[i, :n_blocks] = order[a : a + n_blocks].to(torch.int32)
         a += n_blocks
     query_start = torch.zeros(N, dtype=torch.int32)
     row = 0
@@ -89,10 +104,22 @@ def build(case: Case, dtype: torch.dtype, seed: int = 0, device: str = "cpu") ->
     for pool in pools:
         pool.masked_fill_(poison, float("nan"))
     ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    return dict(q=q, k=k, v=v, k_pool=pools[0], v_pool=pools[1], slot_mapping=slot_mapping.to(device),
-                query_start=query_start.to(device), query_lens=ints(lens), cache_lens=ints([c for c, _ in case.seqs]),
-                block_tables=block_tables.to(device), scale=D**-0.5, window=case.window, softcap=case.softcap,
-                alibi_slopes=alibi_slopes_for(H, device) if case.alibi else None)
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        k_pool=pools[0],
+        v_pool=pools[1],
+        slot_mapping=slot_mapping.to(device),
+        query_start=query_start.to(device),
+        query_lens=ints(lens),
+        cache_lens=ints([c for c, _ in case.seqs]),
+        block_tables=block_tables.to(device),
+        scale=D**-0.5,
+        window=case.window,
+        softcap=case.softcap,
+        alibi_slopes=alibi_slopes_for(H, device) if case.alibi else None,
+    )
 
 
 def args_of(step: dict) -> list:
@@ -106,8 +133,11 @@ def expected(step: dict, dtype: torch.dtype = torch.float32) -> tuple:
 
     want = {name: step[name].clone() for name in ("k_pool", "v_pool")}
     write_paged_kv_reference(step["k"], step["v"], want["k_pool"], want["v_pool"], step["slot_mapping"])
-    clean = {**step, **{n: step[n].to(dtype) for n in ("q", "k", "v")},
-             **{n: step[n].to(dtype).nan_to_num() for n in ("k_pool", "v_pool")}}
+    clean = {
+        **step,
+        **{n: step[n].to(dtype) for n in ("q", "k", "v")},
+        **{n: step[n].to(dtype).nan_to_num() for n in ("k_pool", "v_pool")},
+    }
     return paged_attention_reference(*args_of(clean)), want["k_pool"], want["v_pool"]
 
 

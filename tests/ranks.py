@@ -5,12 +5,14 @@ calls `work(rank, jobs)` in each (a module-level function, so it pickles) and re
 {rank: its result}. A rank that raises fails the test with every rank's error. Processes use
 one thread each; the group is torn down after a final barrier (see runtime/distributed.py).
 """
+
 from __future__ import annotations
 
 import os
 import pickle
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,8 +50,10 @@ def spawn_ranks(world: int, work: Callable, jobs: Any, timeout: float = 300) -> 
         try:
             for p in procs:
                 p.start()
-            results = {r: pickle.loads(v) if isinstance(v, bytes) else v
-                       for r, v in (queue.get(timeout=timeout) for _ in range(world))}
+            results = {
+                r: pickle.loads(v) if isinstance(v, bytes) else v
+                for r, v in (queue.get(timeout=timeout) for _ in range(world))
+            }
         finally:
             for p in procs:
                 p.join(timeout=60)

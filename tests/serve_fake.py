@@ -8,6 +8,7 @@ the request's seed. A prompt holding BOOM makes the step that runs it raise.
 
     python tests/serve_fake.py PORT [STEP_DELAY_S [SHUTDOWN_TIMEOUT_S]]   # a server over it (signal tests)
 """
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,6 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional, Union
 
 from dsc.errors import UserError
 
@@ -25,16 +25,16 @@ BLOCK = 16
 @dataclass
 class FakeSamplingParams:
     n: int = 1
-    max_tokens: Optional[int] = 16
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    seed: Optional[int] = None
-    stop: Union[str, list, None] = None
-    stop_token_ids: Optional[list] = None
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list | None = None
+    stop_token_ids: list | None = None
     ignore_eos: bool = False
-    logprobs: Optional[int] = None
-    min_tokens: Optional[int] = None
+    logprobs: int | None = None
+    min_tokens: int | None = None
     include_stop_str_in_output: bool = False
 
 
@@ -43,15 +43,15 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list = field(default_factory=list)
-    logprobs: Optional[list] = None
-    finish_reason: Optional[str] = None
+    logprobs: list | None = None
+    finish_reason: str | None = None
     stop_reason: object = None
 
 
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list
     outputs: list
     finished: bool
@@ -82,14 +82,27 @@ class _Seq:
 
 
 def _copy(o: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(o.index, o.text, list(o.token_ids), None if o.logprobs is None else list(o.logprobs),
-                            o.finish_reason, o.stop_reason)
+    return CompletionOutput(
+        o.index,
+        o.text,
+        list(o.token_ids),
+        None if o.logprobs is None else list(o.logprobs),
+        o.finish_reason,
+        o.stop_reason,
+    )
 
 
 class FakeEngine:
-    def __init__(self, max_num_seqs: int = 256, kv_blocks: int = 512, max_model_len: int = 256,
-                 step_delay_s: float = 0.0, chat_template: Union[bool, str] = True, vocab_size: int = 128,
-                 detokenize: bool = True):
+    def __init__(
+        self,
+        max_num_seqs: int = 256,
+        kv_blocks: int = 512,
+        max_model_len: int = 256,
+        step_delay_s: float = 0.0,
+        chat_template: bool | str = True,
+        vocab_size: int = 128,
+        detokenize: bool = True,
+    ):
         """chat_template: True (a fixed format), False (none), or a jinja template's source, rendered
         by the runtime's sandboxed renderer (runtime/chat_template.py)."""
         self.tokenizer = CharTokenizer()
@@ -102,18 +115,26 @@ class FakeEngine:
         if isinstance(chat_template, str):
             from dsc.runtime.chat_template import ChatTemplates
 
-            self.chat_templates = ChatTemplates({"default": chat_template}, {"bos_token": "<s>"}, "fake/chat_template.jinja")
+            self.chat_templates = ChatTemplates(
+                {"default": chat_template}, {"bos_token": "<s>"}, "fake/chat_template.jinja"
+            )
         self.waiting: list[_Seq] = []
         self.running: list[_Seq] = []
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.is_shut_down = False
         self.finished_early: list = []  # finish_sequence's (request id, index)
 
-    def apply_chat_template(self, messages: list, tools=None, documents=None, add_generation_prompt=True,
-                            chat_template_kwargs=None) -> str:
+    def apply_chat_template(
+        self, messages: list, tools=None, documents=None, add_generation_prompt=True, chat_template_kwargs=None
+    ) -> str:
         if self.chat_templates is not None:
-            return self.chat_templates.render(messages, tools=tools, documents=documents,
-                                              add_generation_prompt=add_generation_prompt, kwargs=chat_template_kwargs)
+            return self.chat_templates.render(
+                messages,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                kwargs=chat_template_kwargs,
+            )
         if not self.chat_template:
             raise UserError("chat: the artifact's tokenizer has no chat template")
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
@@ -152,8 +173,11 @@ class FakeEngine:
         return sum(s.blocks() for s in self.running)
 
     def step(self) -> list:
-        while self.waiting and len(self.running) < self.max_num_seqs \
-                and self._used() + self.waiting[0].blocks() <= self.kv_blocks:
+        while (
+            self.waiting
+            and len(self.running) < self.max_num_seqs
+            and self._used() + self.waiting[0].blocks() <= self.kv_blocks
+        ):
             seq = self.waiting.pop(0)
             self.prompt_tokens_total += len(seq.ids)
             self.running.append(seq)
@@ -186,7 +210,7 @@ class FakeEngine:
         for s in stops if self.detokenize else []:
             at = o.text.find(s)
             if at >= 0:
-                o.text = o.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
+                o.text = o.text[: at + (len(s) if p.include_stop_str_in_output else 0)]
                 o.finish_reason, o.stop_reason = "stop", s
                 return
         if p.stop_token_ids and tok in p.stop_token_ids:
@@ -195,9 +219,15 @@ class FakeEngine:
             o.finish_reason = "length"
 
     def stats(self) -> dict:
-        return dict(num_running=len(self.running), num_waiting=len(self.waiting), kv_blocks_total=self.kv_blocks,
-                    kv_blocks_used=self._used(), prefix_cache_hit_tokens=0,
-                    prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total)
+        return dict(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_total=self.kv_blocks,
+            kv_blocks_used=self._used(),
+            prefix_cache_hit_tokens=0,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
 
     def shutdown(self) -> None:
         self.is_shut_down = True

@@ -2,6 +2,7 @@
 checksums pass) are refused with one UserError line, and run no code, read no file outside the
 artifact and never hang; the same holds with verification off and in `dsc inspect`. Signatures
 refuse any change after `dsc sign`. Compiles clean up after themselves and publish atomically."""
+
 from __future__ import annotations
 
 import json
@@ -68,10 +69,13 @@ def _decode_node(plan: dict, pred) -> dict:
 
 # -- shape strings: parsed, never evaluated -------------------------------------------------
 
+
 def _escape_payload(marker: Path) -> str:
     # the classic escape from eval(..., {"__builtins__": {}}): reach os.system through a subclass
-    return ("[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == '_wrap_close'][0]"
-            f".__init__.__globals__['system']('touch {marker}')")
+    return (
+        "[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == '_wrap_close'][0]"
+        f".__init__.__globals__['system']('touch {marker}')"
+    )
 
 
 @pytest.mark.parametrize("verify", [True, False])
@@ -96,23 +100,54 @@ def test_shape_power_is_refused_not_evaluated(art):
     one_line_error(lambda: describe(art), "9**9**9")
 
 
-@pytest.mark.parametrize("text, sizes, value", [("batch", {"batch": 8}, 8), ("2*seq + 1", {"seq": 5}, 11),
-                                                ("(batch - 1) // 2 % 3", {"batch": 9}, 1), ("-seq + 7", {"seq": 3}, 4),
-                                                ("1823*batch", {"batch": 781}, 1823 * 781)])
+@pytest.mark.parametrize(
+    "text, sizes, value",
+    [
+        ("batch", {"batch": 8}, 8),
+        ("2*seq + 1", {"seq": 5}, 11),
+        ("(batch - 1) // 2 % 3", {"batch": 9}, 1),
+        ("-seq + 7", {"seq": 3}, 4),
+        ("1823*batch", {"batch": 781}, 1823 * 781),
+    ],
+)
 def test_symbolic_dims_evaluate(text, sizes, value):
     assert eval_dim(text, sizes) == value
 
 
-@pytest.mark.parametrize("text", ["9**9**9", "__import__('os')", "batch.real", "f(batch)", "1.5*batch", "'a'",
-                                  "batch if 1 else 2", "[batch]", "lambda: 1", "x" * 300, "", "True", "2**3",
-                                  "99999999999999999999*batch", "1 << 60"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "9**9**9",
+        "__import__('os')",
+        "batch.real",
+        "f(batch)",
+        "1.5*batch",
+        "'a'",
+        "batch if 1 else 2",
+        "[batch]",
+        "lambda: 1",
+        "x" * 300,
+        "",
+        "True",
+        "2**3",
+        "99999999999999999999*batch",
+        "1 << 60",
+    ],
+)
 def test_symbolic_dims_refuse_anything_else(text):
     with pytest.raises(ValueError):
         parse_dim(text)
 
 
-@pytest.mark.parametrize("text, sizes", [("seq - 5", {"seq": 1}), ("batch // 0", {"batch": 1}),
-                                         ("seq*seq*seq*seq", {"seq": 1 << 20}), ("other", {"batch": 1})])
+@pytest.mark.parametrize(
+    "text, sizes",
+    [
+        ("seq - 5", {"seq": 1}),
+        ("batch // 0", {"batch": 1}),
+        ("seq*seq*seq*seq", {"seq": 1 << 20}),
+        ("other", {"batch": 1}),
+    ],
+)
 def test_symbolic_dims_out_of_range(text, sizes):
     with pytest.raises(ValueError):
         eval_dim(text, sizes)
@@ -120,9 +155,20 @@ def test_symbolic_dims_out_of_range(text, sizes):
 
 # -- the manifest's file list ----------------------------------------------------------------
 
-@pytest.mark.parametrize("entry", ["tokenizer/../../../../../dev/zero", "/etc/passwd", "../outside.json",
-                                   "tokenizer/./tokenizer.json", "tokenizer//tokenizer.json", "a\\..\\b",
-                                   "line\nbreak", "manifest.json"])
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "tokenizer/../../../../../dev/zero",
+        "/etc/passwd",
+        "../outside.json",
+        "tokenizer/./tokenizer.json",
+        "tokenizer//tokenizer.json",
+        "a\\..\\b",
+        "line\nbreak",
+        "manifest.json",
+    ],
+)
 @pytest.mark.parametrize("verify", [True, False])
 def test_manifest_paths_outside_the_artifact(art, entry, verify):
     rehash(art, extra={entry: "0" * 64})
@@ -164,10 +210,13 @@ def test_corrupt_tokenizer_is_caught_by_its_checksum_before_parsing(art):
     tok = art / "tokenizer" / "tokenizer.json"
     tok.write_bytes(tok.read_bytes()[:-50])
     one_line_error(lambda: open_artifact(art, ranks=[], verify=True).tokenizer(), "tokenizer.json", "checksum")
-    one_line_error(lambda: open_artifact(art, ranks=[], verify=False).tokenizer(), "tokenizer.json", "not a valid tokenizer")
+    one_line_error(
+        lambda: open_artifact(art, ranks=[], verify=False).tokenizer(), "tokenizer.json", "not a valid tokenizer"
+    )
 
 
 # -- rank-file headers checked against the plan ------------------------------------------------
+
 
 def _rewrite_rank(art: Path, edit) -> None:
     from safetensors.torch import load_file, save_file
@@ -187,8 +236,16 @@ def _rename_weight(art: Path, old: str, new: str, in_plan: bool) -> None:
 WEIGHT = "model.layers.0.mlp.down_proj.weight"
 
 
-@pytest.mark.parametrize("new", ["model.layers.0.mlp.down_proj.weight\nimport os", "w'); import os; ('",
-                                 'x"y', "a b", "model.layers.0.mlp.down_proj.weight\r"])
+@pytest.mark.parametrize(
+    "new",
+    [
+        "model.layers.0.mlp.down_proj.weight\nimport os",
+        "w'); import os; ('",
+        'x"y',
+        "a b",
+        "model.layers.0.mlp.down_proj.weight\r",
+    ],
+)
 @pytest.mark.parametrize("in_plan", [True, False])
 def test_weight_names_with_code_are_refused(art, tmp_path, new, in_plan):
     _rename_weight(art, WEIGHT, new, in_plan)
@@ -213,10 +270,10 @@ def _edit_header(art: Path, edit) -> None:
     f = art / "rank0.safetensors"
     b = f.read_bytes()
     (n,) = struct.unpack("<Q", b[:8])
-    header = json.loads(b[8:8 + n])
+    header = json.loads(b[8 : 8 + n])
     raw = json.dumps(edit(header)).encode()
     raw += b" " * (-len(raw) % 8)
-    f.write_bytes(struct.pack("<Q", len(raw)) + raw + b[8 + n:])
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + b[8 + n :])
 
 
 def _move_offsets(h: dict) -> dict:
@@ -252,6 +309,7 @@ def test_huge_header_length_is_one_line_in_inspect_and_unverified_load(art):
 
 
 # -- signatures ------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
@@ -329,6 +387,7 @@ def test_sign_and_require_signature_through_the_cli(art, tmp_path):
 
 
 # -- compile output: cleanup, atomic replacement, races ---------------------------------------
+
 
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])

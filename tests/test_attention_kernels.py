@@ -14,13 +14,14 @@ The rotary decode cases run `dsc::rotary_attention`'s kernel (decode_attention w
 against dsc.rotary's reference then attention's, and against the unfused kernels (rotary, then
 plain decode attention): the same bits, output and cache.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -65,8 +66,9 @@ CASES = {
     "prefill-mha": Case("prefill", 2, 3, 3, 9, 32, 37, (0, 21), config=SMALL_PREFILL),
     # G = 1 with row tiles longer than key tiles (GPT-2 at the sm_90 table: 128 x 64): the cache
     # write takes its own loop (the masked loop can exceed 2 tiles)
-    "prefill-mha-long-tiles": Case("prefill", 2, 3, 3, 45, 16, 80, (0, 21),
-                                   config=dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)),
+    "prefill-mha-long-tiles": Case(
+        "prefill", 2, 3, 3, 45, 16, 80, (0, 21), config=dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    ),
     "prefill-mqa": Case("prefill", 2, 4, 1, 6, 16, 37, (3, 0), config=SMALL_PREFILL),
     "prefill-d48": Case("prefill", 2, 4, 2, 7, 48, 37, (0, 5), config=SMALL_PREFILL),  # padded head_dim
     # padded head_dim with full (unmasked) key tiles in both phases
@@ -83,12 +85,23 @@ CASES = {
     # split over the cache: pos 0 (no cached key), mid (2 of 3 splits used), last slot
     "decode-splits": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), config=SMALL_DECODE, num_splits=3),
     # MIN_SPLIT (the floor here) not a multiple of BLOCK_N: splits stay whole tiles
-    "decode-split-unaligned": Case("decode", 3, 6, 2, 1, 32, 61, (5, 40, 60), num_splits=3,
-                                   config=dict(SMALL_DECODE, MIN_SPLIT=24)),
+    "decode-split-unaligned": Case(
+        "decode", 3, 6, 2, 1, 32, 61, (5, 40, 60), num_splits=3, config=dict(SMALL_DECODE, MIN_SPLIT=24)
+    ),
     # SPLIT_FLOOR below MIN_SPLIT (the sm_90 row's 128 / 256): a short context spreads over
     # splits of 16 keys (3 of 4 at position 40), not MIN_SPLIT's 32 (one split of 48 there)
-    "decode-split-floor": Case("decode", 3, 6, 2, 1, 16, 64, (10, 20, 40), num_splits=4,
-                               config=dict(SMALL_DECODE, MIN_SPLIT=32, SPLIT_FLOOR=16)),
+    "decode-split-floor": Case(
+        "decode",
+        3,
+        6,
+        2,
+        1,
+        16,
+        64,
+        (10, 20, 40),
+        num_splits=4,
+        config=dict(SMALL_DECODE, MIN_SPLIT=32, SPLIT_FLOOR=16),
+    ),
     "decode-overflow": Case("decode", 3, 6, 2, 1, 16, 37, (37, 50, 15), config=SMALL_DECODE, num_splits=3),
     "decode-mha": Case("decode", 2, 3, 3, 1, 32, 37, (11, 30), config=SMALL_DECODE, num_splits=2),
     "decode-mqa": Case("decode", 2, 8, 1, 1, 16, 37, (2, 35), config=SMALL_DECODE, num_splits=3),
@@ -109,51 +122,92 @@ CASES = {
     # prompt longer than the window (window a multiple of BLOCK_N, many key tiles per program)
     # and chunked prompts whose window reaches past the cached prefix / cuts it
     "prefill-window-sm90-fresh": Case("prefill", 1, 8, 2, 300, 16, 320, (0,), config=SM90_PREFILL, window=128),
-    "prefill-window-sm90-chunked": Case("prefill", 2, 8, 2, 100, 16, 512, (93, 300), config=SM90_PREFILL,
-                                        window=256),
+    "prefill-window-sm90-chunked": Case("prefill", 2, 8, 2, 100, 16, 512, (93, 300), config=SM90_PREFILL, window=256),
     # G > BLOCK_M: each token's rows straddle two row tiles, and a token that starts a tile
     # (j_lo = i_min) sits right below a key-tile edge (i_min + 1 = 16): it must still be written
     "prefill-mqa-straddle": Case("prefill", 2, 32, 1, 20, 16, 40, (0, 3), config=SMALL_PREFILL),
     "prefill-mqa-straddle-window": Case("prefill", 2, 32, 1, 20, 16, 40, (0, 3), config=SMALL_PREFILL, window=6),
     "decode-window": Case("decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), config=SMALL_DECODE, num_splits=3, window=20),
     "decode-window-one-split": Case("decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), window=9),
-    "decode-window-many-splits": Case("decode", 2, 4, 2, 1, 16, 70, (36, 69), config=SMALL_DECODE,
-                                      num_splits=7, window=33),
+    "decode-window-many-splits": Case(
+        "decode", 2, 4, 2, 1, 16, 70, (36, 69), config=SMALL_DECODE, num_splits=7, window=33
+    ),
     # rotary fused into decode (random cos / sin, whose halves differ: a wrong partner column shows)
     "decode-rotary-one-split": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), rotary=True),
     # 3 splits: the keys of pos 0 and 13 fit in the first (the single-split path), 20's and 36's take 2 and 3
-    "decode-rotary-splits": Case("decode", 4, 6, 2, 1, 16, 37, (0, 13, 20, 36), config=SMALL_DECODE, num_splits=3,
-                                 rotary=True),
+    "decode-rotary-splits": Case(
+        "decode", 4, 6, 2, 1, 16, 37, (0, 13, 20, 36), config=SMALL_DECODE, num_splits=3, rotary=True
+    ),
     "decode-rotary-mha": Case("decode", 2, 3, 3, 1, 32, 37, (11, 30), config=SMALL_DECODE, num_splits=2, rotary=True),
     "decode-rotary-mqa": Case("decode", 2, 8, 1, 1, 16, 37, (2, 35), config=SMALL_DECODE, num_splits=3, rotary=True),
     "decode-rotary-d48": Case("decode", 2, 4, 2, 1, 48, 37, (9, 36), config=SMALL_DECODE, num_splits=3, rotary=True),
-    "decode-rotary-window": Case("decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), config=SMALL_DECODE, num_splits=3,
-                                 window=20, rotary=True),
-    "decode-rotary-overflow": Case("decode", 3, 6, 2, 1, 16, 37, (37, 50, 15), config=SMALL_DECODE, num_splits=3,
-                                   rotary=True),
-    "decode-rotary-fused-qkv": Case("decode", 2, 8, 2, 1, 32, 61, (5, 40), config=SMALL_DECODE, num_splits=2,
-                                    fused_qkv=True, rotary=True),
+    "decode-rotary-window": Case(
+        "decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), config=SMALL_DECODE, num_splits=3, window=20, rotary=True
+    ),
+    "decode-rotary-overflow": Case(
+        "decode", 3, 6, 2, 1, 16, 37, (37, 50, 15), config=SMALL_DECODE, num_splits=3, rotary=True
+    ),
+    "decode-rotary-fused-qkv": Case(
+        "decode", 2, 8, 2, 1, 32, 61, (5, 40), config=SMALL_DECODE, num_splits=2, fused_qkv=True, rotary=True
+    ),
     # PRE_N: each split's first keys as one tile loaded before the PDL wait (the interpreter has
     # no PDL; the tile is the same with and without it). A loop tile's size (pos 0: the new token
     # opens the split, the tile all masked), two loop tiles' (longer than some splits: pos 20's
     # 2 splits of 16 keys), a window, rotary, past the cache's end, the single-split path
-    "decode-preload-tile": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), config=dict(SMALL_DECODE, PRE_N=16),
-                                num_splits=3),
-    "decode-preload-two-tiles": Case("decode", 3, 6, 2, 1, 16, 61, (0, 20, 60), config=dict(SMALL_DECODE, PRE_N=32),
-                                     num_splits=3),
-    "decode-preload-window-rotary": Case("decode", 3, 6, 2, 1, 16, 61, (3, 30, 60), num_splits=3, window=20,
-                                         config=dict(SMALL_DECODE, PRE_N=32), rotary=True),
+    "decode-preload-tile": Case(
+        "decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), config=dict(SMALL_DECODE, PRE_N=16), num_splits=3
+    ),
+    "decode-preload-two-tiles": Case(
+        "decode", 3, 6, 2, 1, 16, 61, (0, 20, 60), config=dict(SMALL_DECODE, PRE_N=32), num_splits=3
+    ),
+    "decode-preload-window-rotary": Case(
+        "decode",
+        3,
+        6,
+        2,
+        1,
+        16,
+        61,
+        (3, 30, 60),
+        num_splits=3,
+        window=20,
+        config=dict(SMALL_DECODE, PRE_N=32),
+        rotary=True,
+    ),
     # rot_pos: the kernel reads cos / sin rows of [P, D] tables itself (fuse_rotary_attention's
     # form where they were fold_position_tables' lookups); rows other than the cache positions
     # (the op allows any), before the PDL wait, also with splits, a window and the preloaded tile
     "decode-rotary-table": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), rotary=True, rot_table=True),
-    "decode-rotary-table-splits": Case("decode", 4, 6, 2, 1, 32, 61, (0, 13, 40, 60), num_splits=3, window=20,
-                                       config=dict(SMALL_DECODE, PRE_N=32), rotary=True, rot_table=True),
-    "decode-preload-overflow": Case("decode", 3, 6, 2, 1, 16, 37, (37, 50, 15), num_splits=3,
-                                    config=dict(SMALL_DECODE, PRE_N=32)),
-    "decode-preload-one-split": Case("decode", 3, 6, 2, 1, 16, 37, (0, 20, 36), rotary=True,
-                                     config=dict(BLOCK_N=16, num_warps=4, num_stages=1, MIN_SPLIT=64, PROGRAMS_PER_SM=2,
-                                                 PRE_N=32)),
+    "decode-rotary-table-splits": Case(
+        "decode",
+        4,
+        6,
+        2,
+        1,
+        32,
+        61,
+        (0, 13, 40, 60),
+        num_splits=3,
+        window=20,
+        config=dict(SMALL_DECODE, PRE_N=32),
+        rotary=True,
+        rot_table=True,
+    ),
+    "decode-preload-overflow": Case(
+        "decode", 3, 6, 2, 1, 16, 37, (37, 50, 15), num_splits=3, config=dict(SMALL_DECODE, PRE_N=32)
+    ),
+    "decode-preload-one-split": Case(
+        "decode",
+        3,
+        6,
+        2,
+        1,
+        16,
+        37,
+        (0, 20, 36),
+        rotary=True,
+        config=dict(BLOCK_N=16, num_warps=4, num_stages=1, MIN_SPLIT=64, PROGRAMS_PER_SM=2, PRE_N=32),
+    ),
 }
 DTYPES = ("float32", "float16")
 # the prefill variant's launch-config keys, each run on every unwindowed prefill case. A windowed
@@ -162,10 +216,14 @@ DTYPES = ("float32", "float16")
 # default kernel and "tma-defer-pv" is "defer-pv": fp32 runs "defer-pv" alone
 VARIANTS = {"tma": dict(TMA=True), "defer-pv": dict(DEFER_PV=True), "tma-defer-pv": dict(TMA=True, DEFER_PV=True)}
 VARIANT_DTYPES = {"tma": ("float16",), "defer-pv": DTYPES, "tma-defer-pv": ("float16",)}
-PREFILL_CASES = [name for name, case in CASES.items()
-                 if case.kind == "prefill" and (not case.window or name == "prefill-window-chunked")]
-VARIANT_RUNS = [(name, variant, dtype) for name in PREFILL_CASES for variant in VARIANTS
-                for dtype in VARIANT_DTYPES[variant]]
+PREFILL_CASES = [
+    name
+    for name, case in CASES.items()
+    if case.kind == "prefill" and (not case.window or name == "prefill-window-chunked")
+]
+VARIANT_RUNS = [
+    (name, variant, dtype) for name in PREFILL_CASES for variant in VARIANTS for dtype in VARIANT_DTYPES[variant]
+]
 TOL = {"float32": 2e-5, "float16": 2e-3}  # max |kernel - fp32 reference| / max(1, |reference|)
 
 
@@ -188,8 +246,10 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
     if case.fused_qkv:
         qkv = rand(B, S, (H + 2 * Hkv) * D)
-        q, k, v = (qkv[..., a * D:(a + n) * D].view(B, S, n, D).transpose(1, 2)
-                   for a, n in ((0, H), (H, Hkv), (H + Hkv, Hkv)))
+        q, k, v = (
+            qkv[..., a * D : (a + n) * D].view(B, S, n, D).transpose(1, 2)
+            for a, n in ((0, H), (H, Hkv), (H + Hkv, Hkv))
+        )
     else:
         q, k, v = rand(B, H, S, D), rand(B, Hkv, S, D), rand(B, Hkv, S, D)
     k_cache, v_cache = rand(Bmax, Hkv, Smax, D), rand(Bmax, Hkv, Smax, D)
@@ -217,15 +277,39 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     want_k, want_v = k_cache.clone(), v_cache.clone()
     twin_k, twin_v = k_cache.clone(), v_cache.clone()  # for the unfused kernels (rotary cases)
     A.write_kv_cache_reference(k_in, v, want_k, want_v, cache_pos)
-    ref = A.attention_reference(q_in.float(), k_in.float(), v.float(), k_cache.float().nan_to_num(),
-                                v_cache.float().nan_to_num(), cache_pos, D**-0.5, case.window, **variant)
+    ref = A.attention_reference(
+        q_in.float(),
+        k_in.float(),
+        v.float(),
+        k_cache.float().nan_to_num(),
+        v_cache.float().nan_to_num(),
+        cache_pos,
+        D**-0.5,
+        case.window,
+        **variant,
+    )
 
     if case.kind == "prefill":
-        A.prefill_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, out=out,
-                            config=case.config, **variant)
+        A.prefill_attention(
+            q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, out=out, config=case.config, **variant
+        )
     else:
-        A.decode_attention(q, k, v, k_cache, v_cache, cache_pos, D**-0.5, case.window, rotary=tables or cos_sin,
-                           rot_pos=rot_pos, out=out, config=case.config, num_splits=case.num_splits, **variant)
+        A.decode_attention(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            cache_pos,
+            D**-0.5,
+            case.window,
+            rotary=tables or cos_sin,
+            rot_pos=rot_pos,
+            out=out,
+            config=case.config,
+            num_splits=case.num_splits,
+            **variant,
+        )
     problems = []
     for name, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
         if not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
@@ -234,8 +318,18 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     if out.isnan().any():
         problems.append(f"out has NaN at [b, s, h, d] {out.isnan().nonzero()[:3].tolist()}")
     if case.rotary:  # dsc.rotary's kernel, then the plain decode kernel: the same bits, out and cache
-        twin = A.decode_attention(*A.rotary_triton(q, k, *cos_sin), v, twin_k, twin_v, cache_pos, D**-0.5, case.window,
-                                  config=case.config, num_splits=case.num_splits, **variant)
+        twin = A.decode_attention(
+            *A.rotary_triton(q, k, *cos_sin),
+            v,
+            twin_k,
+            twin_v,
+            cache_pos,
+            D**-0.5,
+            case.window,
+            config=case.config,
+            num_splits=case.num_splits,
+            **variant,
+        )
         if not (torch.equal(out, twin) and torch.equal(k_cache.nan_to_num(7.0), twin_k.nan_to_num(7.0))):
             problems.append("out or k_cache differs from the unfused kernels' (rotary, then decode attention)")
     err = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1)).item()
@@ -256,16 +350,21 @@ def _worker() -> None:
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"
     for name, variant, dtype in VARIANT_RUNS:
         try:
-            report[f"{name}+{variant}/{dtype}"] = run_case(with_variant(CASES[name], VARIANTS[variant]),
-                                                           getattr(torch, dtype))
+            report[f"{name}+{variant}/{dtype}"] = run_case(
+                with_variant(CASES[name], VARIANTS[variant]), getattr(torch, dtype)
+            )
         except Exception as e:  # reported per case by the parent, not swallowed
             report[f"{name}+{variant}/{dtype}"] = f"raised {type(e).__name__}: {e}"
     # every split counter is back at 0 after the launches (the next step, or graph replay,
     # starts from there); the split cases above allocated them
     from dsc.kernels import launch
+
     counters = list(launch.COUNTERS.values())
-    report["split-counters-reset"] = "ok" if counters and all(bool((c == 0).all()) for c in counters) \
+    report["split-counters-reset"] = (
+        "ok"
+        if counters and all(bool((c == 0).all()) for c in counters)
         else f"counters {[c.nonzero().flatten().tolist()[:8] for c in counters]}"
+    )
     report["single-split-skips-counter"] = _single_split_skips_counter((0, 9, 15))
     # 17-23 keys at a floor of 16: the sliver past the first 16 joins the first split
     report["sliver-joins-first-split"] = _single_split_skips_counter((16, 20, 22))
@@ -304,20 +403,22 @@ def _single_split_skips_counter(positions: tuple[int, ...]) -> str:
     counters.fill_(7)
     result = run_case(case, torch.float32)
     if result == "ok" and not bool((counters == 7).all()):
-        result = f"counters changed: {counters[:case.B * case.Hkv].tolist()}"
+        result = f"counters changed: {counters[: case.B * case.Hkv].tolist()}"
     counters.zero_()
     return result
 
 
 def _compile_sm90() -> None:
     """Child process: compile every kernel for sm_90 with triton.compile (no GPU, no launch)."""
+    import re
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import re
-
-    from dsc.kernels import attention as A, attention_sm90 as W, rotary as R
+    from dsc.kernels import attention as A
+    from dsc.kernels import attention_sm90 as W
+    from dsc.kernels import rotary as R
     from dsc.kernels.launch import triton_jit
     from dsc.kernels.rotary import ROTATE_OPTIONS, rotary_config
 
@@ -328,17 +429,26 @@ def _compile_sm90() -> None:
         consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
         # the prefill kernel's TMA descriptors, the decode kernel's rotary tables and their strides:
         # None (a constexpr) unless the build gives their types
-        consts |= {n: None for n in ("KD", "VD", "KCD", "VCD", "COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b", "SLOPES")
-                   if n in fn.arg_names and n not in ptr_types}
-        sig = {n: "constexpr" if n in consts else ptr_types.get(n, "fp32" if n in ("qk_scale", "cap") else "i32")
-               for n in fn.arg_names}
+        consts |= {
+            n: None
+            for n in ("KD", "VD", "KCD", "VCD", "COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b", "SLOPES")
+            if n in fn.arg_names and n not in ptr_types
+        }
+        sig = {
+            n: "constexpr" if n in consts else ptr_types.get(n, "fp32" if n in ("qk_scale", "cap") else "i32")
+            for n in fn.arg_names
+        }
         # what a launch specializes on at Llama's shapes: 16-byte aligned pointers, strides that
         # are multiples of 16 elements (without it the loads are not vectorized, so not pipelined)
         stride = lambda n: n.startswith("s") and "_" in n and not n.startswith("sl_")  # noqa: E731
-        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                   if n not in consts and (ptr_types.get(n, "").startswith("*") or stride(n))}
-        return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned),
-                              target=GPUTarget("cuda", 90, 32), options=options)
+        aligned = {
+            (i,): [["tt.divisibility", 16]]
+            for i, n in enumerate(fn.arg_names)
+            if n not in consts and (ptr_types.get(n, "").startswith("*") or stride(n))
+        }
+        return triton.compile(
+            ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", 90, 32), options=options
+        )
 
     report = {}
     for dtype in ("fp16", "bf16"):
@@ -352,53 +462,156 @@ def _compile_sm90() -> None:
         dec_pre = dec.get("PRE_N", 0)
         table_descs = {n: f"tensordesc<{dtype}[1, 1, {pre['BLOCK_N']}, 128]>" for n in ("KD", "VD", "KCD", "VCD")}
         jobs = {  # the sm_90 table entries at Llama-8B's shapes (G = 32 / 8), plus a padded head_dim
-            "prefill": (A._prefill_kernel, t | (table_descs if pre.get("TMA") else {}),
-                        dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=pre["BLOCK_M"], BLOCK_N=pre["BLOCK_N"],
-                             WINDOWED=False, TMA=pre.get("TMA", False), DEFER_PV=pre.get("DEFER_PV", False)),
-                        dict(num_warps=pre["num_warps"], num_stages=pre["num_stages"])),
+            "prefill": (
+                A._prefill_kernel,
+                t | (table_descs if pre.get("TMA") else {}),
+                dict(
+                    G=4,
+                    HEAD_DIM=128,
+                    BLOCK_D=128,
+                    BLOCK_M=pre["BLOCK_M"],
+                    BLOCK_N=pre["BLOCK_N"],
+                    WINDOWED=False,
+                    TMA=pre.get("TMA", False),
+                    DEFER_PV=pre.get("DEFER_PV", False),
+                ),
+                dict(num_warps=pre["num_warps"], num_stages=pre["num_stages"]),
+            ),
             # a 128-key tile (a --sweep candidate): 3 stages of K and V tiles fill the shared memory
-            "prefill-n128": (A._prefill_kernel, t, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=128,
-                                                        WINDOWED=False), dict(num_warps=8, num_stages=3)),
-            "decode": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
-                                                       BLOCK_N=dec["BLOCK_N"], WINDOWED=False, PRE_N=dec_pre),
-                       dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
+            "prefill-n128": (
+                A._prefill_kernel,
+                t,
+                dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=128, WINDOWED=False),
+                dict(num_warps=8, num_stages=3),
+            ),
+            "decode": (
+                A._decode_kernel,
+                t | f32,
+                dict(
+                    G=4,
+                    HEAD_DIM=128,
+                    BLOCK_D=128,
+                    BLOCK_H=16,
+                    SPLIT=True,
+                    BLOCK_N=dec["BLOCK_N"],
+                    WINDOWED=False,
+                    PRE_N=dec_pre,
+                ),
+                dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"]),
+            ),
             # the kernel without the preloaded tile (PRE_N=0)
-            "decode-pre0": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
-                                                            BLOCK_N=dec["BLOCK_N"], WINDOWED=False, PRE_N=0),
-                            dict(num_warps=4, num_stages=dec["num_stages"])),
-            "decode-d80": (A._decode_kernel, t | f32, dict(G=1, HEAD_DIM=80, BLOCK_D=128, BLOCK_H=16, SPLIT=False,
-                                                           BLOCK_N=64, WINDOWED=False), dict(num_warps=4, num_stages=2)),
+            "decode-pre0": (
+                A._decode_kernel,
+                t | f32,
+                dict(
+                    G=4,
+                    HEAD_DIM=128,
+                    BLOCK_D=128,
+                    BLOCK_H=16,
+                    SPLIT=True,
+                    BLOCK_N=dec["BLOCK_N"],
+                    WINDOWED=False,
+                    PRE_N=0,
+                ),
+                dict(num_warps=4, num_stages=dec["num_stages"]),
+            ),
+            "decode-d80": (
+                A._decode_kernel,
+                t | f32,
+                dict(G=1, HEAD_DIM=80, BLOCK_D=128, BLOCK_H=16, SPLIT=False, BLOCK_N=64, WINDOWED=False),
+                dict(num_warps=4, num_stages=2),
+            ),
             # sliding window (Mistral's shapes: 32 heads, 8 kv heads, head_dim 128)
-            "prefill-window": (A._prefill_kernel, t, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=pre["BLOCK_M"],
-                                                          BLOCK_N=pre["BLOCK_N"], WINDOWED=True),
-                               dict(num_warps=pre["num_warps"], num_stages=pre["num_stages"])),
-            "decode-window": (A._decode_kernel, t | f32, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
-                                                              BLOCK_N=dec["BLOCK_N"], WINDOWED=True, PRE_N=dec_pre),
-                              dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
+            "prefill-window": (
+                A._prefill_kernel,
+                t,
+                dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=pre["BLOCK_M"], BLOCK_N=pre["BLOCK_N"], WINDOWED=True),
+                dict(num_warps=pre["num_warps"], num_stages=pre["num_stages"]),
+            ),
+            "decode-window": (
+                A._decode_kernel,
+                t | f32,
+                dict(
+                    G=4,
+                    HEAD_DIM=128,
+                    BLOCK_D=128,
+                    BLOCK_H=16,
+                    SPLIT=True,
+                    BLOCK_N=dec["BLOCK_N"],
+                    WINDOWED=True,
+                    PRE_N=dec_pre,
+                ),
+                dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"]),
+            ),
             # dsc.rotary_attention's decode kernel (Llama-8B: G = 4 at tp 1 and tp 4; Mistral's window)
-            "decode-rotary": (A._decode_kernel, t | f32 | rot,
-                              dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True, BLOCK_N=dec["BLOCK_N"],
-                                   WINDOWED=False, ROTARY=True, PRE_N=dec_pre),
-                              dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
+            "decode-rotary": (
+                A._decode_kernel,
+                t | f32 | rot,
+                dict(
+                    G=4,
+                    HEAD_DIM=128,
+                    BLOCK_D=128,
+                    BLOCK_H=16,
+                    SPLIT=True,
+                    BLOCK_N=dec["BLOCK_N"],
+                    WINDOWED=False,
+                    ROTARY=True,
+                    PRE_N=dec_pre,
+                ),
+                dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"]),
+            ),
             # with rot_pos: the tables' rows read in the kernel, before the PDL wait
-            "decode-rotary-table": (A._decode_kernel, t | f32 | rot_table,
-                                    dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True, BLOCK_N=dec["BLOCK_N"],
-                                         WINDOWED=False, ROTARY=True, ROT_TABLE=True, PRE_N=dec_pre),
-                                    dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
-            "decode-rotary-window": (A._decode_kernel, t | f32 | rot,
-                                     dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, SPLIT=True,
-                                          BLOCK_N=dec["BLOCK_N"], WINDOWED=True, ROTARY=True, PRE_N=dec_pre),
-                                     dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"])),
+            "decode-rotary-table": (
+                A._decode_kernel,
+                t | f32 | rot_table,
+                dict(
+                    G=4,
+                    HEAD_DIM=128,
+                    BLOCK_D=128,
+                    BLOCK_H=16,
+                    SPLIT=True,
+                    BLOCK_N=dec["BLOCK_N"],
+                    WINDOWED=False,
+                    ROTARY=True,
+                    ROT_TABLE=True,
+                    PRE_N=dec_pre,
+                ),
+                dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"]),
+            ),
+            "decode-rotary-window": (
+                A._decode_kernel,
+                t | f32 | rot,
+                dict(
+                    G=4,
+                    HEAD_DIM=128,
+                    BLOCK_D=128,
+                    BLOCK_H=16,
+                    SPLIT=True,
+                    BLOCK_N=dec["BLOCK_N"],
+                    WINDOWED=True,
+                    ROTARY=True,
+                    PRE_N=dec_pre,
+                ),
+                dict(num_warps=dec["num_warps"], num_stages=dec["num_stages"]),
+            ),
             # one query head per kv head (GPT-2: head_dim 64): 128 row tokens span 3 key tiles of 64
-            "prefill-mha": (A._prefill_kernel, t, dict(G=1, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=pre64["BLOCK_M"],
-                                                       BLOCK_N=pre64["BLOCK_N"], WINDOWED=False),
-                            dict(num_warps=pre64["num_warps"], num_stages=pre64["num_stages"])),
+            "prefill-mha": (
+                A._prefill_kernel,
+                t,
+                dict(G=1, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=pre64["BLOCK_M"], BLOCK_N=pre64["BLOCK_N"], WINDOWED=False),
+                dict(num_warps=pre64["num_warps"], num_stages=pre64["num_stages"]),
+            ),
         }
         # the decode kernel with PDL (kernels/launch.py): griddepcontrol.wait before any memory access
-        jobs.update({f"{name}-pdl": (fn, ptrs, {**consts, "PDL": True}, options)
-                     for name, (fn, ptrs, consts, options) in jobs.items() if name.startswith("decode")})
+        jobs.update(
+            {
+                f"{name}-pdl": (fn, ptrs, {**consts, "PDL": True}, options)
+                for name, (fn, ptrs, consts, options) in jobs.items()
+                if name.startswith("decode")
+            }
+        )
         # the prefill variant's candidate rows: Llama's G = 4 at head_dim 128, GPT-2's G = 1 at 64
-        for (arch, head_dim), rows in A.PREFILL_VARIANTS.items():
+        for (_arch, head_dim), rows in A.PREFILL_VARIANTS.items():
             for cfg in rows:
                 if cfg.get("WS"):  # the warp-specialized kernel's rows: the prefill-ws builds below
                     continue
@@ -406,15 +619,29 @@ def _compile_sm90() -> None:
                 block = f"tensordesc<{dtype}[1, 1, {cfg['BLOCK_N']}, {head_dim}]>"
                 descs = {n: block for n in ("KD", "VD", "KCD", "VCD")}
                 jobs[variant_job(cfg, G)] = (
-                    A._prefill_kernel, t | (descs if cfg.get("TMA") else {}),
-                    dict(G=G, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                         WINDOWED=False, TMA=cfg.get("TMA", False), DEFER_PV=cfg.get("DEFER_PV", False)),
-                    dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                    A._prefill_kernel,
+                    t | (descs if cfg.get("TMA") else {}),
+                    dict(
+                        G=G,
+                        HEAD_DIM=head_dim,
+                        BLOCK_D=head_dim,
+                        BLOCK_M=cfg["BLOCK_M"],
+                        BLOCK_N=cfg["BLOCK_N"],
+                        WINDOWED=False,
+                        TMA=cfg.get("TMA", False),
+                        DEFER_PV=cfg.get("DEFER_PV", False),
+                    ),
+                    dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+                )
         # dsc.rotary's kernel at Llama-8B's heads (32 / 8, 4 heads per program), as rotary_triton launches it
         rcfg = rotary_config(128, "sm_90")
-        jobs["rotary"] = (rotary_kernel, {n: f"*{dtype}" for n in ("Q", "K", "COS", "SIN", "QO", "KO")}
-                          | {"sc_b": "i32", "ss_b": "i32"},  # (strides here, not the decode kernel's tables)
-                          dict(BLOCK_H=rcfg["BLOCK_H"], BLOCK_D=rcfg["BLOCK_D"]), dict(num_warps=rcfg["num_warps"]))
+        jobs["rotary"] = (
+            rotary_kernel,
+            {n: f"*{dtype}" for n in ("Q", "K", "COS", "SIN", "QO", "KO")}
+            | {"sc_b": "i32", "ss_b": "i32"},  # (strides here, not the decode kernel's tables)
+            dict(BLOCK_H=rcfg["BLOCK_H"], BLOCK_D=rcfg["BLOCK_D"]),
+            dict(num_warps=rcfg["num_warps"]),
+        )
         for name, (fn, ptrs, consts, options) in jobs.items():
             if not keep(name):
                 continue
@@ -461,10 +688,17 @@ def _compile_sm90() -> None:
         consts = dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=cfg["BLOCK_N"], WINDOWED=False)
         consts |= dict(BLOCK_M=cfg["BLOCK_M"]) if kind == "prefill" else dict(BLOCK_H=16, SPLIT=True)
         try:
-            kernel = compile_(fn, {k: v for k, v in t.items() if kind == "decode" or k not in ("PART_O", "PART_LSE", "LOCK")},
-                              consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            kernel = compile_(
+                fn,
+                {k: v for k, v in t.items() if kind == "decode" or k not in ("PART_O", "PART_LSE", "LOCK")},
+                consts,
+                num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
+            )
             shared = kernel.metadata.shared
-            report[f"{kind}-fp32-d128-smem"] = "ok" if shared <= 232448 else f"{shared} bytes of shared memory > 227 KiB"
+            report[f"{kind}-fp32-d128-smem"] = (
+                "ok" if shared <= 232448 else f"{shared} bytes of shared memory > 227 KiB"
+            )
         except Exception as e:
             report[f"{kind}-fp32-d128-smem"] = f"raised {type(e).__name__}: {e}"[:2000]
     print("REPORT " + json.dumps(report))
@@ -488,12 +722,16 @@ def sm90_params(kernels) -> list:
 
 # the warp-specialized prefill's sm_90 builds: (G, head_dim, config overrides); Llama-8B's
 # 32 / 8 heads, a GQA of 8, GPT-2's one head per kv head at 64, and the 64-key variant row
-WS_BUILDS = {"prefill-ws": (4, 128, None), "prefill-ws-g8": (8, 128, None), "prefill-ws-mha-d64": (1, 64, None),
-             "prefill-ws-n64": (4, 128, dict(BLOCK_N=64, K_STAGES=4, V_STAGES=4))}
+WS_BUILDS = {
+    "prefill-ws": (4, 128, None),
+    "prefill-ws-g8": (8, 128, None),
+    "prefill-ws-mha-d64": (1, 64, None),
+    "prefill-ws-n64": (4, 128, dict(BLOCK_N=64, K_STAGES=4, V_STAGES=4)),
+}
 
 
 def _check_register_split(ptx: str) -> str:
-    """"ok" if the build hands registers from the producer to the two consumer warpgroups
+    """ "ok" if the build hands registers from the producer to the two consumer warpgroups
     (setmaxnreg: the producer down to a few, the consumers up past the even split of the CTA's
     registers) and the three together fit what the CTA is launched with (.maxnreg x .reqntid):
     a setmaxnreg.inc that cannot be served waits forever."""
@@ -513,12 +751,14 @@ def _check_register_split(ptx: str) -> str:
 def variant_job(cfg: dict, G: int) -> str:
     """The sm_90 build name of a PREFILL_VARIANTS row, e.g. prefill-variant-128x64-w8-s3-tma-defer_pv."""
     keys = "".join(f"-{k.lower()}" for k in ("TMA", "DEFER_PV") if cfg.get(k))
-    return (f"prefill-{'mha-' if G == 1 else ''}variant-{cfg['BLOCK_M']}x{cfg['BLOCK_N']}-w{cfg['num_warps']}"
-            f"-s{cfg['num_stages']}{keys}")
+    return (
+        f"prefill-{'mha-' if G == 1 else ''}variant-{cfg['BLOCK_M']}x{cfg['BLOCK_N']}-w{cfg['num_warps']}"
+        f"-s{cfg['num_stages']}{keys}"
+    )
 
 
 def _check_ptxas(kernel, allow_spills: bool) -> str:
-    """"ok" unless ptxas (the one this triton runs for sm_90) serializes the build's wgmmas, or
+    """ "ok" unless ptxas (the one this triton runs for sm_90) serializes the build's wgmmas, or
     spills registers (allow_spills: the default build spills 4 bytes).  Either undoes the point of
     the prefill variant, and neither shows in the TTGIR: a register copy at a loop's back edge of
     a wgmma still in flight (the look-ahead QK^T this variant first tried) makes ptxas wait after
@@ -531,8 +771,11 @@ def _check_ptxas(kernel, allow_spills: bool) -> str:
 
     with tempfile.TemporaryDirectory() as d:
         Path(d, "k.ptx").write_text(kernel.asm["ptx"])
-        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o",
-                               str(Path(d, "k.cubin"))], capture_output=True, text=True)
+        proc = subprocess.run(
+            [get_ptxas(90).path, "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o", str(Path(d, "k.cubin"))],
+            capture_output=True,
+            text=True,
+        )
     log = proc.stdout + proc.stderr
     problems = [ln.strip()[:200] for ln in log.splitlines() if "serialized" in ln][:1]
     if proc.returncode:
@@ -543,7 +786,7 @@ def _check_ptxas(kernel, allow_spills: bool) -> str:
 
 
 def _check_no_store_in_pipelined_loop(ttgir: str) -> str:
-    """"ok" unless a software-pipelined loop (one issuing async global->shared copies, TMA ones
+    """ "ok" unless a software-pipelined loop (one issuing async global->shared copies, TMA ones
     included) also stores to global memory.  A K/V tile that feeds the async wgmma and is also
     stored (the cache write fused into the attention loop) gets one shared-memory buffer too few
     from Triton's pipeliner: the copy of tile i + num_stages - 1 overwrites tile i's V while the
@@ -555,7 +798,7 @@ def _check_no_store_in_pipelined_loop(ttgir: str) -> str:
             continue
         indent = len(line) - len(line.lstrip())
         body = []
-        for inner in lines[i + 1:]:
+        for inner in lines[i + 1 :]:
             if inner.strip().startswith("}") and len(inner) - len(inner.lstrip()) == indent:
                 break
             body.append(inner)
@@ -616,13 +859,31 @@ def test_preloading_a_loop_tile_keeps_the_bits(interpreter_report):
     assert interpreter_report["preload-of-a-loop-tile-same-bits"] == "ok"
 
 
-DECODE_BUILDS = ["decode", "decode-pre0", "decode-d80", "decode-window", "decode-rotary", "decode-rotary-table",
-                 "decode-rotary-window"]
+DECODE_BUILDS = [
+    "decode",
+    "decode-pre0",
+    "decode-d80",
+    "decode-window",
+    "decode-rotary",
+    "decode-rotary-table",
+    "decode-rotary-window",
+]
 
 
-@pytest.mark.parametrize("kernel, dtype", sm90_params([
-    "prefill", "prefill-n128", "prefill-window", "prefill-mha", "rotary",
-    *DECODE_BUILDS, *(f"{name}-pdl" for name in DECODE_BUILDS)]))
+@pytest.mark.parametrize(
+    "kernel, dtype",
+    sm90_params(
+        [
+            "prefill",
+            "prefill-n128",
+            "prefill-window",
+            "prefill-mha",
+            "rotary",
+            *DECODE_BUILDS,
+            *(f"{name}-pdl" for name in DECODE_BUILDS),
+        ]
+    ),
+)
 def test_kernel_compiles_for_sm90(sm90_report, kernel, dtype):
     """Every kernel build in bf16; the FP16_BUILDS in fp16 too."""
     assert sm90_report[f"{kernel}/{dtype}"] == "ok"
@@ -665,8 +926,12 @@ def test_long_prefill_loops_store_outside_pipelined_loops(sm90_report, kernel, d
 def _variant_jobs():
     from dsc.kernels.attention import PREFILL_VARIANTS
 
-    return [variant_job(cfg, 4 if head_dim == 128 else 1) for (_, head_dim), rows in PREFILL_VARIANTS.items()
-            for cfg in rows if not cfg.get("WS")]
+    return [
+        variant_job(cfg, 4 if head_dim == 128 else 1)
+        for (_, head_dim), rows in PREFILL_VARIANTS.items()
+        for cfg in rows
+        if not cfg.get("WS")
+    ]
 
 
 @pytest.mark.parametrize("kernel, dtype", sm90_params(_variant_jobs()))
@@ -714,18 +979,19 @@ def test_attention_config_has_an_entry_for_every_head_dim(head_dim, arch):
     from dsc.kernels.attention import attention_config
 
     assert {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} <= attention_config("prefill", head_dim, arch).keys()
-    assert {"BLOCK_N", "num_warps", "num_stages", "PROGRAMS_PER_SM", "MIN_SPLIT"} <= \
-        attention_config("decode", head_dim, arch).keys()
+    assert {"BLOCK_N", "num_warps", "num_stages", "PROGRAMS_PER_SM", "MIN_SPLIT"} <= attention_config(
+        "decode", head_dim, arch
+    ).keys()
 
 
 @pytest.mark.parametrize("seq, batch, splits", [(1, None, 32), (1, 64, 1), (7, None, None)])
 def test_planner_reports_kernels_and_launches(seq, batch, splits):
     """Decode is one launch whatever the splits (the last split combines the partials)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     import dsc.kernels  # noqa: F401  (registers the planners)
     from dsc.kernels.launch import PLANNERS
-
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     with mode:
@@ -742,8 +1008,9 @@ def test_planner_reports_kernels_and_launches(seq, batch, splits):
         fused = PLANNERS["dsc.rotary_attention.default"](q, k, k, cos, cos, cache, cache, pos, 0.1, arch="sm_90")
     # decode: the rotation runs in the attention kernel (one launch); prefill: the rotary kernel first
     assert fused["launches"] == (1 if seq == 1 else 2)
-    assert fused["name"] == ("triton.rotary_attention_decode" if seq == 1
-                             else "triton.rotary + triton.attention_prefill")
+    assert fused["name"] == (
+        "triton.rotary_attention_decode" if seq == 1 else "triton.rotary + triton.attention_prefill"
+    )
     assert fused["config"].items() >= plan["config"].items()
 
 
@@ -761,8 +1028,9 @@ def test_fp32_configs_fit_shared_memory(sm90_report, kind):
         assert staged_bytes(kind, attention_config(kind, head_dim, arch, itemsize=4), head_dim, 4) <= SMEM_BUDGET
     if kind == "prefill":
         assert attention_config(kind, 128, "sm_90", itemsize=2)["BLOCK_M"] == 128  # the measured row
-        assert {k: attention_config(kind, 128, "sm_90", itemsize=4)[k] for k in ("BLOCK_M", "BLOCK_N", "num_stages")} \
-            == {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
+        assert {
+            k: attention_config(kind, 128, "sm_90", itemsize=4)[k] for k in ("BLOCK_M", "BLOCK_N", "num_stages")
+        } == {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
 
 
 def test_variant_keys_are_on_only_where_measured():
@@ -772,8 +1040,11 @@ def test_variant_keys_are_on_only_where_measured():
 
     for arch, head_dim in PREFILL_CONFIGS:
         cfg = attention_config("prefill", head_dim, arch)
-        assert bool(cfg.get("TMA")) == ((arch, head_dim) == ("sm_90", 128)) and not cfg.get("DEFER_PV"), \
-            (arch, head_dim, cfg)
+        assert bool(cfg.get("TMA")) == ((arch, head_dim) == ("sm_90", 128)) and not cfg.get("DEFER_PV"), (
+            arch,
+            head_dim,
+            cfg,
+        )
 
 
 def test_tma_descriptors_need_16_byte_alignment():
@@ -807,7 +1078,11 @@ def test_cpu_op_is_the_reference():
     from dsc.kernels.attention import attention_reference
 
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g)
+    q, k, v = (
+        torch.randn(2, 4, 3, 16, generator=g),
+        torch.randn(2, 2, 3, 16, generator=g),
+        torch.randn(2, 2, 3, 16, generator=g),
+    )
     caches = [torch.zeros(2, 2, 9, 16) for _ in range(4)]
     pos = torch.tensor([0, 4])
     got = torch.ops.dsc.attention(q, k, v, caches[0], caches[1], pos, 0.25)
@@ -837,6 +1112,7 @@ def test_cpu_rotary_attention_is_rotary_then_attention(dtype):
     got = torch.ops.dsc.rotary_attention(q, k, v, *tables, caches[4], caches[5], pos, 0.25, 3, rot_pos)
     assert torch.equal(got, want) and torch.equal(caches[4], caches[2]) and torch.equal(caches[5], caches[3])
 
+
 def test_decode_preload_comes_from_the_row():
     """PRE_N and num_warps are the config's (PRE_N 0 where the row has none)."""
     from dsc.kernels.attention import DECODE_CONFIGS, decode_preload
@@ -856,10 +1132,20 @@ def _meta_attention(dtype=torch.bfloat16, H=32, Hkv=8, D=128, S=2048, Smax=4096)
     return q, k, v, kc, vc, torch.zeros(1, dtype=torch.int64, device="meta")
 
 
-@pytest.mark.parametrize("change, runs_ws", [
-    ({}, True), (dict(dtype=torch.float16), True), (dict(H=8, Hkv=8), True), (dict(H=64, Hkv=8), True),
-    (dict(dtype=torch.float32), False), (dict(H=24, Hkv=8), False), (dict(H=32, Hkv=2), False),
-    (dict(D=80), False), (dict(D=256), False)])
+@pytest.mark.parametrize(
+    "change, runs_ws",
+    [
+        ({}, True),
+        (dict(dtype=torch.float16), True),
+        (dict(H=8, Hkv=8), True),
+        (dict(H=64, Hkv=8), True),
+        (dict(dtype=torch.float32), False),
+        (dict(H=24, Hkv=8), False),
+        (dict(H=32, Hkv=2), False),
+        (dict(D=80), False),
+        (dict(D=256), False),
+    ],
+)
 def test_which_prefills_the_warp_specialized_kernel_takes(change, runs_ws):
     """16-bit tensors of one dtype, head_dim 64 or 128, 1, 2, 4 or 8 query heads per kv head,
     no sliding window: the Gluon kernel's (a warpgroup's 64 rows are 64 / G tokens of each head,
@@ -889,4 +1175,3 @@ def test_the_plan_names_the_kernel_a_prefill_runs():
     fp32 = _plan_attention(*_meta_attention(dtype=torch.float32), 0.1, arch="sm_90")
     assert fp32["name"] == "triton.attention_prefill"
     assert _plan_attention(q, k, v, kc, vc, pos, 0.1, arch="default")["name"] == "triton.attention_prefill"
-

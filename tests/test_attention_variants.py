@@ -9,6 +9,7 @@ bound and fused ones, and record nothing where they are unset. The Triton kernel
 variant (static prefill, decode, rotary decode; paged decode, varlen, mixed) in the interpreter
 at odd shapes against the references, and build for sm_90 with the variant on.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -17,9 +18,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.fx as fx
+from paged_steps import Case as StepCase
+from paged_steps import alibi_slopes_for, args_of, build
 
 from dsc import kernels as _kernels  # noqa: F401  (registers the dsc ops)
-from paged_steps import Case as StepCase, alibi_slopes_for, args_of, build
 
 dsc = torch.ops.dsc
 
@@ -80,7 +82,7 @@ def test_causal_attention_reference(name):
     g = torch.Generator().manual_seed(1)
     B, S = 2, 23
     q, k, v = (torch.randn(B, h, S, var.D, generator=g) for h in (var.H, var.Hkv, var.Hkv))
-    scale = var.D ** -0.5
+    scale = var.D**-0.5
     got = dsc.causal_attention(q, k, v, torch.zeros(B, dtype=torch.long), scale, var.window, **_args(var))
     pos = torch.arange(S)
     _close(got, naive(q, k, v, pos.expand(B, S), pos, scale, var.window, var.softcap, _args(var)["alibi_slopes"]))
@@ -103,8 +105,17 @@ def _static_want(var, q, k, v, caches, cache_pos):
     write_kv_cache_reference(k, v, kc, vc, cache_pos)
     S, Smax = q.shape[2], kc.shape[2]
     q_pos = cache_pos[:, None] + torch.arange(S)
-    want = naive(q, kc[:q.shape[0]], vc[:q.shape[0]], q_pos, torch.arange(Smax), q.shape[-1] ** -0.5, var.window,
-                 var.softcap, _args(var)["alibi_slopes"])
+    want = naive(
+        q,
+        kc[: q.shape[0]],
+        vc[: q.shape[0]],
+        q_pos,
+        torch.arange(Smax),
+        q.shape[-1] ** -0.5,
+        var.window,
+        var.softcap,
+        _args(var)["alibi_slopes"],
+    )
     return want, kc, vc
 
 
@@ -116,7 +127,7 @@ def test_attention_reference(name, S):
     q, k, v, caches, cache_pos = _static_inputs(var, S, seed=2)
     want, want_k, want_v = _static_want(var, q, k, v, caches, cache_pos)
     kc, vc = caches
-    got = dsc.attention(q, k, v, kc, vc, cache_pos, var.D ** -0.5, var.window, **_args(var))
+    got = dsc.attention(q, k, v, kc, vc, cache_pos, var.D**-0.5, var.window, **_args(var))
     _close(got, want)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
@@ -133,14 +144,15 @@ def test_rotary_attention_reference(name):
     qr, kr = rotary_reference(q, k, cos, sin)
     want, want_k, _ = _static_want(var, qr, kr, v, caches, cache_pos)
     kc, vc = caches
-    got = dsc.rotary_attention(q, k, v, cos, sin, kc, vc, cache_pos, var.D ** -0.5, var.window, None, **_args(var))
+    got = dsc.rotary_attention(q, k, v, cos, sin, kc, vc, cache_pos, var.D**-0.5, var.window, None, **_args(var))
     _close(got, want)
     assert torch.equal(kc, want_k)
 
 
 STEPS = {  # (cached tokens, new tokens) per sequence: prompt chunks, decode tokens, a padding sequence
-    "both-window-gqa2-d72": StepCase(3, 2, 72, 16, ((0, 9), (21, 1), (0, 0), (12, 6)), pad_rows=2, window=5,
-                                     softcap=1.5, alibi=True),
+    "both-window-gqa2-d72": StepCase(
+        3, 2, 72, 16, ((0, 9), (21, 1), (0, 0), (12, 6)), pad_rows=2, window=5, softcap=1.5, alibi=True
+    ),
     "both-gqa3-d40": StepCase(2, 3, 40, 16, ((5, 4), (0, 1), (33, 1)), pad_rows=1, softcap=2.0, alibi=True),
 }
 
@@ -151,8 +163,14 @@ def test_paged_and_ragged_reference(name):
     tokens, padding rows zeros; dsc.ragged_attention is the same with every cache_lens 0."""
     var = VARIANTS[name]
     case = STEPS[name]
-    assert (case.Hkv * case.G, case.Hkv, case.D, case.window, case.softcap, case.alibi) == \
-        (var.H, var.Hkv, var.D, var.window, var.softcap, var.alibi)
+    assert (case.Hkv * case.G, case.Hkv, case.D, case.window, case.softcap, case.alibi) == (
+        var.H,
+        var.Hkv,
+        var.D,
+        var.window,
+        var.softcap,
+        var.alibi,
+    )
     step = build(case, torch.float32, seed=5)
     step["k_pool"], step["v_pool"] = step["k_pool"].nan_to_num(), step["v_pool"].nan_to_num()
     out = dsc.paged_attention(*args_of(step))
@@ -162,19 +180,29 @@ def test_paged_and_ragged_reference(name):
         if not n:
             continue
         a = int(step["query_start"][i])
-        covered[a: a + n] = True
+        covered[a : a + n] = True
         blocks = step["block_tables"][i, : -(-(c + n) // case.BS)].long()
         kc, vc = (as_rows(p, blocks)[None, :, : c + n] for p in (step["k_pool"], step["v_pool"]))
-        want = naive(step["q"][:, :, a: a + n], kc, vc, c + torch.arange(n)[None], torch.arange(c + n),
-                     step["scale"], var.window, var.softcap, _args(var)["alibi_slopes"])
-        _close(out[:, a: a + n], want)
+        want = naive(
+            step["q"][:, :, a : a + n],
+            kc,
+            vc,
+            c + torch.arange(n)[None],
+            torch.arange(c + n),
+            step["scale"],
+            var.window,
+            var.softcap,
+            _args(var)["alibi_slopes"],
+        )
+        _close(out[:, a : a + n], want)
     assert not out[:, ~covered].any()
 
     fresh = build(replace(case, seqs=tuple((0, n) for _, n in case.seqs)), torch.float32, seed=6)
     fresh["k_pool"], fresh["v_pool"] = fresh["k_pool"].nan_to_num(), fresh["v_pool"].nan_to_num()
     ragged_args = [a for i, a in enumerate(args_of(fresh)) if i not in (3, 4)]  # no pools
-    torch.testing.assert_close(dsc.ragged_attention(*ragged_args), dsc.paged_attention(*args_of(fresh)), rtol=1e-6,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        dsc.ragged_attention(*ragged_args), dsc.paged_attention(*args_of(fresh)), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_unset_variant_is_the_plain_reference():
@@ -201,9 +229,10 @@ def test_alibi_matches_bloom():
     alibi = build_alibi_tensor(torch.ones(B, S, dtype=torch.long), H, torch.float32)  # [B * H, 1, S]
     slopes = alibi.view(B, H, S)[0, :, 1].contiguous()  # position 1: the slope itself
     assert torch.allclose(alibi.view(B, H, S), slopes[None, :, None] * torch.arange(S))
-    scale = D ** -0.5
-    scores = torch.baddbmm(alibi, q.reshape(B * H, S, D), k.reshape(B * H, S, D).transpose(1, 2), beta=1.0,
-                           alpha=scale).view(B, H, S, S)
+    scale = D**-0.5
+    scores = torch.baddbmm(
+        alibi, q.reshape(B * H, S, D), k.reshape(B * H, S, D).transpose(1, 2), beta=1.0, alpha=scale
+    ).view(B, H, S, S)
     causal = torch.ones(S, S, dtype=torch.bool).tril()
     probs = torch.softmax(scores.masked_fill(~causal, torch.finfo(torch.float32).min), -1)
     bloom = (probs @ v).transpose(1, 2)  # [B, S, H, D]
@@ -251,9 +280,15 @@ def _graph(extra: tuple, rotary: bool, tables: bool = False) -> tuple[fx.Graph, 
     if rotary:
         if tables:
             ids = node(g.placeholder, "position_ids", shape=(2, 1), dtype=torch.long)
-            cos, sin = (node(g.call_function, torch.ops.aten.index.Tensor,
-                             (node(g.get_attr, f"{name}_table", shape=(64, 40)), [ids]), shape=(2, 1, 40))
-                        for name in ("cos", "sin"))
+            cos, sin = (
+                node(
+                    g.call_function,
+                    torch.ops.aten.index.Tensor,
+                    (node(g.get_attr, f"{name}_table", shape=(64, 40)), [ids]),
+                    shape=(2, 1, 40),
+                )
+                for name in ("cos", "sin")
+            )
         else:
             cos, sin = (node(g.placeholder, name, shape=(2, 1, 40)) for name in ("cos", "sin"))
         kc, vc = (node(g.get_attr, f"kv_cache.0.{n}", shape=(4, 2, 32, 40)) for n in "kv")
@@ -284,8 +319,12 @@ def test_bind_kv_cache_carries_the_variant(extra):
     from dsc.passes.bind_kv_cache import bind_kv_cache
 
     g, mode = _graph(extra, rotary=False)
-    model = SimpleNamespace(options=SimpleNamespace(max_batch=4, max_seq=32, block_size=16), fake_mode=mode,
-                            counters=Counter(), graphs=lambda: [("prefill", g)])
+    model = SimpleNamespace(
+        options=SimpleNamespace(max_batch=4, max_seq=32, block_size=16),
+        fake_mode=mode,
+        counters=Counter(),
+        graphs=lambda: [("prefill", g)],
+    )
     bind_kv_cache(model)
     (attn,) = [n for n in g.nodes if n.target is dsc.attention.default]
     assert _tail(attn, 7) == [("alibi_slopes.0" if a == "slopes" else a) for a in extra]
@@ -315,10 +354,17 @@ def test_fuse_rotary_attention_carries_the_variant(extra, tables):
     g.lint()
 
 
-@pytest.mark.parametrize("kwargs, want", [
-    ({}, ()), ({"sliding_window": 5}, (5,)), ({"softcap": 30.0}, (0, 30.0)),
-    ({"sliding_window": None, "softcap": None}, ()), ({"alibi_slopes": "slopes"}, (0, 0.0, "slopes")),
-    ({"sliding_window": 4, "softcap": 2.0, "alibi_slopes": "slopes"}, (4, 2.0, "slopes"))])
+@pytest.mark.parametrize(
+    "kwargs, want",
+    [
+        ({}, ()),
+        ({"sliding_window": 5}, (5,)),
+        ({"softcap": 30.0}, (0, 30.0)),
+        ({"sliding_window": None, "softcap": None}, ()),
+        ({"alibi_slopes": "slopes"}, (0, 0.0, "slopes")),
+        ({"sliding_window": 4, "softcap": 2.0, "alibi_slopes": "slopes"}, (4, 2.0, "slopes")),
+    ],
+)
 def test_trace_records_only_what_is_set(kwargs, want):
     """compiler/trace.py's attention function records the trailing arguments up to the last one
     set (plain and sliding-window graphs keep their form)."""
@@ -328,12 +374,13 @@ def test_trace_records_only_what_is_set(kwargs, want):
 
     slopes = alibi_slopes_for(6)
     kwargs = {key: slopes if a == "slopes" else a for key, a in kwargs.items()}
-    gm = make_fx(lambda q, k, v, pos: dsc_attention(None, q, k, v, None, scaling=0.25, dsc_cache_pos=pos,
-                                                    **kwargs)[0])(
-        torch.randn(1, 6, 4, 40), torch.randn(1, 2, 4, 40), torch.randn(1, 2, 4, 40), torch.zeros(1, dtype=torch.long))
+    gm = make_fx(lambda q, k, v, pos: dsc_attention(None, q, k, v, None, scaling=0.25, dsc_cache_pos=pos, **kwargs)[0])(
+        torch.randn(1, 6, 4, 40), torch.randn(1, 2, 4, 40), torch.randn(1, 2, 4, 40), torch.zeros(1, dtype=torch.long)
+    )
     (attn,) = [n for n in gm.graph.nodes if n.target is dsc.causal_attention.default]
-    tail = [torch.equal(getattr(gm, a.target), slopes) and "slopes" if isinstance(a, fx.Node) else a
-            for a in attn.args[5:]]
+    tail = [
+        torch.equal(getattr(gm, a.target), slopes) and "slopes" if isinstance(a, fx.Node) else a for a in attn.args[5:]
+    ]
     assert tuple(tail) == want
 
 
@@ -367,7 +414,6 @@ def test_plan_accepts_the_variant_arguments():
         check_nodes([*nodes[:-1], {**nodes[-1], "args": [*args[:8], "big", args[9]]}])
 
 
-
 def test_inspect_names_the_variant():
     """`dsc inspect` reads each attention's variant from its kernel config (what the planner wrote)."""
     from dsc.runtime.inspect import score_variant
@@ -379,6 +425,7 @@ def test_inspect_names_the_variant():
     assert score_variant(node(alibi=True)) == "ALiBi"
     assert score_variant(node(softcap="x", alibi="yes")) == ""  # artifact text of the wrong type: not shown
 
+
 # -- the Triton kernels in the interpreter, and built for sm_90 -------------------------------------
 # The cases run through the kernel tests' own harnesses (tests/test_attention_kernels.py and
 # tests/test_paged_attention.py `run_case`: NaN-poisoned cache slots no query may read, the cache
@@ -389,24 +436,75 @@ def _static_cases() -> dict:
 
     return {
         # cached prefix with a full (unmasked) tile and a partial one; new tokens with full tiles
-        "prefill-both-gqa3-d40": Case("prefill", 2, 6, 2, 23, 40, 61, (0, 21), config=SMALL_PREFILL, softcap=1.5,
-                                      alibi=True),
-        "prefill-alibi-window-mqa-d72": Case("prefill", 2, 6, 1, 11, 72, 40, (3, 25), config=SMALL_PREFILL, window=5,
-                                             alibi=True),
+        "prefill-both-gqa3-d40": Case(
+            "prefill", 2, 6, 2, 23, 40, 61, (0, 21), config=SMALL_PREFILL, softcap=1.5, alibi=True
+        ),
+        "prefill-alibi-window-mqa-d72": Case(
+            "prefill", 2, 6, 1, 11, 72, 40, (3, 25), config=SMALL_PREFILL, window=5, alibi=True
+        ),
         # G = 1 with row tiles longer than key tiles: the cache write in its own loop
-        "prefill-softcap-mha-long-tiles": Case("prefill", 2, 3, 3, 45, 40, 80, (0, 21), softcap=1.0,
-                                               config=dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)),
+        "prefill-softcap-mha-long-tiles": Case(
+            "prefill",
+            2,
+            3,
+            3,
+            45,
+            40,
+            80,
+            (0, 21),
+            softcap=1.0,
+            config=dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1),
+        ),
         # the config's TMA / DEFER_PV keys are ignored for the variant (the plain loops run)
-        "prefill-both-variant-keys-off": Case("prefill", 2, 6, 2, 13, 40, 37, (0, 19), softcap=2.0, alibi=True,
-                                              config=dict(SMALL_PREFILL, TMA=True, DEFER_PV=True)),
-        "decode-both-splits": Case("decode", 3, 6, 2, 1, 40, 37, (0, 20, 36), config=SMALL_DECODE, num_splits=3,
-                                   softcap=1.5, alibi=True),
-        "decode-alibi-window-preload-d72": Case("decode", 3, 6, 3, 1, 72, 61, (3, 30, 60), num_splits=3, window=20,
-                                                config=dict(SMALL_DECODE, PRE_N=16), alibi=True),
-        "decode-rotary-table-both": Case("decode", 3, 6, 2, 1, 40, 37, (0, 20, 36), config=SMALL_DECODE, num_splits=2,
-                                         rotary=True, rot_table=True, softcap=1.5, alibi=True),
-        "decode-softcap-overflow": Case("decode", 3, 6, 2, 1, 40, 37, (37, 50, 15), config=SMALL_DECODE,
-                                        num_splits=3, softcap=1.0),
+        "prefill-both-variant-keys-off": Case(
+            "prefill",
+            2,
+            6,
+            2,
+            13,
+            40,
+            37,
+            (0, 19),
+            softcap=2.0,
+            alibi=True,
+            config=dict(SMALL_PREFILL, TMA=True, DEFER_PV=True),
+        ),
+        "decode-both-splits": Case(
+            "decode", 3, 6, 2, 1, 40, 37, (0, 20, 36), config=SMALL_DECODE, num_splits=3, softcap=1.5, alibi=True
+        ),
+        "decode-alibi-window-preload-d72": Case(
+            "decode",
+            3,
+            6,
+            3,
+            1,
+            72,
+            61,
+            (3, 30, 60),
+            num_splits=3,
+            window=20,
+            config=dict(SMALL_DECODE, PRE_N=16),
+            alibi=True,
+        ),
+        "decode-rotary-table-both": Case(
+            "decode",
+            3,
+            6,
+            2,
+            1,
+            40,
+            37,
+            (0, 20, 36),
+            config=SMALL_DECODE,
+            num_splits=2,
+            rotary=True,
+            rot_table=True,
+            softcap=1.5,
+            alibi=True,
+        ),
+        "decode-softcap-overflow": Case(
+            "decode", 3, 6, 2, 1, 40, 37, (37, 50, 15), config=SMALL_DECODE, num_splits=3, softcap=1.0
+        ),
     }
 
 
@@ -415,19 +513,46 @@ def _paged_cases() -> dict:
     from test_paged_attention import SMALL_DECODE, SMALL_PREFILL
 
     return {
-        "paged-mixed-both-gqa3-d40": StepCase(2, 3, 40, 16, ((0, 7), (21, 1), (5, 20), (40, 1)), pad_rows=3,
-                                              config=SMALL_PREFILL, decode_config=SMALL_DECODE, num_splits=3,
-                                              softcap=1.5, alibi=True),
-        "paged-varlen-alibi-window-d72": StepCase(3, 2, 72, 16, ((30, 12), (0, 20), (50, 1)), window=7,
-                                                  config=SMALL_PREFILL, path="varlen", alibi=True),
-        "paged-decode-both-splits": decode_case(((0, 1), (20, 1), (47, 1), (0, 0)), Hkv=2, G=3, D=40, BS=16,
-                                                decode_config=SMALL_DECODE, num_splits=3, softcap=1.0, alibi=True),
+        "paged-mixed-both-gqa3-d40": StepCase(
+            2,
+            3,
+            40,
+            16,
+            ((0, 7), (21, 1), (5, 20), (40, 1)),
+            pad_rows=3,
+            config=SMALL_PREFILL,
+            decode_config=SMALL_DECODE,
+            num_splits=3,
+            softcap=1.5,
+            alibi=True,
+        ),
+        "paged-varlen-alibi-window-d72": StepCase(
+            3, 2, 72, 16, ((30, 12), (0, 20), (50, 1)), window=7, config=SMALL_PREFILL, path="varlen", alibi=True
+        ),
+        "paged-decode-both-splits": decode_case(
+            ((0, 1), (20, 1), (47, 1), (0, 0)),
+            Hkv=2,
+            G=3,
+            D=40,
+            BS=16,
+            decode_config=SMALL_DECODE,
+            num_splits=3,
+            softcap=1.0,
+            alibi=True,
+        ),
     }
 
 
-STATIC_NAMES = ["prefill-both-gqa3-d40", "prefill-alibi-window-mqa-d72", "prefill-softcap-mha-long-tiles",
-                "prefill-both-variant-keys-off", "decode-both-splits", "decode-alibi-window-preload-d72",
-                "decode-rotary-table-both", "decode-softcap-overflow"]
+STATIC_NAMES = [
+    "prefill-both-gqa3-d40",
+    "prefill-alibi-window-mqa-d72",
+    "prefill-softcap-mha-long-tiles",
+    "prefill-both-variant-keys-off",
+    "decode-both-splits",
+    "decode-alibi-window-preload-d72",
+    "decode-rotary-table-both",
+    "decode-softcap-overflow",
+]
 PAGED_NAMES = ["paged-mixed-both-gqa3-d40", "paged-varlen-alibi-window-d72", "paged-decode-both-splits"]
 KERNEL_DTYPES = ("float32", "float16")
 
@@ -451,8 +576,15 @@ def run_interpreted(path: str) -> None:
     Path(path).write_text(json.dumps(report, indent=1))
 
 
-AOT_BUILDS = ["prefill-D128", "prefill-D256", "decode-D128", "decode-rotary-table-D128", "decode-D256",
-              "paged-decode-D128", "varlen-D128"]
+AOT_BUILDS = [
+    "prefill-D128",
+    "prefill-D256",
+    "decode-D128",
+    "decode-rotary-table-D128",
+    "decode-D256",
+    "paged-decode-D128",
+    "varlen-D128",
+]
 
 
 def run_aot(path: str) -> None:
@@ -464,15 +596,21 @@ def run_aot(path: str) -> None:
 
     from kernel_child import spill_bytes
 
-    from dsc.kernels import attention as A, paged_attention as P
+    from dsc.kernels import attention as A
+    from dsc.kernels import paged_attention as P
     from dsc.kernels.launch import compile_for_arch
 
     A._triton()
     P._kernels()
     on = dict(SOFTCAP=True, ALIBI=True)
-    t = {n: "*bf16" for n in ("Q", "K", "V", "KC", "VC", "OUT")} | {"POS": "*i64", "qk_scale": "fp32",
-                                                                     "SLOPES": "*fp32", "cap": "fp32"}
+    t = {n: "*bf16" for n in ("Q", "K", "V", "KC", "VC", "OUT")} | {
+        "POS": "*i64",
+        "qk_scale": "fp32",
+        "SLOPES": "*fp32",
+        "cap": "fp32",
+    }
     none = {n: None for n in ("KD", "VD", "KCD", "VCD", "COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")}
+
     def ints(fn, given):  # the runtime arguments not given: sizes and strides, i32
         params = inspect.signature(getattr(fn, "fn", fn)).parameters.values()
         return {p.name: "i32" for p in params if p.name not in given and "constexpr" not in str(p.annotation)}
@@ -480,41 +618,89 @@ def run_aot(path: str) -> None:
     report = {}
     for D in (128, 256):
         pre = A.attention_config("prefill", D, "sm_90")
-        consts = {**{n: none[n] for n in ("KD", "VD", "KCD", "VCD")}, "G": 4, "HEAD_DIM": D, "BLOCK_D": D,
-                  "BLOCK_M": pre["BLOCK_M"], "BLOCK_N": pre["BLOCK_N"], "WINDOWED": False, **on}
+        consts = {
+            **{n: none[n] for n in ("KD", "VD", "KCD", "VCD")},
+            "G": 4,
+            "HEAD_DIM": D,
+            "BLOCK_D": D,
+            "BLOCK_M": pre["BLOCK_M"],
+            "BLOCK_N": pre["BLOCK_N"],
+            "WINDOWED": False,
+            **on,
+        }
         types = {**t, **ints(A._prefill_kernel, {**t, **consts})}
         builds = {f"prefill-D{D}": (A._prefill_kernel, types, consts, pre)}
         dec = A.attention_config("decode", D, "sm_90")
         f32 = {"PART_O": "*fp32", "PART_LSE": "*fp32", "LOCK": "*i32"}
-        consts = {**{n: none[n] for n in ("COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")}, "G": 4, "HEAD_DIM": D,
-                  "BLOCK_D": D, "BLOCK_H": 16, "BLOCK_N": dec["BLOCK_N"],
-                  "SPLIT": True, "WINDOWED": False, "PRE_N": dec.get("PRE_N", 0), "PDL": True, **on}
+        consts = {
+            **{n: none[n] for n in ("COS", "SIN", "sc_b", "ss_b", "RPOS", "srp_b")},
+            "G": 4,
+            "HEAD_DIM": D,
+            "BLOCK_D": D,
+            "BLOCK_H": 16,
+            "BLOCK_N": dec["BLOCK_N"],
+            "SPLIT": True,
+            "WINDOWED": False,
+            "PRE_N": dec.get("PRE_N", 0),
+            "PDL": True,
+            **on,
+        }
         types = {**t, **f32, **ints(A._decode_kernel, {**t, **f32, **consts})}
         builds[f"decode-D{D}"] = (A._decode_kernel, types, consts, dec)
         if D == 128:
             rot = {"COS": "*bf16", "SIN": "*bf16", "sc_b": "i32", "ss_b": "i32", "RPOS": "*i64", "srp_b": "i32"}
             consts = {**{k: v for k, v in consts.items() if k not in rot}, "ROTARY": True, "ROT_TABLE": True}
             builds["decode-rotary-table-D128"] = (A._decode_kernel, {**types, **rot}, consts, dec)
-            pt = {n: "*bf16" for n in ("Q", "K", "V", "KP", "VP", "OUT")} | {
-                n: "*i32" for n in ("SLOTS", "QSTART", "QLEN", "CLEN", "BT")} | {
-                "qk_scale": "fp32", "SLOPES": "*fp32", "cap": "fp32"}
+            pt = (
+                {n: "*bf16" for n in ("Q", "K", "V", "KP", "VP", "OUT")}
+                | {n: "*i32" for n in ("SLOTS", "QSTART", "QLEN", "CLEN", "BT")}
+                | {"qk_scale": "fp32", "SLOPES": "*fp32", "cap": "fp32"}
+            )
             pdec = P.paged_attention_config("decode", D, "sm_90")
-            consts = dict(G=4, HEAD_DIM=D, BLOCK_D=D, BLOCK_H=16, BLOCK_N=pdec["BLOCK_N"], BLOCK_S=64, BS=16,
-                          SPLIT=True, WINDOWED=False, PDL=True, **on)
+            consts = dict(
+                G=4,
+                HEAD_DIM=D,
+                BLOCK_D=D,
+                BLOCK_H=16,
+                BLOCK_N=pdec["BLOCK_N"],
+                BLOCK_S=64,
+                BS=16,
+                SPLIT=True,
+                WINDOWED=False,
+                PDL=True,
+                **on,
+            )
             types = {**pt, **f32, **ints(P._paged_decode_kernel, {**pt, **f32, **consts})}
             builds["paged-decode-D128"] = (P._paged_decode_kernel, types, consts, pdec)
             pvar = P.paged_attention_config("prefill", D, "sm_90")
-            consts = dict(G=4, HEAD_DIM=D, BLOCK_D=D, BLOCK_M=pvar["BLOCK_M"], BLOCK_N=pvar["BLOCK_N"], BLOCK_S=64,
-                          BS=16, WINDOWED=False, **on)
+            consts = dict(
+                G=4,
+                HEAD_DIM=D,
+                BLOCK_D=D,
+                BLOCK_M=pvar["BLOCK_M"],
+                BLOCK_N=pvar["BLOCK_N"],
+                BLOCK_S=64,
+                BS=16,
+                WINDOWED=False,
+                **on,
+            )
             types = {**pt, **ints(P._paged_prefill_kernel, {**pt, **consts})}
             builds["varlen-D128"] = (P._paged_prefill_kernel, types, consts, pvar)
         for name, (fn, types, consts, cfg) in builds.items():
-            aligned = tuple(n for n, ty in types.items() if ty.startswith("*") or (n.startswith("s") and "_" in n
-                                                                                  and not n.startswith("sl_")))
+            aligned = tuple(
+                n
+                for n, ty in types.items()
+                if ty.startswith("*") or (n.startswith("s") and "_" in n and not n.startswith("sl_"))
+            )
             try:
-                k = compile_for_arch(getattr(fn, "fn", fn), types, consts, num_warps=cfg["num_warps"],
-                                     num_stages=cfg["num_stages"],
-                                     aligned=aligned)
+                k = compile_for_arch(
+                    getattr(fn, "fn", fn),
+                    types,
+                    consts,
+                    num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"],
+                    aligned=aligned,
+                )
                 report[name] = {"built": True, "spills": spill_bytes(k)}
             except Exception as e:  # reported per build by the parent, not swallowed
                 report[name] = {"built": f"{type(e).__name__}: {str(e)[-400:]}"}

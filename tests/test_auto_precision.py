@@ -7,6 +7,7 @@ the rank files hold each layer in the scheme the plan's notes name; a low target
 an unreachable one all 16-bit; tp 2 makes tp 1's choice and its logits; SmolLM2-135M (real
 weights) meets 25 dB.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,9 @@ import struct
 from pathlib import Path
 
 import pytest
+from test_int4 import INT4_CKPT, PROMPTS
 
 import dsc
-from test_int4 import INT4_CKPT, PROMPTS
 
 DTYPE_OF = {"int4": "U8", "int8": "I8"}
 

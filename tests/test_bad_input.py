@@ -1,6 +1,7 @@
 """Every bad input gets one clear line, through the real CLI (`python -m dsc`, a subprocess):
 a non-zero exit, exactly one line on stderr naming the file or field, no traceback, and
 nothing written at the destination (no -o folder, no temp folder beside it)."""
+
 from __future__ import annotations
 
 import json
@@ -31,6 +32,7 @@ def assert_one_line_error(r: subprocess.CompletedProcess, *names: str) -> str:
 
 # -- bad checkpoints, bad compile options ---------------------------------------------------
 
+
 def _edit_config(**changes):
     def mutate(ck: Path):
         cfg = json.loads((ck / "config.json").read_text())
@@ -40,17 +42,20 @@ def _edit_config(**changes):
             else:
                 cfg[k] = v
         (ck / "config.json").write_text(json.dumps(cfg))
+
     return mutate
 
 
 def _rewrite_weights(edit):
     """Load model.safetensors, edit the dict of tensors, save it back."""
+
     def mutate(ck: Path):
         from safetensors.torch import load_file, save_file
 
         tensors = load_file(ck / "model.safetensors")
         edit(tensors)
         save_file(tensors, ck / "model.safetensors")
+
     return mutate
 
 
@@ -58,6 +63,7 @@ def _edit_bytes(edit):
     def mutate(ck: Path):
         f = ck / "model.safetensors"
         f.write_bytes(edit(bytearray(f.read_bytes())))
+
     return mutate
 
 
@@ -72,31 +78,47 @@ _SUPPORTED = ", ".join(sorted(ARCHITECTURES))
 # name -> (how to break a copy of the llama-tiny checkpoint, what the error line must name)
 CHECKPOINT_CASES = {
     "missing_config": (lambda ck: (ck / "config.json").unlink(), ["config.json"]),
-    "malformed_config": (lambda ck: (ck / "config.json").write_text('{"model_type": "llama",'), ["config.json", "JSON"]),
+    "malformed_config": (
+        lambda ck: (ck / "config.json").write_text('{"model_type": "llama",'),
+        ["config.json", "JSON"],
+    ),
     "config_not_an_object": (lambda ck: (ck / "config.json").write_text("[1, 2]"), ["config.json"]),
     "config_without_model_type": (_edit_config(model_type=None), ["config.json", "model_type"]),
     "config_without_vocab_size": (_edit_config(vocab_size=None), ["config.json", "vocab_size"]),
     "unknown_model_type": (_edit_config(model_type="mamba"), ["config.json", "'mamba'", _SUPPORTED]),
     "missing_weight_tensor": (_rewrite_weights(lambda t: t.pop(_MISSING)), ["model.safetensors", _MISSING]),
-    "weight_of_wrong_shape": (_rewrite_weights(lambda t: t.update({_MISSING: t[_MISSING][:-1]})),
-                              ["model.safetensors", _MISSING, "shape"]),
+    "weight_of_wrong_shape": (
+        _rewrite_weights(lambda t: t.update({_MISSING: t[_MISSING][:-1]})),
+        ["model.safetensors", _MISSING, "shape"],
+    ),
     "truncated_safetensors": (_edit_bytes(lambda b: b[:-100]), ["model.safetensors", "truncated"]),
     "empty_safetensors": (_edit_bytes(lambda b: b""), ["model.safetensors", "truncated"]),
     "corrupt_header": (_edit_bytes(_corrupt_header), ["model.safetensors", "corrupt"]),
-    "header_length_too_big": (_edit_bytes(lambda b: struct.pack("<Q", 2**40) + b[8:]), ["model.safetensors", "corrupt"]),
+    "header_length_too_big": (
+        _edit_bytes(lambda b: struct.pack("<Q", 2**40) + b[8:]),
+        ["model.safetensors", "corrupt"],
+    ),
     "no_weights": (lambda ck: (ck / "model.safetensors").unlink(), ["model.safetensors"]),
     "index_names_missing_shard": (
-        lambda ck: (ck / "model.safetensors.index.json").write_text(json.dumps(
-            {"weight_map": {_MISSING: "model-00002-of-00002.safetensors"}})),
-        ["model-00002-of-00002.safetensors"]),
-    "malformed_index": (lambda ck: (ck / "model.safetensors.index.json").write_text("{}"),
-                        ["model.safetensors.index.json", "weight_map"]),
-    "header_is_a_json_list": (_edit_bytes(lambda b: struct.pack("<Q", 8) + b"[1, 2]  " + b[8 + struct.unpack("<Q", b[:8])[0]:]),
-                              ["model.safetensors", "not a JSON object"]),
+        lambda ck: (ck / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {_MISSING: "model-00002-of-00002.safetensors"}})
+        ),
+        ["model-00002-of-00002.safetensors"],
+    ),
+    "malformed_index": (
+        lambda ck: (ck / "model.safetensors.index.json").write_text("{}"),
+        ["model.safetensors.index.json", "weight_map"],
+    ),
+    "header_is_a_json_list": (
+        _edit_bytes(lambda b: struct.pack("<Q", 8) + b"[1, 2]  " + b[8 + struct.unpack("<Q", b[:8])[0] :]),
+        ["model.safetensors", "not a JSON object"],
+    ),
     "negative_layer_count": (_edit_config(num_hidden_layers=-1), ["config.json", "num_hidden_layers"]),
     "zero_layers": (_edit_config(num_hidden_layers=0), ["config.json", "num_hidden_layers"]),
-    "int64_weight": (_rewrite_weights(lambda t: t.update({_MISSING: t[_MISSING].long()})),
-                     ["model.safetensors", _MISSING, "I64"]),
+    "int64_weight": (
+        _rewrite_weights(lambda t: t.update({_MISSING: t[_MISSING].long()})),
+        ["model.safetensors", _MISSING, "I64"],
+    ),
 }
 
 
@@ -119,14 +141,20 @@ OPTION_CASES = {
     "bad_dtype": (["--dtype", "fp8"], ["dtype", "fp8"]),
     "max_seq_beyond_the_model": (["--max-seq", "5000"], ["--max-seq", "max_position_embeddings", "config.json"]),
     "max_batch_zero": (["--max-batch", "0"], ["max_batch"]),
-    "unknown_config_keys": ("config:" + json.dumps({"dtype": "fp16", "zero_optimization": {}, "steps": 3}),
-                            ["ds.json", "steps", "zero_optimization"]),
+    "unknown_config_keys": (
+        "config:" + json.dumps({"dtype": "fp16", "zero_optimization": {}, "steps": 3}),
+        ["ds.json", "steps", "zero_optimization"],
+    ),
     "config_not_json": ("config:{dtype: fp16", ["ds.json", "JSON"]),
     "destination_is_a_file": ("dest-file", ["art", "not a dsc artifact"]),
-    "deepspeed_num_bits_a_string": ("config:" + json.dumps({"quant": {"enabled": True, "weight": {"num_bits": "8"}}}),
-                                    ["ds.json", "quant.weight.num_bits", "'8'"]),
-    "deepspeed_q_groups_a_string": ("config:" + json.dumps({"quant": {"weight": {"q_groups": "4"}}}),
-                                    ["ds.json", "quant.weight.q_groups"]),
+    "deepspeed_num_bits_a_string": (
+        "config:" + json.dumps({"quant": {"enabled": True, "weight": {"num_bits": "8"}}}),
+        ["ds.json", "quant.weight.num_bits", "'8'"],
+    ),
+    "deepspeed_q_groups_a_string": (
+        "config:" + json.dumps({"quant": {"weight": {"q_groups": "4"}}}),
+        ["ds.json", "quant.weight.q_groups"],
+    ),
     "deepspeed_tp_size_a_string": ("config:" + json.dumps({"tensor_parallel": {"tp_size": "2"}}), ["ds.json", "tp"]),
 }
 
@@ -156,6 +184,7 @@ def test_bad_compile_options(case, tmp_path, make_checkpoint):
 
 # -- bad artifacts, bad generate requests --------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def small_artifact(compile_artifact):
     return compile_artifact("llama-tiny", dtype="fp32", max_seq=16, max_batch=2)
@@ -167,6 +196,7 @@ def _flip_byte(rel: str):
         b = bytearray(f.read_bytes())
         b[len(b) // 2] ^= 0x01
         f.write_bytes(bytes(b))
+
     return mutate
 
 
@@ -175,6 +205,7 @@ def _edit_manifest(**changes):
         m = json.loads((art / "manifest.json").read_text())
         m.update(changes)
         (art / "manifest.json").write_text(json.dumps(m))
+
     return mutate
 
 
@@ -199,11 +230,15 @@ def test_bad_artifact(case, tmp_path, small_artifact):
 GENERATE_CASES = {
     "prompt_longer_than_max_seq": (["--token-ids", ",".join(["5"] * 20)], ["prompt 0", "20 tokens", "max_seq"]),
     "prompt_of_exactly_max_seq": (["--token-ids", ",".join(["5"] * 16)], ["prompt 0", "max_seq"]),
-    "text_prompt_longer_than_max_seq": (["--prompt", "the quick brown fox jumps over the lazy dog " * 3],
-                                        ["prompt 0", "max_seq"]),
+    "text_prompt_longer_than_max_seq": (
+        ["--prompt", "the quick brown fox jumps over the lazy dog " * 3],
+        ["prompt 0", "max_seq"],
+    ),
     "kv_cache_memory_not_positive": (["--token-ids", "1,2", "--kv-cache-memory", "0"], ["--kv-cache-memory", "0"]),
-    "kv_cache_memory_below_two_blocks": (["--token-ids", "1,2", "--kv-cache-memory", "0.00001"],
-                                         ["--kv-cache-memory", "KV blocks", "MiB"]),
+    "kv_cache_memory_below_two_blocks": (
+        ["--token-ids", "1,2", "--kv-cache-memory", "0.00001"],
+        ["--kv-cache-memory", "KV blocks", "MiB"],
+    ),
     "token_ids_not_integers": (["--token-ids", "1,two,3"], ["--token-ids", "1,two,3"]),
     "token_id_outside_vocabulary": (["--token-ids", "1,512"], ["prompt 0", "512", "vocabulary"]),
     "negative_token_id": (["--token-ids", "1,-4"], ["prompt 0", "-4", "vocabulary"]),
@@ -247,19 +282,35 @@ def _rehash(art: Path) -> None:
 
 # name -> (how to break a copy of the artifact, the command after `dsc`, what the error line must name)
 ARTIFACT_COMMAND_CASES = {
-    "corrupt_tokenizer_with_verification": (_flip_byte("tokenizer/tokenizer.json"), ["generate", "--prompt", "hi"],
-                                            ["tokenizer.json", "checksum"]),
-    "corrupt_tokenizer_without_verification": (_flip_byte("tokenizer/tokenizer.json"),
-                                               ["generate", "--prompt", "hi", "--no-verify"], ["tokenizer.json"]),
-    "huge_rank_header_no_verify": (_huge_rank_header, ["generate", "--token-ids", "1,2", "--no-verify"],
-                                   ["rank0.safetensors", "header length"]),
+    "corrupt_tokenizer_with_verification": (
+        _flip_byte("tokenizer/tokenizer.json"),
+        ["generate", "--prompt", "hi"],
+        ["tokenizer.json", "checksum"],
+    ),
+    "corrupt_tokenizer_without_verification": (
+        _flip_byte("tokenizer/tokenizer.json"),
+        ["generate", "--prompt", "hi", "--no-verify"],
+        ["tokenizer.json"],
+    ),
+    "huge_rank_header_no_verify": (
+        _huge_rank_header,
+        ["generate", "--token-ids", "1,2", "--no-verify"],
+        ["rank0.safetensors", "header length"],
+    ),
     "huge_rank_header_inspect": (_huge_rank_header, ["inspect"], ["rank0.safetensors", "header length"]),
     "rank_header_a_json_list_rehashed": (
         lambda art: ((art / "rank0.safetensors").write_bytes(struct.pack("<Q", 8) + b"[1, 2]  "), _rehash(art)),
-        ["generate", "--token-ids", "1,2"], ["rank0.safetensors", "not a JSON object"]),
+        ["generate", "--token-ids", "1,2"],
+        ["rank0.safetensors", "not a JSON object"],
+    ),
     "shape_string_9_pow_9_pow_9_inspect": (
-        lambda art: ((art / "plan.json").write_text((art / "plan.json").read_text().replace('"batch"', '"9**9**9"', 1)),
-                     _rehash(art)), ["inspect"], ["plan.json", "9**9**9"]),
+        lambda art: (
+            (art / "plan.json").write_text((art / "plan.json").read_text().replace('"batch"', '"9**9**9"', 1)),
+            _rehash(art),
+        ),
+        ["inspect"],
+        ["plan.json", "9**9**9"],
+    ),
 }
 
 
@@ -276,11 +327,15 @@ def test_inspect_of_a_folder_that_is_not_an_artifact(tmp_path):
     assert_one_line_error(run_dsc("inspect", str(tmp_path)), "manifest.json")
 
 
-@pytest.mark.parametrize("var, value, names", [
-    ("DSC_GEMV", "fastest", ["DSC_GEMV: must be one of tuned, off, all, got 'fastest'"]),
-    ("DSC_ALLREDUCE", "pull", ["DSC_ALLREDUCE: must be one of auto, nccl, got 'pull'"]),
-    ("DSC_PDL", "on", ["DSC_PDL: must be one of auto, off, got 'on'"]),
-    ("DSC_TUNING", "/nonexistent/rows.json", ["DSC_TUNING: cannot read /nonexistent/rows.json"])])
+@pytest.mark.parametrize(
+    "var, value, names",
+    [
+        ("DSC_GEMV", "fastest", ["DSC_GEMV: must be one of tuned, off, all, got 'fastest'"]),
+        ("DSC_ALLREDUCE", "pull", ["DSC_ALLREDUCE: must be one of auto, nccl, got 'pull'"]),
+        ("DSC_PDL", "on", ["DSC_PDL: must be one of auto, off, got 'on'"]),
+        ("DSC_TUNING", "/nonexistent/rows.json", ["DSC_TUNING: cannot read /nonexistent/rows.json"]),
+    ],
+)
 def test_bad_runtime_switch_is_one_line_at_load(var, value, names, small_artifact, monkeypatch):
     # the kernels read these only on CUDA; load checks them everywhere
     monkeypatch.setenv(var, value)

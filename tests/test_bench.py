@@ -1,5 +1,6 @@
 """`dsc bench` and its profiler on CPU: the table, the JSON, the bytes a decode step reads, and
 the per-kernel profile's bookkeeping (the GPU timings themselves: scripts/bench_decode.py on a GPU)."""
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,26 @@ def test_decode_bytes_counts_a_vocab_parallel_ranks_embedding_as_gathered_rows(c
 def test_bench_cli_writes_table_json_and_profile(compile_artifact, tmp_path):
     art = compile_artifact("llama-tiny", dtype="fp32")
     out = tmp_path / "bench.json"
-    r = CliRunner().invoke(app, ["bench", str(art), "--batch", "1", "--batch", "2", "--prefill", "8",
-                                 "--context", "8", "--iters", "3", "--json", str(out), "--profile"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(art),
+            "--batch",
+            "1",
+            "--batch",
+            "2",
+            "--prefill",
+            "8",
+            "--context",
+            "8",
+            "--iters",
+            "3",
+            "--json",
+            str(out),
+            "--profile",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "ms/step" in r.output and "prefill     8 tokens" in r.output and "profile: decode batch 1" in r.output
     assert "pdl=off" in r.output  # programmatic dependent launch: Hopper GPUs only (kernels/launch.py)
@@ -147,9 +166,31 @@ def test_bench_of_a_tp_artifact_runs_every_rank_and_reports_each(compile_artifac
 
     art = compile_artifact("gpt2-tiny", dtype="fp32", tp=2)
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "dsc", "bench", str(art), "--device", "cpu", "--batch", "1",
-                        "--prefill", "8", "--context", "8", "--iters", "2", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsc",
+            "bench",
+            str(art),
+            "--device",
+            "cpu",
+            "--batch",
+            "1",
+            "--prefill",
+            "8",
+            "--context",
+            "8",
+            "--iters",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tp=2" in r.stdout and "all_reduce=gloo" in r.stdout
     res = json.loads(out.read_text())

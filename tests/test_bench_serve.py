@@ -1,5 +1,6 @@
 """`dsc bench-serve` takes the vocabulary and the max length from the server's /v1/models, so its
 defaults run against a model of any size; given values the server cannot take are one line."""
+
 from __future__ import annotations
 
 import contextlib
@@ -60,13 +61,16 @@ def test_defaults_fit_a_small_model_from_its_models_card(tmp_path):
     assert engine.prompt_tokens_total == 6 * 24 and engine.generation_tokens_total == 6 * 24
 
 
-@pytest.mark.parametrize("args, names", [
-    (["--vocab", "100"], ["--vocab 100", "vocabulary of 64"]),
-    (["--prompt-len", "40", "--output-len", "9:20"], ["--prompt-len 40", "--output-len 9:20", "max_model_len 48"]),
-    (["--prompt-len", "48"], ["--prompt-len 48", "at most 47"]),
-    (["--model", "other"], ["--model", "fake-model"]),
-    (["--vocab", "5"], ["--vocab", "> 10"]),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--vocab", "100"], ["--vocab 100", "vocabulary of 64"]),
+        (["--prompt-len", "40", "--output-len", "9:20"], ["--prompt-len 40", "--output-len 9:20", "max_model_len 48"]),
+        (["--prompt-len", "48"], ["--prompt-len 48", "at most 47"]),
+        (["--model", "other"], ["--model", "fake-model"]),
+        (["--vocab", "5"], ["--vocab", "> 10"]),
+    ],
+)
 def test_what_the_server_cannot_take_is_one_line_before_any_request(args, names):
     engine = FakeEngine(vocab_size=64, max_model_len=48)
     with serving(engine) as url:

@@ -7,6 +7,7 @@ Instruct, Qwen3 (enable_thinking), Gemma 2 and 3, Mistral 7B Instruct v0.3, Phi-
 SmolLM2 Instruct, and one template for the environment's remaining parts (loop controls,
 {% generation %}, dict, tojson's keywords).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,30 +25,60 @@ DATA = Path(__file__).parent / "data" / "chat_templates"
 TEMPLATES = sorted(p.name for p in DATA.glob("*.jinja"))
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city, now",
-    "parameters": {"type": "object", "required": ["city"], "properties": {
-        "city": {"type": "string", "description": "the city, e.g. Zürich"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city, now",
+            "parameters": {
+                "type": "object",
+                "required": ["city"],
+                "properties": {
+                    "city": {"type": "string", "description": "the city, e.g. Zürich"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+            },
+        },
+    }
+]
 _TOOL_TURNS = [
     {"role": "user", "content": "What's the weather in Zürich?"},
-    {"role": "assistant", "tool_calls": [{"id": "call12345", "type": "function", "function": {
-        "name": "get_weather", "arguments": {"city": "Zürich", "unit": "celsius"}}}]},
-    {"role": "tool", "tool_call_id": "call12345", "content": "{\"temperature\": 21, \"sky\": \"clear\"}"},
+    {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "id": "call12345",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "celsius"}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call12345", "content": '{"temperature": 21, "sky": "clear"}'},
 ]
-_MULTI = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"},
-          {"role": "assistant", "content": "  Hello.  "}, {"role": "user", "content": "Count to three."}]
+_MULTI = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi!"},
+    {"role": "assistant", "content": "  Hello.  "},
+    {"role": "user", "content": "Count to three."},
+]
 CONVERSATIONS = {
     "one-turn": ([{"role": "user", "content": "Hello, who are you?"}], None, {}),
     "system-multi-turn": (_MULTI, None, {}),
     "no-system-multi-turn": (_MULTI[1:], None, {}),
-    "unicode": ([{"role": "user", "content": "Grüße, 世界 🙂 <b>&amp;</b> \"quoted\"\n  and spaces  "}], None, {}),
+    "unicode": ([{"role": "user", "content": 'Grüße, 世界 🙂 <b>&amp;</b> "quoted"\n  and spaces  '}], None, {}),
     "tools": (_TOOL_TURNS, TOOLS, {}),
     "tools-first-turn": (_TOOL_TURNS[:1], TOOLS, {}),
     "thinking-off": (_MULTI[1:], None, {"enable_thinking": False}),
-    "reasoning": ([{"role": "user", "content": "2+2?"},
-                   {"role": "assistant", "content": "4", "reasoning_content": "two and two make four"},
-                   {"role": "user", "content": "and 3+3?"}], None, {"enable_thinking": True}),
+    "reasoning": (
+        [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "two and two make four"},
+            {"role": "user", "content": "and 3+3?"},
+        ],
+        None,
+        {"enable_thinking": True},
+    ),
     "max-turns": (_MULTI, TOOLS, {"max_turns": 1, "date_string": "01 Jan 2030"}),
 }
 
@@ -57,8 +88,14 @@ def _transformers(source: str, messages, tools, kwargs, add_generation_prompt: b
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
-        out, _ = render_jinja_template([json.loads(json.dumps(messages))], tools=tools, chat_template=source,
-                                       add_generation_prompt=add_generation_prompt, **SPECIAL, **kwargs)
+        out, _ = render_jinja_template(
+            [json.loads(json.dumps(messages))],
+            tools=tools,
+            chat_template=source,
+            add_generation_prompt=add_generation_prompt,
+            **SPECIAL,
+            **kwargs,
+        )
         return out[0], None
     except Exception as e:  # noqa: BLE001 (whatever the template raised: dsc must refuse it too)
         return None, str(e)
@@ -80,8 +117,9 @@ def test_every_template_renders_as_transformers_does(renderers, name, add_genera
     for conv, (messages, tools, kwargs) in CONVERSATIONS.items():
         expect, error = _transformers(source, messages, tools, kwargs, add_generation_prompt)
         try:
-            got = renderers[name].render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         kwargs=kwargs)
+            got = renderers[name].render(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, kwargs=kwargs
+            )
         except UserError as e:
             assert error is not None, f"{name} / {conv}: dsc refused what transformers renders: {e}"
             assert error in str(e) and name in str(e), (conv, error, str(e))
@@ -95,12 +133,17 @@ def test_every_template_renders_as_transformers_does(renderers, name, add_genera
 def test_the_environment_is_transformers_own():
     """Each global and filter transformers adds, and the sandbox, behave the same."""
     cases = {
-        "tojson": ("{{ {'k': 'é<&>', 'n': [1, 2.5, none, true]} | tojson }}",
-                   '{"k": "é<&>", "n": [1, 2.5, null, true]}'),
+        "tojson": (
+            "{{ {'k': 'é<&>', 'n': [1, 2.5, none, true]} | tojson }}",
+            '{"k": "é<&>", "n": [1, 2.5, null, true]}',
+        ),
         "tojson-indent": ("{{ {'b': 1, 'a': [1]} | tojson(indent=2, sort_keys=true) }}", None),
         "strftime": ("{{ strftime_now('%Y') }}", time.strftime("%Y")),
-        "loopcontrols": ("{% for i in range(9) %}{% if i == 1 %}{% continue %}{% endif %}"
-                         "{% if i > 3 %}{% break %}{% endif %}{{ i }}{% endfor %}", "023"),
+        "loopcontrols": (
+            "{% for i in range(9) %}{% if i == 1 %}{% continue %}{% endif %}"
+            "{% if i > 3 %}{% break %}{% endif %}{{ i }}{% endfor %}",
+            "023",
+        ),
         "trim-lstrip": ("  {% if true %}\n  x\n  {% endif %}\ny", "  x\ny"),
         "generation": ("{% generation %}abc{% endgeneration %}", "abc"),
         "namespace": ("{% set ns = namespace(n=1) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}", "2"),
@@ -114,13 +157,18 @@ def test_the_environment_is_transformers_own():
             got = r.render([{"role": "user", "content": "x"}], template=name)
             assert got == expect and (want is None or got == want), (name, got, expect)
         # the sandbox: what transformers refuses, dsc refuses; what it renders harmless, dsc does too
-        for source, refused in (("{{ ''.__class__ }}", False), ("{{ messages.append(1) }}", True),
-                                ("{% set ns = namespace(_x=1) %}", True), ("{{ raise_exception('no') }}", True)):
+        for source, refused in (
+            ("{{ ''.__class__ }}", False),
+            ("{{ messages.append(1) }}", True),
+            ("{% set ns = namespace(_x=1) %}", True),
+            ("{{ raise_exception('no') }}", True),
+        ):
             messages = [{"role": "user", "content": "go"}]
             expect, error = _transformers(source, messages, None, {}, False)
             assert (error is not None) == refused, (source, error)
-            bad = ChatTemplates({"default": "{% if messages[0].content == 'go' %}" + source + "{% endif %}"},
-                                SPECIAL, "bad")
+            bad = ChatTemplates(
+                {"default": "{% if messages[0].content == 'go' %}" + source + "{% endif %}"}, SPECIAL, "bad"
+            )
             try:
                 if refused:
                     with pytest.raises(UserError):
@@ -136,20 +184,31 @@ def test_the_environment_is_transformers_own():
 # -- limits -------------------------------------------------------------------------------------------
 def _hostile(body: str) -> ChatTemplates:
     """A template that passes the probe at load and runs `body` on a user message 'go'."""
-    return ChatTemplates({"default": "{% for m in messages %}{% if m.content == 'go' %}" + body +
-                          "{% endif %}{{ m.content }}{% endfor %}"}, {}, "hostile.jinja")
+    return ChatTemplates(
+        {
+            "default": "{% for m in messages %}{% if m.content == 'go' %}"
+            + body
+            + "{% endif %}{{ m.content }}{% endfor %}"
+        },
+        {},
+        "hostile.jinja",
+    )
 
 
-@pytest.mark.parametrize("body, why", [
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "time budget"),
-    ("{{ range(10**9) | list }}", "Range too big"),
-    ("{{ 1 / 0 }}", "ZeroDivisionError"),
-    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "nested too deeply"),
-    ("{% set x = 'a' * 200000000 %}", "over the output limit"),
-    ("{% set x = 7 ** 1000000000 %}", "too large"),
-    ("{{ 'x' | center(1500000000) }}", "memory limit"),
-    ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "characters"),
-], ids=["nested-loops", "range", "div0", "recursion", "repeat", "power", "memory", "output"])
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "time budget"),
+        ("{{ range(10**9) | list }}", "Range too big"),
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "nested too deeply"),
+        ("{% set x = 'a' * 200000000 %}", "over the output limit"),
+        ("{% set x = 7 ** 1000000000 %}", "too large"),
+        ("{{ 'x' | center(1500000000) }}", "memory limit"),
+        ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "characters"),
+    ],
+    ids=["nested-loops", "range", "div0", "recursion", "repeat", "power", "memory", "output"],
+)
 def test_hostile_templates_are_one_line_and_the_worker_survives(body, why):
     r = _hostile(body)
     try:
@@ -174,11 +233,15 @@ def test_a_runaway_render_is_killed_not_left_burning_cpu():
         r.close()
 
 
-@pytest.mark.parametrize("source, why", [
-    ("{{ raise_exception('this template needs a system message') }}", "needs a system message"),
-    ("{% for m in messages %}{{ m.content", "TemplateSyntaxError"),
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "time budget"),
-], ids=["raises", "syntax", "spins"])
+@pytest.mark.parametrize(
+    "source, why",
+    [
+        ("{{ raise_exception('this template needs a system message') }}", "needs a system message"),
+        ("{% for m in messages %}{{ m.content", "TemplateSyntaxError"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "time budget"),
+    ],
+    ids=["raises", "syntax", "spins"],
+)
 def test_a_template_that_fails_the_probe_is_refused_at_load(source, why, monkeypatch):
     monkeypatch.setattr(ct, "LOAD_BUDGET_S", 1.0)
     with pytest.raises(UserError, match=why) as e:
@@ -249,10 +312,11 @@ def test_tokenizer_config_templates_and_a_refused_one(templated, tmp_path):
 
     _, art = templated
     phi3 = DATA.joinpath("phi-3-mini-instruct.jinja").read_text()
-    for value, expect in ((phi3, "<|user|>\nHi<|end|>\n<|assistant|>\n"),
-                          ([{"name": "default", "template": "D{{ messages[0].content }}"},
-                            {"name": "rag", "template": "R"}], "DHi"),
-                          ("{{ raise_exception('no probe for me') }}", None)):
+    for value, expect in (
+        (phi3, "<|user|>\nHi<|end|>\n<|assistant|>\n"),
+        ([{"name": "default", "template": "D{{ messages[0].content }}"}, {"name": "rag", "template": "R"}], "DHi"),
+        ("{{ raise_exception('no probe for me') }}", None),
+    ):
         a = copy_artifact(art, tmp_path / f"a{len(list(tmp_path.iterdir()))}")
         for f in ("chat_template.jinja", "additional_chat_templates/tool_use.jinja"):
             (a / "tokenizer" / f).unlink()

@@ -1,5 +1,6 @@
 """The `dsc` command line's set-up: -h, --version, help text for every flag, the commands'
 imports (`dsc inspect` reads JSON: no torch), and a missing dependency as one line."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ HEAVY = ("torch", "transformers", "triton", "safetensors", "dsc.kernels", "dsc.c
 
 # runs `dsc ARGS...` in this process (optionally with modules made unimportable), then prints
 # which heavy modules it imported as the last line of stderr
-_RUN = r"""
+_RUN = rf"""
 import json, sys
 blocked, argv = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 for name in blocked:
@@ -29,14 +30,18 @@ try:
 except SystemExit as e:
     code = e.code or 0
 sys.stdout.flush()
-heavy = [m for m in %r if sys.modules.get(m) is not None]
-print(json.dumps({"code": code, "imported": heavy}), file=sys.stderr)
-""" % (HEAVY,)
+heavy = [m for m in {HEAVY!r} if sys.modules.get(m) is not None]
+print(json.dumps({{"code": code, "imported": heavy}}), file=sys.stderr)
+"""
 
 
 def run_dsc(*argv: str, blocked: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, dict]:
-    r = subprocess.run([sys.executable, "-c", _RUN, json.dumps(list(blocked)), json.dumps(list(argv))],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _RUN, json.dumps(list(blocked)), json.dumps(list(argv))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = r.stderr.strip().splitlines()
     assert lines, r.stderr
     return r, json.loads(lines[-1])
@@ -58,8 +63,12 @@ def test_every_flag_and_argument_has_help():
     """A flag without help text is a question for the user: every command's options and
     arguments say what they take."""
     root = typer.main.get_command(app)
-    missing = [f"{name} {p.name}" for name, cmd in root.commands.items() for p in cmd.params
-               if not (getattr(p, "help", None) or "").strip()]
+    missing = [
+        f"{name} {p.name}"
+        for name, cmd in root.commands.items()
+        for p in cmd.params
+        if not (getattr(p, "help", None) or "").strip()
+    ]
     assert not missing, missing
     assert [p.name for p in root.params if not p.help] == []
 
@@ -77,8 +86,9 @@ def test_inspect_reads_the_artifact_without_torch(compile_artifact):
     assert info["code"] == 0 and json.loads(r.stdout) == got, r.stderr
 
 
-@pytest.mark.parametrize("command", [["generate", "{art}", "--token-ids", "1,2"], ["bench", "{art}"],
-                                     ["compile", "{ckpt}", "-o", "{out}"]])
+@pytest.mark.parametrize(
+    "command", [["generate", "{art}", "--token-ids", "1,2"], ["bench", "{art}"], ["compile", "{ckpt}", "-o", "{out}"]]
+)
 def test_a_missing_torch_is_one_line(command, compile_artifact, make_checkpoint, tmp_path):
     art, ckpt = compile_artifact("llama-tiny", dtype="fp32"), make_checkpoint("llama-tiny")
     argv = [a.format(art=art, ckpt=ckpt, out=tmp_path / "out") for a in command]

@@ -6,6 +6,7 @@ leaves behind for the peers (its row in their push buffers with -0.0 sent as +0.
 resets its own state (push buffer back to the marker everywhere). The cross-GPU behaviour
 (ordering, skew, buffer reuse) is what tests/gpu/test_gpu_collectives.py checks on GPUs.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,15 +50,14 @@ def _push_buffers(world: int, rank: int, dtype: torch.dtype, slot: int, peers: l
         b.view(C._BITS[dtype]).fill_(C._MARK[dtype])
     for q in range(world):
         if q != rank:
-            bufs[rank][q * numel: q * numel + peers[q].numel()] = peers[q].flatten()
+            bufs[rank][q * numel : q * numel + peers[q].numel()] = peers[q].flatten()
     ptrs = torch.zeros(3, world, dtype=torch.int64)
     ptrs[slot] = torch.tensor([b.data_ptr() for b in bufs])
     return bufs, types.SimpleNamespace(world=world, rank=rank, numel=numel, rows=CAP, dtype=dtype, push_ptrs=ptrs)
 
 
 def _compare(got_s, got_y, want_s, want_y) -> dict:
-    return {"sum_equal": torch.equal(got_s, want_s),
-            "norm_err": float((got_y.float() - want_y.float()).abs().max())}
+    return {"sum_equal": torch.equal(got_s, want_s), "norm_err": float((got_y.float() - want_y.float()).abs().max())}
 
 
 def _push(world: int, rank: int, dtype: torch.dtype) -> dict:
@@ -67,11 +67,18 @@ def _push(world: int, rank: int, dtype: torch.dtype) -> dict:
     bufs, s = _push_buffers(world, rank, dtype, slot, xs)
     got_s, got_y = C._launch_fused(s, slot, xs[rank], res, w, EPS)
     sent = xs[rank].masked_fill(xs[rank] == 0, 0.0)  # -0.0 -> +0.0
-    delivered = all(torch.equal(bufs[q][rank * numel: rank * numel + ROWS * N].view(bits), sent.flatten().view(bits))
-                    and int((bufs[q].view(bits) != mark).sum()) == ROWS * N for q in range(world) if q != rank)
-    return {**_compare(got_s, got_y, want_s, want_y), "delivered": delivered,
-            "negative_zero_sent_as_zero": bool((sent[0, :5].view(bits) == 0).all()),
-            "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all())}
+    delivered = all(
+        torch.equal(bufs[q][rank * numel : rank * numel + ROWS * N].view(bits), sent.flatten().view(bits))
+        and int((bufs[q].view(bits) != mark).sum()) == ROWS * N
+        for q in range(world)
+        if q != rank
+    )
+    return {
+        **_compare(got_s, got_y, want_s, want_y),
+        "delivered": delivered,
+        "negative_zero_sent_as_zero": bool((sent[0, :5].view(bits) == 0).all()),
+        "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all()),
+    }
 
 
 def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int, quant: str = "") -> dict:
@@ -84,7 +91,7 @@ def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int, quant: str
     g = torch.Generator().manual_seed(100 + world * 10 + rank)
     xs = [torch.randn(1, N, generator=g).to(dtype) for _ in range(world)]  # every rank's linear output
     x_in = torch.randn(1, k, generator=g).to(dtype)
-    wl = (torch.randn(N, k, generator=g) / k ** 0.5).to(dtype)
+    wl = (torch.randn(N, k, generator=g) / k**0.5).to(dtype)
     wl[:3] = 0  # outputs 0..2: +0.0; output 3: -1e-8 in fp32, -0.0 once rounded to fp16 (sent as +0.0)
     wl[3] = 0
     wl[3, 0] = -1e-4
@@ -112,21 +119,36 @@ def _gemv_push(world: int, rank: int, dtype: torch.dtype, chunk: int, quant: str
         got_s, got_y = C._launch_w8a16_push(s, slot, x_in, *qargs, {**config, "PREFETCH": quant == "g8"}, norm)
     else:
         got_s, got_y = C._launch_gemv_push(s, slot, x_in, wl, config, norm)
-    delivered = [bufs[q][rank * numel: rank * numel + N].clone() for q in range(world)]
+    delivered = [bufs[q][rank * numel : rank * numel + N].clone() for q in range(world)]
     # the pushes are the only change to the peers' buffers (their reset is their own kernel's)
-    untouched = all(torch.equal(torch.cat([b[: rank * numel], b[rank * numel + N:]]).view(bits),
-                                torch.cat([o[: rank * numel], o[rank * numel + N:]]).view(bits))
-                    for q, (b, o) in enumerate(zip(bufs, bufs_before)) if q != rank)
+    untouched = all(
+        torch.equal(
+            torch.cat([b[: rank * numel], b[rank * numel + N :]]).view(bits),
+            torch.cat([o[: rank * numel], o[rank * numel + N :]]).view(bits),
+        )
+        for q, (b, o) in enumerate(zip(bufs, bufs_before))
+        if q != rank
+    )
     sent = mine.masked_fill(mine == 0, 0.0).flatten()
-    return {"sum_err": float((got_s.float() - want_s.float()).abs().max()),
-            "norm_err": float((got_y.float() - want_y.float()).abs().max()),
-            "delivered_close": all(torch.allclose(d.float(), sent.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5,
-                                                  atol=1e-3 if dtype != torch.float32 else 1e-6)
-                                   for q, d in enumerate(delivered) if q != rank),
-            "no_negative_zero_sent": all(not bool((d.view(bits) == mark).any()) for q, d in enumerate(delivered)
-                                         if q != rank),
-            "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all()),
-            "peers_untouched": untouched}
+    return {
+        "sum_err": float((got_s.float() - want_s.float()).abs().max()),
+        "norm_err": float((got_y.float() - want_y.float()).abs().max()),
+        "delivered_close": all(
+            torch.allclose(
+                d.float(),
+                sent.float(),
+                rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                atol=1e-3 if dtype != torch.float32 else 1e-6,
+            )
+            for q, d in enumerate(delivered)
+            if q != rank
+        ),
+        "no_negative_zero_sent": all(
+            not bool((d.view(bits) == mark).any()) for q, d in enumerate(delivered) if q != rank
+        ),
+        "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all()),
+        "peers_untouched": untouched,
+    }
 
 
 def _embed_push(world: int, rank: int, dtype: torch.dtype) -> dict:
@@ -141,23 +163,31 @@ def _embed_push(world: int, rank: int, dtype: torch.dtype) -> dict:
     full[rank * VOCAB + 2, :5] = -0.0  # in this rank's rows: sent as +0.0
     w = torch.randn(N, generator=g).to(dtype)
     starts = [torch.tensor([q * VOCAB]) for q in range(world)]
-    lookups = [vocab_embedding_reference(full[q * VOCAB: (q + 1) * VOCAB], ids, starts[q]) for q in range(world)]
+    lookups = [vocab_embedding_reference(full[q * VOCAB : (q + 1) * VOCAB], ids, starts[q]) for q in range(world)]
     sent = [x.masked_fill(x == 0, 0.0) for x in lookups]  # [ROWS, 1, N] each, -0.0 -> +0.0
     want_h = sum(x.float() for x in lookups).to(dtype)  # fp32, rank order, rounded once: the all-reduce's
     want_y = rmsnorm_reference(want_h, w, EPS)
     slot = 0
     bufs, s = _push_buffers(world, rank, dtype, slot, sent)
-    table = full[rank * VOCAB: (rank + 1) * VOCAB]
+    table = full[rank * VOCAB : (rank + 1) * VOCAB]
     got_h, got_y = C._launch_embedding_push(s, slot, table, ids, starts[rank], w, EPS)
     mine = sent[rank].flatten().view(bits)
-    delivered = all(torch.equal(bufs[q][rank * numel: rank * numel + ROWS * N].view(bits), mine)
-                    and int((bufs[q].view(bits) != mark).sum()) == ROWS * N for q in range(world) if q != rank)
-    return {"sum_equal": torch.equal(got_h, want_h) and got_h.shape == (ROWS, 1, N),
-            "norm_err": float((got_y.float() - want_y.float()).abs().max()), "delivered": delivered,
-            "negative_zero_sent_as_zero": bool((lookups[rank].flatten().view(bits)[:5] == mark).all()
-                                               and (mine.view(ROWS, N)[0, :5] == 0).all()),
-            "others_ids_zeros": bool((mine.view(ROWS, N)[1] == 0).all()) and bool(lookups[rank][0].any()),
-            "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all())}
+    delivered = all(
+        torch.equal(bufs[q][rank * numel : rank * numel + ROWS * N].view(bits), mine)
+        and int((bufs[q].view(bits) != mark).sum()) == ROWS * N
+        for q in range(world)
+        if q != rank
+    )
+    return {
+        "sum_equal": torch.equal(got_h, want_h) and got_h.shape == (ROWS, 1, N),
+        "norm_err": float((got_y.float() - want_y.float()).abs().max()),
+        "delivered": delivered,
+        "negative_zero_sent_as_zero": bool(
+            (lookups[rank].flatten().view(bits)[:5] == mark).all() and (mine.view(ROWS, N)[0, :5] == 0).all()
+        ),
+        "others_ids_zeros": bool((mine.view(ROWS, N)[1] == 0).all()) and bool(lookups[rank][0].any()),
+        "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all()),
+    }
 
 
 def _gather(world: int, rank: int, dtype: torch.dtype) -> dict:
@@ -180,11 +210,18 @@ def _gather(world: int, rank: int, dtype: torch.dtype) -> dict:
         C.PUSH_GATHER = block
     want = torch.cat(sent, dim=-1)
     mine = sent[rank].flatten().view(bits)
-    delivered = all(torch.equal(bufs[q][rank * numel: rank * numel + ROWS * n].view(bits), mine)
-                    and int((bufs[q].view(bits) != mark).sum()) == ROWS * n for q in range(world) if q != rank)
-    return {"gathered": torch.equal(got.view(bits), want.view(bits)) and got.shape == (ROWS, world * n),
-            "delivered": delivered, "negative_zero_sent_as_zero": bool((mine.view(ROWS, n)[1, :3] == 0).all()),
-            "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all())}
+    delivered = all(
+        torch.equal(bufs[q][rank * numel : rank * numel + ROWS * n].view(bits), mine)
+        and int((bufs[q].view(bits) != mark).sum()) == ROWS * n
+        for q in range(world)
+        if q != rank
+    )
+    return {
+        "gathered": torch.equal(got.view(bits), want.view(bits)) and got.shape == (ROWS, world * n),
+        "delivered": delivered,
+        "negative_zero_sent_as_zero": bool((mine.view(ROWS, n)[1, :3] == 0).all()),
+        "own_buffer_reset": bool((bufs[rank].view(bits) == mark).all()),
+    }
 
 
 def _probe(dtype: torch.dtype) -> dict:
@@ -203,21 +240,31 @@ def _probe(dtype: torch.dtype) -> dict:
             errors[compile_only] = ""
         except Exception as e:  # noqa: BLE001  (reported by the test)
             errors[compile_only] = f"{type(e).__name__}: {e}"
-    return {"compile_only": errors[True], "launched": errors[False],
-            "reset": all(bool((b.view(bits) == mark).all()) for b in bufs)}
+    return {
+        "compile_only": errors[True],
+        "launched": errors[False],
+        "reset": all(bool((b.view(bits) == mark).all()) for b in bufs),
+    }
 
 
 def run_interpreted(out: str) -> None:
-    kinds = (("push", _push), ("embed_push", _embed_push),
-             ("gemv_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16)),  # 3 passes, the last partial
-             ("gemv_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64)),  # one pass
-             # the W8A16 GEMV push (--int8) ending the all-reduce in 3 passes (asymmetric scales), in
-             # one (groups of 8 columns, the next K-block prefetched)
-             ("w8a16_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16, quant="channel-asym")),
-             ("w8a16_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64, quant="g8")),
-             ("gather", _gather))
-    res = {f"{k}-{name}-{d}": fn(world, rank, dt) for k, fn in kinds
-           for name, (world, rank) in CASES.items() for d, dt in DTYPES.items()}
+    kinds = (
+        ("push", _push),
+        ("embed_push", _embed_push),
+        ("gemv_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16)),  # 3 passes, the last partial
+        ("gemv_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64)),  # one pass
+        # the W8A16 GEMV push (--int8) ending the all-reduce in 3 passes (asymmetric scales), in
+        # one (groups of 8 columns, the next K-block prefetched)
+        ("w8a16_push_norm", lambda w, r, dt: _gemv_push(w, r, dt, chunk=16, quant="channel-asym")),
+        ("w8a16_push_norm1", lambda w, r, dt: _gemv_push(w, r, dt, chunk=64, quant="g8")),
+        ("gather", _gather),
+    )
+    res = {
+        f"{k}-{name}-{d}": fn(world, rank, dt)
+        for k, fn in kinds
+        for name, (world, rank) in CASES.items()
+        for d, dt in DTYPES.items()
+    }
     res.update({f"probe-{d}": _probe(dt) for d, dt in DTYPES.items()})
     Path(out).write_text(json.dumps(res, indent=1))
 
@@ -228,45 +275,84 @@ def run_aot(out: str) -> None:
 
     from dsc.kernels.launch import compile_for_arch
 
-    push = {**{n: "*bf16" for n in "X R W S Y".split()}, "BUFS": "*i64", "stride_x": "i32", "stride_r": "i32",
-            "eps": "fp32", "rank": "i32", "region": "i32", "IDS": "*i64", "START": "*i64", "vocab": "i32"}
+    push = {
+        **{n: "*bf16" for n in "X R W S Y".split()},
+        "BUFS": "*i64",
+        "stride_x": "i32",
+        "stride_r": "i32",
+        "eps": "fp32",
+        "rank": "i32",
+        "region": "i32",
+        "IDS": "*i64",
+        "START": "*i64",
+        "vocab": "i32",
+    }
     res = {}
     for world in (2, 4):
         for pdl in (False, True):
             common = {"N": 4096, "WORLD": world, "BLOCK_W": world, "BLOCK_N": 4096, "PDL": pdl}
             # (embed_push: the vocab-parallel embedding's lookup as the row sent, Llama-8B's hidden size;
             # the token ids and the table are as much another kernel's as the rows)
-            for name, fn, types, const in (("push", C._ar_push_add_rmsnorm_kernel, push, {"MARK": -32768}),
-                                           ("embed_push", C._ar_push_add_rmsnorm_kernel, push,
-                                            {"MARK": -32768, "EMBED": True})):
-                k = compile_for_arch(fn, types, {**common, **const}, num_warps=8)
+            for name, fn, arg_types, const in (
+                ("push", C._ar_push_add_rmsnorm_kernel, push, {"MARK": -32768}),
+                ("embed_push", C._ar_push_add_rmsnorm_kernel, push, {"MARK": -32768, "EMBED": True}),
+            ):
+                k = compile_for_arch(fn, arg_types, {**common, **const}, num_warps=8)
                 # before the wait only the norm weight (read-only) may be read: the rows, the
                 # residual and every buffer belong to kernels that may still run
                 res[f"{name}-w{world}{'-pdl' if pdl else ''}"] = {
-                    "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
-                    **({"spills": spill_bytes(k)} if name == "embed_push" else {})}
+                    "ok": bool(k.asm.get("cubin")),
+                    "pdl": pdl_check(k, pdl, frozenset({"load w"})),
+                    **({"spills": spill_bytes(k)} if name == "embed_push" else {}),
+                }
             # the GEMV that pushes its rows and ends the all-reduce: only its first weight tile
             # (EARLY_K: its first K-blocks) loads before the wait
-            gemv = {"X": "*bf16", "W": "*bf16", "BUFS": "*i64", "N": "i32", "K": "i32", "rank": "i32",
-                    "region": "i32", "R": "*bf16", "NW": "*bf16", "S": "*bf16", "Y": "*bf16", "eps": "fp32"}
+            gemv = {
+                "X": "*bf16",
+                "W": "*bf16",
+                "BUFS": "*i64",
+                "N": "i32",
+                "K": "i32",
+                "rank": "i32",
+                "region": "i32",
+                "R": "*bf16",
+                "NW": "*bf16",
+                "S": "*bf16",
+                "Y": "*bf16",
+                "eps": "fp32",
+            }
             const = {"EVEN": True, "X_ROW": False, "WORLD": world, "MARK": -32768, "PDL": pdl}
             # at the launch configs of Llama-8B's down_proj at
             # this tp (the GEMV push rows of [4096, 7168] and [4096, 3584], raised to 4 and 8
             # warps); at tp=4 also an 8192-wide row (a 70B-class hidden size): two passes
-            push_row = {2: {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 2},
-                        4: {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 1}}[world]
+            push_row = {
+                2: {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 2},
+                4: {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 1},
+            }[world]
             # (tp=2 also with 4 K-blocks, 4096 columns, loaded before the wait: kernels/tuning.json's
             # EARLY row at that shape)
-            cases = (("gemv_push_norm", 4096, {}), ("gemv_push_norm_chunked", 8192, {}),
-                     ("gemv_push_norm_early", 4096, {"EARLY_K": 4096}))
+            cases = (
+                ("gemv_push_norm", 4096, {}),
+                ("gemv_push_norm_chunked", 8192, {}),
+                ("gemv_push_norm_early", 4096, {"EARLY_K": 4096}),
+            )
             for name, n, extra in cases[: 1 + (world == 4)] + cases[2:] * (world == 2):
                 cfg = {**C.gemv_push_norm_config(push_row, n, world), **extra}
                 warps = cfg.pop("num_warps")
-                k = compile_for_arch(C._gemv_push_kernel, gemv, {**const, **cfg}, num_warps=warps,
-                                     aligned=("X", "W", "N", "K", "region", "R", "NW", "S", "Y"))
+                k = compile_for_arch(
+                    C._gemv_push_kernel,
+                    gemv,
+                    {**const, **cfg},
+                    num_warps=warps,
+                    aligned=("X", "W", "N", "K", "region", "R", "NW", "S", "Y"),
+                )
                 res[f"{name}-w{world}{'-pdl' if pdl else ''}"] = {
-                    "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w"})),
-                    "spills": spill_bytes(k), "warps": warps, "chunk": cfg["CHUNK"]}
+                    "ok": bool(k.asm.get("cubin")),
+                    "pdl": pdl_check(k, pdl, frozenset({"load w"})),
+                    "spills": spill_bytes(k),
+                    "warps": warps,
+                    "chunk": cfg["CHUNK"],
+                }
             # the W8A16 GEMV push ending the all-reduce (--int8), at the configs of Llama-8B's
             # row-parallel o_proj and down_proj at this tp (the W8A16 GEMV's rows, or the shipped
             # w8a16_gemv_push rows over them at tp=4, raised for the norm)
@@ -275,21 +361,41 @@ def run_aot(out: str) -> None:
                 row = C.w8a16_push_config(n, k_, 0, "sm_90")
                 cfg = C.gemv_push_norm_config(row, n, world)
                 const, opts = int8._split({"PREFETCH": False, "X_ROW": False, **cfg}, torch.device("cuda"))
-                k = compile_for_arch(C._w8a16_gemv_push_kernel, w8,
-                                     {**const, "GROUP_K": 0, "HAS_ZERO": False, "WORLD": world, "MARK": -32768,
-                                      "PDL": pdl}, num_warps=opts["num_warps"],
-                                     aligned=("X", "W", "WS", "N", "K", "region", "R", "NW", "S", "Y"))
+                k = compile_for_arch(
+                    C._w8a16_gemv_push_kernel,
+                    w8,
+                    {**const, "GROUP_K": 0, "HAS_ZERO": False, "WORLD": world, "MARK": -32768, "PDL": pdl},
+                    num_warps=opts["num_warps"],
+                    aligned=("X", "W", "WS", "N", "K", "region", "R", "NW", "S", "Y"),
+                )
                 res[f"w8a16_push_norm-N{n}K{k_}-w{world}{'-pdl' if pdl else ''}"] = {
-                    "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl, frozenset({"load w8"})),
-                    "spills": spill_bytes(k), "warps": opts["num_warps"], "chunk": const["CHUNK"],
-                    "fast_cvt": "prmt.b32" in k.asm.get("ptx", "")}
+                    "ok": bool(k.asm.get("cubin")),
+                    "pdl": pdl_check(k, pdl, frozenset({"load w8"})),
+                    "spills": spill_bytes(k),
+                    "warps": opts["num_warps"],
+                    "chunk": const["CHUNK"],
+                    "fast_cvt": "prmt.b32" in k.asm.get("ptx", ""),
+                }
             # the push all-gather at its launch config: nothing read or written before the wait
-            k = compile_for_arch(C._push_gather_kernel, {"X": "*bf16", "Y": "*bf16", "BUFS": "*i64", "n": "i32",
-                                                         "total": "i32", "rank": "i32", "region": "i32"},
-                                 {"WORLD": world, "BLOCK_W": world, "BLOCK": C.PUSH_GATHER["BLOCK"],
-                                  "MARK": -32768, "PDL": pdl}, num_warps=C.PUSH_GATHER["num_warps"])
+            k = compile_for_arch(
+                C._push_gather_kernel,
+                {
+                    "X": "*bf16",
+                    "Y": "*bf16",
+                    "BUFS": "*i64",
+                    "n": "i32",
+                    "total": "i32",
+                    "rank": "i32",
+                    "region": "i32",
+                },
+                {"WORLD": world, "BLOCK_W": world, "BLOCK": C.PUSH_GATHER["BLOCK"], "MARK": -32768, "PDL": pdl},
+                num_warps=C.PUSH_GATHER["num_warps"],
+            )
             res[f"gather-w{world}{'-pdl' if pdl else ''}"] = {
-                "ok": bool(k.asm.get("cubin")), "pdl": pdl_check(k, pdl), "spills": spill_bytes(k)}
+                "ok": bool(k.asm.get("cubin")),
+                "pdl": pdl_check(k, pdl),
+                "spills": spill_bytes(k),
+            }
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -344,7 +450,8 @@ def test_set_up_probe_checks_the_push_kernel_and_its_embedding_variant(dtype, in
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_push_with_norm_ends_the_all_reduce_in_its_last_program(kind, case, dtype, interpreted):
     """One launch (NORM_N): the GEMV (16-bit or W8A16) delivers its rows into every peer's buffer
-    (zeros as +0.0: the marker never goes out), and its last program waits, sums, adds and normalizes, in column chunks (16 of 40: three passes) or in
+    (zeros as +0.0: the marker never goes out), and its last program waits, sums, adds and normalizes, in column
+    chunks (16 of 40: three passes) or in
     one, resets this rank's buffer, and writes nothing else into the peers' buffers."""
     r = interpreted[f"{kind}-{case}-{dtype}"]
     tol = 1e-5 if dtype == "fp32" else 2e-3
@@ -362,8 +469,10 @@ def test_kernels_build_for_sm90_and_pdl_waits_before_touching_rows(compiled):
     assert not bad, bad
     # the GEMV + all-reduce end: a 4096-wide row in one pass, at 4 warps at tp 2 and 8 at tp 4;
     # an 8192-wide one at tp 4 in two
-    assert [(compiled[f"gemv_push_norm{c}-w{w}"]["warps"], compiled[f"gemv_push_norm{c}-w{w}"]["chunk"])
-            for c, w in (("", 2), ("", 4), ("_chunked", 4))] == [(4, 4096), (8, 4096), (8, 4096)], compiled
+    assert [
+        (compiled[f"gemv_push_norm{c}-w{w}"]["warps"], compiled[f"gemv_push_norm{c}-w{w}"]["chunk"])
+        for c, w in (("", 2), ("", 4), ("_chunked", 4))
+    ] == [(4, 4096), (8, 4096), (8, 4096)], compiled
 
 
 def test_w8a16_push_config_takes_the_push_rows_as_launch_options_only():
@@ -396,4 +505,3 @@ def test_gemv_push_config_is_the_gemv_row_with_the_push_row_over_it():
     assert "N4096_K14336" not in tuning_table()["sm_90"]["gemv_push"]  # a shape without a push row
     assert C.gemv_push_config(4096, 14336, "sm_90") == gemv_config(4096, 14336, "sm_90") is not None
     assert C.gemv_push_config(4096, 1000, "sm_90") is None  # untuned: cuBLAS, then the fused all-reduce
-

@@ -7,6 +7,7 @@ Numeric tolerances (docs/kernels.md "Numerics" states the same):
         accumulate in a different order). Greedy tokens must agree at every step where HF's
         top-2 logit gap exceeds twice that tolerance (closer calls may flip either way in bf16).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,11 @@ def prompts(vocab: int = 509, lengths=(13, 7, 1, 4), seed: int = 0) -> list[list
 
 
 def digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def siblings(path: Path) -> list[str]:
@@ -55,6 +59,7 @@ def plan_ops(art: Path, program: str) -> list[str]:
 
 
 # -- numerics against transformers --------------------------------------------------------
+
 
 @pytest.mark.parametrize("shape", SHAPES + MORE)
 def test_fp32_generation_matches_transformers(shape, compile_artifact, make_checkpoint):
@@ -71,9 +76,16 @@ def test_fp32_generation_matches_transformers(shape, compile_artifact, make_chec
 # are computed by transformers' own code at trace time; "dynamic" (NTK) is traced as plain RoPE,
 # which it equals up to max_position_embeddings (the default --max-seq is clamped to it: 64 here).
 ROPE = {
-    "llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-                   rope_theta=500000.0),
+    "llama3": dict(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        rope_theta=500000.0,
+    ),
     "linear": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
     "dynamic": dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=64),
@@ -165,6 +177,7 @@ def test_compile_a_loaded_transformers_model(tmp_path, make_checkpoint):
 
 # -- sources: hub cache -----------------------------------------------------------------
 
+
 def _fake_hub_cache(root: Path, repo: str, ckpt: Path) -> None:
     """The layout huggingface_hub writes: blobs/, snapshots/<rev>/ symlinks, refs/main."""
     repo_dir = root / "hub" / ("models--" + repo.replace("/", "--"))
@@ -198,8 +211,13 @@ def test_hub_id_in_local_cache_compiles_offline(tmp_path, make_checkpoint, compi
     shutil.copy(templates / "llama-3.1-instruct.jinja", ckpt / "additional_chat_templates" / "tool_use.jinja")
     _fake_hub_cache(tmp_path / "hf", "acme/tiny-llama", ckpt)
     out = tmp_path / "out" / "art"
-    r = subprocess.run([sys.executable, "-m", "dsc", "compile", "acme/tiny-llama", "-o", str(out), "--dtype", "fp32"],
-                       capture_output=True, text=True, env=_offline_env(tmp_path / "hf"), timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsc", "compile", "acme/tiny-llama", "-o", str(out), "--dtype", "fp32"],
+        capture_output=True,
+        text=True,
+        env=_offline_env(tmp_path / "hf"),
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     from_folder = compile_artifact("llama-tiny", dtype="fp32")
     for f in ("plan.json", "rank0.safetensors", "tokenizer/tokenizer.json"):
@@ -212,8 +230,13 @@ def test_hub_id_in_local_cache_compiles_offline(tmp_path, make_checkpoint, compi
 def test_missing_hub_id_is_a_clear_error(tmp_path):
     (tmp_path / "hf" / "hub").mkdir(parents=True)
     out = tmp_path / "out" / "art"
-    r = subprocess.run([sys.executable, "-m", "dsc", "compile", "acme/not-there", "-o", str(out)],
-                       capture_output=True, text=True, env=_offline_env(tmp_path / "hf"), timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsc", "compile", "acme/not-there", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=_offline_env(tmp_path / "hf"),
+        timeout=300,
+    )
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "acme/not-there" in lines[0] and "cache" in lines[0], r.stderr
@@ -222,6 +245,7 @@ def test_missing_hub_id_is_a_clear_error(tmp_path):
 
 
 # -- determinism and the destination ------------------------------------------------------
+
 
 def test_compile_is_deterministic(tmp_path, make_checkpoint):
     ckpt = make_checkpoint("gpt2-odd")
@@ -234,8 +258,12 @@ def test_compile_is_deterministic(tmp_path, make_checkpoint):
     # another process (another hash seed), another path: the same plan and rank files
     b = tmp_path / "b"
     code = "import sys, dsc; dsc.compile(sys.argv[1], sys.argv[2])"
-    subprocess.run([sys.executable, "-c", code, str(ckpt), str(b)], check=True, timeout=300,
-                   env={**os.environ, "PYTHONHASHSEED": "12345"})
+    subprocess.run(
+        [sys.executable, "-c", code, str(ckpt), str(b)],
+        check=True,
+        timeout=300,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    )
     second = digests(b)
     for name in [n for n in first if n == "plan.json" or n.startswith(("rank", "tokenizer/"))]:
         assert second[name] == first[name], name
@@ -269,6 +297,7 @@ def test_interrupted_compile_leaves_nothing(tmp_path, make_checkpoint):
 
 # -- the pass pipeline ---------------------------------------------------------------------
 
+
 def test_dump_passes_writes_a_dump_per_pass(tmp_path, make_checkpoint):
     from typer.testing import CliRunner
 
@@ -276,8 +305,9 @@ def test_dump_passes_writes_a_dump_per_pass(tmp_path, make_checkpoint):
     from dsc.compiler.pipeline import pipeline
 
     dump = tmp_path / "dump"
-    r = CliRunner().invoke(app, ["compile", str(make_checkpoint("llama-tiny")), "-o", str(tmp_path / "art"),
-                                 "--dump-passes", str(dump)])
+    r = CliRunner().invoke(
+        app, ["compile", str(make_checkpoint("llama-tiny")), "-o", str(tmp_path / "art"), "--dump-passes", str(dump)]
+    )
     assert r.exit_code == 0, r.output
     names = ["trace"] + [n for n, _ in pipeline(CompileOptions())]
     assert sorted(p.name for p in dump.iterdir()) == [f"{i:02d}_{n}" for i, n in enumerate(names)]
@@ -340,21 +370,25 @@ def test_options_without_their_pass_are_rejected(tmp_path, make_checkpoint, monk
 
 # -- configuration ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config, expected", [
-    ({"dtype": "fp16"}, {"dtype": "fp16"}),
-    ({"dtype": "torch.bfloat16"}, {"dtype": "bf16"}),
-    ({"dtype": "float32", "max_out_tokens": 256}, {"dtype": "fp32", "max_seq": 256}),
-    ({"tensor_parallel": {"tp_size": 2}}, {"tp": 2}),
-    ({"tensor_parallel": {"enabled": True, "tp_size": 4}}, {"tp": 4}),
-    ({"mp_size": 2}, {"tp": 2}),
-    ({"replace_with_kernel_inject": False}, {"fuse": False}),
-    ({"replace_with_kernel_inject": True, "enable_cuda_graph": True}, {"fuse": True}),
-    ({"quant": {"enabled": True}}, {"int8": True, "int8_q_groups": None}),
-    ({"quant": {"enabled": True, "weight": {"num_bits": 8, "q_groups": 4}}}, {"int8": True, "int8_q_groups": 4}),
-    ({"quant": {"enabled": False}}, {"int8": False}),
-    ({"quantization_setting": 8}, {"int8": True, "int8_q_groups": 8}),
-    ({"max_batch": 4, "max_seq": 64}, {"max_batch": 4, "max_seq": 64}),  # dsc's own field names
-])
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({"dtype": "fp16"}, {"dtype": "fp16"}),
+        ({"dtype": "torch.bfloat16"}, {"dtype": "bf16"}),
+        ({"dtype": "float32", "max_out_tokens": 256}, {"dtype": "fp32", "max_seq": 256}),
+        ({"tensor_parallel": {"tp_size": 2}}, {"tp": 2}),
+        ({"tensor_parallel": {"enabled": True, "tp_size": 4}}, {"tp": 4}),
+        ({"mp_size": 2}, {"tp": 2}),
+        ({"replace_with_kernel_inject": False}, {"fuse": False}),
+        ({"replace_with_kernel_inject": True, "enable_cuda_graph": True}, {"fuse": True}),
+        ({"quant": {"enabled": True}}, {"int8": True, "int8_q_groups": None}),
+        ({"quant": {"enabled": True, "weight": {"num_bits": 8, "q_groups": 4}}}, {"int8": True, "int8_q_groups": 4}),
+        ({"quant": {"enabled": False}}, {"int8": False}),
+        ({"quantization_setting": 8}, {"int8": True, "int8_q_groups": 8}),
+        ({"max_batch": 4, "max_seq": 64}, {"max_batch": 4, "max_seq": 64}),  # dsc's own field names
+    ],
+)
 def test_deepspeed_config_aliases(tmp_path, config, expected):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps(config))
@@ -362,11 +396,14 @@ def test_deepspeed_config_aliases(tmp_path, config, expected):
     assert {k: getattr(opts, k) for k in expected} == expected
 
 
-@pytest.mark.parametrize("config, names", [
-    ({"dtype": "fp16", "zero_optimization": {}, "train_batch_size": 8}, ["train_batch_size", "zero_optimization"]),
-    ({"tensor_parallel": {"tp_size": 2, "tp_grain": 64}}, ["tp_grain"]),
-    ({"quant": {"enabled": True, "bits": 4}}, ["bits"]),
-])
+@pytest.mark.parametrize(
+    "config, names",
+    [
+        ({"dtype": "fp16", "zero_optimization": {}, "train_batch_size": 8}, ["train_batch_size", "zero_optimization"]),
+        ({"tensor_parallel": {"tp_size": 2, "tp_grain": 64}}, ["tp_grain"]),
+        ({"quant": {"enabled": True, "bits": 4}}, ["bits"]),
+    ],
+)
 def test_unknown_config_keys_are_rejected_by_name(tmp_path, config, names):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps(config))
@@ -381,11 +418,20 @@ def test_config_file_on_the_command_line(tmp_path, make_checkpoint):
     from dsc.cli import app
 
     f = tmp_path / "ds_inference.json"
-    f.write_text(json.dumps({"dtype": "fp32", "tensor_parallel": {"tp_size": 1}, "max_out_tokens": 48,
-                             "replace_with_kernel_inject": True}))
+    f.write_text(
+        json.dumps(
+            {
+                "dtype": "fp32",
+                "tensor_parallel": {"tp_size": 1},
+                "max_out_tokens": 48,
+                "replace_with_kernel_inject": True,
+            }
+        )
+    )
     out = tmp_path / "art"
-    r = CliRunner().invoke(app, ["compile", str(make_checkpoint("llama-tiny")), "-o", str(out),
-                                 "--config", str(f), "--max-batch", "3"])
+    r = CliRunner().invoke(
+        app, ["compile", str(make_checkpoint("llama-tiny")), "-o", str(out), "--config", str(f), "--max-batch", "3"]
+    )
     assert r.exit_code == 0, r.output
     opts = json.loads((out / "manifest.json").read_text())["options"]
     assert (opts["dtype"], opts["tp"], opts["max_seq"], opts["max_batch"]) == ("fp32", 1, 48, 3)

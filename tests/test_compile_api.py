@@ -1,4 +1,5 @@
 """`dsc.compile` of a loaded transformers model with its tokenizer (`tokenizer=`)."""
+
 from __future__ import annotations
 
 import json

@@ -5,6 +5,7 @@ Requests arrive at random steps while others run, more than fit at once; prompts
 over steps (token budgets 1, 7, 64, 512), preempted when the pool runs short, and share cached
 prefix blocks. After every test the KV pool holds no block (`_no_leak`).
 """
+
 from __future__ import annotations
 
 import json
@@ -12,23 +13,31 @@ import random
 
 import pytest
 import torch
+from arrivals import run_arrivals, workload
+from ranks import spawn_ranks
 
 import dsc
 from dsc.compiler.verify import reference_model
 from dsc.errors import UserError
 from dsc.runtime.llm import LLMEngine, SamplingParams
 
-from arrivals import run_arrivals, workload
-from ranks import spawn_ranks
-
 
 def hf_generate(model, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy generate of one prompt alone, never stopping early."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def _no_leak(engine: LLMEngine) -> None:
@@ -73,8 +82,9 @@ def test_requests_arriving_while_others_run_match_transformers(shape, compile_ar
 
 
 @pytest.mark.parametrize("budget, padded", [(1, False), (7, False), (64, False), (100, True)])
-def test_chunked_prefill_at_any_token_budget_equals_unchunked(budget, padded, compile_artifact, make_checkpoint,
-                                                             references):
+def test_chunked_prefill_at_any_token_budget_equals_unchunked(
+    budget, padded, compile_artifact, make_checkpoint, references
+):
     """padded: every step runs in its (token, sequence) bucket's static buffers, as CUDA graphs do."""
     art = compile_artifact("llama-tiny", dtype="fp32")
     n, longest = (6, 40) if budget == 1 else (16, 200)  # a budget of 1 computes one token per step
@@ -102,8 +112,7 @@ def test_prefix_caching_computes_a_shared_prefix_once(compile_artifact, make_che
     art = compile_artifact("llama-tiny", dtype="fp32")
     rng = random.Random(5)
     system = [rng.randrange(512) for _ in range(70)]  # 4 full blocks of 16, and 6 tokens
-    reqs = [(0 if i == 0 else 3, system + [rng.randrange(512) for _ in range(rng.randint(1, 20))], 8)
-            for i in range(6)]
+    reqs = [(0 if i == 0 else 3, system + [rng.randrange(512) for _ in range(rng.randint(1, 20))], 8) for i in range(6)]
     eng = LLMEngine(art, device="cpu", max_num_seqs=8)
     got = run_arrivals(eng, reqs)
     assert [got[str(i)] for i in range(6)] == _reference(references, make_checkpoint, "llama-tiny", reqs)
@@ -123,9 +132,12 @@ def test_seeded_sampling_is_reproducible_whatever_runs_beside_it(compile_artifac
     sp = SamplingParams(max_tokens=20, temperature=0.9, top_k=40, top_p=0.9, seed=1234, ignore_eos=True)
     alone = llm.generate([[5, 6, 7, 8]], sp)[0].outputs[0].token_ids
     others = [[rng_tok % 500 + 2 for rng_tok in range(i, i + 9 + i)] for i in range(10)]
-    mixed = llm.generate(others[:5] + [[5, 6, 7, 8]] + others[5:],
-                         [SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True) for i in range(5)]
-                         + [sp] + [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 5)
+    mixed = llm.generate(
+        others[:5] + [[5, 6, 7, 8]] + others[5:],
+        [SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True) for i in range(5)]
+        + [sp]
+        + [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 5,
+    )
     assert mixed[5].outputs[0].token_ids == alone
     other_seed = llm.generate([[5, 6, 7, 8]], SamplingParams(**{**sp.__dict__, "seed": 99}))[0]
     assert other_seed.outputs[0].token_ids != alone
@@ -151,7 +163,7 @@ def test_the_offline_api(compile_artifact):
         assert lp[t] == max(lp.values()) and lp[t] <= 0  # greedy: the chosen token is the most likely
     # a stop string cuts the text before it
     full = a.outputs[0].text
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     if stop.strip():
         cut = llm.generate([text], SamplingParams(max_tokens=12, temperature=0, stop=stop, ignore_eos=True))[0]
         assert cut.outputs[0].text == full[: full.index(stop)] and cut.outputs[0].finish_reason == "stop"
@@ -162,10 +174,20 @@ def test_the_offline_api(compile_artifact):
     _no_leak(llm.engine)
 
 
-@pytest.mark.parametrize("params, field", [
-    (dict(temperature=-1), "temperature"), (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"),
-    (dict(n=0), "n"), (dict(top_k=-3), "top_k"), (dict(logprobs=50), "logprobs"), (dict(stop=[""]), "stop"),
-    (dict(stop_token_ids=[10**9]), "stop_token_ids"), (dict(seed=-1), "seed")])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(top_k=-3), "top_k"),
+        (dict(logprobs=50), "logprobs"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[10**9]), "stop_token_ids"),
+        (dict(seed=-1), "seed"),
+    ],
+)
 def test_bad_sampling_params_name_their_field(compile_artifact, params, field):
     eng = LLMEngine(compile_artifact("llama-tiny", dtype="fp32"), device="cpu")
     with pytest.raises(UserError, match=field):
@@ -209,15 +231,19 @@ def test_chat_applies_the_tokenizers_template(compile_artifact, make_checkpoint,
     ckpt = tmp_path / "chat"
     shutil.copytree(make_checkpoint("llama-tiny"), ckpt)
     cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    cfg["chat_template"] = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
     llm = dsc.LLM(dsc.compile(str(ckpt), tmp_path / "art", dtype="fp32"), device="cpu")
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert llm.engine.apply_chat_template(msgs) == "<system>be brief\n<user>hi\n<assistant>"
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    assert llm.chat(msgs, sp)[0].outputs[0].token_ids == \
-        llm.generate("<system>be brief\n<user>hi\n<assistant>", sp)[0].outputs[0].token_ids
+    assert (
+        llm.chat(msgs, sp)[0].outputs[0].token_ids
+        == llm.generate("<system>be brief\n<user>hi\n<assistant>", sp)[0].outputs[0].token_ids
+    )
 
 
 def test_generation_config_defaults_are_honoured(compile_artifact, make_checkpoint, tmp_path):
@@ -247,8 +273,9 @@ def test_int8_equals_the_static_int8_path(compile_artifact):
 def _tp_work(rank, jobs):
     art, reqs = jobs
     llm = dsc.LLM(art, device="cpu", max_num_seqs=4, max_num_batched_tokens=32)
-    outs = llm.generate([p for _, p, _ in reqs],
-                        [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, _, m in reqs])
+    outs = llm.generate(
+        [p for _, p, _ in reqs], [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, _, m in reqs]
+    )
     seeded = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True))
     eng = llm.engine.engine
     used = llm.engine.scheduler.pool.num_used()
@@ -266,8 +293,11 @@ def test_tp2_equals_tp1(shape, compile_artifact):
 
 def test_engine_generate_under_tp_returns_on_every_rank(compile_artifact):
     got = spawn_ranks(2, _generate_work, str(compile_artifact("llama-tiny", dtype="fp32", tp=2)))
-    want = dsc.load(compile_artifact("llama-tiny", dtype="fp32"), device="cpu").generate(
-        [[1, 2, 3], [4, 5]], max_new_tokens=4, stop_tokens=[]).tokens
+    want = (
+        dsc.load(compile_artifact("llama-tiny", dtype="fp32"), device="cpu")
+        .generate([[1, 2, 3], [4, 5]], max_new_tokens=4, stop_tokens=[])
+        .tokens
+    )
     assert got[0] == got[1] == want
 
 
@@ -318,8 +348,12 @@ def test_async_and_sync_stepping_give_the_same_tokens(shape, budget, blocks, com
     and a pool short enough to preempt."""
     art = compile_artifact(shape, dtype="fp32")
     block_bytes = 2 * 2 * 2 * 16 * 16 * 4
-    kw = dict(device="cpu", max_num_seqs=8, max_num_batched_tokens=budget,
-              kv_cache_memory=blocks * block_bytes / 2**30 if blocks else None)
+    kw = dict(
+        device="cpu",
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        kv_cache_memory=blocks * block_bytes / 2**30 if blocks else None,
+    )
     outs = {}
     for async_scheduling in (True, False):
         eng = LLMEngine(art, async_scheduling=async_scheduling, **kw)

@@ -1,4 +1,5 @@
 """Decode buckets, padding and the static memory plan (runtime/decode.py, runtime/memory_plan.py)."""
+
 from __future__ import annotations
 
 import json
@@ -75,7 +76,7 @@ def test_memory_plan_never_overlaps_live_buffers(compile_artifact, batch):
         assert 0 < max(b.nbytes for b in bufs) <= arena < total  # reuse happened
         for i, a in enumerate(bufs):
             assert a.offset >= 0 and a.offset + a.nbytes <= arena
-            for b in bufs[i + 1:]:
+            for b in bufs[i + 1 :]:
                 live_together = a.start <= b.end and b.start <= a.end
                 disjoint = a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset
                 assert not live_together or disjoint or 0 in (a.nbytes, b.nbytes), (a, b)
@@ -96,6 +97,7 @@ def test_every_symbolic_size_in_the_plan_is_named(compile_artifact, max_batch):
     import re
 
     from dsc.runtime.memory_plan import workspace_bytes
+
     art = compile_artifact("llama-tiny", dtype="fp32", max_batch=max_batch, max_seq=64)
     plan = json.loads((art / "plan.json").read_text())
     for program in ("prefill", "decode"):

@@ -5,6 +5,7 @@ compile option or refused by name; DeepSpeed's defaults are accepted; nothing is
 DS_FIELDS below is DeepSpeed's field list, written out from its source (not read from dsc), so a
 field dsc does not declare fails here. Most tests only read the config; two compile.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import pytest
 from safetensors import safe_open
 
 import dsc
-from dsc.compiler.deepspeed_config import QKV_MODULES, InferenceConfig, ZERO_SETTINGS, SECTIONS
+from dsc.compiler.deepspeed_config import QKV_MODULES, SECTIONS, ZERO_SETTINGS, InferenceConfig
 from dsc.compiler.options import make_options, options_from_config_file
 from dsc.errors import UserError
 
@@ -80,47 +81,115 @@ DS_FIELDS = [
     ("moe_type", None, "standard", "residual", REFUSED),
 ]
 # sub-configs whose parents DS_FIELDS names through their own fields
-_PARENTS = {"tensor_parallel": "tp", "zero": None, "moe": None, "quant": None, "quant.weight": None,
-            "quant.activation": None, "quant.qkv": None, "checkpoint_config": "ckpt_config"}
+_PARENTS = {
+    "tensor_parallel": "tp",
+    "zero": None,
+    "moe": None,
+    "quant": None,
+    "quant.weight": None,
+    "quant.activation": None,
+    "quant.qkv": None,
+    "checkpoint_config": "ckpt_config",
+}
 
 # DeepSpeedInferenceConfig().model_dump(mode="json"): a config written with every default
 DEFAULTS_DUMP = {
-    "replace_with_kernel_inject": False, "dtype": "torch.float16",
+    "replace_with_kernel_inject": False,
+    "dtype": "torch.float16",
     "tensor_parallel": {"enabled": True, "tp_size": 1, "tp_grain_size": 64, "mpu": None, "tp_group": None},
-    "enable_cuda_graph": False, "use_triton": False, "triton_autotune": False,
-    "zero": {"stage": 0, "contiguous_gradients": True, "reduce_scatter": True, "reduce_bucket_size": 500000000,
-             "use_multi_rank_bucket_allreduce": True, "allgather_partitions": True,
-             "allgather_bucket_size": 500000000, "overlap_comm": False, "load_from_fp32_weights": True,
-             "elastic_checkpoint": False, "offload_param": None, "offload_optimizer": None, "zenflow": None,
-             "sub_group_size": 1000000000, "cpu_offload_param": None, "cpu_offload_use_pin_memory": None,
-             "cpu_offload": None, "prefetch_bucket_size": 50000000, "param_persistence_threshold": 100000,
-             "model_persistence_threshold": 9223372036854775807, "max_live_parameters": 1000000000,
-             "max_reuse_distance": 1000000000, "gather_16bit_weights_on_model_save": False,
-             "module_granularity_threshold": 0, "use_all_reduce_for_fetch_params": False,
-             "allgather_sequential": False, "stage3_gather_fp16_weights_on_model_save": False,
-             "ignore_unused_parameters": True, "legacy_stage1": False, "round_robin_gradients": False,
-             "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
-             "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
-             "zeropp_loco_param": None, "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
-             "memory_efficient_linear": True, "pipeline_loading_checkpoint": False, "override_module_apply": True,
-             "log_trace_cache_warnings": False, "enable_sanity_checks": False,
-             "save_muon_momentum_buffer_in_memory": False,
-             "leaf_module": {"classes": [], "names": [], "name_suffixes": []}},
+    "enable_cuda_graph": False,
+    "use_triton": False,
+    "triton_autotune": False,
+    "zero": {
+        "stage": 0,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 500000000,
+        "use_multi_rank_bucket_allreduce": True,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 500000000,
+        "overlap_comm": False,
+        "load_from_fp32_weights": True,
+        "elastic_checkpoint": False,
+        "offload_param": None,
+        "offload_optimizer": None,
+        "zenflow": None,
+        "sub_group_size": 1000000000,
+        "cpu_offload_param": None,
+        "cpu_offload_use_pin_memory": None,
+        "cpu_offload": None,
+        "prefetch_bucket_size": 50000000,
+        "param_persistence_threshold": 100000,
+        "model_persistence_threshold": 9223372036854775807,
+        "max_live_parameters": 1000000000,
+        "max_reuse_distance": 1000000000,
+        "gather_16bit_weights_on_model_save": False,
+        "module_granularity_threshold": 0,
+        "use_all_reduce_for_fetch_params": False,
+        "allgather_sequential": False,
+        "stage3_gather_fp16_weights_on_model_save": False,
+        "ignore_unused_parameters": True,
+        "legacy_stage1": False,
+        "round_robin_gradients": False,
+        "zero_hpz_partition_size": 1,
+        "zero_quantized_weights": False,
+        "zero_quantized_nontrainable_weights": False,
+        "zero_quantized_gradients": False,
+        "zeropp_loco_param": None,
+        "mics_shard_size": -1,
+        "mics_hierarchical_params_gather": False,
+        "memory_efficient_linear": True,
+        "pipeline_loading_checkpoint": False,
+        "override_module_apply": True,
+        "log_trace_cache_warnings": False,
+        "enable_sanity_checks": False,
+        "save_muon_momentum_buffer_in_memory": False,
+        "leaf_module": {"classes": [], "names": [], "name_suffixes": []},
+    },
     "triangular_masking": True,
-    "moe": {"enabled": True, "ep_size": 1, "moe_experts": [1], "type": "standard", "ep_mp_group": None,
-            "ep_group": None},
+    "moe": {
+        "enabled": True,
+        "ep_size": 1,
+        "moe_experts": [1],
+        "type": "standard",
+        "ep_mp_group": None,
+        "ep_group": None,
+    },
     "keep_module_on_host": False,
-    "quant": {"enabled": True,
-              "activation": {"enabled": True, "num_bits": 8, "q_type": "symmetric", "q_groups": 1},
-              "weight": {"enabled": True, "num_bits": 8, "q_type": "symmetric", "q_groups": 1,
-                         "quantized_initialization": {}, "post_init_quant": {}},
-              "qkv": {"enabled": True}},
-    "checkpoint": None, "base_dir": "", "set_empty_params": False, "save_mp_checkpoint_path": None,
+    "quant": {
+        "enabled": True,
+        "activation": {"enabled": True, "num_bits": 8, "q_type": "symmetric", "q_groups": 1},
+        "weight": {
+            "enabled": True,
+            "num_bits": 8,
+            "q_type": "symmetric",
+            "q_groups": 1,
+            "quantized_initialization": {},
+            "post_init_quant": {},
+        },
+        "qkv": {"enabled": True},
+    },
+    "checkpoint": None,
+    "base_dir": "",
+    "set_empty_params": False,
+    "save_mp_checkpoint_path": None,
     "checkpoint_config": {"checkpoint_dir": None, "save_mp_checkpoint_path": None, "base_dir": None},
-    "return_tuple": True, "training_mp_size": 1, "replace_method": "auto", "injection_policy": None,
-    "injection_policy_tuple": None, "config": None, "max_out_tokens": 1024, "min_out_tokens": 1,
-    "transposed_mode": False, "mp_size": 1, "mpu": None, "ep_size": 1, "ep_group": None, "ep_mp_group": None,
-    "moe_experts": [1], "moe_type": "standard",
+    "return_tuple": True,
+    "training_mp_size": 1,
+    "replace_method": "auto",
+    "injection_policy": None,
+    "injection_policy_tuple": None,
+    "config": None,
+    "max_out_tokens": 1024,
+    "min_out_tokens": 1,
+    "transposed_mode": False,
+    "mp_size": 1,
+    "mpu": None,
+    "ep_size": 1,
+    "ep_group": None,
+    "ep_mp_group": None,
+    "moe_experts": [1],
+    "moe_type": "standard",
 }
 
 
@@ -180,40 +249,70 @@ def test_a_config_of_deepspeeds_defaults_is_accepted(tmp_path):
     _, opts = _read(tmp_path, DEFAULTS_DUMP)
     assert opts == {"fuse": False, "dtype": "fp16", "tp": 1, "max_seq": 1024, "min_tokens": 1}
     # the same with the aliases, "auto" values (DeepSpeed: the default) and moe as a bool
-    short = {"kernel_inject": False, "dtype": "auto", "tp": {"tp_size": 1, "tp_grain_size": "auto"},
-             "enable_cuda_graph": False, "replace_method": "auto", "min_tokens": 1, "max_tokens": "auto",
-             "moe": False, "zero": {}, "quant": {}, "tm": True, "ckpt_config": {}}
+    short = {
+        "kernel_inject": False,
+        "dtype": "auto",
+        "tp": {"tp_size": 1, "tp_grain_size": "auto"},
+        "enable_cuda_graph": False,
+        "replace_method": "auto",
+        "min_tokens": 1,
+        "max_tokens": "auto",
+        "moe": False,
+        "zero": {},
+        "quant": {},
+        "tm": True,
+        "ckpt_config": {},
+    }
     _, opts = _read(tmp_path, short)
     assert opts == {"fuse": False, "tp": 1, "min_tokens": 1}
     assert _read(tmp_path, {"moe": True})[1] == {}
     assert len(ZERO_SETTINGS) + 3 == 53  # DeepSpeedZeroConfig's names and aliases
 
 
-@pytest.mark.parametrize("spelling, dtype", [
-    ("fp16", "fp16"), ("half", "fp16"), ("torch.float16", "fp16"), ("float16", "fp16"),
-    ("bf16", "bf16"), ("bfloat16", "bf16"), ("bfloat", "bf16"), ("torch.bfloat16", "bf16"),
-    ("fp32", "fp32"), ("float", "fp32"), ("float32", "fp32"), ("torch.float32", "fp32"),
-    ("int8", "int8"), ("torch.int8", "int8"),
-])
+@pytest.mark.parametrize(
+    "spelling, dtype",
+    [
+        ("fp16", "fp16"),
+        ("half", "fp16"),
+        ("torch.float16", "fp16"),
+        ("float16", "fp16"),
+        ("bf16", "bf16"),
+        ("bfloat16", "bf16"),
+        ("bfloat", "bf16"),
+        ("torch.bfloat16", "bf16"),
+        ("fp32", "fp32"),
+        ("float", "fp32"),
+        ("float32", "fp32"),
+        ("torch.float32", "fp32"),
+        ("int8", "int8"),
+        ("torch.int8", "int8"),
+    ],
+)
 def test_dtype_takes_every_deepspeed_spelling(tmp_path, spelling, dtype):
     _, opts = _read(tmp_path, {"dtype": spelling})
     assert opts == ({"int8": True} if dtype == "int8" else {"dtype": dtype})
 
 
-@pytest.mark.parametrize("setting, expect", [
-    (8, {"int8": True, "int8_q_groups": 8}),
-    (1, {"int8": True}),
-    ([False, 4], {"int8": True, "int8_q_groups": 4}),
-    ({"q_bits": 8, "q_type": "asymmetric", "q_groups": 2}, {"int8": True, "int8_q_groups": 2, "int8_asymmetric": True}),
-    ({"q_groups": 16, "mlp_extra_grouping": False}, {"int8": True, "int8_q_groups": 16}),
-    ([True, 8], "mlp_extra_grouping"),
-    ({"q_bits": 4}, "q_bits"),
-    ({"q_groups": 0}, "q_groups"),
-    ({"q_type": "nf4"}, "q_type"),
-    ({"groups": 2}, "quantization_setting.groups"),
-    ([1, 2, 3], "quantization_setting"),
-    ("eight", "q_groups"),
-])
+@pytest.mark.parametrize(
+    "setting, expect",
+    [
+        (8, {"int8": True, "int8_q_groups": 8}),
+        (1, {"int8": True}),
+        ([False, 4], {"int8": True, "int8_q_groups": 4}),
+        (
+            {"q_bits": 8, "q_type": "asymmetric", "q_groups": 2},
+            {"int8": True, "int8_q_groups": 2, "int8_asymmetric": True},
+        ),
+        ({"q_groups": 16, "mlp_extra_grouping": False}, {"int8": True, "int8_q_groups": 16}),
+        ([True, 8], "mlp_extra_grouping"),
+        ({"q_bits": 4}, "q_bits"),
+        ({"q_groups": 0}, "q_groups"),
+        ({"q_type": "nf4"}, "q_type"),
+        ({"groups": 2}, "quantization_setting.groups"),
+        ([1, 2, 3], "quantization_setting"),
+        ("eight", "q_groups"),
+    ],
+)
 def test_quantization_setting_in_all_its_forms(tmp_path, setting, expect):
     config = {"quantization_setting": setting}
     if isinstance(expect, str):
@@ -224,50 +323,63 @@ def test_quantization_setting_in_all_its_forms(tmp_path, setting, expect):
         assert _read(tmp_path, config | {"dtype": "int8"})[1] == expect
 
 
-@pytest.mark.parametrize("config, expect", [
-    # dtype int8 is the request; quant configures it
-    ({"dtype": "int8", "quant": {"weight": {"q_type": "asymmetric", "q_groups": 8}}},
-     {"int8": True, "int8_asymmetric": True, "int8_q_groups": 8}),
-    ({"dtype": "torch.int8", "quant": {"qkv": {"enabled": False}}}, {"int8": True, "int8_skip": QKV_MODULES}),
-    # a float dtype, as in DeepSpeed: quant asks for nothing, and holds only defaults
-    ({"dtype": "fp16", "quant": {"enabled": True, "weight": {"num_bits": 8}}}, {"dtype": "fp16"}),
-    # dsc's own names beside DeepSpeed's; flags are applied later
-    ({"int8": True, "int8_mode": "w8a8", "quant": {"weight": {"q_groups": 2}}},
-     {"int8": True, "int8_mode": "w8a8", "int8_q_groups": 2}),
-    ({"tp": 2, "max_batch": 4, "mp_size": 2}, {"tp": 2, "max_batch": 4}),
-    ({"quant": {"enabled": False, "weight": {"enabled": True}}}, {}),
-])
+@pytest.mark.parametrize(
+    "config, expect",
+    [
+        # dtype int8 is the request; quant configures it
+        (
+            {"dtype": "int8", "quant": {"weight": {"q_type": "asymmetric", "q_groups": 8}}},
+            {"int8": True, "int8_asymmetric": True, "int8_q_groups": 8},
+        ),
+        ({"dtype": "torch.int8", "quant": {"qkv": {"enabled": False}}}, {"int8": True, "int8_skip": QKV_MODULES}),
+        # a float dtype, as in DeepSpeed: quant asks for nothing, and holds only defaults
+        ({"dtype": "fp16", "quant": {"enabled": True, "weight": {"num_bits": 8}}}, {"dtype": "fp16"}),
+        # dsc's own names beside DeepSpeed's; flags are applied later
+        (
+            {"int8": True, "int8_mode": "w8a8", "quant": {"weight": {"q_groups": 2}}},
+            {"int8": True, "int8_mode": "w8a8", "int8_q_groups": 2},
+        ),
+        ({"tp": 2, "max_batch": 4, "mp_size": 2}, {"tp": 2, "max_batch": 4}),
+        ({"quant": {"enabled": False, "weight": {"enabled": True}}}, {}),
+    ],
+)
 def test_quant_and_dtype_together(tmp_path, config, expect):
     assert _read(tmp_path, config)[1] == expect
 
 
-@pytest.mark.parametrize("config, names", [
-    ({"dtype": "fp16", "quant": {"weight": {"q_type": "asymmetric"}}}, ["quant.weight.q_type", "dtype is fp16"]),
-    ({"dtype": "bf16", "quantization_setting": 4}, ["quantization_setting", "dtype is bf16"]),
-    ({"dtype": "int8", "quant": {"weight": {"enabled": False}}}, ["quant.weight.enabled", "dtype int8"]),
-    ({"dtype": "int8", "quant": {"enabled": False}}, ["quant.enabled"]),
-    ({"quant": {"weight": {"enabled": False, "q_groups": 4}}}, ["quant.weight.q_groups", "quant.weight.enabled is false"]),
-    ({"mp_size": 2, "tensor_parallel": {"tp_size": 4}}, ["mp_size", "tensor_parallel.tp_size"]),
-    ({"tensor_parallel": {"enabled": False, "tp_size": 2}}, ["tensor_parallel.enabled"]),
-    ({"tp": 2, "mp_size": 4}, ["mp_size", "'tp'"]),
-    ({"max_seq": 64, "max_out_tokens": 128}, ["max_out_tokens", "max_seq"]),
-    ({"kernel_inject": True, "replace_with_kernel_inject": False}, ["kernel_inject", "replace_with_kernel_inject"]),
-    ({"quantization_setting": {"q_groups": 4}, "quant": {"weight": {"q_groups": 2}}}, ["quantization_setting"]),
-    ({"dtype": "fp16", "zero_optimization": {}, "train_batch_size": 8}, ["train_batch_size", "zero_optimization"]),
-    ({"tensor_parallel": {"tp_size": 2, "tp_grain": 64}}, ["tensor_parallel.tp_grain"]),
-    ({"quant": {"enabled": True, "bits": 4}}, ["quant.bits"]),
-    ({"quant": {"weight": {"bits": 4}}}, ["quant.weight.bits"]),
-    ({"moe": {"experts": 8}}, ["moe.experts"]),
-    ({"zero": {"stage": 0, "offload_params": {}}}, ["zero.offload_params"]),
-    ({"checkpoint_config": {"dir": "/x"}}, ["checkpoint_config.dir"]),
-    ({"dtype": "int4"}, ["dtype", "int4"]),
-    ({"tensor_parallel": {"tp_size": "two"}}, ["tensor_parallel.tp_size"]),
-    ({"max_out_tokens": 1}, ["max_out_tokens"]),
-    ({"quant": {"weight": {"q_type": "nf4"}}}, ["quant.weight.q_type"]),
-    ({"dtype": "int8", "int8": False}, ["'dtype'", "'int8'"]),
-    ({"enable_cuda_graph": "false"}, ["enable_cuda_graph", "'false'"]),  # checked, not coerced
-    ({"dtype": "int8", "quant": {"weight": {"q_groups": "4"}}}, ["quant.weight.q_groups", "'4'"]),
-])
+@pytest.mark.parametrize(
+    "config, names",
+    [
+        ({"dtype": "fp16", "quant": {"weight": {"q_type": "asymmetric"}}}, ["quant.weight.q_type", "dtype is fp16"]),
+        ({"dtype": "bf16", "quantization_setting": 4}, ["quantization_setting", "dtype is bf16"]),
+        ({"dtype": "int8", "quant": {"weight": {"enabled": False}}}, ["quant.weight.enabled", "dtype int8"]),
+        ({"dtype": "int8", "quant": {"enabled": False}}, ["quant.enabled"]),
+        (
+            {"quant": {"weight": {"enabled": False, "q_groups": 4}}},
+            ["quant.weight.q_groups", "quant.weight.enabled is false"],
+        ),
+        ({"mp_size": 2, "tensor_parallel": {"tp_size": 4}}, ["mp_size", "tensor_parallel.tp_size"]),
+        ({"tensor_parallel": {"enabled": False, "tp_size": 2}}, ["tensor_parallel.enabled"]),
+        ({"tp": 2, "mp_size": 4}, ["mp_size", "'tp'"]),
+        ({"max_seq": 64, "max_out_tokens": 128}, ["max_out_tokens", "max_seq"]),
+        ({"kernel_inject": True, "replace_with_kernel_inject": False}, ["kernel_inject", "replace_with_kernel_inject"]),
+        ({"quantization_setting": {"q_groups": 4}, "quant": {"weight": {"q_groups": 2}}}, ["quantization_setting"]),
+        ({"dtype": "fp16", "zero_optimization": {}, "train_batch_size": 8}, ["train_batch_size", "zero_optimization"]),
+        ({"tensor_parallel": {"tp_size": 2, "tp_grain": 64}}, ["tensor_parallel.tp_grain"]),
+        ({"quant": {"enabled": True, "bits": 4}}, ["quant.bits"]),
+        ({"quant": {"weight": {"bits": 4}}}, ["quant.weight.bits"]),
+        ({"moe": {"experts": 8}}, ["moe.experts"]),
+        ({"zero": {"stage": 0, "offload_params": {}}}, ["zero.offload_params"]),
+        ({"checkpoint_config": {"dir": "/x"}}, ["checkpoint_config.dir"]),
+        ({"dtype": "int4"}, ["dtype", "int4"]),
+        ({"tensor_parallel": {"tp_size": "two"}}, ["tensor_parallel.tp_size"]),
+        ({"max_out_tokens": 1}, ["max_out_tokens"]),
+        ({"quant": {"weight": {"q_type": "nf4"}}}, ["quant.weight.q_type"]),
+        ({"dtype": "int8", "int8": False}, ["'dtype'", "'int8'"]),
+        ({"enable_cuda_graph": "false"}, ["enable_cuda_graph", "'false'"]),  # checked, not coerced
+        ({"dtype": "int8", "quant": {"weight": {"q_groups": "4"}}}, ["quant.weight.q_groups", "'4'"]),
+    ],
+)
 def test_bad_configs_are_one_line_naming_the_field(tmp_path, config, names):
     with pytest.raises(UserError) as e:
         f, opts = _read(tmp_path, config)
@@ -294,14 +406,25 @@ def test_a_config_of_defaults_asking_for_int8_compiles_as_it_says(tmp_path, make
     config = json.loads(json.dumps(DEFAULTS_DUMP))
     del config["replace_with_kernel_inject"]
     config["quant"]["weight"]["q_type"], config["quant"]["qkv"]["enabled"] = "asymmetric", False
-    config |= {"dtype": "torch.int8", "kernel_inject": True, "max_out_tokens": 64, "min_out_tokens": 3,
-               "enable_cuda_graph": True}
+    config |= {
+        "dtype": "torch.int8",
+        "kernel_inject": True,
+        "max_out_tokens": 64,
+        "min_out_tokens": 3,
+        "enable_cuda_graph": True,
+    }
     f = tmp_path / "ds_config.json"
     f.write_text(json.dumps(config))
     art = dsc.compile(str(make_checkpoint("llama-tiny")), tmp_path / "art", config_file=f, dtype="fp32")
     opts = json.loads((art / "manifest.json").read_text())["options"]
-    assert (opts["int8"], opts["int8_asymmetric"], opts["min_tokens"], opts["max_seq"], opts["fuse"], opts["dtype"]) == \
-        (True, True, 3, 64, True, "fp32")
+    assert (
+        opts["int8"],
+        opts["int8_asymmetric"],
+        opts["min_tokens"],
+        opts["max_seq"],
+        opts["fuse"],
+        opts["dtype"],
+    ) == (True, True, 3, 64, True, "fp32")
     assert tuple(opts["int8_skip"]) == QKV_MODULES
     with safe_open(art / "rank0.safetensors", "pt") as r:
         names = list(r.keys())
@@ -331,6 +454,6 @@ def test_the_docs_page_lists_every_field():
     from dsc.compiler.deepspeed_config import markdown
 
     page = markdown()
-    for field, alias, *_ in DS_FIELDS:
+    for field, _alias, *_ in DS_FIELDS:
         assert f"| `{field}` |" in page
     assert "`quantization_setting`" in page

@@ -1,4 +1,5 @@
 """runtime/detokenize.py: incremental detokenization and stop strings, against full decodes."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,7 @@ def _stream(d: Detokenizer, ids: list[int], chunks: list[int]) -> str:
     """Feed ids in chunks of the given sizes (then one at a time), then flush."""
     out, i = [], 0
     for n in chunks:
-        out.append(d.add(ids[i:i + n]))
+        out.append(d.add(ids[i : i + n]))
         i += n
     out += [d.add([t]) for t in ids[i:]]
     out.append(d.flush())
@@ -36,17 +37,23 @@ def _expected_cut(text: str, stop: list[str], include_stop: bool) -> tuple[str, 
     if not found:
         return text, None
     end, at, s = min(found)
-    return text[:end if include_stop else at], s
+    return text[: end if include_stop else at], s
 
 
 ids_strategy = st.lists(st.integers(0, 999), max_size=25)
-text_strategy = st.text(alphabet=st.sampled_from(list("ab \n.xyz") + list("你好🦊é½👩‍")), max_size=20) \
-    | st.sampled_from(_TEXTS)
+text_strategy = st.text(
+    alphabet=st.sampled_from(list("ab \n.xyz") + list("你好🦊é½👩‍")), max_size=20
+) | st.sampled_from(_TEXTS)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=text_strategy, text=text_strategy, extra=ids_strategy, chunks=st.lists(st.integers(0, 4), max_size=6),
-       skip=st.booleans())
+@given(
+    prompt=text_strategy,
+    text=text_strategy,
+    extra=ids_strategy,
+    chunks=st.lists(st.integers(0, 4), max_size=6),
+    skip=st.booleans(),
+)
 def test_streamed_text_equals_the_full_decode(tok, prompt, text, extra, chunks, skip):
     gen = tok.encode(text).ids + extra
     d = Detokenizer(tok, tok.encode(prompt).ids, skip_special_tokens=skip)
@@ -55,14 +62,21 @@ def test_streamed_text_equals_the_full_decode(tok, prompt, text, extra, chunks, 
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=text_strategy, text=text_strategy, extra=ids_strategy, chunks=st.lists(st.integers(0, 4), max_size=6),
-       stop_spans=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 4)), max_size=3),
-       other_stop=st.lists(text_strategy, max_size=2), include_stop=st.booleans())
-def test_streamed_text_is_cut_at_the_first_stop_string(tok, prompt, text, extra, chunks, stop_spans, other_stop,
-                                                       include_stop):
+@given(
+    prompt=text_strategy,
+    text=text_strategy,
+    extra=ids_strategy,
+    chunks=st.lists(st.integers(0, 4), max_size=6),
+    stop_spans=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 4)), max_size=3),
+    other_stop=st.lists(text_strategy, max_size=2),
+    include_stop=st.booleans(),
+)
+def test_streamed_text_is_cut_at_the_first_stop_string(
+    tok, prompt, text, extra, chunks, stop_spans, other_stop, include_stop
+):
     gen = tok.encode(text).ids + extra
     full = tok.decode(gen)
-    stop = [full[a:a + n] for a, n in stop_spans] + other_stop  # most occur in the text
+    stop = [full[a : a + n] for a, n in stop_spans] + other_stop  # most occur in the text
     d = Detokenizer(tok, tok.encode(prompt).ids, stop=stop, include_stop=include_stop)
     want, reason = _expected_cut(full, stop, include_stop)
     assert _stream(d, gen, chunks) == want
@@ -78,7 +92,7 @@ def test_any_prompt_ids_stream_what_the_generation_adds_to_the_prompt_text(tok, 
     out = _stream(d, gen, [])
     full, before = tok.decode(prompt + gen), tok.decode(prompt)
     if full.startswith(before):
-        assert out == full[len(before):]
+        assert out == full[len(before) :]
 
 
 def test_a_single_stop_string(tok):
@@ -146,13 +160,15 @@ def metaspace_tok() -> Tokenizer:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=st.sampled_from(["Hello", "the quick brown", "a b c d e f g"]),
-       words=st.lists(st.sampled_from(["fox", "the", "lazy", "dog.", "hello", ","]), min_size=1, max_size=8))
+@given(
+    prompt=st.sampled_from(["Hello", "the quick brown", "a b c d e f g"]),
+    words=st.lists(st.sampled_from(["fox", "the", "lazy", "dog.", "hello", ","]), min_size=1, max_size=8),
+)
 def test_words_keep_their_leading_space_after_the_prompt(metaspace_tok, prompt, words):
     tok = metaspace_tok
     prompt_ids = tok.encode(prompt).ids
-    gen = tok.encode(prompt + " " + " ".join(words)).ids[len(prompt_ids):]
+    gen = tok.encode(prompt + " " + " ".join(words)).ids[len(prompt_ids) :]
     d = Detokenizer(tok, prompt_ids)
     streamed = "".join(d.add([t]) for t in gen) + d.flush()
-    assert streamed == tok.decode(prompt_ids + gen)[len(tok.decode(prompt_ids)):]
+    assert streamed == tok.decode(prompt_ids + gen)[len(tok.decode(prompt_ids)) :]
     assert streamed.startswith(" ")  # decoding the new tokens alone would drop this space

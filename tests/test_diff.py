@@ -2,10 +2,12 @@
 
 Structural: two compiles diff empty; adjacent pass dumps name exactly what the pass rewrote;
 16-bit vs int8 names every quantized linear and nothing else (but the decode MLP nodes that
-each fuses into its own gate_up + SwiGLU op, dsc.linear_swiglu and dsc.linear_w8a16_swiglu). Numeric: every node the two artifacts share gets
+each fuses into its own gate_up + SwiGLU op, dsc.linear_swiglu and dsc.linear_w8a16_swiglu). Numeric: every node the
+two artifacts share gets
 max abs error and SQNR; the first divergence is the first node that differs; tp=2 gathers its
 ranks' values back (gloo processes) and matches tp=1.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +21,6 @@ import dsc
 from dsc.cli import app
 from dsc.compiler.diff import diff, mentioned_names, rank_tensors
 from dsc.compiler.numerics import gather, numeric_diff, value_twins
-
 
 
 def nodes(art: Path, program: str = "prefill") -> list[dict]:
@@ -49,9 +50,11 @@ def test_adjacent_pass_dumps_name_exactly_what_bind_kv_cache_rewrote(dumped):
     d = diff(before, after)
     named: set[str] = set()
     for prog, p in d["programs"].items():
-        traced, bound, cache = (("dsc.ragged_attention.default", "dsc.paged_attention.default", "kv_pool.")
-                                if prog == "ragged" else
-                                ("dsc.causal_attention.default", "dsc.attention.default", "kv_cache."))
+        traced, bound, cache = (
+            ("dsc.ragged_attention.default", "dsc.paged_attention.default", "kv_pool.")
+            if prog == "ragged"
+            else ("dsc.causal_attention.default", "dsc.attention.default", "kv_cache.")
+        )
         old = [n["name"] for n in nodes(before, prog) if n.get("op") == traced]
         new = [n["name"] for n in nodes(after, prog) if n.get("op") == bound]
         caches = [n["name"] for n in nodes(after, prog) if n.get("target", "").startswith(cache)]
@@ -73,7 +76,9 @@ def test_diff_reports_dtype_change_and_exit_code(compile_artifact):
     d = json.loads(res.output)
     assert d["manifest"]["options.dtype"] == ["fp32", "fp16"]
     w = d["weights"]["rank0"]["changed"]
-    assert {x["name"] for x in w} == {k for k, v in rank_tensors(b / "rank0.safetensors").items() if v["dtype"] == "F16"}
+    assert {x["name"] for x in w} == {
+        k for k, v in rank_tensors(b / "rank0.safetensors").items() if v["dtype"] == "F16"
+    }
     assert all(x["fields"]["dtype"] == ["F32", "F16"] and "sha256" in x["fields"] for x in w)
     text = CliRunner().invoke(app, ["diff", str(a), str(b)]).output
     assert "options.dtype: fp32 -> fp16" in text and "op counts that differ" in text
@@ -88,25 +93,39 @@ def test_diff_errors_exit_2(tmp_path, dumped):
 def test_int8_diff_names_every_quantized_linear_and_nothing_else(compile_artifact, shape):
     a, b = compile_artifact(shape, dtype="fp16"), compile_artifact(shape, dtype="fp16", int8=True)
     d = diff(a, b)
-    quantized = {n["name"].rsplit(".", 1)[0] for prog in ("prefill", "decode") for n in nodes(b, prog)
-                 if n.get("op") in ("dsc.linear_w8a16.default", "dsc.linear_w8a8.default")}
+    quantized = {
+        n["name"].rsplit(".", 1)[0]
+        for prog in ("prefill", "decode")
+        for n in nodes(b, prog)
+        if n.get("op") in ("dsc.linear_w8a16.default", "dsc.linear_w8a8.default")
+    }
     assert quantized
     # and the MLPs whose decode gate_up GEMV is fused with its swiglu (decode_linears): 16-bit into
     # dsc.linear_swiglu, int8 into dsc.linear_w8a16_swiglu, which the diff pairs as a replacement
     mlps = {n["name"].rsplit(".", 1)[0] for n in nodes(a, "decode") if n.get("op") == "dsc.linear_swiglu.default"}
-    assert mlps == {n["name"].rsplit(".", 1)[0] for n in nodes(b, "decode")
-                    if n.get("op") == "dsc.linear_w8a16_swiglu.default"}
+    assert mlps == {
+        n["name"].rsplit(".", 1)[0] for n in nodes(b, "decode") if n.get("op") == "dsc.linear_w8a16_swiglu.default"
+    }
     assert bool(mlps) == (shape == "llama-tiny")  # GPT-2's MLP: gelu, nothing fused
-    swiglu = {n["name"] for art in (a, b) for n in nodes(art, "decode") if any(n["name"].startswith(m + ".") for m in mlps)
-              and n.get("op") in ("dsc.linear_swiglu.default", "dsc.linear_w8a16_swiglu.default")}
-    outside = sorted(name for name in mentioned_names(d)
-                     if name not in swiglu and not any(name.startswith(m + ".") for m in quantized))
+    swiglu = {
+        n["name"]
+        for art in (a, b)
+        for n in nodes(art, "decode")
+        if any(n["name"].startswith(m + ".") for m in mlps)
+        and n.get("op") in ("dsc.linear_swiglu.default", "dsc.linear_w8a16_swiglu.default")
+    }
+    outside = sorted(
+        name
+        for name in mentioned_names(d)
+        if name not in swiglu and not any(name.startswith(m + ".") for m in quantized)
+    )
     assert not outside, f"names outside the quantized linears: {outside}"
     for prog, p in d["programs"].items():  # every quantized linear shows as the op it replaced
         linears = ("aten.linear.default", "dsc.linear.default")  # decode's and ragged's 16-bit linears are dsc.linear
         fused = {f"{m}.gate_up_proj" for m in mlps} if prog in ("decode", "ragged") else set()
-        assert {r["a"]["name"].rsplit(".", 1)[0] for r in p["replaced"] if r["a"].get("op") in linears} \
-            == quantized - fused
+        assert {
+            r["a"]["name"].rsplit(".", 1)[0] for r in p["replaced"] if r["a"].get("op") in linears
+        } == quantized - fused
 
 
 # -- numeric -------------------------------------------------------------------------------
@@ -144,10 +163,15 @@ def test_numeric_diff_int8_reports_sqnr_per_quantized_linear(compile_artifact):
 
 
 def test_value_twins_follow_the_readers():
-    a = [{"name": "x", "kind": "input"}, {"name": "lin", "kind": "call", "op": "aten.linear.default", "args": [{"node": "x"}]},
-         {"name": "add", "kind": "call", "op": "aten.add.Tensor", "args": [{"node": "lin"}, {"node": "x"}]}]
-    b = a[:2] + [{"name": "lin.all_reduce", "kind": "call", "op": "dsc.all_reduce.default", "args": [{"node": "lin"}]},
-                 {"name": "add", "kind": "call", "op": "aten.add.Tensor", "args": [{"node": "lin.all_reduce"}, {"node": "x"}]}]
+    a = [
+        {"name": "x", "kind": "input"},
+        {"name": "lin", "kind": "call", "op": "aten.linear.default", "args": [{"node": "x"}]},
+        {"name": "add", "kind": "call", "op": "aten.add.Tensor", "args": [{"node": "lin"}, {"node": "x"}]},
+    ]
+    b = a[:2] + [
+        {"name": "lin.all_reduce", "kind": "call", "op": "dsc.all_reduce.default", "args": [{"node": "lin"}]},
+        {"name": "add", "kind": "call", "op": "aten.add.Tensor", "args": [{"node": "lin.all_reduce"}, {"node": "x"}]},
+    ]
     assert value_twins(a, b) == {"x": "x", "lin": "lin.all_reduce", "add": "add"}
 
 
@@ -156,8 +180,11 @@ def test_value_twins_keep_integer_values_a_rank_rewrites():
     expert), which are not the router's value: the ids are compared with the ids."""
     ids = {"name": "ids", "kind": "call", "op": "operator.getitem", "dtype": "int64", "args": []}
     a = [ids, {"name": "moe", "kind": "call", "op": "dsc.moe.default", "dtype": "float32", "args": [{"node": "ids"}]}]
-    b = [ids, {"name": "sub", "kind": "call", "op": "aten.sub.Tensor", "dtype": "int64", "args": [{"node": "ids"}]},
-         {"name": "moe", "kind": "call", "op": "dsc.moe.default", "dtype": "float32", "args": [{"node": "sub"}]}]
+    b = [
+        ids,
+        {"name": "sub", "kind": "call", "op": "aten.sub.Tensor", "dtype": "int64", "args": [{"node": "ids"}]},
+        {"name": "moe", "kind": "call", "op": "dsc.moe.default", "dtype": "float32", "args": [{"node": "sub"}]},
+    ]
     assert value_twins(a, b) == {"ids": "ids", "moe": "moe"}
 
 
@@ -180,8 +207,13 @@ def test_numeric_diff_tp2_matches_tp1(compile_artifact):
     # all-reduce into the norm (every Llama layer), no node holds the reduced value and the
     # ranks' partial sums are summed instead
     nodes_b = json.loads((b / "plan.json").read_text())["programs"]["prefill"]["nodes"]
-    fused_in = {a["node"] for n in nodes_b if n.get("op") == "dsc.all_reduce_add_rmsnorm.default"
-                for a in n["args"] if isinstance(a, dict)}
+    fused_in = {
+        a["node"]
+        for n in nodes_b
+        if n.get("op") == "dsc.all_reduce_add_rmsnorm.default"
+        for a in n["args"]
+        if isinstance(a, dict)
+    }
     summed = [r for r in d["nodes"] if r.get("gathered") == "partial sums, summed"]
     assert summed and all(r["b"] in fused_in for r in summed)
     # the vocab-parallel lookup, reduced, and layer 0's input norm: the outputs of the one node

@@ -7,6 +7,7 @@
 - README.md stays a product page (at most 250 lines), docs/ stays small (under 50 files);
 - every relative link in README.md and docs/*.md points at a file that exists.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -43,25 +44,28 @@ def _history_lines(paths: list[Path]) -> list[str]:
             except UnicodeDecodeError:
                 continue
             name = f.relative_to(ROOT) if f.is_relative_to(ROOT) else f
-            hits += [f"{name}:{i}: {line.strip()}"
-                     for i, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)]
+            hits += [
+                f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)
+            ]
     return hits
 
 
 def test_generated_pages_are_current():
     gen = _gen_docs()
     assert "docs/passes.md" in gen.PAGES
-    stale = [rel for rel, make in gen.PAGES.items()
-             if not (ROOT / rel).exists() or (ROOT / rel).read_text() != make()]
+    stale = [rel for rel, make in gen.PAGES.items() if not (ROOT / rel).exists() or (ROOT / rel).read_text() != make()]
     assert not stale, f"stale generated pages (run python scripts/gen_docs.py): {stale}"
 
 
 def test_passes_page_lists_every_pass_in_pipeline_order():
-    from dsc.compiler.pipeline import pipeline
     import types
 
+    from dsc.compiler.pipeline import pipeline
+
     text = (DOCS / "passes.md").read_text()
-    names = [n for n, _ in pipeline(types.SimpleNamespace(fuse=True, int8=True, fp8=False, int4=False, auto_precision=None))]
+    names = [
+        n for n, _ in pipeline(types.SimpleNamespace(fuse=True, int8=True, fp8=False, int4=False, auto_precision=None))
+    ]
     headings = re.findall(r"^## (\w+)$", text, re.MULTILINE)
     assert [h for h in headings if h in names] == names
 
@@ -83,6 +87,7 @@ def test_no_project_history_in_the_product():
 
 def _cli_commands() -> set[str]:
     import typer.main
+
     from dsc.cli import app
 
     return set(typer.main.get_command(app).commands)
@@ -113,8 +118,7 @@ def test_docs_folder_stays_small():
 def test_relative_links_resolve(page):
     text = page.read_text()
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
-    missing = [t for t in targets if "://" not in t and not t.startswith("mailto:")
-               and not (page.parent / t).exists()]
+    missing = [t for t in targets if "://" not in t and not t.startswith("mailto:") and not (page.parent / t).exists()]
     assert not missing, f"{page.name} links to missing files: {missing}"
 
 
@@ -122,8 +126,24 @@ def test_relative_links_resolve(page):
 _PATH_REF = re.compile(r"(?<![\w/.-])((?:compiler|runtime|kernels|passes|serve|scripts|tests|docs|\.ci)/[\w./-]*\w)")
 _ROOT_DOC = re.compile(r"(?<![\w/.-])([A-Z][A-Z_]+\.md)\b")  # a doc in capitals: a file at the root
 ARTIFACT_PATHS = {"kernels/binaries.json"}  # paths inside an artifact folder (docs/artifact.md), not the repository
-REFERENCE_ROOTS = ["README.md", "Makefile", "pyproject.toml", "cli.py", "errors.py", "switches.py", "launch_counts.py",
-                   "docs", "compiler", "passes", "kernels", "runtime", "serve", "scripts", "tests", ".ci"]
+REFERENCE_ROOTS = [
+    "README.md",
+    "Makefile",
+    "pyproject.toml",
+    "cli.py",
+    "errors.py",
+    "switches.py",
+    "launch_counts.py",
+    "docs",
+    "compiler",
+    "passes",
+    "kernels",
+    "runtime",
+    "serve",
+    "scripts",
+    "tests",
+    ".ci",
+]
 
 
 def _names_a_file(ref: str) -> bool:

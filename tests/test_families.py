@@ -6,29 +6,45 @@ transformers' save_pretrained uses) has sizes that are not powers of two: 72 hid
 tokens identical, teacher-forced logits within 1e-4); tp=2 is checked against tp=1 as in
 test_tp.py; int8 by the compile-time report's logits SQNR.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
+from ranks import spawn_ranks
 from safetensors import safe_open
+from test_compile import FP32_ATOL, plan_ops, prompts
+from test_fusion import check_golden
+from test_tp import PROMPTS, _rank_work, teacher_forced
 
 from dsc.compiler.architectures import ARCHITECTURES
 from dsc.compiler.random_checkpoint import SHAPES
 from dsc.compiler.verify import verify_artifact
 from dsc.runtime.plan import ATTENTION_OPS
-from ranks import spawn_ranks
-from test_compile import FP32_ATOL, plan_ops, prompts
-from test_fusion import check_golden
-from test_tp import PROMPTS, _rank_work, teacher_forced
 
-FAMILIES = ["qwen3-odd", "stablelm-odd", "starcoder2-odd", "olmo-odd", "olmo2-odd", "cohere-odd", "granite-odd",
-            "gemma2-odd", "gemma3_text-odd", "falcon-odd", "falcon-new-odd", "bloom-odd"]
+FAMILIES = [
+    "qwen3-odd",
+    "stablelm-odd",
+    "starcoder2-odd",
+    "olmo-odd",
+    "olmo2-odd",
+    "cohere-odd",
+    "granite-odd",
+    "gemma2-odd",
+    "gemma3_text-odd",
+    "falcon-odd",
+    "falcon-new-odd",
+    "bloom-odd",
+]
 # sliding windows per layer, shorter than the longest prompt (13) plus its 8 new tokens
 WINDOWS = {"starcoder2-odd": [8, 8], "gemma2-odd": [6, 0], "gemma3_text-odd": [6, 0]}
 SOFTCAPS = {"gemma2-odd": 2.0}  # attention logit soft-cap, small enough to change these models' scores
-TP_SHAPES = [s for s in FAMILIES + ["gptj-tiny", "gpt_neox-tiny", "phi3-tiny", "mistral-tiny", "qwen2-tiny"]
-             if not ARCHITECTURES[SHAPES[s][0]].tp_blocker(SHAPES[s][1])]
+TP_SHAPES = [
+    s
+    for s in FAMILIES + ["gptj-tiny", "gpt_neox-tiny", "phi3-tiny", "mistral-tiny", "qwen2-tiny"]
+    if not ARCHITECTURES[SHAPES[s][0]].tp_blocker(SHAPES[s][1])
+]
 INT8_MIN_SQNR = 20.0
 
 
@@ -75,8 +91,12 @@ def test_keys_without_the_base_model_prefix_resolve(make_checkpoint, tmp_path):
     sd = load_file(src / "model.safetensors")
     save_file({k.removeprefix("transformer."): v for k, v in sd.items()}, ck / "model.safetensors")
     assert "h.0.attn.c_attn.weight" in load_file(ck / "model.safetensors")
-    report = verify_artifact(dsc.compile(str(ck), tmp_path / "art", dtype="fp32"), ck,
-                             prompts=prompts(vocab=512, lengths=(5, 2)), new_tokens=3)
+    report = verify_artifact(
+        dsc.compile(str(ck), tmp_path / "art", dtype="fp32"),
+        ck,
+        prompts=prompts(vocab=512, lengths=(5, 2)),
+        new_tokens=3,
+    )
     assert report.tokens_equal and report.max_abs_err <= FP32_ATOL, report.summary()
 
 
@@ -111,23 +131,31 @@ def test_tp2_matches_tp1(shape, tp_runs, compile_artifact):
 
 
 # llama and gpt2: tests/test_int8.py
-@pytest.mark.parametrize("shape", FAMILIES + ["gpt_neox-tiny", "gptj-tiny", "phi3-tiny", "opt-tiny", "phi-tiny",
-                                   "gemma-tiny", "mistral-tiny", "qwen2-tiny"])
+@pytest.mark.parametrize(
+    "shape",
+    FAMILIES
+    + ["gpt_neox-tiny", "gptj-tiny", "phi3-tiny", "opt-tiny", "phi-tiny", "gemma-tiny", "mistral-tiny", "qwen2-tiny"],
+)
 def test_int8_report_passes(shape, compile_artifact, capsys):
     art = compile_artifact(shape, dtype="fp32", int8=True, int8_min_sqnr=INT8_MIN_SQNR)
     manifest = json.loads((art / "manifest.json").read_text())
     rep = manifest["int8_report"]
     with capsys.disabled():
-        print(f"\n{shape}: int8 logits SQNR {rep['logits']['sqnr_db']:.1f} dB, "
-              f"top-1 agreement {rep['logits']['top1_agreement']:.1%}")
+        print(
+            f"\n{shape}: int8 logits SQNR {rep['logits']['sqnr_db']:.1f} dB, "
+            f"top-1 agreement {rep['logits']['top1_agreement']:.1%}"
+        )
     assert rep["logits"]["sqnr_db"] >= INT8_MIN_SQNR
     quantized = sum(v for k, v in manifest["passes"].items() if k.startswith("quantize_int8.w8"))
     assert quantized >= 2 * 2 * 2  # at least attention in and out of every layer, both programs
     assert len(rep["layers"]) >= 2 * 2
 
 
-@pytest.mark.parametrize("shape", FAMILIES + ["gpt_neox-tiny", "gptj-tiny", "phi3-tiny", "opt-tiny", "phi-tiny",
-                                   "gemma-tiny", "mistral-tiny", "qwen2-tiny"])  # llama, gpt2: test_fusion.py
+@pytest.mark.parametrize(
+    "shape",
+    FAMILIES
+    + ["gpt_neox-tiny", "gptj-tiny", "phi3-tiny", "opt-tiny", "phi-tiny", "gemma-tiny", "mistral-tiny", "qwen2-tiny"],
+)  # llama, gpt2: test_fusion.py
 def test_golden_plan(shape, compile_artifact):
     check_golden(shape, _plan(compile_artifact(shape, dtype="fp32")))
 
@@ -145,7 +173,7 @@ def test_unsupported_family_is_one_line_listing_the_supported(make_checkpoint, t
     (bad / "model.safetensors").write_bytes((ck / "model.safetensors").read_bytes())
     r = CliRunner().invoke(app, ["compile", str(bad), "-o", str(tmp_path / "a")])
     assert r.exit_code != 0 and not (tmp_path / "a").exists()
-    line, = r.stderr.strip().splitlines()
+    (line,) = r.stderr.strip().splitlines()
     assert "unsupported model_type 'mamba'" in line and ", ".join(sorted(ARCHITECTURES)) in line
 
 
@@ -155,8 +183,14 @@ def test_bloom_config_as_released_checkpoints_spell_it():
 
     cfg = {"model_type": "bloom", "n_embed": 1024, "n_head": 16, "n_layer": 24, "vocab_size": 250880}
     arch = architecture_for(cfg, "config.json")
-    assert (arch.hidden(cfg), arch.heads(cfg), arch.kv_heads(cfg), arch.head_dim(cfg), arch.layers(cfg),
-            arch.intermediate(cfg)) == (1024, 16, 16, 64, 24, 4096)
+    assert (
+        arch.hidden(cfg),
+        arch.heads(cfg),
+        arch.kv_heads(cfg),
+        arch.head_dim(cfg),
+        arch.layers(cfg),
+        arch.intermediate(cfg),
+    ) == (1024, 16, 16, 64, 24, 4096)
 
 
 def test_falcon_multi_query_keeps_its_kv_head_on_every_rank(compile_artifact):
@@ -185,8 +219,12 @@ def test_bloom_alibi_slopes_are_constants_split_with_the_q_heads(compile_artifac
         for program in plan["programs"].values():
             attn = [n for n in program["nodes"] if n.get("op") in ATTENTION_OPS]
             assert [n["args"][-1] for n in attn] == [{"node": name} for name in names]
-            assert not [n["name"] for n in program["nodes"] if n.get("op", "").startswith(
-                ("aten.baddbmm", "aten.bmm", "aten._softmax")) or n.get("shape", []).count("seq") > 1]
+            assert not [
+                n["name"]
+                for n in program["nodes"]
+                if n.get("op", "").startswith(("aten.baddbmm", "aten.bmm", "aten._softmax"))
+                or n.get("shape", []).count("seq") > 1
+            ]
         for r in range(tp):
             held = load_file(art / f"rank{r}.safetensors")
             for name in names:

@@ -5,6 +5,7 @@ fake-quantized as the scheme says (weights rounded to e4m3 with one scale per ro
 input rounded to e4m3 with its own scale), written here with torch's float8 dtype: dsc's
 greedy tokens must equal its tokens, its logits within a small tolerance.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from test_int8 import position_logits, simulate_artifact
 
 import dsc
 from dsc.compiler import verify
 from dsc.errors import UserError
 from dsc.kernels import fp8
 from dsc.kernels.int8 import sqnr_db
-from test_int8 import position_logits, simulate_artifact
 
 E4M3_MAX = 448.0
 PROMPTS = [[5, 17, 300, 2, 99, 41, 7, 250, 3, 8, 60], [400, 12, 9, 77, 1, 33, 501], [42, 6, 210]]
@@ -63,7 +64,7 @@ def test_weights_round_to_e4m3_with_one_scale_per_row():
     assert s[5].item() == 1.0 and not q.float()[5].any()
     deq = fp8.dequantize_weight(q, s)
     # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormal steps of 2^-9 below 2^-6
-    assert ((deq - w).abs() <= w.abs() * 2 ** -4 + s * 2 ** -10).all()
+    assert ((deq - w).abs() <= w.abs() * 2**-4 + s * 2**-10).all()
     assert torch.equal(deq, fake_quant_rows(w))
 
 
@@ -100,8 +101,11 @@ def test_rank_file_holds_e4m3_weights_at_half_the_bytes(compile_artifact):
     q = {k: v for k, v in h.items() if k.endswith(".qweight")}
     assert q and all(v["dtype"] == "F8_E4M3" for v in q.values())
     for k, v in q.items():  # one fp32 scale per output row
-        assert h[k.replace(".qweight", ".scale")] == {**h[k.replace(".qweight", ".scale")], "dtype": "F32",
-                                                      "shape": [v["shape"][0], 1]}
+        assert h[k.replace(".qweight", ".scale")] == {
+            **h[k.replace(".qweight", ".scale")],
+            "dtype": "F32",
+            "shape": [v["shape"][0], 1],
+        }
     assert "lm_head.weight" in h and h["lm_head.weight"]["dtype"] == "BF16"  # the head stays 16-bit
 
     def nbytes(hdr, keys):
@@ -113,17 +117,25 @@ def test_rank_file_holds_e4m3_weights_at_half_the_bytes(compile_artifact):
     rows = sum(v["shape"][0] for v in q.values())
     assert linear16 == 2 * n_k and linear8 == n_k + 4 * rows  # half, plus 4 bytes per row (K = 64 here)
     plan = json.loads((art / "plan.json").read_text())
-    kernels = {n["kernel"]["name"] for p in plan["programs"].values() for n in p["nodes"]
-               if n.get("op") == "dsc.linear_fp8.default"}
+    kernels = {
+        n["kernel"]["name"]
+        for p in plan["programs"].values()
+        for n in p["nodes"]
+        if n.get("op") == "dsc.linear_fp8.default"
+    }
     assert kernels == {"cublaslt.scaled_mm_fp8"}
     man = json.loads((art / "manifest.json").read_text())
     rep = man["int8_report"]
-    assert rep["mode"] == "fp8" and rep["logits"]["sqnr_db"] > 10 and rep["memory"]["int8_bytes"] * 2 == \
-        rep["memory"]["bytes_16bit"]
+    assert (
+        rep["mode"] == "fp8"
+        and rep["logits"]["sqnr_db"] > 10
+        and rep["memory"]["int8_bytes"] * 2 == rep["memory"]["bytes_16bit"]
+    )
     from dsc.runtime.inspect import describe, int8_summary
 
     assert int8_summary(describe(art)["extra"]["int8_report"])[0].startswith(
-        "fp8 (e4m3, per-channel weights, per-token activations): logits SQNR")
+        "fp8 (e4m3, per-channel weights, per-token activations): logits SQNR"
+    )
 
 
 def test_tp2_matches_tp1(compile_artifact):
@@ -142,8 +154,11 @@ def test_tp2_matches_tp1(compile_artifact):
 
 def test_options(make_checkpoint, tmp_path):
     ck = str(make_checkpoint("llama-tiny"))
-    for bad, why in [({"int8": True}, "give one"), ({"int8_group_size": 16}, "--fp8 takes one scale"),
-                     ({"int8_mode": "w8a8"}, "--fp8 takes one scale")]:
+    for bad, why in [
+        ({"int8": True}, "give one"),
+        ({"int8_group_size": 16}, "--fp8 takes one scale"),
+        ({"int8_mode": "w8a8"}, "--fp8 takes one scale"),
+    ]:
         with pytest.raises(UserError, match=why):
             dsc.compile(ck, tmp_path / "x", fp8=True, **bad)
         assert not (tmp_path / "x").exists()

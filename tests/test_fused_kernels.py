@@ -8,6 +8,7 @@ imported triton already, so the cases run in one subprocess: this file run as a 
 result per case; each test reads its own. bf16 is left to tests/gpu/test_gpu_kernels.py: the
 interpreter emulates bf16 (its arithmetic is not the GPU's).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,6 +46,7 @@ def _norm(kind, shape, residual, bias, noncontig=False, x_bias=False):
         else:
             want = norm.add_layernorm_reference(x, r, w, b, eps, xb)
         return [t for t in (s, y) if t is not None], [t for t in want if t is not None]
+
     return case
 
 
@@ -59,6 +61,7 @@ def _swiglu(shape, fused):
         else:
             gate, up = _t(g, *shape, dtype=dt), _t(g, *shape, dtype=dt)
         return [activation.swiglu_triton(gate, up)], [activation.swiglu_reference(gate, up)]
+
     return case
 
 
@@ -69,6 +72,7 @@ def _gelu(shape, approximate, bias=False):
         x = 3 * _t(g, *shape, dtype=dt)
         b = _t(g, shape[-1], dtype=dt) if bias else None
         return [activation.gelu_triton(x, approximate, b)], [activation.gelu_reference(x, approximate, b)]
+
     return case
 
 
@@ -78,11 +82,12 @@ def _rotary(B, S, HQ, HK, D):
 
         qkv = _t(g, B, S, (HQ + 2 * HK) * D, dtype=dt)  # the fused projection's output
         q = qkv[..., : HQ * D].view(B, S, HQ, D).transpose(1, 2)  # [B, HQ, S, D], strided
-        k = qkv[..., HQ * D: (HQ + HK) * D].view(B, S, HK, D).transpose(1, 2)
+        k = qkv[..., HQ * D : (HQ + HK) * D].view(B, S, HK, D).transpose(1, 2)
         ang = torch.rand(B, S, D // 2, generator=g) * 6
         cos, sin = torch.cat([ang.cos()] * 2, -1).to(dt), torch.cat([ang.sin()] * 2, -1).to(dt)
         got = rotary.rotary_triton(q, k, cos, sin)
         return list(got), list(rotary.rotary_reference(q, k, cos, sin))
+
     return case
 
 
@@ -97,6 +102,7 @@ def _vocab_embedding(B, S, rows, H, block_h):
         ids.view(-1)[: edges.numel()] = edges
         got = embedding.vocab_embedding_triton(w, ids, start, {"BLOCK_H": block_h, "num_warps": 2})
         return [got], [embedding.vocab_embedding_reference(w, ids, start)]
+
     return case
 
 
@@ -109,8 +115,9 @@ CASES = {
     "add_layernorm-7x200": _norm("layer", (7, 200), residual=True, bias=True),
     "add_layernorm-nobias-7x72": _norm("layer", (7, 72), residual=True, bias=False),
     "add_layernorm-xbias-7x200": _norm("layer", (7, 200), residual=True, bias=True, x_bias=True),
-    "add_layernorm-xbias-noncontig-3x5x72": _norm("layer", (3, 5, 72), residual=True, bias=True, x_bias=True,
-                                                  noncontig=True),
+    "add_layernorm-xbias-noncontig-3x5x72": _norm(
+        "layer", (3, 5, 72), residual=True, bias=True, x_bias=True, noncontig=True
+    ),
     "swiglu-fused-3x5x200": _swiglu((3, 5, 200), fused=True),
     "swiglu-7x72": _swiglu((7, 72), fused=False),
     "gelu-erf-7x200": _gelu((7, 200), "none"),
@@ -140,11 +147,15 @@ def gelu_erf_accuracy() -> dict:
     erf_err = 2 * ((y64 - want).abs() - 2**-24 * want.abs())[big] / x64[big].abs()
     tail = (x >= -8) & (x <= -1)
     tail_rel = ((y64 - want).abs() / want.abs())[tail]
-    edge = torch.tensor([-float("inf"), -1e30, -100.0, -9.0, -0.0, 0.0, 1e-30, 9.0, 100.0, 1e30, float("inf"),
-                         float("nan")])
+    edge = torch.tensor(
+        [-float("inf"), -1e30, -100.0, -9.0, -0.0, 0.0, 1e-30, 9.0, 100.0, 1e30, float("inf"), float("nan")]
+    )
     edge_want = edge.double() * 0.5 * torch.special.erfc(-edge.double() / 2**0.5)  # gelu(-inf) = -inf * 0 = nan
-    edge_ok = bool(torch.isclose(activation.gelu_triton(edge, "none").double(), edge_want, rtol=1e-6, atol=1e-17,
-                                 equal_nan=True).all())
+    edge_ok = bool(
+        torch.isclose(
+            activation.gelu_triton(edge, "none").double(), edge_want, rtol=1e-6, atol=1e-17, equal_nan=True
+        ).all()
+    )
     return {"erf_max_abs_err": float(erf_err.max()), "tail_max_rel_err": float(tail_rel.max()), "edge_ok": edge_ok}
 
 
@@ -180,23 +191,43 @@ def aot_cases():
         ln_args = {**ptr("X R W B XB S Y", ty), **ints("stride_x stride_r stride_s stride_y N"), "eps": "fp32"}
         for xb in (False, True):
             out[f"add_layernorm{'-xbias' if xb else ''}-{t}"] = (
-                norm._layernorm_kernel, ln_args, dict(HAS_RESIDUAL=True, HAS_BIAS=True, HAS_XBIAS=xb, BLOCK_N=2048), 8)
-        out[f"swiglu-{t}"] = (activation._swiglu_kernel, {**ptr("G U Y", ty), **ints("stride_g stride_u stride_y N")},
-                              dict(BLOCK=1024), 4)
+                norm._layernorm_kernel,
+                ln_args,
+                dict(HAS_RESIDUAL=True, HAS_BIAS=True, HAS_XBIAS=xb, BLOCK_N=2048),
+                8,
+            )
+        out[f"swiglu-{t}"] = (
+            activation._swiglu_kernel,
+            {**ptr("G U Y", ty), **ints("stride_g stride_u stride_y N")},
+            dict(BLOCK=1024),
+            4,
+        )
         for approx in (False, True):
             for bias in (False, True):
                 out[f"gelu-{'tanh' if approx else 'erf'}{'-bias' if bias else ''}-{t}"] = (
-                    activation._gelu_kernel, {**ptr("X B Y", ty), **ints("stride_x stride_y N")},
-                    dict(APPROX_TANH=approx, HAS_BIAS=bias, BLOCK=1024), 4)
-        rot_args = {**ptr("Q K COS SIN QO KO", ty),
-                    **ints("sq_b sq_h sq_s sk_b sk_h sk_s sc_b sc_s ss_b ss_s S HQ HK HALF")}
+                    activation._gelu_kernel,
+                    {**ptr("X B Y", ty), **ints("stride_x stride_y N")},
+                    dict(APPROX_TANH=approx, HAS_BIAS=bias, BLOCK=1024),
+                    4,
+                )
+        rot_args = {
+            **ptr("Q K COS SIN QO KO", ty),
+            **ints("sq_b sq_h sq_s sk_b sk_h sk_s sc_b sc_s ss_b ss_s S HQ HK HALF"),
+        }
         out[f"rotary-{t}"] = (rotary._rotary_kernel, rot_args, dict(BLOCK_H=8, BLOCK_D=64), 4)
-        out[f"vocab_embedding-{t}"] = (embedding._vocab_embedding_kernel,
-                                       {"W": ty, "IDS": "*i64", "START": "*i64", "OUT": ty, **ints("rows H")},
-                                       dict(BLOCK_H=1024), 4)
+        out[f"vocab_embedding-{t}"] = (
+            embedding._vocab_embedding_kernel,
+            {"W": ty, "IDS": "*i64", "START": "*i64", "OUT": ty, **ints("rows H")},
+            dict(BLOCK_H=1024),
+            4,
+        )
     # every kernel also with PDL (kernels/launch.py): griddepcontrol.wait before any memory access
-    return {**out, **{f"{name}-pdl": (fn, types, {**const, "PDL": True}, warps)
-                      for name, (fn, types, const, warps) in out.items()}}
+    return {
+        **out,
+        **{
+            f"{name}-pdl": (fn, types, {**const, "PDL": True}, warps) for name, (fn, types, const, warps) in out.items()
+        },
+    }
 
 
 def run_aot(out: str) -> None:
@@ -205,8 +236,11 @@ def run_aot(out: str) -> None:
     results = {}
     for name, (fn, types, constexprs, warps) in aot_cases().items():
         k = compile_for_arch(fn, types, constexprs, num_warps=warps)
-        results[name] = {"ok": bool(k.asm.get("cubin")), "cubin_bytes": len(k.asm.get("cubin", b"")),
-                         "pdl": pdl_check(k, constexprs.get("PDL", False))}
+        results[name] = {
+            "ok": bool(k.asm.get("cubin")),
+            "cubin_bytes": len(k.asm.get("cubin", b"")),
+            "pdl": pdl_check(k, constexprs.get("PDL", False)),
+        }
     Path(out).write_text(json.dumps(results, indent=1))
 
 

@@ -11,6 +11,7 @@ Golden plans: tests/golden/<shape>.plan.txt is the readable form of plan.json's 
     DSC_UPDATE_GOLDEN=1 pytest tests/test_fusion.py -k golden
 and review the diff like code.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,14 @@ GOLDEN = Path(__file__).parent / "golden"
 # GPT-2 has no projections to fuse (c_attn is already one q|k|v matmul) and no rotary
 # (learned positions): those counters stay 0 there.
 FIRES = {
-    "llama": {"fuse_projections.linear", "fuse_add_norm.add_rmsnorm", "fuse_add_norm.rmsnorm",
-              "fuse_rotary.rotary_qk", "fuse_activation.swiglu", "fuse_rotary_attention.decode"},
+    "llama": {
+        "fuse_projections.linear",
+        "fuse_add_norm.add_rmsnorm",
+        "fuse_add_norm.rmsnorm",
+        "fuse_rotary.rotary_qk",
+        "fuse_activation.swiglu",
+        "fuse_rotary_attention.decode",
+    },
     "gpt2": {"fuse_add_norm.add_layernorm", "fuse_activation.gelu_tanh", "fuse_add_norm.bias", "fuse_activation.bias"},
 }
 OPS = {
@@ -47,8 +54,14 @@ OPS = {
 }
 # Llama's rotary embedding: its own kernel in prefill; in decode the attention kernel applies it
 ROTARY_OPS = {"prefill": "dsc.rotary.default", "decode": "dsc.rotary_attention.default"}
-UNFUSED = {"aten.rsqrt.default", "aten.silu.default", "aten.tanh.default", "aten.neg.default",
-           "aten.layer_norm.default", "aten.gelu.default"}
+UNFUSED = {
+    "aten.rsqrt.default",
+    "aten.silu.default",
+    "aten.tanh.default",
+    "aten.neg.default",
+    "aten.layer_norm.default",
+    "aten.gelu.default",
+}
 
 
 def plan_of(art: Path) -> dict:
@@ -75,10 +88,16 @@ def family(shape: str) -> str:
 
 
 # -- every fusion fires, the model still matches transformers ---------------------------------------
-@pytest.mark.parametrize("shape,ckpt_kwargs", [
-    ("llama-tiny", {}), ("gpt2-tiny", {}), ("llama-odd", {}),
-    ("gpt2-odd", {"activation_function": "gelu"}),  # exact GELU: aten.gelu -> dsc.gelu
-], ids=["llama-tiny", "gpt2-tiny", "llama-odd", "gpt2-odd-gelu"])
+@pytest.mark.parametrize(
+    "shape,ckpt_kwargs",
+    [
+        ("llama-tiny", {}),
+        ("gpt2-tiny", {}),
+        ("llama-odd", {}),
+        ("gpt2-odd", {"activation_function": "gelu"}),  # exact GELU: aten.gelu -> dsc.gelu
+    ],
+    ids=["llama-tiny", "gpt2-tiny", "llama-odd", "gpt2-odd-gelu"],
+)
 def test_fusions_fire_and_match_transformers(shape, ckpt_kwargs, compile_artifact, make_checkpoint):
     art = compile_artifact(shape, ckpt_kwargs=ckpt_kwargs or None, dtype="fp32")
     plan = plan_of(art)
@@ -127,8 +146,10 @@ def test_opt_add_layernorm_fuses_through_its_flatten(shape, compile_artifact, ma
     layers = plan["model"]["layers"]
     assert plan["passes"].get("fuse_add_norm.add_layernorm", 0) >= 2 * (2 * layers - 1), plan["passes"]
     assert plan["passes"].get("fuse_add_norm.bias", 0) > 0
-    assert not any(n.get("op") == "aten.layer_norm.default" and ".layers." in n["name"]
-                   for n in plan["programs"]["decode"]["nodes"])  # no block LayerNorm left unfused
+    assert not any(
+        n.get("op") == "aten.layer_norm.default" and ".layers." in n["name"]
+        for n in plan["programs"]["decode"]["nodes"]
+    )  # no block LayerNorm left unfused
     report = verify_artifact(art, make_checkpoint(shape), new_tokens=6)
     assert report.tokens_equal and report.max_abs_err <= FP32_ATOL, report.summary()
 
@@ -188,30 +209,44 @@ def test_bf16_llama_decode_fuses_gate_up_with_swiglu(tmp_path, make_checkpoint, 
     fused = dsc.compile(str(ckpt), tmp_path / "fused", dtype="bf16")
     monkeypatch.setattr(decode_linears, "_gate_up_of", lambda node: None)  # the rule off: the pair
     pair = dsc.compile(str(ckpt), tmp_path / "pair", dtype="bf16")
-    assert plan_of(fused)["passes"]["decode_linears.swiglu"] == 2 and "decode_linears.swiglu" not in plan_of(pair)["passes"]
+    assert (
+        plan_of(fused)["passes"]["decode_linears.swiglu"] == 2
+        and "decode_linears.swiglu" not in plan_of(pair)["passes"]
+    )
     a, b = describe(fused)["programs"]["decode"], describe(pair)["programs"]["decode"]
     assert a["launches_per_layer"] == b["launches_per_layer"] - 1, (a["layer_kernels"], b["layer_kernels"])
-    assert "triton.gemv_swiglu" in a["layer_kernels"]["kernels"] and "triton.swiglu" not in a["layer_kernels"]["kernels"]
+    assert (
+        "triton.gemv_swiglu" in a["layer_kernels"]["kernels"] and "triton.swiglu" not in a["layer_kernels"]["kernels"]
+    )
     assert {"triton.gemv", "triton.swiglu"} <= set(b["layer_kernels"]["kernels"])
     engines = [dsc.load(art, device="cpu") for art in (fused, pair)]
     ps = sample_prompts(512)
-    assert engines[0].generate(ps, max_new_tokens=6, stop_tokens=[]).tokens == \
-        engines[1].generate(ps, max_new_tokens=6, stop_tokens=[]).tokens
+    assert (
+        engines[0].generate(ps, max_new_tokens=6, stop_tokens=[]).tokens
+        == engines[1].generate(ps, max_new_tokens=6, stop_tokens=[]).tokens
+    )
     assert_same_decode_logits(engines, ps)
 
 
 def test_no_fuse_turns_the_fusions_off(compile_artifact):
-    fused, plain = plan_of(compile_artifact("llama-tiny", dtype="bf16")), plan_of(compile_artifact("llama-tiny", dtype="bf16", fuse=False))
+    fused, plain = (
+        plan_of(compile_artifact("llama-tiny", dtype="bf16")),
+        plan_of(compile_artifact("llama-tiny", dtype="bf16", fuse=False)),
+    )
     assert not any(k.startswith("fuse_") for k in plain["passes"])
     # attention and the decode GEMV are kernel choices, not fusions: --no-fuse keeps them
-    assert not any(op.startswith("dsc.") and op not in ("dsc.attention.default", "dsc.linear.default")
-                   for op in call_ops(plain, "decode"))
+    assert not any(
+        op.startswith("dsc.") and op not in ("dsc.attention.default", "dsc.linear.default")
+        for op in call_ops(plain, "decode")
+    )
     lf, lp = fused["notes"]["kernels"]["launches"]["decode"], plain["notes"]["kernels"]["launches"]["decode"]
     assert lp["launches_per_layer"] > 2 * lf["launches_per_layer"], (lf, lp)
 
 
-@pytest.mark.parametrize("shape, options", [("llama-tiny", {}), ("gpt2-tiny", {}), ("llama-tiny", {"fuse": False}),
-                                            ("llama-tiny", {"tp": 2})])
+@pytest.mark.parametrize(
+    "shape, options",
+    [("llama-tiny", {}), ("gpt2-tiny", {}), ("llama-tiny", {"fuse": False}), ("llama-tiny", {"tp": 2})],
+)
 def test_decode_reads_its_one_token_as_a_view(shape, options, compile_artifact):
     """select_decode_token: the decode program takes h[:, 0] (a view) where the trace gathered
     h[arange(B), last_idx], so a step has no arange and no gather launch; prefill keeps both
@@ -274,9 +309,10 @@ def test_rotary_tables_fold_when_rope_sizes_itself_by_the_batch(make_checkpoint,
     """With 5.17's RoPE, export reads the batch size for the expand off another input (last_idx);
     the chain still depends on the positions alone and folds (unfolded, Llama-8B's decode step
     runs 7 small kernels for it), into tables equal to what that forward computes."""
-    import dsc
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    import dsc
 
     monkeypatch.setattr(LlamaRotaryEmbedding, "forward", _rope_forward_5_17)
     ckpt = make_checkpoint("llama-tiny", dtype="bfloat16")
@@ -287,11 +323,13 @@ def test_rotary_tables_fold_when_rope_sizes_itself_by_the_batch(make_checkpoint,
         ops = call_ops(plan, program)
         assert not {"aten.cos.default", "aten.sin.default", "aten.matmul.default"} & set(ops), program
     cfg = AutoConfig.from_pretrained(ckpt)
-    cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 96, cfg.hidden_size, dtype=torch.bfloat16),
-                                         torch.arange(96)[None])
+    cos, sin = LlamaRotaryEmbedding(cfg)(
+        torch.zeros(1, 96, cfg.hidden_size, dtype=torch.bfloat16), torch.arange(96)[None]
+    )
     with safe_open(str(art / "rank0.safetensors"), "pt") as f:
-        tables = sorted((f.get_tensor(k) for k in f.keys() if k.endswith(".table")),
-                        key=lambda t: float(t[1:].abs().sum()))
+        tables = sorted(
+            (f.get_tensor(k) for k in f.keys() if k.endswith(".table")), key=lambda t: float(t[1:].abs().sum())
+        )
     for g, w in zip(tables, sorted([cos[0], sin[0]], key=lambda t: float(t[1:].abs().sum())), strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
@@ -329,8 +367,10 @@ def test_decode_rotary_fuses_into_attention(tmp_path, make_checkpoint, monkeypat
     assert "aten.index.Tensor" not in ops and call_ops(plan_of(rows), "decode").count("aten.index.Tensor") == 2
     launches = [describe(art)["programs"]["decode"]["launches"] for art in (fused, rows, pair)]
     assert launches[0] == launches[1] - 2 == launches[2] - 2 - 2, launches  # 2 layers, 2 lookups
-    before, after = (json.loads(next((tmp_path / "dump").glob(f"*_{name}")).joinpath("plan.json").read_text())
-                     for name in ("fold_position_tables", "fuse_rotary_attention"))
+    before, after = (
+        json.loads(next((tmp_path / "dump").glob(f"*_{name}")).joinpath("plan.json").read_text())
+        for name in ("fold_position_tables", "fuse_rotary_attention")
+    )
     assert after["programs"]["prefill"] == before["programs"]["prefill"]
     a, b = describe(fused)["programs"]["decode"], describe(pair)["programs"]["decode"]
     assert a["launches_per_layer"] == b["launches_per_layer"] - 1, (a["layer_kernels"], b["layer_kernels"])
@@ -353,9 +393,13 @@ def plan_text(plan: dict) -> str:
             cfg = json.dumps(k["config"], sort_keys=True, separators=(",", ":")) if k["config"] else ""
             lines.append(f"  {n['name']:<52} {n['op']:<28} {shape:<28} {k['name']} x{k['launches']} {cfg}".rstrip())
         s = plan["notes"]["kernels"]["launches"][program]
-        lines.append(f"  launches: {s['launches']}; per layer {s['launches_per_layer']} x {s['layers']} layers "
-                     f"+ {s['launches_outside_layers']} outside")
-    lines.append("rewrites: " + ", ".join(f"{k}={v}" for k, v in sorted(plan["passes"].items()) if k.startswith("fuse_")))
+        lines.append(
+            f"  launches: {s['launches']}; per layer {s['launches_per_layer']} x {s['layers']} layers "
+            f"+ {s['launches_outside_layers']} outside"
+        )
+    lines.append(
+        "rewrites: " + ", ".join(f"{k}={v}" for k, v in sorted(plan["passes"].items()) if k.startswith("fuse_"))
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -385,9 +429,11 @@ def test_fused_spec_shards_per_projection(make_checkpoint):
 
     ckpt = open_checkpoint(str(make_checkpoint("llama-tiny")))
     keys = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
-    specs = [WeightSpec((keys[0],), (64, 64), "float32", shard=Shard(0, (64,))),
-             WeightSpec((keys[1],), (32, 64), "float32", shard=Shard(0, (32,), (2,))),
-             WeightSpec((keys[2],), (32, 64), "float32", shard=Shard(0, (32,), (2,)))]
+    specs = [
+        WeightSpec((keys[0],), (64, 64), "float32", shard=Shard(0, (64,))),
+        WeightSpec((keys[1],), (32, 64), "float32", shard=Shard(0, (32,), (2,))),
+        WeightSpec((keys[2],), (32, 64), "float32", shard=Shard(0, (32,), (2,))),
+    ]
     spec = fused_spec(specs, world=4)
     assert spec.shard == Shard(0, (64, 32, 32), (4, 2, 2)) and spec.shape == (128, 64)
     assert fused_name(keys) == "model.layers.1.self_attn.qkv_proj.weight"
@@ -424,13 +470,28 @@ def run_ranks(art: Path, ckpt: Path, tmp_path: Path) -> dict:
     """Run verify_artifact on every rank of a tp artifact (gloo processes); rank 0's results."""
     tp = plan_of(art)["tp"]
     out = tmp_path / "rank0.pt"
-    base = {**os.environ, "WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK_MAIN, str(art), str(ckpt), str(out)],
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(tp)]
+    base = {
+        **os.environ,
+        "WORLD_SIZE": str(tp),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_MAIN, str(art), str(ckpt), str(out)],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(tp)
+    ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(f"rank {r} exit {p.returncode}:\n{log[-3000:]}" for r, (p, log) in enumerate(zip(procs, logs)))
+    assert all(p.returncode == 0 for p in procs), "\n".join(
+        f"rank {r} exit {p.returncode}:\n{log[-3000:]}" for r, (p, log) in enumerate(zip(procs, logs))
+    )
     return torch.load(out)
 
 
@@ -452,9 +513,11 @@ def test_fusions_with_tp2(shape, compile_artifact, make_checkpoint, tmp_path):
         assert plan["passes"].get(rule, 0) > 0, f"{rule} did not fire under tp=2"
     if llama:
         assert plan["passes"]["fuse_add_norm.all_reduce"] == plan["passes"]["fuse_add_norm.add_rmsnorm"]
-    ops = OPS[family(shape)] - {"dsc.add_rmsnorm.default", "dsc.rmsnorm.default"} | \
-        ({"dsc.all_reduce_add_rmsnorm.default", "dsc.vocab_embedding_all_reduce_rmsnorm.default",
-          ROTARY_OPS["decode"]} if llama else set())
+    ops = OPS[family(shape)] - {"dsc.add_rmsnorm.default", "dsc.rmsnorm.default"} | (
+        {"dsc.all_reduce_add_rmsnorm.default", "dsc.vocab_embedding_all_reduce_rmsnorm.default", ROTARY_OPS["decode"]}
+        if llama
+        else set()
+    )
     assert ops <= set(call_ops(plan, "decode"))
     ckpt = make_checkpoint(shape)
     if family(shape) == "llama":  # each rank's fused weight is its own q, k, v (gate, up) rows
@@ -488,12 +551,19 @@ def test_tp2_embedding_its_all_reduce_and_the_first_norm_fuse(compile_artifact):
         (fused,) = [n for n in nodes if n.get("op") == op]
         assert fused["name"] == "model.embed_tokens.vocab_embedding_all_reduce_rmsnorm"
         assert [a.get("node", a) if isinstance(a, dict) else a for a in fused["args"]] == [
-            "model.embed_tokens.weight", "input_ids", "model.embed_tokens.vocab_start",
-            "model.layers.0.input_layernorm.weight", 1e-6]
+            "model.embed_tokens.weight",
+            "input_ids",
+            "model.embed_tokens.vocab_start",
+            "model.layers.0.input_layernorm.weight",
+            1e-6,
+        ]
         rows = [1, "tokens"] if program == "ragged" else ["batch", 1 if program == "decode" else "seq"]
         assert fused["shape"] == [[*rows, 64]] * 2
-        out = {n["args"][1]: n["name"] for n in nodes if n.get("op") == "operator.getitem"
-               and n["args"][0] == {"node": fused["name"]}}
+        out = {
+            n["args"][1]: n["name"]
+            for n in nodes
+            if n.get("op") == "operator.getitem" and n["args"][0] == {"node": fused["name"]}
+        }
         readers = {i: {n["op"] for n in nodes if name in node_inputs(n)} for i, name in out.items()}
         assert readers == {0: {"dsc.all_reduce_add_rmsnorm.default"}, 1: {"aten.linear.default"}}, readers
         slots = _all_reduce_nodes(plan["programs"][program])
@@ -552,10 +622,17 @@ def test_gpt2_biases_move_into_the_next_kernel(compile_artifact):
     output projections' biases move into add_layernorm, c_fc's into gelu; c_attn keeps its own."""
     plan = plan_of(compile_artifact("gpt2-tiny", dtype="fp32"))
     nodes = plan["programs"]["decode"]["nodes"]
-    biased = {n["name"].split(".h.0.")[-1]: n["kernel"]["config"]["bias"] for n in nodes
-              if n.get("op") == "aten.linear.default" and ".h.0." in n["name"]}
-    assert biased == {"attn.c_attn.linear": True, "attn.c_proj.linear": False, "mlp.c_fc.linear": False,
-                      "mlp.c_proj.linear": False}
+    biased = {
+        n["name"].split(".h.0.")[-1]: n["kernel"]["config"]["bias"]
+        for n in nodes
+        if n.get("op") == "aten.linear.default" and ".h.0." in n["name"]
+    }
+    assert biased == {
+        "attn.c_attn.linear": True,
+        "attn.c_proj.linear": False,
+        "mlp.c_fc.linear": False,
+        "mlp.c_proj.linear": False,
+    }
     c_attn = next(n for n in nodes if n["name"].endswith("h.0.attn.c_attn.linear"))
     assert c_attn["kernel"]["launches"] == 2
     ln = [n for n in nodes if n.get("op") == "dsc.add_layernorm.default"]

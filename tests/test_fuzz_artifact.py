@@ -6,6 +6,7 @@ deleted, added, duplicated and swapped entries. Every case must end in a correct
 UserError line: never another exception, a hang, or code execution. Node fields `op`, `args`
 and `kwargs` are edited like any other (runtime/plan.py checks them against the op table and
 the ops' argument kinds)."""
+
 from __future__ import annotations
 
 import json
@@ -27,20 +28,64 @@ from dsc.runtime.inspect import describe
 MARKER = Path(tempfile.gettempdir()) / f"dsc-fuzz-executed-{os.getpid()}"
 DEEP = "__deeply_nested__"
 NASTY_STRINGS = [
-    "", " ", "'", '"', "\n", "a\nb", "x'); import os; os.system('touch " + str(MARKER) + "'); ('",
+    "",
+    " ",
+    "'",
+    '"',
+    "\n",
+    "a\nb",
+    "x'); import os; os.system('touch " + str(MARKER) + "'); ('",
     f"__import__('os').system('touch {MARKER}')",
     "[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == '_wrap_close'][0]"
     f".__init__.__globals__['system']('touch {MARKER}')",
-    "9**9**9", "batch*" * 40 + "1", "../../../../etc/passwd", "/dev/zero", "tokenizer/../../x", "rank0.safetensors",
-    "plan.json", "kv_cache.0.k", "kv_cache.9.v", "model.layers.0.mlp.down_proj.weight", "nan", "inf", "-1",
-    "batch", "seq", "int", "float32", "int64", "bool", "decode", "prefill", "input", "weight", "call", "output",
-    "[bold]", "[/x]", "\x00", "é", "a" * 400,
+    "9**9**9",
+    "batch*" * 40 + "1",
+    "../../../../etc/passwd",
+    "/dev/zero",
+    "tokenizer/../../x",
+    "rank0.safetensors",
+    "plan.json",
+    "kv_cache.0.k",
+    "kv_cache.9.v",
+    "model.layers.0.mlp.down_proj.weight",
+    "nan",
+    "inf",
+    "-1",
+    "batch",
+    "seq",
+    "int",
+    "float32",
+    "int64",
+    "bool",
+    "decode",
+    "prefill",
+    "input",
+    "weight",
+    "call",
+    "output",
+    "[bold]",
+    "[/x]",
+    "\x00",
+    "é",
+    "a" * 400,
 ]
-INTS = st.sampled_from([0, 1, 2, -1, -5, 3, 16, 512, 2**31, 2**62, -2**63, 2**80, 10**30])
-LEAVES = (st.none() | st.booleans() | INTS | st.integers(-100, 100)
-          | st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(NASTY_STRINGS) | st.just(DEEP))
-VALUES = st.recursive(LEAVES, lambda c: st.lists(c, max_size=4) | st.dictionaries(
-    st.sampled_from(NASTY_STRINGS) | st.text(max_size=6), c, max_size=3), max_leaves=8)
+INTS = st.sampled_from([0, 1, 2, -1, -5, 3, 16, 512, 2**31, 2**62, -(2**63), 2**80, 10**30])
+LEAVES = (
+    st.none()
+    | st.booleans()
+    | INTS
+    | st.integers(-100, 100)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from(NASTY_STRINGS)
+    | st.just(DEEP)
+)
+VALUES = st.recursive(
+    LEAVES,
+    lambda c: (
+        st.lists(c, max_size=4) | st.dictionaries(st.sampled_from(NASTY_STRINGS) | st.text(max_size=6), c, max_size=3)
+    ),
+    max_leaves=8,
+)
 
 
 def _children(obj) -> list:
@@ -55,8 +100,12 @@ def _children(obj) -> list:
 def edits(draw):
     """(file, path into its JSON, operation, value)."""
     file = draw(st.sampled_from(["plan.json", "plan.json", "plan.json", "manifest.json"]))
-    return file, draw(st.randoms(use_true_random=False)), draw(
-        st.sampled_from(["replace", "replace", "delete", "add_key", "duplicate", "swap", "deep"])), draw(VALUES)
+    return (
+        file,
+        draw(st.randoms(use_true_random=False)),
+        draw(st.sampled_from(["replace", "replace", "delete", "add_key", "duplicate", "swap", "deep"])),
+        draw(VALUES),
+    )
 
 
 def _apply(doc: dict, rnd, op: str, value) -> None:
@@ -115,9 +164,13 @@ def tiny(compile_artifact):
     return art
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
+@settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 @given(edit=edits())
 def test_random_edits_of_a_rehashed_artifact(tiny, edit):
     file, rnd, op, value = edit

@@ -8,6 +8,7 @@ tokens equal its tokens. The Triton kernels run in the interpreter (a child proc
 `python tests/test_int4.py interpret OUT.json`) against the reference, and are built for sm_90
 without a GPU (`aot`).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kernel_child import child_fixtures
 
 INT4_CKPT = {"intermediate_size": 192}  # llama-tiny with an MLP width that groups of 32 and 64 divide
@@ -74,8 +74,7 @@ def test_reference_linear_is_the_dequantized_matmul():
 
 # -- the artifact --------------------------------------------------------------------------
 @pytest.mark.parametrize("shape,group", [("llama-tiny", 32), ("gpt2-tiny", 64)])
-def test_tokens_equal_transformers_on_the_rounded_weights(shape, group, compile_artifact, make_checkpoint,
-                                                          monkeypatch):
+def test_tokens_equal_transformers_on_the_rounded_weights(shape, group, compile_artifact, make_checkpoint, monkeypatch):
     import dsc
     from dsc.compiler import verify
 
@@ -85,8 +84,12 @@ def test_tokens_equal_transformers_on_the_rounded_weights(shape, group, compile_
     def rounded(ck, dtype):
         model = real(ck, dtype)
         for name, mod in model.named_modules():
-            if re.search(r"\.\d+\.", name) and hasattr(mod, "weight") and mod.weight.dim() == 2 \
-                    and type(mod).__name__ in ("Linear", "Conv1D"):
+            if (
+                re.search(r"\.\d+\.", name)
+                and hasattr(mod, "weight")
+                and mod.weight.dim() == 2
+                and type(mod).__name__ in ("Linear", "Conv1D")
+            ):
                 conv = type(mod).__name__ == "Conv1D"  # GPT-2 stores [in, out]
                 w = mod.weight.data.T if conv else mod.weight.data
                 mod.weight.data = fake_quant(w, group).T.contiguous() if conv else fake_quant(w, group)
@@ -97,8 +100,9 @@ def test_tokens_equal_transformers_on_the_rounded_weights(shape, group, compile_
     report = verify.verify_artifact(art, make_checkpoint(shape, **kw), prompts=PROMPTS, new_tokens=8)
     assert report.tokens_equal, report.summary()
     assert report.max_rel_err <= 1e-4, report.summary()
-    outs = dsc.LLM(str(art), device="cpu").generate(PROMPTS, dsc.SamplingParams(max_tokens=8, temperature=0,
-                                                                                  ignore_eos=True))
+    outs = dsc.LLM(str(art), device="cpu").generate(
+        PROMPTS, dsc.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )
     assert [list(o.outputs[0].token_ids) for o in outs] == report.dsc_tokens
 
 
@@ -123,8 +127,12 @@ def test_rank_file_holds_a_quarter_of_the_bytes_plus_scales(compile_artifact):
     assert nbytes(bf16, [k for k in bf16 if k not in h]) == 2 * n_k
     assert nbytes(h, [k for k in h if k not in bf16]) == n_k // 2 + 4 * groups  # nibbles, fp16 scale and min
     plan = json.loads((art / "plan.json").read_text())
-    assert {n["kernel"]["name"] for p in plan["programs"].values() for n in p["nodes"]
-            if n.get("op") == "dsc.linear_w4a16.default"} == {"triton.w4a16"}
+    assert {
+        n["kernel"]["name"]
+        for p in plan["programs"].values()
+        for n in p["nodes"]
+        if n.get("op") == "dsc.linear_w4a16.default"
+    } == {"triton.w4a16"}
     rep = json.loads((art / "manifest.json").read_text())["int8_report"]
     assert rep["mode"] == "int4" and rep["memory"]["bytes_16bit"] == 4 * rep["memory"]["int8_bytes"]
 
@@ -176,8 +184,14 @@ KERNEL_CASES = {  # name: (M, K, N, group, bias, config or None = default)
     "gemv-M1K192N40-g64-k32": (1, 192, 40, 64, True, {"kernel": "w4a16_gemv", "BLOCK_N": 4, "BLOCK_K": 32}),
     "mma-M3K128N47-g32": (3, 128, 47, 32, False, None),
     "mma-bias-M19K256N33-g128": (19, 256, 33, 128, True, None),
-    "mma-M37K192N40-g64": (37, 192, 40, 64, False, {"kernel": "w4a16_mma", "BLOCK_M": 16, "BLOCK_N": 16,
-                                                     "BLOCK_K": 32}),
+    "mma-M37K192N40-g64": (
+        37,
+        192,
+        40,
+        64,
+        False,
+        {"kernel": "w4a16_mma", "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32},
+    ),
     "mma-M16K128N40-g128": (16, 128, 40, 128, True, None),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -190,12 +204,13 @@ def run_interpreted(out: str) -> None:
     for name, (m, k, n, group, bias, cfg) in KERNEL_CASES.items():
         for dname, dtype in DTYPES.items():
             g = torch.Generator().manual_seed(len(name))
-            w = torch.randn(n, k, generator=g) / k ** 0.5
+            w = torch.randn(n, k, generator=g) / k**0.5
             p = int4.quantize_weight(w, group)
             x = torch.randn(m, k, generator=g).to(dtype)
             b = torch.randn(n, generator=g).to(dtype) if bias else None
-            want = int4.linear_w4a16_reference(x.float(), p["qweight"], p["scale"], p["min"],
-                                               None if b is None else b.float(), group)
+            want = int4.linear_w4a16_reference(
+                x.float(), p["qweight"], p["scale"], p["min"], None if b is None else b.float(), group
+            )
             try:
                 got = int4.w4a16_matmul(x, p["qweight"], p["scale"], p["min"], b, group, config=cfg)
                 tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
@@ -224,8 +239,14 @@ def run_aot(out: str) -> None:
             fn = int4._w4a16_mma_kernel
             types = {**common, **{a: "i32" for a in ("M", "N", "K", "G", "stride_xm", "stride_ym")}}
             cfg["PRECISION"] = "tf32"
-        k = compile_for_arch(fn, types, {"GROUP": 128, "HAS_BIAS": False, **cfg}, num_warps=opts.get("num_warps", 4),
-                             num_stages=opts.get("num_stages"), aligned=("X", "W", "S", "MN", "Y"))
+        k = compile_for_arch(
+            fn,
+            types,
+            {"GROUP": 128, "HAS_BIAS": False, **cfg},
+            num_warps=opts.get("num_warps", 4),
+            num_stages=opts.get("num_stages"),
+            aligned=("X", "W", "S", "MN", "Y"),
+        )
         res[f"{kernel}-M{m}"] = {"ok": bool(k.asm.get("cubin")), "mma": "mma" in k.asm["ptx"]}
     Path(out).write_text(json.dumps(res))
 
@@ -264,5 +285,6 @@ def test_real_weights_from_a_q4_1_file_are_reproduced(smollm2, tmp_path):
     rep = json.loads((art / "manifest.json").read_text())["int8_report"]
     assert rep["mode"] == "int4" and rep["weight_sqnr_db"]["min"] == 999.0, rep["weight_sqnr_db"]
     ev = evaluate(art, against=str(fp32), seq=128, max_tokens=256)
-    assert ev["against"]["top1_agreement"] == 1.0 and ev["perplexity"] == pytest.approx(ev["against"]["perplexity"],
-                                                                                      rel=1e-5), ev
+    assert ev["against"]["top1_agreement"] == 1.0 and ev["perplexity"] == pytest.approx(
+        ev["against"]["perplexity"], rel=1e-5
+    ), ev

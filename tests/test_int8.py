@@ -7,6 +7,7 @@ few input channels of every linear weight 20x (rows with outliers); `act_outlier
 few channels of every norm weight 30x (activation outlier channels, what SmoothQuant is for);
 `skewed` shifts every linear weight by +2.5 standard deviations.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,20 +16,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import spawn_ranks
 from safetensors.torch import load_file, save_file
 
 import dsc
 from dsc.compiler.verify import sample_prompts
 from dsc.errors import UserError
-from ranks import spawn_ranks
 from dsc.kernels.int8 import sqnr_db
 
 OUTLIERS = {"outlier_channels": 4}
 STEPS = 6
-CALIBRATION = ("The quick brown fox jumps over the lazy dog.\n"
-               "Once upon a time there was a small model that learned to count: one two three four.\n"
-               "Hello world! The weather today is sunny and warm.\n"
-               "dsc is an ahead-of-time compiler for transformer inference.\n")
+CALIBRATION = (
+    "The quick brown fox jumps over the lazy dog.\n"
+    "Once upon a time there was a small model that learned to count: one two three four.\n"
+    "Hello world! The weather today is sunny and warm.\n"
+    "dsc is an ahead-of-time compiler for transformer inference.\n"
+)
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -59,9 +62,12 @@ def variant_checkpoint(make_checkpoint, tmp_path_factory):
 
 
 # norm -> the linears that read its output, and whether they store [in, out] (GPT-2 Conv1D)
-_NORM_READERS = {"input_layernorm": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], False),
-                 "post_attention_layernorm": (["mlp.gate_proj", "mlp.up_proj"], False),
-                 "ln_1": (["attn.c_attn"], True), "ln_2": (["mlp.c_fc"], True)}
+_NORM_READERS = {
+    "input_layernorm": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], False),
+    "post_attention_layernorm": (["mlp.gate_proj", "mlp.up_proj"], False),
+    "ln_1": (["attn.c_attn"], True),
+    "ln_2": (["mlp.c_fc"], True),
+}
 
 
 def _activation_outliers(sd: dict, g: torch.Generator, factor: float = 30.0) -> None:
@@ -130,8 +136,10 @@ def position_logits(art, prompts, positions: int) -> torch.Tensor:
     seqs, last = eval_rows(prompts, positions)
     out = []
     for i in range(0, len(seqs), e.max_batch):
-        ids, pos = pad(seqs[i:i + e.max_batch])
-        out.append(e.run("prefill", ids, pos, torch.zeros(len(ids), dtype=torch.long), torch.tensor(last[i:i + e.max_batch])))
+        ids, pos = pad(seqs[i : i + e.max_batch])
+        out.append(
+            e.run("prefill", ids, pos, torch.zeros(len(ids), dtype=torch.long), torch.tensor(last[i : i + e.max_batch]))
+        )
     return torch.cat(out)
 
 
@@ -186,8 +194,10 @@ def test_int8_artifact_plan_weights_and_report(shape, compile_artifact):
     assert man["passes"]["quantize_int8.keep_head"] == 3
     ops = plan_ops(art)
     # (llama's decode and ragged gate_up with its swiglu: one dsc.linear_w8a16_swiglu, decode_linears)
-    assert sum(op in ("dsc.linear_w8a16.default", "dsc.linear_w8a16_swiglu.default") for _, op in ops) \
+    assert (
+        sum(op in ("dsc.linear_w8a16.default", "dsc.linear_w8a16_swiglu.default") for _, op in ops)
         == 3 * layers * linears_per_layer
+    )
     assert sum(op == "dsc.linear_w8a16_swiglu.default" for _, op in ops) == (2 * layers if shape == "llama-tiny" else 0)
     assert sum(op == "aten.linear.default" for _, op in ops) == 3  # lm_head, one per program
     # rank file: int8 values and fp32 scales; about half the 16-bit bytes of the linears
@@ -210,11 +220,20 @@ def test_plan_records_the_gluon_kernel_where_it_runs(compile_artifact):
     Gluon kernel cannot take, records the mma kernel's default there, as w8a16_matmul runs."""
     for dtype, want in (("fp16", "w8a16_regs"), ("fp32", "w8a16_mma")):
         plan = json.loads((Path(compile_artifact("llama-tiny", dtype=dtype, int8=True)) / "plan.json").read_text())
-        cfgs = [n["kernel"]["config"] for prog in plan["programs"].values() for n in prog["nodes"]
-                if n.get("op") == "dsc.linear_w8a16.default"]
+        cfgs = [
+            n["kernel"]["config"]
+            for prog in plan["programs"].values()
+            for n in prog["nodes"]
+            if n.get("op") == "dsc.linear_w8a16.default"
+        ]
         assert cfgs and plan["notes"]["kernels"]["arch"] == "sm_90"
         for c in cfgs:
-            assert [c[b]["kernel"] for b in ("M1", "M8", "M16", "M64")] == ["w8a16_gemv", want, "w8a16_mma", "w8a16_mma"]
+            assert [c[b]["kernel"] for b in ("M1", "M8", "M16", "M64")] == [
+                "w8a16_gemv",
+                want,
+                "w8a16_mma",
+                "w8a16_mma",
+            ]
             assert bool(c["M8"].get("REGS")) == (want == "w8a16_regs")
 
 
@@ -234,8 +253,9 @@ def test_report_takes_every_position_from_one_run_in_fp32(make_checkpoint):
     with SourceReader(fp32.checkpoint) as reader:
         make = RankTensors(fp32, reader)
         made = []
-        one_run = Simulator(fp32, lambda n, r: made.append((n, r)) or make(n, r), 2, batch=3, seq=L,
-                            dtype=torch.float32).logits_at(prompts, 4)
+        one_run = Simulator(
+            fp32, lambda n, r: made.append((n, r)) or make(n, r), 2, batch=3, seq=L, dtype=torch.float32
+        ).logits_at(prompts, 4)
         per_position = Simulator(fp32, make, 2, batch=len(seqs), seq=L).prefill(seqs, last)
     read = {n.target for n in fp32.programs["prefill"].nodes if n.op == "get_attr" and n.target in fp32.weights}
     assert sorted(made) == sorted((n, r) for n in read for r in range(2))
@@ -247,8 +267,13 @@ def test_report_takes_every_position_from_one_run_in_fp32(make_checkpoint):
     from dsc.compiler.pipeline import run_passes
     from dsc.compiler.trace import trace
 
-    bf16 = run_passes(trace(fp32.checkpoint, architecture_for(fp32.checkpoint.config, "config.json"),
-                            make_options(dtype="bf16", int8=True, tp=2)))
+    bf16 = run_passes(
+        trace(
+            fp32.checkpoint,
+            architecture_for(fp32.checkpoint.config, "config.json"),
+            make_options(dtype="bf16", int8=True, tp=2),
+        )
+    )
     with SourceReader(bf16.checkpoint) as reader:
         make = RankTensors(bf16, reader)
         in_bf16 = Simulator(bf16, make, 2, batch=3, seq=L).logits_at(prompts, 4)
@@ -334,9 +359,11 @@ def test_smoothquant_improves_w8a8_on_activation_outliers(shape, variant_checkpo
     assert man["passes"]["quantize_int8.smooth"] == 4 * 2  # every block weight smoothed
     assert man["int8_report"]["smoothquant"] and man["int8_report"]["inputs"]["source"] == "calibration"
     plan = json.loads((Path(smooth) / "plan.json").read_text())
-    assert any(n["kind"] == "weight" and n["target"].endswith(".inv_smooth") for n in plan["programs"]["decode"]["nodes"])
-    from dsc.passes.quantize_int8 import calibration_prompts
+    assert any(
+        n["kind"] == "weight" and n["target"].endswith(".inv_smooth") for n in plan["programs"]["decode"]["nodes"]
+    )
     from dsc.compiler.source import open_checkpoint
+    from dsc.passes.quantize_int8 import calibration_prompts
 
     prompts = calibration_prompts(cal, open_checkpoint(str(ck)), 512)[:3]  # in-distribution text
     base, better = measured_sqnr(fp, plain, prompts, reference), measured_sqnr(fp, smooth, prompts, reference)
@@ -346,8 +373,12 @@ def test_smoothquant_improves_w8a8_on_activation_outliers(shape, variant_checkpo
 # -- options -------------------------------------------------------------------------------------
 def test_lm_head_and_skip_patterns(make_checkpoint):
     m = traced(make_checkpoint, "llama-tiny", int8_lm_head=True, int8_skip=("model.layers.1.mlp.*",))
-    names = {n.args[1].target for _, g in m.graphs() for n in g.nodes
-             if n.op == "call_function" and n.target is torch.ops.dsc.linear_w8a16.default}
+    names = {
+        n.args[1].target
+        for _, g in m.graphs()
+        for n in g.nodes
+        if n.op == "call_function" and n.target is torch.ops.dsc.linear_w8a16.default
+    }
     assert "lm_head.weight.qweight" in names
     assert not any(n.startswith("model.layers.1.mlp.") for n in names)
     assert any(n.startswith("model.layers.0.mlp.") for n in names)
@@ -377,8 +408,9 @@ def test_q_groups_map_to_group_sizes(make_checkpoint):
 
 def test_group_size_must_align_with_shards(make_checkpoint, tmp_path):
     with pytest.raises(UserError, match=r"model\.layers\.0\.self_attn\.o_proj .*tp=2"):
-        dsc.compile(str(make_checkpoint("llama-tiny")), tmp_path / "a", dtype="fp32", tp=2, int8=True,
-                    int8_group_size=64)  # o_proj's shard has 32 input features
+        dsc.compile(
+            str(make_checkpoint("llama-tiny")), tmp_path / "a", dtype="fp32", tp=2, int8=True, int8_group_size=64
+        )  # o_proj's shard has 32 input features
     assert not (tmp_path / "a").exists()
 
 
@@ -391,16 +423,17 @@ def test_min_sqnr_fails_the_compile_naming_the_worst_layers(compile_artifact, ma
     rep = manifest(compile_artifact("llama-tiny", ckpt_kwargs=OUTLIERS, dtype="fp32", int8=True))["int8_report"]
     worst = rep["weight_sqnr_db"]["worst"][0][0]
     with pytest.raises(UserError, match=rf"--int8-min-sqnr 90: logits SQNR is .*{worst}"):
-        dsc.compile(str(make_checkpoint("llama-tiny", **OUTLIERS)), tmp_path / "art", dtype="fp32", int8=True,
-                    int8_min_sqnr=90)
+        dsc.compile(
+            str(make_checkpoint("llama-tiny", **OUTLIERS)), tmp_path / "art", dtype="fp32", int8=True, int8_min_sqnr=90
+        )
     assert not (tmp_path / "art").exists() and not list(tmp_path.iterdir())
     # a threshold it meets passes
     assert rep["logits"]["sqnr_db"] > 20
 
 
 def test_calibration_file_errors(make_checkpoint, tmp_path):
-    from dsc.passes.quantize_int8 import calibration_prompts
     from dsc.compiler.source import open_checkpoint
+    from dsc.passes.quantize_int8 import calibration_prompts
 
     ckpt = open_checkpoint(str(make_checkpoint("llama-tiny")))
     with pytest.raises(UserError, match="not found"):
@@ -425,8 +458,10 @@ def test_inspect_shows_the_report(compile_artifact, capsys):
 
 # -- tensor parallel ---------------------------------------------------------------------------
 def _rank_work(rank: int, jobs: dict) -> dict:
-    return {name: (teacher_forced(art, prompts, tokens)[0].numpy(), position_logits(art, prompts, STEPS).numpy())
-            for name, (art, prompts, tokens) in jobs.items()}
+    return {
+        name: (teacher_forced(art, prompts, tokens)[0].numpy(), position_logits(art, prompts, STEPS).numpy())
+        for name, (art, prompts, tokens) in jobs.items()
+    }
 
 
 TP_SPAWNED = [  # (shape, tp, options), run by the runtime in spawned gloo ranks
@@ -451,7 +486,8 @@ def simulate_artifact(art, prompts, positions: int = STEPS) -> torch.Tensor:
     a = open_artifact(art)
     program = types.SimpleNamespace(
         programs={"prefill": build_graph(a.plan["programs"]["prefill"]["nodes"], torch.device("cpu"))[0]},
-        kv_cache=a.plan["kv_cache"])
+        kv_cache=a.plan["kv_cache"],
+    )
     weights = [load_file(a.rank_file(r)) for r in range(a.tp)]
     seqs, last = eval_rows(prompts, positions)
     sim = Simulator(program, lambda n, r: weights[r][n], a.tp, batch=len(seqs), seq=max(map(len, seqs)))

@@ -7,6 +7,7 @@ TRITON_INTERPRET=1 must be set before the first kernel is jitted, and other test
 imported triton already, so the kernel cases run in one subprocess: this file run as a script,
 `python tests/test_int8_kernels.py interpret OUT.json` (or `aot OUT.json`).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_child import child_fixtures, pdl_check, spill_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from kernel_child import child_fixtures, pdl_check, spill_bytes
 
 from dsc.kernels import int8, launch
 from dsc.kernels.activation import swiglu_reference
@@ -37,8 +38,7 @@ def weights(draw):
     """[out, groups * group] fp32 with adversarial values: zeros, constants, huge ranges."""
     out, groups, group = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.integers(1, 19))
     scale = draw(st.sampled_from([1e-6, 1e-2, 1.0, 300.0]))
-    a = draw(arrays(np.float32, (out, groups * group),
-                    elements=st.floats(-1e3, 1e3, width=32, allow_subnormal=False)))
+    a = draw(arrays(np.float32, (out, groups * group), elements=st.floats(-1e3, 1e3, width=32, allow_subnormal=False)))
     return torch.from_numpy(a) * scale, (group if groups > 1 else draw(st.sampled_from([None, group])))
 
 
@@ -73,8 +73,14 @@ def test_quantize_weight_properties(wg, symmetric):
 
 
 @settings(max_examples=80, deadline=None)
-@given(arrays(np.float32, st.tuples(st.integers(1, 5), st.integers(1, 40)),
-              elements=st.floats(-1e4, 1e4, width=32, allow_subnormal=False)), st.booleans())
+@given(
+    arrays(
+        np.float32,
+        st.tuples(st.integers(1, 5), st.integers(1, 40)),
+        elements=st.floats(-1e4, 1e4, width=32, allow_subnormal=False),
+    ),
+    st.booleans(),
+)
 def test_quantize_activation_properties(a, smooth):
     x = torch.from_numpy(a)
     inv = torch.linspace(0.25, 4.0, x.shape[1]) if smooth else None
@@ -112,8 +118,11 @@ def test_group_size_must_divide_in_features():
 
 # -- references and op registration --------------------------------------------------------------
 OP_CASES = [  # (M, K, N, group_size, symmetric, bias, smooth)
-    (3, 72, 47, None, True, False, False), (1, 72, 47, 24, False, True, False),
-    (5, 96, 33, 32, True, True, True), (4, 64, 17, None, False, False, True), (2, 40, 9, 8, True, True, False),
+    (3, 72, 47, None, True, False, False),
+    (1, 72, 47, 24, False, True, False),
+    (5, 96, 33, 32, True, True, True),
+    (4, 64, 17, None, False, False, True),
+    (2, 40, 9, 8, True, True, False),
 ]
 
 
@@ -127,8 +136,13 @@ def _op_args(m, k, n, gs, sym, bias, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: "M{}K{}N{}-g{}-{}{}{}".format(
-    c[0], c[1], c[2], c[3], "sym" if c[4] else "asym", "-bias" if c[5] else "", "-smooth" if c[6] else ""))
+@pytest.mark.parametrize(
+    "case",
+    OP_CASES,
+    ids=lambda c: "M{}K{}N{}-g{}-{}{}{}".format(
+        c[0], c[1], c[2], c[3], "sym" if c[4] else "asym", "-bias" if c[5] else "", "-smooth" if c[6] else ""
+    ),
+)
 def test_references_are_the_dequantized_matmuls(case, dtype):
     m, k, n, gs, sym, bias, smooth = case
     x, q, s, z, b, group = _op_args(m, k, n, gs, sym, bias, dtype)
@@ -136,13 +150,20 @@ def test_references_are_the_dequantized_matmuls(case, dtype):
     y = int8.linear_w8a16_reference(x, q, s, z, b, group)
     assert y.dtype == dtype and y.shape == (m, n)
     want = F.linear(x.float(), w.to(dtype).float(), None if b is None else b.float())
-    torch.testing.assert_close(y.float(), want, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-2 if dtype != torch.float32 else 1e-4)
+    torch.testing.assert_close(
+        y.float(), want, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-2 if dtype != torch.float32 else 1e-4
+    )
     inv = torch.linspace(0.5, 2.0, k) if smooth else None
     xq, xs = int8.quantize_activation(x, inv)
     want8 = F.linear((xq.float() * xs).double(), w.double(), None if b is None else b.double())
     y8 = int8.linear_w8a8_reference(x, q, s, z, b, group, inv)
     assert y8.dtype == dtype
-    torch.testing.assert_close(y8.double(), want8.to(dtype).double(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2 if dtype != torch.float32 else 1e-4)
+    torch.testing.assert_close(
+        y8.double(),
+        want8.to(dtype).double(),
+        rtol=1e-2 if dtype != torch.float32 else 1e-5,
+        atol=1e-2 if dtype != torch.float32 else 1e-4,
+    )
 
 
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8", "w8a16_swiglu"])
@@ -183,8 +204,14 @@ def test_w8a16_swiglu_config_halves_the_gemv_rows():
         gemv = int8.int8_config("w8a16_gemv", 1, n2, k, 0, "sm_90")
         got = int8.w8a16_swiglu_config(n2, k, 0, "sm_90")
         assert got == {**gemv, "BLOCK_N": max(1, gemv["BLOCK_N"] // 2)}, (n2, k)
-    p = int8._plan_w8a16_swiglu(torch.empty(1, 4096, dtype=torch.bfloat16), torch.empty(28672, 4096, dtype=torch.int8),
-                                torch.empty(28672, 1), None, 4096, arch="sm_90")
+    p = int8._plan_w8a16_swiglu(
+        torch.empty(1, 4096, dtype=torch.bfloat16),
+        torch.empty(28672, 4096, dtype=torch.int8),
+        torch.empty(28672, 1),
+        None,
+        4096,
+        arch="sm_90",
+    )
     assert p["name"] == "triton.w8a16_gemv_swiglu" and p["launches"] == 1 and p["config"]["N"] == 28672
 
 
@@ -205,7 +232,12 @@ def test_int8_config_tuning_table_and_groups(monkeypatch):
     form = lambda n, k: tuple(int8.regs_default(n, k)[key] for key in ("WARPS_K", "BLOCK_K", "SPLIT_K", "EARLY"))  # noqa: E731
     assert [form(4096, k) for k in (14336, 8192, 1024)] == [(4, 128, 4, False), (4, 128, 4, False), (4, 256, 1, True)]
     assert [form(n, 4096) for n in (1536, 2048, 6144, 7168, 14336)] == [
-        (4, 256, 4, True), (8, 256, 1, True), (8, 256, 1, True), (8, 128, 1, True), (4, 128, 1, True)]
+        (4, 256, 4, True),
+        (8, 256, 1, True),
+        (8, 256, 1, True),
+        (8, 128, 1, True),
+        (4, 128, 1, True),
+    ]
     assert form(2048, 8192) == (4, 128, 4, False) and form(28672, 8192) == (4, 128, 1, True)
     for n, k in ((1536, 4096), (2048, 2048), (6144, 4096), (4096, 1024), (7168, 14336), (100, 3000)):
         int8.regs_constexprs(int8.regs_default(n, k))  # a tile the kernel takes
@@ -231,11 +263,13 @@ def test_every_int8_tuning_row_builds_its_kernel():
                 m, n, k = (int(p[1:]) for p in shape_class.split("_")[:3])
                 g = int(shape_class.split("_G")[1]) if "_G" in shape_class else 0
                 cfg = int8.int8_config(kernel, m, n, k, g, arch)
-                assert {key: cfg[key] for key in row if key != "BLOCK_K" or not g} == \
-                    {key: v for key, v in row.items() if key != "BLOCK_K" or not g}, (arch, kernel, shape_class)
+                assert {key: cfg[key] for key in row if key != "BLOCK_K" or not g} == {
+                    key: v for key, v in row.items() if key != "BLOCK_K" or not g
+                }, (arch, kernel, shape_class)
                 if cfg.get("REGS"):  # taken whole: no default's key (EARLY, say) leaks into a measured row
-                    assert {key: v for key, v in cfg.items() if key != "BLOCK_K"} == \
-                        {key: v for key, v in row.items() if key != "BLOCK_K"}, (arch, shape_class, cfg)
+                    assert {key: v for key, v in cfg.items() if key != "BLOCK_K"} == {
+                        key: v for key, v in row.items() if key != "BLOCK_K"
+                    }, (arch, shape_class, cfg)
                     int8.regs_constexprs(cfg)
                 else:
                     assert not {"REGS", "WARPS_K"} & set(cfg), (arch, kernel, shape_class, cfg)
@@ -243,10 +277,13 @@ def test_every_int8_tuning_row_builds_its_kernel():
     assert seen >= 17
 
 
-@pytest.mark.parametrize("kernel, config, match", [
-    ("w8a16_mma", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 0}, "SPLIT_K must be >= 1"),
-    ("w8a16_gemm", {"BLOCK_M": 16}, "unknown w8a16 kernel"),
-])
+@pytest.mark.parametrize(
+    "kernel, config, match",
+    [
+        ("w8a16_mma", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 0}, "SPLIT_K must be >= 1"),
+        ("w8a16_gemm", {"BLOCK_M": 16}, "unknown w8a16 kernel"),
+    ],
+)
 def test_w8a16_matmul_refuses_configs_it_cannot_run(kernel, config, match):
     x, q, s, z, b, group = _op_args(3, 64, 40, None, True, False, torch.float32)
     with pytest.raises(ValueError, match=match):
@@ -255,39 +292,209 @@ def test_w8a16_matmul_refuses_configs_it_cannot_run(kernel, config, match):
 
 # -- Triton kernels in the interpreter (subprocess) ---------------------------------------------
 KERNEL_CASES = {  # name: (kernel, M, K, N, group_size, symmetric, bias, smooth, config or None = default)
-    "gemv-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, True, False, False, {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False}),
-    "gemv-asym-bias-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, False, True, False, {"BLOCK_N": 4, "BLOCK_K": 64, "PREFETCH": True}),
-    "gemv-g24-asym-M1K72N47": ("w8a16_gemv", 1, 72, 47, 24, False, True, False, {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False}),
-    "gemv-g32-aligned-M1K96N33": ("w8a16_gemv", 1, 96, 33, 32, True, False, False, {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False}),
+    "gemv-M1K72N47": (
+        "w8a16_gemv",
+        1,
+        72,
+        47,
+        None,
+        True,
+        False,
+        False,
+        {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False},
+    ),
+    "gemv-asym-bias-M1K72N47": (
+        "w8a16_gemv",
+        1,
+        72,
+        47,
+        None,
+        False,
+        True,
+        False,
+        {"BLOCK_N": 4, "BLOCK_K": 64, "PREFETCH": True},
+    ),
+    "gemv-g24-asym-M1K72N47": (
+        "w8a16_gemv",
+        1,
+        72,
+        47,
+        24,
+        False,
+        True,
+        False,
+        {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False},
+    ),
+    "gemv-g32-aligned-M1K96N33": (
+        "w8a16_gemv",
+        1,
+        96,
+        33,
+        32,
+        True,
+        False,
+        False,
+        {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": False},
+    ),
     "gemv-default-M1K200N130": ("w8a16_gemv", 1, 200, 130, None, True, True, False, None),
-    "gemv-xrow-asym-M1K72N47": ("w8a16_gemv", 1, 72, 47, None, False, True, False,
-                                {"BLOCK_N": 4, "BLOCK_K": 32, "PREFETCH": False, "X_ROW": True}),
-    "gemv-xrow-g24-M1K72N47": ("w8a16_gemv", 1, 72, 47, 24, True, False, False,
-                               {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": True, "X_ROW": True}),
+    "gemv-xrow-asym-M1K72N47": (
+        "w8a16_gemv",
+        1,
+        72,
+        47,
+        None,
+        False,
+        True,
+        False,
+        {"BLOCK_N": 4, "BLOCK_K": 32, "PREFETCH": False, "X_ROW": True},
+    ),
+    "gemv-xrow-g24-M1K72N47": (
+        "w8a16_gemv",
+        1,
+        72,
+        47,
+        24,
+        True,
+        False,
+        False,
+        {"BLOCK_N": 8, "BLOCK_K": 32, "PREFETCH": True, "X_ROW": True},
+    ),
     "mma-M3K72N47": ("w8a16_mma", 3, 72, 47, None, True, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
-    "mma-asym-bias-M3K72N47": ("w8a16_mma", 3, 72, 47, None, False, True, False, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}),
-    "mma-g24-M3K72N47": ("w8a16_mma", 3, 72, 47, 24, False, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
-    "mma-g32-aligned-M19K96N33": ("w8a16_mma", 19, 96, 33, 32, True, True, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
+    "mma-asym-bias-M3K72N47": (
+        "w8a16_mma",
+        3,
+        72,
+        47,
+        None,
+        False,
+        True,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16},
+    ),
+    "mma-g24-M3K72N47": (
+        "w8a16_mma",
+        3,
+        72,
+        47,
+        24,
+        False,
+        False,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32},
+    ),
+    "mma-g32-aligned-M19K96N33": (
+        "w8a16_mma",
+        19,
+        96,
+        33,
+        32,
+        True,
+        True,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32},
+    ),
     "mma-default-M37K72N47": ("w8a16_mma", 37, 72, 47, None, True, False, False, None),
     # decode variants (issue 4): swapped operands, split-K (an empty last split at K96)
-    "mma-swap-M3K72N47": ("w8a16_mma", 3, 72, 47, None, True, False, False,
-                          {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SWAP_AB": True}),
-    "mma-swap-asym-bias-M13K72N47": ("w8a16_mma", 13, 72, 47, None, False, True, False,
-                                     {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SWAP_AB": True}),
-    "mma-swap-g24-asym-M8K72N47": ("w8a16_mma", 8, 72, 47, 24, False, True, False,
-                                   {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SWAP_AB": True}),
-    "mma-swap-g32-aligned-M2K96N33": ("w8a16_mma", 2, 96, 33, 32, True, True, False,
-                                      {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "SWAP_AB": True}),
-    "mma-splitk-bias-M3K200N47": ("w8a16_mma", 3, 200, 47, None, True, True, False,
-                                  {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3}),
-    "mma-splitk-g24-asym-M13K72N47": ("w8a16_mma", 13, 72, 47, 24, False, True, False,
-                                      {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}),
-    "mma-splitk-swap-g32-asym-M8K96N33": ("w8a16_mma", 8, 96, 33, 32, False, False, False,
-                                          {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 4, "SWAP_AB": True}),
-    "mma-splitk-M19K96N33": ("w8a16_mma", 19, 96, 33, None, False, True, False,
-                             {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2}),
+    "mma-swap-M3K72N47": (
+        "w8a16_mma",
+        3,
+        72,
+        47,
+        None,
+        True,
+        False,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SWAP_AB": True},
+    ),
+    "mma-swap-asym-bias-M13K72N47": (
+        "w8a16_mma",
+        13,
+        72,
+        47,
+        None,
+        False,
+        True,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SWAP_AB": True},
+    ),
+    "mma-swap-g24-asym-M8K72N47": (
+        "w8a16_mma",
+        8,
+        72,
+        47,
+        24,
+        False,
+        True,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SWAP_AB": True},
+    ),
+    "mma-swap-g32-aligned-M2K96N33": (
+        "w8a16_mma",
+        2,
+        96,
+        33,
+        32,
+        True,
+        True,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "SWAP_AB": True},
+    ),
+    "mma-splitk-bias-M3K200N47": (
+        "w8a16_mma",
+        3,
+        200,
+        47,
+        None,
+        True,
+        True,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3},
+    ),
+    "mma-splitk-g24-asym-M13K72N47": (
+        "w8a16_mma",
+        13,
+        72,
+        47,
+        24,
+        False,
+        True,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2},
+    ),
+    "mma-splitk-swap-g32-asym-M8K96N33": (
+        "w8a16_mma",
+        8,
+        96,
+        33,
+        32,
+        False,
+        False,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 4, "SWAP_AB": True},
+    ),
+    "mma-splitk-M19K96N33": (
+        "w8a16_mma",
+        19,
+        96,
+        33,
+        None,
+        False,
+        True,
+        False,
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2},
+    ),
     "w8a8-M3K72N47": ("w8a8", 3, 72, 47, None, True, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
-    "w8a8-asym-smooth-bias-M3K72N47": ("w8a8", 3, 72, 47, None, False, True, True, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}),
+    "w8a8-asym-smooth-bias-M3K72N47": (
+        "w8a8",
+        3,
+        72,
+        47,
+        None,
+        False,
+        True,
+        True,
+        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32},
+    ),
     "w8a8-g32-asym-M5K96N33": ("w8a8", 5, 96, 33, 32, False, True, True, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
     "w8a8-default-M19K64N40": ("w8a8", 19, 64, 40, None, True, False, False, None),
     "w8a8-M0": ("w8a8", 0, 64, 40, None, True, False, False, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
@@ -353,15 +560,19 @@ def run_interpreted(out: str) -> None:
     # round half to even in the activation kernel, as torch.round
     x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 127.0, 3.49]])
     q, _ = int8.quantize_rows(x * (127 / 127.0))
-    res["quantize_rows-round-half-even"] = {"ok": bool(torch.equal(q, int8.quantize_activation(x)[0])),
-                                            "error": f"{q.tolist()}"}
+    res["quantize_rows-round-half-even"] = {
+        "ok": bool(torch.equal(q, int8.quantize_activation(x)[0])),
+        "error": f"{q.tolist()}",
+    }
     # split-K counters are reset by each tile's last split: a second call gives the same output
     x, q, s, z, b, group = _op_args(3, 72, 47, 24, False, True, torch.float32)
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 4, "num_warps": 4}
     y1 = int8.w8a16_matmul(x, q, s, z, b, group, kernel="w8a16_mma", config=cfg)
     y2 = int8.w8a16_matmul(x, q, s, z, b, group, kernel="w8a16_mma", config=cfg)
-    res["splitk-counters-reset"] = {"ok": bool(torch.equal(y1, y2) and not launch.COUNTERS[x.device].any()),
-                                    "error": "second split-K launch differs or counters left non-zero"}
+    res["splitk-counters-reset"] = {
+        "ok": bool(torch.equal(y1, y2) and not launch.COUNTERS[x.device].any()),
+        "error": "second split-K launch differs or counters left non-zero",
+    }
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -376,21 +587,38 @@ def run_aot(out: str) -> None:
     cases = {}
     for name, m, gk in (("gemv", 1, 0), ("gemv-g128", 1, 128)):
         cfg = int8.int8_config("w8a16_gemv", m, 4096, 4096, gk, "sm_90")
-        cases[name] = (int8._w8a16_gemv_kernel, {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", **i32("N K G")},
-                       {**flags, "GROUP_K": gk, **cfg})
+        cases[name] = (
+            int8._w8a16_gemv_kernel,
+            {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", **i32("N K G")},
+            {**flags, "GROUP_K": gk, **cfg},
+        )
     cases["gemv-xrow"] = (cases["gemv"][0], cases["gemv"][1], {**cases["gemv"][2], "X_ROW": True})
     for name, n2 in (("gemv-swiglu-tp1", 28672), ("gemv-swiglu-tp4", 7168)):  # Llama-8B's [gate; up]
-        cases[name] = (int8._w8a16_gemv_swiglu_kernel, {**ptr("X Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32",
-                                                         **i32("N K G")},
-                       {"GROUP_K": 0, "HAS_ZERO": False, **int8.w8a16_swiglu_config(n2, 4096, 0, "sm_90")})
-    cases["gemv-prefetch-slowcvt"] = (cases["gemv"][0], cases["gemv"][1], {**cases["gemv"][2], "PREFETCH": True,
-                                                                          "FAST_CVT": False})
-    mma_types = {**ptr("X B Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", "P": "*fp32", "LOCK": "*i32",
-                 **i32("M N K G stride_xm stride_ym")}
-    for name, m, gk, variant in (("mma-decode", 8, 0, {}), ("mma-prefill-g128", 2048, 128, {}),
-                                 ("mma-decode-swap64", 8, 0, {"SWAP_AB": True, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4}),
-                                 ("mma-decode-splitk4-g128", 8, 128, {"SPLIT_K": 4}),
-                                 ("mma-decode-swap-splitk2-g100", 8, 100, {"SWAP_AB": True, "SPLIT_K": 2})):
+        cases[name] = (
+            int8._w8a16_gemv_swiglu_kernel,
+            {**ptr("X Y", "*bf16"), **ptr("W Z", "*i8"), "S": "*fp32", **i32("N K G")},
+            {"GROUP_K": 0, "HAS_ZERO": False, **int8.w8a16_swiglu_config(n2, 4096, 0, "sm_90")},
+        )
+    cases["gemv-prefetch-slowcvt"] = (
+        cases["gemv"][0],
+        cases["gemv"][1],
+        {**cases["gemv"][2], "PREFETCH": True, "FAST_CVT": False},
+    )
+    mma_types = {
+        **ptr("X B Y", "*bf16"),
+        **ptr("W Z", "*i8"),
+        "S": "*fp32",
+        "P": "*fp32",
+        "LOCK": "*i32",
+        **i32("M N K G stride_xm stride_ym"),
+    }
+    for name, m, gk, variant in (
+        ("mma-decode", 8, 0, {}),
+        ("mma-prefill-g128", 2048, 128, {}),
+        ("mma-decode-swap64", 8, 0, {"SWAP_AB": True, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4}),
+        ("mma-decode-splitk4-g128", 8, 128, {"SPLIT_K": 4}),
+        ("mma-decode-swap-splitk2-g100", 8, 100, {"SWAP_AB": True, "SPLIT_K": 2}),
+    ):
         # M = 8 at 4096 -> 4096 is a REGS row (the Gluon kernel, below): the mma kernel's M = 8 row is 14336 -> 4096's
         row = int8.int8_config("w8a16_mma", m, 4096, 14336 if m == 8 else 4096, gk, "sm_90")
         if row.get("REGS"):  # 8 tokens without a row: the Gluon default; here the mma kernel's
@@ -399,62 +627,139 @@ def run_aot(out: str) -> None:
         cases[name] = (int8._w8a16_mma_kernel, mma_types, {**flags, "GROUP_K": gk, "PRECISION": "tf32", **cfg})
     for name, m, gk in (("w8a8-prefill", 2048, 0), ("w8a8-decode-g128", 8, 128)):
         cfg = int8.int8_config("w8a8", m, 4096, 4096, gk, "sm_90")
-        cases[name] = (int8._w8a8_kernel, {**ptr("B Y", "*bf16"), **ptr("XQ W Z", "*i8"), **ptr("XS S", "*fp32"),
-                                           **i32("M N K G stride_ym")}, {**flags, "GROUP_K": gk, **cfg})
-    cases["quantize_rows"] = (int8._quantize_rows_kernel, {"X": "*bf16", "INV": "*fp32", "Q": "*i8", "XS": "*fp32",
-                                                           **i32("K stride_xm")}, dict(HAS_SMOOTH=True, BLOCK_K=2048))
+        cases[name] = (
+            int8._w8a8_kernel,
+            {**ptr("B Y", "*bf16"), **ptr("XQ W Z", "*i8"), **ptr("XS S", "*fp32"), **i32("M N K G stride_ym")},
+            {**flags, "GROUP_K": gk, **cfg},
+        )
+    cases["quantize_rows"] = (
+        int8._quantize_rows_kernel,
+        {"X": "*bf16", "INV": "*fp32", "Q": "*i8", "XS": "*fp32", **i32("K stride_xm")},
+        dict(HAS_SMOOTH=True, BLOCK_K=2048),
+    )
     # the W8A16 kernels also with PDL (kernels/launch.py), specialized as a launch is (aligned
     # pointers, sizes and strides multiples of 16: the mma's K loop is then software-pipelined);
     # what each may touch before the wait
-    before_wait = {int8._w8a16_gemv_kernel: frozenset({"load w8", "load w_next"}),  # the first K-block(s)
-                   int8._w8a16_gemv_swiglu_kernel: frozenset({"load w8", "load w_next"}),
-                   int8._w8a16_mma_kernel: frozenset({"asm prefetch.global.L2"})}  # weight lines into L2
-    cases.update({f"{name}-pdl": (fn, types, {**cfg, "PDL": True}) for name, (fn, types, cfg) in cases.items()
-                  if fn in before_wait})
+    before_wait = {
+        int8._w8a16_gemv_kernel: frozenset({"load w8", "load w_next"}),  # the first K-block(s)
+        int8._w8a16_gemv_swiglu_kernel: frozenset({"load w8", "load w_next"}),
+        int8._w8a16_mma_kernel: frozenset({"asm prefetch.global.L2"}),
+    }  # weight lines into L2
+    cases.update(
+        {
+            f"{name}-pdl": (fn, types, {**cfg, "PDL": True})
+            for name, (fn, types, cfg) in cases.items()
+            if fn in before_wait
+        }
+    )
     res = {}
     for name, (fn, types, cfg) in cases.items():
         const, opts = int8._split(cfg, cuda)
         aligned = [a for a, t in types.items() if t.startswith("*") or a in ("N", "K", "stride_xm", "stride_ym")]
-        k = compile_for_arch(fn, types, const, num_warps=opts.get("num_warps", 4),
-                             aligned=tuple(aligned) if const.get("PDL") else ())
+        k = compile_for_arch(
+            fn, types, const, num_warps=opts.get("num_warps", 4), aligned=tuple(aligned) if const.get("PDL") else ()
+        )
         ptx = k.asm.get("ptx", "")
-        res[name] = {"ok": bool(k.asm.get("cubin")), "ptx_has_mma": "mma" in ptx, "ptx_has_wgmma": "wgmma" in ptx,
-                     "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx, "wants_fast_cvt": bool(const.get("CVT")),
-                     "shared": k.metadata.shared,
-                     "pdl": pdl_check(k, const.get("PDL", False), before_wait.get(fn, frozenset()))}
+        res[name] = {
+            "ok": bool(k.asm.get("cubin")),
+            "ptx_has_mma": "mma" in ptx,
+            "ptx_has_wgmma": "wgmma" in ptx,
+            "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx,
+            "wants_fast_cvt": bool(const.get("CVT")),
+            "shared": k.metadata.shared,
+            "pdl": pdl_check(k, const.get("PDL", False), before_wait.get(fn, frozenset())),
+        }
     # the Gluon kernel (REGS configs; it cannot run in the interpreter, tests/gpu/test_gpu_int8.py
     # checks its numbers on a GPU): built as a launch specializes it, with PDL
     regs = dict(CVT=int8.I8X4_TO_F32, BLOCK_M=8, KW=16, HAS_BIAS=True, PDL=True)
     row = int8.int8_config("w8a16_mma", 8, 4096, 4096, 0, "sm_90")  # the table's REGS row
     assert row.get("REGS"), row
     row = int8.regs_constexprs(row)  # as the launch builds it
-    for name, variant in (("regs-m8", dict(GROUP_K=0, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1,
-                                           PREFETCH=False, WARPS_N=1, WARPS_K=1)),
-                          ("regs-table-row-m8", dict(GROUP_K=0, HAS_ZERO=False, **row)),
-                          ("regs-prefetch-splitk4-g128-asym", dict(GROUP_K=128, HAS_ZERO=True, BLOCK_N=32, BLOCK_K=128,
-                                                                   SPLIT_K=4, PREFETCH=True, WARPS_N=2, WARPS_K=2)),
-                          ("regs-warpsk4", dict(GROUP_K=0, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1,
-                                                PREFETCH=False, WARPS_N=1, WARPS_K=4)),
-                          ("regs-early-splitk4-g128", dict(GROUP_K=128, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=128,
-                                                           SPLIT_K=4, PREFETCH=False, EARLY=True, WARPS_N=1,
-                                                           WARPS_K=4)),
-                          ("regs-early2-k256-warpsk8", dict(GROUP_K=0, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1,
-                                                            PREFETCH=False, EARLY=2, WARPS_N=1, WARPS_K=8)),
-                          ("regs-early2-splitk4-g128-asym", dict(GROUP_K=128, HAS_ZERO=True, BLOCK_N=16, BLOCK_K=128,
-                                                                 SPLIT_K=4, PREFETCH=False, EARLY=2, WARPS_N=1, WARPS_K=4)),
-                          ("regs-default-n6144", dict(GROUP_K=0, HAS_ZERO=False,
-                                                      **int8.regs_constexprs(int8.regs_default(6144, 4096))))):
-        aligned = tuple(a for a, t in mma_types.items() if t.startswith("*") or a in ("N", "K", "stride_xm", "stride_ym"))
-        k = compile_for_arch(int8._w8a16_regs_kernel, mma_types, {**regs, **variant},
-                             num_warps=variant["WARPS_N"] * variant["WARPS_K"], aligned=aligned, gluon=True)
+    for name, variant in (
+        (
+            "regs-m8",
+            dict(GROUP_K=0, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, PREFETCH=False, WARPS_N=1, WARPS_K=1),
+        ),
+        ("regs-table-row-m8", dict(GROUP_K=0, HAS_ZERO=False, **row)),
+        (
+            "regs-prefetch-splitk4-g128-asym",
+            dict(GROUP_K=128, HAS_ZERO=True, BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, PREFETCH=True, WARPS_N=2, WARPS_K=2),
+        ),
+        (
+            "regs-warpsk4",
+            dict(GROUP_K=0, HAS_ZERO=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, PREFETCH=False, WARPS_N=1, WARPS_K=4),
+        ),
+        (
+            "regs-early-splitk4-g128",
+            dict(
+                GROUP_K=128,
+                HAS_ZERO=False,
+                BLOCK_N=16,
+                BLOCK_K=128,
+                SPLIT_K=4,
+                PREFETCH=False,
+                EARLY=True,
+                WARPS_N=1,
+                WARPS_K=4,
+            ),
+        ),
+        (
+            "regs-early2-k256-warpsk8",
+            dict(
+                GROUP_K=0,
+                HAS_ZERO=False,
+                BLOCK_N=16,
+                BLOCK_K=256,
+                SPLIT_K=1,
+                PREFETCH=False,
+                EARLY=2,
+                WARPS_N=1,
+                WARPS_K=8,
+            ),
+        ),
+        (
+            "regs-early2-splitk4-g128-asym",
+            dict(
+                GROUP_K=128,
+                HAS_ZERO=True,
+                BLOCK_N=16,
+                BLOCK_K=128,
+                SPLIT_K=4,
+                PREFETCH=False,
+                EARLY=2,
+                WARPS_N=1,
+                WARPS_K=4,
+            ),
+        ),
+        ("regs-default-n6144", dict(GROUP_K=0, HAS_ZERO=False, **int8.regs_constexprs(int8.regs_default(6144, 4096)))),
+    ):
+        aligned = tuple(
+            a for a, t in mma_types.items() if t.startswith("*") or a in ("N", "K", "stride_xm", "stride_ym")
+        )
+        k = compile_for_arch(
+            int8._w8a16_regs_kernel,
+            mma_types,
+            {**regs, **variant},
+            num_warps=variant["WARPS_N"] * variant["WARPS_K"],
+            aligned=aligned,
+            gluon=True,
+        )
         ptx = k.asm.get("ptx", "")
-        res[name] = {"ok": bool(k.asm.get("cubin")), "ptx_has_mma": "mma" in ptx, "ptx_has_wgmma": "wgmma" in ptx,
-                     "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx, "wants_fast_cvt": True,
-                     "mma_sync": ptx.count("mma.sync.aligned.m16n8k16"),
-                     "weight_loads_16B": len(re.findall(r"ld\.global\.L1::evict_first[.\w:]*\.v4\.b32", ptx)),
-                     "shared_ops": len(re.findall(r"\b(?:ld|st)\.shared", ptx)), "shared": k.metadata.shared,
-                     "spill_bytes": spill_bytes(k), "split_k": variant["SPLIT_K"], "warps_k": variant["WARPS_K"],
-                     "pdl": pdl_check(k, True, frozenset(("load w8_first", "load w8_second")[:int(variant.get("EARLY", 0))]))}
+        res[name] = {
+            "ok": bool(k.asm.get("cubin")),
+            "ptx_has_mma": "mma" in ptx,
+            "ptx_has_wgmma": "wgmma" in ptx,
+            "fast_cvt": "prmt.b32" in ptx and "0f4B000080" in ptx,
+            "wants_fast_cvt": True,
+            "mma_sync": ptx.count("mma.sync.aligned.m16n8k16"),
+            "weight_loads_16B": len(re.findall(r"ld\.global\.L1::evict_first[.\w:]*\.v4\.b32", ptx)),
+            "shared_ops": len(re.findall(r"\b(?:ld|st)\.shared", ptx)),
+            "shared": k.metadata.shared,
+            "spill_bytes": spill_bytes(k),
+            "split_k": variant["SPLIT_K"],
+            "warps_k": variant["WARPS_K"],
+            "pdl": pdl_check(k, True, frozenset(("load w8_first", "load w8_second")[: int(variant.get("EARLY", 0))])),
+        }
     # the Triton mma kernel's shared memory with fp32 activations (fp32 models' int8 path), at
     # the config w8a16_matmul picks for every shape the sm_90 table has rows for and for the
     # defaults of the larger M buckets: the 16-bit rows' K-blocks took 248 KiB at Llama-8B's
@@ -468,16 +773,27 @@ def run_aot(out: str) -> None:
         cfg = int8.int8_config("w8a16_mma", m, n, k_, 0, "sm_90", x_bytes=4)
         if cfg.get("REGS"):  # the Gluon kernel takes 16-bit x only: w8a16_matmul's fallback
             cfg = int8.int8_config("w8a16_mma", m, n, k_, 0, "sm_90", table=False, x_bytes=4)
-        const, opts = int8._split({**flags, "HAS_ZERO": False, "PRECISION": "ieee", "SWAP_AB": False, "SPLIT_K": 1,
-                                   "FAST_CVT": False, **cfg}, cuda)
+        const, opts = int8._split(
+            {**flags, "HAS_ZERO": False, "PRECISION": "ieee", "SWAP_AB": False, "SPLIT_K": 1, "FAST_CVT": False, **cfg},
+            cuda,
+        )
         key = json.dumps([const, opts], sort_keys=True)  # one build per distinct config
         if key in seen:
             continue
         seen.add(key)
-        k = compile_for_arch(int8._w8a16_mma_kernel, fp32_types, const, num_warps=opts.get("num_warps", 4),
-                             num_stages=opts.get("num_stages"), aligned=aligned)
-        res[f"fp32-smem-M{m}_N{n}_K{k_}"] = {"ok": bool(k.asm.get("cubin")), "shared": k.metadata.shared,
-                                             "config": {**const, **opts}}
+        k = compile_for_arch(
+            int8._w8a16_mma_kernel,
+            fp32_types,
+            const,
+            num_warps=opts.get("num_warps", 4),
+            num_stages=opts.get("num_stages"),
+            aligned=aligned,
+        )
+        res[f"fp32-smem-M{m}_N{n}_K{k_}"] = {
+            "ok": bool(k.asm.get("cubin")),
+            "shared": k.metadata.shared,
+            "config": {**const, **opts},
+        }
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -588,7 +904,12 @@ def test_regs_configs_fall_back_off_gpu_and_refuse_bad_tiles(monkeypatch):
     assert [(n, g) for n, g, _ in launched] == [("_w8a16_mma_kernel", (-(-40 // d["BLOCK_N"]), 1, 1))]
     cfg = launched[0][2]
     # x is fp32: the default's K-block halved (int8_config's x_bytes)
-    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]) == (d["BLOCK_M"], d["BLOCK_N"], d["BLOCK_K"] // 2, 1)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]) == (
+        d["BLOCK_M"],
+        d["BLOCK_N"],
+        d["BLOCK_K"] // 2,
+        1,
+    )
     assert "REGS" not in cfg
     with pytest.raises(ValueError, match="REGS"):
         int8.w8a16_matmul(x, q, s, z, b, group, kernel="w8a16_mma", config=row)
@@ -633,8 +954,9 @@ def test_bench_int8_smoke_runs_every_default(tmp_path):
     written (on CPU the launch takes the built-in defaults: the sm_90 Gluon rows cannot run)."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_int8.py"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OUT": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0 and "failed" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "bench_int8.json").read_text())
     assert not res["correctness_errors"]
@@ -644,4 +966,3 @@ def test_bench_int8_smoke_runs_every_default(tmp_path):
 
 if __name__ == "__main__":
     {"interpret": run_interpreted, "aot": run_aot}[sys.argv[1]](sys.argv[2])
-

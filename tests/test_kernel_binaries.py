@@ -1,6 +1,7 @@
 """`dsc compile --target`: the plan's Triton kernels built into the artifact on this CPU box, and
 what the runtime accepts of them (kernels/binaries.py, compiler/kernel_binaries.py,
 runtime/binaries.py). Their launches on a GPU: tests/gpu/test_gpu_binaries.py."""
+
 from __future__ import annotations
 
 import ctypes
@@ -23,12 +24,25 @@ EM_CUDA = 190
 # kernels each family's plan launches on an sm_90 GPU at the serving shapes (ragged program) and
 # in the static decode program
 EXPECTED = {
-    "llama-tiny": {"_rmsnorm_kernel", "_rotary_kernel", "_swiglu_kernel", "_paged_decode_kernel",
-                   "_paged_prefill_kernel", "_decode_kernel"},
+    "llama-tiny": {
+        "_rmsnorm_kernel",
+        "_rotary_kernel",
+        "_swiglu_kernel",
+        "_paged_decode_kernel",
+        "_paged_prefill_kernel",
+        "_decode_kernel",
+    },
     "gpt2-tiny": {"_layernorm_kernel", "_gelu_kernel", "_paged_decode_kernel", "_paged_prefill_kernel"},
     "bert-odd": {"_layernorm_kernel", "_gelu_kernel"},  # the encode program at its (batch, length) buckets
-    "mixtral-odd": {"_rmsnorm_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel",
-                    "_paged_decode_kernel", "_paged_prefill_kernel"},
+    "mixtral-odd": {
+        "_rmsnorm_kernel",
+        "_route_kernel",
+        "_gate_up_kernel",
+        "_down_kernel",
+        "_combine_kernel",
+        "_paged_decode_kernel",
+        "_paged_prefill_kernel",
+    },
 }
 
 
@@ -39,8 +53,10 @@ def _elf_machine(data: bytes) -> int:
 
 @pytest.fixture(scope="module")
 def binaries_artifacts(compile_artifact):
-    return {shape: Path(compile_artifact(shape, ckpt_kwargs={"dtype": "bfloat16"}, targets=("sm_90",)))
-            for shape in EXPECTED}
+    return {
+        shape: Path(compile_artifact(shape, ckpt_kwargs={"dtype": "bfloat16"}, targets=("sm_90",)))
+        for shape in EXPECTED
+    }
 
 
 @pytest.mark.parametrize("shape", sorted(EXPECTED))
@@ -66,7 +82,9 @@ def test_target_writes_a_binary_for_every_kernel_launch(binaries_artifacts, shap
     from dsc.compiler.kernel_binaries import record
 
     specs, skipped = record(read_json(art / "plan.json"), "sm_90")
-    assert skipped == {} and {s.digest() for s in specs} == {B.Spec.from_json(e["spec"]).digest() for e in index["binaries"]}
+    assert skipped == {} and {s.digest() for s in specs} == {
+        B.Spec.from_json(e["spec"]).digest() for e in index["binaries"]
+    }
 
 
 def test_the_binaries_change_nothing_else(binaries_artifacts, compile_artifact):
@@ -103,8 +121,9 @@ def test_triton_builds_the_same_cubin_from_an_empty_cache(binaries_artifacts, tm
     runs = []
     for i in range(2):
         env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"cache{i}")}
-        out = subprocess.run([sys.executable, "-c", _BUILD_TWICE, str(plan)], env=env, capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", _BUILD_TWICE, str(plan)], env=env, capture_output=True, text=True, check=True
+        ).stdout
         runs.append(json.loads(out.strip().splitlines()[-1]))
     assert runs[0] == runs[1] and len(runs[0]) == 3
 
@@ -118,10 +137,12 @@ def test_a_launch_spec_is_the_same_from_real_and_meta_tensors():
     k = jit(norm._rmsnorm_kernel)
 
     def spec(device, offset, stride):
-        x = torch.empty(64 + 8, dtype=torch.bfloat16, device=device)[offset:offset + 64]
+        x = torch.empty(64 + 8, dtype=torch.bfloat16, device=device)[offset : offset + 64]
         w = torch.empty(64, dtype=torch.bfloat16, device=device)
-        return k.spec((x, x, w, x, x, stride, 64, 64, 64, 64, 1e-5),
-                      {"HAS_RESIDUAL": True, "BLOCK_N": 64, "num_warps": 4, "PDL": False, "launch_pdl": False})[0]
+        return k.spec(
+            (x, x, w, x, x, stride, 64, 64, 64, 64, 1e-5),
+            {"HAS_RESIDUAL": True, "BLOCK_N": 64, "num_warps": 4, "PDL": False, "launch_pdl": False},
+        )[0]
 
     for offset, stride in ((0, 1), (8, 32), (3, 17)):
         assert spec("cpu", offset, stride) == spec("meta", offset, stride)
@@ -133,22 +154,35 @@ def test_a_launch_spec_is_the_same_from_real_and_meta_tensors():
 
 
 def test_binary_parameters_are_packed_as_their_ptx_types():
-    spec = B.Spec("dsc.kernels.norm:k", "triton", "0" * 64, (("X", "*fp16", True), ("n", "i32", False),
-                                                              ("eps", "fp32", False), ("f", "u1", False)), (), ())
+    spec = B.Spec(
+        "dsc.kernels.norm:k",
+        "triton",
+        "0" * 64,
+        (("X", "*fp16", True), ("n", "i32", False), ("eps", "fp32", False), ("f", "u1", False)),
+        (),
+        (),
+    )
     b = B.Binary(spec, b"", "k", 4, 0, ["u64", "u32", "f32", "u8", "u64"])
     t = torch.empty(4, dtype=torch.float16)
     s = b._struct
     for i, v in enumerate([t, -5, 1.5, True]):
-        setattr(s, f"p{i}", v.data_ptr() if isinstance(v, torch.Tensor) else
-                (v if isinstance(v, float) else int(v) & B._MASKS[b._sizes[i]]))
+        setattr(
+            s,
+            f"p{i}",
+            v.data_ptr()
+            if isinstance(v, torch.Tensor)
+            else (v if isinstance(v, float) else int(v) & B._MASKS[b._sizes[i]]),
+        )
     assert (s.p0, s.p1, s.p2, s.p3) == (t.data_ptr(), 2**32 - 5, 1.5, 1)
     ptrs = [b._ptrs[i] for i in range(5)]
     assert ptrs == [ctypes.addressof(s) + getattr(type(s), f"p{i}").offset for i in range(5)]
 
 
 def test_ptx_parameters_are_read_from_the_entry():
-    ptx = (".visible .entry k(\n\t.param .u64 .ptr .global .align 1 k_param_0,\n\t.param .u32 k_param_1,\n"
-           "\t.param .f32 k_param_2,\n\t.param .u64 .ptr .global .align 1 k_param_3\n)\n{\n\tret;\n}\n")
+    ptx = (
+        ".visible .entry k(\n\t.param .u64 .ptr .global .align 1 k_param_0,\n\t.param .u32 k_param_1,\n"
+        "\t.param .f32 k_param_2,\n\t.param .u64 .ptr .global .align 1 k_param_3\n)\n{\n\tret;\n}\n"
+    )
     assert B.ptx_params(ptx, "k") == ["u64", "u32", "f32", "u64"]
     with pytest.raises(ValueError):
         B.ptx_params(ptx, "other")
@@ -186,15 +220,18 @@ def test_a_tampered_binary_fails_its_checksum(binaries_artifacts, tmp_path):
         open_artifact(art, ranks=[0])
 
 
-@pytest.mark.parametrize("edit, field", [
-    (lambda e: e.update(file="rank0.safetensors"), "'file'"),
-    (lambda e: e.update(entry="k; rm -rf"), "'entry'"),
-    (lambda e: e.update(num_warps=0), "'num_warps'"),
-    (lambda e: e.update(params=["u64", "s128"]), "'params'"),
-    (lambda e: e["spec"].update(kernel="os:system"), "'spec'"),
-    (lambda e: e["spec"]["options"].append(["debug", True]), "'spec'"),
-    (lambda e: e.update(params=[]), "'params'"),
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda e: e.update(file="rank0.safetensors"), "'file'"),
+        (lambda e: e.update(entry="k; rm -rf"), "'entry'"),
+        (lambda e: e.update(num_warps=0), "'num_warps'"),
+        (lambda e: e.update(params=["u64", "s128"]), "'params'"),
+        (lambda e: e["spec"].update(kernel="os:system"), "'spec'"),
+        (lambda e: e["spec"]["options"].append(["debug", True]), "'spec'"),
+        (lambda e: e.update(params=[]), "'params'"),
+    ],
+)
 def test_a_hand_edited_index_is_one_line_naming_the_field(binaries_artifacts, tmp_path, edit, field):
     from dsc.runtime.binaries import read_binaries
 
@@ -229,13 +266,15 @@ def test_binaries_load_only_when_trusted(binaries_artifacts, monkeypatch, capsys
 def test_load_trusts_a_verified_signature_or_the_flag(binaries_artifacts, monkeypatch, tmp_path):
     """dsc.load passes trusted=True with require_signature (verified first) or trust_kernels."""
     import dsc.runtime.binaries as RB
-    from dsc.runtime.engine import load
     from dsc.runtime.artifact import sign
+    from dsc.runtime.engine import load
     from dsc.runtime.signature import keygen
 
     seen = []
     real = RB.load_binaries
-    monkeypatch.setattr(RB, "load_binaries", lambda art, device, trusted: seen.append(trusted) or real(art, device, trusted))
+    monkeypatch.setattr(
+        RB, "load_binaries", lambda art, device, trusted: seen.append(trusted) or real(art, device, trusted)
+    )
     art = copy_artifact(binaries_artifacts["llama-tiny"], tmp_path / "art")
     priv, pub = keygen(tmp_path / "key")
     sign(art, priv)

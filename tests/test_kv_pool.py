@@ -1,4 +1,5 @@
 """runtime/kv_pool.py: the KV block pool, its reference counts and prefix caching."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -208,8 +209,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _check_blocks(self, table, tokens):
         bs = self.pool.block_size
-        for j, b in enumerate(table[:len(tokens) // bs]):
-            want = tuple(tokens[:(j + 1) * bs])
+        for j, b in enumerate(table[: len(tokens) // bs]):
+            want = tuple(tokens[: (j + 1) * bs])
             assert self.contents.get(b, want) == want
 
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14))
@@ -219,7 +220,7 @@ class PoolMachine(RuleBasedStateMachine):
         table = pool.match_prefix(prompt[:-1])
         assert len(table) <= (len(prompt) - 1) // bs
         for j, b in enumerate(table):
-            assert self.contents[b] == tuple(prompt[:(j + 1) * bs])  # the right prefix, no false hit
+            assert self.contents[b] == tuple(prompt[: (j + 1) * bs])  # the right prefix, no false hit
         more = pool.allocate(-(-len(prompt) // bs) - len(table))
         if more is None:
             assert -(-len(prompt) // bs) - len(table) > pool.num_free()
@@ -230,8 +231,8 @@ class PoolMachine(RuleBasedStateMachine):
             self.contents.pop(b, None)
         table += more
         pool.register(table, prompt)
-        for j, b in enumerate(table[:len(prompt) // bs]):
-            self.contents[b] = tuple(prompt[:(j + 1) * bs])
+        for j, b in enumerate(table[: len(prompt) // bs]):
+            self.contents[b] = tuple(prompt[: (j + 1) * bs])
         self.seqs.append((list(prompt), table))
 
     @precondition(lambda self: self.seqs)
@@ -248,8 +249,8 @@ class PoolMachine(RuleBasedStateMachine):
                 table += more
             tokens.append(tok)
             self.pool.register(table, tokens)
-            for j, b in enumerate(table[:len(tokens) // bs]):
-                self.contents.setdefault(b, tuple(tokens[:(j + 1) * bs]))
+            for j, b in enumerate(table[: len(tokens) // bs]):
+                self.contents.setdefault(b, tuple(tokens[: (j + 1) * bs]))
         self._check_blocks(table, tokens)
 
     @precondition(lambda self: self.seqs)

@@ -1,6 +1,7 @@
 """kernels/launch.py: when kernels launch with programmatic dependent launch (PDL). What each
 kernel does under PDL is checked in its compiled sm_90 code (the kernel test files' aot modes,
 tests/kernel_child.py `pdl_check`); on a GPU by tests/gpu/test_gpu_pdl.py."""
+
 from __future__ import annotations
 
 import json
@@ -101,8 +102,11 @@ def test_dsc_tuning_replaces_the_rows_it_names(tmp_path, monkeypatch):
     assert {k: gemv_push_config(4096, 7168, "sm_90")[k] for k in row} == row
     set_switch(monkeypatch, "DSC_TUNING", None)
     assert launch.tuning_table() == shipped and "new_kernel" not in shipped["sm_90"]
-    for bad, text in ((tmp_path / "missing.json", None), (tmp_path / "bad.json", "{"),
-                      (tmp_path / "shape.json", '{"sm_90": {"gemv": [1]}}')):
+    for bad, text in (
+        (tmp_path / "missing.json", None),
+        (tmp_path / "bad.json", "{"),
+        (tmp_path / "shape.json", '{"sm_90": {"gemv": [1]}}'),
+    ):
         if text is not None:
             bad.write_text(text)
         set_switch(monkeypatch, "DSC_TUNING", str(bad))

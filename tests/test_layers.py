@@ -1,6 +1,7 @@
 """The layers are enforced: import-linter's contracts in pyproject.toml hold, and fail when an
 import that breaks them is planted; no import cycle anywhere in the tree (two modules of one folder included); the
 op vocabulary has one source (kernels/registry.py)."""
+
 from __future__ import annotations
 
 import shutil
@@ -28,10 +29,18 @@ def _copy_package(tmp_path: Path) -> Path:
 
 
 def _lint_imports(project: Path) -> subprocess.CompletedProcess:
-    code = ("import sys; from importlinter.cli import lint_imports; "
-            "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True, no_logo=True))")
-    return subprocess.run([sys.executable, "-c", code], cwd=project, env={"PYTHONPATH": str(project)},
-                          capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; from importlinter.cli import lint_imports; "
+        "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True, no_logo=True))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=project,
+        env={"PYTHONPATH": str(project)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _plant(project: Path, module: str, line: str) -> None:
@@ -45,15 +54,18 @@ def test_import_contracts_hold(tmp_path):
     assert "4 kept, 0 broken" in r.stdout
 
 
-@pytest.mark.parametrize("module, line, contract", [
-    # kernels -> compiler closes a cycle (the compiler imports every kernel file)
-    ("kernels.registry", "from dsc.compiler import pipeline", "cli -> compiler"),
-    ("runtime.engine", "import transformers", "production loads an artifact"),
-    ("passes.plan_kernels", "from dsc.runtime import inspect", "passes | runtime"),
-    ("compiler.ir", "from dsc.passes import canonicalize", "compiler IR"),
-    ("serve.app", "import transformers", "the server runs an artifact"),
-    ("runtime.engine", "from dsc.serve import app", "compiler | serve"),
-])
+@pytest.mark.parametrize(
+    "module, line, contract",
+    [
+        # kernels -> compiler closes a cycle (the compiler imports every kernel file)
+        ("kernels.registry", "from dsc.compiler import pipeline", "cli -> compiler"),
+        ("runtime.engine", "import transformers", "production loads an artifact"),
+        ("passes.plan_kernels", "from dsc.runtime import inspect", "passes | runtime"),
+        ("compiler.ir", "from dsc.passes import canonicalize", "compiler IR"),
+        ("serve.app", "import transformers", "the server runs an artifact"),
+        ("runtime.engine", "from dsc.serve import app", "compiler | serve"),
+    ],
+)
 def test_a_planted_import_breaks_a_contract(tmp_path, module, line, contract):
     project = _copy_package(tmp_path)
     _plant(project, module, line)
@@ -98,10 +110,13 @@ def test_no_import_cycle_anywhere_in_the_tree():
     assert [sorted(c) for c in _cycles(grimp.build_graph("dsc"))] == []
 
 
-@pytest.mark.parametrize("importer, imported", [
-    ("dsc.kernels.registry", "dsc.compiler.pipeline"),  # across folders
-    ("dsc.kernels.launch", "dsc.kernels.attention"),  # within one folder
-])
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("dsc.kernels.registry", "dsc.compiler.pipeline"),  # across folders
+        ("dsc.kernels.launch", "dsc.kernels.attention"),  # within one folder
+    ],
+)
 def test_the_cycle_check_sees_a_planted_import(importer, imported):
     graph = grimp.build_graph("dsc")
     graph.add_import(importer=importer, imported=imported)
@@ -113,9 +128,14 @@ def test_every_dsc_op_declares_its_traits():
 
     from dsc.kernels import registry
 
-    registered = {f"dsc.{name}.{overload}" for name in dir(torch.ops.dsc) if not name.startswith("_")
-                  for packet in [getattr(torch.ops.dsc, name)] if isinstance(packet, torch._ops.OpOverloadPacket)
-                  for overload in packet.overloads()}
+    registered = {
+        f"dsc.{name}.{overload}"
+        for name in dir(torch.ops.dsc)
+        if not name.startswith("_")
+        for packet in [getattr(torch.ops.dsc, name)]
+        if isinstance(packet, torch._ops.OpOverloadPacket)
+        for overload in packet.overloads()
+    }
     assert registered and registered <= set(registry.DECLARED_OPS)
 
 
@@ -125,8 +145,13 @@ def test_the_collective_vocabulary_comes_from_the_registry():
 
     assert set(engine.ALL_REDUCE_OPS) <= set(engine.SLOT_OPS)
     assert "dsc.all_gather.default" in engine.SLOT_OPS and "dsc.all_gather.default" not in engine.ALL_REDUCE_OPS
-    assert set(plan.ATTENTION_OPS) == {"dsc.attention.default", "dsc.rotary_attention.default",
-                                      "dsc.paged_attention.default"}
+    assert set(plan.ATTENTION_OPS) == {
+        "dsc.attention.default",
+        "dsc.rotary_attention.default",
+        "dsc.paged_attention.default",
+    }
     assert all(registry.traits(op).simulate is not None for op in engine.SLOT_OPS)
-    assert registry.fused("dsc.linear.default", "dsc.all_reduce_add_rmsnorm.default") == \
-        "dsc.linear_all_reduce_add_rmsnorm.default"
+    assert (
+        registry.fused("dsc.linear.default", "dsc.all_reduce_add_rmsnorm.default")
+        == "dsc.linear_all_reduce_add_rmsnorm.default"
+    )

@@ -6,6 +6,7 @@ with SwiGLU (dsc::linear_swiglu) against the GEMV + swiglu pair.
 The kernel cases run in a child process (`python tests/test_linear_kernel.py interpret OUT`):
 TRITON_INTERPRET=1 must be set before triton is first imported (tests/kernel_child.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,7 +58,7 @@ SWIGLU_CASES = {
 def _case(name: str, dtype: torch.dtype) -> dict:
     n, k, bias, cfg = KERNEL_CASES[name]
     g = torch.Generator().manual_seed(len(name))
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     x = torch.randn(1, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     got = L.gemv(x, w, b, cfg)
@@ -79,7 +80,7 @@ def _swiglu_case(name: str, dtype: torch.dtype) -> dict:
 
     n, k, cfg = SWIGLU_CASES[name]
     g = torch.Generator().manual_seed(len(name))
-    w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(dtype)  # [gate; up]
+    w = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dtype)  # [gate; up]
     x = torch.randn(1, k, generator=g).to(dtype)
     got = L.gemv_swiglu(x, w, cfg)
     lin = L.gemv(x, w, None, {**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]})
@@ -111,14 +112,19 @@ def _aot(name: str, fn, types: dict, n: int, k: int, config: dict, const: dict, 
     cfg["EARLY_K"] = L.early_columns(cfg.pop("EARLY", 1), cfg["BLOCK_K"], k)  # as gemv_launch converts it
     even = n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0
     for pdl in (False, True):
-        kern = launch.compile_for_arch(fn, types, {**const, "EVEN": even, **cfg, "PDL": pdl}, num_warps=warps,
-                                       aligned=tuple(types))
+        kern = launch.compile_for_arch(
+            fn, types, {**const, "EVEN": even, **cfg, "PDL": pdl}, num_warps=warps, aligned=tuple(types)
+        )
         ptx = kern.asm.get("ptx", "")
         res[name + ("-pdl" if pdl else "")] = {
-            "ok": bool(kern.asm.get("cubin")), "even": even, "spill_bytes": spill_bytes(kern),
+            "ok": bool(kern.asm.get("cubin")),
+            "even": even,
+            "spill_bytes": spill_bytes(kern),
             "vector_loads": "ld.global.L1::no_allocate.L2::evict_first.v4" in ptx
-            or "ld.global.L2::evict_first.v4" in ptx or ".v4.b32" in ptx,
-            "pdl": pdl_check(kern, pdl, frozenset({"load w", "load we"}))}
+            or "ld.global.L2::evict_first.v4" in ptx
+            or ".v4.b32" in ptx,
+            "pdl": pdl_check(kern, pdl, frozenset({"load w", "load we"})),
+        }
 
 
 def run_aot(out: str) -> None:
@@ -128,25 +134,40 @@ def run_aot(out: str) -> None:
     (kernels/launch.py): only the first weight tile may load before the wait (with EARLY, the
     peeled tile of several K-blocks: a GEMV and a GEMV + swiglu)."""
     res = {}
-    for name, dtype, n, k, bias, cfg in (("bf16-even", "*bf16", 4096, 4096, False,
-                                          {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}),
-                                         ("fp16-bias-masked", "*fp16", 4800, 1600, True,
-                                          {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}),
-                                         ("bf16-xrow", "*bf16", 4096, 4096, False,
-                                          {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True}),
-                                         # the tp=2 down_proj's row: 8 K-blocks (2048 columns) before the wait
-                                         ("bf16-early", "*bf16", 4096, 7168, False, L.gemv_config(4096, 7168, "sm_90"))):
-        _aot(name, L._gemv_kernel, {"X": dtype, "W": dtype, "B": dtype, "Y": dtype, "N": "i32", "K": "i32"},
-             n, k, cfg, {"HAS_BIAS": bias}, res)
+    for name, dtype, n, k, bias, cfg in (
+        ("bf16-even", "*bf16", 4096, 4096, False, {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}),
+        ("fp16-bias-masked", "*fp16", 4800, 1600, True, {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}),
+        ("bf16-xrow", "*bf16", 4096, 4096, False, {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True}),
+        # the tp=2 down_proj's row: 8 K-blocks (2048 columns) before the wait
+        ("bf16-early", "*bf16", 4096, 7168, False, L.gemv_config(4096, 7168, "sm_90")),
+    ):
+        _aot(
+            name,
+            L._gemv_kernel,
+            {"X": dtype, "W": dtype, "B": dtype, "Y": dtype, "N": "i32", "K": "i32"},
+            n,
+            k,
+            cfg,
+            {"HAS_BIAS": bias},
+            res,
+        )
     # the table's config for Llama-8B's tp=2 gate_up [14336, 4096] (7168 outputs)
-    for name, dtype, n, k, cfg in (("swiglu-bf16-even", "*bf16", 7168, 4096, L.gemv_swiglu_config(14336, 4096, "sm_90")),
-                                   ("swiglu-fp16-masked", "*fp16", 2752, 1600,
-                                    {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True}),
-                                   # half of K before the wait at the tp=4 gate_up's row
-                                   ("swiglu-bf16-early", "*bf16", 3584, 4096,
-                                    {**L.gemv_swiglu_config(7168, 4096, "sm_90"), "EARLY": 4})):
-        _aot(name, L._gemv_swiglu_kernel, {"X": dtype, "W": dtype, "Y": dtype, "N": "i32", "K": "i32"},
-             n, k, cfg, {}, res)
+    for name, dtype, n, k, cfg in (
+        ("swiglu-bf16-even", "*bf16", 7168, 4096, L.gemv_swiglu_config(14336, 4096, "sm_90")),
+        ("swiglu-fp16-masked", "*fp16", 2752, 1600, {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "X_ROW": True}),
+        # half of K before the wait at the tp=4 gate_up's row
+        ("swiglu-bf16-early", "*bf16", 3584, 4096, {**L.gemv_swiglu_config(7168, 4096, "sm_90"), "EARLY": 4}),
+    ):
+        _aot(
+            name,
+            L._gemv_swiglu_kernel,
+            {"X": dtype, "W": dtype, "Y": dtype, "N": "i32", "K": "i32"},
+            n,
+            k,
+            cfg,
+            {},
+            res,
+        )
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -226,10 +247,16 @@ def test_gemv_swiglu_config_follows_the_gemv_row(monkeypatch):
     """Half the GEMV row's BLOCK_N (a program reads gate and up rows: the same tile), at least 1;
     a gemv_swiglu row overrides; none without a GEMV row or with DSC_GEMV=off. The plan: one
     launch where fused, else the linear's kernel and swiglu's."""
-    table = {"sm_90": {"gemv": {"N4096_K1024": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 1, "us": 1, "cublas_us": 2},
-                                "N28672_K4096": {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8, "us": 1, "cublas_us": 2},
-                                "N2048_K512": {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 1, "us": 1, "cublas_us": 2}},
-                       "gemv_swiglu": {"N2048_K512": {"BLOCK_N": 4, "num_warps": 2, "us": 1}}}}
+    table = {
+        "sm_90": {
+            "gemv": {
+                "N4096_K1024": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 1, "us": 1, "cublas_us": 2},
+                "N28672_K4096": {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8, "us": 1, "cublas_us": 2},
+                "N2048_K512": {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 1, "us": 1, "cublas_us": 2},
+            },
+            "gemv_swiglu": {"N2048_K512": {"BLOCK_N": 4, "num_warps": 2, "us": 1}},
+        }
+    }
     monkeypatch.setattr(L, "tuning_table", lambda: table)
     assert L.gemv_swiglu_config(4096, 1024, "sm_90") == {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 1}
     assert L.gemv_swiglu_config(28672, 4096, "sm_90") == {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 8}
@@ -249,8 +276,9 @@ def test_gemv_swiglu_config_follows_the_gemv_row(monkeypatch):
 def test_gemv_row_only_where_tuned(monkeypatch):
     """A shape without a tuning row (or only another arch's) plans cuBLAS; a row gives the GEMV
     with its config, one launch even with a bias (cuBLAS at M = 1: two)."""
-    table = {"sm_90": {"gemv": {"N4096_K4096": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4,
-                                                "us": 9.0, "cublas_us": 10.7}}}}
+    table = {
+        "sm_90": {"gemv": {"N4096_K4096": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "us": 9.0, "cublas_us": 10.7}}}
+    }
     monkeypatch.setattr(launch, "tuning_table", lambda: table)
     monkeypatch.setattr(L, "tuning_table", lambda: table)
     assert L.gemv_config(4096, 4096, "sm_90") == {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}
@@ -290,7 +318,10 @@ def test_early_columns():
     cfg = L.gemv_config(4096, 7168, "sm_90")
     launch_opts = L.gemv_launch(cfg, 4096, 7168, torch.device("cpu"))[1]
     assert cfg["EARLY"] == 8 and launch_opts["EARLY_K"] == 2048 and "EARLY" not in launch_opts
-    assert L.gemv_launch({"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1}, 4096, 7168, torch.device("cpu"))[1]["EARLY_K"] == 0
+    assert (
+        L.gemv_launch({"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1}, 4096, 7168, torch.device("cpu"))[1]["EARLY_K"]
+        == 0
+    )
 
 
 def test_shipped_gemv_rows_beat_cublas():
@@ -346,8 +377,11 @@ def test_decode_linears_fuses_gate_up_and_swiglu(shape, tp, compile_artifact):
     assert prefill.count("dsc.swiglu.default") == layers and "dsc.linear_swiglu.default" not in prefill
 
 
-@pytest.mark.parametrize("options", [{"dtype": "fp32"}, {"dtype": "fp16", "fuse": False},
-                                     {"dtype": "fp16", "int8": True, "int8_mode": "w8a8"}], ids=["fp32", "no-fuse", "w8a8"])
+@pytest.mark.parametrize(
+    "options",
+    [{"dtype": "fp32"}, {"dtype": "fp16", "fuse": False}, {"dtype": "fp16", "int8": True, "int8_mode": "w8a8"}],
+    ids=["fp32", "no-fuse", "w8a8"],
+)
 def test_decode_linears_leaves_other_mlps_alone(options, compile_artifact):
     """fp32 (no dsc.linear), --no-fuse (no dsc.swiglu) and W8A8 (dsc.linear_w8a8): nothing to fuse."""
     art = compile_artifact("llama-tiny", **options)
@@ -371,7 +405,10 @@ def test_decode_linears_fuses_int8_gate_up_and_row_parallel_linears(tp, compile_
     assert len(fused) == layers and "dsc.swiglu.default" not in _ops(art, "decode")
     for n in fused:
         qweight, scale = (decode[a["node"]] for a in n["args"][1:3])
-        assert qweight["target"].endswith("mlp.gate_up_proj.weight.qweight") and qweight["shape"] == [2 * inter // tp, 64]
+        assert qweight["target"].endswith("mlp.gate_up_proj.weight.qweight") and qweight["shape"] == [
+            2 * inter // tp,
+            64,
+        ]
         assert scale["target"].endswith("mlp.gate_up_proj.weight.scale") and scale["shape"] == [2 * inter // tp, 8]
         assert n["args"][4] == 8 and n["shape"][-1] == inter // tp
         assert n["kernel"]["name"] == "triton.w8a16_gemv_swiglu" and n["kernel"]["launches"] == 1
@@ -386,8 +423,17 @@ def test_decode_linears_fuses_int8_gate_up_and_row_parallel_linears(tp, compile_
     assert prefill.count("dsc.swiglu.default") == layers and prefill.count("dsc.linear_w8a16.default") == 4 * layers
 
 
-def _gate_up_graph(rows: int = 16, gate=(-1, 0, 8), up=(-1, 8, 16), bias: bool = False, swap: bool = False,
-                   linear_out: bool = False, slice_out: bool = False, chunk=None, chunk_out: bool = False):
+def _gate_up_graph(
+    rows: int = 16,
+    gate=(-1, 0, 8),
+    up=(-1, 8, 16),
+    bias: bool = False,
+    swap: bool = False,
+    linear_out: bool = False,
+    slice_out: bool = False,
+    chunk=None,
+    chunk_out: bool = False,
+):
     """A decode Model of y = dsc.linear(x, W[rows, 8][, b]); swiglu(y[gate], y[up]) (slice args:
     dim, start, end[, step]); swap: swiglu(up, gate); *_out: the linear / the gate half / the
     chunk also an output. chunk=(parts, dim): the halves are chunk(y, parts, dim)[0] and [1]."""
@@ -413,32 +459,34 @@ def _gate_up_graph(rows: int = 16, gate=(-1, 0, 8), up=(-1, 8, 16), bias: bool =
         pieces = call(torch.ops.aten.chunk.default, y, *chunk)
         halves = [call(operator.getitem, pieces, i) for i in (0, 1)]
     out = call(torch.ops.dsc.swiglu.default, *(halves[::-1] if swap else halves))
-    g.output((out, *([y] if linear_out else []), *([halves[0]] if slice_out else []),
-              *([pieces] if chunk_out else [])))
+    g.output((out, *([y] if linear_out else []), *([halves[0]] if slice_out else []), *([pieces] if chunk_out else [])))
     return Model(programs={"decode": g}, weights={}, config={}, arch=None, options=None, fake_mode=mode)
 
 
-@pytest.mark.parametrize("case, kw, fires", [
-    ("halves", {}, True),
-    ("halves-dim-2", {"gate": (2, 0, 8), "up": (2, 8, 16, 1)}, True),
-    ("not-halves", {"gate": (-1, 0, 7), "up": (-1, 7, 16)}, False),
-    ("up-short", {"gate": (-1, 0, 6), "up": (-1, 8, 14)}, False),
-    ("strided", {"gate": (-1, 0, 8, 2), "up": (-1, 8, 16, 2)}, False),
-    ("other-dim", {"gate": (0, 0, 8), "up": (-1, 8, 16)}, False),
-    ("up-first", {"swap": True}, False),
-    ("bias", {"bias": True}, False),
-    ("linear-read-elsewhere", {"linear_out": True}, False),
-    ("slice-read-elsewhere", {"slice_out": True}, False),
-    # Phi-3: chunk(y, 2, -1)
-    ("chunk", {"chunk": (2, -1)}, True),
-    ("chunk-dim-2", {"chunk": (2, 2)}, True),
-    ("chunk-3", {"chunk": (3, -1), "rows": 24}, False),
-    ("chunk-other-dim", {"chunk": (2, 0), "rows": 16}, False),
-    ("chunk-up-first", {"chunk": (2, -1), "swap": True}, False),
-    ("chunk-read-elsewhere", {"chunk": (2, -1), "chunk_out": True}, False),
-    ("chunk-half-read-elsewhere", {"chunk": (2, -1), "slice_out": True}, False),
-    ("chunk-bias", {"chunk": (2, -1), "bias": True}, False),
-])
+@pytest.mark.parametrize(
+    "case, kw, fires",
+    [
+        ("halves", {}, True),
+        ("halves-dim-2", {"gate": (2, 0, 8), "up": (2, 8, 16, 1)}, True),
+        ("not-halves", {"gate": (-1, 0, 7), "up": (-1, 7, 16)}, False),
+        ("up-short", {"gate": (-1, 0, 6), "up": (-1, 8, 14)}, False),
+        ("strided", {"gate": (-1, 0, 8, 2), "up": (-1, 8, 16, 2)}, False),
+        ("other-dim", {"gate": (0, 0, 8), "up": (-1, 8, 16)}, False),
+        ("up-first", {"swap": True}, False),
+        ("bias", {"bias": True}, False),
+        ("linear-read-elsewhere", {"linear_out": True}, False),
+        ("slice-read-elsewhere", {"slice_out": True}, False),
+        # Phi-3: chunk(y, 2, -1)
+        ("chunk", {"chunk": (2, -1)}, True),
+        ("chunk-dim-2", {"chunk": (2, 2)}, True),
+        ("chunk-3", {"chunk": (3, -1), "rows": 24}, False),
+        ("chunk-other-dim", {"chunk": (2, 0), "rows": 16}, False),
+        ("chunk-up-first", {"chunk": (2, -1), "swap": True}, False),
+        ("chunk-read-elsewhere", {"chunk": (2, -1), "chunk_out": True}, False),
+        ("chunk-half-read-elsewhere", {"chunk": (2, -1), "slice_out": True}, False),
+        ("chunk-bias", {"chunk": (2, -1), "bias": True}, False),
+    ],
+)
 def test_decode_linears_swiglu_rule_is_strict(case, kw, fires):
     """Only swiglu(gate half, up half) of a bias-free dsc.linear that nothing else reads."""
     from dsc.passes.decode_linears import decode_linears
@@ -463,8 +511,22 @@ def test_tune_gemv_script_runs_its_code_path(tmp_path, int8):
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "tune_gemv.py"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--device", "cpu", "--out", str(tmp_path),
-                           *(["--int8"] if int8 else [])], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--smoke",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            *(["--int8"] if int8 else []),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = json.loads((tmp_path / "tuning.json").read_text())
     assert table["default"]["w8a16_gemv" if int8 else "gemv"] is not None

@@ -1,6 +1,7 @@
 """Weights that do not fit the device at load: one line with the bytes needed and free, pointing
 at --tp, --int8 and the CPU, checked before the copy and caught during it (CPU tests, with the
 device's free memory and the copy faked)."""
+
 from __future__ import annotations
 
 import json

@@ -7,18 +7,19 @@ a dense MLP. Tolerances are test_compile.py's (fp32: greedy tokens identical, te
 logits within 1e-4); --tp 2 and --ep 2 against tp 1 as in test_tp.py; int8 by the compile-time
 report's logits SQNR.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-
-from dsc.compiler.verify import verify_artifact
 from ranks import spawn_ranks
 from test_compile import FP32_ATOL, prompts
 from test_fusion import check_golden
 from test_tp import PROMPTS, _rank_work, teacher_forced
+
+from dsc.compiler.verify import verify_artifact
 
 SHAPES = ["mixtral-odd", "qwen2_moe-odd", "qwen3_moe-odd", "olmoe-odd"]
 MOE_LAYERS = {"mixtral-odd": 2, "qwen2_moe-odd": 1, "qwen3_moe-odd": 1, "olmoe-odd": 2}
@@ -70,11 +71,13 @@ def test_tp2_and_ep2_match_tp1(shape, mode, parallel_runs, compile_artifact):
     plan = _plan(compile_artifact(shape, dtype="fp32", **{mode: 2}))
     assert plan["passes"][f"shard_tensor_parallel.experts_{mode}"] == len(plan["programs"]) * MOE_LAYERS[shape]
     note = plan["notes"]["tp"]["experts"]
-    assert note.startswith("expert-parallel: each rank holds 3 of the 6 experts" if mode == "ep"
-                           else "tensor-parallel inside the experts")
+    assert note.startswith(
+        "expert-parallel: each rank holds 3 of the 6 experts" if mode == "ep" else "tensor-parallel inside the experts"
+    )
     # the routers stay replicated by design; only Qwen2-MoE's [1, hidden] shared-expert gate is listed
     assert plan["notes"]["tp"].get("replicated_linears", []) == (
-        ["model.layers.0.mlp.shared_expert_gate.weight"] if shape == "qwen2_moe-odd" else [])
+        ["model.layers.0.mlp.shared_expert_gate.weight"] if shape == "qwen2_moe-odd" else []
+    )
 
 
 def test_expert_parallel_ranks_hold_whole_experts(compile_artifact, make_checkpoint):
@@ -87,7 +90,7 @@ def test_expert_parallel_ranks_hold_whole_experts(compile_artifact, make_checkpo
         w2 = [f.get_tensor(f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight") for e in range(6)]
     for r in range(2):
         held = load_file(art / f"rank{r}.safetensors")
-        assert torch.equal(held["model.layers.1.mlp.experts.down_proj"], torch.cat(w2[3 * r:3 * r + 3]))
+        assert torch.equal(held["model.layers.1.mlp.experts.down_proj"], torch.cat(w2[3 * r : 3 * r + 3]))
         assert held["model.layers.1.mlp.experts.first_expert"].tolist() == [3 * r]
 
 
@@ -114,21 +117,23 @@ def test_golden_plan(shape, compile_artifact):
     check_golden(shape, _plan(compile_artifact(shape, dtype="fp32")))
 
 
-@pytest.mark.parametrize("shape, overrides, args, message", [
-    ("llama-tiny", {}, ["--ep", "2"], "--ep 2: model_type 'llama'"),
-    ("mixtral-odd", {"num_local_experts": 5}, ["--ep", "2"], "--ep 2 does not divide the 5 experts"),
-    ("mixtral-odd", {}, ["--ep", "2", "--tp", "6"], "ep 2 must equal tp 6"),
-    ("mixtral-odd", {"intermediate_size": 57}, ["--tp", "2"], "--tp 2 does not divide intermediate_size=57"),
-])
+@pytest.mark.parametrize(
+    "shape, overrides, args, message",
+    [
+        ("llama-tiny", {}, ["--ep", "2"], "--ep 2: model_type 'llama'"),
+        ("mixtral-odd", {"num_local_experts": 5}, ["--ep", "2"], "--ep 2 does not divide the 5 experts"),
+        ("mixtral-odd", {}, ["--ep", "2", "--tp", "6"], "ep 2 must equal tp 6"),
+        ("mixtral-odd", {"intermediate_size": 57}, ["--tp", "2"], "--tp 2 does not divide intermediate_size=57"),
+    ],
+)
 def test_bad_parallel_options_are_one_line(shape, overrides, args, message, make_checkpoint, tmp_path):
     from typer.testing import CliRunner
 
     from dsc.cli import app
 
-    r = CliRunner().invoke(app, ["compile", str(make_checkpoint(shape, **overrides)), "-o", str(tmp_path / "a"),
-                                 *args])
+    r = CliRunner().invoke(app, ["compile", str(make_checkpoint(shape, **overrides)), "-o", str(tmp_path / "a"), *args])
     assert r.exit_code != 0 and not (tmp_path / "a").exists()
-    line, = r.stderr.strip().splitlines()
+    (line,) = r.stderr.strip().splitlines()
     assert message in line, line
 
 

@@ -10,6 +10,7 @@ Tolerance: max |got - want| / max |want| <= 1e-4 in fp32 and 1e-2 in fp16 (the k
 reference's rounding points; the fp16 bound allows an intermediate rounded the other way).
 bf16 is left to tests/gpu/test_gpu_moe.py (the interpreter emulates bf16).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,15 +25,24 @@ TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
 H, I, E, K = 40, 24, 5, 2
 # pinned configs (the CPU default is one tile shape): small tiles, partial GROUP_M groups, and
 # a down GEMM split 3 ways over I = 24 in K-blocks of 16 (the third split has no K-block)
-SPLIT = {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 3, "num_warps": 4, "num_stages": 2},
-         "down": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 2, "SPLIT_K": 3, "num_warps": 4,
-                  "num_stages": 2},
-         "combine": {"BLOCK_T": 4, "BLOCK_H": 32, "num_warps": 1}}
-WIDE = {"gate_up": {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "STREAM_W": False, "num_warps": 4,
-                    "num_stages": 2},
-        "down": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
-                 "num_stages": 2},
-        "combine": {"BLOCK_T": 16, "BLOCK_H": 64, "num_warps": 1}}
+SPLIT = {
+    "gate_up": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 3, "num_warps": 4, "num_stages": 2},
+    "down": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 2, "SPLIT_K": 3, "num_warps": 4, "num_stages": 2},
+    "combine": {"BLOCK_T": 4, "BLOCK_H": 32, "num_warps": 1},
+}
+WIDE = {
+    "gate_up": {
+        "BLOCK_M": 64,
+        "BLOCK_N": 32,
+        "BLOCK_K": 32,
+        "GROUP_M": 8,
+        "STREAM_W": False,
+        "num_warps": 4,
+        "num_stages": 2,
+    },
+    "down": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+    "combine": {"BLOCK_T": 16, "BLOCK_H": 64, "num_warps": 1},
+}
 
 
 def _routing(g, t, experts, first, mode):
@@ -47,19 +57,30 @@ def _routing(g, t, experts, first, mode):
     return ids + (first if mode in ("one", "skip2") else 0)
 
 
-def _case(t, dtype, *, int8=False, first=0, experts=E, mode="random", config=None, fp32_weights=False,
-          strided=False, twice=False):
+def _case(
+    t,
+    dtype,
+    *,
+    int8=False,
+    first=0,
+    experts=E,
+    mode="random",
+    config=None,
+    fp32_weights=False,
+    strided=False,
+    twice=False,
+):
     def run(g):
         from dsc.kernels import int8 as Q
         from dsc.kernels.fused_moe import fused_moe_triton
         from dsc.kernels.moe import moe_reference
 
         x = torch.randn(t, H + (8 if strided else 0), generator=g).to(dtype)
-        x = x[:, 3:H + 3] if strided else x  # rows of stride H + 8
+        x = x[:, 3 : H + 3] if strided else x  # rows of stride H + 8
         ids = _routing(g, t, experts, first, mode)
         w = torch.softmax(torch.randn(t, K, generator=g), -1).to(torch.float32 if fp32_weights else dtype)
-        gu = torch.randn(E * 2 * I, H, generator=g) / H ** 0.5
-        dn = torch.randn(E * H, I, generator=g) / I ** 0.5
+        gu = torch.randn(E * 2 * I, H, generator=g) / H**0.5
+        dn = torch.randn(E * H, I, generator=g) / I**0.5
         if int8:
             qg, qd = Q.quantize_weight(gu), Q.quantize_weight(dn)
             gu, gs, dn, ds = qg["qweight"], qg["scale"].reshape(-1), qd["qweight"], qd["scale"].reshape(-1)
@@ -69,6 +90,7 @@ def _case(t, dtype, *, int8=False, first=0, experts=E, mode="random", config=Non
         want = moe_reference(x, ids, w, gu, dn, first, gs, ds)
         again = fused_moe_triton(x, ids, w, gu, dn, first, gs, ds, config=config) if twice else None
         return got, want, again
+
     return run
 
 
@@ -97,8 +119,11 @@ def run_interpreted(out: str) -> None:
         got, want, again = case(g)
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
         tol = TOL[want.dtype]
-        results[name] = {"ok": bool(err <= tol and got.dtype == want.dtype and torch.isfinite(got).all()),
-                         "rel_err": err, "tol": tol}
+        results[name] = {
+            "ok": bool(err <= tol and got.dtype == want.dtype and torch.isfinite(got).all()),
+            "rel_err": err,
+            "tol": tol,
+        }
         if again is not None:
             results[name]["deterministic"] = bool(torch.equal(got, again))
     Path(out).write_text(json.dumps(results, indent=1))
@@ -128,15 +153,38 @@ def run_aot(out: str) -> None:
         yt = "*fp32" if split > 1 else xt
         flags = dict(INT8=wt == "*i8", PRECISION="ieee" if xt == "*fp32" else "tf32", E_P=M.experts_padded(e))
         builds = {
-            "gate_up": (M._gate_up_kernel, {"X": xt, "W": wt, "S": "*fp32", "SORTED": "*i32", "OFFS": "*i32", "ACT": xt,
-                                            **i32("n_tiles E H I K_TOP stride_x")}, cfg["gate_up"], True),
-            "down": (M._down_kernel, {"ACT": xt, "W": wt, "S": "*fp32", "OFFS": "*i32", "Y": yt,
-                                      **i32("n_tiles E H I NP")}, cfg["down"], True),
-            "combine": (M._combine_kernel, {"Y": yt, "SLOT_ROW": "*i32", "TW": xt, "OUT": xt,
-                                            **i32("T H K_TOP stride_split stride_out")},
-                        {"SPLIT_K": split, **cfg["combine"]}, False),
-            "route": (M._route_kernel, {"IDS": "*i64", "SORTED": "*i32", "SLOT_ROW": "*i32", "OFFS": "*i32",
-                                        **i32("N first_expert E")}, M.route_config(t * k), False),
+            "gate_up": (
+                M._gate_up_kernel,
+                {
+                    "X": xt,
+                    "W": wt,
+                    "S": "*fp32",
+                    "SORTED": "*i32",
+                    "OFFS": "*i32",
+                    "ACT": xt,
+                    **i32("n_tiles E H I K_TOP stride_x"),
+                },
+                cfg["gate_up"],
+                True,
+            ),
+            "down": (
+                M._down_kernel,
+                {"ACT": xt, "W": wt, "S": "*fp32", "OFFS": "*i32", "Y": yt, **i32("n_tiles E H I NP")},
+                cfg["down"],
+                True,
+            ),
+            "combine": (
+                M._combine_kernel,
+                {"Y": yt, "SLOT_ROW": "*i32", "TW": xt, "OUT": xt, **i32("T H K_TOP stride_split stride_out")},
+                {"SPLIT_K": split, **cfg["combine"]},
+                False,
+            ),
+            "route": (
+                M._route_kernel,
+                {"IDS": "*i64", "SORTED": "*i32", "SLOT_ROW": "*i32", "OFFS": "*i32", **i32("N first_expert E")},
+                M.route_config(t * k),
+                False,
+            ),
         }
         for kname in kernels.split():
             fn, types, c, gemm = builds[kname]
@@ -147,13 +195,19 @@ def run_aot(out: str) -> None:
                 opts = {"num_warps": c["num_warps"]}
                 const = {key: v for key, v in c.items() if key != "num_warps"}
             aligned = tuple(a for a, ty in types.items() if ty.startswith("*") or a in ("H", "I", "stride_x"))
-            kern = compile_for_arch(fn, types, const, num_warps=opts["num_warps"], num_stages=opts.get("num_stages"),
-                                    aligned=aligned)
+            kern = compile_for_arch(
+                fn, types, const, num_warps=opts["num_warps"], num_stages=opts.get("num_stages"), aligned=aligned
+            )
             ptx = kern.asm.get("ptx", "")
-            res[f"{name}-{kname}"] = {"ok": bool(kern.asm.get("cubin")), "shared": kern.metadata.shared,
-                                      "tensor_cores": "mma.sync" in ptx or "wgmma" in ptx, "gemm": gemm,
-                                      "fp32": xt == "*fp32", "fast_cvt": "prmt.b32" in ptx,
-                                      "wants_fast_cvt": bool(c.get("FAST_CVT"))}
+            res[f"{name}-{kname}"] = {
+                "ok": bool(kern.asm.get("cubin")),
+                "shared": kern.metadata.shared,
+                "tensor_cores": "mma.sync" in ptx or "wgmma" in ptx,
+                "gemm": gemm,
+                "fp32": xt == "*fp32",
+                "fast_cvt": "prmt.b32" in ptx,
+                "wants_fast_cvt": bool(c.get("FAST_CVT")),
+            }
     Path(out).write_text(json.dumps(res, indent=1))
 
 
@@ -206,8 +260,9 @@ def test_planner_records_every_bucket_for_symbolic_tokens():
     assert cfg["T1"]["gate_up"]["BLOCK_M"] == 16 and cfg["T4096"]["gate_up"]["BLOCK_M"] == 128
     assert cfg["T1"]["gate_up"]["FAST_CVT"]
     json.dumps(plan)
-    plain = PLANNERS["dsc.moe.default"](x, ids, w, NS(shape=gu.shape, dtype=torch.bfloat16),
-                                        NS(shape=dn.shape, dtype=torch.bfloat16), 0, arch="sm_90")
+    plain = PLANNERS["dsc.moe.default"](
+        x, ids, w, NS(shape=gu.shape, dtype=torch.bfloat16), NS(shape=dn.shape, dtype=torch.bfloat16), 0, arch="sm_90"
+    )
     assert not plain["config"]["int8"] and "FAST_CVT" not in plain["config"]["T1"]["gate_up"]
 
 

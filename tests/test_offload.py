@@ -1,11 +1,12 @@
 """Weight offload (runtime/offload.py): layers beyond a device budget streamed through a ring of
 layer buffers, from host memory or from the rank file. The CPU stands in for the GPU: the
 "device" holds the resident weights and the buffers; tokens must equal the resident engine's."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
+from arrivals import run_arrivals, workload
 from typer.testing import CliRunner
 
 from dsc.cli import app
@@ -13,8 +14,6 @@ from dsc.errors import UserError
 from dsc.runtime.engine import load
 from dsc.runtime.llm import LLMEngine
 from dsc.runtime.offload import gib, layer_of, plan_offload
-
-from arrivals import run_arrivals, workload
 
 LAYERS = {"llama-tiny": {"num_hidden_layers": 6}, "gpt2-tiny": {"n_layer": 6}}
 
@@ -47,24 +46,34 @@ def resident_tokens(compile_artifact):
     def get(shape, budget_tokens):
         key = (shape, budget_tokens)
         if key not in cache:
-            eng = LLMEngine(_art(compile_artifact, shape), device="cpu", max_num_seqs=4,
-                            max_num_batched_tokens=budget_tokens)
+            eng = LLMEngine(
+                _art(compile_artifact, shape), device="cpu", max_num_seqs=4, max_num_batched_tokens=budget_tokens
+            )
             cache[key] = _serve(eng, workload(512, 8, 90, 16, seed=7))
         return cache[key]
 
     return get
 
 
-@pytest.mark.parametrize("shape, where, resident, budget_tokens", [
-    ("llama-tiny", "cpu", 0, 64), ("llama-tiny", "disk", 1, 64), ("gpt2-tiny", "cpu", 2, 7), ("gpt2-tiny", "disk", 0, 7)])
-def test_streamed_layers_give_the_resident_tokens(shape, where, resident, budget_tokens, compile_artifact,
-                                                  resident_tokens):
+@pytest.mark.parametrize(
+    "shape, where, resident, budget_tokens",
+    [
+        ("llama-tiny", "cpu", 0, 64),
+        ("llama-tiny", "disk", 1, 64),
+        ("gpt2-tiny", "cpu", 2, 7),
+        ("gpt2-tiny", "disk", 0, 7),
+    ],
+)
+def test_streamed_layers_give_the_resident_tokens(
+    shape, where, resident, budget_tokens, compile_artifact, resident_tokens
+):
     """Continuous batching (arrivals, chunked prompts at budgets 7 and 64) with every layer, or
     all but `resident`, streamed: the same tokens as with every weight on the device."""
     art = _art(compile_artifact, shape)
     gpu_memory = _budget(art, resident) if resident else None
-    eng = LLMEngine(art, device="cpu", max_num_seqs=4, max_num_batched_tokens=budget_tokens, offload=where,
-                    gpu_memory=gpu_memory)
+    eng = LLMEngine(
+        art, device="cpu", max_num_seqs=4, max_num_batched_tokens=budget_tokens, offload=where, gpu_memory=gpu_memory
+    )
     inner = eng.engine
     assert inner.offload["resident_layers"] == resident and inner.offload["streamed_layers"] == 6 - resident
     assert _serve(eng, workload(512, 8, 90, 16, seed=7)) == resident_tokens(shape, budget_tokens)
@@ -82,7 +91,9 @@ def test_streamed_layers_give_the_resident_tokens(shape, where, resident, budget
     assert eng.stats()["offload_bytes_total"] == ring.bytes_moved
     from dsc.serve.metrics import Metrics
 
-    scraped = [ln for ln in Metrics(eng.stats).render().decode().splitlines() if ln.startswith("dsc_offload_bytes_total ")]
+    scraped = [
+        ln for ln in Metrics(eng.stats).render().decode().splitlines() if ln.startswith("dsc_offload_bytes_total ")
+    ]
     assert [float(ln.split()[1]) for ln in scraped] == [ring.bytes_moved]
 
 
@@ -99,7 +110,9 @@ def test_the_static_programs_stream_too(compile_artifact):
     art = _art(compile_artifact, "gpt2-tiny")
     prompts = [[5, 6, 7, 8], [1, 2]]
     want = load(art, device="cpu").generate_static(prompts, max_new_tokens=8, stop_tokens=[]).tokens
-    assert load(art, device="cpu", offload="cpu").generate_static(prompts, max_new_tokens=8, stop_tokens=[]).tokens == want
+    assert (
+        load(art, device="cpu", offload="cpu").generate_static(prompts, max_new_tokens=8, stop_tokens=[]).tokens == want
+    )
 
 
 def test_each_weight_is_fetched_before_its_first_use_and_its_layer_released_after_its_last(compile_artifact):
@@ -149,17 +162,22 @@ def test_placement_keeps_layers_in_order_while_the_budget_lasts():
     assert gib(2**30) == "1 GiB" and gib(int(1.2345 * 2**30), up=True) == "1.24 GiB"
 
 
-@pytest.mark.parametrize("args, field", [
-    (["--offload", "gpu"], "--offload"),
-    (["--gpu-memory", "4"], "--gpu-memory"),
-    (["--offload", "cpu", "--gpu-memory", "0"], "--gpu-memory"),
-    (["--offload", "cpu", "--gpu-memory", "nan"], "--gpu-memory"),
-    (["--offload", "cpu", "--gpu-memory", "1e-7"], "--gpu-memory"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--offload", "gpu"], "--offload"),
+        (["--gpu-memory", "4"], "--gpu-memory"),
+        (["--offload", "cpu", "--gpu-memory", "0"], "--gpu-memory"),
+        (["--offload", "cpu", "--gpu-memory", "nan"], "--gpu-memory"),
+        (["--offload", "cpu", "--gpu-memory", "1e-7"], "--gpu-memory"),
+    ],
+)
 def test_bad_offload_flags_are_one_line_naming_the_flag(args, field, compile_artifact):
     art = str(_art(compile_artifact, "llama-tiny"))
-    for cmd in (["generate", art, "--token-ids", "1,2,3", "--device", "cpu", "--max-new-tokens", "2"],
-                ["inspect", art]):
+    for cmd in (
+        ["generate", art, "--token-ids", "1,2,3", "--device", "cpu", "--max-new-tokens", "2"],
+        ["inspect", art],
+    ):
         res = CliRunner().invoke(app, cmd + args)
         assert res.exit_code != 0 and "Traceback" not in res.output, res.output
         err = res.output.strip().splitlines()
@@ -169,10 +187,27 @@ def test_bad_offload_flags_are_one_line_naming_the_flag(args, field, compile_art
 def test_generate_and_inspect_say_where_the_weights_live(compile_artifact):
     art = str(_art(compile_artifact, "gpt2-tiny"))
     runner = CliRunner()
-    plain = runner.invoke(app, ["generate", art, "--token-ids", "1,2,3", "--device", "cpu", "--json",
-                                "--max-new-tokens", "5"])
-    streamed = runner.invoke(app, ["generate", art, "--token-ids", "1,2,3", "--device", "cpu", "--json",
-                                   "--max-new-tokens", "5", "--offload", "disk", "--gpu-memory", str(_budget(art, 2))])
+    plain = runner.invoke(
+        app, ["generate", art, "--token-ids", "1,2,3", "--device", "cpu", "--json", "--max-new-tokens", "5"]
+    )
+    streamed = runner.invoke(
+        app,
+        [
+            "generate",
+            art,
+            "--token-ids",
+            "1,2,3",
+            "--device",
+            "cpu",
+            "--json",
+            "--max-new-tokens",
+            "5",
+            "--offload",
+            "disk",
+            "--gpu-memory",
+            str(_budget(art, 2)),
+        ],
+    )
     assert plain.exit_code == streamed.exit_code == 0, streamed.output
     assert plain.output == streamed.output
     shown = runner.invoke(app, ["inspect", art, "--offload", "cpu", "--gpu-memory", str(_budget(art, 2))])

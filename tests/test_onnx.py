@@ -5,8 +5,8 @@ logits vs the dsc runtime (CPU) on the same tokens, SQNR >= 80 dB for fp32, >= 4
 (33 dB with W8A8, whose int8 activations flip a step where the runtimes' fp16 rounding differs),
 >= 25 dB for a bf16 artifact exported with --fp32 (bf16 rounding in the dsc run).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import numpy as np
 import pytest

@@ -10,6 +10,7 @@ before triton is first imported: tests/kernel_child.py), fp32 and fp16 (the inte
 tl.dot is wrong); a second child builds them for sm_90 in bf16 (no GPU needed), where the
 interpreter cannot look: PDL's wait before any memory access, no register spills.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kernel_child import child_fixtures
 from paged_steps import ARGS, Case, args_of, build, decode_case, expected, pool_problems
-
 
 # -- the reference against the static attention's ------------------------------------------------
 REFERENCE_CASES = {
@@ -52,14 +51,21 @@ def test_reference_matches_static_attention(name):
         if not n:
             continue
         a = int(step["query_start"][i])
-        covered[a: a + n] = True
+        covered[a : a + n] = True
         blocks = bt[i, : -(-(c + n) // BS)].long()
         caches = [as_rows(before[name], blocks)[None, :, : c + n + 5].clone() for name in ("k_pool", "v_pool")]
         for cache in caches:
             cache[:, :, c:] = 0.0  # nothing at or past the new tokens yet
         rows = slice(a, a + n)
-        want = attention_reference(step["q"][:, :, rows], step["k"][:, :, rows], step["v"][:, :, rows], *caches,
-                                   torch.tensor([c]), step["scale"], case.window)
+        want = attention_reference(
+            step["q"][:, :, rows],
+            step["k"][:, :, rows],
+            step["v"][:, :, rows],
+            *caches,
+            torch.tensor([c]),
+            step["scale"],
+            case.window,
+        )
         torch.testing.assert_close(out[:, rows], want, rtol=1e-5, atol=1e-5)
         for name, cache in zip(("k_pool", "v_pool"), caches):
             assert torch.equal(as_rows(step[name], blocks)[:, : c + n], cache[0, :, : c + n])
@@ -98,9 +104,19 @@ def _step_shapes(T, N, H=32, Hkv=8, D=128, BS=16, max_blocks=128, device="meta")
     """A bf16 step's arguments as tensors without data (meta, or fake ones with symbolic T and N)."""
     empty = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device=device)  # noqa: E731
     i32 = torch.int32
-    return (empty(1, H, T, D), empty(1, Hkv, T, D), empty(1, Hkv, T, D), empty(4096, Hkv, BS, D),
-            empty(4096, Hkv, BS, D), empty(T, dtype=i32), empty(N, dtype=i32), empty(N, dtype=i32), empty(N, dtype=i32),
-            empty(N, max_blocks, dtype=i32), 0.1)
+    return (
+        empty(1, H, T, D),
+        empty(1, Hkv, T, D),
+        empty(1, Hkv, T, D),
+        empty(4096, Hkv, BS, D),
+        empty(4096, Hkv, BS, D),
+        empty(T, dtype=i32),
+        empty(N, dtype=i32),
+        empty(N, dtype=i32),
+        empty(N, dtype=i32),
+        empty(N, max_blocks, dtype=i32),
+        0.1,
+    )
 
 
 def test_planner_names_the_kernel_and_counts_launches():
@@ -140,47 +156,95 @@ MANY = tuple((int(c), int(n)) for c, n in zip(torch.arange(40) * 7 % 23, torch.a
 KERNEL_CASES = {
     # mixed steps: prefill chunks (fresh and on a cached prefix) with decode tokens (the decode
     # kernel's, here with splits), padding rows
-    "mixed-gqa3": Case(2, 3, 16, 16, ((0, 7), (21, 1), (5, 20), (40, 1)), pad_rows=3, config=SMALL_PREFILL,
-                       decode_config=SMALL_DECODE, num_splits=3),
-    "mixed-padding-seqs": Case(2, 2, 16, 16, ((17, 5), (0, 0), (3, 1), (0, 0), (30, 12)), pad_rows=2,
-                               config=SMALL_PREFILL),
+    "mixed-gqa3": Case(
+        2,
+        3,
+        16,
+        16,
+        ((0, 7), (21, 1), (5, 20), (40, 1)),
+        pad_rows=3,
+        config=SMALL_PREFILL,
+        decode_config=SMALL_DECODE,
+        num_splits=3,
+    ),
+    "mixed-padding-seqs": Case(
+        2, 2, 16, 16, ((17, 5), (0, 0), (3, 1), (0, 0), (30, 12)), pad_rows=2, config=SMALL_PREFILL
+    ),
     # G > BLOCK_M: a token's rows straddle row tiles; odd head_dim; block size 32
     "mixed-mqa-straddle-d24-bs32": Case(1, 24, 24, 32, ((3, 5), (0, 9), (40, 1)), config=SMALL_PREFILL),
     "mixed-mha-d12": Case(3, 1, 12, 16, ((33, 17), (2, 3)), pad_rows=1, config=SMALL_PREFILL),
-    "mixed-window": Case(2, 2, 16, 16, ((30, 12), (0, 20), (50, 1), (6, 3)), window=7, config=SMALL_PREFILL,
-                         decode_config=SMALL_DECODE, num_splits=2),
+    "mixed-window": Case(
+        2,
+        2,
+        16,
+        16,
+        ((30, 12), (0, 20), (50, 1), (6, 3)),
+        window=7,
+        config=SMALL_PREFILL,
+        decode_config=SMALL_DECODE,
+        num_splits=2,
+    ),
     "mixed-window-long": Case(2, 2, 16, 32, ((70, 9), (10, 30)), window=40, config=SMALL_PREFILL),
     # 40 sequences, many without tokens or with one: the tile lookup's scan runs over several chunks
     "mixed-many-seqs": Case(1, 2, 16, 16, MANY, pad_rows=5, config=dict(SMALL_PREFILL, BLOCK_S=16)),
     "mixed-table-config-d64": Case(2, 4, 64, 16, ((0, 37), (19, 2), (64, 1))),
     "mixed-pool-fp32": Case(2, 2, 16, 16, ((11, 6), (0, 3)), config=SMALL_PREFILL, pool_dtype="float32"),
     # the varlen kernel for every sequence, single tokens included
-    "mixed-all-varlen": Case(2, 3, 16, 16, ((0, 7), (21, 1), (5, 20), (40, 1)), pad_rows=3, config=SMALL_PREFILL,
-                             path="varlen"),
-    "mixed-many-seqs-all-varlen": Case(1, 2, 16, 16, MANY, pad_rows=5, config=dict(SMALL_PREFILL, BLOCK_S=16),
-                                       path="varlen"),
+    "mixed-all-varlen": Case(
+        2, 3, 16, 16, ((0, 7), (21, 1), (5, 20), (40, 1)), pad_rows=3, config=SMALL_PREFILL, path="varlen"
+    ),
+    "mixed-many-seqs-all-varlen": Case(
+        1, 2, 16, 16, MANY, pad_rows=5, config=dict(SMALL_PREFILL, BLOCK_S=16), path="varlen"
+    ),
     # decode steps (T == N): one split, splits, a window, more splits than keys, padding
     # sequences anywhere in the batch (their query_start 0: a real row they must not touch)
     "decode-table-config": decode_case(((0, 1), (20, 1), (36, 1)), Hkv=2, G=3, D=16, BS=16),
-    "decode-splits": decode_case(((0, 1), (20, 1), (47, 1), (0, 0)), Hkv=2, G=3, D=16, BS=16,
-                                 decode_config=SMALL_DECODE, num_splits=3),
-    "decode-window": decode_case(((3, 1), (30, 1), (60, 1)), Hkv=2, G=3, D=16, BS=16, decode_config=SMALL_DECODE,
-                                 num_splits=3, window=20),
-    "decode-many-splits": decode_case(((36, 1), (69, 1)), Hkv=2, G=2, D=16, BS=16, decode_config=SMALL_DECODE,
-                                      num_splits=7),
-    "decode-padding": decode_case(((5, 1), (0, 0), (44, 1), (12, 1), (0, 0), (1, 1)), Hkv=2, G=2, D=16, BS=16,
-                                  decode_config=SMALL_DECODE, num_splits=2),
-    "decode-mqa-d24-bs32": decode_case(((70, 1), (0, 0), (31, 1)), Hkv=1, G=8, D=24, BS=32,
-                                       decode_config=SMALL_DECODE, num_splits=2),
-    "decode-many-seqs": decode_case(tuple((c, 0 if i in (3, 17, 18) else 1) for i, (c, _) in enumerate(MANY[:20])),
-                                    Hkv=1, G=2, D=16, BS=16, decode_config=dict(SMALL_DECODE, BLOCK_S=16),
-                                    num_splits=2),
+    "decode-splits": decode_case(
+        ((0, 1), (20, 1), (47, 1), (0, 0)), Hkv=2, G=3, D=16, BS=16, decode_config=SMALL_DECODE, num_splits=3
+    ),
+    "decode-window": decode_case(
+        ((3, 1), (30, 1), (60, 1)), Hkv=2, G=3, D=16, BS=16, decode_config=SMALL_DECODE, num_splits=3, window=20
+    ),
+    "decode-many-splits": decode_case(
+        ((36, 1), (69, 1)), Hkv=2, G=2, D=16, BS=16, decode_config=SMALL_DECODE, num_splits=7
+    ),
+    "decode-padding": decode_case(
+        ((5, 1), (0, 0), (44, 1), (12, 1), (0, 0), (1, 1)),
+        Hkv=2,
+        G=2,
+        D=16,
+        BS=16,
+        decode_config=SMALL_DECODE,
+        num_splits=2,
+    ),
+    "decode-mqa-d24-bs32": decode_case(
+        ((70, 1), (0, 0), (31, 1)), Hkv=1, G=8, D=24, BS=32, decode_config=SMALL_DECODE, num_splits=2
+    ),
+    "decode-many-seqs": decode_case(
+        tuple((c, 0 if i in (3, 17, 18) else 1) for i, (c, _) in enumerate(MANY[:20])),
+        Hkv=1,
+        G=2,
+        D=16,
+        BS=16,
+        decode_config=dict(SMALL_DECODE, BLOCK_S=16),
+        num_splits=2,
+    ),
     # a decode step on the mixed path and on the varlen kernel alone (the runtime may send one
     # in a mixed bucket)
-    "decode-step-as-mixed": decode_case(((5, 1), (0, 0), (44, 1), (12, 1)), Hkv=2, G=2, D=16, BS=16,
-                                        decode_config=SMALL_DECODE, num_splits=2, path="mixed", window=9),
-    "decode-step-as-varlen": decode_case(((5, 1), (0, 0), (44, 1), (12, 1)), Hkv=2, G=2, D=16, BS=16,
-                                         config=SMALL_PREFILL, path="varlen", window=9),
+    "decode-step-as-mixed": decode_case(
+        ((5, 1), (0, 0), (44, 1), (12, 1)),
+        Hkv=2,
+        G=2,
+        D=16,
+        BS=16,
+        decode_config=SMALL_DECODE,
+        num_splits=2,
+        path="mixed",
+        window=9,
+    ),
+    "decode-step-as-varlen": decode_case(
+        ((5, 1), (0, 0), (44, 1), (12, 1)), Hkv=2, G=2, D=16, BS=16, config=SMALL_PREFILL, path="varlen", window=9
+    ),
 }
 DTYPES = ("float32", "float16")
 TOL = {"float32": 2e-5, "float16": 2e-3}  # max |kernel - fp32 reference| / max(1, |reference|)
@@ -193,8 +257,14 @@ def run_case(case: Case, dtype: torch.dtype) -> str:
     step = build(case, dtype)
     ref, want_k, want_v = expected(step)
     out = torch.full_like(ref, float("nan"), dtype=dtype)
-    paged_attention_triton(*args_of(step), out=out, path=case.path, config=case.config,
-                           decode_config=case.decode_config, num_splits=case.num_splits)
+    paged_attention_triton(
+        *args_of(step),
+        out=out,
+        path=case.path,
+        config=case.config,
+        decode_config=case.decode_config,
+        num_splits=case.num_splits,
+    )
     problems = pool_problems(step, want_k, want_v)
     if out.isnan().any():
         problems.append(f"out has NaN at [0, t, h, d] {out.isnan().nonzero()[:3].tolist()}")
@@ -225,9 +295,13 @@ def run_interpreted(path: str) -> None:
                 report[f"{name}/{dtype}"] = f"raised {type(e).__name__}: {e}"
     report["decode-contract-broken"] = decode_contract_broken()
     from dsc.kernels import launch
+
     counters = list(launch.COUNTERS.values())
-    report["split-counters-reset"] = "ok" if counters and all(bool((c == 0).all()) for c in counters) \
+    report["split-counters-reset"] = (
+        "ok"
+        if counters and all(bool((c == 0).all()) for c in counters)
         else f"counters {[c.nonzero().flatten().tolist()[:8] for c in counters]}"
+    )
     Path(path).write_text(json.dumps(report, indent=1))
 
 
@@ -239,29 +313,99 @@ def run_aot(path: str) -> None:
     from dsc.kernels.launch import compile_for_arch
 
     P._kernels()
-    ptrs = {**{n: "*bf16" for n in ("Q", "K", "V", "KP", "VP", "OUT")},
-            **{n: "*i32" for n in ("SLOTS", "QSTART", "QLEN", "CLEN", "BT")}, "qk_scale": "fp32", "cap": "fp32"}
-    strides = ("sq_h", "sq_t", "sk_h", "sk_t", "sv_h", "sv_t", "skp_b", "skp_h", "skp_s", "svp_b", "svp_h", "svp_s",
-               "sbt", "so_t", "so_h")
+    ptrs = {
+        **{n: "*bf16" for n in ("Q", "K", "V", "KP", "VP", "OUT")},
+        **{n: "*i32" for n in ("SLOTS", "QSTART", "QLEN", "CLEN", "BT")},
+        "qk_scale": "fp32",
+        "cap": "fp32",
+    }
+    strides = (
+        "sq_h",
+        "sq_t",
+        "sk_h",
+        "sk_t",
+        "sv_h",
+        "sv_t",
+        "skp_b",
+        "skp_h",
+        "skp_s",
+        "svp_b",
+        "svp_h",
+        "svp_s",
+        "sbt",
+        "so_t",
+        "so_h",
+    )
     aligned = tuple(n for n in (*ptrs, *strides) if n not in ("qk_scale", "cap", "sbt"))
     report = {}
     dec = P.paged_attention_config("decode", 128, "sm_90")
     pre = P.paged_attention_config("prefill", 128, "sm_90")
     for window in (False, True):
         for pdl in (not window,):  # the production build (PDL: on at sm_90), and one without PDL
-            types = {**ptrs, "PART_O": "*fp32", "PART_LSE": "*fp32", "LOCK": "*i32",
-                     **{n: "i32" for n in (*strides, "sp_b", "sp_h", "sp_s", "sl_b", "sl_h", "T", "N", "Hkv",
-                                           "split_floor", "window")}}
-            k = compile_for_arch(P._paged_decode_kernel, types,
-                                 dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=dec["BLOCK_N"], BLOCK_S=64,
-                                      BS=16, SPLIT=True, WINDOWED=window, MIXED=window, PDL=pdl, SLOPES=None),
-                                 num_warps=dec["num_warps"], num_stages=dec["num_stages"], aligned=aligned)
+            types = {
+                **ptrs,
+                "PART_O": "*fp32",
+                "PART_LSE": "*fp32",
+                "LOCK": "*i32",
+                **{
+                    n: "i32"
+                    for n in (
+                        *strides,
+                        "sp_b",
+                        "sp_h",
+                        "sp_s",
+                        "sl_b",
+                        "sl_h",
+                        "T",
+                        "N",
+                        "Hkv",
+                        "split_floor",
+                        "window",
+                    )
+                },
+            }
+            k = compile_for_arch(
+                P._paged_decode_kernel,
+                types,
+                dict(
+                    G=4,
+                    HEAD_DIM=128,
+                    BLOCK_D=128,
+                    BLOCK_H=16,
+                    BLOCK_N=dec["BLOCK_N"],
+                    BLOCK_S=64,
+                    BS=16,
+                    SPLIT=True,
+                    WINDOWED=window,
+                    MIXED=window,
+                    PDL=pdl,
+                    SLOPES=None,
+                ),
+                num_warps=dec["num_warps"],
+                num_stages=dec["num_stages"],
+                aligned=aligned,
+            )
             report[f"decode{'-window' * window}{'-pdl' * pdl}"] = {"pdl": pdl_check(k, pdl), "spills": spill_bytes(k)}
         types = {**ptrs, **{n: "i32" for n in (*strides, "N", "window")}}
-        k = compile_for_arch(P._paged_prefill_kernel, types,
-                             dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=pre["BLOCK_M"], BLOCK_N=pre["BLOCK_N"],
-                                  BLOCK_S=64, BS=16, WINDOWED=window, SINGLES=window, SLOPES=None),
-                             num_warps=pre["num_warps"], num_stages=pre["num_stages"], aligned=aligned)
+        k = compile_for_arch(
+            P._paged_prefill_kernel,
+            types,
+            dict(
+                G=4,
+                HEAD_DIM=128,
+                BLOCK_D=128,
+                BLOCK_M=pre["BLOCK_M"],
+                BLOCK_N=pre["BLOCK_N"],
+                BLOCK_S=64,
+                BS=16,
+                WINDOWED=window,
+                SINGLES=window,
+                SLOPES=None,
+            ),
+            num_warps=pre["num_warps"],
+            num_stages=pre["num_stages"],
+            aligned=aligned,
+        )
         report[f"varlen{'-window' * window}"] = {"pdl": "ok", "spills": spill_bytes(k)}
     Path(path).write_text(json.dumps(report, indent=1))
 

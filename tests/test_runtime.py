@@ -3,6 +3,7 @@
 Greedy equality with transformers is in test_compile.py; here: what generate() promises
 (sampling, stop tokens, streaming, limits) and what the runtime must not import.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -54,7 +55,8 @@ def test_runtime_never_imports_transformers_or_the_compiler(compile_artifact):
         engine = dsc.load(sys.argv[1], device="cpu")
         print(engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=4).tokens)
         from dsc.cli import app
-        app(["generate", sys.argv[1], "--prompt", "Hello world", "--max-new-tokens", "3", "--json"], standalone_mode=False)
+        app(["generate", sys.argv[1], "--prompt", "Hello world", "--max-new-tokens", "3", "--json"],
+        standalone_mode=False)
         loaded = [m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED)]
         assert not loaded, loaded
         print("clean")
@@ -65,6 +67,7 @@ def test_runtime_never_imports_transformers_or_the_compiler(compile_artifact):
 
 
 # -- sampling ------------------------------------------------------------------------------
+
 
 def test_sampling_is_reproducible_with_a_seed(engine):
     kw = dict(max_new_tokens=12, temperature=1.0, top_p=0.95, stop_tokens=[])
@@ -89,8 +92,12 @@ def test_top_k_and_top_p_keep_only_their_tokens():
     # probabilities 0.5, 0.3, 0.2, then ~0 for the rest of a 10-token vocabulary
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2] + [1e-9] * 7])).repeat(4000, 1)
     g = torch.Generator().manual_seed(0)
-    for kw, allowed in [(dict(top_k=2), {0, 1}), (dict(top_p=0.6), {0, 1}), (dict(top_p=0.5), {0}),
-                        (dict(top_k=3, top_p=0.9), {0, 1, 2})]:
+    for kw, allowed in [
+        (dict(top_k=2), {0, 1}),
+        (dict(top_p=0.6), {0, 1}),
+        (dict(top_p=0.5), {0}),
+        (dict(top_k=3, top_p=0.9), {0, 1, 2}),
+    ]:
         drawn = set(sample(logits, temperature=1.0, generator=g, **kw).tolist())
         assert drawn == allowed, kw
     counts = torch.bincount(sample(logits, temperature=1.0, generator=g), minlength=10)[:3] / 4000
@@ -98,6 +105,7 @@ def test_top_k_and_top_p_keep_only_their_tokens():
 
 
 # -- stopping, streaming, limits ------------------------------------------------------------
+
 
 def test_stop_tokens_end_each_sequence_at_its_own_stop(engine, greedy):
     stop = greedy[0][3]
@@ -114,19 +122,21 @@ def test_default_stop_tokens_are_the_models_eos(engine):
     assert engine.eos_token_ids == [1]  # the checkpoint's "</s>"
     t = engine.generate([PROMPTS[0]], max_new_tokens=4, stop_tokens=[]).tokens[0]
     assert engine.generate([PROMPTS[0]], max_new_tokens=4, stop_tokens=None).tokens[0] == (
-        t[: t.index(1) + 1] if 1 in t else t)
+        t[: t.index(1) + 1] if 1 in t else t
+    )
 
 
 def test_streaming_callback_sees_every_token_as_it_is_made(engine, greedy):
     stop = greedy[1][2]
     events = []
-    res = engine.generate(PROMPTS, max_new_tokens=8, stop_tokens=[stop],
-                          callback=lambda step, toks: events.append((step, list(toks))))
+    res = engine.generate(
+        PROMPTS, max_new_tokens=8, stop_tokens=[stop], callback=lambda step, toks: events.append((step, list(toks)))
+    )
     assert [s for s, _ in events] == list(range(len(events)))
     for i, toks in enumerate(res.tokens):
         column = [t[i] for _, t in events]
         assert [t for t in column if t is not None] == toks
-        assert all(t is None for t in column[len(toks):])  # nothing after a sequence finished
+        assert all(t is None for t in column[len(toks) :])  # nothing after a sequence finished
 
 
 def _unpipelined(engine, prompts, n, stop, **kw):
@@ -147,8 +157,9 @@ def _unpipelined(engine, prompts, n, stop, **kw):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.9, top_k=50, top_p=0.9, seed=5)])
-def test_pipelined_static_generate_gives_the_plain_loops_tokens_and_one_step_more_at_most(engine, greedy, kw,
-                                                                                          monkeypatch):
+def test_pipelined_static_generate_gives_the_plain_loops_tokens_and_one_step_more_at_most(
+    engine, greedy, kw, monkeypatch
+):
     """generate_static() queues step t + 1 before it reads step t's tokens: the same tokens (sampled
     ones too: the generator is drawn in the same order), and when every sequence has stopped
     early it has decoded one step more than the plain loop, never more."""

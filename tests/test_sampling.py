@@ -1,4 +1,5 @@
 """runtime/sampling.py: batched per-request sampling (sample_batch) and logprobs."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,9 +15,18 @@ def _batch(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, max_top_
     n = logits.shape[0]
     col = lambda v, dt: torch.as_tensor(v if isinstance(v, (list, torch.Tensor)) else [v] * n, dtype=dt)  # noqa: E731
     t, k, p = col(temperature, torch.float32), col(top_k, torch.int64), col(top_p, torch.float32)
-    return sample_batch(logits, t, k, p, col(seed, torch.int64), col(step, torch.int64),
-                        any_sampled=bool((t > 0).any()), any_top_k=bool((k > 0).any()),
-                        any_top_p=bool((p < 1).any()), max_top_k=max_top_k)
+    return sample_batch(
+        logits,
+        t,
+        k,
+        p,
+        col(seed, torch.int64),
+        col(step, torch.int64),
+        any_sampled=bool((t > 0).any()),
+        any_top_k=bool((k > 0).any()),
+        any_top_p=bool((p < 1).any()),
+        max_top_k=max_top_k,
+    )
 
 
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -63,7 +73,7 @@ def test_top_k_keeps_the_k_largest_with_renormalised_mass(k, max_top_k):
 def test_top_p_keeps_the_nucleus(top_p, kept):
     probs = LOGITS[0].double().softmax(-1)
     # kept: the smallest head of the ranking whose mass reaches top_p
-    assert probs[:kept].sum() >= top_p > probs[:kept - 1].sum()
+    assert probs[:kept].sum() >= top_p > probs[: kept - 1].sum()
     tokens = _draws(LOGITS, top_p=top_p)
     counts = torch.bincount(tokens, minlength=7).double()
     assert counts[kept:].sum() == 0
@@ -91,8 +101,13 @@ def test_greedy_rows_are_exact_in_a_mixed_batch():
     torch.manual_seed(0)
     logits = torch.randn(9, 1023)
     temperature = [0.0, 1.0, 0.0, 0.8, 0.0, 2.0, 0.0, 0.0, 1.0]
-    tokens = _batch(logits, temperature=temperature, top_k=[0, 5, 3, 0, 0, 0, 1, 0, 0],
-                    top_p=[1.0, 0.9, 0.5, 1.0, 0.2, 1.0, 1.0, 1.0, 0.5], seed=list(range(9)))
+    tokens = _batch(
+        logits,
+        temperature=temperature,
+        top_k=[0, 5, 3, 0, 0, 0, 1, 0, 0],
+        top_p=[1.0, 0.9, 0.5, 1.0, 0.2, 1.0, 1.0, 1.0, 0.5],
+        seed=list(range(9)),
+    )
     greedy = logits.argmax(-1)
     for r, t in enumerate(temperature):
         if t == 0:
@@ -101,17 +116,27 @@ def test_greedy_rows_are_exact_in_a_mixed_batch():
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 1.5]), st.integers(0, 40),
-                               st.sampled_from([1.0, 0.3, 0.9]), st.integers(0, 2**63 - 1),
-                               st.integers(0, 2**40)), min_size=2, max_size=6),
-       data_seed=st.integers(0, 2**31 - 1))
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 0.5, 1.0, 1.5]),
+            st.integers(0, 40),
+            st.sampled_from([1.0, 0.3, 0.9]),
+            st.integers(0, 2**63 - 1),
+            st.integers(0, 2**40),
+        ),
+        min_size=2,
+        max_size=6,
+    ),
+    data_seed=st.integers(0, 2**31 - 1),
+)
 def test_a_rows_token_depends_on_its_own_parameters_only(rows, data_seed):
     gen = torch.Generator().manual_seed(data_seed)
     logits = torch.randn(len(rows), 301, generator=gen)
     temperature, top_k, top_p, seed, step = (list(c) for c in zip(*rows))
     together = _batch(logits, temperature, top_k, top_p, seed, step)
     for r in range(len(rows)):
-        alone = _batch(logits[r:r + 1], temperature[r], top_k[r], top_p[r], seed[r], step[r])
+        alone = _batch(logits[r : r + 1], temperature[r], top_k[r], top_p[r], seed[r], step[r])
         assert together[r] == alone[0]
 
 

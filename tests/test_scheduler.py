@@ -2,6 +2,7 @@
 token id per slot) and computes each sequence's next token from the tokens it reads back
 through its block table, so a wrong slot, block table, prefix hit, preemption or pending input
 changes the tokens. Checked against the same function applied to each sequence alone."""
+
 from __future__ import annotations
 
 import random
@@ -40,7 +41,7 @@ class FakeExecutor:
         for t, slot in zip(ids, st.slot_mapping):
             self.kv[slot] = t
         rows = []
-        for i, (start, n, table) in enumerate(zip(st.cache_lens, st.query_lens, st.block_tables)):
+        for _i, (start, n, table) in enumerate(zip(st.cache_lens, st.query_lens, st.block_tables)):
             ctx = [self.kv[table[p // self.bs] * self.bs + p % self.bs] for p in range(start + n)]
             rows.append(next_token(ctx))
         for r, c in zip(plan.sample, plan.counters):
@@ -64,7 +65,7 @@ def reference(prompt: list[int], p: SeqParams, max_seq: int, stop_text: tuple[in
         out.append(t)
         if t in p.stop_token_ids or len(out) >= p.max_tokens or len(prompt) + len(out) >= max_seq:
             return out
-        if stop_text and tuple(out[-len(stop_text):]) == stop_text:
+        if stop_text and tuple(out[-len(stop_text) :]) == stop_text:
             return out
 
 
@@ -79,7 +80,7 @@ def run(reqs, limits: SchedulerLimits, async_scheduling: bool, stop_text: tuple[
         while order and (not arrive or reqs[order[0]][0] <= step or not core.has_work()):
             core.scheduler.add(seqs[order.pop(0)])
         for s in core.step():
-            if stop_text and not s.finished and tuple(s.output_ids[-len(stop_text):]) == stop_text:
+            if stop_text and not s.finished and tuple(s.output_ids[-len(stop_text) :]) == stop_text:
                 core.scheduler.finish(s, "stop")
         step += 1
     pool = core.scheduler.pool
@@ -91,9 +92,14 @@ def run(reqs, limits: SchedulerLimits, async_scheduling: bool, stop_text: tuple[
 def workload(n, max_prompt, max_new, seed=0, shared=0, stop=frozenset(), min_tokens=0):
     rng = random.Random(seed)
     system = [rng.randrange(V) for _ in range(shared)]
-    return [(rng.randint(0, 20), system + [rng.randrange(V) for _ in range(rng.randint(1, max_prompt))],
-             SeqParams(max_tokens=rng.randint(1, max_new), stop_token_ids=stop, min_tokens=min_tokens))
-            for _ in range(n)]
+    return [
+        (
+            rng.randint(0, 20),
+            system + [rng.randrange(V) for _ in range(rng.randint(1, max_prompt))],
+            SeqParams(max_tokens=rng.randint(1, max_new), stop_token_ids=stop, min_tokens=min_tokens),
+        )
+        for _ in range(n)
+    ]
 
 
 LIMITS = dict(block_size=4, max_num_seqs=6, max_seq=96)
@@ -104,8 +110,9 @@ LIMITS = dict(block_size=4, max_num_seqs=6, max_seq=96)
 def test_tokens_equal_each_sequence_alone(async_scheduling, budget, blocks):
     """Chunked prompts (budget 1, 5), a full batch, and a pool short enough to preempt."""
     reqs = workload(30, 40, 24, seed=budget + blocks)
-    seqs, core = run(reqs, SchedulerLimits(num_blocks=blocks, max_num_batched_tokens=budget, **LIMITS),
-                     async_scheduling)
+    seqs, core = run(
+        reqs, SchedulerLimits(num_blocks=blocks, max_num_batched_tokens=budget, **LIMITS), async_scheduling
+    )
     for s, (_, p, sp) in zip(seqs, reqs):
         assert s.output_ids == reference(p, sp, 96), s.request_id
         assert s.finish_reason == "length" and s.num_pending == 0
@@ -176,8 +183,9 @@ def test_a_stop_string_on_the_pending_token(async_scheduling):
         if len(out) >= 6:
             stop_text = tuple(out[3:5])
             break
-    seqs, _ = run(reqs, SchedulerLimits(num_blocks=64, max_num_batched_tokens=16, **LIMITS), async_scheduling,
-                  stop_text=stop_text)
+    seqs, _ = run(
+        reqs, SchedulerLimits(num_blocks=64, max_num_batched_tokens=16, **LIMITS), async_scheduling, stop_text=stop_text
+    )
     for s, (_, p, sp) in zip(seqs, reqs):
         assert s.output_ids == reference(p, sp, 96, stop_text)
 
@@ -194,8 +202,9 @@ def test_prefix_hits_and_admission_order():
 
 
 def test_admission_respects_seats_budget_and_blocks():
-    sched = Scheduler(SchedulerLimits(num_blocks=6, block_size=4, max_num_batched_tokens=10, max_num_seqs=2,
-                                      max_seq=64))
+    sched = Scheduler(
+        SchedulerLimits(num_blocks=6, block_size=4, max_num_batched_tokens=10, max_num_seqs=2, max_seq=64)
+    )
     seqs = [Sequence(str(i), list(range(1, 9)), SeqParams(max_tokens=4)) for i in range(3)]
     for s in seqs:
         sched.add(s)
@@ -209,8 +218,7 @@ def test_admission_respects_seats_budget_and_blocks():
         sched.check_fits(20, 10)
 
 
-@pytest.mark.parametrize("field, value", [("num_blocks", 0), ("max_num_batched_tokens", True),
-                                          ("max_num_seqs", 1.5)])
+@pytest.mark.parametrize("field, value", [("num_blocks", 0), ("max_num_batched_tokens", True), ("max_num_seqs", 1.5)])
 def test_limits_are_checked(field, value):
     kw = dict(num_blocks=4, block_size=4)
     kw[field] = value

@@ -2,6 +2,7 @@
 interpreter, in a child process since TRITON_INTERPRET must be set before triton is imported).
 The timings are meaningless here; the GPU runs are what the tools are for. bench_int8.py and
 tune_gemv.py have theirs beside their kernels (test_int8_kernels.py, test_linear_kernel.py)."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,9 @@ def run(script: str, *args: str, interpret: bool = False, **env: str) -> str:
     """python scripts/<script> args in a child process; its stdout (+ stderr), asserting exit 0."""
     child = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     child.update(env, **({"TRITON_INTERPRET": "1"} if interpret else {}))
-    proc = subprocess.run([sys.executable, str(SCRIPTS / script), *args], env=child, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args], env=child, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -30,10 +32,26 @@ def run(script: str, *args: str, interpret: bool = False, **env: str) -> str:
 def test_scripts_are_the_maintained_set():
     """scripts/ holds the maintained tools only (each with a test here or beside its kernels)."""
     assert {p.name for p in SCRIPTS.iterdir() if p.name != "__pycache__"} <= {
-        "demo.py", "bench_decode.py", "bench_int8.py", "bench_kernels.py", "bench_compile.py", "tune_kernels.py",
-        "tune_gemv.py", "ncu_kernels.py", "timing.py", "gen_docs.py", "bench_serving.py", "bench_engine.py", "bench_moe.py",
-        "soak_serve.py", "bench_fp8.py", "bench_int4.py", "bench_encoders.py",
-        "bench_cold_start.py", "bench_offload.py"}
+        "demo.py",
+        "bench_decode.py",
+        "bench_int8.py",
+        "bench_kernels.py",
+        "bench_compile.py",
+        "tune_kernels.py",
+        "tune_gemv.py",
+        "ncu_kernels.py",
+        "timing.py",
+        "gen_docs.py",
+        "bench_serving.py",
+        "bench_engine.py",
+        "bench_moe.py",
+        "soak_serve.py",
+        "bench_fp8.py",
+        "bench_int4.py",
+        "bench_encoders.py",
+        "bench_cold_start.py",
+        "bench_offload.py",
+    }
 
 
 def test_bench_fp8_gemm_smoke(tmp_path):
@@ -55,8 +73,18 @@ def test_bench_cold_start_on_the_cpu(compile_artifact, tmp_path):
     """The cold-start benchmark's two `dsc serve` runs (untrusted binaries: JIT; --trust-kernels),
     on the CPU, where neither path compiles a kernel: both answer the same text."""
     art = compile_artifact("llama-tiny", ckpt_kwargs={"dtype": "bfloat16"}, targets=("sm_90",))
-    run("bench_cold_start.py", "--artifact", str(art), "--device", "cpu", "--kv-cache-memory", "0.05",
-        "--work", str(tmp_path), OUT=str(tmp_path))
+    run(
+        "bench_cold_start.py",
+        "--artifact",
+        str(art),
+        "--device",
+        "cpu",
+        "--kv-cache-memory",
+        "0.05",
+        "--work",
+        str(tmp_path),
+        OUT=str(tmp_path),
+    )
     res = json.loads((tmp_path / "bench_cold_start.json").read_text())
     assert res["texts_equal"] and res["kernel_binaries"]["binaries"] > 0
     assert res["jit"]["ready_s"] > 0 and res["binaries"]["first_answer_s"] >= res["binaries"]["ready_s"]
@@ -64,8 +92,21 @@ def test_bench_cold_start_on_the_cpu(compile_artifact, tmp_path):
 
 def test_bench_encoders_on_the_cpu(tmp_path):
     """dsc's encode against transformers (eager) on a random BERT in fp32: the same states."""
-    run("bench_encoders.py", "--device", "cpu", "--dtype", "float32", "--cases", "bert-odd:16:3", "--no-compile",
-        "--iters", "2", "--work", str(tmp_path / "work"), OUT=str(tmp_path))
+    run(
+        "bench_encoders.py",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--cases",
+        "bert-odd:16:3",
+        "--no-compile",
+        "--iters",
+        "2",
+        "--work",
+        str(tmp_path / "work"),
+        OUT=str(tmp_path),
+    )
     (row,) = json.loads((tmp_path / "bench_encoders.json").read_text())
     assert row["batch"] == 3 and row["max_abs_diff"] <= 1e-4 * max(1.0, row["max_abs_ref"]) and row["dsc_ms"] > 0
     assert row["graph_vs_eager_max_abs_diff"] == 0
@@ -75,9 +116,30 @@ def test_bench_encoders_on_the_cpu(tmp_path):
 def test_bench_engine_dry_run_on_the_cpu(tmp_path):
     """Each part in its own process (batch 1 and HTTP are the GPU run's): the budget sweep
     (async and sync give every request its tokens), the load stages; the table and the JSON."""
-    out = run("bench_engine.py", "all", "--shape", "llama-tiny", "--device", "cpu", "--requests", "6",
-              "--prompt-lens", "8,40", "--output-lens", "2,6", "--budgets", "16,64", "--sync-budget", "16",
-              "--parts", "offline,load", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
+    out = run(
+        "bench_engine.py",
+        "all",
+        "--shape",
+        "llama-tiny",
+        "--device",
+        "cpu",
+        "--requests",
+        "6",
+        "--prompt-lens",
+        "8,40",
+        "--output-lens",
+        "2,6",
+        "--budgets",
+        "16,64",
+        "--sync-budget",
+        "16",
+        "--parts",
+        "offline,load",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(tmp_path / "out"),
+    )
     res = json.loads((tmp_path / "out" / "bench_engine.json").read_text())
     runs = res["offline"]["runs"]
     assert set(runs) == {"budget 16", "budget 64", "budget 16, sync"} and res["offline"]["flops"] > 0
@@ -97,14 +159,17 @@ def test_timing_medians_on_the_cpu():
 
 def test_checkout_modules_loads_kernels_without_the_package_init():
     """A bare `dsc` over this checkout: the kernel module imports, dsc/__init__ and the compiler do not."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from timing import checkout_modules, ROOT\n"
-            "norm, = checkout_modules('kernels.norm')\n"
-            "assert norm.__file__ == str(ROOT / 'kernels' / 'norm.py'), norm.__file__\n"
-            "assert not hasattr(sys.modules['dsc'], 'compile') and 'dsc.compiler' not in sys.modules\n"
-            "assert 'transformers' not in sys.modules\n"
-            "print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code, str(SCRIPTS)], capture_output=True, text=True, timeout=300,
-                          cwd="/")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from timing import checkout_modules, ROOT\n"
+        "norm, = checkout_modules('kernels.norm')\n"
+        "assert norm.__file__ == str(ROOT / 'kernels' / 'norm.py'), norm.__file__\n"
+        "assert not hasattr(sys.modules['dsc'], 'compile') and 'dsc.compiler' not in sys.modules\n"
+        "assert 'transformers' not in sys.modules\n"
+        "print('ok')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(SCRIPTS)], capture_output=True, text=True, timeout=300, cwd="/"
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
@@ -119,8 +184,26 @@ def test_bench_decode_dry_run_and_table(bench_work):
     import bench_decode
 
     out = bench_work / "out"
-    rc = bench_decode.main(["--shape", "llama-tiny", "--dtype", "float32", "--device", "cpu", "--hf", "none",
-                            "--batches", "1,2", "--prefill", "16", "--work", str(bench_work), "--out", str(out)])
+    rc = bench_decode.main(
+        [
+            "--shape",
+            "llama-tiny",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--hf",
+            "none",
+            "--batches",
+            "1,2",
+            "--prefill",
+            "16",
+            "--work",
+            str(bench_work),
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads((out / "bench_llama-tiny-float32.json").read_text())
     assert set(res["dsc"]["decode"]) == {"1", "2"} and res["dsc"]["decode"]["1"]["ms_per_step_queued"] > 0
@@ -136,9 +219,28 @@ def test_bench_decode_baseline_runs_both_checkouts_on_one_artifact(bench_work, t
 
     base = tmp_path / "base"
     root = SCRIPTS.parent
-    shutil.copytree(root, base, ignore=shutil.ignore_patterns(".git", ".venv", "build", "tests", ".base", "__pycache__"))
-    out = run("bench_decode.py", "--shape", "llama-tiny", "--dtype", "float32", "--device", "cpu", "--batches", "1",
-              "--work", str(bench_work), "--out", str(tmp_path / "out"), "--baseline", str(base), "--rounds", "1")
+    shutil.copytree(
+        root, base, ignore=shutil.ignore_patterns(".git", ".venv", "build", "tests", ".base", "__pycache__")
+    )
+    out = run(
+        "bench_decode.py",
+        "--shape",
+        "llama-tiny",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--batches",
+        "1",
+        "--work",
+        str(bench_work),
+        "--out",
+        str(tmp_path / "out"),
+        "--baseline",
+        str(base),
+        "--rounds",
+        "1",
+    )
     assert f"base: dsc from {base.resolve() / '__init__.py'}" in out  # the baseline imports its own copy
     assert f"this: dsc from {root / '__init__.py'}" in out
     ab = json.loads((tmp_path / "out" / "ab_llama-tiny-float32.json").read_text())
@@ -150,18 +252,29 @@ def test_bench_decode_baseline_runs_both_checkouts_on_one_artifact(bench_work, t
 
 
 def test_bench_decode_baseline_must_be_a_checkout(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_decode.py"), "--baseline", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"error: --baseline: {tmp_path} holds no dsc checkout " \
-                                                           "(no runtime/bench.py)"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_decode.py"), "--baseline", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == f"error: --baseline: {tmp_path} holds no dsc checkout (no runtime/bench.py)"
+    )
 
 
 def test_bench_decode_plot(tmp_path):
     pytest.importorskip("matplotlib")
     import bench_decode
 
-    res = {"shape": "llama-tiny", "dtype": "float32", "dsc": {"decode": {"1": {"ms_per_step": 2.0, "tokens_per_s": 500},
-                                                                         "8": {"ms_per_step": 3.0, "tokens_per_s": 2666}}}}
+    res = {
+        "shape": "llama-tiny",
+        "dtype": "float32",
+        "dsc": {
+            "decode": {"1": {"ms_per_step": 2.0, "tokens_per_s": 500}, "8": {"ms_per_step": 3.0, "tokens_per_s": 2666}}
+        },
+    }
     (tmp_path / "r.json").write_text(json.dumps(res))
     assert bench_decode.main(["--plot", str(tmp_path / "r.json"), "-o", str(tmp_path / "r.png")]) == 0
     assert (tmp_path / "r.png").stat().st_size > 0
@@ -187,17 +300,29 @@ def test_bench_kernels_paged_smoke(tmp_path):
 
 
 def test_bench_kernels_unknown_section():
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_kernels.py"), "nope"], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 2 and proc.stderr.strip() == \
-        "error: section: 'nope' is not one of fused, attention, fused-decode, paged"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_kernels.py"), "nope"], capture_output=True, text=True, timeout=300
+    )
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == "error: section: 'nope' is not one of fused, attention, fused-decode, paged"
+    )
 
 
 def test_tune_kernels_smoke_writes_a_table(tmp_path):
     """Three candidates of two kernels in the interpreter; the table goes to --out, not kernels/,
     keeping the rows it did not tune."""
-    run("tune_kernels.py", "--smoke", "--dtype", "float16", "--only", "add_rmsnorm,gelu", "--out",
-        str(tmp_path / "tuning.json"), interpret=True)
+    run(
+        "tune_kernels.py",
+        "--smoke",
+        "--dtype",
+        "float16",
+        "--only",
+        "add_rmsnorm,gelu",
+        "--out",
+        str(tmp_path / "tuning.json"),
+        interpret=True,
+    )
     table = json.loads((tmp_path / "tuning.json").read_text())
     log = json.loads((tmp_path / "tune_kernels_log.json").read_text())
     picked = [r for r in log["candidates"] if r["picked"]]
@@ -251,14 +376,27 @@ def test_demo_runs_the_whole_loop(smollm2):
 def test_soak_serve_short_run(compile_artifact, tmp_path):
     pytest.importorskip("fastapi")
     art = compile_artifact("llama-tiny", dtype="fp32")
-    out = run("soak_serve.py", str(art), "--seconds", "6", "--window", "2", "--rate", "4", "--prompt-len", "4:30",
-              "--output-len", "4:8", "--json", str(tmp_path / "soak.json"))
+    out = run(
+        "soak_serve.py",
+        str(art),
+        "--seconds",
+        "6",
+        "--window",
+        "2",
+        "--rate",
+        "4",
+        "--prompt-len",
+        "4:30",
+        "--output-len",
+        "4:8",
+        "--json",
+        str(tmp_path / "soak.json"),
+    )
     res = json.loads((tmp_path / "soak.json").read_text())
     assert len(res["samples"]) == 3 and res["problems"] == []
     assert all(s["kv_blocks_used_idle"] == 0 and s["failed"] == 0 and s["completed"] == 8 for s in res["samples"])
     assert all(s["rss_mib"] > 50 for s in res["samples"])  # the server's (torch-sized) process, not the script's
     assert out.rstrip().endswith("ok")
-
 
 
 def test_bench_offload_runs_one_engine_on_the_cpu(compile_artifact, tmp_path):
@@ -267,8 +405,20 @@ def test_bench_offload_runs_one_engine_on_the_cpu(compile_artifact, tmp_path):
     from dsc.runtime.llm import LLMEngine, SamplingParams
 
     art = compile_artifact("llama-tiny", ckpt_kwargs={"num_hidden_layers": 6}, dtype="fp32")
-    run("bench_offload.py", "run", "--artifact", str(art), "--mode", "disk", "--device", "cpu", "--batches", "1,3",
-        "--json", str(tmp_path / "disk.json"))
+    run(
+        "bench_offload.py",
+        "run",
+        "--artifact",
+        str(art),
+        "--mode",
+        "disk",
+        "--device",
+        "cpu",
+        "--batches",
+        "1,3",
+        "--json",
+        str(tmp_path / "disk.json"),
+    )
     disk = json.loads((tmp_path / "disk.json").read_text())
     assert disk["offload"]["streamed_layers"] == 6
     for b in ("1", "3"):

@@ -5,6 +5,7 @@ Most tests run the HTTP layer over a fake engine of the LLMEngine interface (tes
 deterministic tokens, a scheduler with a KV block pool), which makes queueing, disconnects and
 failures exact and fast.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,8 +70,11 @@ class Live:
         end = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = m["dsc_num_requests_running"] == 0 and m["dsc_num_requests_waiting"] == 0 \
+            idle = (
+                m["dsc_num_requests_running"] == 0
+                and m["dsc_num_requests_waiting"] == 0
                 and m["dsc_kv_blocks_used"] == 0
+            )
             if idle or time.monotonic() > end:
                 return m
             time.sleep(0.05)
@@ -127,10 +131,14 @@ def test_completion_text_usage_and_finish(live):
 
 
 def test_chat_applies_the_template(live):
-    r = live.client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "be brief"},
-                                                                   {"role": "user", "content": "hi"}], max_tokens=5)
-    prompt = live.engine.apply_chat_template([{"role": "system", "content": "be brief"},
-                                              {"role": "user", "content": "hi"}])
+    r = live.client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        max_tokens=5,
+    )
+    prompt = live.engine.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == greedy_text(prompt, 5)
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 5
@@ -139,8 +147,11 @@ def test_chat_applies_the_template(live):
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_streamed_equals_unstreamed_with_usage(live, chat):
     kw = dict(model=MODEL, max_tokens=12, n=2)
-    call = (lambda **k: live.client.chat.completions.create(messages=_chat("stream me"), **kw, **k)) if chat else \
-        (lambda **k: live.client.completions.create(prompt="stream me", **kw, **k))
+    call = (
+        (lambda **k: live.client.chat.completions.create(messages=_chat("stream me"), **kw, **k))
+        if chat
+        else (lambda **k: live.client.completions.create(prompt="stream me", **kw, **k))
+    )
     whole = call()
     texts, finish, usage, chunks = {0: "", 1: ""}, {}, None, 0
     for chunk in call(stream=True, stream_options={"include_usage": True}):
@@ -168,14 +179,15 @@ def test_stream_without_include_usage_has_no_usage_chunk(live):
 def test_stop_strings(live, stream):
     full = greedy_text("stop here", 16)
     stop = full[6:8]
-    r = live.client.completions.create(model=MODEL, prompt="stop here", max_tokens=16, stop=[stop, "never"],
-                                       stream=stream)
+    r = live.client.completions.create(
+        model=MODEL, prompt="stop here", max_tokens=16, stop=[stop, "never"], stream=stream
+    )
     if stream:
         chunks = list(r)
         text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
     else:
         text, finish = r.choices[0].text, r.choices[0].finish_reason
-    assert text == full[:full.index(stop)] and finish == "stop"
+    assert text == full[: full.index(stop)] and finish == "stop"
 
 
 def test_completion_logprobs(live):
@@ -188,8 +200,9 @@ def test_completion_logprobs(live):
 
 
 def test_chat_logprobs(live):
-    r = live.client.chat.completions.create(model=MODEL, messages=_chat("lp"), max_tokens=3, logprobs=True,
-                                            top_logprobs=3)
+    r = live.client.chat.completions.create(
+        model=MODEL, messages=_chat("lp"), max_tokens=3, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert "".join(t.token for t in content) == r.choices[0].message.content
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token for t in content)
@@ -200,8 +213,12 @@ def test_chat_logprobs(live):
 
 def test_seeded_sampling_is_reproducible(live):
     def sample(seed):
-        return live.client.completions.create(model=MODEL, prompt="seed", max_tokens=16, temperature=1.0,
-                                              seed=seed).choices[0].text
+        return (
+            live.client.completions.create(model=MODEL, prompt="seed", max_tokens=16, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
+
     assert sample(7) == sample(7) != sample(8)
 
 
@@ -233,6 +250,7 @@ def test_64_concurrent_streaming_clients_each_get_what_they_get_alone(live):
     async def all_at_once():
         async with live.aclient() as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
+
     assert asyncio.run(all_at_once()) == alone
     assert live.wait_idle()["dsc_kv_blocks_used"] == 0
 
@@ -261,13 +279,16 @@ def test_bad_completion_bodies_are_400_naming_the_field(live, body, param):
     assert param in err["message"]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": MODEL, "messages": []}, "messages"),
-    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x", "mood": "ok"}]}, "mood"),
-    ({"model": MODEL, "messages": _chat("x"), "top_logprobs": 2}, "top_logprobs"),
-    ({"model": MODEL, "messages": _chat("x"), "temperature": 3}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x", "mood": "ok"}]}, "mood"),
+        ({"model": MODEL, "messages": _chat("x"), "top_logprobs": 2}, "top_logprobs"),
+        ({"model": MODEL, "messages": _chat("x"), "temperature": 3}, "temperature"),
+    ],
+)
 def test_bad_chat_bodies_are_400_naming_the_field(live, body, param):
     status, _, data = live.raw("POST", "/v1/chat/completions", body)
     assert status == 400 and json.loads(data)["error"]["param"] == param
@@ -339,8 +360,12 @@ def test_a_full_queue_is_429_with_retry_after():
 def test_a_client_that_disconnects_frees_its_kv_blocks(stream):
     with serving(FakeEngine(step_delay_s=0.01)) as s:
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "p" * 100, "max_tokens": 150, "stream": stream}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "p" * 100, "max_tokens": 150, "stream": stream}),
+            {"Content-Type": "application/json"},
+        )
         if stream:
             r = conn.getresponse()
             assert r.status == 200 and r.read(6) == b"data: "
@@ -359,8 +384,9 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(live):
         live.client.completions.create(model=MODEL, prompt="BOOM", max_tokens=3)
     with pytest.raises(openai.APIError, match="the engine failed on this request"):  # the stream's error event
         list(live.client.completions.create(model=MODEL, prompt="BOOM", max_tokens=3, stream=True))
-    assert live.client.completions.create(model=MODEL, prompt="fine", max_tokens=3).choices[0].text == \
-        greedy_text("fine", 3)
+    assert live.client.completions.create(model=MODEL, prompt="fine", max_tokens=3).choices[0].text == greedy_text(
+        "fine", 3
+    )
 
 
 def test_chat_without_a_template_is_400():
@@ -387,7 +413,11 @@ def _garbage(rng: random.Random, i: int) -> tuple[str, str, bytes]:
         junk = rng.choice([None, 5, "user", [{"role": "user"}], [{"content": "x"}], [{"role": "user", "content": 7}]])
         return "POST", "/v1/chat/completions", json.dumps({"messages": junk}).encode()
     if kind == 5:
-        return rng.choice(["GET", "PUT", "DELETE", "PATCH"]), rng.choice(["/v1/completions", "/", "/v1", "/x" * 50]), b""
+        return (
+            rng.choice(["GET", "PUT", "DELETE", "PATCH"]),
+            rng.choice(["/v1/completions", "/", "/v1", "/x" * 50]),
+            b"",
+        )
     if kind == 6:
         return "POST", "/v1/completions", json.dumps({"prompt": [rng.randrange(-5, 10**12)] * 3}).encode()
     return "POST", "/v1/completions", json.dumps([1, 2, 3] if rng.random() < 0.5 else "prompt").encode()
@@ -410,8 +440,12 @@ def test_metrics_count_requests_and_tokens():
 
 # -- the process: SIGTERM, the CLI ----------------------------------------------------------------------
 def _spawn_fake(step_delay: float, shutdown_timeout: float) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "serve_fake.py"), "0", str(step_delay),
-                             str(shutdown_timeout)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "serve_fake.py"), "0", str(step_delay), str(shutdown_timeout)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     assert line.startswith("port "), line + proc.stderr.read()
     return proc, int(line.split()[1])
@@ -434,12 +468,14 @@ def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0():
             return (await client.completions.create(model=MODEL, prompt=f"w{i}", max_tokens=40)).choices[0].text
 
         async def load():
-            tasks = [asyncio.create_task(streamed(i)) for i in range(8)] + \
-                    [asyncio.create_task(whole(i)) for i in range(8)]
+            tasks = [asyncio.create_task(streamed(i)) for i in range(8)] + [
+                asyncio.create_task(whole(i)) for i in range(8)
+            ]
             await started.wait()
             await asyncio.sleep(0.1)  # every request is in by now: they share each step
             proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*tasks)
+
         texts = asyncio.run(load())
         assert texts == [greedy_text(f"s{i}", 40) for i in range(8)] + [greedy_text(f"w{i}", 40) for i in range(8)]
         out, err = proc.communicate(timeout=30)
@@ -453,8 +489,12 @@ def test_sigterm_past_the_shutdown_timeout_aborts_and_exits_0():
     proc, port = _spawn_fake(step_delay=0.05, shutdown_timeout=0.5)
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "long", "max_tokens": 200, "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "long", "max_tokens": 200, "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         assert conn.getresponse().read(6) == b"data: "
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -466,14 +506,18 @@ def test_sigterm_past_the_shutdown_timeout_aborts_and_exits_0():
 
 
 def _dsc(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsc", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "dsc", *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
 
 
 def test_serve_without_the_extra_names_it(tmp_path):
-    code = "import sys; sys.modules['fastapi'] = None; from dsc.cli import main; sys.argv = ['dsc'] + sys.argv[1:]; main()"
-    r = subprocess.run([sys.executable, "-c", code, "serve", str(tmp_path)], capture_output=True, text=True,
-                       timeout=120)
+    code = (
+        "import sys; sys.modules['fastapi'] = None; from dsc.cli import main; sys.argv = ['dsc'] + sys.argv[1:]; main()"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "serve", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and r.stderr.strip() == "error: fastapi is not installed: pip install 'dsc[serve]'"
 
 
@@ -496,14 +540,21 @@ def test_return_token_ids_and_chat_default_length(live):
 # -- over the real engine in its own process: a tiny compiled Llama, fp32 on the CPU -------------------------
 @pytest.fixture(scope="module")
 def real(compile_artifact):
-    with serving_process(compile_artifact("llama-tiny", dtype="fp32"), max_num_seqs=32,
-                         max_num_batched_tokens=128) as s:
+    with serving_process(
+        compile_artifact("llama-tiny", dtype="fp32"), max_num_seqs=32, max_num_batched_tokens=128
+    ) as s:
         yield s
 
 
 def _ids(live, prompt, max_tokens, **kw):
-    r = live.client.completions.create(model=live.engine.model_name, prompt=prompt, max_tokens=max_tokens,
-                                       temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True}, **kw)
+    r = live.client.completions.create(
+        model=live.engine.model_name,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+        **kw,
+    )
     return [c.model_extra["token_ids"] for c in r.choices], r
 
 
@@ -520,8 +571,13 @@ def test_greedy_outputs_equal_transformers_generate(real, make_checkpoint):
     got, r = _ids(real, prompts, 10)
     assert got == expect
     assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 40
-    text = real.client.completions.create(model=real.engine.model_name, prompt="Hello world", max_tokens=6,
-                                          temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    text = real.client.completions.create(
+        model=real.engine.model_name,
+        prompt="Hello world",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     ids = real.engine.tokenizer.encode("Hello world").ids
     with torch.no_grad():
         assert text.choices[0].model_extra["token_ids"] == reference_greedy(ref, ids, 6)[0]
@@ -537,14 +593,20 @@ def test_real_64_concurrent_streaming_clients_each_get_what_they_get_alone(real)
     async def one(client, p):
         ids = []
         async for chunk in await client.completions.create(
-                model=real.engine.model_name, prompt=p, max_tokens=6, temperature=0, stream=True,
-                extra_body={"return_token_ids": True, "ignore_eos": True}):
+            model=real.engine.model_name,
+            prompt=p,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        ):
             ids += chunk.choices[0].model_extra["token_ids"] if chunk.choices else []
         return ids
 
     async def all_at_once():
         async with real.aclient() as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
+
     assert asyncio.run(all_at_once()) == alone
     assert real.wait_idle()["dsc_kv_blocks_used"] == 0
 
@@ -562,16 +624,36 @@ def test_real_seeded_sampling_and_stop_strings(real):
     name = real.engine.model_name
 
     def sample(seed):
-        return real.client.completions.create(model=name, prompt="Hello", max_tokens=12, temperature=1.0, seed=seed,
-                                              extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            real.client.completions.create(
+                model=name, prompt="Hello", max_tokens=12, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
+
     assert sample(3) == sample(3)
-    full = real.client.completions.create(model=name, prompt="Hello", max_tokens=12, temperature=0,
-                                          extra_body={"ignore_eos": True}).choices[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 2]
-    streamed = "".join(c.choices[0].text for c in real.client.completions.create(
-        model=name, prompt="Hello", max_tokens=12, temperature=0, stop=stop, stream=True,
-        extra_body={"ignore_eos": True}))
-    assert streamed == full[:full.index(stop)]
+    full = (
+        real.client.completions.create(
+            model=name, prompt="Hello", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    streamed = "".join(
+        c.choices[0].text
+        for c in real.client.completions.create(
+            model=name,
+            prompt="Hello",
+            max_tokens=12,
+            temperature=0,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert streamed == full[: full.index(stop)]
 
 
 def test_real_stop_strings_in_the_api_process_match_the_in_process_engine(real, compile_artifact):
@@ -586,9 +668,10 @@ def test_real_stop_strings_in_the_api_process_match_the_in_process_engine(real, 
     full, both = llm.generate(["Hello"] * 2, [SamplingParams(**greedy), SamplingParams(**sampled)])
     text, both = full.outputs[0].text.rstrip("\ufffd"), both.outputs
     stops = [[text[5:7]], ["never", text[10:13]], [text[2]]]
-    stop = next(both[0].text[k:k + 3] for k in range(2, 12) if both[0].text[k:k + 3] not in both[1].text)
-    refs = llm.generate(["Hello"] * 4, [SamplingParams(stop=s, **greedy) for s in stops] +
-                        [SamplingParams(stop=[stop], **sampled)])
+    stop = next(both[0].text[k : k + 3] for k in range(2, 12) if both[0].text[k : k + 3] not in both[1].text)
+    refs = llm.generate(
+        ["Hello"] * 4, [SamplingParams(stop=s, **greedy) for s in stops] + [SamplingParams(stop=[stop], **sampled)]
+    )
     for s, ref in zip(stops, refs):
         ref = ref.outputs[0]
         kw = dict(model=name, prompt="Hello", max_tokens=24, temperature=0, stop=s, extra_body={"ignore_eos": True})
@@ -598,8 +681,16 @@ def test_real_stop_strings_in_the_api_process_match_the_in_process_engine(real, 
         assert "".join(c.choices[0].text for c in real.client.completions.create(stream=True, **kw)) == ref.text
     # n = 2: a stop string of choice 0 that choice 1 never shows ends choice 0 only
     ref = refs[-1].outputs
-    r = real.client.completions.create(model=name, prompt="Hello", max_tokens=20, n=2, temperature=1.0, seed=11,
-                                       stop=[stop], extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = real.client.completions.create(
+        model=name,
+        prompt="Hello",
+        max_tokens=20,
+        n=2,
+        temperature=1.0,
+        seed=11,
+        stop=[stop],
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     c0, c1 = sorted(r.choices, key=lambda c: c.index)
     assert (c0.text, c0.finish_reason, c0.model_extra["token_ids"]) == (ref[0].text, "stop", ref[0].token_ids)
     assert c1.finish_reason == "length" and c1.model_extra["token_ids"] == ref[1].token_ids == both[1].token_ids
@@ -609,8 +700,12 @@ def test_real_stop_strings_in_the_api_process_match_the_in_process_engine(real, 
 
 def test_real_disconnect_frees_the_kv_blocks(real):
     conn = http.client.HTTPConnection("127.0.0.1", real.port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": [5] * 50, "max_tokens": 400, "stream": True,
-                                                        "ignore_eos": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": [5] * 50, "max_tokens": 400, "stream": True, "ignore_eos": True}),
+        {"Content-Type": "application/json"},
+    )
     r = conn.getresponse()
     assert r.status == 200 and r.read(6) == b"data: "
     used = real.metrics()["dsc_kv_blocks_used"]
@@ -653,9 +748,26 @@ def test_bench_lengths_and_arrivals():
 
 def test_bench_serve_reports_every_rate(tmp_path):
     with serving(FakeEngine(step_delay_s=0.002, max_num_seqs=8)) as s:
-        r = _dsc("bench-serve", s.url, "--rate", "30", "--rate", "inf", "--num-requests", "24", "--prompt-len", "4:40",
-                 "--output-len", "5,9", "--vocab", "120", "--json", str(tmp_path / "b.json"),
-                 "--png", str(tmp_path / "b.png"))
+        r = _dsc(
+            "bench-serve",
+            s.url,
+            "--rate",
+            "30",
+            "--rate",
+            "inf",
+            "--num-requests",
+            "24",
+            "--prompt-len",
+            "4:40",
+            "--output-len",
+            "5,9",
+            "--vocab",
+            "120",
+            "--json",
+            str(tmp_path / "b.json"),
+            "--png",
+            str(tmp_path / "b.png"),
+        )
         assert r.returncode == 0, r.stderr
         m = s.metrics()
     res = json.loads((tmp_path / "b.json").read_text())
@@ -697,20 +809,35 @@ def test_tp2_serve_starts_its_ranks_answers_like_tp1_and_drains_on_sigterm(compi
     from dsc.compiler.verify import reference_greedy, reference_model
 
     art = compile_artifact("llama-tiny", dtype="fp32", tp=2)
-    proc = subprocess.Popen([sys.executable, "-m", "dsc", "serve", str(art), "--port", "0", "--device", "cpu"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsc", "serve", str(art), "--port", "0", "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         port = int(re.search(r":(\d+)/v1", line).group(1)) if "/v1" in line else pytest.fail(line + proc.stderr.read())
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         prompt = [7, 99, 301, 45, 12]
-        r = client.completions.create(model=art.name, prompt=prompt, max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        r = client.completions.create(
+            model=art.name,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         with torch.no_grad():
             expect = reference_greedy(reference_model(make_checkpoint("llama-tiny"), torch.float32), prompt, 8)[0]
         assert r.choices[0].model_extra["token_ids"] == expect
-        stream = client.completions.create(model=art.name, prompt=prompt, max_tokens=60, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+        stream = client.completions.create(
+            model=art.name,
+            prompt=prompt,
+            max_tokens=60,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         ids = list(next(iter(stream)).choices[0].model_extra["token_ids"])
         proc.send_signal(signal.SIGTERM)
         for chunk in stream:
@@ -746,15 +873,33 @@ def test_a_thousand_garbage_requests_leave_it_serving_and_the_pool_empty(real):
 
 def test_bench_serve_against_the_real_server_and_offline(real, compile_artifact, tmp_path):
     art = compile_artifact("llama-tiny", dtype="fp32")
-    r = _dsc("bench-serve", real.url, "--rate", "inf", "--num-requests", "12", "--prompt-len", "3:50",
-             "--output-len", "4:9", "--vocab", "500", "--offline", str(art), "--device", "cpu",
-             "--json", str(tmp_path / "b.json"))
+    r = _dsc(
+        "bench-serve",
+        real.url,
+        "--rate",
+        "inf",
+        "--num-requests",
+        "12",
+        "--prompt-len",
+        "3:50",
+        "--output-len",
+        "4:9",
+        "--vocab",
+        "500",
+        "--offline",
+        str(art),
+        "--device",
+        "cpu",
+        "--json",
+        str(tmp_path / "b.json"),
+    )
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "b.json").read_text())
     http, offline = res["results"]
     assert http["completed"] == offline["completed"] == 12 and offline["rate"] == "offline"
     # the same requests, each generating exactly its output length, both ways
     assert http["output_tokens_per_s"] * http["duration_s"] == pytest.approx(
-        offline["output_tokens_per_s"] * offline["duration_s"])
+        offline["output_tokens_per_s"] * offline["duration_s"]
+    )
     assert res["http_over_offline"] == pytest.approx(http["output_tokens_per_s"] / offline["output_tokens_per_s"])
     assert "saturated HTTP throughput / offline dsc.LLM" in r.stdout

@@ -5,6 +5,7 @@ life: a killed engine, SIGTERM under load, a load that fails.
 The loop's tests run it over the fake engine (tests/serve_fake.py) in a thread, through the same
 sockets an engine process uses; the process tests start `dsc serve` on a tiny compiled Llama.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -83,10 +84,11 @@ def test_a_stop_string_in_one_choice_ends_that_sequence_in_the_engine():
     engine = FakeEngine(step_delay_s=0.005, detokenize=False)
     with serving_loop(engine) as s:
         for stream in (False, True):
-            r = s.client.completions.create(model=MODEL, prompt="stop here", max_tokens=25, n=2, stop=[stop],
-                                            stream=stream)
+            r = s.client.completions.create(
+                model=MODEL, prompt="stop here", max_tokens=25, n=2, stop=[stop], stream=stream
+            )
             got, finish = {0: "", 1: ""}, {}
-            for c in ([ch for chunk in r for ch in chunk.choices] if stream else r.choices):
+            for c in [ch for chunk in r for ch in chunk.choices] if stream else r.choices:
                 got[c.index] += c.text
                 finish[c.index] = c.finish_reason or finish.get(c.index)
             assert got == {0: texts[0][:6], 1: texts[1]} and finish == {0: "stop", 1: "length"}
@@ -100,8 +102,9 @@ def test_a_failing_step_in_the_engine_fails_its_requests_and_it_keeps_serving(fa
         fake.client.completions.create(model=MODEL, prompt="BOOM", max_tokens=3)
     with pytest.raises(openai.APIError, match="the engine failed on this request"):
         list(fake.client.completions.create(model=MODEL, prompt="BOOM", max_tokens=3, stream=True))
-    assert fake.client.completions.create(model=MODEL, prompt="fine", max_tokens=3).choices[0].text == \
-        greedy_text("fine", 3)
+    assert fake.client.completions.create(model=MODEL, prompt="fine", max_tokens=3).choices[0].text == greedy_text(
+        "fine", 3
+    )
     with pytest.raises(openai.BadRequestError) as e:  # refused by add_request, across the sockets
         fake.client.completions.create(model=MODEL, prompt="x" * 256, max_tokens=3)
     assert e.value.body["param"] == "prompt"
@@ -114,8 +117,12 @@ def test_a_failing_step_in_the_engine_fails_its_requests_and_it_keeps_serving(fa
 
 def test_a_client_that_disconnects_frees_its_kv_blocks_in_the_engine(fake):
     conn = http.client.HTTPConnection("127.0.0.1", fake.port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "p" * 100, "max_tokens": 150, "stream": True}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "p" * 100, "max_tokens": 150, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
     assert conn.getresponse().read(6) == b"data: "
     while fake.metrics()["dsc_kv_blocks_used"] == 0:
         time.sleep(0.01)
@@ -150,8 +157,13 @@ def test_a_killed_engine_process_fails_the_requests_in_flight_and_new_ones_get_5
         died = threading.Event()
         s.server.driver.on_death = died.set
         body = {"prompt": [5] * 20, "max_tokens": 400, "ignore_eos": True}
-        stream = s.client.completions.create(model=s.engine.model_name, prompt=body["prompt"], max_tokens=400,
-                                             stream=True, extra_body={"ignore_eos": True})
+        stream = s.client.completions.create(
+            model=s.engine.model_name,
+            prompt=body["prompt"],
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         next(iter(stream))
         whole: list = []
         waiting = threading.Thread(target=lambda: whole.append(s.raw("POST", "/v1/completions", body)))
@@ -188,11 +200,14 @@ def test_serve_artifact_exits_1_when_its_engine_process_dies(tiny):
         thread.start()
         while len(lines) < 3 and thread.is_alive():
             time.sleep(0.05)
-    port, pid = (int(re.search(pattern, text).group(1)) for pattern, text in
-                 ((r":(\d+)/v1", lines[0]), (r"engine process (\d+)", lines[2])))
+    port, pid = (
+        int(re.search(pattern, text).group(1))
+        for pattern, text in ((r":(\d+)/v1", lines[0]), (r"engine process (\d+)", lines[2]))
+    )
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    stream = client.completions.create(model=tiny.name, prompt=[5] * 20, max_tokens=400, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=tiny.name, prompt=[5] * 20, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="engine process has gone"):
@@ -203,9 +218,13 @@ def test_serve_artifact_exits_1_when_its_engine_process_dies(tiny):
 
 def _dsc_serve(artifact, *args) -> tuple[subprocess.Popen, int, int]:
     """`dsc serve` on a free port: the process, its port and its engine process's pid."""
-    proc = subprocess.Popen([sys.executable, "-m", "dsc", "serve", str(artifact), "--port", "0", "--device", "cpu",
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **ENGINE_ENV})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsc", "serve", str(artifact), "--port", "0", "--device", "cpu", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **ENGINE_ENV},
+    )
     lines = [proc.stdout.readline() for _ in range(3)]
     port, pid = re.search(r":(\d+)/v1", lines[0]), re.search(r"engine process (\d+)", lines[2])
     if not (port and pid):
@@ -219,8 +238,9 @@ def test_dsc_serve_sigterm_under_load_drains_the_engine_and_exits_0(tiny):
     try:
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         started = asyncio.Event()
-        kw = dict(model=tiny.name, max_tokens=40, temperature=0, extra_body={"ignore_eos": True,
-                                                                              "return_token_ids": True})
+        kw = dict(
+            model=tiny.name, max_tokens=40, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}
+        )
 
         async def streamed(i):
             ids, finish = [], None
@@ -235,12 +255,14 @@ def test_dsc_serve_sigterm_under_load_drains_the_engine_and_exits_0(tiny):
             return r.choices[0].finish_reason, r.usage.completion_tokens
 
         async def load():
-            tasks = [asyncio.create_task(streamed(i)) for i in range(8)] + \
-                    [asyncio.create_task(whole(i)) for i in range(8)]
+            tasks = [asyncio.create_task(streamed(i)) for i in range(8)] + [
+                asyncio.create_task(whole(i)) for i in range(8)
+            ]
             await started.wait()
             await asyncio.sleep(0.1)  # every request is in by now
             proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*tasks)
+
         results = asyncio.run(load())
         assert results == [("length", 40)] * 16
         _, err = proc.communicate(timeout=60)
@@ -276,14 +298,21 @@ def test_the_api_process_renders_the_artifacts_chat_template_without_its_weights
     art = copy_artifact(tiny, tmp_path / "art")
     cfg_path = art / "tokenizer" / "tokenizer_config.json"
     cfg = read_json(cfg_path)
-    cfg["chat_template"] = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    cfg["chat_template"] = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     write_json(cfg_path, cfg)
     rehash(art)
     opened = open_artifact(art, ranks=[])
-    facts = EngineFacts(opened, opened.tokenizer(), dict(model_name="art", max_model_len=512, vocab_size=512,
-                                                         eos_token_ids=[], block_size=16, world=1, pid=0))
-    assert facts.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]) \
+    facts = EngineFacts(
+        opened,
+        opened.tokenizer(),
+        dict(model_name="art", max_model_len=512, vocab_size=512, eos_token_ids=[], block_size=16, world=1, pid=0),
+    )
+    assert (
+        facts.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
         == "<system>be brief<user>hi<assistant>"
+    )
     with pytest.raises(UserError, match="messages"):
         facts.apply_chat_template([{"content": "no role"}])

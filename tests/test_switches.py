@@ -1,5 +1,6 @@
 """switches.py: every DSC_* variable declared once, read once, checked with one clear line, and
 docs/switches.md generated from the declarations."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,11 @@ NAME = re.compile(r"\bDSC_[A-Z0-9_]+\b")
 def _sources(*skip: str) -> list[Path]:
     """The project's Python files: not the folders `skip`, nor hidden or build folders (a
     virtualenv, a baseline checkout in .base/, pip's build/)."""
-    return [p for p in ROOT.rglob("*.py")
-            if (top := p.relative_to(ROOT).parts[0]) not in (*skip, "build") and not top.startswith(".")]
+    return [
+        p
+        for p in ROOT.rglob("*.py")
+        if (top := p.relative_to(ROOT).parts[0]) not in (*skip, "build") and not top.startswith(".")
+    ]
 
 
 def _names_in(paths) -> dict[str, set[str]]:
@@ -42,8 +46,11 @@ def test_every_dsc_variable_the_code_and_tests_name_is_declared():
 def test_only_the_registry_reads_dsc_variables_from_the_environment():
     """Code reads a switch through `switches.get`, never os.environ / os.getenv."""
     reads = re.compile(r"(os\.environ(\.get)?\s*[\[(]\s*|os\.getenv\(\s*)[\"']DSC_")
-    offenders = [str(p.relative_to(ROOT)) for p in _sources("scripts", "tests")
-                 if p.name != "switches.py" and reads.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in _sources("scripts", "tests")
+        if p.name != "switches.py" and reads.search(p.read_text())
+    ]
     assert not offenders, offenders
 
 
@@ -54,7 +61,6 @@ def test_docs_page_lists_every_switch():
     for s in switches.SWITCHES.values():
         assert f"## `{s.name}`" in want and all(f"| `{c}` |" in want for c in s.choices), s.name
         assert s.doc and (s.choices or s.value_doc), s.name
-
 
 
 @pytest.mark.parametrize("name", sorted(switches.SWITCHES))
@@ -69,14 +75,17 @@ def test_every_choice_is_accepted(name, value, monkeypatch):
     assert switches.get(name) == value
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("DSC_PDL", "x", "DSC_PDL: must be one of auto, off, got 'x'"),
-    ("DSC_PDL", "on", "DSC_PDL: must be one of auto, off, got 'on'"),
-    ("DSC_PDL", "", "DSC_PDL: must be one of auto, off, got ''"),
-    ("DSC_ALLREDUCE", "one_shot", "DSC_ALLREDUCE: must be one of auto, nccl, got 'one_shot'"),
-    ("DSC_GEMV", "Tuned", "DSC_GEMV: must be one of tuned, off, all, got 'Tuned'"),
-    ("DSC_UPDATE_GOLDEN", "yes", "DSC_UPDATE_GOLDEN: must be one of 0, 1, got 'yes'"),
-])
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("DSC_PDL", "x", "DSC_PDL: must be one of auto, off, got 'x'"),
+        ("DSC_PDL", "on", "DSC_PDL: must be one of auto, off, got 'on'"),
+        ("DSC_PDL", "", "DSC_PDL: must be one of auto, off, got ''"),
+        ("DSC_ALLREDUCE", "one_shot", "DSC_ALLREDUCE: must be one of auto, nccl, got 'one_shot'"),
+        ("DSC_GEMV", "Tuned", "DSC_GEMV: must be one of tuned, off, all, got 'Tuned'"),
+        ("DSC_UPDATE_GOLDEN", "yes", "DSC_UPDATE_GOLDEN: must be one of 0, 1, got 'yes'"),
+    ],
+)
 def test_a_bad_value_is_one_line_naming_the_switch(name, value, message, monkeypatch):
     monkeypatch.setenv(name, value)
     with pytest.raises(UserError) as e:
@@ -89,9 +98,12 @@ def test_tuning_file_is_checked_when_read(tmp_path, monkeypatch):
     good.write_text(json.dumps({"_comment": "ignored", "sm_90": {"gemv": {"N8_K8": {"BLOCK_N": 1}}}}))
     monkeypatch.setenv("DSC_TUNING", str(good))
     assert switches.get("DSC_TUNING") == str(good)
-    for name, text, why in (("missing.json", None, "cannot read"), ("bad.json", "{", "cannot read"),
-                            ("list.json", "[1]", "is not {arch:"), ("row.json", '{"sm_90": {"gemv": {"N8_K8": 3}}}',
-                                                                    "is not {arch:")):
+    for name, text, why in (
+        ("missing.json", None, "cannot read"),
+        ("bad.json", "{", "cannot read"),
+        ("list.json", "[1]", "is not {arch:"),
+        ("row.json", '{"sm_90": {"gemv": {"N8_K8": 3}}}', "is not {arch:"),
+    ):
         path = tmp_path / name
         if text is not None:
             path.write_text(text)
@@ -99,7 +111,7 @@ def test_tuning_file_is_checked_when_read(tmp_path, monkeypatch):
         switches.reload()
         with pytest.raises(UserError) as e:
             switches.get("DSC_TUNING")
-        assert str(e.value).startswith(f"DSC_TUNING: ") and why in str(e.value) and "\n" not in str(e.value)
+        assert str(e.value).startswith("DSC_TUNING: ") and why in str(e.value) and "\n" not in str(e.value)
 
 
 def test_values_are_read_once_until_reload(monkeypatch):

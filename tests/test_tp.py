@@ -6,6 +6,7 @@ artifact, so process start-up is paid once per tp, not once per case. References
 the tp=1 artifact of the same checkpoint (fp32): greedy tokens, and teacher-forced logits
 (every step fed the tp=1 tokens, so one early near-tie cannot derail the comparison).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,17 +20,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import ENV, spawn_ranks
 from safetensors import safe_open
 
 import dsc
 from dsc.errors import UserError
 from dsc.runtime.plan import ATTENTION_OPS
-from ranks import ENV, spawn_ranks
 
 PROMPTS = [[5, 17, 300, 42, 7, 99, 100, 3, 8, 250, 11], [11, 12], [400, 401, 402, 403, 9], [7]]
 NEW = 6
-CASES = [("llama-tiny", 2), ("llama-tiny", 4), ("gpt2-tiny", 2), ("gpt2-tiny", 4), ("llama-odd", 2), ("opt-tiny", 2),
-         ("phi-tiny", 2), ("gemma-tiny", 2)]
+CASES = [
+    ("llama-tiny", 2),
+    ("llama-tiny", 4),
+    ("gpt2-tiny", 2),
+    ("gpt2-tiny", 4),
+    ("llama-odd", 2),
+    ("opt-tiny", 2),
+    ("phi-tiny", 2),
+    ("gemma-tiny", 2),
+]
 
 
 def teacher_forced(engine, ref_tokens: list[list[int]]) -> torch.Tensor:
@@ -49,8 +58,9 @@ def _rank_work(rank: int, jobs: dict) -> dict:
         greedy = e.generate(PROMPTS, max_new_tokens=NEW, stop_tokens=[]).tokens
         logits = teacher_forced(e, ref_tokens).numpy()
         # a different seed on every rank: only the broadcast from rank 0 keeps them in step
-        sampled = e.generate(PROMPTS, max_new_tokens=NEW, temperature=0.9, top_k=50, top_p=0.95,
-                             seed=100 + rank, stop_tokens=[]).tokens
+        sampled = e.generate(
+            PROMPTS, max_new_tokens=NEW, temperature=0.9, top_k=50, top_p=0.95, seed=100 + rank, stop_tokens=[]
+        ).tokens
         out[name] = (greedy, logits, sampled, e.rank, e.world)
     return out
 
@@ -81,10 +91,13 @@ def plan(art: Path) -> dict:
 
 
 def config(art: Path) -> dict:
-    return json.loads((Path(json.loads((Path(art) / "manifest.json").read_text())["source"]["model"]) / "config.json").read_text())
+    return json.loads(
+        (Path(json.loads((Path(art) / "manifest.json").read_text())["source"]["model"]) / "config.json").read_text()
+    )
 
 
 # -- numerics -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("shape, tp", CASES)
 def test_greedy_tokens_match_tp1(shape, tp, ranks, reference):
@@ -112,6 +125,7 @@ def test_sampled_tokens_are_the_same_on_every_rank(shape, tp, ranks):
 
 # -- the pass and the plan ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shape, tp", CASES)
 def test_plan_shows_collectives_and_local_shapes(shape, tp, compile_artifact):
     art = compile_artifact(shape, dtype="fp32", tp=tp)
@@ -134,20 +148,45 @@ def test_plan_shows_collectives_and_local_shapes(shape, tp, compile_artifact):
         assert embedding == (vocab_split if "llama" in shape else 0), name
         assert ops.count("dsc.all_reduce.default") + fused + embedding == 2 * layers + vocab_split, name
         assert ops.count("dsc.all_gather.default") == vocab_split, name
-        kernels = {n["kernel"]["name"]: n["kernel"]["launches"] for n in prog["nodes"] if n.get("op") == "dsc.all_reduce.default"}
+        kernels = {
+            n["kernel"]["name"]: n["kernel"]["launches"]
+            for n in prog["nodes"]
+            if n.get("op") == "dsc.all_reduce.default"
+        }
         # decode: the one-shot all-reduce (one launch); prefill: NCCL (clone + all-reduce)
-        assert kernels == ({} if "dsc.all_reduce.default" not in ops else {"symm_mem.one_shot_all_reduce": 1}
-                           if name == "decode" else {"nccl.all_reduce": 2}), name
-        kernels = {n["kernel"]["name"]: n["kernel"]["launches"] for n in prog["nodes"]
-                   if n.get("op") == "dsc.all_reduce_add_rmsnorm.default"}
+        assert kernels == (
+            {}
+            if "dsc.all_reduce.default" not in ops
+            else {"symm_mem.one_shot_all_reduce": 1}
+            if name == "decode"
+            else {"nccl.all_reduce": 2}
+        ), name
+        kernels = {
+            n["kernel"]["name"]: n["kernel"]["launches"]
+            for n in prog["nodes"]
+            if n.get("op") == "dsc.all_reduce_add_rmsnorm.default"
+        }
         # decode: one fused kernel; prefill: NCCL (2) + the add_rmsnorm kernel
-        assert kernels == ({} if not fused else {"triton.all_reduce_add_rmsnorm": 1} if name == "decode"
-                           else {"nccl.all_reduce + triton.add_rmsnorm": 3}), name
-        kernels = {n["kernel"]["name"]: n["kernel"]["launches"] for n in prog["nodes"]
-                   if n.get("op") == "dsc.vocab_embedding_all_reduce_rmsnorm.default"}
+        assert kernels == (
+            {}
+            if not fused
+            else {"triton.all_reduce_add_rmsnorm": 1}
+            if name == "decode"
+            else {"nccl.all_reduce + triton.add_rmsnorm": 3}
+        ), name
+        kernels = {
+            n["kernel"]["name"]: n["kernel"]["launches"]
+            for n in prog["nodes"]
+            if n.get("op") == "dsc.vocab_embedding_all_reduce_rmsnorm.default"
+        }
         # decode: one push kernel; prefill: the lookup, NCCL (2) and the rmsnorm kernel
-        assert kernels == ({} if not embedding else {"triton.vocab_embedding_all_reduce_rmsnorm": 1} if name == "decode"
-                           else {"triton.vocab_embedding + nccl.all_reduce + triton.rmsnorm": 4}), name
+        assert kernels == (
+            {}
+            if not embedding
+            else {"triton.vocab_embedding_all_reduce_rmsnorm": 1}
+            if name == "decode"
+            else {"triton.vocab_embedding + nccl.all_reduce + triton.rmsnorm": 4}
+        ), name
         attn = [n for n in prog["nodes"] if n.get("op") in ATTENTION_OPS]
         assert len(attn) == layers and all(n["shape"][2] == heads // tp for n in attn)
         by_name = {n["name"]: n for n in prog["nodes"]}
@@ -218,7 +257,7 @@ def test_all_gather_concatenates_in_rank_order_with_or_without_a_copy():
         for r in (0, 1):
             g, view = got[r][(shape, dim)]
             assert torch.equal(g, want), (shape, dim)
-            assert view == (math.prod(shape[:dim % len(shape)]) == 1), (shape, dim)
+            assert view == (math.prod(shape[: dim % len(shape)]) == 1), (shape, dim)
 
 
 def test_pass_is_a_noop_for_tp1(compile_artifact):
@@ -236,6 +275,7 @@ def test_gpt2_fused_qkv_split_is_sharded_per_block(compile_artifact):
 
 
 # -- rank files ---------------------------------------------------------------------------
+
 
 def rank_tensors(art: Path, rank: int) -> dict[str, torch.Tensor]:
     with safe_open(Path(art) / f"rank{rank}.safetensors", framework="pt") as f:
@@ -265,9 +305,14 @@ def test_rank_files_hold_one_nth_of_the_linears(shape, tp, compile_artifact):
         assert names == set(full), f"rank {r} holds other tensors than tp=1"
         split = {n: full[n] for n in names if local[n].shape != full[n].shape}
         replicated = {n: full[n] for n in names if local[n].shape == full[n].shape}
-        assert all(t.dim() <= 1 or "wpe" in n or "embed_positions" in n or n.endswith(".table")  # RoPE tables
-                   or (cfg["vocab_size"] % tp and t.shape[0] == cfg["vocab_size"])
-                   for n, t in replicated.items()), sorted(n for n, t in replicated.items() if t.dim() > 1)
+        assert all(
+            t.dim() <= 1
+            or "wpe" in n
+            or "embed_positions" in n
+            or n.endswith(".table")  # RoPE tables
+            or (cfg["vocab_size"] % tp and t.shape[0] == cfg["vocab_size"])
+            for n, t in replicated.items()
+        ), sorted(n for n, t in replicated.items() if t.dim() > 1)
         bound = tensor_bytes(split) / tp + tensor_bytes(replicated) + kv_extra + 8  # + vocab_start
         assert tensor_bytes(local) <= bound + 1, (r, tensor_bytes(local), bound)
         sizes.append((Path(art) / f"rank{r}.safetensors").stat().st_size)
@@ -290,19 +335,19 @@ def test_llama_rank_files_hold_exactly_their_slices(compile_artifact, make_check
         for i in range(2):
             pre = f"model.layers.{i}."
             want = {
-                "self_attn.q_proj.weight": src[pre + "self_attn.q_proj.weight"][r * D:(r + 1) * D],
-                "self_attn.k_proj.weight": src[pre + "self_attn.k_proj.weight"][(r // 2) * D:(r // 2 + 1) * D],
-                "self_attn.v_proj.weight": src[pre + "self_attn.v_proj.weight"][(r // 2) * D:(r // 2 + 1) * D],
-                "self_attn.o_proj.weight": src[pre + "self_attn.o_proj.weight"][:, r * D:(r + 1) * D],
-                "mlp.gate_proj.weight": src[pre + "mlp.gate_proj.weight"][r * I:(r + 1) * I],
-                "mlp.up_proj.weight": src[pre + "mlp.up_proj.weight"][r * I:(r + 1) * I],
-                "mlp.down_proj.weight": src[pre + "mlp.down_proj.weight"][:, r * I:(r + 1) * I],
+                "self_attn.q_proj.weight": src[pre + "self_attn.q_proj.weight"][r * D : (r + 1) * D],
+                "self_attn.k_proj.weight": src[pre + "self_attn.k_proj.weight"][(r // 2) * D : (r // 2 + 1) * D],
+                "self_attn.v_proj.weight": src[pre + "self_attn.v_proj.weight"][(r // 2) * D : (r // 2 + 1) * D],
+                "self_attn.o_proj.weight": src[pre + "self_attn.o_proj.weight"][:, r * D : (r + 1) * D],
+                "mlp.gate_proj.weight": src[pre + "mlp.gate_proj.weight"][r * I : (r + 1) * I],
+                "mlp.up_proj.weight": src[pre + "mlp.up_proj.weight"][r * I : (r + 1) * I],
+                "mlp.down_proj.weight": src[pre + "mlp.down_proj.weight"][:, r * I : (r + 1) * I],
                 "input_layernorm.weight": src[pre + "input_layernorm.weight"],
             }
             for k, w in want.items():
                 assert torch.equal(got[pre + k], w), (r, k)
         for k in ("model.embed_tokens.weight", "lm_head.weight"):
-            assert torch.equal(got[k], src[k][r * V:(r + 1) * V]), (r, k)
+            assert torch.equal(got[k], src[k][r * V : (r + 1) * V]), (r, k)
         assert got["model.embed_tokens.vocab_start"].tolist() == [r * V]
         assert torch.equal(got["model.norm.weight"], src["model.norm.weight"])
 
@@ -323,33 +368,46 @@ def test_gpt2_rank_files_hold_exactly_their_slices(compile_artifact, make_checkp
             want = {
                 "attn.c_attn.weight": src[pre + "attn.c_attn.weight"].t()[rows],  # [3E, E] -> [3E/tp, E]
                 "attn.c_attn.bias": src[pre + "attn.c_attn.bias"][rows],
-                "attn.c_proj.weight": src[pre + "attn.c_proj.weight"].t()[:, r * e:(r + 1) * e],
+                "attn.c_proj.weight": src[pre + "attn.c_proj.weight"].t()[:, r * e : (r + 1) * e],
                 "attn.c_proj.bias": src[pre + "attn.c_proj.bias"],
-                "mlp.c_fc.weight": src[pre + "mlp.c_fc.weight"].t()[r * f:(r + 1) * f],
-                "mlp.c_fc.bias": src[pre + "mlp.c_fc.bias"][r * f:(r + 1) * f],
-                "mlp.c_proj.weight": src[pre + "mlp.c_proj.weight"].t()[:, r * f:(r + 1) * f],
+                "mlp.c_fc.weight": src[pre + "mlp.c_fc.weight"].t()[r * f : (r + 1) * f],
+                "mlp.c_fc.bias": src[pre + "mlp.c_fc.bias"][r * f : (r + 1) * f],
+                "mlp.c_proj.weight": src[pre + "mlp.c_proj.weight"].t()[:, r * f : (r + 1) * f],
                 "mlp.c_proj.bias": src[pre + "mlp.c_proj.bias"],
                 "ln_1.weight": src[pre + "ln_1.weight"],
             }
             for k, w in want.items():
                 assert torch.equal(got[pre + k], w), (r, k)
         wte = src["transformer.wte.weight"]
-        assert torch.equal(got["transformer.wte.weight"], wte[r * v:(r + 1) * v])  # tied with lm_head
+        assert torch.equal(got["transformer.wte.weight"], wte[r * v : (r + 1) * v])  # tied with lm_head
         assert torch.equal(got["transformer.wpe.weight"], src["transformer.wpe.weight"])
 
 
 # -- validation at compile ----------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, tp, message, works", [
-    ({}, 3, "does not divide num_attention_heads=4", "1, 2, 4"),
-    ({"intermediate_size": 170}, 4, "does not divide intermediate_size=170", "1, 2"),
-    ({"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 6, "intermediate_size": 192},
-     4, "does not divide num_key_value_heads=6", "1, 2, 3, 6, 12"),
-    ({"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 192},
-     6, "larger than num_key_value_heads=4 but not a multiple of it", "1, 2, 4, 12"),
-])
-def test_tp_that_does_not_divide_the_model_is_a_user_error(overrides, tp, message, works, make_checkpoint,
-                                                            tmp_path, monkeypatch):
+
+@pytest.mark.parametrize(
+    "overrides, tp, message, works",
+    [
+        ({}, 3, "does not divide num_attention_heads=4", "1, 2, 4"),
+        ({"intermediate_size": 170}, 4, "does not divide intermediate_size=170", "1, 2"),
+        (
+            {"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 6, "intermediate_size": 192},
+            4,
+            "does not divide num_key_value_heads=6",
+            "1, 2, 3, 6, 12",
+        ),
+        (
+            {"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 192},
+            6,
+            "larger than num_key_value_heads=4 but not a multiple of it",
+            "1, 2, 4, 12",
+        ),
+    ],
+)
+def test_tp_that_does_not_divide_the_model_is_a_user_error(
+    overrides, tp, message, works, make_checkpoint, tmp_path, monkeypatch
+):
     import dsc.compiler.trace as trace
 
     monkeypatch.setattr(trace, "trace", lambda *a: pytest.fail("validation must run before tracing"))
@@ -370,7 +428,8 @@ def test_cli_tp_error_is_one_line(make_checkpoint, tmp_path):
     assert r.exit_code == 2
     assert r.stderr.strip().splitlines() == [
         f"error: --tp 8 does not divide num_attention_heads=4 in {make_checkpoint('gpt2-tiny') / 'config.json'}; "
-        "tp values that work: 1, 2, 4"]
+        "tp values that work: 1, 2, 4"
+    ]
 
 
 def test_architecture_without_tp_support_says_so(make_checkpoint, tmp_path, monkeypatch):
@@ -387,8 +446,10 @@ def test_architecture_without_tp_support_says_so(make_checkpoint, tmp_path, monk
     ck = make_checkpoint("llama-tiny")
     r = CliRunner().invoke(app, ["compile", str(ck), "-o", str(tmp_path / "a"), "--tp", "2"])
     assert r.exit_code == 2 and not (tmp_path / "a").exists()
-    line, = r.stderr.strip().splitlines()
-    assert line == f"error: --tp 2: model_type 'llama' ({ck / 'config.json'}) compiles with --tp 1 only for now (a layout)"
+    (line,) = r.stderr.strip().splitlines()
+    assert (
+        line == f"error: --tp 2: model_type 'llama' ({ck / 'config.json'}) compiles with --tp 1 only for now (a layout)"
+    )
 
 
 def test_vocabulary_tp_does_not_divide_is_replicated_not_an_error(compile_artifact):
@@ -401,6 +462,7 @@ def test_vocabulary_tp_does_not_divide_is_replicated_not_an_error(compile_artifa
 
 
 # -- runtime errors -----------------------------------------------------------------------
+
 
 @pytest.fixture
 def no_engine(monkeypatch):
@@ -463,22 +525,57 @@ def test_missing_rank_file_is_an_error_before_loading(compile_artifact, tmp_path
 
 def test_torchrun_with_the_wrong_nproc_is_a_clear_error(compile_artifact):
     art = compile_artifact("llama-tiny", dtype="fp32", tp=2)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                        "-m", "dsc", "generate", str(art), "--token-ids", "1,2,3", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, **ENV})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            "-m",
+            "dsc",
+            "generate",
+            str(art),
+            "--token-ids",
+            "1,2,3",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **ENV},
+    )
     assert r.returncode != 0
     assert f"error: {art}: compiled for tp=2, but WORLD_SIZE=1 (run with --nproc-per-node 2)" in r.stderr
 
 
 # -- dsc generate starts the ranks itself -------------------------------------------------
 
+
 def test_dsc_generate_relaunches_under_torchrun(compile_artifact, reference):
     art = compile_artifact("gpt2-tiny", dtype="fp32", tp=2)
     ids = [",".join(map(str, p)) for p in PROMPTS]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
-    r = subprocess.run([sys.executable, "-m", "dsc", "generate", str(art), *sum((["--token-ids", i] for i in ids), []),
-                        "--max-new-tokens", str(NEW), "--device", "cpu", "--json"],
-                       capture_output=True, text=True, timeout=300, env={**env, **ENV})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsc",
+            "generate",
+            str(art),
+            *sum((["--token-ids", i] for i in ids), []),
+            "--max-new-tokens",
+            str(NEW),
+            "--device",
+            "cpu",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, **ENV},
+    )
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == len(PROMPTS)  # printed by rank 0 only
@@ -497,6 +594,7 @@ def test_verify_with_tp_is_rejected_before_anything_is_written(make_checkpoint, 
 
 
 # -- process-group lifetime -------------------------------------------------------------------
+
 
 def _port_is_free(port: int) -> bool:
     import socket
@@ -557,9 +655,22 @@ def test_no_gloo_thread_outlives_the_group(compile_artifact, tmp_path):
     art = compile_artifact("gpt2-tiny", dtype="fp32", tp=2)
     script = tmp_path / "threads.py"
     script.write_text(_THREADS_AFTER_SHUTDOWN)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(script), str(art), str(tmp_path)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **ENV})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(script),
+            str(art),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **ENV},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert [(tmp_path / f"rank{i}.txt").read_text() for i in range(2)] == ["1", "1"]  # threads left per rank
 
@@ -636,8 +747,12 @@ def test_dsc_allreduce_nccl_keeps_every_collective_off_the_push_buffers(kernel, 
             return collectives._gemv_push_usable(s, torch.zeros(1, 32), x, w, torch.zeros(32), "")
         monkeypatch.setattr(collectives, "_launch_push_gather", lambda s, slot, x: "pushed")
         s.index = 0
-        return collectives._push_gather(types.SimpleNamespace(is_cuda=True, dtype=torch.float32, numel=lambda: 64,
-                                                              dim=lambda: 2), -1) == "pushed"
+        return (
+            collectives._push_gather(
+                types.SimpleNamespace(is_cuda=True, dtype=torch.float32, numel=lambda: 64, dim=lambda: 2), -1
+            )
+            == "pushed"
+        )
 
     for mode, want in (("auto", True), ("nccl", False)):
         monkeypatch.setenv("DSC_ALLREDUCE", mode)
@@ -677,4 +792,3 @@ def test_released_runner_steps_run_eagerly():
     assert not r.captured and all(s.graph is None for s in r.steps.values())
     out = r(torch.tensor([3]), torch.tensor([4]))
     assert out.tolist() == [[7.0]]
-

@@ -8,6 +8,7 @@ collectives, runtime), each checking dsc's kernels or runtime against references
 Tests marked `gpu` skip without CUDA; each section's smoke variant runs the same code at tiny
 shapes on the CPU so that the ordinary suite exercises it.
 """
+
 from __future__ import annotations
 
 import pytest

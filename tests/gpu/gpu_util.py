@@ -1,5 +1,6 @@
 """Helpers of the GPU check suite's files (imported by name: pytest puts this folder on sys.path,
 and a section file run as a script has it as its own folder)."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,9 @@ def run_smoke(script: Path, *args: str, interpret: bool = True, timeout: int = 6
     child_env.pop("TRITON_INTERPRET", None)
     if interpret:
         child_env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, str(script), *args], env=child_env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], env=child_env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 

@@ -17,6 +17,7 @@ variant rows (kernels/attention.py PREFILL_VARIANTS: TMA and DEFER_PV at other t
 each checked on the default's prefill cases; the summary counts failures per launch config.
 Writes $OUT/gpu_attention.json and $OUT/gpu_tma_prefill.json when OUT is set.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_util import ROOT, cpu_smoke, out_problems, run_smoke, write_summary
 
 from dsc.kernels import attention as A
-from gpu_util import ROOT, cpu_smoke, out_problems, run_smoke, write_summary
 
 H, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -38,7 +39,6 @@ SHRINK = 1  # --smoke divides every length by 128
 
 def n(length: int) -> int:
     return max(1, length // SHRINK)
-
 
 
 def make(B, S, Smax, cache_pos, Bmax=None, seed=0, window=0):
@@ -90,10 +90,24 @@ def check(name, run, B, S, Smax, cache_pos, Bmax=None, window=0, config="default
     err, err_bf16 = rel_err(out, ref32), rel_err(ref16, ref32)
     limit = max(1e-2, 2 * err_bf16)
     problems = out_problems(out, err, limit, (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)))
-    row = dict(case=name, config=config, B=B, S=S, Smax=Smax, rel_err=err, bf16_reference_rel_err=err_bf16,
-               ok=not problems, problems=problems, seconds=round(time.time() - t0, 2))
-    print(f"{'ok  ' if not problems else 'FAIL'} {name:44s} rel_err {err:.2e} (reference in {str(DTYPE)[6:]}: {err_bf16:.2e})"
-          f"  {'; '.join(problems)}", flush=True)
+    row = dict(
+        case=name,
+        config=config,
+        B=B,
+        S=S,
+        Smax=Smax,
+        rel_err=err,
+        bf16_reference_rel_err=err_bf16,
+        ok=not problems,
+        problems=problems,
+        seconds=round(time.time() - t0, 2),
+    )
+    print(
+        f"{'ok  ' if not problems else 'FAIL'} {name:44s} rel_err {err:.2e} (reference in {str(DTYPE)[6:]}: "
+        f"{err_bf16:.2e})"
+        f"  {'; '.join(problems)}",
+        flush=True,
+    )
     return row
 
 
@@ -155,7 +169,11 @@ def run_cases(smoke: bool) -> list[dict]:
         torch.backends.cuda.matmul.allow_tf32 = False
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {A._triton().__version__}")
     dev = torch.device(DEVICE)
-    print("launch configs:", A.attention_config("prefill", D, A.arch_of(dev)), A.attention_config("decode", D, A.arch_of(dev)))
+    print(
+        "launch configs:",
+        A.attention_config("prefill", D, A.arch_of(dev)),
+        A.attention_config("decode", D, A.arch_of(dev)),
+    )
     rows = []
     P, Dd = A.prefill_attention, A.decode_attention
     rows.append(check("prefill B1 S2048 fresh", P, 1, n(2048), n(8192), [0]))
@@ -165,12 +183,24 @@ def run_cases(smoke: bool) -> list[dict]:
     rows.append(check("prefill B3 S512 past the cache end", P, 3, n(512), n(8192), [n(7900), 0, n(8100)]))
     for B in (1, 8, 32):
         for Smax in (n(1024), n(8192)):
-            rows.append(check(f"decode B{B} Smax{Smax} varied lengths", Dd, B, 1, Smax, lengths(B, Smax, B), Bmax=B + 1))
+            rows.append(
+                check(f"decode B{B} Smax{Smax} varied lengths", Dd, B, 1, Smax, lengths(B, Smax, B), Bmax=B + 1)
+            )
     rows.append(check("decode B1 Smax8192 len 5001", Dd, 1, 1, n(8192), [n(5000)]))
     rows.append(check("decode B32 Smax8192 full", Dd, 32, 1, n(8192), [n(8192) - 1] * 32))
-    rows.append(check("decode B4 Smax8192 past the cache end", Dd, 4, 1, n(8192), [n(8192), n(9000), n(8192) - 1, n(100)]))
-    rows.append(check("decode B8 Smax8192 one split", lambda *a, **kw: A.decode_attention(*a, num_splits=1, **kw),
-                      8, 1, n(8192), lengths(8, n(8192), 5)))
+    rows.append(
+        check("decode B4 Smax8192 past the cache end", Dd, 4, 1, n(8192), [n(8192), n(9000), n(8192) - 1, n(100)])
+    )
+    rows.append(
+        check(
+            "decode B8 Smax8192 one split",
+            lambda *a, **kw: A.decode_attention(*a, num_splits=1, **kw),
+            8,
+            1,
+            n(8192),
+            lengths(8, n(8192), 5),
+        )
+    )
     # sliding window (Mistral-7B-v0.1: 4096): prompts and contexts longer than the window
     W = n(4096)
     rows.append(check("prefill B1 S8192 fresh, window 4096", P, 1, n(8192), n(8192), [0], window=W))
@@ -180,24 +210,72 @@ def run_cases(smoke: bool) -> list[dict]:
     # the pipelined loop read a V tile already overwritten by a later one (wrong out on H200)
     m = (lambda length: length) if SHRINK == 1 else (lambda length: max(1, length // 16))  # noqa: E731
     sm90 = lambda *a, **kw: A.prefill_attention(*a, config=A.PREFILL_CONFIGS[("sm_90", 128)], **kw)  # noqa: E731
-    rows.append(check(f"prefill B1 S{m(8192)} fresh, window {m(4096)}, sm_90 config", sm90, 1, m(8192), m(8192), [0],
-                      window=m(4096)))
-    rows.append(check(f"prefill B2 S{m(777)} chunked, window {m(4096)}, sm_90 config", sm90, 2, m(777), m(8192),
-                      [m(3001), m(6000)], window=m(4096)))
-    rows.append(check("decode B8 Smax8192 varied lengths, window 4096", Dd, 8, 1, n(8192), lengths(8, n(8192), 8),
-                      Bmax=9, window=W))
-    rows.append(check("decode B1 Smax8192 len 8000, window 4096, one split",
-                      lambda *a, **kw: A.decode_attention(*a, num_splits=1, **kw), 1, 1, n(8192), [n(8000)], window=W))
+    rows.append(
+        check(
+            f"prefill B1 S{m(8192)} fresh, window {m(4096)}, sm_90 config",
+            sm90,
+            1,
+            m(8192),
+            m(8192),
+            [0],
+            window=m(4096),
+        )
+    )
+    rows.append(
+        check(
+            f"prefill B2 S{m(777)} chunked, window {m(4096)}, sm_90 config",
+            sm90,
+            2,
+            m(777),
+            m(8192),
+            [m(3001), m(6000)],
+            window=m(4096),
+        )
+    )
+    rows.append(
+        check(
+            "decode B8 Smax8192 varied lengths, window 4096",
+            Dd,
+            8,
+            1,
+            n(8192),
+            lengths(8, n(8192), 8),
+            Bmax=9,
+            window=W,
+        )
+    )
+    rows.append(
+        check(
+            "decode B1 Smax8192 len 8000, window 4096, one split",
+            lambda *a, **kw: A.decode_attention(*a, num_splits=1, **kw),
+            1,
+            1,
+            n(8192),
+            [n(8000)],
+            window=W,
+        )
+    )
     # launch configs other than the table's that scripts/bench_kernels.py attention --sweep may pick: a
     # 128-key tile, one warpgroup of 64 rows; fresh, chunked and windowed prompts
-    for cfg in (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
-                dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)):
+    for cfg in (
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    ):
         tag = f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
         run = lambda *a, cfg=cfg, **kw: A.prefill_attention(*a, config=cfg, **kw)  # noqa: E731
         rows.append(check(f"prefill B1 S2048 fresh, {tag}", run, 1, n(2048), n(8192), [0]))
         rows.append(check(f"prefill B2 S777 chunked, {tag}", run, 2, n(777), n(8192), [n(3001), n(6000)]))
-        rows.append(check(f"prefill B2 S777 chunked, window 1000, {tag}", run, 2, n(777), n(8192),
-                          [n(3001), n(6000)], window=n(1000)))
+        rows.append(
+            check(
+                f"prefill B2 S777 chunked, window 1000, {tag}",
+                run,
+                2,
+                n(777),
+                n(8192),
+                [n(3001), n(6000)],
+                window=n(1000),
+            )
+        )
     # one query head per kv head (GPT-2-XL: 25 heads of 64) at the sm_90 table's 128 x 64 tiles:
     # a row tile spans 3 key tiles of its own tokens, so the cache write takes a loop of its own
     # (fused into the masked loop it would be the pipelined-loop race above)
@@ -205,31 +283,54 @@ def run_cases(smoke: bool) -> list[dict]:
     H, HKV, D = (25, 25, 64) if not smoke else (3, 3, 16)
     mha = lambda *a, **kw: A.prefill_attention(*a, config=A.PREFILL_CONFIGS[("sm_90", 64)], **kw)  # noqa: E731
     rows.append(check(f"prefill B2 S{m(1000)} fresh, MHA {H}x{D}, sm_90 config", mha, 2, m(1000), m(1024), [0, 0]))
-    rows.append(check(f"prefill B2 S{m(300)} chunked, MHA {H}x{D}, sm_90 config", mha, 2, m(300), m(1024),
-                      [m(200), m(700)]))
+    rows.append(
+        check(f"prefill B2 S{m(300)} chunked, MHA {H}x{D}, sm_90 config", mha, 2, m(300), m(1024), [m(200), m(700)])
+    )
     # the prefill variant at each candidate row: the default's prefill cases (fresh, full cache,
     # right-padded batch, chunked, past the cache end), a windowed call at the first row (the
     # wrapper runs the default code there), and the MHA cases at the head_dim-64 rows
     for i, cfg in enumerate(A.PREFILL_VARIANTS[("sm_90", 128)][: 2 if smoke else None]):  # smoke: two rows
         tag = variant_tag(cfg)
         run = lambda *a, cfg=cfg, **kw: A.prefill_attention(*a, config=cfg, **kw)  # noqa: E731
-        for name, args in (("B1 S2048 fresh", (1, n(2048), n(8192), [0])),
-                           ("B1 S8192 fresh (full cache)", (1, n(8192), n(8192), [0])),
-                           ("B8 S1000 right-padded batch", (8, n(1000), n(4096), [0] * 8, 9)),
-                           ("B2 S777 chunked (cache_pos>0)", (2, n(777), n(8192), [n(3001), n(6000)])),
-                           ("B3 S512 past the cache end", (3, n(512), n(8192), [n(7900), 0, n(8100)]))):
+        for name, args in (
+            ("B1 S2048 fresh", (1, n(2048), n(8192), [0])),
+            ("B1 S8192 fresh (full cache)", (1, n(8192), n(8192), [0])),
+            ("B8 S1000 right-padded batch", (8, n(1000), n(4096), [0] * 8, 9)),
+            ("B2 S777 chunked (cache_pos>0)", (2, n(777), n(8192), [n(3001), n(6000)])),
+            ("B3 S512 past the cache end", (3, n(512), n(8192), [n(7900), 0, n(8100)])),
+        ):
             rows.append(check(f"prefill {name}, {tag}", run, *args, config=tag))
         if i == 0:
-            rows.append(check(f"prefill B2 S777 chunked, window 4096, {tag}", run, 2, n(777), n(8192),
-                              [n(3001), n(6000)], window=W, config=tag))
+            rows.append(
+                check(
+                    f"prefill B2 S777 chunked, window 4096, {tag}",
+                    run,
+                    2,
+                    n(777),
+                    n(8192),
+                    [n(3001), n(6000)],
+                    window=W,
+                    config=tag,
+                )
+            )
     H, HKV, D = (25, 25, 64) if not smoke else (3, 3, 16)
     for cfg in A.PREFILL_VARIANTS[("sm_90", 64)][: 1 if smoke else None]:
         tag = f"{variant_tag(cfg)} (D64 row)"
         run = lambda *a, cfg=cfg, **kw: A.prefill_attention(*a, config=cfg, **kw)  # noqa: E731
-        rows.append(check(f"prefill B2 S{m(1000)} fresh, MHA {H}x{D}, {tag}", run, 2, m(1000), m(1024), [0, 0],
-                          config=tag))
-        rows.append(check(f"prefill B2 S{m(300)} chunked, MHA {H}x{D}, {tag}", run, 2, m(300), m(1024),
-                          [m(200), m(700)], config=tag))
+        rows.append(
+            check(f"prefill B2 S{m(1000)} fresh, MHA {H}x{D}, {tag}", run, 2, m(1000), m(1024), [0, 0], config=tag)
+        )
+        rows.append(
+            check(
+                f"prefill B2 S{m(300)} chunked, MHA {H}x{D}, {tag}",
+                run,
+                2,
+                m(300),
+                m(1024),
+                [m(200), m(700)],
+                config=tag,
+            )
+        )
     H, HKV, D = saved
     if not smoke:
         rows += check_op_dispatch()
@@ -240,7 +341,7 @@ def run_cases(smoke: bool) -> list[dict]:
 def summarize(rows) -> list[str]:
     """Print the per-launch-config summary; the failed cases."""
     failed = [r["case"] for r in rows if not r["ok"]]
-    print("\nper launch config (\"default\": the table's and the other configs named in the case):")
+    print('\nper launch config ("default": the table\'s and the other configs named in the case):')
     for tag in dict.fromkeys(r.get("config", "default") for r in rows):
         mine = [r for r in rows if r.get("config", "default") == tag]
         bad = [r["case"] for r in mine if not r["ok"]]
@@ -294,7 +395,7 @@ def run_engine(art, prompts, new_tokens):
     e.reset()
     long = [p for p in prompts if len(p) > 1]
     e.prefill([p[: len(p) // 2] for p in long])  # first chunks, then the rest on top of them
-    chunked = chunk(e, [p[len(p) // 2:] for p in long], [len(p) // 2 for p in long])
+    chunked = chunk(e, [p[len(p) // 2 :] for p in long], [len(p) // 2 for p in long])
     tokens = e.generate(prompts, max_new_tokens=new_tokens, stop_tokens=[]).tokens
     return logits, chunked.float().cpu(), tokens
 
@@ -306,12 +407,28 @@ def tma_prefill_report(work: Path, smoke: bool) -> dict:
     from dsc.compiler.random_checkpoint import make_random_checkpoint
 
     t = time.perf_counter()
-    layers = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
-                  head_dim=64, intermediate_size=512) if smoke else \
-        dict(num_hidden_layers=4, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-             intermediate_size=4096)
-    ckpt = make_random_checkpoint(work / "ckpt", "llama-1b", dtype="bfloat16",
-                                  device="cuda" if torch.cuda.is_available() else "cpu", **layers)
+    layers = (
+        dict(
+            num_hidden_layers=2,
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=64,
+            intermediate_size=512,
+        )
+        if smoke
+        else dict(
+            num_hidden_layers=4,
+            hidden_size=2048,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=4096,
+        )
+    )
+    ckpt = make_random_checkpoint(
+        work / "ckpt", "llama-1b", dtype="bfloat16", device="cuda" if torch.cuda.is_available() else "cpu", **layers
+    )
     art = work / "art"
     dsc.compile(str(ckpt), art, max_batch=4, max_seq=64 if smoke else 2048)
     print(f"checkpoint + compile {time.perf_counter() - t:.1f}s ({layers})", flush=True)
@@ -321,8 +438,12 @@ def tma_prefill_report(work: Path, smoke: bool) -> dict:
 
     key = ("sm_90", 128)
     row = dict(A.PREFILL_CONFIGS[key])
-    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "table_row": row,
-              "model": layers, "prompt_lengths": list(lens)}
+    report = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "table_row": row,
+        "model": layers,
+        "prompt_lengths": list(lens),
+    }
     made = []  # the TMA path ran: descriptors were made (None: a tensor TMA cannot address)
     descriptors = A._kv_descriptors
     A._kv_descriptors = lambda *a, **k: made.append(descriptors(*a, **k)) or made[-1]
@@ -345,8 +466,14 @@ def tma_prefill_report(work: Path, smoke: bool) -> dict:
         report[f"{name}_max_abs_diff"] = float((a - b).abs().max())
         report[f"{name}_max_abs"] = float(b.abs().max())
     report["tokens_equal"] = tma[2] == plain[2]
-    report["ok"] = report["tokens_equal"] and (report["tma_calls"] > 0 or smoke) and all(
-        report[f"{n}_max_abs_diff"] <= 1e-2 * max(1.0, report[f"{n}_max_abs"]) for n in ("prefill", "chunked_prefill"))
+    report["ok"] = (
+        report["tokens_equal"]
+        and (report["tma_calls"] > 0 or smoke)
+        and all(
+            report[f"{n}_max_abs_diff"] <= 1e-2 * max(1.0, report[f"{n}_max_abs"])
+            for n in ("prefill", "chunked_prefill")
+        )
+    )
     print(report, flush=True)
     return report
 
@@ -366,5 +493,7 @@ def test_tma_prefill_code_path_on_cpu(tmp_path):
 
 if __name__ == "__main__":
     if "--smoke" not in sys.argv or os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_gpu_attention.py --smoke (on a GPU: pytest tests/gpu)")
+        sys.exit(
+            "run as: TRITON_INTERPRET=1 python tests/gpu/test_gpu_attention.py --smoke (on a GPU: pytest tests/gpu)"
+        )
     sys.exit(1 if summarize(run_cases(smoke=True)) else 0)

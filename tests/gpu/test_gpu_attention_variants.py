@@ -18,6 +18,7 @@ kernel without a variant: these must take the generic kernel. Also: `torch.ops.d
 and `dsc.paged_attention` with the variant dispatch to the kernels (bit-equal to the wrappers).
 Writes $OUT/gpu_attention_variants.json when OUT is set.
 """
+
 from __future__ import annotations
 
 import sys
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
 from gpu_util import ROOT, out_problems, write_summary
 
 sys.path.insert(0, str(ROOT / "tests"))  # tests/paged_steps.py: the steps the CPU tests build too
@@ -89,7 +89,7 @@ def check_static(name, heads: Heads, dtype, B, S, Smax, cache_pos, window=0, rot
     t0 = time.time()
     q, k, v, k_cache, v_cache, pos = make(heads, dtype, B, S, Smax, cache_pos, window, seed=len(name))
     variant = dict(softcap=heads.softcap, alibi_slopes=slopes(heads))
-    scale = heads.D ** -0.5
+    scale = heads.D**-0.5
     rot = {}
     q_in, k_in = q, k
     if rotary:
@@ -99,15 +99,17 @@ def check_static(name, heads: Heads, dtype, B, S, Smax, cache_pos, window=0, rot
         rot = dict(rotary=tables, rot_pos=rot_pos)
         q_in, k_in = A.rotary_reference(q, k, *A.rotary_rows(*tables, rot_pos))
     clean = [t.nan_to_num() for t in (k_cache, v_cache)]
-    ref32 = A.attention_reference(q_in.float(), k_in.float(), v.float(), *(c.float() for c in clean), pos, scale,
-                                  window, **variant)
+    ref32 = A.attention_reference(
+        q_in.float(), k_in.float(), v.float(), *(c.float() for c in clean), pos, scale, window, **variant
+    )
     ref_low = A.attention_reference(q_in, k_in, v, *(c.clone() for c in clean), pos, scale, window, **variant)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     A.write_kv_cache_reference(k_in, v, want_k, want_v, pos)
     out = torch.full((B, S, heads.H, heads.D), float("nan"), device=DEVICE, dtype=dtype)
     if via_op:
-        out = torch.ops.dsc.attention(q, k, v, k_cache, v_cache, pos, scale, window, heads.softcap,
-                                      variant["alibi_slopes"])
+        out = torch.ops.dsc.attention(
+            q, k, v, k_cache, v_cache, pos, scale, window, heads.softcap, variant["alibi_slopes"]
+        )
     elif S == 1:
         A.decode_attention(q, k, v, k_cache, v_cache, pos, scale, window, out=out, **variant, **rot)
     else:
@@ -117,10 +119,19 @@ def check_static(name, heads: Heads, dtype, B, S, Smax, cache_pos, window=0, rot
     err, err_low = rel_err(out, ref32), rel_err(ref_low, ref32)
     limit = max(FLOOR[dtype], 2 * err_low)
     problems = out_problems(out, err, limit, (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)))
-    print(f"{'ok  ' if not problems else 'FAIL'} {name:48s} rel_err {err:.2e} (reference in the dtype: {err_low:.2e})"
-          f"  {'; '.join(problems)}", flush=True)
-    return dict(case=name, rel_err=err, low_precision_reference_rel_err=err_low, ok=not problems, problems=problems,
-                seconds=round(time.time() - t0, 2))
+    print(
+        f"{'ok  ' if not problems else 'FAIL'} {name:48s} rel_err {err:.2e} (reference in the dtype: {err_low:.2e})"
+        f"  {'; '.join(problems)}",
+        flush=True,
+    )
+    return dict(
+        case=name,
+        rel_err=err,
+        low_precision_reference_rel_err=err_low,
+        ok=not problems,
+        problems=problems,
+        seconds=round(time.time() - t0, 2),
+    )
 
 
 def static_cases(model: str) -> dict:
@@ -162,8 +173,10 @@ def _summary():
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("model", list(MODELS))
 def test_static_kernels(model, dtype):
-    rows = [check_static(f"{model}/{dtype}/{name}", MODELS[model], DTYPES[dtype], **kw)
-            for name, kw in static_cases(model).items()]
+    rows = [
+        check_static(f"{model}/{dtype}/{name}", MODELS[model], DTYPES[dtype], **kw)
+        for name, kw in static_cases(model).items()
+    ]
     ROWS.extend(rows)
     assert all(r["ok"] for r in rows), [r["case"] for r in rows if not r["ok"]]
 
@@ -188,8 +201,10 @@ def test_ops_dispatch_to_the_kernels():
     from dsc.kernels import paged_attention as P
 
     heads = MODELS["llama-both"]
-    rows = [check_static(f"op/{name}", heads, torch.bfloat16, via_op=True, **static_cases("llama-both")[name])
-            for name in ("prefill-chunked", "decode")]
+    rows = [
+        check_static(f"op/{name}", heads, torch.bfloat16, via_op=True, **static_cases("llama-both")[name])
+        for name in ("prefill-chunked", "decode")
+    ]
     step = build(paged_cases(heads)["paged-mixed"], torch.bfloat16, device=DEVICE)
     mine = {**step, "k_pool": step["k_pool"].clone(), "v_pool": step["v_pool"].clone()}
     via_op = torch.ops.dsc.paged_attention(*args_of(step))

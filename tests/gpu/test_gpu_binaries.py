@@ -5,6 +5,7 @@ its cubins with no Triton JIT, and gives the tokens of the JIT path.
     pytest tests/gpu/test_gpu_binaries.py
     AOT_ARTIFACTS=DIR pytest ...     # also every artifact under DIR (compiled elsewhere)
 """
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,11 @@ RESULTS: dict = {}
 
 def _compile_without_gpu(work: Path, shape: str) -> Path:
     """The artifact compiled in a child process that sees no GPU, as on a CI box."""
-    code = ("import sys, dsc\nfrom dsc.compiler.random_checkpoint import make_random_checkpoint\n"
-            f"ck = make_random_checkpoint({str(work / 'ckpt')!r}, {shape!r}, dtype='bfloat16')\n"
-            f"dsc.compile(str(ck), {str(work / 'art')!r}, max_batch=8, max_seq=256, targets=('sm_90',))\n")
+    code = (
+        "import sys, dsc\nfrom dsc.compiler.random_checkpoint import make_random_checkpoint\n"
+        f"ck = make_random_checkpoint({str(work / 'ckpt')!r}, {shape!r}, dtype='bfloat16')\n"
+        f"dsc.compile(str(ck), {str(work / 'art')!r}, max_batch=8, max_seq=256, targets=('sm_90',))\n"
+    )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
     return work / "art"
@@ -54,8 +57,13 @@ def _tokens(art: Path, trust: bool) -> tuple[list[list[int]], dict, int, list[st
 def _check(art: Path, name: str) -> None:
     jit, s0, _, _ = _tokens(art, trust=False)
     aot, s1, launches, warned = _tokens(art, trust=True)
-    RESULTS[name] = {"untrusted": s0["status"], "trusted": s1, "binary_launches": launches, "jit_fallbacks": warned,
-                     "tokens_equal": jit == aot}
+    RESULTS[name] = {
+        "untrusted": s0["status"],
+        "trusted": s1,
+        "binary_launches": launches,
+        "jit_fallbacks": warned,
+        "tokens_equal": jit == aot,
+    }
     write_summary("binaries", RESULTS)
     assert s0["status"] == "untrusted"
     assert s1["status"] == "loaded" and s1["binaries"] > 0

@@ -3,8 +3,10 @@ symmetric-memory all-reduce, the fused all-reduce + residual add + RMSNorm, the 
 embedding + all-reduce + RMSNorm and the row-parallel linear whose GEMV pushes its rows) against
 exact sums, and its time against NCCL, captured in CUDA graphs as a decode step runs them.
 
-    pytest tests/gpu/test_gpu_collectives.py                                   # torchrun at 2 and 4 ranks where the GPUs are there
-    torchrun --nproc-per-node 4 tests/gpu/test_gpu_collectives.py              # one world by hand; $OUT/gpu_collectives-tp4.json
+    pytest tests/gpu/test_gpu_collectives.py                                   # torchrun at 2 and 4 ranks where the
+    GPUs are there
+    torchrun --nproc-per-node 4 tests/gpu/test_gpu_collectives.py              # one world by hand;
+    $OUT/gpu_collectives-tp4.json
 
 Correctness, every rank: a CUDA graph of 65 all-reduces (odd: the last one on buffer 2) and one
 of 64, replayed in turns with eager programs of 3 and 2 between them, 100 rounds; every third
@@ -27,6 +29,7 @@ the default path and NCCL (DSC_ALLREDUCE=nccl's), alone and with add + RMSNorm, 
 process; at one row also the row-parallel linear before it. The kernels launch as the runtime's
 would: with PDL (DSC_PDL=auto); DSC_PDL=off checks and times them without it.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,11 +41,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from gpu_util import ROOT, write_summary
+from timing import capture
 
 from dsc.kernels import collectives
 from dsc.runtime.distributed import ensure_process_group, shutdown_process_group
-from gpu_util import ROOT, write_summary
-from timing import capture
 
 HIDDEN = 4096
 
@@ -66,8 +69,9 @@ def linear_call(k, lin_weight):
     return lin_weight is not None and k % 3 == 2
 
 
-def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda k: k % 3 != 0, lin_weight=None,
-            lookup=None):
+def program(
+    inputs, rank, world, skew, residual=None, weight=None, fused=lambda k: k % 3 != 0, lin_weight=None, lookup=None
+):
     """All-reduce each input in turn, call k fused with add + RMSNorm where fused(k) (and a
     residual is given), and with lin_weight every third call the row-parallel linear + all-reduce
     + add + RMSNorm of x[..., :K_LIN] (the GEMV that pushes its rows); with lookup = (ids, start)
@@ -79,8 +83,9 @@ def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda 
             if skew and k % world == rank:
                 torch.cuda._sleep(skew)
             if residual is not None and fused(k) and linear_call(k, lin_weight):
-                outs.append(torch.ops.dsc.linear_all_reduce_add_rmsnorm(residual, x[..., :K_LIN], lin_weight, weight,
-                                                                        EPS))
+                outs.append(
+                    torch.ops.dsc.linear_all_reduce_add_rmsnorm(residual, x[..., :K_LIN], lin_weight, weight, EPS)
+                )
             elif residual is not None and fused(k):
                 outs.append(torch.ops.dsc.all_reduce_add_rmsnorm(residual, x, weight, EPS))
             elif lookup is not None:
@@ -93,8 +98,9 @@ def program(inputs, rank, world, skew, residual=None, weight=None, fused=lambda 
 def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False, embed=False):
     sizes = {"graph65": 65, "graph64": 64, "eager3": 3, "eager2": 2}
     salts = {"graph65": 0, "graph64": 1, "eager3": 2, "eager2": 4}
-    inputs = {k: [torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device=dev) for _ in range(n)]
-              for k, n in sizes.items()}
+    inputs = {
+        k: [torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device=dev) for _ in range(n)] for k, n in sizes.items()
+    }
     base = torch.arange(rows * HIDDEN, device=dev).view(rows, HIDDEN)
 
     def fill(r):
@@ -129,8 +135,19 @@ def check(rank, world, dev, rounds=100, skew=20000, rows=8, linear=False, embed=
 
     lin_weight = select_weight(dev) if linear else None
     pick = torch.arange(HIDDEN, device=dev) % K_LIN
-    run = lambda name: program(inputs[name], rank, world, skew, residual, weight, lin_weight=lin_weight,  # noqa: E731
-                               lookup=lookup if embed else None)
+
+    def run(name):
+        return program(
+            inputs[name],
+            rank,
+            world,
+            skew,
+            residual,
+            weight,
+            lin_weight=lin_weight,  # noqa: E731
+            lookup=lookup if embed else None,
+        )
+
     fill(0)
     g65, o65 = capture(lambda: run("graph65"))
     g64, o64 = capture(lambda: run("graph64"))
@@ -155,7 +172,7 @@ def time_linear(k, n=64, iters=50):
     xs = [torch.randn(1, k, device="cuda").to(torch.bfloat16) for _ in range(n)]
     res = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
     w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
-    lw = (torch.randn(HIDDEN, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    lw = (torch.randn(HIDDEN, k, device="cuda") / k**0.5).to(torch.bfloat16)
 
     def prog():
         with collectives.program_scope(n):
@@ -259,9 +276,19 @@ def main():
 def test_all_reduce_paths_exact_under_skew(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                           str(ROOT / "tests" / "gpu" / "test_gpu_collectives.py")], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            str(ROOT / "tests" / "gpu" / "test_gpu_collectives.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 

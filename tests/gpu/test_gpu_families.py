@@ -12,12 +12,12 @@ both devices through both paths:
     arriving while others run, prompts chunked at a 32-token budget: greedy tokens equal the
     CPU runtime's.
 """
+
 from __future__ import annotations
 
 import random
 
 import pytest
-
 from gpu_util import write_summary
 
 FP32_ATOL = 1e-4  # the CPU tests' tolerance (tests/test_compile.py)
@@ -41,8 +41,9 @@ def _paged(art, device: str, reqs) -> list[list[int]]:
     from dsc.runtime.llm import SamplingParams
 
     llm = dsc.LLM(art, device=device, max_num_seqs=6, max_num_batched_tokens=32)
-    outs = llm.generate([p for p, _ in reqs], [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
-                                               for _, m in reqs])
+    outs = llm.generate(
+        [p for p, _ in reqs], [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
+    )
     assert llm.engine.scheduler.pool.num_used() == 0, "blocks leaked"
     return [o.outputs[0].token_ids for o in outs]
 
@@ -61,8 +62,11 @@ def test_family_on_the_gpu_equals_the_cpu_and_transformers(shape, tmp_path):
     reqs = _requests(vocab, 16, 40)
     static = verify_artifact(art, ck, prompts=[p for p, _ in reqs[:6]], new_tokens=8, engine=load(art, device="cuda"))
     paged = {dev: _paged(art, dev, reqs) for dev in ("cpu", "cuda")}
-    row = {"static_tokens_equal_transformers": static.tokens_equal, "static_max_abs_err": static.max_abs_err,
-           "paged_equal_cpu": paged["cuda"] == paged["cpu"],
-           "paged_agreement": sum(a == b for a, b in zip(paged["cuda"], paged["cpu"])) / len(reqs)}
+    row = {
+        "static_tokens_equal_transformers": static.tokens_equal,
+        "static_max_abs_err": static.max_abs_err,
+        "paged_equal_cpu": paged["cuda"] == paged["cpu"],
+        "paged_agreement": sum(a == b for a, b in zip(paged["cuda"], paged["cpu"])) / len(reqs),
+    }
     write_summary(f"gpu_families_{shape}", row)
     assert static.tokens_equal and static.max_abs_err <= FP32_ATOL and row["paged_equal_cpu"], row

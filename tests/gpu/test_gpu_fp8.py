@@ -13,15 +13,16 @@
   dsc.LLM's paged path (CUDA graphs, continuous batching) gives the static programs' tokens.
 Writes $OUT/gpu_fp8.json when OUT is set.
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from gpu_util import write_summary
 
 from dsc.kernels import fp8
-from gpu_util import write_summary
 
 pytestmark = pytest.mark.gpu
 RESULTS: dict = {}
@@ -98,8 +99,11 @@ def test_artifact_on_the_gpu(tmp_path):
     llm = dsc.LLM(str(art), device="cuda")
     outs = llm.generate(prompts, dsc.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     tp = [list(o.outputs[0].token_ids) for o in outs]
-    RESULTS["artifact"] = {"cpu_fp8_vs_fp32_logits_sqnr_db": s_cpu, "gpu_fp8_vs_fp32_logits_sqnr_db": s_gpu,
-                           "paged_equals_static_tokens": tp == tg}
+    RESULTS["artifact"] = {
+        "cpu_fp8_vs_fp32_logits_sqnr_db": s_cpu,
+        "gpu_fp8_vs_fp32_logits_sqnr_db": s_gpu,
+        "paged_equals_static_tokens": tp == tg,
+    }
     write_summary("gpu_fp8", RESULTS)
     assert s_gpu >= s_cpu - 1.0, RESULTS["artifact"]
     assert tp == tg, RESULTS["artifact"]

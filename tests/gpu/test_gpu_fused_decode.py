@@ -17,6 +17,7 @@ The fused kernels' timings against the unfused pairs: scripts/bench_kernels.py -
 
     pytest tests/gpu/test_gpu_fused_decode.py          # $OUT/gpu_fused_decode.json when OUT is set
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,7 +25,6 @@ import math
 
 import pytest
 import torch
-
 from gpu_util import write_summary
 
 REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}  # max |difference| / max |reference|
@@ -53,11 +53,15 @@ def check_linear_swiglu(dtype) -> list[dict]:
         ref = linear.linear_swiglu_reference(x, w)
         g_cfg = linear.gemv_config(n, k, arch_of(x.device))
         up = linear.gemv(x, w, None, g_cfg) if g_cfg else torch.nn.functional.linear(x, w)
-        unfused = torch.ops.dsc.swiglu(up[..., : n // 2], up[..., n // 2:])
+        unfused = torch.ops.dsc.swiglu(up[..., : n // 2], up[..., n // 2 :])
         op = torch.ops.dsc.linear_swiglu(x, w)
-        row.update(rel_vs_reference=rel(got, ref), rel_vs_unfused=rel(got, unfused),
-                   bit_equal_unfused=bool(torch.equal(got, unfused)), op_equals_kernel=bool(torch.equal(op, got)),
-                   finite=bool(torch.isfinite(got).all()))
+        row.update(
+            rel_vs_reference=rel(got, ref),
+            rel_vs_unfused=rel(got, unfused),
+            bit_equal_unfused=bool(torch.equal(got, unfused)),
+            op_equals_kernel=bool(torch.equal(op, got)),
+            finite=bool(torch.isfinite(got).all()),
+        )
         row["ok"] = row["finite"] and row["rel_vs_reference"] <= REL_TOL[dtype] and row["op_equals_kernel"]
         rows.append(row)
     return rows
@@ -88,21 +92,32 @@ def check_w8a16_swiglu(dtype) -> list[dict]:
         got = int8.w8a16_gemv_swiglu(x, q, s, z, gs)
         ref = int8.linear_w8a16_swiglu_reference(x.float(), q, s, z, gs).to(dtype)
         y = torch.ops.dsc.linear_w8a16(x, q, s, z, None, gs)
-        unfused = torch.ops.dsc.swiglu(y[..., : n // 2], y[..., n // 2:])
+        unfused = torch.ops.dsc.swiglu(y[..., : n // 2], y[..., n // 2 :])
         op = torch.ops.dsc.linear_w8a16_swiglu(x, q, s, z, gs)
-        row = {"shape": [n, k], "group": group, "dtype": str(dtype),
-               "config": int8.w8a16_swiglu_config(n, k, group or 0, "sm_90", x.element_size()),
-               "rel_vs_reference": rel(got, ref), "rel_vs_unfused": rel(got, unfused),
-               "bit_equal_unfused": bool(torch.equal(got, unfused)), "op_equals_kernel": bool(torch.equal(op, got)),
-               "finite": bool(torch.isfinite(got).all())}
-        row["ok"] = (row["finite"] and row["rel_vs_reference"] <= REL_TOL.get(dtype, 1e-4) and row["op_equals_kernel"]
-                     and row["rel_vs_unfused"] <= REL_TOL.get(dtype, 1e-4))
+        row = {
+            "shape": [n, k],
+            "group": group,
+            "dtype": str(dtype),
+            "config": int8.w8a16_swiglu_config(n, k, group or 0, "sm_90", x.element_size()),
+            "rel_vs_reference": rel(got, ref),
+            "rel_vs_unfused": rel(got, unfused),
+            "bit_equal_unfused": bool(torch.equal(got, unfused)),
+            "op_equals_kernel": bool(torch.equal(op, got)),
+            "finite": bool(torch.isfinite(got).all()),
+        }
+        row["ok"] = (
+            row["finite"]
+            and row["rel_vs_reference"] <= REL_TOL.get(dtype, 1e-4)
+            and row["op_equals_kernel"]
+            and row["rel_vs_unfused"] <= REL_TOL.get(dtype, 1e-4)
+        )
         rows.append(row)
     return rows
 
 
 def check_rotary_attention(dtype) -> list[dict]:
-    from dsc.kernels import attention as A, rotary as R
+    from dsc.kernels import attention as A
+    from dsc.kernels import rotary as R
 
     rows = []
     D, Smax, theta = 128, 8192, 500000.0
@@ -122,7 +137,7 @@ def check_rotary_attention(dtype) -> list[dict]:
             vc = torch.randn(B + 1, Hkv, Smax, D, device="cuda", generator=g).to(dtype)
             kc2, vc2, kc3, vc3 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
             kt, vt = kc.clone(), vc.clone()  # for the rot_pos form
-            scale = D ** -0.5
+            scale = D**-0.5
             got = A.decode_attention(q, k, v, kc, vc, pos, scale, rotary=(cos, sin))
             ref = A.rotary_attention_reference(q, k, v, cos, sin, kc2, vc2, pos, scale)
             qr, kr = R.rotary_triton(q, k, cos, sin)
@@ -134,15 +149,26 @@ def check_rotary_attention(dtype) -> list[dict]:
             tables = torch.cat((angs, angs), -1)
             tables = (tables.cos().to(dtype), tables.sin().to(dtype))
             from_tables = A.decode_attention(q, k, v, kt, vt, pos, scale, rotary=tables, rot_pos=pos[:, None])
-            row = {"heads": [H, Hkv], "positions": positions, "dtype": str(dtype),
-                   "rel_vs_reference": rel(got, ref), "rel_vs_unfused": rel(got, unfused),
-                   "bit_equal_unfused": bool(torch.equal(got, unfused)), "cache_equal_unfused":
-                   bool(torch.equal(kc, kc3) and torch.equal(vc, vc3)),
-                   "cache_rel_vs_reference": max(rel(kc, kc2), rel(vc, vc2)),
-                   "op_close_to_kernel": rel(op, got) <= REL_TOL[dtype], "finite": bool(torch.isfinite(got).all()),
-                   "tables_bit_equal": bool(torch.equal(from_tables, got) and torch.equal(kt, kc) and torch.equal(vt, vc))}
-            row["ok"] = (row["finite"] and row["rel_vs_reference"] <= REL_TOL[dtype] and row["tables_bit_equal"]
-                         and row["cache_rel_vs_reference"] <= REL_TOL[dtype] and row["op_close_to_kernel"])
+            row = {
+                "heads": [H, Hkv],
+                "positions": positions,
+                "dtype": str(dtype),
+                "rel_vs_reference": rel(got, ref),
+                "rel_vs_unfused": rel(got, unfused),
+                "bit_equal_unfused": bool(torch.equal(got, unfused)),
+                "cache_equal_unfused": bool(torch.equal(kc, kc3) and torch.equal(vc, vc3)),
+                "cache_rel_vs_reference": max(rel(kc, kc2), rel(vc, vc2)),
+                "op_close_to_kernel": rel(op, got) <= REL_TOL[dtype],
+                "finite": bool(torch.isfinite(got).all()),
+                "tables_bit_equal": bool(torch.equal(from_tables, got) and torch.equal(kt, kc) and torch.equal(vt, vc)),
+            }
+            row["ok"] = (
+                row["finite"]
+                and row["rel_vs_reference"] <= REL_TOL[dtype]
+                and row["tables_bit_equal"]
+                and row["cache_rel_vs_reference"] <= REL_TOL[dtype]
+                and row["op_close_to_kernel"]
+            )
             rows.append(row)
     return rows
 

@@ -6,35 +6,54 @@ correctness check.
 
 Every case runs the REGS kernel, the plain-torch reference (fp32) and the Triton mma kernel
 (the same arithmetic: 16-bit products summed in fp32) on the same inputs: batch 1-16, odd and
-Llama-8B sizes, per-channel and grouped scales, zero points, bias, split-K, K parts over warps (WARPS_K), register prefetch, EARLY,
+Llama-8B sizes, per-channel and grouped scales, zero points, bias, split-K, K parts over warps (WARPS_K), register
+prefetch, EARLY,
 bf16 and fp16. Pass: SQNR against the reference >= 40 dB, and the REGS output within 2 ulps of
 the output dtype (of max |y|) of the mma kernel's. Also: split-K replayed from a CUDA graph
 with new inputs (its counters reset), and the table's configs through `dsc::linear_w8a16`.
 Writes $OUT/gpu_int8.json when OUT is set.
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-
-from dsc.kernels import int8
 from gpu_util import write_summary
 
+from dsc.kernels import int8
+
 CFGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH, num_warps, WARPS_K[, EARLY]
-    (8, 16, 256, 1, False, 1, 1), (8, 32, 128, 2, True, 1, 1), (16, 64, 256, 4, False, 4, 1), (8, 64, 512, 1, True, 2, 1),
-    (16, 16, 64, 3, False, 1, 1), (8, 32, 256, 4, True, 2, 1), (8, 16, 128, 1, False, 4, 4), (8, 32, 256, 8, False, 4, 2),
-    (16, 16, 64, 2, True, 8, 8), (8, 16, 128, 4, True, 4, 4),
+    (8, 16, 256, 1, False, 1, 1),
+    (8, 32, 128, 2, True, 1, 1),
+    (16, 64, 256, 4, False, 4, 1),
+    (8, 64, 512, 1, True, 2, 1),
+    (16, 16, 64, 3, False, 1, 1),
+    (8, 32, 256, 4, True, 2, 1),
+    (8, 16, 128, 1, False, 4, 4),
+    (8, 32, 256, 8, False, 4, 2),
+    (16, 16, 64, 2, True, 8, 8),
+    (8, 16, 128, 4, True, 4, 4),
     # EARLY (8th field): the first K-block's weights before the PDL wait
-    (8, 16, 128, 4, False, 4, 4, True), (16, 16, 64, 2, True, 8, 8, True), (8, 32, 256, 1, False, 2, 1, True),
+    (8, 16, 128, 4, False, 4, 4, True),
+    (16, 16, 64, 2, True, 8, 8, True),
+    (8, 32, 256, 1, False, 2, 1, True),
     # EARLY 2: the first two K-blocks (parts of 1, 2 and 4 blocks)
-    (8, 16, 128, 4, False, 4, 4, 2), (8, 16, 256, 1, False, 8, 8, 2), (16, 16, 64, 2, False, 8, 8, 2),
+    (8, 16, 128, 4, False, 4, 4, 2),
+    (8, 16, 256, 1, False, 8, 8, 2),
+    (16, 16, 64, 2, False, 8, 8, 2),
 ]
 SHAPES = [  # M, K, N, group size (None: per channel), symmetric, bias
-    (8, 4096, 4096, None, True, False), (8, 4096, 14336, None, True, False), (8, 14336, 4096, None, True, False),
-    (1, 4096, 4096, None, True, True), (5, 4096, 1024, 128, False, True), (16, 1024, 3072, None, False, False),
-    (3, 1000, 130, None, True, True), (13, 192, 47, 64, True, False), (7, 256, 96, None, False, True),
+    (8, 4096, 4096, None, True, False),
+    (8, 4096, 14336, None, True, False),
+    (8, 14336, 4096, None, True, False),
+    (1, 4096, 4096, None, True, True),
+    (5, 4096, 1024, 128, False, True),
+    (16, 1024, 3072, None, False, False),
+    (3, 1000, 130, None, True, True),
+    (13, 192, 47, 64, True, False),
+    (7, 256, 96, None, False, True),
     (9, 512, 100, 256, False, False),
 ]
 
@@ -52,14 +71,30 @@ def case(m, k, n, gs, sym, bias, dtype, cfg, g) -> str:
     x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
     ref = int8.linear_w8a16_reference(x.float(), p["qweight"], p["scale"], z, None if b is None else b.float(), gs or k)
     bm, bn, bk, sk, pf, warps, wk, *early = cfg
-    regs = dict(REGS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, PREFETCH=pf, num_warps=warps, WARPS_K=wk,
-                EARLY=int(early[0]) if early else 0)
+    regs = dict(
+        REGS=True,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SPLIT_K=sk,
+        PREFETCH=pf,
+        num_warps=warps,
+        WARPS_K=wk,
+        EARLY=int(early[0]) if early else 0,
+    )
     if gs and gs % bk:
         return "skip"
     got = int8.w8a16_matmul(x, p["qweight"], p["scale"], z, b, gs or k, kernel="w8a16_mma", config=regs)
-    mma = int8.w8a16_matmul(x, p["qweight"], p["scale"], z, b, gs or k, kernel="w8a16_mma",
-                            config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64 if gs == 64 else 128, num_warps=4,
-                                        num_stages=3))
+    mma = int8.w8a16_matmul(
+        x,
+        p["qweight"],
+        p["scale"],
+        z,
+        b,
+        gs or k,
+        kernel="w8a16_mma",
+        config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64 if gs == 64 else 128, num_warps=4, num_stages=3),
+    )
     if got.dtype != dtype or got.shape != (m, n) or not torch.isfinite(got).all():
         return f"bad output {got.dtype} {list(got.shape)}"
     q = sqnr(ref, got.float())
@@ -97,8 +132,17 @@ def through_op(g) -> str:
     4096 x 1536: split-K 4; 1024 x 4096: one 256-wide block per part; 8192 x 2048: the long-K
     form; 4096 x 7168: 8 parts of 128; 2048 x 16384: 4 parts of 128)."""
     out = []
-    for k, n in ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 6144), (4096, 1536), (1024, 4096), (8192, 2048),
-                 (4096, 7168), (2048, 16384)):
+    for k, n in (
+        (4096, 4096),
+        (4096, 14336),
+        (14336, 4096),
+        (4096, 6144),
+        (4096, 1536),
+        (1024, 4096),
+        (8192, 2048),
+        (4096, 7168),
+        (2048, 16384),
+    ):
         cfg = int8.int8_config("w8a16_mma", 8, n, k, 0, "sm_90")
         p = int8.quantize_weight(torch.randn(n, k, generator=g, device="cuda") / math.sqrt(k))
         x = torch.randn(2, 4, k, generator=g, device="cuda").to(torch.bfloat16)
@@ -118,7 +162,10 @@ def test_w8a16_regs_kernel():
     for dtype in (torch.bfloat16, torch.float16):
         for shape in SHAPES:
             for cfg in CFGS:
-                name = f"{str(dtype)[6:]} M{shape[0]}K{shape[1]}N{shape[2]} g{shape[3]} sym={shape[4]} bias={shape[5]} cfg={cfg}"
+                name = (
+                    f"{str(dtype)[6:]} M{shape[0]}K{shape[1]}N{shape[2]} g{shape[3]} sym={shape[4]} bias={shape[5]} "
+                    f"cfg={cfg}"
+                )
                 try:
                     r = case(*shape, dtype, cfg, g)
                 except Exception as e:  # noqa: BLE001  a build or launch error is a failed case

@@ -13,6 +13,7 @@ outputs. Also: each `dsc::` op dispatches to its Triton kernel on CUDA (bit-equa
 wrapper), and ops replay correctly from a captured CUDA graph with new inputs.
 Writes $OUT/gpu_kernels.json when OUT is set.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,12 @@ import time
 
 import pytest
 import torch
-
-from dsc.kernels import activation as ACT, embedding as EMB, norm as NORM, rotary as ROT
 from gpu_util import ROOT, cpu_smoke, run_smoke, write_summary
+
+from dsc.kernels import activation as ACT
+from dsc.kernels import embedding as EMB
+from dsc.kernels import norm as NORM
+from dsc.kernels import rotary as ROT
 
 SMOKE = __name__ == "__main__" and "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -42,67 +46,89 @@ def cases(dtype):
     H, HKV, D, E, I, E2 = s(32, 4), s(8, 2), s(128, 16), s(4096, 72), s(14336, 200), s(1600, 40)
     out = {}
     for rows in (1, 7, s(4096, 9), s(16384, 33)):
+
         def add_rms(g, rows=rows):
             x, r = rand(g, rows, E, dtype=dtype), rand(g, rows, E, dtype=dtype)
             w = (1 + 0.1 * torch.randn(E, generator=g, device=DEVICE)).to(dtype)
             return NORM.add_norm_triton("rms", x, r, w, None, 1e-5), NORM.add_rmsnorm_reference(x, r, w, 1e-5)
+
         out[f"add_rmsnorm rows={rows} N={E}"] = add_rms
     for rows in (1, s(4096, 9)):
+
         def rms(g, rows=rows):
             x = rand(g, rows, E, dtype=dtype, scale=3)
             w = (1 + 0.1 * torch.randn(E, generator=g, device=DEVICE)).to(dtype)
             return NORM.add_norm_triton("rms", x, None, w, None, 1e-6)[1:], (NORM.rmsnorm_reference(x, w, 1e-6),)
+
         out[f"rmsnorm rows={rows} N={E}"] = rms
         for n in (E2, E):
+
             def add_ln(g, rows=rows, n=n):
                 x, r = rand(g, rows, n, dtype=dtype), rand(g, rows, n, dtype=dtype, scale=2)
                 w, b = rand(g, n, dtype=dtype), rand(g, n, dtype=dtype)
                 return NORM.add_norm_triton("layer", x, r, w, b, 1e-5), NORM.add_layernorm_reference(x, r, w, b, 1e-5)
+
             out[f"add_layernorm rows={rows} N={n}"] = add_ln
 
             def add_ln_xbias(g, rows=rows, n=n):  # GPT-2's output projections: their bias moved here
                 x, r = rand(g, rows, n, dtype=dtype), rand(g, rows, n, dtype=dtype, scale=2)
                 w, b, xb = rand(g, n, dtype=dtype), rand(g, n, dtype=dtype), rand(g, n, dtype=dtype)
-                return (NORM.add_norm_triton("layer", x, r, w, b, 1e-5, x_bias=xb),
-                        NORM.add_layernorm_reference(x, r, w, b, 1e-5, xb))
+                return (
+                    NORM.add_norm_triton("layer", x, r, w, b, 1e-5, x_bias=xb),
+                    NORM.add_layernorm_reference(x, r, w, b, 1e-5, xb),
+                )
+
             out[f"add_layernorm+x_bias rows={rows} N={n}"] = add_ln_xbias
     for rows in (1, 7, s(4096, 9)):
+
         def swiglu(g, rows=rows):
             gu = rand(g, rows, 2 * I, dtype=dtype, scale=2)  # the fused gate_up output; slices read in place
             gate, up = gu[:, :I], gu[:, I:]
             return (ACT.swiglu_triton(gate, up),), (ACT.swiglu_reference(gate, up),)
+
         out[f"swiglu rows={rows} N={I} (strided halves)"] = swiglu
         for n, approx in ((4 * E2, "tanh"), (I, "none")):
+
             def gelu(g, rows=rows, n=n, approx=approx):
                 x = rand(g, rows, n, dtype=dtype, scale=3)
                 return (ACT.gelu_triton(x, approx),), (ACT.gelu_reference(x, approx),)
+
             out[f"gelu-{approx} rows={rows} N={n}"] = gelu
 
             def gelu_bias(g, rows=rows, n=n, approx=approx):  # GPT-2's c_fc bias moved here
                 x, b = rand(g, rows, n, dtype=dtype, scale=3), rand(g, n, dtype=dtype)
                 return (ACT.gelu_triton(x, approx, b),), (ACT.gelu_reference(x, approx, b),)
+
             out[f"gelu-{approx}+bias rows={rows} N={n}"] = gelu_bias
     for B, S in ((1, 1), (32, 1), (2, s(2048, 5)), (1, s(8192, 11))):
+
         def rotary(g, B=B, S=S):
             qkv = rand(g, B, S, (H + 2 * HKV) * D, dtype=dtype)  # [B, S, (H+2Hkv)D], as the fused linear writes
             q = qkv[..., : H * D].view(B, S, H, D).transpose(1, 2)
-            k = qkv[..., H * D: (H + HKV) * D].view(B, S, HKV, D).transpose(1, 2)
-            pos = torch.arange(S, device=DEVICE).float() + torch.randint(0, 8192 - S + 1, (B, 1), generator=g, device=DEVICE)
+            k = qkv[..., H * D : (H + HKV) * D].view(B, S, HKV, D).transpose(1, 2)
+            pos = torch.arange(S, device=DEVICE).float() + torch.randint(
+                0, 8192 - S + 1, (B, 1), generator=g, device=DEVICE
+            )
             inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
             ang = torch.cat([pos[..., None] * inv] * 2, -1)  # [B, S, D]
             cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
             return ROT.rotary_triton(q, k, cos, sin), ROT.rotary_reference(q, k, cos, sin)
+
         out[f"rotary B={B} S={S} H={H}/{HKV} D={D}"] = rotary
     V = s(128256, 98)  # Llama-3's vocabulary, split over 2 ranks: rank 1's rows
     w_emb = {}
     for B, S in ((1, 1), (64, 1), (2, s(2048, 5))):
+
         def vocab_embedding(g, B=B, S=S):
             if "w" not in w_emb:  # one [V/2, E] table (0.5 GB in bf16) for every case
                 w_emb["w"] = rand(g, V // 2, E, dtype=dtype)
             ids = torch.randint(0, V, (B, S), generator=g, device=DEVICE)
             start = torch.tensor([V // 2], device=DEVICE)
-            return ((EMB.vocab_embedding_triton(w_emb["w"], ids, start),),
-                    (EMB.vocab_embedding_reference(w_emb["w"], ids, start),))
+            return (
+                (EMB.vocab_embedding_triton(w_emb["w"], ids, start),),
+                (EMB.vocab_embedding_reference(w_emb["w"], ids, start),),
+            )
+
         out[f"vocab_embedding B={B} S={S} rows={V // 2} E={E}"] = vocab_embedding
     return out
 
@@ -155,17 +181,34 @@ def check_dispatch_and_graphs(dtype) -> dict:
     q = qkv[..., :4096].view(8, 1, 32, 128).transpose(1, 2)
     k = qkv[..., 4096:5120].view(8, 1, 8, 128).transpose(1, 2)
     cs = rand(g, 8, 1, 128, dtype=dtype)
-    table, ids, start = rand(g, 1000, E, dtype=dtype), torch.randint(0, 2000, (8, 1), generator=g, device=DEVICE), \
-        torch.tensor([1000], device=DEVICE)
+    table, ids, start = (
+        rand(g, 1000, E, dtype=dtype),
+        torch.randint(0, 2000, (8, 1), generator=g, device=DEVICE),
+        torch.tensor([1000], device=DEVICE),
+    )
     ops = {
-        "add_rmsnorm": (lambda: torch.ops.dsc.add_rmsnorm(x, r, w, 1e-5), lambda: NORM.add_norm_triton("rms", x, r, w, None, 1e-5)),
-        "rmsnorm": (lambda: (torch.ops.dsc.rmsnorm(x, w, 1e-5),), lambda: NORM.add_norm_triton("rms", x, None, w, None, 1e-5)[1:]),
-        "add_layernorm": (lambda: torch.ops.dsc.add_layernorm(x, r, w, w, 1e-5), lambda: NORM.add_norm_triton("layer", x, r, w, w, 1e-5)),
-        "swiglu": (lambda: (torch.ops.dsc.swiglu(gu[:, :I], gu[:, I:]),), lambda: (ACT.swiglu_triton(gu[:, :I], gu[:, I:]),)),
+        "add_rmsnorm": (
+            lambda: torch.ops.dsc.add_rmsnorm(x, r, w, 1e-5),
+            lambda: NORM.add_norm_triton("rms", x, r, w, None, 1e-5),
+        ),
+        "rmsnorm": (
+            lambda: (torch.ops.dsc.rmsnorm(x, w, 1e-5),),
+            lambda: NORM.add_norm_triton("rms", x, None, w, None, 1e-5)[1:],
+        ),
+        "add_layernorm": (
+            lambda: torch.ops.dsc.add_layernorm(x, r, w, w, 1e-5),
+            lambda: NORM.add_norm_triton("layer", x, r, w, w, 1e-5),
+        ),
+        "swiglu": (
+            lambda: (torch.ops.dsc.swiglu(gu[:, :I], gu[:, I:]),),
+            lambda: (ACT.swiglu_triton(gu[:, :I], gu[:, I:]),),
+        ),
         "gelu": (lambda: (torch.ops.dsc.gelu(x, "tanh"),), lambda: (ACT.gelu_triton(x, "tanh"),)),
         "rotary": (lambda: torch.ops.dsc.rotary(q, k, cs, cs), lambda: ROT.rotary_triton(q, k, cs, cs)),
-        "vocab_embedding": (lambda: (torch.ops.dsc.vocab_embedding(table, ids, start),),
-                            lambda: (EMB.vocab_embedding_triton(table, ids, start),)),
+        "vocab_embedding": (
+            lambda: (torch.ops.dsc.vocab_embedding(table, ids, start),),
+            lambda: (EMB.vocab_embedding_triton(table, ids, start),),
+        ),
     }
     res = {}
     for name, (op, wrapper) in ops.items():
@@ -181,8 +224,11 @@ def check_dispatch_and_graphs(dtype) -> dict:
         ids.copy_(torch.randint(0, 2000, ids.shape, generator=g, device=DEVICE))
         graph.replay()
         replay_equal = all(torch.equal(a, b) for a, b in zip(outs, wrapper()))
-        res[f"dispatch+graph {name}"] = {"ok": dispatch_equal and replay_equal, "dispatch_equal": dispatch_equal,
-                                         "replay_equal": replay_equal}
+        res[f"dispatch+graph {name}"] = {
+            "ok": dispatch_equal and replay_equal,
+            "dispatch_equal": dispatch_equal,
+            "replay_equal": replay_equal,
+        }
     return res
 
 
@@ -194,8 +240,11 @@ def run_dtype(dtype) -> dict:
         g = torch.Generator(device=DEVICE).manual_seed(0)
         got, want = case(g)
         results[f"{dname} {name}"] = r = check(got, want)
-        print(f"{'ok ' if r['ok'] else 'FAIL'} {dname:8s} {name:44s} max|err| {r.get('max_abs_err', float('nan')):.3g}"
-              + ("" if r["ok"] else f"  {r['error']}"), flush=True)
+        print(
+            f"{'ok ' if r['ok'] else 'FAIL'} {dname:8s} {name:44s} max|err| {r.get('max_abs_err', float('nan')):.3g}"
+            + ("" if r["ok"] else f"  {r['error']}"),
+            flush=True,
+        )
     for name, r in check_dispatch_and_graphs(dtype).items():
         results[f"{dname} {name}"] = r
         print(f"{'ok ' if r['ok'] else 'FAIL'} {dname:8s} {name}  {r}", flush=True)
@@ -231,7 +280,10 @@ def main() -> int:
     t0 = time.time()
     results = run_dtype(torch.float16)  # smoke: fp16 only (the interpreter's bf16 is emulated)
     results["float32 gelu-none dense grid: implied erf error"] = r = check_gelu_erf_accuracy()
-    print(f"{'ok ' if r['ok'] else 'FAIL'} float32  gelu-none dense grid: implied erf error {r['max_abs_err']:.3g}", flush=True)
+    print(
+        f"{'ok ' if r['ok'] else 'FAIL'} float32  gelu-none dense grid: implied erf error {r['max_abs_err']:.3g}",
+        flush=True,
+    )
     bad = [k for k, v in results.items() if not v["ok"]]
     print(f"{len(results) - len(bad)}/{len(results)} passed on cpu (interpreter) in {time.time() - t0:.1f}s")
     return 1 if bad else 0

@@ -19,6 +19,7 @@ op replays with new routing, weights and tokens copied into its input buffers, b
 eager calls on the same inputs (including routings that put every slot on one expert and
 that route nothing to the rank). Writes $OUT/gpu_moe.json when OUT is set.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,9 +28,11 @@ import time
 
 import pytest
 import torch
-
-from dsc.kernels import fused_moe as FM, int8 as Q, moe as MOE
 from gpu_util import write_summary
+
+from dsc.kernels import fused_moe as FM
+from dsc.kernels import int8 as Q
+from dsc.kernels import moe as MOE
 
 SMOKE = __name__ == "__main__" and "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -43,8 +46,12 @@ SHAPES = {
     "mixtral-ep": (1024, 1536, 4, 2, 8, 4),
     "qwen3-ep": (1024, 256, 16, 8, 64, 16),
 }
-SMOKE_SHAPES = {"mixtral": (40, 24, 5, 2, 5, 0), "qwen3": (40, 24, 8, 4, 8, 0), "mixtral-ep": (40, 24, 3, 2, 5, 2),
-                "qwen3-ep": (40, 24, 4, 4, 8, 4)}
+SMOKE_SHAPES = {
+    "mixtral": (40, 24, 5, 2, 5, 0),
+    "qwen3": (40, 24, 8, 4, 8, 0),
+    "mixtral-ep": (40, 24, 3, 2, 5, 2),
+    "qwen3-ep": (40, 24, 4, 4, 8, 4),
+}
 TOKENS = (3, 37) if SMOKE else (1, 7, 256, 2048)
 
 
@@ -64,8 +71,8 @@ def routing(g, t, k, model_experts, one_expert=None):
 
 def weights(g, h, inter, experts, int8: bool):
     """(gate_up, down, gate_up_scale, down_scale): bf16 weights, or int8 with per-row scales."""
-    gu = torch.randn(experts * 2 * inter, h, generator=g, device=DEVICE) / h ** 0.5
-    dn = torch.randn(experts * h, inter, generator=g, device=DEVICE) / inter ** 0.5
+    gu = torch.randn(experts * 2 * inter, h, generator=g, device=DEVICE) / h**0.5
+    dn = torch.randn(experts * h, inter, generator=g, device=DEVICE) / inter**0.5
     if not int8:
         return gu.to(DTYPE), dn.to(DTYPE), None, None
     qg, qd = Q.quantize_weight(gu), Q.quantize_weight(dn)
@@ -98,13 +105,23 @@ def case(name, t, int8, one_expert=None) -> dict:
     if not torch.isfinite(got).all():
         problems.append("non-finite output")
     if not mx <= MAX_REL or not rms <= RMS_REL or not rms <= 2 * rms16 + 1e-3:
-        problems.append(f"error max {mx:.3g} (<= {MAX_REL}), rms {rms:.3g} (<= {RMS_REL} and 2 x the bf16 "
-                        f"reference's {rms16:.3g} + 1e-3)")
+        problems.append(
+            f"error max {mx:.3g} (<= {MAX_REL}), rms {rms:.3g} (<= {RMS_REL} and 2 x the bf16 "
+            f"reference's {rms16:.3g} + 1e-3)"
+        )
     if not torch.equal(got, again):
         problems.append("a second call differs")
     routed = ((ids >= first) & (ids < first + experts)).sum().item()
-    return {"ok": not problems, "problems": problems, "max_rel": mx, "rms_rel": rms, "ref_bf16_max_rel": mx16,
-            "ref_bf16_rms_rel": rms16, "routed_slots": routed, "slots": t * k}
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "max_rel": mx,
+        "rms_rel": rms,
+        "ref_bf16_max_rel": mx16,
+        "ref_bf16_rms_rel": rms16,
+        "routed_slots": routed,
+        "slots": t * k,
+    }
 
 
 def cases() -> dict:
@@ -155,8 +172,9 @@ def graph_replay() -> dict:
             if what == "none routed here":
                 if not others:
                     continue
-                new_ids = torch.tensor(others, device=DEVICE)[torch.randint(0, len(others), (t, k), generator=g,
-                                                                             device=DEVICE)]
+                new_ids = torch.tensor(others, device=DEVICE)[
+                    torch.randint(0, len(others), (t, k), generator=g, device=DEVICE)
+                ]
             if what == "new weights":
                 for dst, src in zip((gu, dn, gs, ds), weights(g, h, inter, experts, int8)):
                     if dst is not None:
@@ -166,16 +184,19 @@ def graph_replay() -> dict:
             graph.replay()
             torch.cuda.synchronize()
             eager = FM.fused_moe_triton(x, ids, tw, gu, dn, first, gs, ds)
-            ref = MOE.moe_reference(x.float(), ids, tw.float(), *((gu, dn) if int8 else (gu.float(), dn.float())),
-                                    first, gs, ds)
+            ref = MOE.moe_reference(
+                x.float(), ids, tw.float(), *((gu, dn) if int8 else (gu.float(), dn.float())), first, gs, ds
+            )
             mx, rms = errors(out.float(), ref)
             ok = torch.equal(out, eager) and mx <= MAX_REL and (rms <= RMS_REL or what == "none routed here")
             if what == "none routed here":
                 ok = ok and not out.any()
             checks[what] = {"ok": bool(ok), "equal_to_eager": torch.equal(out, eager), "max_rel": mx, "rms_rel": rms}
         res[f"graph replay {name}{' int8' if int8 else ''} T={t}"] = {
-            "ok": dispatch_equal and all(c["ok"] for c in checks.values()), "dispatch_equal": dispatch_equal,
-            "replays": checks}
+            "ok": dispatch_equal and all(c["ok"] for c in checks.values()),
+            "dispatch_equal": dispatch_equal,
+            "replays": checks,
+        }
     return res
 
 
@@ -185,9 +206,12 @@ def run_all() -> dict:
         t0 = time.time()
         results[name] = r = fn()
         r["s"] = round(time.time() - t0, 2)
-        print(f"{'ok ' if r['ok'] else 'FAIL'} {name:32s} max {r['max_rel']:.2e} rms {r['rms_rel']:.2e} "
-              f"(bf16 reference: max {r['ref_bf16_max_rel']:.2e} rms {r['ref_bf16_rms_rel']:.2e}) "
-              f"{r['routed_slots']}/{r['slots']} slots here" + ("" if r["ok"] else f"  {r['problems']}"), flush=True)
+        print(
+            f"{'ok ' if r['ok'] else 'FAIL'} {name:32s} max {r['max_rel']:.2e} rms {r['rms_rel']:.2e} "
+            f"(bf16 reference: max {r['ref_bf16_max_rel']:.2e} rms {r['ref_bf16_rms_rel']:.2e}) "
+            f"{r['routed_slots']}/{r['slots']} slots here" + ("" if r["ok"] else f"  {r['problems']}"),
+            flush=True,
+        )
     for name, r in graph_replay().items():
         results[name] = r
         print(f"{'ok ' if r['ok'] else 'FAIL'} {name}  {r}", flush=True)

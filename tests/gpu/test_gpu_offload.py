@@ -4,6 +4,7 @@ resident engine's greedy tokens, through continuous batching.
 
     pytest tests/gpu/test_gpu_offload.py
 """
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,11 @@ RESULTS: dict = {}
 
 
 def _compile(work: Path, shape: str) -> Path:
-    code = ("import dsc\nfrom dsc.compiler.random_checkpoint import make_random_checkpoint\n"
-            f"ck = make_random_checkpoint({str(work / 'ckpt')!r}, {shape!r}, dtype='bfloat16', **{SHAPES[shape]!r})\n"
-            f"dsc.compile(str(ck), {str(work / 'art')!r}, max_batch=8, max_seq=256)\n")
+    code = (
+        "import dsc\nfrom dsc.compiler.random_checkpoint import make_random_checkpoint\n"
+        f"ck = make_random_checkpoint({str(work / 'ckpt')!r}, {shape!r}, dtype='bfloat16', **{SHAPES[shape]!r})\n"
+        f"dsc.compile(str(ck), {str(work / 'art')!r}, max_batch=8, max_seq=256)\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, cwd=ROOT)
     return work / "art"
 
@@ -33,8 +36,9 @@ def _tokens(art: Path, **kw):
     llm = dsc.LLM(art, device="cuda", kv_cache_memory=0.25, **kw)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 37, 20, 130, 1, 64)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        dsc.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], dsc.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
     ring = llm.engine.engine.ring
     facts = {"offload": llm.engine.engine.offload, "loads": ring.loads if ring else 0}
     del llm

@@ -21,6 +21,7 @@ step. Also: `torch.ops.dsc.paged_attention` dispatches to the kernels on CUDA (b
 wrapper), and a step captured in a CUDA graph per (T, N) bucket, decode and mixed, replays right
 with other lengths, block tables and padding. Writes $OUT/gpu_paged_attention.json when OUT is set.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,6 @@ import time
 
 import pytest
 import torch
-
 from gpu_util import ROOT, cpu_smoke, out_problems, run_smoke, write_summary
 
 sys.path.insert(0, str(ROOT / "tests"))  # tests/paged_steps.py: the steps the CPU tests build too
@@ -59,18 +59,36 @@ def check(name: str, case: Case, dtype=None, run=None) -> dict:
     ref32, want_k, want_v = expected(step)
     ref_low = expected(step, dtype)[0]
     out = torch.full_like(ref32, float("nan"), dtype=dtype)
-    (run or P.paged_attention_triton)(*args_of(step), out=out, path=case.path, config=case.config,
-                                      decode_config=case.decode_config, num_splits=case.num_splits)
+    (run or P.paged_attention_triton)(
+        *args_of(step),
+        out=out,
+        path=case.path,
+        config=case.config,
+        decode_config=case.decode_config,
+        num_splits=case.num_splits,
+    )
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     err, err_low = rel_err(out, ref32), rel_err(ref_low, ref32)
     limit = max(1e-2, 2 * err_low)
     problems = pool_problems(step, want_k, want_v) + out_problems(out, err, limit)
     T, N = step["q"].shape[2], len(case.seqs)
-    row = dict(case=name, T=T, N=N, dtype=str(dtype)[6:], rel_err=err, low_precision_reference_rel_err=err_low,
-               ok=not problems, problems=problems, seconds=round(time.time() - t0, 2))
-    print(f"{'ok  ' if not problems else 'FAIL'} {name:52s} rel_err {err:.2e} (reference in {str(dtype)[6:]}: "
-          f"{err_low:.2e})  {'; '.join(problems)}", flush=True)
+    row = dict(
+        case=name,
+        T=T,
+        N=N,
+        dtype=str(dtype)[6:],
+        rel_err=err,
+        low_precision_reference_rel_err=err_low,
+        ok=not problems,
+        problems=problems,
+        seconds=round(time.time() - t0, 2),
+    )
+    print(
+        f"{'ok  ' if not problems else 'FAIL'} {name:52s} rel_err {err:.2e} (reference in {str(dtype)[6:]}: "
+        f"{err_low:.2e})  {'; '.join(problems)}",
+        flush=True,
+    )
     return row
 
 
@@ -95,31 +113,49 @@ def cases() -> dict:
     out = {}
     for B, longest in ((1, 8192), (8, 8192), (32, 2048), (64, 2048), (128, 2048))[: 3 if SHRINK > 1 else None]:
         for BS in (16, 32):  # (smoke: the interpreter's time goes to the other cases)
-            out[f"decode B{B} ctx<={longest} BS{BS}"] = (decode_case(decode_seqs(B, n(longest), B), BS=BS, **heads()),
-                                                         None)
+            out[f"decode B{B} ctx<={longest} BS{BS}"] = (
+                decode_case(decode_seqs(B, n(longest), B), BS=BS, **heads()),
+                None,
+            )
     out["decode B32 ctx 2047 full"] = (decode_case(((n(2048) - 1, 1),) * 32, BS=16, **heads()), None)
-    out["decode B61 + 3 padding sequences"] = (decode_case(decode_seqs(61, n(4096), 7, padding=3), BS=16, **heads()),
-                                               None)
+    out["decode B61 + 3 padding sequences"] = (
+        decode_case(decode_seqs(61, n(4096), 7, padding=3), BS=16, **heads()),
+        None,
+    )
     out["decode B8 window 4096"] = (decode_case(decode_seqs(8, n(8192), 8), BS=16, window=n(4096), **heads()), None)
     out["decode B8 one split"] = (decode_case(decode_seqs(8, n(8192), 5), BS=16, num_splits=1, **heads()), None)
     for path in ("mixed", "varlen"):
-        out[f"decode step on the {path} path"] = (decode_case(decode_seqs(16, n(4096), 9, padding=2), BS=16,
-                                                              path=path, **heads()), None)
+        out[f"decode step on the {path} path"] = (
+            decode_case(decode_seqs(16, n(4096), 9, padding=2), BS=16, path=path, **heads()),
+            None,
+        )
     decodes = tuple((c, 1) for c in contexts(63, n(2048), 3))
     out["mixed 2048 fresh + 63 decodes, padded to 2304"] = (
-        Case(seqs=((0, n(2048)),) + decodes, pad_rows=max(n(2304) - n(2048) - 63, 3), BS=16, **heads()), None)
+        Case(seqs=((0, n(2048)),) + decodes, pad_rows=max(n(2304) - n(2048) - 63, 3), BS=16, **heads()),
+        None,
+    )
     out["mixed chunks on cached prefixes + decodes"] = (
-        Case(seqs=((n(3001), n(777)), (n(6000), n(500)), (0, 0)) + decodes[:13], pad_rows=5, BS=32, **heads()), None)
-    out["mixed window 4096"] = (Case(seqs=((n(6000), n(512)), (0, n(2048)), (n(5000), 1)), BS=16, window=n(4096),
-                                     **heads()), None)
-    out["mixed head_dim 80"] = (Case(seqs=((n(1000), n(300)), (0, n(700)), (n(2000), 1)), BS=16, Hkv=HKV, G=G, D=80),
-                                None)
+        Case(seqs=((n(3001), n(777)), (n(6000), n(500)), (0, 0)) + decodes[:13], pad_rows=5, BS=32, **heads()),
+        None,
+    )
+    out["mixed window 4096"] = (
+        Case(seqs=((n(6000), n(512)), (0, n(2048)), (n(5000), 1)), BS=16, window=n(4096), **heads()),
+        None,
+    )
+    out["mixed head_dim 80"] = (
+        Case(seqs=((n(1000), n(300)), (0, n(700)), (n(2000), 1)), BS=16, Hkv=HKV, G=G, D=80),
+        None,
+    )
     out["mixed fp32"] = (Case(seqs=((n(1000), n(300)), (0, n(200)), (n(2000), 1)), BS=16, **heads()), torch.float32)
     out["mixed, the varlen kernel for every sequence"] = (
-        Case(seqs=((0, n(2048)),) + decodes[:31], pad_rows=7, BS=16, path="varlen", **heads()), None)
+        Case(seqs=((0, n(2048)),) + decodes[:31], pad_rows=7, BS=16, path="varlen", **heads()),
+        None,
+    )
     mha = dict(Hkv=25, G=1, D=64) if SHRINK == 1 else dict(Hkv=3, G=1, D=16)
-    out["mixed MHA 25x64 fp16 (GPT-2-XL)"] = (Case(seqs=((0, n(1000)), (n(700), n(300)), (n(900), 1)), BS=16, **mha),
-                                              torch.float16)
+    out["mixed MHA 25x64 fp16 (GPT-2-XL)"] = (
+        Case(seqs=((0, n(1000)), (n(700), n(300)), (n(900), 1)), BS=16, **mha),
+        torch.float16,
+    )
     out["decode MHA 25x64 fp16 (GPT-2-XL)"] = (decode_case(decode_seqs(8, n(1024), 4), BS=16, **mha), torch.float16)
     return out
 
@@ -127,14 +163,17 @@ def cases() -> dict:
 def check_op_dispatch() -> list[dict]:
     """torch.ops.dsc.paged_attention on CUDA runs the kernels: the wrapper's bits, out and pools."""
     rows = []
-    for name, case in (("decode", decode_case(decode_seqs(8, 4096, 1, padding=2), BS=16, **heads())),
-                       ("mixed", Case(seqs=((0, 300), (500, 1)), pad_rows=3, BS=16, **heads()))):
+    for name, case in (
+        ("decode", decode_case(decode_seqs(8, 4096, 1, padding=2), BS=16, **heads())),
+        ("mixed", Case(seqs=((0, 300), (500, 1)), pad_rows=3, BS=16, **heads())),
+    ):
         step = build(case, DTYPE, seed=11, device=DEVICE)
         mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in step.items()}
         via_op = torch.ops.dsc.paged_attention(*args_of(step))
         direct = P.paged_attention_triton(*args_of(mine))
-        ok = torch.equal(via_op, direct) and all(torch.equal(step[k].nan_to_num(7.0), mine[k].nan_to_num(7.0))
-                                                 for k in ("k_pool", "v_pool"))
+        ok = torch.equal(via_op, direct) and all(
+            torch.equal(step[k].nan_to_num(7.0), mine[k].nan_to_num(7.0)) for k in ("k_pool", "v_pool")
+        )
         print(f"{'ok  ' if ok else 'FAIL'} op dispatch, {name} step", flush=True)
         rows.append(dict(case=f"op-dispatch-{name}", ok=ok, problems=[] if ok else ["op != wrapper"]))
     return rows
@@ -163,21 +202,28 @@ def check_cuda_graph(name: str, first: Case, then: Case) -> list[dict]:
         torch.cuda.synchronize()
         err = rel_err(out, ref)
         problems = pool_problems(live, want_k, want_v) + ([f"relative error {err:.3g}"] if err > 1e-2 else [])
-        print(f"{'ok  ' if not problems else 'FAIL'} cuda graph, {name} bucket, replay {i}: rel_err {err:.2e}  "
-              f"{'; '.join(problems)}", flush=True)
+        print(
+            f"{'ok  ' if not problems else 'FAIL'} cuda graph, {name} bucket, replay {i}: rel_err {err:.2e}  "
+            f"{'; '.join(problems)}",
+            flush=True,
+        )
         rows.append(dict(case=f"cuda-graph-{name}-replay-{i}", rel_err=err, ok=not problems, problems=problems))
     return rows
 
 
 def graph_checks() -> list[dict]:
     same = dict(BS=16, num_blocks=4400, max_blocks=260, **heads())
-    rows = check_cuda_graph("decode T=N=16",
-                            decode_case(decode_seqs(16, 4096, 30), **same),
-                            decode_case(decode_seqs(12, 4000, 31, padding=4)[::-1], **same))
+    rows = check_cuda_graph(
+        "decode T=N=16",
+        decode_case(decode_seqs(16, 4096, 30), **same),
+        decode_case(decode_seqs(12, 4000, 31, padding=4)[::-1], **same),
+    )
     mixed = ((0, 200), (4000, 1), (100, 40), (0, 0)) + ((77, 1),) * 12
-    rows += check_cuda_graph("mixed T=256 N=16",
-                             Case(seqs=mixed, pad_rows=256 - 253, **same),
-                             Case(seqs=((3000, 1),) * 15 + ((10, 241),), **same))
+    rows += check_cuda_graph(
+        "mixed T=256 N=16",
+        Case(seqs=mixed, pad_rows=256 - 253, **same),
+        Case(seqs=((3000, 1),) * 15 + ((10, 241),), **same),
+    )
     return rows
 
 
@@ -190,8 +236,11 @@ def run_cases(smoke: bool) -> list[dict]:
         torch.backends.cuda.matmul.allow_tf32 = False
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {P.A._triton().__version__}")
     dev = torch.device(DEVICE)
-    print("launch configs:", P.paged_attention_config("prefill", D, P.arch_of(dev)),
-          P.paged_attention_config("decode", D, P.arch_of(dev)))
+    print(
+        "launch configs:",
+        P.paged_attention_config("prefill", D, P.arch_of(dev)),
+        P.paged_attention_config("decode", D, P.arch_of(dev)),
+    )
     rows = [check(name, case, dtype) for name, (case, dtype) in cases().items()]
     if not smoke:
         rows += check_op_dispatch()
@@ -221,6 +270,8 @@ def test_paged_section_smoke_in_interpreter():
 
 if __name__ == "__main__":
     if "--smoke" not in sys.argv or os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run as: TRITON_INTERPRET=1 python tests/gpu/test_gpu_paged_attention.py --smoke "
-                 "(on a GPU: pytest tests/gpu)")
+        sys.exit(
+            "run as: TRITON_INTERPRET=1 python tests/gpu/test_gpu_paged_attention.py --smoke "
+            "(on a GPU: pytest tests/gpu)"
+        )
     sys.exit(1 if summarize(run_cases(smoke=True)) else 0)

@@ -1,4 +1,5 @@
-"""GPU check section `pdl`: programmatic dependent launch (PDL, kernels/launch.py) on a GPU: the decode-path kernels give
+"""GPU check section `pdl`: programmatic dependent launch (PDL, kernels/launch.py) on a GPU: the decode-path kernels
+give
 the same bits with and without it, eagerly and replayed from CUDA graphs, and what it saves in
 chains of ~60 kernels captured in one graph, as a decode step is.
 
@@ -22,6 +23,7 @@ Timing: replays of the two graphs of each chain, alternately (5 rounds of 20 rep
 microseconds per chain and per op, PDL on / off.
 Writes $OUT/gpu_pdl.json when OUT is set.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,12 +35,31 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-
-from dsc.kernels import activation as ACT, attention as ATT, int8 as INT8, launch as LAUNCH, linear as LIN, \
-    norm as NORM, rotary as ROT
-from dsc import switches as SWITCHES
 from gpu_util import ROOT, cpu_smoke, run_smoke, write_summary
 from timing import replay_us
+
+from dsc import switches as SWITCHES
+from dsc.kernels import (
+    activation as ACT,
+)
+from dsc.kernels import (
+    attention as ATT,
+)
+from dsc.kernels import (
+    int8 as INT8,
+)
+from dsc.kernels import (
+    launch as LAUNCH,
+)
+from dsc.kernels import (
+    linear as LIN,
+)
+from dsc.kernels import (
+    norm as NORM,
+)
+from dsc.kernels import (
+    rotary as ROT,
+)
 
 SMOKE = __name__ == "__main__" and "--smoke" in sys.argv
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -69,10 +90,10 @@ def decode_layer(x, r, p, st):
     s, h = NORM.add_norm_triton("rms", x, r, p["ln1"], None, EPS)
     qkv = linear(h, p["qkv"])  # [B, (H + 2 HKV) D]
     q = qkv[:, : H * D].view(B, 1, H, D).transpose(1, 2)  # [B, H, 1, D], strided views
-    k = qkv[:, H * D: (H + HKV) * D].view(B, 1, HKV, D).transpose(1, 2)
-    v = qkv[:, (H + HKV) * D:].view(B, 1, HKV, D).transpose(1, 2)
+    k = qkv[:, H * D : (H + HKV) * D].view(B, 1, HKV, D).transpose(1, 2)
+    v = qkv[:, (H + HKV) * D :].view(B, 1, HKV, D).transpose(1, 2)
     q, k = ROT.rotary_triton(q, k, st["cos"], st["sin"])
-    a = ATT.decode_attention(q, k, v, p["k_cache"], p["v_cache"], st["pos"], D ** -0.5)  # [B, 1, H, D]
+    a = ATT.decode_attention(q, k, v, p["k_cache"], p["v_cache"], st["pos"], D**-0.5)  # [B, 1, H, D]
     s2, h2 = NORM.add_norm_triton("rms", linear(a.view(B, E), p["o"]), s, p["ln2"], None, EPS)
     gu = linear(h2, p["gate_up"])  # [B, 2I]
     return linear(ACT.swiglu_triton(gu[:, :I], gu[:, I:]), p["down"]), s2
@@ -85,8 +106,12 @@ REUSE_OPS = (
     ("gelu", lambda t, p, st: ACT.gelu_triton(t, "tanh")),
     ("swiglu", lambda t, p, st: ACT.swiglu_triton(t, st["up"])),
     ("rotary", lambda t, p, st: ROT.rotary_triton(t.view(-1, H, 1, D), st["k"], st["cos"], st["sin"])[0].view(-1, E)),
-    ("attention", lambda t, p, st: ATT.decode_attention(t.view(-1, H, 1, D), st["k"], st["v"], p["k_cache"],
-                                                        p["v_cache"], st["pos"], D ** -0.5).view(-1, E)),
+    (
+        "attention",
+        lambda t, p, st: ATT.decode_attention(
+            t.view(-1, H, 1, D), st["k"], st["v"], p["k_cache"], p["v_cache"], st["pos"], D**-0.5
+        ).view(-1, E),
+    ),
 )
 
 
@@ -117,8 +142,17 @@ def matrix(g, n, k):
 def make_weights(g) -> dict:
     """16-bit weights of the layers and reuse chains, and their W8A16 quantizations."""
     norm_w = lambda: (1 + 0.1 * torch.randn(E, generator=g, device=DEVICE)).to(DTYPE)  # noqa: E731
-    layers = [{"ln1": norm_w(), "ln2": norm_w(), "qkv": matrix(g, (H + 2 * HKV) * D, E), "o": matrix(g, E, E),
-               "gate_up": matrix(g, 2 * I, E), "down": matrix(g, E, I)} for _ in range(LAYERS)]
+    layers = [
+        {
+            "ln1": norm_w(),
+            "ln2": norm_w(),
+            "qkv": matrix(g, (H + 2 * HKV) * D, E),
+            "o": matrix(g, E, E),
+            "gate_up": matrix(g, 2 * I, E),
+            "down": matrix(g, E, I),
+        }
+        for _ in range(LAYERS)
+    ]
     rounds = [{"ln": norm_w(), "w": matrix(g, E, E)} for _ in range(ROUNDS)]
     q = lambda p: {k: INT8.quantize_weight(v) if v.dim() == 2 else v for k, v in p.items()}  # noqa: E731
     return {"bf16": (layers, rounds), "int8": ([q(p) for p in layers], [q(p) for p in rounds])}
@@ -130,8 +164,14 @@ def make_state(g, batch: int) -> dict:
     pos = CONTEXT + (37 * torch.arange(batch, device=DEVICE)) % (SMAX - CONTEXT - 1)  # [B] int64
     inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
     ang = torch.cat([pos[:, None].float() * inv] * 2, -1)[:, None, :]  # [B, 1, D]
-    return {"pos": pos, "cos": ang.cos().to(DTYPE), "sin": ang.sin().to(DTYPE), "up": rand(g, batch, E),
-            "k": rand(g, batch, HKV, 1, D), "v": rand(g, batch, HKV, 1, D)}
+    return {
+        "pos": pos,
+        "cos": ang.cos().to(DTYPE),
+        "sin": ang.sin().to(DTYPE),
+        "up": rand(g, batch, E),
+        "k": rand(g, batch, HKV, 1, D),
+        "v": rand(g, batch, HKV, 1, D),
+    }
 
 
 def with_caches(g, params: list[dict], batch: int) -> list[dict]:
@@ -147,9 +187,12 @@ def written_slots(params: list[dict], pos: torch.Tensor) -> list[torch.Tensor]:
 
 # -- checks and timing ----------------------------------------------------------------------------
 def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(x.dtype == y.dtype and x.shape == y.shape
-               and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-               for x, y in zip(a, b, strict=True))
+    return all(
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def run(chain, slots, mode: str) -> list[torch.Tensor]:
@@ -199,9 +242,15 @@ def chains(g, weights: dict, kind: str, batch: int) -> dict:
         return [xx, rr]
 
     reused = [0, 0]
-    return {"layers": (layers, lambda: written_slots(layer_p, st["pos"]), 9 * LAYERS, None),
-            "reuse": (lambda: reuse_chain(x, round_p, st, reused), lambda: written_slots(round_p, st["pos"]),
-                      len(REUSE_OPS) * ROUNDS, reused)}
+    return {
+        "layers": (layers, lambda: written_slots(layer_p, st["pos"]), 9 * LAYERS, None),
+        "reuse": (
+            lambda: reuse_chain(x, round_p, st, reused),
+            lambda: written_slots(round_p, st["pos"]),
+            len(REUSE_OPS) * ROUNDS,
+            reused,
+        ),
+    }
 
 
 def run_section() -> dict:
@@ -212,20 +261,27 @@ def run_section() -> dict:
     dev = torch.device(DEVICE)
     os.environ["DSC_PDL"] = "auto"
     SWITCHES.reload()  # switches are read once; re-read DSC_PDL
-    info = {"device": torch.cuda.get_device_name(dev) if DEVICE == "cuda" else "cpu (Triton interpreter)",
-            "capability": list(torch.cuda.get_device_capability(dev)) if DEVICE == "cuda" else None,
-            "torch": torch.__version__, "triton": triton.__version__, "pdl_on_with_auto": LAUNCH.pdl_enabled(dev),
-            "shapes": dict(E=E, I=I, H=H, HKV=HKV, D=D, SMAX=SMAX, CONTEXT=CONTEXT, layers=LAYERS, rounds=ROUNDS)}
-    print(f"{info['device']} (capability {info['capability']}); torch {info['torch']}; triton {info['triton']}; "
-          f"DSC_PDL=auto: PDL {'on' if info['pdl_on_with_auto'] else 'OFF on this device (nothing to compare)'}",
-          flush=True)
+    info = {
+        "device": torch.cuda.get_device_name(dev) if DEVICE == "cuda" else "cpu (Triton interpreter)",
+        "capability": list(torch.cuda.get_device_capability(dev)) if DEVICE == "cuda" else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "pdl_on_with_auto": LAUNCH.pdl_enabled(dev),
+        "shapes": dict(E=E, I=I, H=H, HKV=HKV, D=D, SMAX=SMAX, CONTEXT=CONTEXT, layers=LAYERS, rounds=ROUNDS),
+    }
+    print(
+        f"{info['device']} (capability {info['capability']}); torch {info['torch']}; triton {info['triton']}; "
+        f"DSC_PDL=auto: PDL {'on' if info['pdl_on_with_auto'] else 'OFF on this device (nothing to compare)'}",
+        flush=True,
+    )
     g = torch.Generator(device=DEVICE).manual_seed(0)
     weights = make_weights(g)
     results, failed = [], []
     for batch in BATCHES:
         for kind in ("bf16", "int8"):
-            linears = {("bf16", 1): "gemv", ("bf16", 8): "cublas", ("int8", 1): "w8a16_gemv"}.get((kind, batch),
-                                                                                                 "w8a16_mma")
+            linears = {("bf16", 1): "gemv", ("bf16", 8): "cublas", ("int8", 1): "w8a16_gemv"}.get(
+                (kind, batch), "w8a16_mma"
+            )
             for name, (chain, slots, ops, reused) in chains(g, weights, kind, batch).items():
                 t1 = time.time()
                 ok, graphs = check_chain(chain, slots)
@@ -239,19 +295,29 @@ def run_section() -> dict:
                 results.append(row)
                 bad = [k for k, v in ok.items() if not v]
                 failed += [f"{name} {linears} batch {batch}: {k}" for k in bad]
-                print(f"{'ok  ' if not bad else 'FAIL'} {name:6s} {linears:10s} batch {batch}: {ops} ops"
-                      + (f", output where the predecessor's input was: {row['reused']}" if reused else "")
-                      + (f"; FAILED: {bad}" if bad else "") + f"  ({time.time() - t1:.1f} s)", flush=True)
+                print(
+                    f"{'ok  ' if not bad else 'FAIL'} {name:6s} {linears:10s} batch {batch}: {ops} ops"
+                    + (f", output where the predecessor's input was: {row['reused']}" if reused else "")
+                    + (f"; FAILED: {bad}" if bad else "")
+                    + f"  ({time.time() - t1:.1f} s)",
+                    flush=True,
+                )
     if DEVICE == "cuda":
-        print(f"\nCUDA-graph replay, us (median of 5 x 20 replays, alternating); PDL on = DSC_PDL=auto "
-              f"({'on' if info['pdl_on_with_auto'] else 'OFF here'})")
-        print(f"{'chain':6s} {'linears':10s} {'batch':>5s} {'ops':>4s} {'off/chain':>10s} {'on/chain':>10s} "
-              f"{'on/off':>7s} {'off/op':>7s} {'on/op':>7s} {'saved/op':>9s}")
+        print(
+            f"\nCUDA-graph replay, us (median of 5 x 20 replays, alternating); PDL on = DSC_PDL=auto "
+            f"({'on' if info['pdl_on_with_auto'] else 'OFF here'})"
+        )
+        print(
+            f"{'chain':6s} {'linears':10s} {'batch':>5s} {'ops':>4s} {'off/chain':>10s} {'on/chain':>10s} "
+            f"{'on/off':>7s} {'off/op':>7s} {'on/op':>7s} {'saved/op':>9s}"
+        )
         for row in results:
             n = row["ops"]
-            print(f"{row['chain']:6s} {row['linears']:10s} {row['batch']:5d} {n:4d} {row['us_off']:10.1f} "
-                  f"{row['us_on']:10.1f} {row['on_over_off']:7.3f} {row['us_off'] / n:7.2f} {row['us_on'] / n:7.2f} "
-                  f"{(row['us_off'] - row['us_on']) / n:9.3f}")
+            print(
+                f"{row['chain']:6s} {row['linears']:10s} {row['batch']:5d} {n:4d} {row['us_off']:10.1f} "
+                f"{row['us_on']:10.1f} {row['on_over_off']:7.3f} {row['us_off'] / n:7.2f} {row['us_on'] / n:7.2f} "
+                f"{(row['us_off'] - row['us_on']) / n:9.3f}"
+            )
     if env_before is None:
         os.environ.pop("DSC_PDL", None)
         SWITCHES.reload()  # switches are read once; re-read DSC_PDL
@@ -260,8 +326,9 @@ def run_section() -> dict:
         SWITCHES.reload()  # switches are read once; re-read DSC_PDL
     elapsed = time.time() - t0
     n_ok = sum(all(row["ok"].values()) for row in results)
-    print(f"\n{n_ok}/{len(results)} chains give the same bits with PDL on and off, eager and from graphs; "
-          f"{elapsed:.0f} s")
+    print(
+        f"\n{n_ok}/{len(results)} chains give the same bits with PDL on and off, eager and from graphs; {elapsed:.0f} s"
+    )
     return {**info, "results": results, "failed": failed, "elapsed_s": elapsed}
 
 

@@ -1,7 +1,8 @@
 """GPU check section `runtime`: compiled models run on the GPU (CUDA graphs and eager) against
 each other and against the CPU runtime.
 
-    pytest tests/gpu/test_gpu_runtime.py          # about two minutes on an H200; $OUT/gpu_runtime_*.json when OUT is set
+    pytest tests/gpu/test_gpu_runtime.py          # about two minutes on an H200; $OUT/gpu_runtime_*.json when OUT is
+    set
 
 1. tiny Llama / GPT-2 / Mistral (an 8-token sliding window) in fp32 / fp16 / bf16 compile and
    run on CUDA with graphs and eagerly, beside the CPU runtime (reported: graphs == eager,
@@ -25,6 +26,7 @@ each other and against the CPU runtime.
    (batch, bucket) shape: a replay with new inputs): prefill logits within the tolerance below,
    and in fp32 the same greedy tokens. Also times a 128-token prefill both ways.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,10 +35,10 @@ import traceback
 
 import pytest
 import torch
-
-from dsc import switches as SWITCHES
 from gpu_util import write_summary
 from timing import median_s
+
+from dsc import switches as SWITCHES
 
 MODEL_OPTS = dict(max_batch=8, max_seq=256)
 
@@ -59,8 +61,9 @@ def compiled(work, shape: str, dtype: str, device: str, layers: int = 0, **optio
     from dsc.compiler.random_checkpoint import make_random_checkpoint
 
     t = time.perf_counter()
-    ckpt = make_random_checkpoint(work / "ckpt", shape, dtype=dtype, device=device,
-                                  **({"num_hidden_layers": layers} if layers else {}))
+    ckpt = make_random_checkpoint(
+        work / "ckpt", shape, dtype=dtype, device=device, **({"num_hidden_layers": layers} if layers else {})
+    )
     art = dsc.compile(str(ckpt), work / "art", **MODEL_OPTS, **options)
     print(f"{shape} {dtype} checkpoint + compile {time.perf_counter() - t:.1f}s", flush=True)
     return art
@@ -81,13 +84,22 @@ def test_tiny_models_graphs_eager_and_cpu(tmp_path):
                 art = dsc.compile(str(ck), tmp_path / f"a-{shape}-{dt}", max_batch=4, max_seq=64)
                 prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
                 outs = {}
-                for name, kw in (("cpu", dict(device="cpu")), ("cuda-graphs", dict(device="cuda")),
-                                 ("cuda-eager", dict(device="cuda", cuda_graphs=False))):
+                for name, kw in (
+                    ("cpu", dict(device="cpu")),
+                    ("cuda-graphs", dict(device="cuda")),
+                    ("cuda-eager", dict(device="cuda", cuda_graphs=False)),
+                ):
                     e = dsc.load(art, **kw)
-                    outs[name] = (e.generate(prompts, max_new_tokens=6, stop_tokens=[]).tokens, e.prefill(prompts).cpu())
+                    outs[name] = (
+                        e.generate(prompts, max_new_tokens=6, stop_tokens=[]).tokens,
+                        e.prefill(prompts).cpu(),
+                    )
                 g, c = outs["cuda-graphs"], outs["cpu"]
-                rows[tag] = {"graphs_equal_eager": g[0] == outs["cuda-eager"][0], "tokens_equal_cpu": g[0] == c[0],
-                             "prefill_rel_err_vs_cpu": float((g[1] - c[1]).abs().max() / c[1].abs().max())}
+                rows[tag] = {
+                    "graphs_equal_eager": g[0] == outs["cuda-eager"][0],
+                    "tokens_equal_cpu": g[0] == c[0],
+                    "prefill_rel_err_vs_cpu": float((g[1] - c[1]).abs().max() / c[1].abs().max()),
+                }
                 print(f"ok   {tag}: {rows[tag]}", flush=True)
             except Exception:  # noqa: BLE001  every case runs; the failures are listed at the end
                 fails.append(f"{tag}:\n" + "".join(traceback.format_exc().splitlines(True)[-8:]))
@@ -104,8 +116,9 @@ def test_gemv_inside_models_matches_cublas(tmp_path, monkeypatch, shape, dt):
     import dsc
     from dsc.compiler.random_checkpoint import make_random_checkpoint
 
-    art = dsc.compile(str(make_random_checkpoint(tmp_path / "ckpt", shape, dtype=dt)), tmp_path / "art",
-                      max_batch=4, max_seq=64)
+    art = dsc.compile(
+        str(make_random_checkpoint(tmp_path / "ckpt", shape, dtype=dt)), tmp_path / "art", max_batch=4, max_seq=64
+    )
     toks, steps = {}, {}
     for mode in ("all", "off"):
         monkeypatch.setenv("DSC_GEMV", mode)
@@ -116,8 +129,11 @@ def test_gemv_inside_models_matches_cublas(tmp_path, monkeypatch, shape, dt):
     monkeypatch.delenv("DSC_GEMV")
     cpu = dsc.load(art, device="cpu").generate([[3, 1, 4, 1, 5]], max_new_tokens=8, stop_tokens=[]).tokens
     err = float((steps["all"] - steps["off"]).abs().max() / steps["off"].abs().max())
-    print(f"gemv {shape} {dt}: tokens == cublas {toks['all'] == toks['off']}, == cpu {toks['all'] == cpu}, "
-          f"decode logits rel err vs cublas {err:.2e}", flush=True)
+    print(
+        f"gemv {shape} {dt}: tokens == cublas {toks['all'] == toks['off']}, == cpu {toks['all'] == cpu}, "
+        f"decode logits rel err vs cublas {err:.2e}",
+        flush=True,
+    )
     assert toks["all"] == toks["off"] and err < 2e-2, (toks, err)
 
 
@@ -135,13 +151,18 @@ def graphs_vs_eager(art, batch: int, new_tokens: int = 16) -> dict:
     exact = dsc.load(art, device="cuda", cuda_graphs=False)  # prefills at the prompts' exact length
     res_exact = exact.generate(prompts, max_new_tokens=new_tokens, stop_tokens=[]).tokens
     del exact
-    report = {"batch": batch, "graph_equals_eager": res_graph == res_eager,
-              "graph_equals_eager_exact_length": res_graph == res_exact, "device": torch.cuda.get_device_name()}
+    report = {
+        "batch": batch,
+        "graph_equals_eager": res_graph == res_eager,
+        "graph_equals_eager_exact_length": res_graph == res_exact,
+        "device": torch.cuda.get_device_name(),
+    }
     # ms/token at batch 1 (greedy decode loop incl. sampling and host readback): `dsc bench`'s
     # measure, (64 tokens - 8 tokens) / 56 from a prompt of the first prompt's length
     for name, e in (("graphs", eng), ("eager", eager)):
-        report[f"ms_per_token_{name}"] = generate_ms_per_token(e, len(prompts[0]), torch.device("cuda"), g,
-                                                               long=64)["ms_per_token"]
+        report[f"ms_per_token_{name}"] = generate_ms_per_token(e, len(prompts[0]), torch.device("cuda"), g, long=64)[
+            "ms_per_token"
+        ]
     print(report, flush=True)
     return report
 
@@ -187,16 +208,23 @@ def graph_eager_report(art, device: str, batch: int = 3, n: int = 16) -> dict:
     lg, le, lp = graphs.prefill(prompts).cpu(), eager.prefill(prompts).cpu(), eager_pad.prefill(prompts).cpu()
     rep["prefill_max_abs_graphs_vs_eager"] = float((lg - le).abs().max())
     rep["prefill_max_abs_graphs_vs_eager_pad"] = float((lg - lp).abs().max())
-    toks = {name: e.generate(prompts, max_new_tokens=n, stop_tokens=[]).tokens
-            for name, e in (("eager", eager), ("eager-pad", eager_pad), ("graphs", graphs), ("graphs-again", graphs))}
+    toks = {
+        name: e.generate(prompts, max_new_tokens=n, stop_tokens=[]).tokens
+        for name, e in (("eager", eager), ("eager-pad", eager_pad), ("graphs", graphs), ("graphs-again", graphs))
+    }
     # decode teacher-forced with eager-pad's tokens: graphs against eager-pad, step by step
     ref = toks["eager-pad"]
     steps = []
     for t, (a, b) in enumerate(zip(teacher_forced(graphs, prompts, ref), teacher_forced(eager_pad, prompts, ref))):
         top2 = b.topk(2, dim=-1).values
-        steps.append({"step": t, "max_abs": float((a - b).abs().max()),
-                      "argmax_equal": bool((a.argmax(-1) == b.argmax(-1)).all()),
-                      "min_top2_margin": float((top2[:, 0] - top2[:, 1]).min())})
+        steps.append(
+            {
+                "step": t,
+                "max_abs": float((a - b).abs().max()),
+                "argmax_equal": bool((a.argmax(-1) == b.argmax(-1)).all()),
+                "min_top2_margin": float((top2[:, 0] - top2[:, 1]).min()),
+            }
+        )
     rep["teacher_forced_graphs_vs_eager_pad"] = steps
     del graphs
     if device == "cuda":
@@ -249,8 +277,14 @@ def test_graph_prefill_matches_eager(tmp_path, dtype):
     import dsc
     from dsc.compiler.random_checkpoint import make_random_checkpoint
 
-    layers = dict(num_hidden_layers=4, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-                  intermediate_size=4096)
+    layers = dict(
+        num_hidden_layers=4,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=4096,
+    )
     g = torch.Generator().manual_seed(0)
     batches = [[torch.randint(0, 1000, (n,), generator=g).tolist() for n in lens] for lens in PREFILL_BATCHES]
     ckpt = make_random_checkpoint(tmp_path / "ckpt", "llama-1b", dtype=dtype, device="cuda", **layers)
@@ -260,15 +294,22 @@ def test_graph_prefill_matches_eager(tmp_path, dtype):
     r: dict = {"batches": []}
     for prompts in batches:
         a, b = graphs.prefill(prompts), eager.prefill(prompts)
-        r["batches"].append({"lens": [len(p) for p in prompts], "rel_diff": float((a - b).abs().max() / b.abs().max()),
-                             "argmax_equal": bool(torch.equal(a.argmax(-1), b.argmax(-1)))})
+        r["batches"].append(
+            {
+                "lens": [len(p) for p in prompts],
+                "rel_diff": float((a - b).abs().max() / b.abs().max()),
+                "argmax_equal": bool(torch.equal(a.argmax(-1), b.argmax(-1))),
+            }
+        )
     r["graphs_captured"] = sorted(f"{b}x{n}" for (b, n), s in graphs._prefill.steps.items() if s.graph is not None)
     tg = graphs.generate(batches[0], max_new_tokens=16, stop_tokens=[]).tokens
     te = eager.generate(batches[0], max_new_tokens=16, stop_tokens=[]).tokens
     r["tokens_equal"] = tg == te
     p128 = [batches[-1][0]]
-    r["prefill_128_ms"] = {"graph": 1e3 * median_s(lambda: graphs.prefill(p128), rounds=10),
-                           "eager": 1e3 * median_s(lambda: eager.prefill(p128), rounds=10)}
+    r["prefill_128_ms"] = {
+        "graph": 1e3 * median_s(lambda: graphs.prefill(p128), rounds=10),
+        "eager": 1e3 * median_s(lambda: eager.prefill(p128), rounds=10),
+    }
     print(dtype, r, flush=True)
     write_summary(f"gpu_runtime_prefill_graphs_{dtype}", r)
     assert all(row["rel_diff"] <= PREFILL_TOL[dtype] for row in r["batches"]), r["batches"]

@@ -10,13 +10,13 @@ KV pool, CUDA graphs per decode bucket) on the GPU against the CPU runtime and a
 2. A 2-layer model with Llama-8B's attention dims in bf16: the decode buckets' CUDA-graph
    replays give the eager engine's tokens (cuda_graphs=False), with and without --int8.
 """
+
 from __future__ import annotations
 
 import random
 import traceback
 
 import pytest
-
 from gpu_util import write_summary
 
 
@@ -28,8 +28,9 @@ def _requests(vocab: int, n: int, longest: int, seed: int = 0):
 def _greedy(llm, reqs) -> list[list[int]]:
     from dsc.runtime.llm import SamplingParams
 
-    outs = llm.generate([p for p, _ in reqs], [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
-                                               for _, m in reqs])
+    outs = llm.generate(
+        [p for p, _ in reqs], [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
+    )
     pool = llm.engine.scheduler.pool
     assert pool.num_used() == 0, "blocks leaked"
     return [o.outputs[0].token_ids for o in outs]
@@ -52,8 +53,10 @@ def test_tiny_models_on_the_gpu_equal_the_cpu(tmp_path):
                 got[name] = _greedy(llm, reqs)
                 if name == "cuda":
                     assert llm.engine.engine.ragged.captured, "decode buckets not captured"
-            rows[shape] = {"tokens_equal_cpu": got["cuda"] == got["cpu"],
-                           "agreement": sum(a == b for a, b in zip(got["cuda"], got["cpu"])) / len(reqs)}
+            rows[shape] = {
+                "tokens_equal_cpu": got["cuda"] == got["cpu"],
+                "agreement": sum(a == b for a, b in zip(got["cuda"], got["cpu"])) / len(reqs),
+            }
             assert got["cuda"] == got["cpu"], shape
             print(f"ok   {shape}: {rows[shape]}", flush=True)
         except Exception:  # noqa: BLE001  every case runs; the failures are listed at the end
