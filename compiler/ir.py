@@ -21,9 +21,9 @@ class Shard:
     """Split `dim` across ranks. `blocks` lists the sizes of the independent blocks along
     `dim` (one block for a plain split; [q, k, v] rows for a fused projection): each block
     is split evenly and rank r keeps the r-th piece of every block, concatenated.
-    `replicate_blocks` names blocks that every rank keeps whole (kv heads when tp > kv heads
-    are instead handled by `groups`): block i is split into `groups[i]` pieces and rank r
-    takes piece r * groups[i] // world."""
+    `groups` (default: world for every block) splits block i into `groups[i]` pieces instead, of
+    which rank r takes piece r * groups[i] // world: kv heads when tp > kv heads, each held by
+    several ranks."""
 
     dim: int
     blocks: tuple[int, ...]

@@ -187,22 +187,15 @@ def rotary_attention_reference(
 #            sequence's keys shared among as many of them as its key count over SPLIT_FLOOR
 #            (default MIN_SPLIT) rounds to (`_split_len`: 129-191 keys at a floor of 128 take
 #            one split, not 128 keys and a sliver).  A short context thus spreads over a few
-#            programs instead of one walking it all, while a long one keeps MIN_SPLIT-key splits
-#            (H200, batch 1, Llama-8B heads, a 4096-slot cache, bench_attention.py --short, the
-#            two rows in one run: SPLIT_FLOOR 128 against 256 took 256 / 512 / 1024 keys from
-#            7.8 / 9.4 / 10.2 to 6.8 / 7.7 / 9.1 us at 8 kv heads and from 6.3 / 7.5 / 8.2 to
-#            5.6 / 6.2 / 7.4 us at 2; 2048 keys 2-4% slower, 128 and 4096 keys the same; a grid
-#            sized by MIN_SPLIT 128 instead cost 20% at 4096 keys).
+#            programs instead of one walking it all, while a long one keeps MIN_SPLIT-key splits.
+# Why each sm_90 row and variant is what it is, with the H200 timings behind it:
+# docs/performance.md, "Attention launch configurations".
 PREFILL_CONFIGS = {
     ("sm_90", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-    # TMA: K/V tiles of the full key loops through tensor descriptors; on an H200 (bench_attention
-    # --sweep, 2048 tokens, Llama-8B heads) 367.8 / 400.0 TFLOP/s at batch 1 / 8 against 344.8 /
-    # 373.8 without, and check_attention_gpu passed at this row
+    # TMA: K/V tiles of the full key loops through tensor descriptors (faster than plain loads).
     # WS: 16-bit prefills without a window run the warp-specialized Gluon kernel
-    # (kernels/attention_sm90.py, its own tile); the other keys are the Triton kernel's, which
-    # runs the rest.  H200, 2048 tokens, graph-replayed, two runs:
-    # 408.9 / 446.3 and 408.2 / 443.6 TFLOP/s at batch 1 / 8 against 364.8 / 396.6 and 365.4 /
-    # 395.8 for the Triton kernel at this row in the same runs
+    # (kernels/attention_sm90.py, its own tile), faster than the Triton kernel at this row; the
+    # other keys are the Triton kernel's, which runs the rest.
     ("sm_90", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True),
     ("sm_90", 256): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
     ("sm_80", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -213,13 +206,7 @@ PREFILL_CONFIGS = {
 }
 # PRE_N (decode): keys of each split's first tile loaded before the PDL wait, so that at a short
 # context (a split's keys: 128-191 at SPLIT_FLOOR 128) the cache reads overlap the qkv projection
-# (`_decode_kernel`). sm_90 / 128: 128 at 8 warps (at 4 the build spills). Llama-8B, bf16, batch
-# 1, context 128, queued ms:
-# - rank 0 of each tp with its collectives made local (a collective-free bound) on one H200, tp 1 / 2 / 4: PRE_N 0 at 4
-#   warps 3.955 / 2.366 / 1.401, this row 3.893 / 2.294 / 1.340; 64 keys at 4 or
-#   8 warps no gain (3.988 / 2.407 / 1.399 and 3.950 / 2.358 / 1.407);
-# - `dsc bench` on 2 H200s, two rounds: tp=1 3.889 / 3.863 against
-#   3.953 / 3.933 without it; tp=2 2.420 / 2.396 against 2.416 / 2.407 (no gain there)
+# (`_decode_kernel`). sm_90 / 128: 128 at 8 warps (at 4 the build spills; 64 keys gain nothing).
 DECODE_CONFIGS = {
     ("sm_90", 128): dict(
         BLOCK_N=64, num_warps=8, num_stages=3, PROGRAMS_PER_SM=2, MIN_SPLIT=256, SPLIT_FLOOR=128, PRE_N=128
@@ -229,8 +216,8 @@ DECODE_CONFIGS = {
     ("default", 256): dict(BLOCK_N=32, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, MIN_SPLIT=256),
 }
 # The prefill variant (`TMA`, `DEFER_PV`: see `_attend_full_tiles`) is on in a row above only
-# where a GPU run found it correct and faster (TMA at sm_90 / 128; DEFER_PV measured 5-8% slower
-# on the H200 at every candidate); these are its candidate rows.
+# where a GPU run found it correct and faster (TMA at sm_90 / 128; DEFER_PV is slower on the H200
+# at every candidate); these are its candidate rows.
 # scripts/bench_kernels.py attention --sweep times them next to the default, tests/gpu/test_gpu_attention.py
 # checks each one, tests/test_attention_kernels.py builds them for sm_90 (no register spills, no
 # serialized wgmma).  To switch one on: make it the PREFILL_CONFIGS row, or put its keys in
@@ -244,10 +231,8 @@ PREFILL_VARIANTS = {
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, TMA=True),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True),  # 2 programs per SM
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, TMA=True),
-        dict(
-            BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True
-        ),  # +6% in its own sweep, slower in others
-        # the warp-specialized kernel at 64-key tiles (4 slots each): 383 / 421 TFLOP/s at B1 / B8
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=True, DEFER_PV=True),
+        # the warp-specialized kernel at 64-key tiles (4 slots each)
         dict(
             BLOCK_M=128,
             BLOCK_N=64,
@@ -259,12 +244,10 @@ PREFILL_VARIANTS = {
             WS_K_STAGES=4,
             WS_V_STAGES=4,
         ),
-    ],  # (TMA at 128 x 128 / 8 warps / 2 stages builds without spills but measures 315 / 353
-    #      TFLOP/s at B1 / B8 on an H200, under the table's row)
+    ],  # (TMA at 128 x 128 / 8 warps / 2 stages builds without spills but is slower than the row)
     ("sm_90", 64): [
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, DEFER_PV=True),  # 4 warps spill
-        # the warp-specialized kernel: slower here, 202.8 / 255.0 TFLOP/s at B1 / B8 against the
-        # row's 236.4 / 286.2 (GPT-2-XL's 25 heads, 2048 tokens)
+        # the warp-specialized kernel: slower than the row at head_dim 64
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True, WS=True),
     ],
 }
@@ -884,9 +867,9 @@ def _prefill_kernel(
     # long (cdiv(BLOCK_M, G) <= BLOCK_N: Llama's G = 4 and G = 2 at the table's configs), and
     # into a loop of its own otherwise (sliding windows; G = 1, e.g. GPT-2). A loaded K/V tile
     # with a second (store) use gets one shared-memory buffer too few from Triton's pipeliner
-    # (sm_90: 2 buffers for 2 tiles in flight at num_stages=3), so the copy of tile i + 2
-    # overwrote V of tile i while the async p @ v wgmma still read it: wrong outputs on an H200
-    # once such a loop ran past 2 tiles, as the windowed loop (window / BLOCK_N tiles) did
+    # (sm_90: 2 buffers for 2 tiles in flight at num_stages=3), so the copy of tile i + 2 would
+    # overwrite V of tile i while the async p @ v wgmma still reads it once such a loop runs
+    # past 2 tiles, as the windowed loop (window / BLOCK_N tiles) does
     if WINDOWED or (BLOCK_M + G - 1) // G > BLOCK_N:
         for j0 in range(j_lo, hi, BLOCK_N):
             offs_j = j0 + offs_n
@@ -1384,7 +1367,6 @@ def _decode_kernel(
 
     if PDL:  # the next kernel may start now, not at the top, so that its programs' early
         # weight loads overlap this kernel's end rather than the key loop's chain of loads
-        # (with this kernel's other session-15 changes: 26-40 us per step on an H200, PDL on)
         tl.extra.cuda.gdc_launch_dependents()
 
     if (pos < Smax) & (pos < lo + split_len):  # the new token's slot is in this split
