@@ -120,8 +120,9 @@ def _bias_free_args(lin: fx.Node) -> tuple:
 def _gate_up_of(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """(lin, the nodes the fusion leaves dead, each before its inputs) where lin is the bias-free
     dsc.linear(x, W) or dsc.linear_w8a16(x, qweight, ...), W [2h, K], whose output
-    n = dsc.swiglu(gate, up) reads as exactly its two halves: gate = y[..., :h] and up = y[..., h:] as two slices, or as the two pieces of
-    chunk(y, 2, -1); each half read by n alone and y by the halves (the chunk) alone; else None."""
+    n = dsc.swiglu(gate, up) reads as exactly its two halves: gate = y[..., :h] and up = y[..., h:]
+    as two slices, or as the two pieces of chunk(y, 2, -1); each half read by n alone and y by the
+    halves (the chunk) alone; else None."""
     if not is_call(n, torch.ops.dsc.swiglu.default) or len(n.args) != 2 or n.kwargs:
         return None
     gate, up = n.args

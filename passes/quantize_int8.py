@@ -45,7 +45,8 @@ Group size per layer: --int8-group-size G, which must divide the layer's local i
 SmoothQuant (w8a8): the program as it stands (sharded, fused, unquantized) runs on the
   calibration prompts (--calibrate FILE, else 512 tokens of the built-in sample text in the
   checkpoint's tokenizer; a checkpoint without one is not smoothed) (compiler/simulate.py) to
-  record max|x| per input channel of every quantized linear; s = max|x|^0.5 / max|W[:, k]|^0.5 (clamped to [1e-5, 1e5]). The
+  record max|x| per input channel of every quantized linear; s = max|x|^0.5 / max|W[:, k]|^0.5
+  (clamped to [1e-5, 1e5]). The
   weight spec gets col_scale = s (columns scaled before quantization) and the op gets
   inv_smooth = 1/s, which the activation-quantization kernel applies as it reads x. Every
   linear gets its own s (no norm weight is shared between q, k, v) and o_proj / down_proj
