@@ -705,7 +705,7 @@ def serve_cmd(
             host=host,
             port=port,
             served_model_name=served_model_name,
-            api_key=api_key or switches.get("DSC_API_KEY") or None,
+            api_key=api_key or switches.API_KEY or None,
             max_queue=max_queue,
             shutdown_timeout=shutdown_timeout,
         )
@@ -786,7 +786,7 @@ def bench_serve_cmd(
             output_len and Lengths.parse(output_len, "--output-len"),
             vocab,
             model,
-            api_key or switches.get("DSC_API_KEY") or "none",
+            api_key or switches.API_KEY or "none",
             seed,
         )
         check(cfg)

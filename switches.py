@@ -3,22 +3,33 @@
 Each switch has a name, a default, its choices (or a check of a free-form value) and a one-line
 doc. A value is read from the environment on first use and kept: `dsc.load` re-reads and checks
 every switch (`check_all`), so a bad value is one line (`error: DSC_PDL: must be one of auto,
-off, got 'x'`) on any device, before anything is built. Code reads a switch with `get(name)`,
-never `os.environ`; tests that change the environment call `reload()`.
+off, got 'x'`) on any device, before anything is built. Code reads a switch through this module,
+never `os.environ`: by attribute, `switches.PDL` (the name without `DSC_`, typed for mypy), or
+`get("DSC_PDL")`. Tests that change the environment call `reload()`; `override(PDL="off")` sets
+values for this process within a `with` block.
 
 docs/switches.md is generated from this table by scripts/gen_docs.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsc.errors import UserError
+
+if TYPE_CHECKING:  # `switches.PDL` etc. (module __getattr__ below); tests/test_switches.py keeps these in step
+    ALLREDUCE: str
+    PDL: str
+    GEMV: str
+    TUNING: str
+    API_KEY: str
 
 
 @dataclass(frozen=True)
@@ -110,14 +121,11 @@ SWITCHES: dict[str, Switch] = {
             "sends (serve/); `--api-key` wins over it.",
             value_doc="any string; unset: no key, and `dsc serve` listens on 127.0.0.1 unless `--host` says otherwise",
         ),
-        Switch(
-            "DSC_UPDATE_GOLDEN",
-            "0",
-            "The test suite's golden plans: compare with tests/golden, or rewrite them (tests/test_fusion.py).",
-            choices={"0": "compare", "1": "rewrite tests/golden/*.txt"},
-        ),
     )
 }
+
+
+_OVERRIDES: dict[str, str] = {}  # what `override` set, in this process, over the environment
 
 
 @functools.cache
@@ -125,12 +133,41 @@ def get(name: str) -> str:
     """The switch's value, read from the environment on first use and checked (UserError where
     bad); the default where unset."""
     s = SWITCHES[name]
-    return s.parse(os.environ.get(name, s.default))
+    return s.parse(_OVERRIDES.get(name, os.environ.get(name, s.default)))
+
+
+def __getattr__(attr: str) -> str:
+    """`switches.PDL` is `get("DSC_PDL")`."""
+    name = f"DSC_{attr}"
+    if attr.isupper() and name in SWITCHES:
+        return get(name)
+    raise AttributeError(f"module 'dsc.switches' has no attribute {attr!r}")
 
 
 def reload() -> None:
     """Forget the values read: the next `get` reads the environment again."""
     get.cache_clear()
+
+
+@contextlib.contextmanager
+def override(**values: str) -> Iterator[None]:
+    """Within the block, the switches named (without `DSC_`) have these values in this process
+    (child processes read the environment): `with switches.override(PDL="off"): ...`. Each
+    value is checked as the environment's would be; the previous values come back on exit."""
+    names = {f"DSC_{k}": v for k, v in values.items()}
+    for name, value in names.items():
+        if name not in SWITCHES:
+            raise KeyError(f"{name}: no such switch")
+        SWITCHES[name].parse(value)
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(names)
+    reload()
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+        reload()
 
 
 def check_all() -> None:

@@ -157,7 +157,7 @@ def enable_symmetric(device: torch.device, dtype: torch.dtype, numel: int, rows:
     global _symm
     if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() == 1:
         return "nccl"
-    if switches.get("DSC_ALLREDUCE") == "nccl":
+    if switches.ALLREDUCE == "nccl":
         return "nccl"
     s = _symm
     if s is not None and s.buffers[0].device == device and s.dtype == dtype and s.numel >= numel and s.rows >= rows:
@@ -898,7 +898,7 @@ def _gemv_push_usable(s: _Symmetric | None, residual, x, weight, norm_weight, er
         s is None
         or not s.fused
         or not s.count
-        or switches.get("DSC_ALLREDUCE") != "auto"
+        or switches.ALLREDUCE != "auto"
         or error
         or not weight.is_contiguous()
     ):
@@ -1289,7 +1289,7 @@ def _push_gather(x: torch.Tensor, dim: int) -> torch.Tensor | None:
     slot = s.slot()  # counted even when this call takes NCCL, which synchronises on its own
     if (
         not s.fused
-        or switches.get("DSC_ALLREDUCE") != "auto"
+        or switches.ALLREDUCE != "auto"
         or x.dtype != s.dtype
         or x.numel() > s.numel
         or dim % x.dim() != x.dim() - 1

@@ -178,7 +178,7 @@ def _cuda_arch(index: int) -> str:
 def tuning_table() -> dict:
     """kernels/tuning.json, with the rows of DSC_TUNING's file (switches.py; for tuners and A/B
     benches, e.g. GEMV push rows side by side) replacing its own: {arch: {kernel: {shape_class: row}}}."""
-    return _tuning_table(switches.get("DSC_TUNING"))
+    return _tuning_table(switches.TUNING)
 
 
 @functools.cache
@@ -212,7 +212,7 @@ def pdl_enabled(device: torch.device) -> bool:
     are faster with PDL than without); off: never."""
     if device.type != "cuda" and (arch := recording_arch(device)) is not None:
         return int(arch[3:]) >= 90  # recording a target's launches: its default, from capability 9.0
-    if switches.get("DSC_PDL") == "off" or device.type != "cuda" or _interpreting():
+    if switches.PDL == "off" or device.type != "cuda" or _interpreting():
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 

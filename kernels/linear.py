@@ -197,7 +197,7 @@ def gemv_config(n: int, k: int, arch: str, mode: str | None = None) -> dict | No
     every shape, untuned ones with `default_gemv_config`: for checking the kernel inside small
     models). `mode` overrides DSC_GEMV (the planner plans "tuned": what runs on the target
     unless someone sets the variable there)."""
-    mode = mode or switches.get("DSC_GEMV")
+    mode = mode or switches.GEMV
     if mode == "off":
         return None
     row = tuning_table().get(arch, {}).get("gemv", {}).get(f"N{n}_K{k}")

@@ -33,6 +33,13 @@ from dsc.compiler.verify import reference_model, sample_prompts, verify_artifact
 FP32_ATOL = 1e-4
 BF16_REL_TOL = 0.03  # of the largest logit, as in test_compile.py
 GOLDEN = Path(__file__).parent / "golden"
+# the suite's own switch, declared as the runtime's are (switches.py) but not among them
+UPDATE_GOLDEN = switches.Switch(
+    "DSC_UPDATE_GOLDEN",
+    "0",
+    "The golden plans: compare with tests/golden, or rewrite them.",
+    choices={"0": "compare", "1": "rewrite tests/golden/*.txt"},
+)
 
 # what each family's graph offers the fusions: the rewrites that must fire, the ops they leave.
 # GPT-2 has no projections to fuse (c_attn is already one q|k|v matmul) and no rotary
@@ -407,7 +414,7 @@ def check_golden(shape: str, plan: dict) -> None:
     """plan_text(plan) equals tests/golden/<shape>.plan.txt (DSC_UPDATE_GOLDEN=1 rewrites it)."""
     text = plan_text(plan)
     path = GOLDEN / f"{shape}.plan.txt"
-    if switches.get("DSC_UPDATE_GOLDEN") == "1":
+    if UPDATE_GOLDEN.parse(os.environ.get(UPDATE_GOLDEN.name, UPDATE_GOLDEN.default)) == "1":
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
     assert path.exists(), f"{path} missing: run DSC_UPDATE_GOLDEN=1 pytest tests/ -k golden"

@@ -267,10 +267,9 @@ def test_gemv_swiglu_config_follows_the_gemv_row(monkeypatch):
     assert p["name"] == "triton.gemv_swiglu" and p["launches"] == 1 and p["config"]["BLOCK_N"] == 2
     p = L._plan_linear_swiglu(x, torch.empty(352, 1024), arch="sm_90")
     assert p["name"] == "cublas.gemm + triton.swiglu" and p["launches"] == 2 and p["config"]["swiglu"]["BLOCK"] == 256
-    monkeypatch.setenv("DSC_GEMV", "off")
-    switches.reload()
-    assert L.gemv_swiglu_config(4096, 1024, "sm_90") is None
-    assert L._plan_linear_swiglu(x, torch.empty(4096, 1024), arch="sm_90")["name"] == "triton.gemv_swiglu"
+    with switches.override(GEMV="off"):
+        assert L.gemv_swiglu_config(4096, 1024, "sm_90") is None
+        assert L._plan_linear_swiglu(x, torch.empty(4096, 1024), arch="sm_90")["name"] == "triton.gemv_swiglu"
 
 
 def test_gemv_row_only_where_tuned(monkeypatch):
@@ -295,14 +294,12 @@ def test_gemv_modes(monkeypatch):
     else a clear error; the planner plans the tuned choice whatever the variable says."""
     table = {"sm_90": {"gemv": {"N64_K64": {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 1, "us": 1.0, "cublas_us": 2.0}}}}
     monkeypatch.setattr(L, "tuning_table", lambda: table)
-    monkeypatch.setenv("DSC_GEMV", "off")
-    switches.reload()
-    assert L.gemv_config(64, 64, "sm_90") is None
-    assert L._plan_linear(torch.empty(1, 64), torch.empty(64, 64), arch="sm_90")["name"] == "triton.gemv"
-    monkeypatch.setenv("DSC_GEMV", "all")
-    switches.reload()
-    assert L.gemv_config(48, 96, "sm_90") == L.default_gemv_config(96)
-    assert L._plan_linear(torch.empty(1, 96), torch.empty(48, 96), arch="sm_90")["name"] == "cublas.gemm"
+    with switches.override(GEMV="off"):
+        assert L.gemv_config(64, 64, "sm_90") is None
+        assert L._plan_linear(torch.empty(1, 64), torch.empty(64, 64), arch="sm_90")["name"] == "triton.gemv"
+    with switches.override(GEMV="all"):
+        assert L.gemv_config(48, 96, "sm_90") == L.default_gemv_config(96)
+        assert L._plan_linear(torch.empty(1, 96), torch.empty(48, 96), arch="sm_90")["name"] == "cublas.gemm"
     monkeypatch.setenv("DSC_GEMV", "fast")
     switches.reload()
     with pytest.raises(UserError, match="^DSC_GEMV: must be one of tuned, off, all, got 'fast'$"):

@@ -723,10 +723,9 @@ def test_without_a_group_or_a_gpu_collectives_take_nccl_or_gloo(mode, monkeypatc
     from dsc import switches
     from dsc.kernels import collectives
 
-    monkeypatch.setenv("DSC_ALLREDUCE", mode)
-    switches.reload()
-    assert collectives.enable_symmetric(torch.device("cpu"), torch.float32, 64) == "nccl"
-    assert collectives._symm is None
+    with switches.override(ALLREDUCE=mode):
+        assert collectives.enable_symmetric(torch.device("cpu"), torch.float32, 64) == "nccl"
+        assert collectives._symm is None
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "gather"])
@@ -755,9 +754,8 @@ def test_dsc_allreduce_nccl_keeps_every_collective_off_the_push_buffers(kernel, 
         )
 
     for mode, want in (("auto", True), ("nccl", False)):
-        monkeypatch.setenv("DSC_ALLREDUCE", mode)
-        switches.reload()
-        assert takes_buffers() is want, mode
+        with switches.override(ALLREDUCE=mode):
+            assert takes_buffers() is want, mode
 
 
 def test_shutdown_destroys_cuda_graphs_before_the_group(monkeypatch, tmp_path):
