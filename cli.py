@@ -155,6 +155,9 @@ def compile_cmd(
     ),
     config: Path | None = typer.Option(None, "--config", help="dsc or DeepSpeed inference config (JSON)"),
     dump_passes: Path | None = typer.Option(None, help="write the graph after every pass here"),
+    check_passes: bool = typer.Option(
+        False, "--check-passes", help="check each pass's contracts before and after it (docs/passes.md)"
+    ),
     verify: bool = typer.Option(False, "--verify", help="compare with transformers on sample prompts"),
     fuse: bool | None = typer.Option(None, "--fuse/--no-fuse", help="run the fusion passes (default on)"),
     int8: bool | None = typer.Option(None, "--int8", help="int8 weights (weight-only, per-channel, symmetric)"),
@@ -224,6 +227,7 @@ def compile_cmd(
             out,
             config_file=config,
             dump_passes=dump_passes,
+            check_passes=check_passes,
             verify=verify,
             command=["dsc"] + sys.argv[1:],
             progress=progress,

@@ -49,6 +49,7 @@ def compile(
     options: CompileOptions | None = None,
     config_file: str | Path | None = None,
     dump_passes: str | Path | None = None,
+    check_passes: bool = False,
     verify: bool = False,
     command: list[str] | None = None,
     progress: Progress | None = None,
@@ -106,7 +107,7 @@ def compile(
 
         stages("trace")
         m = trace(ckpt, arch, options)
-        m = run_passes(m, Path(dump_passes) if dump_passes else None, on_pass=stages)
+        m = run_passes(m, Path(dump_passes) if dump_passes else None, on_pass=stages, check=check_passes)
         report = None
         if options.int8 or options.fp8 or options.int4 or options.auto_precision is not None:
 

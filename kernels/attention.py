@@ -86,6 +86,7 @@ import torch.nn.functional as F
 from dsc.kernels.launch import (
     SM_COUNT,
     arch_of,
+    cdiv,
     launched,
     next_power_of_2,
     pdl_options,
@@ -291,10 +292,6 @@ def attention_config(kind: str, head_dim: int, arch: str, itemsize: int = 2) -> 
     return cfg
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def decode_preload(cfg: dict) -> dict:
     """The decode kernel's PRE_N (keys of each split's first tile loaded before the PDL wait; 0:
     none) and num_warps, from its config."""
@@ -303,8 +300,8 @@ def decode_preload(cfg: dict) -> dict:
 
 def decode_num_splits(batch: int, kv_heads: int, max_seq: int, cfg: dict, n_sm: int) -> int:
     """Splits per (sequence, kv head) of a decode step: from shapes only (CUDA-graph safe)."""
-    want = _cdiv(cfg["PROGRAMS_PER_SM"] * n_sm, batch * kv_heads)
-    return max(1, min(want, MAX_SPLITS, _cdiv(max_seq, cfg["MIN_SPLIT"])))
+    want = cdiv(cfg["PROGRAMS_PER_SM"] * n_sm, batch * kv_heads)
+    return max(1, min(want, MAX_SPLITS, cdiv(max_seq, cfg["MIN_SPLIT"])))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1501,7 +1498,7 @@ def prefill_attention(
             ws = {key[3:]: value for key, value in cfg.items() if key.startswith("WS_")}
             if prefill_ws(q, k, v, k_cache, v_cache, cache_pos, scale, out, ws) is not None:
                 return out
-    grid = (_cdiv(S * G, cfg["BLOCK_M"]) * B * Hkv,)  # the kernel orders (sequence, row tile, kv head)
+    grid = (cdiv(S * G, cfg["BLOCK_M"]) * B * Hkv,)  # the kernel orders (sequence, row tile, kv head)
     BLOCK_D = max(16, next_power_of_2(D))
     # the config's variant keys (kernel `_attend_full_tiles`) matter only in the unwindowed
     # loops without soft-capping or ALiBi: such a call runs the default code, whatever the config

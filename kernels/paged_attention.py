@@ -140,7 +140,7 @@ def paged_attention_reference(
         if n <= 0:
             continue
         n_ctx = c + n
-        blocks = block_tables[i, : -(-n_ctx // bs)].long()
+        blocks = block_tables[i, : cdiv(n_ctx, bs)].long()
         kc = k_pool[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :n_ctx]
         vc = v_pool[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :n_ctx]
         out[0, a : a + n] = _attend_sequence(q[0, :, a : a + n], kc, vc, c, scale, window, softcap, alibi_slopes)

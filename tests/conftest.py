@@ -87,7 +87,10 @@ def compile_artifact(tmp_path_factory, make_checkpoint):
         if key not in cache:
             ckpt = make_checkpoint(shape, **(ckpt_kwargs or {}))
             cache[key] = _make_once(
-                root, f"art-{shape}", key, lambda d: dsc.compile(str(ckpt), d / "artifact", **options)
+                root,
+                f"art-{shape}",
+                key,
+                lambda d: dsc.compile(str(ckpt), d / "artifact", **{"check_passes": True, **options}),
             )
         return cache[key]
 
