@@ -554,7 +554,7 @@ def check_plan(where: Path, plan: dict, tp: int) -> None:
                 if weights.setdefault(n["target"], sig) != sig:
                     raise UserError(f"{where}: weight '{n['target']}' has two different shapes or dtypes")
                 if n["target"].startswith("kv_cache.") and (
-                    n["target"] not in kv_targets or sig != (kv["dtype"], kv["shape"])
+                    kv is None or n["target"] not in kv_targets or sig != (kv["dtype"], kv["shape"])
                 ):
                     raise UserError(f"{where}: weight '{n['target']}' is not a layer of field 'kv_cache'")
                 if n["target"].startswith("kv_pool.") and (n["target"] not in pool_targets or sig != pool_sig):

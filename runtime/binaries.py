@@ -86,6 +86,7 @@ def _check_entry(where: str, i: int, e, files: dict) -> B.Spec:
         ok = False
     if not ok:
         raise UserError(f"{field}: field 'spec' is not a kernel launch spec")
+    assert isinstance(s, dict)  # ok holds for an object only
     spec = B.Spec.from_json(s)
     if sum(ty != "constexpr" for _, ty, _ in spec.args) > len(params):
         raise UserError(f"{field}: field 'params' has fewer entries than the spec's arguments")

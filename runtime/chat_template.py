@@ -34,6 +34,10 @@ import os
 import struct
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import subprocess
 
 RENDER_BUDGET_S = 0.5
 LOAD_BUDGET_S = 10.0
@@ -194,7 +198,7 @@ def _worker() -> None:
                         compiled[name] = env.from_string(source)
                     except BaseException as e:
                         raise ValueError(f"template {name!r}: {_error(e)}") from None
-                reply = {"ok": True}
+                reply: dict[str, object] = {"ok": True}
             else:
                 text = compiled[msg["template"]].render(**msg["context"])
                 if len(text) > MAX_OUTPUT_CHARS:
@@ -221,7 +225,7 @@ class ChatTemplates:
 
         self.templates, self.special_tokens, self.where = dict(templates), dict(special_tokens), where
         self._lock = threading.Lock()
-        self._proc = None
+        self._proc: subprocess.Popen[bytes] | None = None
         if not self.templates:
             raise UserError(f"{where}: no chat template")
         with self._lock:
@@ -332,9 +336,12 @@ class ChatTemplates:
                     raise UserError(f"{self.where}: chat template: {reply['error']}")
         data = json.dumps(msg).encode()
         deadline = time.monotonic() + budget_s
+        proc = self._proc
+        # _spawn started it with pipes, and a load that killed it raised above
+        assert proc is not None and proc.stdin is not None
         try:
-            self._proc.stdin.write(struct.pack("<I", len(data)) + data)
-            self._proc.stdin.flush()
+            proc.stdin.write(struct.pack("<I", len(data)) + data)
+            proc.stdin.flush()
             head = self._read(4, deadline)
             reply = json.loads(self._read(struct.unpack("<I", head)[0], deadline))
         except TimeoutError:
@@ -351,6 +358,7 @@ class ChatTemplates:
         import select
         import time
 
+        assert self._proc is not None and self._proc.stdout is not None  # the caller's worker, started with pipes
         fd, out = self._proc.stdout.fileno(), b""
         while len(out) < n:
             left = deadline - time.monotonic()
@@ -368,7 +376,8 @@ class ChatTemplates:
             proc.kill()
             proc.wait()
             for f in (proc.stdin, proc.stdout):
-                f.close()
+                if f is not None:
+                    f.close()
 
     def close(self) -> None:
         """Stop the worker (a later render starts another)."""

@@ -113,6 +113,7 @@ class DecodeStep:
             self.graph.replay()
         else:
             self.logits = self._forward()
+        assert self.logits is not None  # capture set it with the graph
         return self.logits[:B]
 
 

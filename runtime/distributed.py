@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch._dynamo  # noqa: F401  (before any process group exists: see below)
@@ -73,7 +74,7 @@ def ensure_process_group(device: torch.device, world: int, rank: int) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _store = _rendezvous_store(world, rank)
-    kwargs = {"store": _store} if _store is not None else {}
+    kwargs: dict[str, Any] = {"store": _store} if _store is not None else {}
     if device.type == "cuda":
         kwargs["device_id"] = device
     dist.init_process_group(backend, world_size=world, rank=rank, **kwargs)

@@ -115,6 +115,8 @@ class EmbeddingEngine:
         if engine is None:
             from dsc.runtime.engine import load
 
+            if artifact is None:
+                raise TypeError("EmbeddingEngine: give an artifact path or an engine")
             engine = load(
                 artifact,
                 device=device,

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -28,6 +29,9 @@ from dsc.runtime.plan import build_graph
 from dsc.runtime.prefill import EncodeRunner, PrefillRunner
 from dsc.runtime.ragged import RaggedRunner, allocate_kv_pool
 from dsc.runtime.sampling import check_sampling, sample
+
+if TYPE_CHECKING:
+    from dsc.runtime.offload import WeightRing
 
 
 @dataclass
@@ -83,6 +87,8 @@ def _first_shape(node: dict) -> list:
 
 
 class Engine:
+    kernel_binaries: dict[str, Any]  # load() sets it: what load_binaries installed (runtime/binaries.py)
+
     def __init__(
         self,
         artifact: Artifact,
@@ -115,7 +121,7 @@ class Engine:
 
         captured = dict(CAPTURE_TIMES)
         clock = _Stages()
-        self.ring = None  # the streamed layers' buffers (runtime/offload.py), with offload
+        self.ring: WeightRing | None = None  # the streamed layers' buffers (runtime/offload.py), with offload
         self.offload: dict | None = None
         self.stage_programs = self._cut_stages() if self.pp > 1 else {}
         from collections import deque
@@ -340,7 +346,7 @@ class Engine:
         if name in self.stage_programs:
             nodes = self.stage_programs[name].nodes
         graph, targets = build_graph(nodes, self.device, where=f"{self.artifact.path / 'plan.json'}: program {name!r}")
-        attrs = {}
+        attrs: dict[str, object] = {}  # the weights' tensors, and the ring that streams some
         if self.ring is not None:
             from dsc.runtime.offload import stream_weights
 
@@ -483,8 +489,8 @@ class Engine:
         from dsc.runtime.scheduler import SeqParams
         from dsc.runtime.scheduler import Sequence as Seq
 
-        prompts = [list(p) for p in prompts]
-        self.check_batch(prompts, batch_limit=False)
+        prompt_ids = [list(p) for p in prompts]
+        self.check_batch(prompt_ids, batch_limit=False)
         check_sampling(temperature, top_k, top_p, max_new_tokens, seed)
         stops = set(self.eos_token_ids if stop_tokens is None else stop_tokens)
         bad = [t for t in stops if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
@@ -496,7 +502,7 @@ class Engine:
         try:
             core = EngineCore.for_engine(self, max_num_batched_tokens)
             seqs = []
-            for i, p in enumerate(prompts):
+            for i, p in enumerate(prompt_ids):
                 params = SeqParams(
                     max_tokens=max_new_tokens,
                     temperature=float(temperature),
@@ -526,12 +532,15 @@ class Engine:
 
     def _result_from_rank0(self, result: GenerateResult | None) -> GenerateResult:
         if self.world == 1:
+            assert result is not None  # only ranks other than 0 pass None
             return result
         import torch.distributed as dist
 
         box = [result]
         dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
-        return box[0]
+        out = box[0]
+        assert out is not None  # rank 0's result
+        return out
 
     def generate_static(
         self,
@@ -595,11 +604,11 @@ class Engine:
         tok = next_tokens(self.prefill(prompts))
         for step in range(max_new_tokens):
             host_tok.copy_(tok, non_blocking=cuda)
-            if cuda:  # on the stream the copy went to (the engine's device, not necessarily the current one)
+            if read is not None:  # CUDA: on the copy's stream (the engine's device, not necessarily the current one)
                 read.record(torch.cuda.current_stream(self.device))
             if step < max_new_tokens - 1:  # queue step + 1 before reading step's tokens
                 queued = queue(step)
-            if cuda:
+            if read is not None:
                 read.synchronize()
             host = host_tok.tolist()
             emitted: list[int | None] = []
@@ -658,7 +667,7 @@ def _dist_rank_world(artifact: Artifact, rank: int | None, pp: int = 1) -> tuple
             f"{artifact.path}: {what}; run under torchrun --nproc-per-node {n} "
             "(or `dsc generate`, which starts the ranks itself)"
         )
-    if n > 1 and not 0 <= rank < n:
+    if n > 1 and rank is not None and not 0 <= rank < n:
         raise UserError(f"{artifact.path}: rank {rank} is out of range for {n} ranks ({what})")
     if n > 1 and "MASTER_ADDR" not in os.environ:
         raise UserError(

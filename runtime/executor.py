@@ -52,8 +52,9 @@ class _HostRing:
 
     def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         i = self.i = (self.i + 1) % len(self.bufs)
-        if self.events[i] is not None:
-            self.events[i].synchronize()  # its last copy is done before the buffer is rewritten
+        ev = self.events[i]
+        if ev is not None:
+            ev.synchronize()  # its last copy is done before the buffer is rewritten
         buf = self.bufs[i]
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if buf is None or buf.numel() < nbytes:
@@ -189,6 +190,7 @@ class Executor:
         tokens = launched.tokens.tolist()
         if launched.logprobs is None:
             return tokens, None
+        assert launched.top_n is not None  # _to_host sets it with the log-probabilities
         chosen, top_ids, top_lps = (t.tolist() for t in launched.logprobs)
         lps = []
         for j, n in enumerate(launched.top_n):
@@ -214,7 +216,7 @@ class EngineCore:
         max_num_seqs: int | None = None,
         prefix_caching: bool = True,
         async_scheduling: bool = True,
-    ) -> EngineCore:
+    ) -> EngineCore | PipelineCore:
         """Over an engine's KV pool and ragged program; the mixed steps of the budget captured now.
         Under pipeline parallelism, a PipelineCore (its micro-batches step themselves)."""
         if getattr(engine, "pp", 1) > 1:

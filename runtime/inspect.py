@@ -59,7 +59,8 @@ def describe(
             "kernels": dict(sorted(kernels.items())),
             **launches(calls),
         }
-    ranks, expert_bytes, other_bytes, placements = {}, 0, 0, {}
+    ranks: dict[int, dict] = {}
+    expert_bytes, other_bytes, placements = 0, 0, {}
     for r in range(art.tp):
         f = art.rank_file(r)
         if not f.exists():
@@ -84,13 +85,14 @@ def describe(
     windows = Counter(_window(n) for n in attn)
     buckets = plan["limits"].get("decode_buckets") or [plan["limits"]["max_batch"]]
     workspace = {b: workspace_bytes(plan, "decode", b) for b in buckets} if "decode" in plan["programs"] else {}
+    source = man.get("source")
     return {
         "path": str(path),
         "decode_buckets": buckets,
         "decode_workspace": workspace,
         "format_version": man["format_version"],
         "versions": man.get("versions"),
-        "source": (man.get("source") if isinstance(man.get("source"), dict) else {}).get("model"),
+        "source": (source if isinstance(source, dict) else {}).get("model"),
         "model_type": plan["model"]["model_type"],
         "dtype": plan["model"]["dtype"],
         "tp": plan["tp"],
@@ -196,7 +198,7 @@ def score_variant(node: dict) -> str:
     return " + ".join(parts + (["ALiBi"] if cfg.get("alibi") is True else []))
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
@@ -216,7 +218,8 @@ def render(info: dict) -> None:
     )
     c.print(f"options: {json.dumps(info['options'], sort_keys=True)}")
     if info.get("kind") == "encoder":
-        pool = info.get("pooling") if isinstance(info.get("pooling"), dict) else {}
+        pooling = info.get("pooling")
+        pool = pooling if isinstance(pooling, dict) else {}
         c.print(
             f"kind: encoder (embeddings): program encode runs right-padded rows to their last hidden states; "
             f"pooling {pool.get('mode')}{', L2-normalized' if pool.get('normalize') else ''} "

@@ -24,11 +24,14 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from dsc.errors import UserError
 from dsc.runtime.executor import EngineCore, follow, release_followers
 from dsc.runtime.scheduler import DEFAULT_BUDGET, SeqParams, Sequence
+
+if TYPE_CHECKING:
+    from dsc.runtime.embed import EmbeddingEngine
 
 
 @dataclass
@@ -67,7 +70,7 @@ class RequestOutput:
     finished: bool
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -153,6 +156,8 @@ class LLMEngine:
         if engine is None:
             from dsc.runtime.engine import load
 
+            if artifact is None:
+                raise TypeError("LLMEngine: give an artifact path or an engine")
             if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
                 raise UserError(f"--max-num-seqs: expected an integer >= 1, got {max_num_seqs!r}")
             engine = load(
@@ -379,6 +384,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise UserError(f"request_id: {request_id!r} is already running")
         p = self._resolve(params or SamplingParams())
+        # _resolve leaves none of these unset
+        assert p.temperature is not None and p.top_k is not None and p.top_p is not None and p.min_tokens is not None
+        assert isinstance(p.stop, list) and p.stop_token_ids is not None
         ids = self.encode(prompt)
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len - len(ids)
         self.scheduler.check_fits(len(ids), max(max_tokens, 1))
@@ -418,6 +426,7 @@ class LLMEngine:
             return None
         from dsc.runtime.detokenize import Detokenizer
 
+        assert isinstance(p.stop, list)  # resolved (_resolve)
         return Detokenizer(
             self.tokenizer,
             ids,
@@ -533,14 +542,16 @@ class LLM:
         if kwargs.get("engine") is None and artifact_kind(model) == "encoder":
             from dsc.runtime.embed import EmbeddingEngine
 
-            self.engine = EmbeddingEngine(model, **kwargs)
+            self.engine: LLMEngine | EmbeddingEngine = EmbeddingEngine(model, **kwargs)
         else:
             self.engine = LLMEngine(model, **kwargs)
         self._ids = 0
 
-    def _decoder(self, what: str) -> None:
+    def _decoder(self, what: str) -> LLMEngine:
+        """The engine, a decoder's (UserError naming `what` for an encoder's)."""
         if not isinstance(self.engine, LLMEngine):
             raise UserError(f"{what}: {self.engine.model_name} is an embedding (encoder) model; use LLM.embed")
+        return self.engine
 
     def embed(self, prompts, pooling_params=None) -> list:
         """One EmbeddingRequestOutput per prompt (text or token ids), in order: `.outputs.embedding`.
@@ -598,7 +609,7 @@ class LLM:
             params = params if isinstance(params, list) else [params] * len(prompts)
             if len(params) != len(prompts):
                 raise UserError(f"{params_name}: {len(params)} given for {len(prompts)} prompts")
-            ids = []
+            ids: list[str] = []
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = f"{self._ids}"
                 self._ids += 1
@@ -634,18 +645,22 @@ class LLM:
     ) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of them, rendered
         by the artifact's chat template (LLMEngine.apply_chat_template takes the keywords)."""
-        self._decoder("chat")
+        eng = self._decoder("chat")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        if self.engine.engine.rank != 0:
-            self.engine.follow()
+        if eng.engine.rank != 0:
+            eng.follow()
             return []
         if not isinstance(convs, list) or not convs:
             raise UserError("messages: expected a conversation (a list of messages) or a list of them")
-        kw = dict(
-            chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
-            documents=documents,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-        )
-        return self.generate([self.engine.apply_chat_template(c, **kw) for c in convs], sampling_params, callback)
+        texts = [
+            eng.apply_chat_template(
+                c,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            for c in convs
+        ]
+        return self.generate(texts, sampling_params, callback)

@@ -98,6 +98,7 @@ def eval_dim(text: str, sizes: dict[str, int]) -> int:
 
     def ev(node: ast.expr) -> int:
         if isinstance(node, ast.Constant):
+            assert type(node.value) is int  # parse_dim admits no other constant
             return node.value
         if isinstance(node, ast.Name):
             if node.id not in sizes:
@@ -105,6 +106,7 @@ def eval_dim(text: str, sizes: dict[str, int]) -> int:
             return sizes[node.id]
         if isinstance(node, ast.UnaryOp):
             return -ev(node.operand)
+        assert isinstance(node, ast.BinOp)  # parse_dim admits no other expression
         a, b = ev(node.left), ev(node.right)
         if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and b == 0:
             raise ValueError(f"symbolic dim {text!r} divides by zero")

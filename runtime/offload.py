@@ -26,9 +26,11 @@ import operator
 import os
 import re
 import struct
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from dsc.errors import UserError
 
@@ -187,6 +189,7 @@ def plan_offload(
             budget, tuple(resident + [t.name for u in units for t in u.tensors]), total, (), 0, 0, len(units), where
         )
     if len(units) <= slots:  # its buffers would hold every layer: streaming saves nothing
+        assert budget is not None  # without a budget, this few layers returned above
         raise UserError(
             f"--gpu-memory: {gib(budget)} is below the weights' {gib(total)}, and {path} has {len(units)} "
             f"numbered layers, no more than the {slots} layer buffers streaming needs; give at least "
@@ -239,6 +242,10 @@ def _pread_into(fd: int, buf, offset: int, path: Path) -> None:
 class WeightRing:
     """The device's layer buffers and the copies that fill them (module docstring)."""
 
+    # the graph-call targets stream_weights inserts (set below the class: _fetch and _release)
+    fetch_node: ClassVar[Callable[..., Any]]
+    release_node: ClassVar[Callable[..., Any]]
+
     def __init__(self, placement: Placement, path: Path, device):
         import torch
 
@@ -262,8 +269,10 @@ class WeightRing:
         self._fd = os.open(self.path, os.O_RDONLY)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.host: list = []
-        self._pool = None
-        self._readers = ThreadPoolExecutor(min(READERS, os.cpu_count() or 1), thread_name_prefix="dsc-offload-read")
+        self._pool: ThreadPoolExecutor | None = None
+        self._readers: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            min(READERS, os.cpu_count() or 1), thread_name_prefix="dsc-offload-read"
+        )
         if self.where == "cpu":  # every streamed layer in host memory, laid out as in a buffer
             for u in self.layers:
                 buf = torch.empty(placement.slot_bytes, dtype=torch.uint8, pin_memory=self.cuda)
@@ -353,7 +362,8 @@ class WeightRing:
         for s in range(self.n):
             if self.busy[s]:
                 continue
-            d = len(self.layers) if self.holds[s] is None else (self.holds[s] - layer) % len(self.layers)
+            held = self.holds[s]
+            d = len(self.layers) if held is None else (held - layer) % len(self.layers)
             if d > best_d:
                 best, best_d = s, d
         return best
@@ -365,7 +375,9 @@ class WeightRing:
         freed, self.freed[s] = self.freed[s], None
         if self.where == "cpu":
             self.ready[s] = self._copy(self.host[layer], self.slots[s], freed)
-        elif self.cuda:
+            return
+        assert self._pool is not None  # made at init for a ring that streams from disk
+        if self.cuda:
             self.ready[s] = self._pool.submit(self._stage, layer, s, freed)
         else:  # the CPU's buffers: read straight into the (released, hence idle) buffer
             self.ready[s] = self._pool.submit(self._read, self.layers[layer], self.slots[s])
@@ -399,15 +411,16 @@ class WeightRing:
     def _read(self, u: Layer, buf) -> None:
         """The layer's tensors from the rank file into `buf` (its buffer layout), in pieces of at
         most READ_CHUNK bytes read by the reader threads at once."""
+        readers = self._readers
+        if readers is None:
+            raise RuntimeError("offload: the weight ring is closed")
         view = memoryview(buf.numpy())
         pieces = [
             (t.slot_offset + o, t.file_offset + o, min(READ_CHUNK, t.nbytes - o))
             for t in u.tensors
             for o in range(0, t.nbytes, READ_CHUNK)
         ]
-        reads = [
-            self._readers.submit(_pread_into, self._fd, view[at : at + n], off, self.path) for at, off, n in pieces
-        ]
+        reads = [readers.submit(_pread_into, self._fd, view[at : at + n], off, self.path) for at, off, n in pieces]
         for r in reads:
             r.result()
 

@@ -231,7 +231,7 @@ def stage_program(nodes: list[dict], layer_stage: dict[str, int], s: int) -> Sta
         out.append({"kind": "output", "name": "output", "args": [{"node": names.get(v, v)} for v in send]})
     weights = frozenset(n["target"] for n in out if n["kind"] == "weight")
     layers = frozenset(k for k, t in layer_stage.items() if t == s)
-    return StageProgram(out, tuple((v, by_name[v].get("dtype")) for v in recv), tuple(send), weights, layers)
+    return StageProgram(out, tuple((v, by_name[v]["dtype"]) for v in recv), tuple(send), weights, layers)
 
 
 def kv_pool_layers(sp: StageProgram) -> list[int]:

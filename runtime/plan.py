@@ -252,7 +252,7 @@ def check_nodes(nodes: Any, where: str = "plan.json") -> None:
             defined.add(n["name"])
 
 
-def build_graph(nodes: list[dict], device: torch.device, where: str = "plan.json") -> tuple[fx.Graph, list[str]]:
+def build_graph(nodes: Any, device: torch.device, where: str = "plan.json") -> tuple[fx.Graph, list[str]]:
     """Rebuild an FX graph from a program's node list, after `check_nodes`. Returns the graph and
     the qualified names its weight nodes read (the caller attaches those tensors to the
     GraphModule)."""

@@ -68,6 +68,7 @@ class PrefillStep:
             self.graph.replay()
         else:
             self.logits = self._forward()
+        assert self.logits is not None  # capture set it with the graph
         return self.logits
 
 
@@ -86,7 +87,7 @@ class PrefillRunner:
         self.pad = self.graphs if buckets is None else buckets
         self.buckets = length_buckets(max_seq)
         self.steps: dict[tuple[int, int], PrefillStep] = {}
-        self._pool = None
+        self._pool: tuple[int, int] | None = None  # the graphs' memory pool (torch.cuda.graph_pool_handle)
         register_runner(self)
 
     def bucket(self, length: int) -> int:
@@ -161,6 +162,7 @@ class EncodeStep:
             self.graph.replay()
         else:
             self.states = self._forward()
+        assert self.states is not None  # capture set it with the graph
         return self.states[:B, :L]
 
 
@@ -177,7 +179,7 @@ class EncodeRunner:
         self.graphs = cuda_graphs and device.type == "cuda"
         self.buckets = length_buckets(max_seq)
         self.steps: dict[tuple[int, int], EncodeStep] = {}
-        self._pool = None
+        self._pool: tuple[int, int] | None = None  # the graphs' memory pool (torch.cuda.graph_pool_handle)
         register_runner(self)
 
     def __call__(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

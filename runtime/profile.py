@@ -29,7 +29,8 @@ READ_BW_H200 = 4.33e12  # bytes/s, measured device read bandwidth (docs/performa
 def _weight_bytes(engine, node: dict, targets: dict[str, str]) -> int:
     total = 0
     for a in node.get("args", []):
-        name = targets.get(a.get("node")) if isinstance(a, dict) else None
+        ref = a.get("node") if isinstance(a, dict) else None
+        name = targets.get(ref) if isinstance(ref, str) else None
         t = engine.weights.get(name) if name else None
         if t is not None:
             total += t.numel() * t.element_size()
@@ -137,15 +138,15 @@ def profile_decode(engine, batch: int = 1, context: int = 128, steps: int = 20) 
     exposed: dict[str, float] = defaultdict(float)
     if cuda:
         evs = _device_events(prof)
-        end = float("-inf")
+        last_end = float("-inf")
         exposed_each = []
         for e in evs:
             by_name[e.name].append(e.time_range.elapsed_us())
             # exposed: how far this kernel moves the step's end past every earlier kernel's (with
             # PDL a kernel's own time includes its wait for the one before; this does not)
-            exposed_each.append(max(0.0, e.time_range.end - max(end, e.time_range.start)))
+            exposed_each.append(max(0.0, e.time_range.end - max(last_end, e.time_range.start)))
             exposed[e.name] += exposed_each[-1]
-            end = max(end, e.time_range.end)
+            last_end = max(last_end, e.time_range.end)
         if evs and len(evs) % steps == 0:
             res["launches"] = _per_launch(evs, exposed_each, steps)
         res["kernels_per_step"] = len(evs) / steps

@@ -135,14 +135,13 @@ class GraphStep:
 
     def __init__(self, program: Callable, t: int, n: int, max_blocks: int, device: torch.device):
         self.program, self.t, self.n, self.device = program, t, n, device
-        i32 = dict(dtype=torch.int32, device=device)
         self.ids = torch.zeros(1, t, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, t, dtype=torch.long, device=device)
-        self.slots = torch.full((t,), -1, **i32)
-        self.qs = torch.zeros(n, **i32)
-        self.ql = torch.zeros(n, **i32)
-        self.cl = torch.zeros(n, **i32)
-        self.tables = torch.zeros(n, max_blocks, **i32)
+        self.slots = torch.full((t,), -1, dtype=torch.int32, device=device)
+        self.qs = torch.zeros(n, dtype=torch.int32, device=device)
+        self.ql = torch.zeros(n, dtype=torch.int32, device=device)
+        self.cl = torch.zeros(n, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.li = torch.zeros(n, dtype=torch.long, device=device)
         self.logits: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -179,6 +178,7 @@ class GraphStep:
             self.graph.replay()
         else:
             self.logits = self._forward()
+        assert self.logits is not None  # capture set it with the graph
         return self.logits[:N]
 
 
