@@ -368,9 +368,9 @@ def generate_cmd(
             _tokenizer(art)
         prompts = list(prompt) + [_parse_ids(t) for t in token_ids]
         vocab = art.plan["model"]["vocab_size"]
-        bad = [t for t in stop_token if not 0 <= t < vocab]
-        if bad:
-            raise UserError(f"--stop-token: stop token {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        from dsc.runtime.checks import check_token_ids
+
+        check_token_ids(stop_token, vocab, "--stop-token: stop token")
         from dsc.runtime.llm import LLM, SamplingParams
 
         llm = LLM(

@@ -38,6 +38,7 @@ import torch.fx as fx
 from dsc.compiler.diff import match_nodes, node_inputs
 from dsc.compiler.verify import sample_prompts
 from dsc.errors import UserError
+from dsc.runtime.checks import check_token_ids
 
 PROGRAMS = ("prefill", "decode")
 
@@ -311,9 +312,7 @@ def _check_prompts(prompts: list[list[int]], vocab: int, max_seq: int, max_batch
     for i, p in enumerate(prompts):
         if not shortest <= len(p) < max_seq:
             raise UserError(f"--token-ids: prompt {i} has {len(p)} tokens; {program} needs {shortest} to {max_seq - 1}")
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise UserError(f"--token-ids: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        check_token_ids(p, vocab, "--token-ids")
 
 
 # -- text ------------------------------------------------------------------------------------

@@ -894,14 +894,7 @@ def _gemv_push_usable(s: _Symmetric | None, residual, x, weight, norm_weight, er
     the all-reduce): the push kernel on, DSC_ALLREDUCE=auto, that kernel built here (`error`
     empty), one row, activations of the buffers' dtype, a contiguous weight [n, k] whose rows
     fit the buffers."""
-    if (
-        s is None
-        or not s.fused
-        or not s.count
-        or switches.ALLREDUCE != "auto"
-        or error
-        or not weight.is_contiguous()
-    ):
+    if s is None or not s.fused or not s.count or switches.ALLREDUCE != "auto" or error or not weight.is_contiguous():
         return False
     n, k = weight.shape
     return (

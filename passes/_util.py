@@ -3,18 +3,86 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from dsc.compiler.ir import copy_meta, infer_val
 
 aten = torch.ops.aten
 
 
-def is_call(node: Any, *targets) -> bool:
+def is_call(node: object, *targets: object) -> TypeGuard[fx.Node]:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def arg_node(n: fx.Node, i: int) -> fx.Node:
+    """n.args[i] where the op's schema makes it a tensor: the node that computes it."""
+    a = n.args[i]
+    if not isinstance(a, fx.Node):
+        raise TypeError(f"{n.name} ({n.target}): argument {i} is {a!r}, not a node")
+    return a
+
+
+def arg_int(n: fx.Node, i: int, default: int | None = None, kwarg: str | None = None) -> int:
+    """n.args[i], a literal int of the op (a dim, a size, a count). Where n has fewer
+    arguments: kwargs[kwarg] if it is given there, else `default` if there is one."""
+    if i < len(n.args):
+        a = n.args[i]
+    elif kwarg is not None and kwarg in n.kwargs:
+        a = n.kwargs[kwarg]
+    elif default is not None:
+        return default
+    else:
+        raise IndexError(f"{n.name} ({n.target}) has no argument {i}")
+    if not isinstance(a, int):
+        raise TypeError(f"{n.name} ({n.target}): argument {i} is {a!r}, not an int")
+    return a
+
+
+def arg_float(n: fx.Node, i: int, default: float | None = None) -> float:
+    """n.args[i], a literal number of the op (an eps, a scale), as a float; `default` where n
+    has fewer arguments, if there is one."""
+    if i >= len(n.args) and default is not None:
+        return default
+    a = n.args[i]
+    if not isinstance(a, (int, float)):
+        raise TypeError(f"{n.name} ({n.target}): argument {i} is {a!r}, not a number")
+    return float(a)
+
+
+def arg_list(n: fx.Node, i: int) -> list[Argument]:
+    """n.args[i], a list argument of the op (tensors to concatenate, a view's sizes), as a new list."""
+    a = n.args[i]
+    if not isinstance(a, (list, tuple)):
+        raise TypeError(f"{n.name} ({n.target}): argument {i} is {a!r}, not a list")
+    return list(a)
+
+
+def arg_ints(n: fx.Node, i: int) -> list[int]:
+    """n.args[i], a list of literal ints (dims), as a new list."""
+    out = []
+    for d in arg_list(n, i):
+        if not isinstance(d, int):
+            raise TypeError(f"{n.name} ({n.target}): argument {i} holds {d!r}, not an int")
+        out.append(d)
+    return out
+
+
+def attr_name(n: fx.Node) -> str:
+    """The name of the weight (a key of Model.weights) that the get_attr node n reads."""
+    if n.op != "get_attr" or not isinstance(n.target, str):
+        raise TypeError(f"{n.name} ({n.op} {n.target}) does not read a weight")
+    return n.target
+
+
+def call_target(n: fx.Node) -> Callable[..., Any]:
+    """The function a call_function node calls."""
+    if not callable(n.target):
+        raise TypeError(f"{n.name} ({n.op} {n.target}) does not call a function")
+    return n.target
 
 
 def replace_with(
@@ -56,7 +124,9 @@ def take_bias(value: Any, consumer: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if is_call(value, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         # canonicalize's [rows, N] linear viewed back to [..., N]: the bias still runs along N
         src = value.args[0]
-        vs = getattr(src, "meta", {}).get("val")
+        if not isinstance(src, fx.Node):
+            return None
+        vs = src.meta.get("val")
         if isinstance(vs, torch.Tensor) and vs.dim() >= 1 and vs.shape[-1] == vv.shape[-1]:
             taken = take_bias(src, value)
             if not taken:
@@ -65,13 +135,19 @@ def take_bias(value: Any, consumer: fx.Node) -> tuple[fx.Node, fx.Node] | None:
                 value.replace_input_with(src, taken[0])
             return value, taken[1]
         return None
-    if is_call(value, aten.linear.default) and len(value.args) == 3 and value.args[2] is not None and not value.kwargs:
-        x, w, b = value.args
-        value.args = (x, w)
+    if (
+        is_call(value, aten.linear.default)
+        and len(value.args) == 3
+        and isinstance(b := value.args[2], fx.Node)
+        and not value.kwargs
+    ):
+        value.args = value.args[:2]
         return value, b
     if is_call(value, aten.add.Tensor) and len(value.args) == 2 and not value.kwargs:
         for t, b in (value.args, value.args[::-1]):
-            vt, vb = getattr(t, "meta", {}).get("val"), getattr(b, "meta", {}).get("val")
+            if not (isinstance(t, fx.Node) and isinstance(b, fx.Node)):
+                continue
+            vt, vb = t.meta.get("val"), b.meta.get("val")
             if (
                 isinstance(vt, torch.Tensor)
                 and isinstance(vb, torch.Tensor)

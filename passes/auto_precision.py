@@ -61,6 +61,7 @@ def _rounded(w: torch.Tensor, scheme: str, group: int | None) -> torch.Tensor:
     if scheme == "int4":
         from dsc.kernels import int4
 
+        assert group is not None  # choose offers int4 only where a group size fits
         p = int4.quantize_weight(w, group)
         return int4.dequantize_weight(p["qweight"], p["scale"], p["min"])
     from dsc.kernels import int8

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from dsc.compiler.ir import Model, weight_nodes
-from dsc.passes._util import aten, bypass, is_call, replace_with
+from dsc.passes._util import arg_node, aten, bypass, is_call, replace_with
 
 _ASSERTS = (
     aten._assert_tensor_metadata.default,
@@ -60,7 +60,7 @@ def _simplify_nodes(model: Model, graph) -> None:
                 replace_with(node, aten.to.dtype, (src, want))
             c["canonicalize.drop_cast"] += 1
         elif is_call(node, aten.mul.Tensor) and node.args[1] == 1.0 and not isinstance(node.args[1], bool):
-            bypass(node, node.args[0])
+            bypass(node, arg_node(node, 0))
             c["canonicalize.drop_mul_one"] += 1
         elif node.target in _IN_PLACE and _last_reader(node):
             replace_with(node, _IN_PLACE[node.target], node.args)

@@ -39,13 +39,14 @@ Guarantees: same math as F.linear (fp32 accumulation in the GEMV), and as the li
 from __future__ import annotations
 
 import operator
+from typing import TypeGuard
 
 import torch
 import torch.fx as fx
 
 from dsc.compiler.ir import Model
 from dsc.kernels import registry
-from dsc.passes._util import aten, is_call, replace_with
+from dsc.passes._util import arg_node, aten, is_call, replace_with
 
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -66,7 +67,7 @@ def _gemv_linears(model: Model, graph: fx.Graph, prefix: str) -> None:
         if not is_call(n, aten.linear.default) or n.kwargs:
             continue
         w = n.args[1]
-        wv = w.meta.get("val") if hasattr(w, "meta") else None
+        wv = w.meta.get("val") if isinstance(w, fx.Node) else None
         if getattr(w, "op", None) != "get_attr" or not isinstance(wv, torch.Tensor) or wv.dtype not in _16BIT:
             continue
         replace_with(n, torch.ops.dsc.linear.default, tuple(n.args))
@@ -78,6 +79,8 @@ def _fuse_all_reduces(model: Model, graph: fx.Graph) -> None:
         if not is_call(n, torch.ops.dsc.all_reduce_add_rmsnorm.default):
             continue
         r, lin, w, eps = n.args
+        if not isinstance(lin, fx.Node):
+            continue
         op = _fused_over(lin, n)
         if op is None or list(lin.users) != [n]:
             continue
@@ -126,7 +129,9 @@ def _gate_up_of(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     if not is_call(n, torch.ops.dsc.swiglu.default) or len(n.args) != 2 or n.kwargs:
         return None
     gate, up = n.args
-    if list(getattr(gate, "users", ())) != [n] or list(getattr(up, "users", ())) != [n]:
+    if not isinstance(gate, fx.Node) or not isinstance(up, fx.Node):
+        return None
+    if list(gate.users) != [n] or list(up.users) != [n]:
         return None
     chunk = None
     if is_call(gate, aten.slice.Tensor) and is_call(up, aten.slice.Tensor) and not gate.kwargs and not up.kwargs:
@@ -135,15 +140,16 @@ def _gate_up_of(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
             return None
         readers = {gate, up}
     elif _is_piece(gate, 0) and _is_piece(up, 1) and gate.args[0] is up.args[0]:
-        chunk = gate.args[0]
-        if not is_call(chunk, aten.chunk.default) or chunk.kwargs or set(chunk.users) != {gate, up}:
+        src = gate.args[0]
+        if not is_call(src, aten.chunk.default) or src.kwargs or set(src.users) != {gate, up}:
             return None
+        chunk = src
         lin, readers = chunk.args[0], {chunk}
     else:
         return None
-    if _fused_over(lin, n) is None or set(lin.users) != readers:
+    if not isinstance(lin, fx.Node) or _fused_over(lin, n) is None or set(lin.users) != readers:
         return None
-    rows = lin.args[1].meta["val"].shape[0]  # the rank's local [gate; up] rows (int8: the qweight's)
+    rows = arg_node(lin, 1).meta["val"].shape[0]  # the rank's local [gate; up] rows (int8: the qweight's)
     y = lin.meta["val"]
     if rows % 2 or y.shape[-1] != rows:
         return None
@@ -152,14 +158,19 @@ def _gate_up_of(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
         dead = [gate, up, lin]
     else:
         parts, *dim = chunk.args[1:]
-        ok = parts == 2 and all(type(a) is int for a in (parts, *dim)) and (dim or [0])[0] in (-1, y.dim() - 1)
+        ok = (
+            type(parts) is int
+            and parts == 2
+            and all(type(a) is int for a in dim)
+            and (dim or [0])[0] in (-1, y.dim() - 1)
+        )
         dead = [gate, up, chunk, lin]
     return (lin, dead) if ok else None
 
 
-def _is_piece(g, i: int) -> bool:
+def _is_piece(g: object, i: int) -> TypeGuard[fx.Node]:
     """g = operator.getitem(node, i)."""
-    return getattr(g, "op", None) == "call_function" and g.target is operator.getitem and g.args[1:] == (i,)
+    return isinstance(g, fx.Node) and g.op == "call_function" and g.target is operator.getitem and g.args[1:] == (i,)
 
 
 def _is_slice(s: fx.Node, ndim: int, start: int, end: int) -> bool:

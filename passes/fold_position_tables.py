@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from dsc.compiler.ir import Model, WeightSpec
 from dsc.compiler.serialize import stable_names
-from dsc.passes._util import aten
+from dsc.passes._util import arg_node, aten, attr_name, call_target
 
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
 _RANDOM = {aten.rand.default, aten.randn.default, aten.randint.low, aten.bernoulli.default}
@@ -75,10 +75,10 @@ def _evaluate(pure: list[fx.Node], pos: fx.Node, positions: torch.Tensor, model:
 
     for n in pure:
         if n.op == "get_attr":
-            env[n] = model.weights[n.target].const
+            env[n] = model.weights[attr_name(n)].const
         else:
             kwargs = {k: (torch.device("cpu") if k == "device" else load(v)) for k, v in n.kwargs.items()}
-            env[n] = n.target(*load(n.args), **kwargs)
+            env[n] = call_target(n)(*load(n.args), **kwargs)
     return env
 
 
@@ -116,7 +116,7 @@ def fold_position_tables(model: Model) -> Model:
         # the table: the table is of the value before it, [batch, seq, ...]
         frontier = list(
             dict.fromkeys(
-                n.args[0] if n.target is aten.unsqueeze.default and n.args[0] in from_pos else n for n in frontier
+                arg_node(n, 0) if n.target is aten.unsqueeze.default and n.args[0] in from_pos else n for n in frontier
             )
         )
         frontier = [n for n in frontier if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() >= 2]

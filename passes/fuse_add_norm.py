@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from dsc.compiler.ir import Model, copy_meta
 from dsc.passes._pattern import Pattern, insert_call, insert_fused
-from dsc.passes._util import aten, is_call, take_bias
+from dsc.passes._util import arg_float, arg_list, arg_node, aten, call_target, is_call, take_bias
 
 dsc = torch.ops.dsc
 _EPS = 1.2345e-7  # stands for any eps in the traced pattern
@@ -69,6 +69,8 @@ def _residual_add(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if not is_call(x, aten.add.Tensor) or x.kwargs or len(x.args) != 2:
         return None
     a, b = x.args
+    if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+        return None
     va, vb, vx = _val(a), _val(b), _val(x)
     if not all(isinstance(v, torch.Tensor) for v in (va, vb, vx)):
         return None
@@ -86,7 +88,8 @@ def _residual_add_through_view(graph: fx.Graph, x: fx.Node) -> tuple[fx.Node, fx
     add = _residual_add(s) if isinstance(s, fx.Node) and list(s.users) == [x] else None
     if not add or _val(s).shape[-1] != _val(x).shape[-1]:
         return None
-    return tuple(insert_call(graph, x.target, (t, *x.args[1:]), x) for t in add)
+    a, b = (insert_call(graph, call_target(x), (t, *x.args[1:]), x) for t in add)
+    return a, b
 
 
 def _is_vector_of(w, x: fx.Node) -> bool:
@@ -110,14 +113,14 @@ def _fuse_rmsnorms(model: Model, graph: fx.Graph) -> None:
 
 def _fuse_layernorms(model: Model, graph: fx.Graph) -> None:
     for ln in [n for n in graph.nodes if is_call(n, aten.layer_norm.default) and not n.kwargs]:
-        x, shape, w, b, eps = (list(ln.args) + [None, None, None])[:5]  # layer_norm(x, shape, w=None, b=None, eps=1e-5)
-        eps = 1e-5 if eps is None else eps
-        if list(shape) != [_val(x).shape[-1]] or not _is_vector_of(w, x) or (b is not None and not _is_vector_of(b, x)):
+        x, shape = arg_node(ln, 0), arg_list(ln, 1)
+        w, b = (list(ln.args[2:4]) + [None, None])[:2]  # layer_norm(x, shape, w=None, b=None, eps=1e-5)
+        if shape != [_val(x).shape[-1]] or not _is_vector_of(w, x) or (b is not None and not _is_vector_of(b, x)):
             continue
         add = _residual_add(x) or _residual_add_through_view(graph, x)
         if not add:
             continue
-        insert_fused(graph, dsc.add_layernorm.default, (*add, w, b, float(eps)), [x, ln])
+        insert_fused(graph, dsc.add_layernorm.default, (*add, w, b, arg_float(ln, 4, 1e-5)), [x, ln])
         graph.erase_node(ln)
         model.counters["fuse_add_norm.add_layernorm"] += 1
 
@@ -151,7 +154,9 @@ def _fuse_all_reduces(model: Model, graph: fx.Graph) -> None:
 def _fuse_embedding_all_reduces(model: Model, graph: fx.Graph) -> None:
     for n in [n for n in graph.nodes if is_call(n, dsc.rmsnorm.default)]:
         red, w, eps = n.args
-        emb = red.args[0] if is_call(red, dsc.all_reduce.default) else None
+        if not is_call(red, dsc.all_reduce.default):
+            continue
+        emb = red.args[0]
         if not is_call(emb, dsc.vocab_embedding.default) or list(emb.users) != [red]:
             continue
         fused = insert_fused(graph, dsc.vocab_embedding_all_reduce_rmsnorm.default, (*emb.args, w, eps), [red, n])

@@ -21,10 +21,11 @@ from __future__ import annotations
 import os
 
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from dsc.compiler.ir import Model, Shard, WeightSpec, copy_meta, weight_nodes
 from dsc.passes._pattern import insert_call, node_order
-from dsc.passes._util import aten, is_call
+from dsc.passes._util import arg_node, aten, attr_name, is_call
 
 
 def fused_name(names: list[str]) -> str:
@@ -47,15 +48,17 @@ def fused_spec(specs: list[WeightSpec], world: int) -> WeightSpec | None:
         return None
     shape = (sum(s.shape[0] for s in specs),) + tuple(first.shape[1:])
     sources = tuple(src for s in specs for src in s.sources)
-    if all(s.shard is None for s in specs):
+    shards = [s.shard for s in specs if s.shard is not None]
+    shard: Shard | None
+    if not shards:
         shard = None
-    elif all(s.shard is not None and s.shard.dim == 0 for s in specs):
-        blocks = tuple(b for s in specs for b in s.shard.blocks)
-        groups = tuple(g for s in specs for g in s.shard.pieces(world))
-        shard = Shard(0, blocks, groups if any(s.shard.groups for s in specs) else None)
+    elif len(shards) == len(specs) and all(sh.dim == 0 for sh in shards):
+        blocks = tuple(b for sh in shards for b in sh.blocks)
+        groups = tuple(g for sh in shards for g in sh.pieces(world))
+        shard = Shard(0, blocks, groups if any(sh.groups for sh in shards) else None)
     else:
         return None
-    if shard is not None and any(sum(s.shard.blocks) != s.shape[0] for s in specs):
+    if shard is not None and any(sum(sh.blocks) != s.shape[0] for s, sh in zip(specs, shards)):
         return None
     return WeightSpec(sources=sources, shape=shape, dtype=first.dtype, transpose=first.transpose, shard=shard)
 
@@ -66,7 +69,7 @@ def _linear_groups(graph: fx.Graph, weights: dict[str, WeightSpec]) -> list[list
         if is_call(n, aten.linear.default) and not n.kwargs:
             w = n.args[1]
             if isinstance(w, fx.Node) and w.op == "get_attr" and w.target in weights:
-                by_input.setdefault(n.args[0], []).append(n)
+                by_input.setdefault(arg_node(n, 0), []).append(n)
     return [g for g in by_input.values() if len(g) > 1]
 
 
@@ -85,9 +88,9 @@ def _get_attr(graph: fx.Graph, name: str, before: fx.Node, val) -> fx.Node:
 
 def _fuse_group(model: Model, graph: fx.Graph, group: list[fx.Node]) -> bool:
     world = model.options.tp
-    ws = [n.args[1] for n in group]
+    ws = [arg_node(n, 1) for n in group]
     bs = [_bias_of(n) for n in group]
-    spec = fused_spec([model.weights[w.target] for w in ws], world)
+    spec = fused_spec([model.weights[attr_name(w)] for w in ws], world)
     if spec is None:
         return False
     bias_spec = None
@@ -97,14 +100,14 @@ def _fuse_group(model: Model, graph: fx.Graph, group: list[fx.Node]) -> bool:
         bias_spec = fused_spec([model.weights[b.target] for b in bs], world)
         if bias_spec is None:
             return False
-    name = fused_name([w.target for w in ws])
+    name = fused_name([attr_name(w) for w in ws])
     # one fused spec per name, the same in every program
     if model.weights.setdefault(name, spec) != spec:
         return False
     vw = [w.meta["val"] for w in ws]
     first = min(ws, key=node_order(graph).__getitem__)
     w_node = _get_attr(graph, name, first, vw[0].new_empty((sum(v.shape[0] for v in vw),) + tuple(vw[0].shape[1:])))
-    args = (group[0].args[0], w_node)
+    args: tuple[Argument, ...] = (group[0].args[0], w_node)
     if bias_spec is not None:
         bname = fused_name([b.target for b in bs])
         if model.weights.setdefault(bname, bias_spec) != bias_spec:

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from dsc.compiler.ir import Model
 from dsc.passes._pattern import Pattern, insert_fused
-from dsc.passes._util import aten, is_call
+from dsc.passes._util import arg_node, aten, is_call
 
 dsc = torch.ops.dsc
 _ATTENTION = (
@@ -48,8 +48,8 @@ ROTARY = Pattern(
 
 def _table(n: fx.Node) -> fx.Node | None:
     """c for n = c.unsqueeze(1), c a [B, S, D] table."""
-    if is_call(n, aten.unsqueeze.default) and n.args[1] == 1 and n.args[0].meta["val"].dim() == 3:
-        return n.args[0]
+    if is_call(n, aten.unsqueeze.default) and n.args[1] == 1 and arg_node(n, 0).meta["val"].dim() == 3:
+        return arg_node(n, 0)
     return None
 
 

@@ -32,9 +32,10 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from dsc.compiler.ir import Model
-from dsc.passes._util import aten, is_call, replace_with
+from dsc.passes._util import arg_int, aten, is_call, replace_with
 
 dsc = torch.ops.dsc
 
@@ -42,9 +43,9 @@ dsc = torch.ops.dsc
 def _attention_reading(rotary: fx.Node) -> fx.Node | None:
     """The dsc.attention whose q and k are `rotary`'s two outputs and that is their only reader."""
     items = [u for u in rotary.users if is_call(u, operator.getitem)]
-    if len(items) != len(rotary.users) or sorted(i.args[1] for i in items) != [0, 1]:
+    if len(items) != len(rotary.users) or sorted(arg_int(i, 1) for i in items) != [0, 1]:
         return None
-    q, k = sorted(items, key=lambda i: i.args[1])
+    q, k = sorted(items, key=lambda i: arg_int(i, 1))
     readers = set(q.users) | set(k.users)
     attn = readers.pop() if len(readers) == 1 else None
     if (
@@ -58,7 +59,7 @@ def _attention_reading(rotary: fx.Node) -> fx.Node | None:
     return attn
 
 
-def _table_lookup(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+def _table_lookup(node: Argument) -> tuple[fx.Node, fx.Node] | None:
     """(table, positions) where node is fold_position_tables' table[positions] of a 2-D table
     [P, D] (a constant) by positions [B, S]."""
     if not is_call(node, aten.index.Tensor) or len(node.args) != 2 or node.kwargs:

@@ -88,6 +88,8 @@ def _is_host(node: fx.Node) -> bool:
 def _reshape_is_view(node: fx.Node) -> bool:
     src, out = _val(node.args[0]), _val(node)
     mode = torch._guards.detect_fake_mode([src])
+    if mode is None:
+        raise TypeError(f"{node.name}: its input's value {src!r} is not a fake tensor")
     try:
         with mode:
             src.view(out.shape)

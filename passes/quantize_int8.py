@@ -71,7 +71,7 @@ from dsc.compiler.ir import Model, Quant, Shard, WeightSpec, weight_nodes
 from dsc.compiler.serialize import _module_path
 from dsc.compiler.weights import local_dtype, local_shape
 from dsc.errors import UserError
-from dsc.passes._util import aten, is_call, is_router, replace_with
+from dsc.passes._util import arg_node, aten, attr_name, is_call, is_router, replace_with
 
 SMOOTH_ALPHA = 0.5
 _IN_BLOCK = re.compile(r"\.\d+(\.|$)")
@@ -110,7 +110,7 @@ def _shared(graph: fx.Graph) -> set[str]:
 def _keep_reason(model: Model, node: fx.Node, shared: set[str]) -> str | None:
     """Why this linear stays unquantized ("keep_head" / "skip"), or None."""
     opts = model.options
-    name = node.args[1].target
+    name = attr_name(arg_node(node, 1))
     spec = model.weights[name]
     paths = {_layer(name), *(_layer(s) for s in spec.sources), _module_path(node) or ""}
     if any(fnmatch.fnmatchcase(p, pat) for p in paths if p for pat in opts.int8_skip):
@@ -134,8 +134,8 @@ def calibration_prompts(path: str | Path, ckpt, max_seq: int) -> list[list[int]]
         raise UserError(f"{path}: calibration file not found") from None
     except (UnicodeDecodeError, IsADirectoryError) as e:
         raise UserError(f"{path}: not a UTF-8 text file of prompts ({type(e).__name__})") from None
-    lines = [(i, ln) for i, ln in enumerate(lines, 1) if ln]
-    if not lines:
+    numbered = [(i, ln) for i, ln in enumerate(lines, 1) if ln]
+    if not numbered:
         raise UserError(f"{path}: no calibration prompts (one per line)")
     tok_file = ckpt.root / "tokenizer.json"
     tok = None
@@ -145,7 +145,7 @@ def calibration_prompts(path: str | Path, ckpt, max_seq: int) -> list[list[int]]
         tok = Tokenizer.from_file(str(tok_file))
     vocab = ckpt.config["vocab_size"]
     out = []
-    for i, ln in lines:
+    for i, ln in numbered:
         if tok is not None:
             ids = tok.encode(ln).ids
         else:
@@ -231,8 +231,8 @@ def _parts(
 
 def _rewrite(model: Model, graph: fx.Graph, node: fx.Node, gs: int | None, smoothed: bool) -> None:
     opts = model.options
-    w = node.args[1]
-    name = w.target
+    w = arg_node(node, 1)
+    name = attr_name(w)
     x, bias = node.args[0], (node.args[2] if len(node.args) > 2 else None)
     k = local_shape(model.weights[name], opts.tp)[1]
     attr = lambda suffix: _new_attr(model, graph, w, f"{name}.{suffix}", model.weights[f"{name}.{suffix}"])  # noqa: E731
@@ -247,8 +247,8 @@ def _rewrite(model: Model, graph: fx.Graph, node: fx.Node, gs: int | None, smoot
 
 
 def _rewrite_fp8(model: Model, graph: fx.Graph, node: fx.Node) -> None:
-    w = node.args[1]
-    name = w.target
+    w = arg_node(node, 1)
+    name = attr_name(w)
     x, bias = node.args[0], (node.args[2] if len(node.args) > 2 else None)
     qw, sc = (_new_attr(model, graph, w, f"{name}.{p}", model.weights[f"{name}.{p}"]) for p in ("qweight", "scale"))
     replace_with(node, torch.ops.dsc.linear_fp8.default, (x, qw, sc, bias))
@@ -327,7 +327,7 @@ def _targets(model: Model) -> dict[str, list[tuple[fx.Graph, fx.Node]]]:
             if reason:
                 model.counters[f"quantize_int8.{reason}"] += 1
             else:
-                targets.setdefault(node.args[1].target, []).append((graph, node))
+                targets.setdefault(attr_name(arg_node(node, 1)), []).append((graph, node))
     return targets
 
 
@@ -367,11 +367,11 @@ def _quantize_int4(model: Model) -> Model:
 
     opts = model.options
     targets = _targets(model)
-    groups = {}
+    groups: dict[str, int] = {}
     for name in targets:  # every layer checked before any rewrite
         out, inp = local_shape(model.weights[name], opts.tp)
-        groups[name] = layer_group(model, name)
-        if groups[name] is None:
+        gs = layer_group(model, name)
+        if gs is None:
             at = f", tp={opts.tp}" if opts.tp > 1 else ""
             given = (
                 f"--int4-group-size {opts.int4_group_size}"
@@ -384,6 +384,7 @@ def _quantize_int4(model: Model) -> Model:
                 f"({'rank-local ' if opts.tp > 1 else ''}weight [{out}, {inp}]{at}); keep it in "
                 f"16-bit with --int8-skip '{_layer(name)}'{other}"
             )
+        groups[name] = gs
     for name, uses in targets.items():
         _rewrite_int4(model, name, uses, groups[name])
     _drop_float_weights(model, list(targets))
@@ -405,7 +406,7 @@ def _rewrite_int4(model: Model, name: str, uses: list[tuple[fx.Graph, fx.Node]],
         }
     )
     for graph, node in uses:
-        w = node.args[1]
+        w = arg_node(node, 1)
         x, bias = node.args[0], (node.args[2] if len(node.args) > 2 else None)
         qw, sc, mn = (
             _new_attr(model, graph, w, f"{name}.{p}", model.weights[f"{name}.{p}"]) for p in ("qweight", "scale", "min")
@@ -423,7 +424,9 @@ def _quantize_auto(model: Model) -> Model:
     assign, notes = choose(model, list(targets), opts.auto_precision)
     for name, uses in targets.items():
         if assign[name] == "int4":
-            _rewrite_int4(model, name, uses, layer_group(model, name))
+            gs = layer_group(model, name)
+            assert gs is not None  # choose offers int4 only where a group size fits
+            _rewrite_int4(model, name, uses, gs)
         elif assign[name] == "int8":
             _parts(model, name, None, None, symmetric=True)
             for graph, node in uses:

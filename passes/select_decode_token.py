@@ -17,6 +17,7 @@ Guarantees: the same values for every last_idx the gather accepted. The runtime'
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from dsc.compiler.ir import Model
 from dsc.passes._util import aten, is_call, replace_with
@@ -34,7 +35,8 @@ def _last_token_gather(node) -> bool:
     rows, last = idx
     return (
         is_call(rows, aten.arange.default, aten.arange.start)
-        and getattr(last, "op", None) == "placeholder"
+        and isinstance(last, fx.Node)
+        and last.op == "placeholder"
         and last.name == "last_idx"
     )
 

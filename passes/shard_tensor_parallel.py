@@ -50,9 +50,10 @@ from fractions import Fraction
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from dsc.compiler.ir import Model, Shard, WeightSpec, copy_meta, infer_val
-from dsc.passes._util import aten, is_call, is_router
+from dsc.passes._util import arg_int, arg_ints, arg_list, arg_node, aten, attr_name, is_call, is_router
 
 Key = tuple[str, int]  # (column linear's node name, block index): blocks split alike share a class
 
@@ -138,7 +139,9 @@ class _Pieces:
     pieces (default: world)."""
 
     def __init__(self, world: int):
-        self.world, self.parent, self.n = world, {}, {}
+        self.world = world
+        self.parent: dict[Key, Key] = {}
+        self.n: dict[Key, int] = {}  # class root -> pieces
 
     def find(self, k: Key) -> Key:
         while self.parent.get(k, k) != k:
@@ -216,7 +219,8 @@ def _grow(seed: fx.Node, order: dict[fx.Node, int]) -> _Region:
         raise _Unsupported(f"no linear reads the output of {seed.name}")
     if columns & rows:
         raise _Unsupported(f"{sorted(x.name for x in columns & rows)} would be both column and row")
-    return _Region(sorted(columns, key=order.get), sorted(rows, key=order.get), sorted(inner, key=order.get))
+    by_order = order.__getitem__
+    return _Region(sorted(columns, key=by_order), sorted(rows, key=by_order), sorted(inner, key=by_order))
 
 
 # -- layouts ------------------------------------------------------------------------------
@@ -258,7 +262,7 @@ class _Solver:
         self.outer_views = outer_views  # views read as splitting the sharded dim into (1, rest)
         self.ambiguous: set[str] = set()  # views that read either way
         self.pieces = _Pieces(world)
-        self.lay: dict[fx.Node, object] = {}
+        self.lay: dict[fx.Node, Layout | list[Layout]] = {}  # a split's value: one layout per piece
         self.kv: dict[fx.Node, int] = {}  # kv-cache get_attr -> local kv heads
         self.slices: dict[fx.Node, tuple[list[Layout], Layout]] = {}  # slice -> (pieces before, its piece)
         self.means: list[tuple[fx.Node, Layout]] = []  # means over the sharded dim, and their input's layout
@@ -292,10 +296,24 @@ class _Solver:
         groups = tuple(self.pieces.get(k) for _, k in lay.blocks)
         return Shard(dim=dim, blocks=lay.sizes, groups=None if set(groups) == {self.world} else groups)
 
-    def _in(self, a) -> Layout:
-        if a not in self.lay:
+    def _lay(self, a: Argument) -> Layout | list[Layout]:
+        if not isinstance(a, fx.Node) or a not in self.lay:
             raise _Unsupported(f"{getattr(a, 'name', a)} is not sharded where a sharded value is expected")
         return self.lay[a]
+
+    def _in(self, a: Argument) -> Layout:
+        """The layout of the sharded tensor a."""
+        lay = self._lay(a)
+        if isinstance(lay, list):
+            raise TypeError(f"{a} is a split's pieces where one tensor is expected")
+        return lay
+
+    def _parts(self, a: Argument) -> list[Layout]:
+        """The layouts of the pieces of a split's value a."""
+        lay = self._lay(a)
+        if not isinstance(lay, list):
+            raise TypeError(f"{a} is one tensor where a split's pieces are expected")
+        return lay
 
     def _unify(self, a: Layout, b: Layout) -> None:
         if a.sizes != b.sizes:
@@ -303,7 +321,7 @@ class _Solver:
         for (_, ka), (_, kb) in zip(a.blocks, b.blocks):
             self.pieces.union(ka, kb)
 
-    def _rule(self, n: fx.Node):
+    def _rule(self, n: fx.Node) -> Layout | list[Layout] | None:
         t = n.target
         if t in _VIEWS:
             return self._view(n)
@@ -316,14 +334,14 @@ class _Solver:
         if t in _ATTENTIONS:
             return self._attention(n)
         if t is operator.getitem:
-            return self._in(n.args[0])[n.args[1]]
+            return self._parts(n.args[0])[arg_int(n, 1)]
         if t is aten.cat.default:
             return self._cat(n)
         if t is aten.chunk.default:  # equal pieces: a split by the output sizes
             return self._split(n)
         if t is aten.stack.default:  # unsqueeze each part, then cat (GPT-J's rotated pairs)
-            d = _norm(n.args[1] if len(n.args) > 1 else 0, _val(n).dim())
-            parts = [self._in(a) for a in n.args[0]]
+            d = _norm(arg_int(n, 1, 0), _val(n).dim())
+            parts = [self._in(a) for a in arg_list(n, 0)]
             for p in parts[1:]:
                 if p.dim != parts[0].dim:
                     raise _Unsupported(f"{n.name} stacks values sharded along different dims")
@@ -335,19 +353,19 @@ class _Solver:
             return self._in(n.args[0])
         lay, ndim = self._in(n.args[0]), _val(n).dim()
         if t is aten.transpose.int:
-            a, b = (_norm(d, ndim) for d in n.args[1:3])
+            a, b = (_norm(arg_int(n, i), ndim) for i in (1, 2))
             return dataclasses.replace(lay, dim={a: b, b: a}.get(lay.dim, lay.dim))
         if t is aten.permute.default:
-            return dataclasses.replace(lay, dim=[_norm(d, ndim) for d in n.args[1]].index(lay.dim))
+            return dataclasses.replace(lay, dim=[_norm(d, ndim) for d in arg_ints(n, 1)].index(lay.dim))
         if t is aten.unsqueeze.default:
-            return dataclasses.replace(lay, dim=lay.dim + (_norm(n.args[1], ndim) <= lay.dim))
+            return dataclasses.replace(lay, dim=lay.dim + (_norm(arg_int(n, 1), ndim) <= lay.dim))
         if t is aten.select.int:
-            d = _norm(n.args[1], ndim + 1)
+            d = _norm(arg_int(n, 1), ndim + 1)
             if d == lay.dim:
                 raise _Unsupported(f"{n.name} selects along the sharded dim")
             return dataclasses.replace(lay, dim=lay.dim - (d < lay.dim))
         if t is aten.slice.Tensor:
-            if _norm(n.args[1] if len(n.args) > 1 else 0, ndim) == lay.dim:
+            if _norm(arg_int(n, 1, 0), ndim) == lay.dim:
                 return self._slice(n, lay)
             return lay
         raise _Unsupported(f"no layout rule for {t}")
@@ -388,7 +406,7 @@ class _Solver:
     def _flatten(self, n: fx.Node) -> Layout:
         """flatten(start, end): a view; the sharded dim must be the outermost of a merged range."""
         lay, ndim = self._in(n.args[0]), _val(n.args[0]).dim()
-        a, b = (_norm(d, ndim) for d in (n.args[1] if len(n.args) > 1 else 0, n.args[2] if len(n.args) > 2 else -1))
+        a, b = _norm(arg_int(n, 1, 0), ndim), _norm(arg_int(n, 2, -1), ndim)
         if lay.dim < a:
             return lay
         if lay.dim > b:
@@ -398,14 +416,14 @@ class _Solver:
         factor = _static_prod(_val(n.args[0]).shape[a + 1 : b + 1])
         return Layout(a, tuple((s * factor, k) for s, k in lay.blocks), lay.scale * factor)
 
-    def _elementwise(self, n: fx.Node) -> Layout:
+    def _elementwise(self, n: fx.Node) -> Layout | None:
         ndim, out = _val(n).dim(), None
         for a in n.args:
             if not isinstance(a, fx.Node) or not isinstance(_val(a), torch.Tensor):
                 continue
             shift = ndim - _val(a).dim()
             if a in self.lay:
-                lay = self.lay[a]
+                lay = self._in(a)
                 lay = dataclasses.replace(lay, dim=lay.dim + shift)
                 if out is None:
                     out = lay
@@ -426,9 +444,9 @@ class _Solver:
                 raise _Unsupported(f"{n.name} combines a sharded value with the full {a.name}")
         return out
 
-    def _reduction(self, n: fx.Node) -> Layout:
+    def _reduction(self, n: fx.Node) -> Layout | None:
         lay, ndim = self._in(n.args[0]), _val(n.args[0]).dim()
-        dims = [_norm(d, ndim) for d in (n.args[1] if len(n.args) > 1 else range(ndim))]
+        dims = [_norm(d, ndim) for d in (arg_ints(n, 1) if len(n.args) > 1 else range(ndim))]
         keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
         if lay.dim in dims:
             if n.target is aten.mean.dim and dims == [lay.dim]:  # OLMo 2's q/k norm over all heads
@@ -438,8 +456,8 @@ class _Solver:
         return dataclasses.replace(lay, dim=lay.dim - (0 if keep else sum(d < lay.dim for d in dims)))
 
     def _cat(self, n: fx.Node) -> Layout:
-        parts = [self._in(a) for a in n.args[0]]
-        if _norm(n.args[1] if len(n.args) > 1 else 0, _val(n).dim()) == parts[0].dim:
+        parts = [self._in(a) for a in arg_list(n, 0)]
+        if _norm(arg_int(n, 1, 0), _val(n).dim()) == parts[0].dim:
             raise _Unsupported(f"{n.name} concatenates along the sharded dim")
         for p in parts[1:]:
             if p.dim != parts[0].dim:
@@ -449,7 +467,7 @@ class _Solver:
 
     def _split(self, n: fx.Node) -> list[Layout]:
         lay, ndim = self._in(n.args[0]), _val(n.args[0]).dim()
-        dim = _norm(n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0), ndim)
+        dim = _norm(arg_int(n, 2, 0, kwarg="dim"), ndim)
         sizes = [_val(o).shape[dim] for o in _val(n)]
         if dim != lay.dim:
             return [lay] * len(sizes)
@@ -461,9 +479,9 @@ class _Solver:
         total = sum(lay.sizes)
         a, b, step = list(n.args[2:5]) + [None, None, 1][len(n.args[2:5]) :]
         a, b = (0 if a is None else a), (total if b is None else b)
-        a, b = (min(x + total if x < 0 else x, total) for x in (a, b))
-        if step != 1 or not all(isinstance(x, int) for x in (a, b)):
+        if step != 1 or not isinstance(a, int) or not isinstance(b, int):
             raise _Unsupported(f"{n.name} slices the sharded dim with a step or a symbolic bound")
+        a, b = (min(x + total if x < 0 else x, total) for x in (a, b))
         cuts = [c for c in (a, b) if 0 < c < total]
         pieces = self._cut(n, lay, cuts)
         before = [p for p, c in zip(pieces, cuts + [total]) if c <= a]
@@ -495,7 +513,9 @@ class _Solver:
 
     def _attention(self, n: fx.Node) -> Layout:
         q, k, v = n.args[:3]
-        caches = () if n.target is torch.ops.dsc.encoder_attention.default else n.args[3:5]
+        caches: tuple[fx.Node, ...] = ()
+        if n.target is not torch.ops.dsc.encoder_attention.default:
+            caches = (arg_node(n, 3), arg_node(n, 4))  # k_cache, v_cache
         lq, lk, lv = self._in(q), self._in(k), self._in(v)
         if (lq.dim, lk.dim, lv.dim) != (1, 1, 1):
             raise _Unsupported(f"{n.name}: q/k/v are not sharded along heads")
@@ -536,6 +556,7 @@ class _Solver:
 
 def _alibi_slopes(attention: fx.Node):
     """The attention node's `alibi_slopes` argument (BLOOM), None where it has none."""
+    assert isinstance(attention.target, torch._ops.OpOverload)  # an op of _ATTENTIONS
     names = [a.name for a in attention.target._schema.arguments]
     if "alibi_slopes" not in names:
         return None
@@ -594,9 +615,9 @@ def _set_shard(shards: dict[str, Shard], name: str, shard: Shard) -> None:
 
 def _rewrite_sizes(n: fx.Node, s: _Solver) -> None:
     """View/reshape and split sizes along a sharded dim -> local sizes."""
-    lay = s.lay[n]
     if n.target in _VIEWS:
-        sizes = list(n.args[1])
+        lay = s._in(n)
+        sizes = arg_list(n, 1)
         if isinstance(sizes[lay.dim], int) and sizes[lay.dim] != -1:
             sizes[lay.dim] = s.local(lay)
             n.args = (n.args[0], sizes, *n.args[2:])
@@ -605,10 +626,10 @@ def _rewrite_sizes(n: fx.Node, s: _Solver) -> None:
         start = sum(s.local(p) for p in before)
         n.args = (n.args[0], n.args[1], start, start + s.local(piece), *n.args[4:])
     elif n.target in _SPLITS or n.target is aten.chunk.default:
-        src = s.lay[n.args[0]]
-        dim = _norm(n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0), _val(n.args[0]).dim())
+        src = s._in(n.args[0])
+        dim = _norm(arg_int(n, 2, 0, kwarg="dim"), _val(n.args[0]).dim())
         if dim == src.dim:
-            local = [s.local(part) for part in lay]
+            local = [s.local(part) for part in s._parts(n)]
             uniform = len(set(local)) == 1 and n.target is aten.split.Tensor
             n.target = aten.split.Tensor if uniform else aten.split_with_sizes.default
             n.args = (n.args[0], local[0] if uniform else local, dim)
@@ -649,10 +670,10 @@ def _apply_region(model: Model, s: _Solver, shards: dict[str, Shard]) -> list[fx
     """Record the region's weight shards and rewrite its graph; returns nodes to re-infer."""
     touched = []
     for c in s.region.columns:
-        shard = s.shard(s.lay[c], 0)
+        shard = s.shard(s._in(c), 0)
         for w in c.args[1:]:
             if isinstance(w, fx.Node):
-                _set_shard(shards, w.target, shard)
+                _set_shard(shards, attr_name(w), shard)
         model.counters["shard_tensor_parallel.column"] += 1
     for n in s.region.nodes:
         if n in s.lay:
@@ -660,10 +681,10 @@ def _apply_region(model: Model, s: _Solver, shards: dict[str, Shard]) -> list[fx
     for n, _lay in s.means:
         touched += _all_reduce_mean(model, n, s.world)
     for w, dim, lay in s.weights:
-        _set_shard(shards, w.target, s.shard(lay, dim))
+        _set_shard(shards, attr_name(w), s.shard(lay, dim))
     for r in s.region.rows:
-        lay = s.lay[r.args[0]]
-        _set_shard(shards, r.args[1].target, s.shard(lay, 1))
+        lay = s._in(r.args[0])
+        _set_shard(shards, attr_name(arg_node(r, 1)), s.shard(lay, 1))
         touched += [r, *_insert_all_reduce(model, r)]
         model.counters["shard_tensor_parallel.row"] += 1
     return s.region.columns + s.region.nodes + touched
@@ -768,10 +789,11 @@ def _vocab_nodes(graph: fx.Graph) -> tuple[fx.Node | None, list[fx.Node]]:
 
 def _vocab_plan(model: Model, world: int) -> tuple[bool, str]:
     """Split the vocabulary when every vocab weight divides by tp and nothing else reads it."""
-    names, uses = set(), set()
+    names: set[str] = set()
+    uses: set[fx.Node] = set()
     for _, g in model.graphs():
         head, embs = _vocab_nodes(g)
-        names |= {e.args[0].target for e in embs} | ({head.args[1].target} if head else set())
+        names |= {attr_name(arg_node(e, 0)) for e in embs} | ({attr_name(arg_node(head, 1))} if head else set())
         uses |= set(embs) | ({head} if head else set())
     if not names:
         return False, "no token embedding or lm_head found"
@@ -819,9 +841,9 @@ def _call(g: fx.Graph, like: fx.Node, target, *args) -> fx.Node:
 def _split_embedding(model: Model, emb: fx.Node, world: int) -> None:
     """embedding(W, ids) -> all_reduce(dsc.vocab_embedding(W_r, ids, start)): the rank's rows
     looked up where the id is the rank's, zeros elsewhere (one launch, kernels/embedding.py)."""
-    g, w, ids = emb.graph, emb.args[0], emb.args[1]
+    g, w, ids = emb.graph, arg_node(emb, 0), arg_node(emb, 1)
     with g.inserting_before(emb):
-        start = g.get_attr(_vocab_start_weight(model, w.target, world))
+        start = g.get_attr(_vocab_start_weight(model, attr_name(w), world))
         with _fake_mode(model, ids):
             start.meta["val"] = torch.empty(1, dtype=torch.int64)
         local = _call(g, emb, torch.ops.dsc.vocab_embedding.default, w, ids, start)  # [B, S, E]
@@ -858,16 +880,16 @@ def _update_vals(
             with _fake_mode(model, n):
                 n.meta["val"] = torch.empty(shape, dtype=_val(n).dtype)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for n in sorted(set(touched), key=order.get):
+    for n in sorted(set(touched), key=order.__getitem__):
         if n.op == "call_function":
             infer_val(n)
 
 
 def _record_vocab_shards(model: Model, head: fx.Node | None, embs: list[fx.Node], shards: dict[str, Shard]) -> None:
     """Vocabulary weights (and an lm_head bias) split by rows."""
-    nodes = [e.args[0] for e in embs] + ([a for a in head.args[1:] if isinstance(a, fx.Node)] if head else [])
+    nodes = [arg_node(e, 0) for e in embs] + ([a for a in head.args[1:] if isinstance(a, fx.Node)] if head else [])
     for w in nodes:
-        _set_shard(shards, w.target, Shard(0, (model.weights[w.target].shape[0],)))
+        _set_shard(shards, attr_name(w), Shard(0, (model.weights[attr_name(w)].shape[0],)))
 
 
 def _shard_program(
@@ -900,7 +922,7 @@ def _shard_program(
         raise ValueError(f"{name}: layers disagree on local kv heads {sorted(heads)}")
     return {
         "kv_heads": heads.pop() if heads else None,
-        "replicated": [n.args[1].target for n in reasons if n is not head and not is_router(n)],
+        "replicated": [attr_name(arg_node(n, 1)) for n in reasons if n is not head and not is_router(n)],
     }
 
 

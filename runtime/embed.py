@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from dsc.errors import UserError
+from dsc.runtime.checks import is_int
 from dsc.runtime.executor import STOP, _receive, broadcast
 
 DEFAULT_EMBED_BUDGET = 16384  # padded tokens per step: batches of short inputs fill the GPU
@@ -108,7 +109,7 @@ class EmbeddingEngine:
         """decoder_options: the KV-cache, CUDA-graph and scheduling keywords of LLMEngine, which
         an encoder has no use for (accepted, so that one set of serving flags starts either)."""
         for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise UserError(f"{name}: expected an integer >= 1, got {value!r}")
         if decoder_options.get("pipeline_parallel_size", 1) != 1:
             raise UserError("--pipeline-parallel-size: only decoders run in pipeline stages (this is an encoder)")

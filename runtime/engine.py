@@ -23,6 +23,7 @@ from dsc import switches
 from dsc.errors import UserError
 from dsc.kernels import collectives, registry
 from dsc.runtime.artifact import Artifact, open_artifact
+from dsc.runtime.checks import check_token_ids
 from dsc.runtime.decode import DecodeRunner
 from dsc.runtime.pipeline import kv_pool_layers
 from dsc.runtime.plan import build_graph
@@ -492,10 +493,11 @@ class Engine:
         prompt_ids = [list(p) for p in prompts]
         self.check_batch(prompt_ids, batch_limit=False)
         check_sampling(temperature, top_k, top_p, max_new_tokens, seed)
-        stops = set(self.eos_token_ids if stop_tokens is None else stop_tokens)
-        bad = [t for t in stops if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise UserError(f"generate: stop token {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        stops = set(
+            check_token_ids(
+                self.eos_token_ids if stop_tokens is None else stop_tokens, self.vocab_size, "generate: stop token"
+            )
+        )
         if self.rank != 0:
             follow(self)
             return self._result_from_rank0(None)
@@ -571,10 +573,11 @@ class Engine:
         prompts = [list(p) for p in prompts]
         self.check_batch(prompts)
         check_sampling(temperature, top_k, top_p, max_new_tokens, seed)
-        stops = set(self.eos_token_ids if stop_tokens is None else stop_tokens)
-        bad = [t for t in stops if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise UserError(f"generate: stop token {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        stops = set(
+            check_token_ids(
+                self.eos_token_ids if stop_tokens is None else stop_tokens, self.vocab_size, "generate: stop token"
+            )
+        )
         gen = None
         if temperature > 0:
             gen = torch.Generator(device=self.device)

@@ -24,9 +24,12 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dsc.errors import UserError
+from dsc.runtime.checks import check_token_ids, is_int
 from dsc.runtime.executor import EngineCore, follow, release_followers
 from dsc.runtime.scheduler import DEFAULT_BUDGET, SeqParams, Sequence
 
@@ -34,21 +37,65 @@ if TYPE_CHECKING:
     from dsc.runtime.embed import EmbeddingEngine
 
 
-@dataclass
-class SamplingParams:
-    n: int = 1
-    max_tokens: int | None = 16
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+
+
+class SamplingParams(BaseModel):
+    """How one request samples (vLLM's SamplingParams), checked on construction: a value out of
+    its range is one UserError line naming the field. Unset fields take the artifact's defaults
+    at `add_request`, where the bounds that depend on the model (the vocabulary, max_seq) are
+    checked too."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", validate_assignment=True)
+
+    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(16, ge=1, lt=2**63)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: off; at most the vocabulary size
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = None  # each within the vocabulary
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # at most the vocabulary size too
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    min_tokens: int | None = None  # no eos / stop token before this many tokens (default: the artifact's, else 0)
+    min_tokens: int | None = Field(None, ge=0)  # no eos / stop token before this many (default: the artifact's, else 0)
+
+    def __init__(self, **fields: Any) -> None:
+        try:
+            super().__init__(**fields)
+        except ValidationError as e:
+            raise UserError(_one_line(e)) from None
+
+    @field_validator("stop", "stop_token_ids", mode="before")
+    @classmethod
+    def _lists(cls, v: Any) -> Any:
+        return list(v) if isinstance(v, tuple) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for s in [v] if isinstance(v, str) else v or []:
+            if not s:
+                raise ValueError("expected a non-empty string or a list of them")
+            _check_text(s, "stop")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("expected a list of token ids >= 0")
+        return v
+
+
+def _one_line(e: ValidationError) -> str:
+    """The first error of a pydantic ValidationError as `field: what, got value`."""
+    err = e.errors(include_url=False)[0]
+    where = ".".join(str(x) for x in err["loc"]) or "sampling_params"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return f"{where}: {msg}, got {_short(err.get('input'))}"
 
 
 @dataclass
@@ -68,10 +115,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-
-
-def _is_int(x: Any) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_num(x: Any) -> bool:
@@ -105,13 +148,13 @@ def check_sampling_fields(
 ) -> None:
     """The bounds of n, temperature, top_p and top_k (for a request, and for the artifact's
     generation_config.json defaults, which `where` then names)."""
-    if not _is_int(n) or not 1 <= n <= 128:
+    if not is_int(n) or not 1 <= n <= 128:
         raise UserError(f"{where}n: expected an integer from 1 to 128, got {_short(n)}")
     if not _is_num(temperature) or temperature < 0:
         raise UserError(f"{where}temperature: expected a finite number >= 0, got {_short(temperature)}")
     if not _is_num(top_p) or not 0 < top_p <= 1:
         raise UserError(f"{where}top_p: expected a number in (0, 1], got {_short(top_p)}")
-    if not _is_int(top_k) or not -1 <= top_k <= vocab_size:
+    if not is_int(top_k) or not -1 <= top_k <= vocab_size:
         raise UserError(
             f"{where}top_k: expected an integer from -1 to the vocabulary size {vocab_size} "
             f"(0 or -1: off), got {_short(top_k)}"
@@ -158,7 +201,7 @@ class LLMEngine:
 
             if artifact is None:
                 raise TypeError("LLMEngine: give an artifact path or an engine")
-            if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            if not is_int(max_num_seqs) or max_num_seqs < 1:
                 raise UserError(f"--max-num-seqs: expected an integer >= 1, got {max_num_seqs!r}")
             engine = load(
                 artifact,
@@ -221,7 +264,7 @@ class LLMEngine:
         if g.get("do_sample") is False:  # transformers' greedy default
             out["temperature"] = 0.0
         min_tokens = (self.engine.artifact.manifest.get("options") or {}).get("min_tokens")
-        if _is_int(min_tokens) and min_tokens > 0:
+        if is_int(min_tokens) and min_tokens > 0:
             out["min_tokens"] = min_tokens
         return out
 
@@ -309,9 +352,9 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def _resolve(self, p: SamplingParams) -> SamplingParams:
-        """p with its unset fields taken from the defaults, every field checked against the model
-        (top_k and token ids within the vocabulary, min_tokens within max_tokens, seeds within 63
-        bits; max_tokens kept at most max_seq): a value that passes cannot fail a step."""
+        """p with its unset fields taken from the defaults and the bounds that depend on the model
+        checked (top_k, logprobs and stop token ids within the vocabulary, min_tokens within
+        max_tokens; max_tokens kept at most max_seq): a value that passes cannot fail a step."""
         if not isinstance(p, SamplingParams):
             raise UserError(f"sampling_params: expected dsc.SamplingParams, got {type(p).__name__}")
         d = self.generation_defaults
@@ -319,48 +362,28 @@ class LLMEngine:
         top_p = p.top_p if p.top_p is not None else d.get("top_p", 1.0)
         top_k = p.top_k if p.top_k is not None else d.get("top_k", 0)
         check_sampling_fields(n=p.n, temperature=temperature, top_p=top_p, top_k=top_k, vocab_size=self.vocab_size)
-        if p.max_tokens is not None and (not _is_int(p.max_tokens) or not 1 <= p.max_tokens < 2**63):
-            raise UserError(f"max_tokens: expected an integer >= 1, got {_short(p.max_tokens)}")
         # a sequence ends at max_seq whatever max_tokens says: larger values are kept as max_seq
         max_tokens = None if p.max_tokens is None else min(p.max_tokens, self.max_model_len)
         most = max_tokens if max_tokens is not None else self.max_model_len
         min_tokens = p.min_tokens if p.min_tokens is not None else min(d.get("min_tokens", 0), most)
-        if not _is_int(min_tokens) or not 0 <= min_tokens <= most:
+        if not is_int(min_tokens) or not 0 <= min_tokens <= most:
             raise UserError(f"min_tokens: expected an integer from 0 to max_tokens ({most}), got {_short(min_tokens)}")
-        if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < 2**63):
-            raise UserError(f"seed: expected an integer in [0, 2^63), got {_short(p.seed)}")
-        stop = (
-            [p.stop]
-            if isinstance(p.stop, str)
-            else p.stop
-            if isinstance(p.stop, (list, tuple))
-            else []
-            if p.stop is None
-            else None
-        )
-        if stop is None or not all(isinstance(s, str) and s for s in stop):
-            raise UserError("stop: expected a non-empty string or a list of them")
-        _check_text(stop, "stop")
-        ids = p.stop_token_ids if p.stop_token_ids is not None else []
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
-            raise UserError(f"stop_token_ids: expected a list of token ids in 0..{self.vocab_size - 1}")
-        most_logprobs = min(20, self.vocab_size)
-        if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= most_logprobs):
+        stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+        ids = list(p.stop_token_ids or [])
+        check_token_ids(ids, self.vocab_size, "stop_token_ids")
+        most_logprobs = min(MAX_LOGPROBS, self.vocab_size)
+        if p.logprobs is not None and p.logprobs > most_logprobs:
             raise UserError(f"logprobs: expected an integer from 0 to {most_logprobs}, got {_short(p.logprobs)}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(p, name), bool):
-                raise UserError(f"{name}: expected true or false, got {_short(getattr(p, name))}")
-        from dataclasses import replace
-
-        return replace(
-            p,
-            max_tokens=max_tokens,
-            temperature=float(temperature),
-            top_p=float(top_p),
-            top_k=max(int(top_k), 0),
-            stop=list(stop),
-            stop_token_ids=list(ids),
-            min_tokens=min_tokens,
+        return p.model_copy(
+            update=dict(
+                max_tokens=max_tokens,
+                temperature=float(temperature),
+                top_p=float(top_p),
+                top_k=max(int(top_k), 0),
+                stop=stop,
+                stop_token_ids=ids,
+                min_tokens=min_tokens,
+            )
         )
 
     def encode(self, prompt: str | Seq[int], where: str = "prompt") -> list[int]:
@@ -369,11 +392,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise UserError(f"{where}: the artifact has no tokenizer; give token ids")
             ids = self.tokenizer.encode(prompt).ids
-        elif isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise UserError(f"{where}: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
+            ids = check_token_ids(prompt, self.vocab_size, where)
         else:
             raise UserError(f"{where}: expected text or a list of token ids")
         if not ids:
@@ -572,7 +592,7 @@ class LLM:
 
     def _prompts(self, prompts) -> list:
         if isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(_is_int(t) for t in prompts)
+            isinstance(prompts, (list, tuple)) and prompts and all(is_int(t) for t in prompts)
         ):
             return [prompts]
         if isinstance(prompts, dict):

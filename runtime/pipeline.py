@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsc.errors import UserError
+from dsc.runtime.checks import is_int
 from dsc.runtime.memory_plan import node_refs
 from dsc.runtime.offload import layer_of
 
@@ -37,7 +38,7 @@ class StageProgram:
 
 def check_pipeline_parallel_size(pp) -> None:
     """--pipeline-parallel-size as one UserError line (checked before any rank starts)."""
-    if isinstance(pp, bool) or not isinstance(pp, int) or not 1 <= pp <= 64:
+    if not is_int(pp) or not 1 <= pp <= 64:
         raise UserError(f"--pipeline-parallel-size: expected an integer 1..64, got {pp!r}")
 
 

@@ -7,6 +7,7 @@ import math
 import torch
 
 from dsc.errors import UserError
+from dsc.runtime.checks import is_int
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int, seed: int | None = None) -> None:
@@ -19,13 +20,13 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens:
         or temperature < 0
     ):
         raise UserError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise UserError(f"generate: top_k must be an integer >= 0 (0 = off), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise UserError(f"generate: top_p must be in (0, 1], got {top_p!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise UserError(f"generate: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
         raise UserError(f"generate: seed must be an integer in [0, 2^63), got {seed!r}")
 
 

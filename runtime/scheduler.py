@@ -43,6 +43,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dsc.errors import UserError
+from dsc.runtime.checks import is_int
 from dsc.runtime.kv_pool import BlockPool
 from dsc.runtime.ragged import Step
 
@@ -122,7 +123,7 @@ class SchedulerLimits:
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_seq"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise UserError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {v!r}")
 
 

@@ -363,7 +363,9 @@ class _Shape:
         return P.CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
 
 
-async def _respond(server: Server, request: Request, req: P._Sampling, prompts: list, fields: dict, shape: _Shape):
+async def _respond(
+    server: Server, request: Request, req: P.SamplingRequest, prompts: list, fields: dict, shape: _Shape
+):
     outs = await server.submit(prompts, fields)
     rid, created = f"{'chatcmpl' if shape.chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
@@ -509,7 +511,7 @@ def create_app(
         )
         return P.ModelList(data=[card]).model_dump()
 
-    def check_limits(req: P._Sampling) -> None:
+    def check_limits(req: P.SamplingRequest) -> None:
         try:
             req.check_limits(server.engine.vocab_size, server.engine.max_model_len)
         except ValueError as e:

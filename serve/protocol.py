@@ -5,7 +5,7 @@ silent default) and nothing is coerced (no "8" or true for an integer, no "yes" 
 an integer is a valid number, as 1 is a valid temperature). Every string must be valid Unicode
 (a lone surrogate such as "\\ud800" is refused). Ranges follow OpenAI's: temperature in [0, 2],
 top_p in (0, 1], max_tokens >= 1, n >= 1; the model's own bounds (top_k within the vocabulary,
-max_tokens within max_seq) are `_Sampling.check_limits`'. Fields vLLM's servers also take are
+max_tokens within max_seq) are `SamplingRequest.check_limits`'. Fields vLLM's servers also take are
 accepted: `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `return_token_ids` (each choice
 then carries its `token_ids`, exact where text is not), and for chat `chat_template_kwargs`
 (the template's extra variables, such as enable_thinking), `tools` and `documents` (handed to
@@ -17,6 +17,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dsc.errors import UserError
+from dsc.runtime.checks import check_token_ids
 
 TokenId = Annotated[int, Field(ge=0)]
 StopStrings = (
@@ -71,7 +74,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _Sampling(_Request):
+class SamplingRequest(_Request):
     """The fields completions and chat share."""
 
     model: str | None = None  # None: the served model
@@ -104,9 +107,10 @@ class _Sampling(_Request):
         and top logprobs within the vocabulary, max_tokens and min_tokens within max_seq."""
         if self.top_k is not None and self.top_k > vocab_size:
             raise ValueError(f"top_k: at most the vocabulary size {vocab_size} (got {self.top_k})")
-        bad = [t for t in self.stop_token_ids or [] if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        try:
+            check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
+        except UserError as e:
+            raise ValueError(str(e)) from None
         most = self.requested_max_tokens()
         if most is not None and most > max_model_len:
             raise ValueError(f"max_tokens: at most the model's context, {max_model_len} tokens (got {most})")
@@ -131,7 +135,7 @@ class _Sampling(_Request):
         )
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     # text, several texts, token ids, or several token-id lists (as OpenAI's completions API)
     prompt: (
         Annotated[str, Field(min_length=1)]
@@ -253,7 +257,7 @@ class Tool(_Request):
     function: FunctionDef
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer spelling of max_tokens
     logprobs: bool = False
