@@ -210,3 +210,34 @@ def test_cuda_graph_replay_equals_eager_and_the_cpu():
     graph.replay()
     assert torch.equal(out, sample_batch(*args, **flags))
     assert torch.equal(out.cpu(), sample_batch(*(a.cpu() for a in args), **flags))
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(temperature=-1), "temperature: Input should be greater than or equal to 0, got -1"),
+        (dict(temperature=float("nan")), "temperature: Input should be a finite number"),
+        (dict(top_p=0), "top_p: Input should be greater than 0, got 0"),
+        (dict(max_tokens=True), "max_tokens: Input should be a valid integer, got True"),
+        (dict(n=129), "n: Input should be less than or equal to 128, got 129"),
+        (dict(seed=2**63), "seed: Input should be less than"),
+        (dict(stop=["ok", ""]), "stop: expected a non-empty string or a list of them"),
+        (dict(stop_token_ids=[3, -1]), "stop_token_ids: expected a list of token ids >= 0"),
+        (dict(logprobs=21), "logprobs: Input should be less than or equal to 20, got 21"),
+        (dict(ignore_eos="yes"), "ignore_eos: Input should be a valid boolean, got 'yes'"),
+        (dict(temprature=0.5), "temprature: Extra inputs are not permitted"),
+    ],
+)
+def test_sampling_params_are_checked_on_construction(fields, message):
+    """SamplingParams rejects a value out of its range when it is made (one line naming the
+    field), before any engine sees it; assigning one later is refused too."""
+    from dsc.errors import UserError
+    from dsc.runtime.llm import SamplingParams
+
+    with pytest.raises(UserError) as e:
+        SamplingParams(**fields)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    p = SamplingParams(stop=("a", "b"), stop_token_ids=(1, 2), temperature=1)
+    assert p.stop == ["a", "b"] and p.stop_token_ids == [1, 2] and p.temperature == 1.0
+    with pytest.raises(Exception, match="top_k"):
+        p.top_k = -2
