@@ -19,10 +19,7 @@ program) have no binary; the runtime compiles them with Triton, saying so once p
 from __future__ import annotations
 
 import json
-import os
 import re
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,9 +33,6 @@ from dsc.runtime.binaries import INDEX, INDEX_FORMAT, INDEX_VERSION
 
 SERVING_MAX_NUM_SEQS = 256  # `dsc serve`'s and `dsc.LLM`'s default --max-num-seqs
 META = torch.device("meta")
-
-
-_COMPILE_LOCK = threading.Lock()
 
 
 class _CudaImpls(TorchDispatchMode):
@@ -133,9 +127,7 @@ def build(spec: B.Spec, target: str) -> dict:
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty, aligned in spec.args if aligned}
     source = (GluonASTSource if spec.dialect == "gluon" else ASTSource)(fn, signature, constants, attrs)
     options = {"enable_fp_fusion": True, **dict(spec.options)}  # Triton's default, stated (3.9 warns when unset)
-    # one build at a time: Triton's front end calls ast.parse, which CPython 3.11 can't run on two threads
-    with _COMPILE_LOCK:
-        compiled = triton.compile(source, target=GPUTarget("cuda", int(target[3:]), 32), options=options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", int(target[3:]), 32), options=options)
     md = compiled.metadata
     for name in ("global_scratch_size", "profile_scratch_size"):
         if getattr(md, name, 0):
@@ -185,9 +177,9 @@ def write(folder: Path, plan: dict, targets: list[str]) -> dict:
         except B.Unsupported as e:
             return e
 
-    # each job in turn (_COMPILE_LOCK); the threads keep the results in job order
-    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-        built = list(pool.map(build_one, jobs))
+    # in this thread, one at a time: Triton's front end calls ast.parse, which CPython 3.11 cannot
+    # run on two threads at once
+    built = [build_one(job) for job in jobs]
     for (spec, target), b in zip(jobs, built):
         if isinstance(b, B.Unsupported):
             skipped.setdefault(spec.kernel, str(b))
