@@ -25,13 +25,15 @@ demo: $(STAMP)
 # lint first (ruff check, ruff format --check; pyproject.toml [tool.ruff]), then type-check
 # runtime/ and passes/ (mypy; [tool.mypy]: the repository root is the package, so mypy reads it
 # as dsc through a link under build/), then the suite;
-# pytest exits 5 when it collects no tests: that is a failure too
+# pytest exits 5 when it collects no tests: that is a failure too. The pytest script, not
+# `python -m pytest`: -m puts the working directory first on sys.path, and the repository root
+# is the package, so its kernels/ would shadow the `kernels` package transformers imports
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	@mkdir -p build/typecheck && ln -sfn $(CURDIR) build/typecheck/dsc
 	cd build/typecheck && $(abspath $(PY)) -m mypy --config-file $(CURDIR)/pyproject.toml -p dsc.runtime -p dsc.passes
-	@$(PY) -m pytest tests/ $(PYTEST_ARGS); rc=$$?; \
+	@$(VENV)/bin/pytest tests/ $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 setup: $(STAMP)
